@@ -1,0 +1,25 @@
+# make demo: set up and run the main job on the embedded default (synthetic tiny model)
+# make test: set up and run the test suite
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: deps setup demo test lint
+deps:  # system packages: clang for tinygrad's CPU backend, a C++ toolchain for llama-cpp-python
+	@command -v clang >/dev/null && command -v cmake >/dev/null && command -v g++ >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang cmake g++ make >/dev/null; }
+
+setup: deps $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: setup
+	$(BIN)/model bench --model tiny
+
+lint: setup
+	$(BIN)/ruff check .
+
+test: lint
+	$(BIN)/pytest -q

@@ -1,0 +1,111 @@
+"""The `model` command: synth, info, run, bench."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+
+from model.gguf_file import GGUFError, GGUFFile
+from model.registry import ModelNotFound, resolve
+from model.structure import ConfigError, StructureConfig
+
+
+def _load(args) -> tuple:
+  from model.bench import apply_process_settings
+  from model.deepseek2 import Transformer
+  from model.generate import Generator
+  cfg = StructureConfig.load(args.config) if args.config else StructureConfig()
+  apply_process_settings(cfg, args.device)
+  f = GGUFFile(resolve(args.model))
+  t0 = time.perf_counter()
+  m = Transformer(f, cfg, max_context=args.max_context, n_layers=args.layers)
+  return f, Generator(m), time.perf_counter() - t0
+
+
+def cmd_synth(args) -> None:
+  from model.synth import write_synthetic
+  t0 = time.perf_counter()
+  path = write_synthetic(args.out, args.preset, layers=args.layers, quant=args.quant, seed=args.seed, legacy_kv_b=args.legacy_kv_b)
+  print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s")
+
+
+def cmd_info(args) -> None:
+  from model.deepseek2 import Hparams
+  f = GGUFFile(resolve(args.model))
+  print(f"{f.path}  ({f.path.stat().st_size / 1e9:.2f} GB, {len(f.tensors)} tensors)")
+  for k, v in vars(Hparams.from_gguf(f)).items(): print(f"  {k:16s} {v}")
+  print("  types           " + ", ".join(f"{n}: {c}" for n, c in Counter(t.type_name for t in f.tensors.values()).most_common()))
+
+
+def cmd_run(args) -> None:
+  from model.tokenizer import Tokenizer
+  f, gen, _ = _load(args)
+  tok = Tokenizer.from_metadata(f.metadata)
+  text = tok.format_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+  ids = tok.encode(text)
+  stream = tok.streamer()
+  t0, n = time.perf_counter(), 0
+  for t in gen.generate(ids, args.n, temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=tok.stop_ids):
+    if t in tok.stop_ids: break
+    sys.stdout.write(stream.push(t))
+    sys.stdout.flush()
+    n += 1
+  sys.stdout.write(stream.flush() + "\n")
+  print(f"[{n} tokens in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
+
+
+def cmd_bench(args) -> None:
+  from model.bench import bench
+  f, gen, load_s = _load(args)
+  r = bench(gen, prompt_len=args.prompt_len, n=args.n, rounds=args.rounds)
+  d = {"model": str(f.path), "layers": len(gen.model.blocks), "load_s": load_s, **r.to_dict()}
+  if args.json: print(json.dumps(d))
+  else:
+    print(f"{f.path.name}: {len(gen.model.blocks)} blocks, prompt {args.prompt_len}, {args.n} tokens x {args.rounds} rounds")
+    print(f"  decode   {r.tok_s:8.2f} tok/s (min {r.tok_s_min:.2f}, max {r.tok_s_max:.2f})   {r.ms_p50:.2f} ms/token p50, {r.ms_p90:.2f} p90")
+    print(f"  kernels  {r.kernels_per_token} per token, {r.bytes_per_token / 1e6:.1f} MB read+written per token")
+    print(f"  prefill  {r.prefill_tok_s:8.2f} tok/s    load {load_s:.1f} s, compile {r.compile_s:.1f} s")
+
+
+def main(argv: list[str] | None = None) -> None:
+  from model.presets import PRESETS
+  from model.synth import QUANT_CHOICES
+  p = argparse.ArgumentParser(prog="model", description="deepseek2 (MLA/MoE) models in tinygrad")
+  sub = p.add_subparsers(dest="cmd", required=True)
+  s = sub.add_parser("synth", help="write a synthetic GGUF with a real model's exact shapes and random weights")
+  s.add_argument("--preset", required=True, choices=sorted(PRESETS))
+  s.add_argument("--layers", type=int)
+  s.add_argument("--quant", default="q4_0", choices=QUANT_CHOICES)
+  s.add_argument("--seed", type=int, default=0)
+  s.add_argument("--legacy-kv-b", action="store_true", help="write the older single attn_kv_b tensor instead of attn_k_b/attn_v_b")
+  s.add_argument("--out", required=True)
+  s.set_defaults(fn=cmd_synth)
+  i = sub.add_parser("info", help="print a model's hyperparameters and tensor types")
+  i.add_argument("--model", required=True)
+  i.set_defaults(fn=cmd_info)
+  for name, fn, hlp in (("run", cmd_run, "generate text"), ("bench", cmd_bench, "measure decode speed")):
+    c = sub.add_parser(name, help=hlp)
+    c.add_argument("--model", required=True, help="a name (tiny, glm, deepseek-v2-lite, youtu, ...) or a .gguf path")
+    c.add_argument("-n", type=int, default=64 if name == "run" else 32, help="tokens to generate")
+    c.add_argument("--config", help="a StructureConfig as .json or .toml (default: the baseline)")
+    c.add_argument("--device", help="tinygrad device, e.g. CPU, CUDA, METAL (default: tinygrad's default)")
+    c.add_argument("--layers", type=int, help="run only the first N blocks")
+    c.add_argument("--max-context", type=int, default=512)
+    c.set_defaults(fn=fn)
+    if name == "run":
+      c.add_argument("--prompt", required=True)
+      c.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+      c.add_argument("--temperature", type=float, default=0.0)
+      c.add_argument("--top-p", type=float, default=1.0)
+      c.add_argument("--seed", type=int)
+    else:
+      c.add_argument("--prompt-len", type=int, default=32)
+      c.add_argument("--rounds", type=int, default=3)
+      c.add_argument("--json", action="store_true", help="print one JSON object")
+  args = p.parse_args(argv)
+  try: args.fn(args)
+  except (GGUFError, ModelNotFound, ConfigError, ValueError) as e:
+    print(f"model: error: {e}", file=sys.stderr)
+    sys.exit(2)

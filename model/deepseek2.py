@@ -1,0 +1,304 @@
+"""The deepseek2 architecture (DeepSeek-V2 MLA attention + MoE) in tinygrad, with llama.cpp's semantics.
+
+MLA runs in its absorbed form over one compressed cache of kv_lora + rope dims per position (V is its first kv_lora
+dims), as llama.cpp does. Where a StructureConfig option applies, the code names it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from tinygrad import Tensor, UOp, dtypes
+from tinygrad.uop.ops import resolve
+
+from model import weights as W
+from model.gguf_file import GGUFError, GGUFFile
+from model.structure import StructureConfig
+from model.weights import QWeight
+
+SOFTMAX, SIGMOID, SOFTMAX_WEIGHT, SQRT_SOFTPLUS = 1, 2, 3, 4
+
+
+@dataclass(frozen=True)
+class Hparams:
+  n_layers: int
+  n_dense_lead: int
+  dim: int
+  n_heads: int
+  q_lora: int
+  kv_lora: int
+  qk_nope: int
+  qk_rope: int
+  v_head: int
+  n_experts: int
+  n_used: int
+  gating: int
+  norm_w: bool
+  w_scale: float
+  eps: float
+  vocab: int
+  context_length: int
+  rope_base: float
+  freq_scale: float  # 1/factor for linear and YaRN scaling
+  ext_factor: float  # YaRN extrapolation mix (1 with YaRN)
+  attn_factor: float  # llama.cpp's cparams.yarn_attn_factor
+  beta_fast: float
+  beta_slow: float
+  n_ctx_orig: int
+  kq_scale: float
+
+  @staticmethod
+  def from_gguf(f: GGUFFile) -> Hparams:
+    if f.arch != "deepseek2": raise GGUFError(f"{f.path.name}: architecture {f.arch!r} is not deepseek2")
+    def need(key: str):
+      if (v := f.key(key)) is None: raise GGUFError(f"{f.path.name}: metadata key {f.arch}.{key} is missing")
+      return v
+    n_layers = need("block_count") - f.key("nextn_predict_layers", 0)
+    vocab = f.key("vocab_size") or len(f.metadata.get("tokenizer.ggml.tokens", [])) or f.tensors["token_embd.weight"].shape[0]
+    gating = f.key("expert_gating_func", 0) or (SIGMOID if need("block_count") in (47, 48) and vocab == 154880 else SOFTMAX)
+    key_len, rope = need("attention.key_length"), need("rope.dimension_count")
+    head_k = f.key("attention.key_length_mla", key_len)
+    # rope scaling and the attention scale, as llama.cpp derives them (llama-context.cpp, models/deepseek2.cpp)
+    scaling, factor = f.key("rope.scaling.type", "none"), f.key("rope.scaling.factor", 0.0) or 1.0
+    freq_scale = 1.0 if scaling == "none" else 1.0 / factor
+    ext_factor = f.key("rope.scaling.yarn_ext_factor", -1.0)
+    if ext_factor < 0: ext_factor = 1.0 if scaling == "yarn" else 0.0
+    log_mul = f.key("rope.scaling.yarn_log_multiplier", 0.0) / 0.1
+    attn_factor = f.key("rope.scaling.yarn_attn_factor", 1.0)
+    if ext_factor != 0:  # with a log multiplier, deepseek2's mscale equals mscale_all_dim and their ratio is 1
+      attn_factor = (1.0 if log_mul != 0 or factor <= 1 else 1.0 + 0.1 * math.log(factor)) / (1.0 + 0.1 * math.log(factor))
+    attn_factor *= f.key("rope.scaling.attn_factor", 1.0)
+    mscale = attn_factor * (1.0 + 0.1 * math.log(1.0 / freq_scale)) * (1.0 + 0.1 * log_mul * math.log(1.0 / freq_scale))
+    return Hparams(
+      n_layers=n_layers, n_dense_lead=f.key("leading_dense_block_count", 0), dim=need("embedding_length"),
+      n_heads=need("attention.head_count"), q_lora=f.key("attention.q_lora_rank", 0) if "blk.0.attn_q_a.weight" in f.tensors else 0,
+      kv_lora=need("attention.kv_lora_rank"), qk_nope=head_k - rope, qk_rope=rope,
+      v_head=f.key("attention.value_length_mla", f.key("attention.value_length")),
+      n_experts=f.key("expert_count", 0), n_used=f.key("expert_used_count", 0), gating=gating,
+      norm_w=bool(f.key("expert_weights_norm", False)), w_scale=float(f.key("expert_weights_scale", 0.0)),
+      eps=need("attention.layer_norm_rms_epsilon"), vocab=vocab, context_length=need("context_length"),
+      rope_base=f.key("rope.freq_base", 10000.0), freq_scale=freq_scale, ext_factor=ext_factor, attn_factor=attn_factor,
+      beta_fast=f.key("rope.scaling.yarn_beta_fast", 32.0), beta_slow=f.key("rope.scaling.yarn_beta_slow", 1.0),
+      n_ctx_orig=f.key("rope.scaling.original_context_length", need("context_length")),
+      kq_scale=mscale * mscale / math.sqrt(head_k))
+
+
+def rope_table(hp: Hparams, max_context: int) -> tuple[np.ndarray, np.ndarray]:
+  """cos and sin (max_context, rope/2) exactly as ggml's rope_yarn computes them (mode NORM: adjacent pairs)."""
+  n_dims = hp.qk_rope
+  corr = lambda beta: n_dims * math.log(hp.n_ctx_orig / (beta * 2 * math.pi)) / (2 * math.log(hp.rope_base))
+  lo, hi = max(0.0, math.floor(corr(hp.beta_fast))), min(n_dims - 1.0, math.ceil(corr(hp.beta_slow)))
+  i0 = np.arange(0, n_dims, 2, dtype=np.float64)
+  theta_extrap = np.arange(max_context, dtype=np.float64)[:, None] * hp.rope_base ** (-i0 / n_dims)[None]
+  theta = hp.freq_scale * theta_extrap
+  mscale = hp.attn_factor
+  if hp.ext_factor != 0:
+    ramp = (1 - np.clip((i0 / 2 - lo) / max(0.001, hi - lo), 0, 1)) * hp.ext_factor
+    theta = theta * (1 - ramp) + theta_extrap * ramp
+    mscale *= 1.0 + 0.1 * math.log(1.0 / hp.freq_scale)
+  return (np.cos(theta) * mscale).astype(np.float32), (np.sin(theta) * mscale).astype(np.float32)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+  """x (B, T, H, rope) with cos/sin (T, rope/2): rotate adjacent pairs."""
+  xp = x.reshape(*x.shape[:-1], -1, 2)
+  x0, x1 = xp[..., 0], xp[..., 1]
+  c, s = cos.reshape(1, cos.shape[0], 1, -1), sin.reshape(1, sin.shape[0], 1, -1)
+  return Tensor.stack(x0 * c - x1 * s, x0 * s + x1 * c, dim=-1).reshape(x.shape)
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+  xf = x.float()
+  return xf * (xf.square().mean(-1, keepdim=True) + eps).rsqrt() * w
+
+
+def topk_indices(scores: Tensor, k: int, variant: str) -> Tensor:
+  """Indices (…, k) of the k largest scores (StructureConfig.topk)."""
+  n = scores.shape[-1]
+  if variant == "sort": return scores.topk(k, dim=-1)[1].cast(dtypes.int32)
+  if variant == "argmax":
+    idx, masked = [], scores
+    for _ in range(k):
+      i = masked.argmax(-1, keepdim=True)
+      idx.append(i)
+      masked = (Tensor.arange(n) == i).where(-math.inf, masked)
+    return idx[0].cat(*idx[1:], dim=-1).cast(dtypes.int32)
+  # pairwise: rank of each score = number of scores beating it (ties broken by lower index); pick ranks 0..k-1
+  a, b = scores.unsqueeze(-1), scores.unsqueeze(-2)
+  ar = Tensor.arange(n)
+  beats = (b > a) | ((b == a) & (ar.reshape(1, n) < ar.reshape(n, 1)))
+  rank = beats.sum(-1)  # (…, n)
+  onehot = rank.unsqueeze(-1) == Tensor.arange(k)  # (…, n, k)
+  return (onehot * ar.reshape(n, 1)).sum(-2).cast(dtypes.int32)
+
+
+class Block:
+  def __init__(self, f: GGUFFile, i: int, hp: Hparams, cfg: StructureConfig, load, max_context: int, device: str | None):
+    self.hp, self.cfg, self.i = hp, cfg, i
+    p = f"blk.{i}."
+    has = lambda n: p + n + ".weight" in f.tensors
+    self.attn_norm, self.ffn_norm, self.kv_a_norm = (load(p + n + ".weight", norm=True) for n in ("attn_norm", "ffn_norm", "attn_kv_a_norm"))
+    if hp.q_lora:
+      self.q_a, self.q_a_norm, self.q_b = load(p + "attn_q_a.weight"), load(p + "attn_q_a_norm.weight", norm=True), load(p + "attn_q_b.weight")
+    else:
+      self.q_b = load(p + "attn_q.weight")
+    self.kv_a = load(p + "attn_kv_a_mqa.weight")
+    H, nope, v = hp.n_heads, hp.qk_nope, hp.v_head
+    if has("attn_k_b"):
+      self.k_b = load(p + "attn_k_b.weight", shape=(H, hp.kv_lora, nope))
+      self.v_b = load(p + "attn_v_b.weight", shape=(H, v, hp.kv_lora))
+    elif has("attn_kv_b"):  # legacy file: one (H*(nope+v), kv_lora) matrix; k_b is its nope rows transposed per head
+      kv_b = load(p + "attn_kv_b.weight", shape=(H, nope + v, hp.kv_lora))
+      wk, self.v_b = kv_b.split_rows(nope)
+      kf = wk.to_float().permute(0, 2, 1).cast(dtypes.float16).contiguous().realize()
+      self.k_b = QWeight(kf.bitcast(dtypes.uint8).reshape(H * hp.kv_lora, -1).contiguous().realize(), 1, (H, hp.kv_lora, nope))
+    else:
+      raise GGUFError(f"{f.path.name}: block {i} has neither attn_k_b/attn_v_b nor attn_kv_b")
+    self.wo = load(p + "attn_output.weight")
+    if cfg.mla_absorb == "load": self._absorb_k_b()
+    self.moe = i >= hp.n_dense_lead
+    if self.moe:
+      self.gate_inp = load(p + "ffn_gate_inp.weight")
+      self.probs_b = load(p + "exp_probs_b.bias", norm=True) if p + "exp_probs_b.bias" in f.tensors else None
+      self.gate_exps, self.up_exps, self.down_exps = (load(p + n + ".weight", role="expert") for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+      if cfg.merge_gate_up_routed: self.gate_up_exps = W.concat_rows(self.gate_exps, self.up_exps)
+      self.shared = has("ffn_gate_shexp")
+      if self.shared:
+        self.gate_sh, self.up_sh, self.down_sh = (load(p + n + ".weight") for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"))
+        if cfg.merge_gate_up_shared: self.gate_up_sh = W.concat_rows(self.gate_sh, self.up_sh)
+    else:
+      self.gate, self.up, self.down = (load(p + n + ".weight") for n in ("ffn_gate", "ffn_up", "ffn_down"))
+      if cfg.merge_gate_up_dense: self.gate_up = W.concat_rows(self.gate, self.up)
+    self.kv_dtype = dtypes.float16 if cfg.kv_dtype == "float16" else dtypes.float32
+    self.cache = Tensor.zeros(1, max_context, hp.kv_lora + hp.qk_rope, dtype=self.kv_dtype, device=device).contiguous().realize()
+
+  def _absorb_k_b(self) -> None:
+    """MLA absorption at load time: q_b's nope rows of each head pre-multiplied by k_b, stored as one fp16 matrix."""
+    hp, qb = self.hp, self.q_b
+    H, nope, rope, d_in = hp.n_heads, hp.qk_nope, hp.qk_rope, qb.shape[-1]
+    if qb.cache is not None:
+      qf = qb.cache.reshape(H, nope + rope, d_in)
+      q_nope = qf[:, :nope].float()
+      pe = qf[:, nope:].reshape(H * rope, d_in).contiguous().realize()
+      self.q_pe = QWeight(Tensor.empty(0, dtype=dtypes.uint8), 1, (H * rope, d_in), "fp16_cache", pe)
+    else:
+      wn, self.q_pe = QWeight(qb.raw, qb.ggml_type, (H, nope + rope, d_in)).split_rows(nope)
+      self.q_pe.shape, q_nope = (H * rope, d_in), wn.to_float()
+    kb = self.k_b.cache.float() if self.k_b.cache is not None else self.k_b.to_float()
+    absorbed = kb @ q_nope  # (H, kv_lora, in)
+    cache = absorbed.reshape(-1, absorbed.shape[-1]).cast(dtypes.float16).contiguous().realize()
+    self.q_abs = QWeight(Tensor.empty(0, dtype=dtypes.uint8), 1, tuple(cache.shape), "fp16_cache", cache)
+
+  def barrier(self, x: Tensor, point: str) -> Tensor:
+    mode = self.cfg.barriers[point]
+    return x if mode == "none" else x.contiguous().realize() if mode == "realize" else x.contiguous()
+
+  def attention(self, x: Tensor, start_pos: int | UOp, cos: Tensor, sin: Tensor) -> Tensor:
+    hp, (B, T, _) = self.hp, x.shape
+    H, nope, rope, kvl = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.kv_lora
+    xq = rms_norm(W.linear(x, self.q_a), self.q_a_norm, hp.eps) if hp.q_lora else x
+    if self.cfg.mla_absorb == "load":
+      q_abs = self.barrier(W.linear(xq, self.q_abs), "q_proj").reshape(B, T, H, kvl)
+      q_pe = W.linear(xq, self.q_pe).reshape(B, T, H, rope)
+    else:
+      q = self.barrier(W.linear(xq, self.q_b), "q_proj").reshape(B, T, H, nope + rope)
+      q_abs, q_pe = W.per_head(q[..., :nope], self.k_b), q[..., nope:]
+    q_pe = apply_rope(q_pe, cos, sin)
+    kv = self.barrier(W.linear(x, self.kv_a), "kv_a")
+    c_kv = rms_norm(kv[..., :kvl], self.kv_a_norm, hp.eps)
+    k_pe = apply_rope(kv[..., kvl:].reshape(B, T, 1, rope), cos, sin).reshape(B, T, rope)
+    new = c_kv.cat(k_pe, dim=-1).cast(self.kv_dtype)
+    store = self.cache[:, start_pos:start_pos + T].uop.store(new.uop)
+    cache = Tensor(self.cache.uop.after(store))
+    if self.cfg.barriers["kv_write"] == "realize": cache = cache.realize()
+    elif self.cfg.barriers["kv_write"] == "contiguous": cache = cache.contiguous()
+    k = cache[:, 0:start_pos + T].float().unsqueeze(1)  # (B, 1, S, kvl+rope)
+    qc = q_abs.cat(q_pe, dim=-1).transpose(1, 2)  # (B, H, T, kvl+rope)
+    mask = Tensor.full((1, 1, T, start_pos + T), -math.inf).triu(start_pos + 1) if resolve(T != 1) else None
+    if self.cfg.attention == "sdpa":
+      o = (qc * (hp.kq_scale * math.sqrt(kvl + rope))).scaled_dot_product_attention(k, k[..., :kvl], attn_mask=mask)
+    else:
+      s = (qc @ k.transpose(-1, -2)) * hp.kq_scale
+      o = (s if mask is None else s + mask).softmax(-1) @ k[..., :kvl]  # (B, H, T, kvl)
+    out = W.per_head(o.transpose(1, 2), self.v_b).reshape(B, T, H * hp.v_head)
+    return W.linear(self.barrier(out, "attn_out"), self.wo)
+
+  def _ffn(self, x: Tensor, gate: QWeight, up: QWeight, down: QWeight, gate_up: QWeight | None, point: str) -> Tensor:
+    if gate_up is not None:
+      gu = W.linear(x, gate_up)
+      g, u = gu[..., :gate.shape[0]], gu[..., gate.shape[0]:]
+    else:
+      g, u = W.linear(x, gate), W.linear(x, up)
+    return W.linear(self.barrier(g.silu() * u, point), down)
+
+  def moe_ffn(self, x: Tensor) -> Tensor:
+    hp, cfg, (B, T, D) = self.hp, self.cfg, x.shape
+    logits = self.barrier(W.linear(x.float() if cfg.router_fp32 else x.cast(dtypes.float16), self.gate_inp), "router_logits")
+    probs = {SOFTMAX: logits.softmax(-1), SIGMOID: logits.sigmoid(), SOFTMAX_WEIGHT: logits,
+             SQRT_SOFTPLUS: logits.softplus().sqrt()}[hp.gating]
+    sel = topk_indices(probs if self.probs_b is None else probs + self.probs_b, hp.n_used, cfg.topk)  # (B, T, K)
+    w = probs.gather(-1, sel)
+    if hp.gating == SOFTMAX_WEIGHT: w = w.softmax(-1)
+    if hp.norm_w: w = w / w.sum(-1, keepdim=True).maximum(6.103515625e-5)
+    if hp.w_scale not in (0.0, 1.0): w = w * hp.w_scale
+    xe = x.reshape(B, T, 1, D)
+    if cfg.merge_gate_up_routed:
+      gu = W.expert(xe, sel, self.gate_up_exps)
+      F = self.gate_exps.shape[1]
+      g, u = gu[..., :F], gu[..., F:]
+    else:
+      g, u = W.expert(xe, sel, self.gate_exps), W.expert(xe, sel, self.up_exps)
+    y = self.barrier(W.expert(self.barrier(g.silu() * u, "moe_gate_up"), sel, self.down_exps), "expert_down")  # (B, T, K, D)
+    out = (y * w.unsqueeze(-1)).sum(2) if cfg.moe_combine == "mul_sum" else (w.unsqueeze(-2) @ y).squeeze(-2)
+    out = self.barrier(out, "moe_out")
+    if self.shared:
+      out = out + self._ffn(x, self.gate_sh, self.up_sh, self.down_sh, getattr(self, "gate_up_sh", None), "shexp_gate_up")
+    return out
+
+  def __call__(self, x: Tensor, start_pos: int | UOp, cos: Tensor, sin: Tensor, act) -> Tensor:
+    h = x + self.attention(rms_norm(x, self.attn_norm, self.hp.eps), start_pos, cos, sin).cast(act)
+    xn = rms_norm(h, self.ffn_norm, self.hp.eps)
+    ffn = self.moe_ffn(xn) if self.moe else self._ffn(xn, self.gate, self.up, self.down, getattr(self, "gate_up", None), "dense_gate_up")
+    return self.barrier(h + ffn.cast(act), "block_out")
+
+
+class Transformer:
+  """A deepseek2 model built from a GGUF file and a StructureConfig, with its KV cache on `device`."""
+
+  def __init__(self, f: GGUFFile, cfg: StructureConfig | None = None, max_context: int = 4096, device: str | None = None,
+               n_layers: int | None = None):
+    self.file, self.cfg, self.hp = f, cfg or StructureConfig(), Hparams.from_gguf(f)
+    hp, self.device = self.hp, device
+    self.max_context = min(max_context, hp.context_length)
+    self.act = dtypes.float16 if self.cfg.act_dtype == "float16" else dtypes.float32
+
+    def load(name: str, norm: bool = False, role: str = "dense", shape: tuple[int, ...] | None = None):
+      if name not in f.tensors: raise GGUFError(f"{f.path.name}: tensor {name} is missing")
+      info = f.tensors[name]
+      if norm: return f.raw(name, device).reshape(-1).bitcast(dtypes.float32).realize() if info.ggml_type == 0 else \
+        W.to_float(f.raw(name, device), info.ggml_type, (info.shape[-1],)).realize()
+      w = QWeight(f.raw(name, device).realize(), info.ggml_type, shape or info.shape)
+      if self.cfg.backend(w.quant, role) == "fp16_cache": w.use_fp16_cache()
+      return w
+
+    n = hp.n_layers if n_layers is None else n_layers
+    if not 1 <= n <= hp.n_layers: raise ValueError(f"n_layers={n} is outside 1..{hp.n_layers}")
+    self.token_embd = load("token_embd.weight")
+    self.blocks = [Block(f, i, hp, self.cfg, load, self.max_context, device) for i in range(n)]
+    self.output_norm = load("output_norm.weight", norm=True)
+    self.output = load("output.weight") if "output.weight" in f.tensors else self.token_embd
+    cos, sin = rope_table(hp, self.max_context)
+    self.cos, self.sin = Tensor(cos, device=device).realize(), Tensor(sin, device=device).realize()
+
+  def forward(self, tokens: Tensor, start_pos: int | UOp, all_logits: bool = False) -> Tensor:
+    """tokens (1, T) at positions start_pos.. -> float32 logits (1, T, vocab), or (1, 1, vocab) for the last token only."""
+    T = tokens.shape[1]
+    cos, sin = self.cos[start_pos:start_pos + T], self.sin[start_pos:start_pos + T]
+    x = self.token_embd.rows(tokens).cast(self.act)
+    for b in self.blocks: x = b(x, start_pos, cos, sin, self.act)
+    if not all_logits: x = x[:, -1:]
+    return W.linear(rms_norm(x, self.output_norm, self.hp.eps), self.output)
+
+  def reset(self) -> None:
+    for b in self.blocks: b.cache.assign(Tensor.zeros_like(b.cache)).realize()

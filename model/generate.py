@@ -1,0 +1,79 @@
+"""Generation: chunked prefill and decode, each under one TinyJit with a symbolic position, and sampling."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+from tinygrad import Tensor, TinyJit, UOp, dtypes
+
+from model.deepseek2 import Transformer
+
+
+class Generator:
+  """Runs a Transformer over one sequence. One JIT graph serves every decode step and one every prefill chunk."""
+
+  def __init__(self, model: Transformer, chunk: int = 32):
+    self.model, self.chunk = model, min(chunk, model.max_context)
+    self.pos = UOp.variable("start_pos", 0, model.max_context - 1)
+    self.prefill_jit, self.step_jit, self.step_logits_jit = TinyJit(self._prefill), TinyJit(self._step), TinyJit(self._step_logits)
+
+  def _prefill(self, tokens: Tensor, start_pos: UOp) -> Tensor:
+    return self.model.forward(tokens, start_pos, all_logits=True)[0].contiguous()
+
+  def _step_logits(self, token: Tensor, start_pos: UOp) -> Tensor:
+    return self.model.forward(token, start_pos)[0, -1].contiguous()
+
+  def _step(self, token: Tensor, start_pos: UOp, temperature: Tensor) -> Tensor:
+    logits = self.model.forward(token, start_pos)[0, -1]
+    gumbel = -(-Tensor.rand_like(logits).maximum(1e-12).log()).log()
+    return (logits / temperature.maximum(1e-6) + gumbel * (temperature > 0)).argmax(-1).cast(dtypes.int32).reshape(1, 1).contiguous()
+
+  def _check_room(self, end: int) -> None:
+    if end > self.model.max_context: raise ValueError(f"sequence of {end} tokens exceeds the context of {self.model.max_context}")
+
+  def prefill(self, tokens: list[int], start: int = 0) -> np.ndarray:
+    """Feed tokens at positions start.. in chunks; returns float32 logits (len(tokens), vocab) for every position."""
+    self._check_room(start + len(tokens))
+    out = []
+    for i in range(0, len(tokens), self.chunk):
+      part = tokens[i:i + self.chunk]
+      pos = start + i
+      if pos + self.chunk > self.model.max_context:  # the padded chunk would run past the cache: fall back to exact size
+        logits = self.model.forward(Tensor([part], dtype=dtypes.int32), self.pos.bind(pos), all_logits=True)[0].numpy()
+      else:  # padding past the prompt writes cache rows that later steps overwrite before they read them
+        logits = self.prefill_jit(Tensor([part + [0] * (self.chunk - len(part))], dtype=dtypes.int32), self.pos.bind(pos)).numpy()
+      out.append(logits[:len(part)])
+    return np.concatenate(out)
+
+  def step_logits(self, token: int, pos: int) -> np.ndarray:
+    self._check_room(pos + 1)
+    return self.step_logits_jit(Tensor([[token]], dtype=dtypes.int32), self.pos.bind(pos)).numpy()
+
+  def step(self, token: int, pos: int, temperature: float = 0.0) -> int:
+    self._check_room(pos + 1)
+    return int(self.step_jit(Tensor([[token]], dtype=dtypes.int32), self.pos.bind(pos), Tensor([temperature])).item())
+
+  def generate(self, prompt: list[int], n: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+               stop: set[int] = frozenset()) -> Iterator[int]:
+    """Yields up to n new tokens after the prompt; stops after a token in `stop`."""
+    rng = np.random.default_rng(seed)
+    if seed is not None: Tensor.manual_seed(seed)
+    tok = sample(self.prefill(prompt)[-1], temperature, top_p, rng)
+    pos = len(prompt)
+    for i in range(n):
+      yield tok
+      if tok in stop or i == n - 1: return
+      if top_p < 1.0 and temperature > 0: tok = sample(self.step_logits(tok, pos), temperature, top_p, rng)
+      else: tok = self.step(tok, pos, temperature)
+      pos += 1
+
+
+def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
+  """Greedy at temperature 0, else softmax(logits / temperature) restricted to the smallest set of tokens with mass >= top_p."""
+  if temperature <= 0: return int(np.argmax(logits))
+  z = logits.astype(np.float64) / temperature
+  p = np.exp(z - z.max())
+  p /= p.sum()
+  order = np.argsort(-p)
+  keep = order[:int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1]
+  return int(rng.choice(keep, p=p[keep] / p[keep].sum()))

@@ -1,0 +1,102 @@
+"""StructureConfig: the structural build options of the model, as data.
+
+The default is the baseline. Every field changes real code paths in `model/`; `space/` describes the domains the search
+explores and turns an Optuna trial into one of these.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+# split points where the model may place a kernel boundary (.contiguous()) or an execution barrier (.realize())
+BARRIER_POINTS = ("q_proj", "kv_a", "attn_out", "router_logits", "moe_gate_up", "expert_down", "moe_out",
+                  "shexp_gate_up", "dense_gate_up", "block_out", "kv_write")
+BARRIER_MODES = ("none", "contiguous", "realize")
+TOPK_VARIANTS = ("pairwise", "sort", "argmax")
+MOE_COMBINES = ("mul_sum", "matmul")
+BACKENDS = ("tensor", "fp16_cache")
+ROLES = ("dense", "expert")
+QUANT_NAMES = ("F32", "F16", "BF16", "Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+MLA_ABSORB = ("runtime", "load")
+DTYPES = ("float16", "float32")
+ATTENTION = ("explicit", "sdpa")
+
+DEFAULT_BARRIERS = {p: "none" for p in BARRIER_POINTS} | {"moe_gate_up": "contiguous", "dense_gate_up": "contiguous",
+                                                          "shexp_gate_up": "contiguous", "block_out": "contiguous"}
+
+
+class ConfigError(ValueError):
+  """A StructureConfig that is malformed, names an unknown field or value, or combines options that cannot work together."""
+
+
+def _check(name: str, value: Any, allowed: tuple) -> None:
+  if value not in allowed: raise ConfigError(f"{name}={value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
+
+
+@dataclass(frozen=True)
+class StructureConfig:
+  barriers: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_BARRIERS))
+  merge_gate_up_routed: bool = False
+  merge_gate_up_shared: bool = False
+  merge_gate_up_dense: bool = False
+  topk: str = "pairwise"
+  moe_combine: str = "mul_sum"
+  backends: dict[str, str] = field(default_factory=dict)  # "<QUANT>:<role>" -> backend; absent means "tensor"
+  mla_absorb: str = "runtime"
+  kv_dtype: str = "float16"
+  attention: str = "explicit"
+  act_dtype: str = "float32"
+  router_fp32: bool = True
+  beam: int = 0
+  schema_version: int = SCHEMA_VERSION
+
+  def __post_init__(self):
+    if self.schema_version != SCHEMA_VERSION: raise ConfigError(f"schema_version={self.schema_version} is not supported (expected {SCHEMA_VERSION})")
+    for p, m in self.barriers.items():
+      _check("barriers point", p, BARRIER_POINTS)
+      _check(f"barriers.{p}", m, BARRIER_MODES)
+    object.__setattr__(self, "barriers", {p: self.barriers.get(p, "none") for p in BARRIER_POINTS})
+    for k, b in self.backends.items():
+      quant, _, role = k.partition(":")
+      _check("backends quant type", quant, QUANT_NAMES)
+      _check("backends role", role, ROLES)
+      _check(f"backends.{k}", b, BACKENDS)
+    for name, allowed in (("topk", TOPK_VARIANTS), ("moe_combine", MOE_COMBINES), ("mla_absorb", MLA_ABSORB), ("kv_dtype", DTYPES),
+                          ("attention", ATTENTION), ("act_dtype", DTYPES), ("beam", (0, 1, 2, 4, 8))):
+      _check(name, getattr(self, name), allowed)
+    for name in ("merge_gate_up_routed", "merge_gate_up_shared", "merge_gate_up_dense", "router_fp32"):
+      if not isinstance(getattr(self, name), bool): raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+  def backend(self, quant: str, role: str) -> str: return self.backends.get(f"{quant}:{role}", "tensor")
+
+  def to_dict(self) -> dict[str, Any]: return dataclasses.asdict(self)
+  def to_json(self) -> str: return json.dumps(self.to_dict(), sort_keys=True)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> StructureConfig:
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown: raise ConfigError(f"unknown field(s) {', '.join(sorted(unknown))}; known: {', '.join(f.name for f in dataclasses.fields(cls))}")
+    return cls(**d)
+
+  @classmethod
+  def from_json(cls, text: str) -> StructureConfig:
+    try: d = json.loads(text)
+    except json.JSONDecodeError as e: raise ConfigError(f"config is not valid JSON: {e}") from None
+    if not isinstance(d, dict): raise ConfigError("config must be a JSON object")
+    return cls.from_dict(d)
+
+  @classmethod
+  def from_toml(cls, text: str) -> StructureConfig:
+    try: return cls.from_dict(tomllib.loads(text))
+    except tomllib.TOMLDecodeError as e: raise ConfigError(f"config is not valid TOML: {e}") from None
+
+  @classmethod
+  def load(cls, path: str) -> StructureConfig:
+    try: text = open(path).read()
+    except OSError as e: raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    return cls.from_toml(text) if path.endswith(".toml") else cls.from_json(text)

@@ -151,8 +151,7 @@ class Block:
     elif has("attn_kv_b"):  # legacy file: one (H*(nope+v), kv_lora) matrix; k_b is its nope rows transposed per head
       kv_b = load(p + "attn_kv_b.weight", shape=(H, nope + v, hp.kv_lora))
       wk, self.v_b = kv_b.split_rows(nope)
-      kf = wk.to_float().permute(0, 2, 1).cast(dtypes.float16).contiguous().realize()
-      self.k_b = QWeight(kf.bitcast(dtypes.uint8).reshape(H * hp.kv_lora, -1).contiguous().realize(), 1, (H, hp.kv_lora, nope))
+      self.k_b = QWeight.fp16(wk.to_float().permute(0, 2, 1))
     else:
       raise GGUFError(f"{f.path.name}: block {i} has neither attn_k_b/attn_v_b nor attn_kv_b")
     self.wo = load(p + "attn_output.weight")
@@ -179,16 +178,11 @@ class Block:
     H, nope, rope, d_in = hp.n_heads, hp.qk_nope, hp.qk_rope, qb.shape[-1]
     if qb.cache is not None:
       qf = qb.cache.reshape(H, nope + rope, d_in)
-      q_nope = qf[:, :nope].float()
-      pe = qf[:, nope:].reshape(H * rope, d_in).contiguous().realize()
-      self.q_pe = QWeight(Tensor.empty(0, dtype=dtypes.uint8), 1, (H * rope, d_in), "fp16_cache", pe)
+      q_nope, self.q_pe = qf[:, :nope].float(), QWeight.fp16(qf[:, nope:].reshape(H * rope, d_in))
     else:
-      wn, self.q_pe = QWeight(qb.raw, qb.ggml_type, (H, nope + rope, d_in)).split_rows(nope)
+      wn, self.q_pe = QWeight(qb.planes, qb.ggml_type, (H, nope + rope, d_in)).split_rows(nope)
       self.q_pe.shape, q_nope = (H * rope, d_in), wn.to_float()
-    kb = self.k_b.cache.float() if self.k_b.cache is not None else self.k_b.to_float()
-    absorbed = kb @ q_nope  # (H, kv_lora, in)
-    cache = absorbed.reshape(-1, absorbed.shape[-1]).cast(dtypes.float16).contiguous().realize()
-    self.q_abs = QWeight(Tensor.empty(0, dtype=dtypes.uint8), 1, tuple(cache.shape), "fp16_cache", cache)
+    self.q_abs = QWeight.fp16((self.k_b.to_float() @ q_nope).reshape(H * hp.kv_lora, d_in))  # (H, kv_lora, in) per head
 
   def barrier(self, x: Tensor, point: str) -> Tensor:
     mode = self.cfg.barriers[point]
@@ -276,9 +270,8 @@ class Transformer:
     def load(name: str, norm: bool = False, role: str = "dense", shape: tuple[int, ...] | None = None):
       if name not in f.tensors: raise GGUFError(f"{f.path.name}: tensor {name} is missing")
       info = f.tensors[name]
-      if norm: return f.raw(name, device).reshape(-1).bitcast(dtypes.float32).realize() if info.ggml_type == 0 else \
-        W.to_float(f.raw(name, device), info.ggml_type, (info.shape[-1],)).realize()
-      w = QWeight(f.raw(name, device).realize(), info.ggml_type, shape or info.shape)
+      w = QWeight.from_raw(f.raw(name, device), info.ggml_type, shape or info.shape)
+      if norm: return w.to_float().reshape(-1).contiguous().realize()
       if self.cfg.backend(w.quant, role) == "fp16_cache": w.use_fp16_cache()
       return w
 

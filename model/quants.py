@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinygrad import Tensor, dtypes
+from tinygrad.dtype import DType
 
 F32, F16, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 8, 12, 13, 14, 30
 
@@ -34,7 +35,26 @@ def type_name(ggml_type: int) -> str:
   return QUANT_TYPES[ggml_type].name if ggml_type in QUANT_TYPES else f"ggml type {ggml_type}"
 
 
-def _f16(b: Tensor) -> Tensor: return b.bitcast(dtypes.float16).cast(dtypes.float32)
+# byte ranges of each type's block fields, and the dtype each field is read as
+LAYOUTS: dict[int, dict[str, tuple[int, int, DType]]] = {
+  Q4_0: {"d": (0, 2, dtypes.float16), "qs": (2, 18, dtypes.uint8)},
+  Q8_0: {"d": (0, 2, dtypes.float16), "qs": (2, 34, dtypes.int8)},
+  Q4_K: {"d": (0, 2, dtypes.float16), "dmin": (2, 4, dtypes.float16), "sc": (4, 16, dtypes.uint8), "qs": (16, 144, dtypes.uint8)},
+  Q5_K: {"d": (0, 2, dtypes.float16), "dmin": (2, 4, dtypes.float16), "sc": (4, 16, dtypes.uint8), "qh": (16, 48, dtypes.uint8),
+         "qs": (48, 176, dtypes.uint8)},
+  Q6_K: {"ql": (0, 128, dtypes.uint8), "qh": (128, 192, dtypes.uint8), "sc": (192, 208, dtypes.int8), "d": (208, 210, dtypes.float16)},
+  F32: {"w": (0, 4, dtypes.float32)}, F16: {"w": (0, 2, dtypes.float16)}, BF16: {"w": (0, 2, dtypes.uint16)},
+}
+
+
+def planes(raw: Tensor, ggml_type: int) -> dict[str, Tensor]:
+  """Raw GGUF rows (rows, row_bytes) -> one tensor per block field, each (rows, nblocks, field_len) in its own dtype.
+
+  Done once at load: the hot path then never reinterprets bytes (a size-changing bitcast after a gather makes tinygrad
+  materialize its input), and each field of a row is contiguous, which suits vector loads."""
+  qt = QUANT_TYPES[ggml_type]
+  blocks = raw.reshape(raw.shape[0], -1, qt.nbytes)
+  return {k: blocks[..., a:b].contiguous().bitcast(dt) for k, (a, b, dt) in LAYOUTS[ggml_type].items()}
 
 
 def _k_scales(s: Tensor) -> tuple[Tensor, Tensor]:
@@ -45,42 +65,41 @@ def _k_scales(s: Tensor) -> tuple[Tensor, Tensor]:
   return sc.cast(dtypes.float32), mn.cast(dtypes.float32)
 
 
-def factors(blocks: Tensor, ggml_type: int) -> tuple[Tensor, Tensor, Tensor | None]:
-  """uint8 blocks (..., nblocks, nbytes) -> scale (..., G), code (..., G, group), bias (..., G) or None; G = nblocks * groups per block."""
-  lead = blocks.shape[:-2]
+def factors(p: dict[str, Tensor], ggml_type: int) -> tuple[Tensor, Tensor, Tensor | None]:
+  """Planes (..., nblocks, k) -> scale (..., G), code (..., G, group), bias (..., G) or None; G = nblocks * groups per block."""
+  d = p["d"].float() if "d" in p else None
+  lead = p["d"].shape[:-2]
   if ggml_type == Q4_0:
-    q = blocks[..., 2:]
-    code = (q & 0xF).cat(q >> 4, dim=-1).cast(dtypes.float32) - 8
-    return _f16(blocks[..., 0:2]).reshape(*lead, -1), code.reshape(*lead, -1, 32), None
-  if ggml_type == Q8_0:
-    return _f16(blocks[..., 0:2]).reshape(*lead, -1), blocks[..., 2:].bitcast(dtypes.int8).cast(dtypes.float32).reshape(*lead, -1, 32), None
+    code = (p["qs"] & 0xF).cat(p["qs"] >> 4, dim=-1).cast(dtypes.float32) - 8
+    return d.reshape(*lead, -1), code.reshape(*lead, -1, 32), None
+  if ggml_type == Q8_0: return d.reshape(*lead, -1), p["qs"].cast(dtypes.float32).reshape(*lead, -1, 32), None
+  nb = p["d"].shape[:-1]  # (..., nblocks)
   if ggml_type in (Q4_K, Q5_K):
-    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
-    sc, mn = _k_scales(blocks[..., 4:16])
-    qs = blocks[..., -128:].reshape(*blocks.shape[:-1], 4, 1, 32)
-    code = (qs & 0xF).cat(qs >> 4, dim=-2).reshape(*blocks.shape[:-1], 8, 32)
+    sc, mn = _k_scales(p["sc"])
+    qs = p["qs"].reshape(*nb, 4, 1, 32)
+    code = (qs & 0xF).cat(qs >> 4, dim=-2).reshape(*nb, 8, 32)
     if ggml_type == Q5_K:
-      qh = blocks[..., 16:48].reshape(*blocks.shape[:-1], 1, 32)
-      bits = Tensor.stack(*[(qh >> g) & 1 for g in range(8)], dim=-2).reshape(*blocks.shape[:-1], 8, 32)
-      code = code + bits * 16
-    return (d * sc).reshape(*lead, -1), code.cast(dtypes.float32).reshape(*lead, -1, 32), (-(dmin * mn)).reshape(*lead, -1)
+      qh = p["qh"].reshape(*nb, 1, 32)
+      code = code + Tensor.stack(*[(qh >> g) & 1 for g in range(8)], dim=-2).reshape(*nb, 8, 32) * 16
+    return (d * sc).reshape(*lead, -1), code.cast(dtypes.float32).reshape(*lead, -1, 32), (-(p["dmin"].float() * mn)).reshape(*lead, -1)
   if ggml_type == Q6_K:
-    ql = blocks[..., 0:128].reshape(*blocks.shape[:-1], 2, 64)
-    qh = blocks[..., 128:192].reshape(*blocks.shape[:-1], 2, 1, 32)
+    ql, qh = p["ql"].reshape(*nb, 2, 64), p["qh"].reshape(*nb, 2, 1, 32)
     low = (ql & 0xF).cat(ql >> 4, dim=-1)
-    high = Tensor.stack(*[(qh >> (2 * j)) & 3 for j in range(4)], dim=-2).reshape(*blocks.shape[:-1], 2, 128)
+    high = Tensor.stack(*[(qh >> (2 * j)) & 3 for j in range(4)], dim=-2).reshape(*nb, 2, 128)
     code = (low | (high << 4)).cast(dtypes.float32) - 32
-    scale = _f16(blocks[..., 208:210]) * blocks[..., 192:208].bitcast(dtypes.int8).cast(dtypes.float32)
-    return scale.reshape(*lead, -1), code.reshape(*lead, -1, 16), None
+    return (d * p["sc"].cast(dtypes.float32)).reshape(*lead, -1), code.reshape(*lead, -1, 16), None
   raise ValueError(f"{type_name(ggml_type)} is not a quantized type")
 
 
-def to_float(raw: Tensor, ggml_type: int, shape: tuple[int, ...]) -> Tensor:
-  """Raw bytes (..., row_bytes) of a tensor -> float32 values with `shape` (lazy: fuses into whatever consumes it)."""
-  if ggml_type == F32: return raw.bitcast(dtypes.float32).reshape(shape)
-  if ggml_type == F16: return raw.bitcast(dtypes.float16).cast(dtypes.float32).reshape(shape)
-  if ggml_type == BF16: return (raw.bitcast(dtypes.uint16).cast(dtypes.uint32) << 16).bitcast(dtypes.float32).reshape(shape)
-  qt = QUANT_TYPES[ggml_type]
-  scale, code, bias = factors(raw.reshape(*raw.shape[:-1], -1, qt.nbytes), ggml_type)
+def float_weight(p: dict[str, Tensor], ggml_type: int) -> Tensor:
+  """The values of a float type's planes (..., n, 1), in float32 (F32, BF16) or float16 (F16), shape (..., n)."""
+  w = p["w"][..., 0]
+  return (w.cast(dtypes.uint32) << 16).bitcast(dtypes.float32) if ggml_type == BF16 else w
+
+
+def to_float(p: dict[str, Tensor], ggml_type: int, shape: tuple[int, ...]) -> Tensor:
+  """Planes of a tensor -> float32 values with `shape` (lazy: fuses into whatever consumes it)."""
+  if ggml_type in FLOAT_TYPES: return float_weight(p, ggml_type).float().reshape(shape)
+  scale, code, bias = factors(p, ggml_type)
   w = scale.unsqueeze(-1) * code + (0 if bias is None else bias.unsqueeze(-1))
   return w.reshape(shape)

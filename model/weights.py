@@ -1,7 +1,8 @@
 """Weights as they sit in device memory, and the matrix products over them for each kernel backend.
 
-`tensor` keeps a quantized weight as its raw GGUF blocks and dequantizes lazily inside the product (a packed dot: each
-group's scale multiplies after the group's inner sum); `fp16_cache` dequantizes once at load into an fp16 matrix.
+`tensor` keeps a quantized weight as its GGUF blocks (split into one plane per block field at load, nothing dequantized)
+and dequantizes lazily inside the product, as a packed dot: each group's scale multiplies after the group's inner sum.
+`fp16_cache` dequantizes once at load into an fp16 matrix.
 """
 from __future__ import annotations
 
@@ -9,58 +10,67 @@ from dataclasses import dataclass
 
 from tinygrad import Tensor, dtypes
 
-from model.quants import F16, FLOAT_TYPES, QUANT_TYPES, factors, to_float
+from model.quants import FLOAT_TYPES, QUANT_TYPES, factors, float_weight, planes, to_float
 
 
 @dataclass
 class QWeight:
-  raw: Tensor  # uint8 (rows, row_bytes) on the device, exactly the file's bytes
+  planes: dict[str, Tensor]  # each (rows, nblocks, field_len); rows = prod(shape[:-1])
   ggml_type: int
-  shape: tuple[int, ...]  # numpy order: (out, in) or (experts, out, in) or (heads, out, in)
-  backend: str = "tensor"
-  cache: Tensor | None = None  # fp16 matrix with `shape`, for the fp16_cache backend
+  shape: tuple[int, ...]  # numpy order: (out, in), (experts, out, in) or (heads, out, in)
+  cache: Tensor | None = None  # the fp16_cache backend's matrix, with `shape`
+
+  @classmethod
+  def from_raw(cls, raw: Tensor, ggml_type: int, shape: tuple[int, ...]) -> QWeight:
+    return cls({k: v.realize() for k, v in planes(raw, ggml_type).items()}, ggml_type, shape)
+
+  @classmethod
+  def fp16(cls, w: Tensor) -> QWeight: return cls({}, 1, tuple(w.shape), w.cast(dtypes.float16).contiguous().realize())
 
   @property
   def quant(self) -> str: return QUANT_TYPES[self.ggml_type].name
 
-  def to_float(self) -> Tensor: return to_float(self.raw, self.ggml_type, self.shape)
+  def view(self, shape: tuple[int, ...], idx: Tensor | None = None) -> dict[str, Tensor]:
+    """The planes reshaped to (*shape[:-1], nblocks, k), optionally indexed along the first dim by `idx`."""
+    p = {k: v.reshape(*shape[:-1], *v.shape[1:]) for k, v in self.planes.items()}
+    return p if idx is None else {k: v[idx] for k, v in p.items()}
+
+  def to_float(self) -> Tensor: return self.cache.float() if self.cache is not None else to_float(self.view(self.shape), self.ggml_type, self.shape)
 
   def use_fp16_cache(self) -> None:
-    self.backend, self.cache = "fp16_cache", self.to_float().cast(dtypes.float16).contiguous().realize()
-    self.raw = Tensor.empty(0, dtype=dtypes.uint8, device=self.raw.device)
+    self.cache, self.planes = self.to_float().cast(dtypes.float16).contiguous().realize(), {}
 
   def rows(self, idx: Tensor) -> Tensor:
     """Float rows selected by an integer tensor (embedding lookup): (*idx.shape, in)."""
     if self.cache is not None: return self.cache[idx].float()
-    return to_float(self.raw[idx], self.ggml_type, (*idx.shape, self.shape[-1]))
+    return to_float(self.view(self.shape, idx), self.ggml_type, (*idx.shape, self.shape[-1]))
 
   def split_rows(self, n: int) -> tuple[QWeight, QWeight]:
     """The first n rows of every leading index and the rest, as two weights (e.g. q_b's nope and rope rows per head)."""
-    lead, out = self.shape[:-2], self.shape[-2]
-    raw = self.raw.reshape(*lead, out, -1)
-    a, b = raw[..., :n, :].contiguous(), raw[..., n:, :].contiguous()
-    return (QWeight(a.reshape(-1, a.shape[-1]), self.ggml_type, (*lead, n, self.shape[-1])),
-            QWeight(b.reshape(-1, b.shape[-1]), self.ggml_type, (*lead, out - n, self.shape[-1])))
+    *lead, out, inp = self.shape
+    p = self.view(self.shape)
+    a = {k: v[..., :n, :, :].contiguous().reshape(-1, *v.shape[-2:]).realize() for k, v in p.items()}
+    b = {k: v[..., n:, :, :].contiguous().reshape(-1, *v.shape[-2:]).realize() for k, v in p.items()}
+    return QWeight(a, self.ggml_type, (*lead, n, inp)), QWeight(b, self.ggml_type, (*lead, out - n, inp))
 
 
 def concat_rows(a: QWeight, b: QWeight) -> QWeight:
   """[a; b] along the output rows of each leading index, at load time (merged gate+up)."""
   if a.ggml_type != b.ggml_type: raise ValueError(f"cannot merge weights of types {a.quant} and {b.quant}")
-  lead = a.shape[:-2]
-  ra, rb = a.raw.reshape(*lead, a.shape[-2], -1), b.raw.reshape(*lead, b.shape[-2], -1)
-  raw = ra.cat(rb, dim=-2).contiguous().realize()
-  return QWeight(raw.reshape(-1, raw.shape[-1]), a.ggml_type, (*lead, a.shape[-2] + b.shape[-2], a.shape[-1]))
+  *lead, out, inp = a.shape
+  shape = (*lead, out + b.shape[-2], inp)
+  if a.cache is not None: return QWeight.fp16(a.cache.cat(b.cache, dim=-2))
+  pa, pb = a.view(a.shape), b.view(b.shape)
+  return QWeight({k: pa[k].cat(pb[k], dim=-3).reshape(-1, *pa[k].shape[-2:]).contiguous().realize() for k in pa}, a.ggml_type, shape)
 
 
-def _dot(x: Tensor, raw: Tensor, ggml_type: int, out: int, inp: int) -> Tensor:
-  """x (..., 1, in) against raw rows (..., out, row_bytes) broadcast over the leading dims -> (..., out)."""
+def _dot(x: Tensor, p: dict[str, Tensor], ggml_type: int) -> Tensor:
+  """x (..., 1, in) against planes (..., out, nblocks, k) broadcast over the leading dims -> (..., out) float32."""
   if ggml_type in FLOAT_TYPES:
-    w = to_float(raw, ggml_type, (*raw.shape[:-1], inp))
-    if ggml_type == F16: w = w.cast(dtypes.float16)
+    w = float_weight(p, ggml_type)
     return (x.cast(w.dtype) * w).sum(-1, dtype=dtypes.float32)
-  qt = QUANT_TYPES[ggml_type]
-  scale, code, bias = factors(raw.reshape(*raw.shape[:-1], -1, qt.nbytes), ggml_type)
-  xg = x.reshape(*x.shape[:-1], -1, qt.group).float()
+  scale, code, bias = factors(p, ggml_type)
+  xg = x.reshape(*x.shape[:-1], -1, code.shape[-1]).float()
   y = (xg * code).sum(-1) * scale
   if bias is not None: y = y + xg.sum(-1) * bias
   return y.sum(-1)
@@ -68,22 +78,19 @@ def _dot(x: Tensor, raw: Tensor, ggml_type: int, out: int, inp: int) -> Tensor:
 
 def linear(x: Tensor, w: QWeight) -> Tensor:
   """x (..., in) @ w.T -> (..., out) float32, for a weight of shape (out, in)."""
-  out, inp = w.shape
   if w.cache is not None: return x.cast(dtypes.float16).matmul(w.cache.T, dtype=dtypes.float32)
-  return _dot(x.unsqueeze(-2), w.raw, w.ggml_type, out, inp)
+  return _dot(x.unsqueeze(-2), w.planes, w.ggml_type)
 
 
 def per_head(x: Tensor, w: QWeight) -> Tensor:
   """x (..., H, in) with w (H, out, in) -> (..., H, out): one small matrix per head (MLA's k_b and v_b)."""
-  _, out, inp = w.shape
   if w.cache is not None: return (x.cast(dtypes.float16).unsqueeze(-2) * w.cache).sum(-1, dtype=dtypes.float32)
-  return _dot(x.unsqueeze(-2), w.raw.reshape(*w.shape[:-1], -1), w.ggml_type, out, inp)
+  return _dot(x.unsqueeze(-2), w.view(w.shape), w.ggml_type)
 
 
 def expert(x: Tensor, sel: Tensor, w: QWeight) -> Tensor:
   """x (B, T, K or 1, in), selected experts sel (B, T, K), w (E, out, in) -> (B, T, K, out).
 
   The selected experts' rows are indexed inside the product (tinygrad folds the gather into the loads)."""
-  _, out, inp = w.shape
   if w.cache is not None: return (x.cast(dtypes.float16).unsqueeze(-2) * w.cache[sel]).sum(-1, dtype=dtypes.float32)
-  return _dot(x.unsqueeze(-2), w.raw.reshape(w.shape[0], out, -1)[sel], w.ggml_type, out, inp)
+  return _dot(x.unsqueeze(-2), w.view(w.shape, sel), w.ggml_type)

@@ -1,23 +1,19 @@
 """Decode benchmark: sequential, after warm-up, at a fixed prompt and context range, in several rounds."""
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
 
 from tinygrad import Device, GlobalCounters
-from tinygrad.helpers import BEAM
 
-from model.generate import Generator
+from model.generate import Generator, jit_stats
 from model.structure import StructureConfig
 
 
 def apply_process_settings(cfg: StructureConfig, device: str | None = None) -> None:
-  """tinygrad settings that change generated code; applied once, before the first kernel of the process is built."""
+  """tinygrad settings of the whole process; applied once, before the first kernel is built. (BEAM is scoped to decode by Generator.)"""
   if device: Device.DEFAULT = device
-  os.environ["BEAM"] = str(cfg.beam)
-  BEAM.value = cfg.beam
 
 
 def bench_prompt(vocab: int, n: int) -> list[int]:
@@ -33,6 +29,7 @@ class BenchResult:
   ms_p50: float
   ms_p90: float
   kernels_per_token: int
+  graph_batches_per_token: int
   bytes_per_token: int
   prefill_tok_s: float
   compile_s: float  # first prefill + first decode steps (kernel compilation, BEAM search, JIT capture)
@@ -56,7 +53,8 @@ def bench(gen: Generator, prompt_len: int = 32, n: int = 32, rounds: int = 3, wa
   prefill_tok_s = prompt_len / (time.perf_counter() - t0)
   GlobalCounters.reset()
   gen.step(first, prompt_len)
-  kernels, nbytes = GlobalCounters.kernel_count, GlobalCounters.global_mem
+  nbytes = GlobalCounters.global_mem
+  kernels, batches = jit_stats(gen.step_jit)
   per_round, step_ms, tokens = [], [], []
   for _ in range(rounds):
     tok, out = first, [first]
@@ -70,4 +68,4 @@ def bench(gen: Generator, prompt_len: int = 32, n: int = 32, rounds: int = 3, wa
     tokens = out
   q = statistics.quantiles(step_ms, n=10) if len(step_ms) > 1 else step_ms * 9
   return BenchResult(statistics.median(per_round), min(per_round), max(per_round), statistics.median(step_ms), q[8],
-                     kernels, int(nbytes), prefill_tok_s, compile_s, tokens)
+                     kernels, batches, int(nbytes), prefill_tok_s, compile_s, tokens)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from collections import Counter
@@ -49,7 +50,7 @@ def cmd_run(args) -> None:
   t0, n = time.perf_counter(), 0
   for t in gen.generate(ids, args.n, temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=tok.stop_ids):
     if t in tok.stop_ids: break
-    sys.stdout.write(stream.push(t))
+    sys.stdout.write(stream.feed(t))
     sys.stdout.flush()
     n += 1
   sys.stdout.write(stream.flush() + "\n")
@@ -57,16 +58,23 @@ def cmd_run(args) -> None:
 
 
 def cmd_bench(args) -> None:
+  from tinygrad import Device, GlobalCounters
+
   from model.bench import bench
   f, gen, load_s = _load(args)
   r = bench(gen, prompt_len=args.prompt_len, n=args.n, rounds=args.rounds)
-  d = {"model": str(f.path), "layers": len(gen.model.blocks), "load_s": load_s, **r.to_dict()}
+  m = gen.model
+  d = {"model": str(f.path), "device": Device.DEFAULT, "layers": len(m.blocks), "load_s": load_s, "file_bytes": f.path.stat().st_size,
+       "kv_cache_bytes": m.kv_cache_bytes, "device_bytes": GlobalCounters.mem_used, "load_peak_device_bytes": m.load_peak_bytes,
+       "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **r.to_dict()}
   if args.json: print(json.dumps(d))
   else:
     print(f"{f.path.name}: {len(gen.model.blocks)} blocks, prompt {args.prompt_len}, {args.n} tokens x {args.rounds} rounds")
     print(f"  decode   {r.tok_s:8.2f} tok/s (min {r.tok_s_min:.2f}, max {r.tok_s_max:.2f})   {r.ms_p50:.2f} ms/token p50, {r.ms_p90:.2f} p90")
     print(f"  kernels  {r.kernels_per_token} per token, {r.bytes_per_token / 1e6:.1f} MB read+written per token")
     print(f"  prefill  {r.prefill_tok_s:8.2f} tok/s    load {load_s:.1f} s, compile {r.compile_s:.1f} s")
+    print(f"  memory   device {d['device_bytes'] / 1e9:.2f} GB (file {d['file_bytes'] / 1e9:.2f} GB, KV cache {d['kv_cache_bytes'] / 1e9:.3f} GB), "
+          f"host peak {d['host_peak_rss_bytes'] / 1e9:.2f} GB")
 
 
 def main(argv: list[str] | None = None) -> None:

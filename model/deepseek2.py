@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from tinygrad import Tensor, UOp, dtypes
+from tinygrad import GlobalCounters, Tensor, UOp, dtypes
 from tinygrad.uop.ops import resolve
 
 from model import weights as W
@@ -160,15 +160,19 @@ class Block:
     if self.moe:
       self.gate_inp = load(p + "ffn_gate_inp.weight")
       self.probs_b = load(p + "exp_probs_b.bias", norm=True) if p + "exp_probs_b.bias" in f.tensors else None
-      self.gate_exps, self.up_exps, self.down_exps = (load(p + n + ".weight", role="expert") for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
-      if cfg.merge_gate_up_routed: self.gate_up_exps = W.concat_rows(self.gate_exps, self.up_exps)
+      exps = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+      self.gate_exps, self.up_exps, self.down_exps = (load(p + n + ".weight", role="expert") for n in exps)
+      self.n_ff_exp = self.gate_exps.shape[1]
+      if cfg.merge_gate_up_routed: self.gate_up_exps, self.gate_exps, self.up_exps = W.concat_rows(self.gate_exps, self.up_exps), None, None
       self.shared = has("ffn_gate_shexp")
       if self.shared:
         self.gate_sh, self.up_sh, self.down_sh = (load(p + n + ".weight") for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"))
-        if cfg.merge_gate_up_shared: self.gate_up_sh = W.concat_rows(self.gate_sh, self.up_sh)
+        self.gate_up_sh = None
+        if cfg.merge_gate_up_shared: self.gate_up_sh, self.gate_sh, self.up_sh = W.concat_rows(self.gate_sh, self.up_sh), None, None
     else:
       self.gate, self.up, self.down = (load(p + n + ".weight") for n in ("ffn_gate", "ffn_up", "ffn_down"))
-      if cfg.merge_gate_up_dense: self.gate_up = W.concat_rows(self.gate, self.up)
+      self.gate_up = None
+      if cfg.merge_gate_up_dense: self.gate_up, self.gate, self.up = W.concat_rows(self.gate, self.up), None, None
     self.kv_dtype = dtypes.float16 if cfg.kv_dtype == "float16" else dtypes.float32
     self.cache = Tensor.zeros(1, max_context, hp.kv_lora + hp.qk_rope, dtype=self.kv_dtype, device=device).contiguous().realize()
 
@@ -218,10 +222,10 @@ class Block:
     out = W.per_head(o.transpose(1, 2), self.v_b).reshape(B, T, H * hp.v_head)
     return W.linear(self.barrier(out, "attn_out"), self.wo)
 
-  def _ffn(self, x: Tensor, gate: QWeight, up: QWeight, down: QWeight, gate_up: QWeight | None, point: str) -> Tensor:
+  def _ffn(self, x: Tensor, gate: QWeight | None, up: QWeight | None, down: QWeight, gate_up: QWeight | None, point: str) -> Tensor:
     if gate_up is not None:
       gu = W.linear(x, gate_up)
-      g, u = gu[..., :gate.shape[0]], gu[..., gate.shape[0]:]
+      g, u = gu[..., :down.shape[1]], gu[..., down.shape[1]:]
     else:
       g, u = W.linear(x, gate), W.linear(x, up)
     return W.linear(self.barrier(g.silu() * u, point), down)
@@ -239,21 +243,20 @@ class Block:
     xe = x.reshape(B, T, 1, D)
     if cfg.merge_gate_up_routed:
       gu = W.expert(xe, sel, self.gate_up_exps)
-      F = self.gate_exps.shape[1]
-      g, u = gu[..., :F], gu[..., F:]
+      g, u = gu[..., :self.n_ff_exp], gu[..., self.n_ff_exp:]
     else:
       g, u = W.expert(xe, sel, self.gate_exps), W.expert(xe, sel, self.up_exps)
     y = self.barrier(W.expert(self.barrier(g.silu() * u, "moe_gate_up"), sel, self.down_exps), "expert_down")  # (B, T, K, D)
     out = (y * w.unsqueeze(-1)).sum(2) if cfg.moe_combine == "mul_sum" else (w.unsqueeze(-2) @ y).squeeze(-2)
     out = self.barrier(out, "moe_out")
     if self.shared:
-      out = out + self._ffn(x, self.gate_sh, self.up_sh, self.down_sh, getattr(self, "gate_up_sh", None), "shexp_gate_up")
+      out = out + self._ffn(x, self.gate_sh, self.up_sh, self.down_sh, self.gate_up_sh, "shexp_gate_up")
     return out
 
   def __call__(self, x: Tensor, start_pos: int | UOp, cos: Tensor, sin: Tensor, act) -> Tensor:
     h = x + self.attention(rms_norm(x, self.attn_norm, self.hp.eps), start_pos, cos, sin).cast(act)
     xn = rms_norm(h, self.ffn_norm, self.hp.eps)
-    ffn = self.moe_ffn(xn) if self.moe else self._ffn(xn, self.gate, self.up, self.down, getattr(self, "gate_up", None), "dense_gate_up")
+    ffn = self.moe_ffn(xn) if self.moe else self._ffn(xn, self.gate, self.up, self.down, self.gate_up, "dense_gate_up")
     return self.barrier(h + ffn.cast(act), "block_out")
 
 
@@ -266,11 +269,13 @@ class Transformer:
     hp, self.device = self.hp, device
     self.max_context = min(max_context, hp.context_length)
     self.act = dtypes.float16 if self.cfg.act_dtype == "float16" else dtypes.float32
+    self.load_peak_bytes = 0  # device memory high-water mark while loading (raw bytes and their planes coexist briefly)
 
     def load(name: str, norm: bool = False, role: str = "dense", shape: tuple[int, ...] | None = None):
       if name not in f.tensors: raise GGUFError(f"{f.path.name}: tensor {name} is missing")
       info = f.tensors[name]
       w = QWeight.from_raw(f.raw(name, device), info.ggml_type, shape or info.shape)
+      self.load_peak_bytes = max(self.load_peak_bytes, GlobalCounters.mem_used)
       if norm: return w.to_float().reshape(-1).contiguous().realize()
       if self.cfg.backend(w.quant, role) == "fp16_cache": w.use_fp16_cache()
       return w
@@ -292,6 +297,9 @@ class Transformer:
     for b in self.blocks: x = b(x, start_pos, cos, sin, self.act)
     if not all_logits: x = x[:, -1:]
     return W.linear(rms_norm(x, self.output_norm, self.hp.eps), self.output)
+
+  @property
+  def kv_cache_bytes(self) -> int: return sum(b.cache.nbytes() for b in self.blocks)
 
   def reset(self) -> None:
     for b in self.blocks: b.cache.assign(Tensor.zeros_like(b.cache)).realize()

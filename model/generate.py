@@ -5,15 +5,20 @@ from collections.abc import Iterator
 
 import numpy as np
 from tinygrad import Tensor, TinyJit, UOp, dtypes
+from tinygrad.helpers import Context
+from tinygrad.uop.ops import Ops
 
 from model.deepseek2 import Transformer
 
 
 class Generator:
-  """Runs a Transformer over one sequence. One JIT graph serves every decode step and one every prefill chunk."""
+  """Runs a Transformer over one sequence. One JIT graph serves every decode step and one every prefill chunk.
+
+  Decode kernels are built with the config's BEAM width; prefill kernels at BEAM=0 (the search measures decode, and BEAM
+  over the prefill kernels of a full model costs minutes)."""
 
   def __init__(self, model: Transformer, chunk: int = 32):
-    self.model, self.chunk = model, min(chunk, model.max_context)
+    self.model, self.chunk, self.beam = model, min(chunk, model.max_context), model.cfg.beam
     self.pos = UOp.variable("start_pos", 0, model.max_context - 1)
     self.prefill_jit, self.step_jit, self.step_logits_jit = TinyJit(self._prefill), TinyJit(self._step), TinyJit(self._step_logits)
 
@@ -47,11 +52,11 @@ class Generator:
 
   def step_logits(self, token: int, pos: int) -> np.ndarray:
     self._check_room(pos + 1)
-    return self.step_logits_jit(Tensor([[token]], dtype=dtypes.int32), self.pos.bind(pos)).numpy()
+    with Context(BEAM=self.beam): return self.step_logits_jit(Tensor([[token]], dtype=dtypes.int32), self.pos.bind(pos)).numpy()
 
   def step(self, token: int, pos: int, temperature: float = 0.0) -> int:
     self._check_room(pos + 1)
-    return int(self.step_jit(Tensor([[token]], dtype=dtypes.int32), self.pos.bind(pos), Tensor([temperature])).item())
+    with Context(BEAM=self.beam): return int(self.step_jit(Tensor([[token]], dtype=dtypes.int32), self.pos.bind(pos), Tensor([temperature])).item())
 
   def generate(self, prompt: list[int], n: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                stop: set[int] = frozenset()) -> Iterator[int]:
@@ -66,6 +71,15 @@ class Generator:
       if top_p < 1.0 and temperature > 0: tok = sample(self.step_logits(tok, pos), temperature, top_p, rng)
       else: tok = self.step(tok, pos, temperature)
       pos += 1
+
+
+def jit_stats(jit: TinyJit) -> tuple[int, int]:
+  """(kernels, graph batches) of one replay of a captured JIT."""
+  kernels = batches = 0
+  for call in jit.captured.linear.src:
+    if (ast := call.src[0]).op is Ops.CUSTOM_FUNCTION and ast.arg == "graph": kernels, batches = kernels + len(ast.src[0].src), batches + 1
+    elif ast.op is Ops.PROGRAM: kernels += 1
+  return kernels, batches
 
 
 def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:

@@ -1,8 +1,10 @@
 """Published hyperparameters of real deepseek2-architecture (MLA, optionally MoE) models, plus tiny test shapes.
 
-Every number of a real preset was checked against its Hugging Face config.json; the tokenizer fields describe the real
-tokenizer (pre-tokenizer name as llama.cpp's converter writes it, special tokens, chat template) so synthetic files made
-from a preset look like the real GGUF apart from the weights and the ordinary vocabulary.
+The numbers of a real preset are those of its Hugging Face config.json (the parameter counts of Youtu-LLM-2B and
+DeepSeek-V2-Lite computed from them match the published ones exactly). The tokenizer fields describe the real tokenizer
+(pre-tokenizer name as llama.cpp's converter writes it, special tokens, chat template), so a synthetic file made from a
+preset looks like the real GGUF apart from the weights and the ordinary vocabulary; its special tokens sit at the end of
+the vocabulary rather than at their real ids.
 """
 from __future__ import annotations
 
@@ -82,8 +84,6 @@ class ModelShape:
 
   @property
   def qk_head(self) -> int: return self.qk_nope + self.qk_rope
-  @property
-  def is_moe(self) -> bool: return self.n_dense < self.n_layers
 
   def with_layers(self, n: int) -> ModelShape:
     """Same widths, the first n blocks (the leading dense blocks are kept)."""
@@ -92,7 +92,8 @@ class ModelShape:
 
 
 PRESETS: dict[str, ModelShape] = {
-  # zai-org/GLM-4.7-Flash config.json (Glm4MoeLiteForCausalLM): the MTP block (num_nextn_predict_layers=1) is not included
+  # zai-org/GLM-4.7-Flash config.json (Glm4MoeLiteForCausalLM, rope_scaling null, untied, topk_method noaux_tc: sigmoid scores
+  # selected with e_score_correction_bias); the MTP block (num_nextn_predict_layers=1) is not included
   "glm-4.7-flash": ModelShape(
     name="glm-4.7-flash", hf_repo="zai-org/GLM-4.7-Flash", url="https://huggingface.co/unsloth/GLM-4.7-Flash-GGUF",
     n_layers=47, n_dense=1, dim=2048, n_heads=20, q_lora=768, kv_lora=512, qk_nope=192, qk_rope=64, v_head=256, dense_ffn=10240,

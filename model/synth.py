@@ -1,9 +1,11 @@
 """Synthetic deepseek2 GGUF files: a preset's exact shapes, metadata and tokenizer layout, random weights.
 
 Quantized weights are generated directly as raw blocks (nothing is quantized from floats), tensor by tensor and in
-CHUNK_BYTES pieces, so memory stays bounded even for a full-size model. Weights have std ~1/sqrt(fan_in) and their codes
-are zero-mean: uniform Q4_0 nibbles would average -0.5 after the -8 offset, a bias that adds up across a row until every
-token routes to the same experts.
+CHUNK_BYTES pieces, so memory stays bounded even for a full-size model (~0.5 GB peak). Matrices have std 1/sqrt(fan_in)
+(the router 2/sqrt(fan_in), token embeddings unit rms), norm weights 1 + N(0, 0.05^2). Quantized codes are zero-mean:
+uniform Q4_0 nibbles would average -0.5 after the -8 offset, a bias that adds up across a row until every token routes
+to the same experts. Each tensor draws from its own stream (seed, crc32(name)), so a file shortened with `layers` holds
+exactly the first blocks of the full one.
 """
 from __future__ import annotations
 
@@ -67,10 +69,12 @@ def tensor_plan(s: ModelShape, quant: str = "q4_0", legacy_kv_b: bool = False) -
   """Every tensor of the file in write order, with its ggml shape as llama.cpp's deepseek2 loader expects it."""
   out: list[_Tensor] = []
   def tn(t: MT, bid: int | None = None, suffix: str = "weight") -> str: return f"{gguf.TENSOR_NAMES[t].format(bid=bid)}.{suffix}"
-  def mat(name: str, *ne: int, layer: int | None = None) -> None:
-    out.append(_Tensor(name, ne, _qtype(quant, name, ne[0], layer, s.n_layers), ne[0] ** -0.5))
+  def mat(name: str, *ne: int, layer: int | None = None, std: float | None = None) -> None:
+    out.append(_Tensor(name, ne, _qtype(quant, name, ne[0], layer, s.n_layers), ne[0] ** -0.5 if std is None else std))
   def norm(name: str, n: int) -> None: out.append(_Tensor(name, (n,), T.F32, 0.05, 1.0))
-  mat(tn(MT.TOKEN_EMBD), s.dim, s.vocab)
+  # unit-rms embeddings keep the token identity from drowning in the first blocks' outputs (rms ~1), so routing varies by
+  # token; a tied table is the output head too and takes the geometric mean of that and 1/sqrt(dim)
+  mat(tn(MT.TOKEN_EMBD), s.dim, s.vocab, std=s.dim ** -0.25 if s.tied else 1.0)
   for i in range(s.n_layers):
     norm(tn(MT.ATTN_NORM, i), s.dim)
     if s.q_lora:
@@ -200,7 +204,9 @@ _TEXT = ("The old lighthouse stood at the end of the long stone pier, and every 
          "window, and for three nights the light was dark. The people of the town remembered that winter for a long time. "
          "Children asked their parents why the light had gone out, and the parents told them about the storm, the broken "
          "glass, and the keeper who worked through the night to mend it. Today the lighthouse is a museum, and visitors "
-         "climb the same stairs to look out over the same water, where the boats still come home in the evening light.")
+         "climb the same stairs to look out over the same water, where the boats still come home in the evening light. On "
+         "clear days you can count forty-two ships between the islands; on grey days the fog hides everything except the "
+         "sound of the bell, ringing slowly, as it has rung for more than 150 years.")
 
 
 def _bytes_to_unicode() -> dict[int, str]:

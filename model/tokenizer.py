@@ -103,9 +103,11 @@ _COMPILED = {k: [_compile(p) for p in v[0]] for k, v in PRE_TOKENIZERS.items()}
 _EOG_TEXTS = {"<|endoftext|>", "<|end_of_text|>", "<｜end▁of▁sentence｜>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>",
               "<end_of_turn>", "<|user|>", "<|observation|>"}
 
-# chat style -> (token texts that must all be in the vocab, first match wins); "generic" otherwise
-_CHAT_DETECT = {"glm": {"[gMASK]", "<sop>", "<|user|>", "<|assistant|>"}, "deepseek3": {"<｜User｜>", "<｜Assistant｜>"},
-                "youtu": {"<|User|>", "<|Assistant|>"}, "deepseek2": {"<｜begin▁of▁sentence｜>"}}
+# (chat style, marker in tokenizer.chat_template, token texts all in the vocab): the first template match wins, else the first vocab match
+_CHAT_STYLES = [("glm", "[gMASK]<sop>", {"[gMASK]", "<sop>", "<|user|>", "<|assistant|>"}),
+                ("deepseek3", "<｜Assistant｜>", {"<｜User｜>", "<｜Assistant｜>"}),
+                ("deepseek2", "'Assistant: ' + message['content'] + eos_token", {"<｜begin▁of▁sentence｜>"}),
+                ("youtu", "<|Assistant|>", {"<|User|>", "<|Assistant|>"})]
 
 def _cut(text: str | int, special: str, tid: int) -> list[str | int]:
   if isinstance(text, int): return [text]
@@ -118,7 +120,7 @@ class Tokenizer:
                eos_id: int | None = None, add_bos: bool = False, stop_ids: set[int] | None = None, chat_template: str | None = None):
     if pre not in PRE_TOKENIZERS: raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r}, expected one of {sorted(PRE_TOKENIZERS)}")
     self.tokens, self.types, self.pre, self.bos_id, self.eos_id, self.add_bos = tokens, types, pre, bos_id, eos_id, add_bos
-    self.chat_template = chat_template  # for callers with a jinja engine; format_chat does not interpret it
+    self.chat_template = chat_template  # only used to pick the chat style; callers with a jinja engine can render it
     self.regexes, self.ignore_merges = _COMPILED[pre], PRE_TOKENIZERS[pre][1]
     self.tok2id = {t: i for i, t in enumerate(tokens)}
     self.ranks = {m: i for i, m in reversed(list(enumerate(merges)))}  # "left right" -> rank, first occurrence wins like llama.cpp
@@ -130,7 +132,8 @@ class Tokenizer:
     self.user_defined = [(t, i) for t, i in self.specials if types[i] == USER_DEFINED]
     self.pieces: dict[int, bytes] = {}  # filled lazily by _piece
     self.cache: dict[str, list[int]] = {}
-    self.chat_style = next((s for s, need in _CHAT_DETECT.items() if need <= self.tok2id.keys()), "generic")
+    self.chat_style = next((s for s, marker, _ in _CHAT_STYLES if marker in (chat_template or "")), None) or \
+      next((s for s, _, need in _CHAT_STYLES if need <= self.tok2id.keys()), "generic")
 
   @classmethod
   def from_metadata(cls, md: dict[str, Any]) -> Tokenizer:
@@ -189,7 +192,8 @@ class Tokenizer:
     frags: list[str | int] = [text] if text else []
     for t, i in self.specials if parse_special else self.user_defined:
       if any(isinstance(f, str) and t in f for f in frags): frags = [p for f in frags for p in _cut(f, t, i)]
-    ids = [i for f in frags for i in ([f] if isinstance(f, int) else (i for w in self.pretokenize(f) for i in self._word(w)))]
+    ids: list[int] = []
+    for f in frags: ids += [f] if isinstance(f, int) else [i for w in self.pretokenize(f) for i in self._word(w)]
     if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None and ids[:1] != [self.bos_id]: ids.insert(0, self.bos_id)
     return ids
 

@@ -145,13 +145,12 @@ class Block:
       self.q_b = load(p + "attn_q.weight")
     self.kv_a = load(p + "attn_kv_a_mqa.weight")
     H, nope, v = hp.n_heads, hp.qk_nope, hp.v_head
+    self.k_b_t: QWeight | None = None  # legacy files: k_b as (H, nope, kv_lora), applied transposed
     if has("attn_k_b"):
       self.k_b = load(p + "attn_k_b.weight", shape=(H, hp.kv_lora, nope))
       self.v_b = load(p + "attn_v_b.weight", shape=(H, v, hp.kv_lora))
-    elif has("attn_kv_b"):  # legacy file: one (H*(nope+v), kv_lora) matrix; k_b is its nope rows transposed per head
-      kv_b = load(p + "attn_kv_b.weight", shape=(H, nope + v, hp.kv_lora))
-      wk, self.v_b = kv_b.split_rows(nope)
-      self.k_b = QWeight.fp16(wk.to_float().permute(0, 2, 1))
+    elif has("attn_kv_b"):  # legacy file: one (H*(nope+v), kv_lora) matrix; per head, its nope rows are k_b transposed
+      self.k_b_t, self.v_b = load(p + "attn_kv_b.weight", shape=(H, nope + v, hp.kv_lora)).split_rows(nope)
     else:
       raise GGUFError(f"{f.path.name}: block {i} has neither attn_k_b/attn_v_b nor attn_kv_b")
     self.wo = load(p + "attn_output.weight")
@@ -186,7 +185,14 @@ class Block:
     else:
       wn, self.q_pe = QWeight(qb.planes, qb.ggml_type, (H, nope + rope, d_in)).split_rows(nope)
       self.q_pe.shape, q_nope = (H * rope, d_in), wn.to_float()
-    self.q_abs = QWeight.fp16((self.k_b.to_float() @ q_nope).reshape(H * hp.kv_lora, d_in))  # (H, kv_lora, in) per head
+    self.q_abs = QWeight.fp16((self.k_b_float() @ q_nope).reshape(H * hp.kv_lora, d_in))  # (H, kv_lora, in) per head
+
+  def k_b_float(self) -> Tensor: return self.k_b.to_float() if self.k_b_t is None else self.k_b_t.to_float().permute(0, 2, 1)
+
+  def absorb(self, q_nope: Tensor) -> Tensor:
+    """q_nope (B, T, H, nope) -> (B, T, H, kv_lora): per head, k_b applied to q (MLA absorption at run time)."""
+    if self.k_b_t is None: return W.per_head(q_nope, self.k_b)
+    return (q_nope.unsqueeze(-1) * self.k_b_t.to_float()).sum(-2)
 
   def barrier(self, x: Tensor, point: str) -> Tensor:
     mode = self.cfg.barriers[point]
@@ -201,7 +207,7 @@ class Block:
       q_pe = W.linear(xq, self.q_pe).reshape(B, T, H, rope)
     else:
       q = self.barrier(W.linear(xq, self.q_b), "q_proj").reshape(B, T, H, nope + rope)
-      q_abs, q_pe = W.per_head(q[..., :nope], self.k_b), q[..., nope:]
+      q_abs, q_pe = self.absorb(q[..., :nope]), q[..., nope:]
     q_pe = apply_rope(q_pe, cos, sin)
     kv = self.barrier(W.linear(x, self.kv_a), "kv_a")
     c_kv = rms_norm(kv[..., :kvl], self.kv_a_norm, hp.eps)

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 
 import numpy as np
 from tinygrad import Tensor, TinyJit, UOp, dtypes
-from tinygrad.helpers import Context
+from tinygrad.helpers import Context, ansistrip
 from tinygrad.uop.ops import Ops
 
 from model.deepseek2 import Transformer
@@ -71,6 +71,16 @@ class Generator:
       if top_p < 1.0 and temperature > 0: tok = sample(self.step_logits(tok, pos), temperature, top_p, rng)
       else: tok = self.step(tok, pos, temperature)
       pos += 1
+
+
+def jit_kernel_names(jit: TinyJit) -> list[str]:
+  """Names of the kernels one replay of a captured JIT runs, in order."""
+  names = []
+  for call in jit.captured.linear.src:
+    if (ast := call.src[0]).op is Ops.CUSTOM_FUNCTION and ast.arg == "graph":
+      names += [ansistrip(c.src[0].arg.name) for c in ast.src[0].src if c.src[0].op is Ops.PROGRAM]
+    elif ast.op is Ops.PROGRAM: names.append(ansistrip(ast.arg.name))
+  return names
 
 
 def jit_stats(jit: TinyJit) -> tuple[int, int]:

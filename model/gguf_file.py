@@ -60,7 +60,6 @@ class GGUFFile:
                         f"but the file has {size} bytes: the file is truncated")
       self.tensors[info.name] = info
     self.arch: str = self.metadata.get("general.architecture", "")
-    self._disk = Tensor(self.path)
     del reader  # drops the memory map
 
   def key(self, name: str, default: Any = None) -> Any:
@@ -68,10 +67,14 @@ class GGUFFile:
     return self.metadata.get(f"{self.arch}.{name}", default)
 
   def raw(self, name: str, device: str | None = None) -> Tensor:
-    """The tensor's raw bytes (uint8, shape (rows, row_bytes)) on `device`, copied straight from the file."""
+    """The tensor's raw bytes (uint8, shape (rows, row_bytes)) on `device`.
+
+    Read with one pread into a buffer that lives only until the copy, so host memory stays bounded by the largest tensor
+    (mapping the whole file would leave every page of it resident)."""
     info = self.tensors[name]
     rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
-    return self._disk[info.offset:info.offset + info.nbytes].to(device).reshape(rows, info.nbytes // rows)
+    buf = np.fromfile(self.path, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+    return Tensor(buf.reshape(rows, info.nbytes // rows), device=device).realize()
 
   def sha256(self) -> str:
     h = hashlib.sha256()

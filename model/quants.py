@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gguf import GGMLQuantizationType
 from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
 
@@ -32,7 +33,9 @@ FLOAT_TYPES = (F32, F16, BF16)
 
 
 def type_name(ggml_type: int) -> str:
-  return QUANT_TYPES[ggml_type].name if ggml_type in QUANT_TYPES else f"ggml type {ggml_type}"
+  if ggml_type in QUANT_TYPES: return QUANT_TYPES[ggml_type].name
+  try: return GGMLQuantizationType(ggml_type).name
+  except ValueError: return f"ggml type {ggml_type}"
 
 
 # byte ranges of each type's block fields, and the dtype each field is read as

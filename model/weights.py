@@ -48,6 +48,7 @@ class QWeight:
   def split_rows(self, n: int) -> tuple[QWeight, QWeight]:
     """The first n rows of every leading index and the rest, as two weights (e.g. q_b's nope and rope rows per head)."""
     *lead, out, inp = self.shape
+    if self.cache is not None: return QWeight.fp16(self.cache[..., :n, :]), QWeight.fp16(self.cache[..., n:, :])
     p = self.view(self.shape)
     a = {k: v[..., :n, :, :].contiguous().reshape(-1, *v.shape[-2:]).realize() for k, v in p.items()}
     b = {k: v[..., n:, :, :].contiguous().reshape(-1, *v.shape[-2:]).realize() for k, v in p.items()}
@@ -66,9 +67,7 @@ def concat_rows(a: QWeight, b: QWeight) -> QWeight:
 
 def _dot(x: Tensor, p: dict[str, Tensor], ggml_type: int) -> Tensor:
   """x (..., 1, in) against planes (..., out, nblocks, k) broadcast over the leading dims -> (..., out) float32."""
-  if ggml_type in FLOAT_TYPES:
-    w = float_weight(p, ggml_type)
-    return (x.cast(w.dtype) * w).sum(-1, dtype=dtypes.float32)
+  if ggml_type in FLOAT_TYPES: return (x.float() * float_weight(p, ggml_type).float()).sum(-1)
   scale, code, bias = factors(p, ggml_type)
   xg = x.reshape(*x.shape[:-1], -1, code.shape[-1]).float()
   y = (xg * code).sum(-1) * scale
@@ -78,13 +77,13 @@ def _dot(x: Tensor, p: dict[str, Tensor], ggml_type: int) -> Tensor:
 
 def linear(x: Tensor, w: QWeight) -> Tensor:
   """x (..., in) @ w.T -> (..., out) float32, for a weight of shape (out, in)."""
-  if w.cache is not None: return x.cast(dtypes.float16).matmul(w.cache.T, dtype=dtypes.float32)
+  if w.cache is not None: return x.float() @ w.cache.T.float()
   return _dot(x.unsqueeze(-2), w.planes, w.ggml_type)
 
 
 def per_head(x: Tensor, w: QWeight) -> Tensor:
   """x (..., H, in) with w (H, out, in) -> (..., H, out): one small matrix per head (MLA's k_b and v_b)."""
-  if w.cache is not None: return (x.cast(dtypes.float16).unsqueeze(-2) * w.cache).sum(-1, dtype=dtypes.float32)
+  if w.cache is not None: return (x.float().unsqueeze(-2) * w.cache.float()).sum(-1)
   return _dot(x.unsqueeze(-2), w.view(w.shape), w.ggml_type)
 
 
@@ -92,5 +91,5 @@ def expert(x: Tensor, sel: Tensor, w: QWeight) -> Tensor:
   """x (B, T, K or 1, in), selected experts sel (B, T, K), w (E, out, in) -> (B, T, K, out).
 
   The selected experts' rows are indexed inside the product (tinygrad folds the gather into the loads)."""
-  if w.cache is not None: return (x.cast(dtypes.float16).unsqueeze(-2) * w.cache[sel]).sum(-1, dtype=dtypes.float32)
+  if w.cache is not None: return (x.float().unsqueeze(-2) * w.cache[sel].float()).sum(-1)
   return _dot(x.unsqueeze(-2), w.view(w.shape, sel), w.ggml_type)

@@ -1,0 +1,111 @@
+"""The tinygrad model against the float64 numpy reference and against llama.cpp, on synthetic deepseek2 files.
+
+Logits are compared per position as max_v |ours - theirs| / std_v(theirs).
+- Against the reference, with an f32 KV cache, the only difference is float32 vs float64 arithmetic: bound 1e-4.
+- Against llama.cpp (also with an f32 cache) the bound is the activation-rounding bound derived in `reference.llamacpp_logits`
+  (llama.cpp rounds every matmul input to 8-bit blocks for quantized weights, to fp16/bf16 for float weights) plus ours.
+  Token sequences avoid routing near-ties, where a legitimate expert flip would exceed any rounding bound.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from reference import llamacpp_error_bound, llamacpp_logits, reference_logits, robust_tokens
+
+from model.deepseek2 import Transformer
+from model.generate import Generator
+from model.gguf_file import GGUFFile
+from model.structure import StructureConfig
+
+N = 32
+F32_KV = StructureConfig(kv_dtype="float32")
+CASES = [("tiny", q, False) for q in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m")] + \
+        [("tiny-lite", "q4_k", False), ("tiny", "q8_0", True)]
+IDS = [f"{p}-{q}{'-legacy' if lg else ''}" for p, q, lg in CASES]
+
+
+@functools.cache
+def generator(path: str, f32_kv: bool = True) -> Generator:
+  return Generator(Transformer(GGUFFile(path), F32_KV if f32_kv else StructureConfig(), max_context=2 * N), chunk=N)
+
+
+def ours(path: str, tokens: list[int]) -> np.ndarray: return generator(path).prefill(tokens).astype(np.float64)
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> np.ndarray: return np.abs(a - b).max(axis=1) / b.std(axis=1)
+
+
+@pytest.mark.parametrize("preset,quant,legacy", CASES, ids=IDS)
+def test_matches_reference(gguf_file, preset: str, quant: str, legacy: bool) -> None:
+  path = gguf_file(preset, quant, legacy)
+  tokens = np.random.default_rng(3).integers(0, 1000, N).tolist()
+  ref = reference_logits(path, tokens)
+  err = rel_err(ours(path, tokens), ref)
+  assert err.max() < 1e-4, f"max |dlogit|/std {err.max():.3g} at position {err.argmax()}"
+  np.testing.assert_array_equal(ours(path, tokens).argmax(1), ref.argmax(1))
+
+
+def check_llama_cpp(path: str, tokens: list[int]) -> None:
+  mine, lcpp = ours(path, tokens), llamacpp_logits(path, tokens, kv_cache="f32")
+  bound = llamacpp_error_bound(path, tokens, kv_cache="f32") + 1e-4
+  err = rel_err(mine, lcpp)
+  assert err.max() <= bound, f"positions {np.flatnonzero(err > bound).tolist()}: max |dlogit|/std {err.max():.3g} > bound {bound:.3g}"
+  top2 = np.sort(lcpp, axis=1)[:, -2:]
+  decisive = top2[:, 1] - top2[:, 0] > 2 * bound * lcpp.std(axis=1)
+  np.testing.assert_array_equal(mine.argmax(1)[decisive], lcpp.argmax(1)[decisive])
+
+
+@pytest.mark.parametrize("preset,quant,legacy", CASES, ids=IDS)
+def test_matches_llama_cpp(gguf_file, preset: str, quant: str, legacy: bool) -> None:
+  pytest.importorskip("llama_cpp")
+  path = gguf_file(preset, quant, legacy)
+  check_llama_cpp(path, robust_tokens(path, "f32", N))
+
+
+@pytest.mark.parametrize("preset,quant", [("glm-4.7-flash", "q4_k_m"), ("deepseek-v2-lite", "q4_0")])
+def test_full_width_two_layers_match_llama_cpp(tmp_path_factory, preset: str, quant: str, record_property) -> None:
+  """2-layer files with the real models' exact widths, vocabularies and routing; plus a free-running greedy comparison."""
+  llama_cpp = pytest.importorskip("llama_cpp")
+  from model.synth import write_synthetic
+  path = str(write_synthetic(tmp_path_factory.mktemp("wide") / f"{preset}.gguf", preset, layers=2, quant=quant))
+  check_llama_cpp(path, robust_tokens(path, "f32", N))
+  prompt = robust_tokens(path, "f32", 4, seed=1)
+  gen = Generator(Transformer(GGUFFile(path), F32_KV, max_context=64), chunk=8)
+  mine = list(gen.generate(prompt, N))
+  llm = llama_cpp.Llama(model_path=path, n_ctx=64, n_threads=2, verbose=False, type_k=0, type_v=0)
+  theirs = [t for _, t in zip(range(N), llm.generate(prompt, temp=0.0, top_k=1), strict=False)]
+  llm.close()
+  same = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), N)
+  record_property("greedy_prefix_agreement", f"{same}/{N}")
+  print(f"{preset} {quant}: free-running greedy generations agree on the first {same} of {N} tokens")
+
+
+def test_decode_matches_prefill(gguf_file) -> None:
+  path = gguf_file("tiny", "q4_0")
+  tokens = np.random.default_rng(5).integers(0, 1000, 12).tolist()
+  gen = generator(path, f32_kv=False)
+  full = gen.prefill(tokens)
+  gen.model.reset()
+  steps = np.stack([gen.step_logits(t, i) for i, t in enumerate(tokens)])
+  assert rel_err(steps, full).max() < 1e-5
+
+
+def test_generation_is_deterministic(gguf_file) -> None:
+  gen = generator(gguf_file("tiny", "q4_0"), f32_kv=False)
+  a, b = list(gen.generate([1, 2, 3], 8)), list(gen.generate([1, 2, 3], 8))
+  assert a == b and len(a) == 8
+  s1, s2 = list(gen.generate([1, 2, 3], 8, temperature=1.0, seed=7)), list(gen.generate([1, 2, 3], 8, temperature=1.0, seed=7))
+  assert s1 == s2
+
+
+def test_device_memory_within_file_plus_kv(gguf_file) -> None:
+  """No hidden fp16 copies of quantized weights: device memory stays within file size + KV cache + 10%."""
+  from tinygrad import GlobalCounters
+  path = gguf_file("tiny", "q4_k_m")
+  before = GlobalCounters.mem_used
+  m = Transformer(GGUFFile(path), max_context=256)
+  used = GlobalCounters.mem_used - before
+  budget = GGUFFile(path).path.stat().st_size + m.kv_cache_bytes
+  assert used <= 1.1 * budget, f"{used} bytes on the device for a {budget}-byte budget"

@@ -1,0 +1,93 @@
+"""Every knob of the space is real and safe: for each non-default value, on the tiny model (q4_k_m mixes Q4_K, Q5_K,
+Q6_K and Q8_0 weights), (a) logits on a teacher-forced sequence equal the baseline's within the tolerance of that
+knob's arithmetic and the top token agrees wherever the baseline's lead exceeds it, and (b) the decode step runs a
+different set of kernels than the baseline's.
+
+Tolerances, relative to the logits' std per position: 1e-4 for knobs that only reorder float32 work; 2e-2 for knobs that
+round to fp16 (fp16 weights cache, fp16 activations, the fp16 absorbed q projection, fp16 router input). The baseline
+itself keeps an fp16 KV cache, so kv_dtype=float32 is held to the fp16 bound too.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from model.deepseek2 import Transformer
+from model.generate import Generator, jit_kernel_names
+from model.gguf_file import GGUFFile
+from model.structure import StructureConfig
+from space.knobs import ModelInfo, knobs, sample, single_knob_changes, size, suggest, to_config
+
+FP16_KNOBS = ("backend.", "act_dtype", "mla_absorb", "router_fp32", "kv_dtype")
+TOKENS = [(7919 * i + 17) % 1000 for i in range(16)]
+TINY_INFO = ModelInfo(True, True, True, {"dense": ("Q4_K", "Q5_K", "Q6_K", "Q8_0"), "expert": ("Q4_K", "Q6_K")},
+                      frozenset({"routed", "shared", "dense"}))
+
+
+@functools.cache
+def info(path: str) -> ModelInfo: return ModelInfo.from_gguf(GGUFFile(path))
+
+
+@functools.cache
+def run(path: str, cfg_json: str) -> tuple[np.ndarray, tuple[str, ...]]:
+  """Teacher-forced logits and the decode step's kernel names under one config."""
+  gen = Generator(Transformer(GGUFFile(path), StructureConfig.from_json(cfg_json), max_context=32), chunk=len(TOKENS))
+  logits = gen.prefill(TOKENS).astype(np.float64)
+  for i in range(3): gen.step(1, len(TOKENS) + i)
+  return logits, tuple(jit_kernel_names(gen.step_jit))
+
+
+def changes(path: str) -> list[tuple[str, StructureConfig]]:
+  return [(label, cfg) for label, cfg in single_knob_changes(info(path)) if not label.startswith("beam=")]
+
+
+@pytest.fixture(scope="module")
+def tiny(gguf_file) -> str: return gguf_file("tiny", "q4_k_m")
+
+
+def test_space_covers_every_knob_for_a_moe_model(tiny) -> None:
+  names = {k.name for k in knobs(info(tiny))}
+  assert {"merge_gate_up_routed", "merge_gate_up_shared", "merge_gate_up_dense", "topk", "moe_combine", "mla_absorb", "kv_dtype",
+          "attention", "act_dtype", "router_fp32", "beam", "barrier.q_proj", "barrier.kv_write", "barrier.expert_down"} <= names
+  assert {"backend.Q4_K.expert", "backend.Q6_K.expert", "backend.Q5_K.dense", "backend.Q8_0.dense"} <= names
+  assert size(info(tiny)) == np.prod([len(k.choices) for k in knobs(info(tiny))])
+
+
+def test_dense_model_has_no_expert_knobs(gguf_file) -> None:
+  from model.synth import write_synthetic
+  del gguf_file
+  names = {k.name for k in knobs(info(str(write_synthetic("/tmp/structsearch-test-youtu.gguf", "youtu", layers=1, quant="q8_0"))))}
+  assert not any(n.startswith(("topk", "moe_combine", "merge_gate_up_routed", "barrier.expert", "barrier.router")) for n in names)
+  assert "merge_gate_up_dense" in names and not any(".expert" in n for n in names)
+
+
+def test_sample_and_suggest_give_valid_configs(tiny) -> None:
+  import optuna
+  for seed in range(20): StructureConfig.from_json(sample(info(tiny), seed).to_json())
+  study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+  for _ in range(5):
+    trial = study.ask()
+    assert isinstance(suggest(trial, info(tiny)), StructureConfig)
+    study.tell(trial, 1.0)
+  assert to_config({}) == StructureConfig()
+
+
+def test_tiny_model_info(tiny) -> None:
+  assert info(tiny) == TINY_INFO
+
+
+@pytest.mark.parametrize("label", [lbl for lbl, _ in single_knob_changes(TINY_INFO) if not lbl.startswith("beam=")])
+def test_knob_is_equivalent_and_changes_the_kernels(tiny, label: str) -> None:
+  cfg = dict(changes(tiny))[label]
+  base_logits, base_kernels = run(tiny, StructureConfig().to_json())
+  logits, kernels = run(tiny, cfg.to_json())
+  scale = base_logits.std(axis=1)
+  tol = 2e-2 if label.startswith(FP16_KNOBS) else 1e-4
+  err = np.abs(logits - base_logits).max(axis=1) / scale
+  assert err.max() <= tol, f"{label}: max |dlogit|/std {err.max():.3g} > {tol}"
+  top2 = np.sort(base_logits, axis=1)[:, -2:]
+  decisive = top2[:, 1] - top2[:, 0] > 2 * tol * scale
+  np.testing.assert_array_equal(logits.argmax(1)[decisive], base_logits.argmax(1)[decisive])
+  assert kernels != base_kernels, f"{label} runs exactly the baseline's kernels: it changes nothing"

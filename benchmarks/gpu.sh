@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, synthesize GLM-4.7-Flash-shaped files, run benchmark sets. Results land in $OUT.
-# usage: bash benchmarks/gpu.sh STEP...   steps: env, bw, glm4, knobs4, beam4, full
+# usage: bash benchmarks/gpu.sh STEP...   steps: env, bw, expert, glm4, knobsA, knobsB, beam4, full, fullbeam
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DEV=CUDA
@@ -12,7 +12,9 @@ for step in "$@"; do
     env) nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 --version; nproc; free -g | head -2; df -h /tmp | tail -1 ;;
     bw) python3 benchmarks/bandwidth.py | tee -a "$OUT/bandwidth.txt" ;;
     glm4) synth 4 /tmp/glm4.gguf && python3 benchmarks/run.py --model /tmp/glm4.gguf --set baseline --out "$OUT/results.jsonl" ;;
-    knobs4) synth 4 /tmp/glm4.gguf && python3 benchmarks/run.py --model /tmp/glm4.gguf --set knobs --out "$OUT/results.jsonl" --timeout 240 ;;
+    expert) for b in 0 2; do python3 benchmarks/expert_kernel.py --beam $b; done | tee -a "$OUT/expert.txt" ;;
+    knobsA) synth 4 /tmp/glm4.gguf && python3 benchmarks/run.py --model /tmp/glm4.gguf --set knobs --limit 18 --out "$OUT/results.jsonl" --timeout 120 ;;
+    knobsB) synth 4 /tmp/glm4.gguf && python3 benchmarks/run.py --model /tmp/glm4.gguf --set knobs --skip 18 --out "$OUT/results.jsonl" --timeout 120 ;;
     beam4) synth 4 /tmp/glm4.gguf && python3 benchmarks/run.py --model /tmp/glm4.gguf --set baseline --beam 2 --out "$OUT/results.jsonl" --timeout 560 ;;
     full) synth 47 /tmp/glm47.gguf && python3 benchmarks/run.py --model /tmp/glm47.gguf --set baseline --out "$OUT/results.jsonl" --timeout 500 ;;
     fullbeam) synth 47 /tmp/glm47.gguf && python3 benchmarks/run.py --model /tmp/glm47.gguf --set baseline --beam 2 --out "$OUT/results.jsonl" --timeout 560 ;;

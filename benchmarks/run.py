@@ -1,6 +1,6 @@
 """Run `model bench` for a list of StructureConfigs, each in a fresh process, sequentially; one JSON line per run.
 
-  python benchmarks/run.py --model /tmp/glm4.gguf --device CUDA --set knobs --out results.jsonl
+  python benchmarks/run.py --model /tmp/glm4.gguf --set knobs --out results.jsonl
 """
 from __future__ import annotations
 
@@ -13,37 +13,25 @@ import sys
 import tempfile
 import time
 
-# single-knob changes from the baseline (the default StructureConfig)
-KNOBS: dict[str, dict] = {
-  "baseline": {},
-  "merge_gate_up_routed": {"merge_gate_up_routed": True},
-  "merge_gate_up_shared": {"merge_gate_up_shared": True},
-  "merge_gate_up_dense": {"merge_gate_up_dense": True},
-  "topk=sort": {"topk": "sort"},
-  "topk=argmax": {"topk": "argmax"},
-  "moe_combine=matmul": {"moe_combine": "matmul"},
-  "mla_absorb=load": {"mla_absorb": "load"},
-  "attention=sdpa": {"attention": "sdpa"},
-  "kv_dtype=float32": {"kv_dtype": "float32"},
-  "act_dtype=float16": {"act_dtype": "float16"},
-  "router_fp32=false": {"router_fp32": False},
-  "Q4_0:expert=fp16_cache": {"backends": {"Q4_0:expert": "fp16_cache"}},
-  "Q4_0:dense=fp16_cache": {"backends": {"Q4_0:dense": "fp16_cache"}},
-  "barriers:none": {"barriers": {}},
-  "barrier:expert_down=contiguous": {"barriers": {"moe_gate_up": "contiguous", "dense_gate_up": "contiguous", "shexp_gate_up": "contiguous",
-                                                   "block_out": "contiguous", "expert_down": "contiguous"}},
-  "barrier:q_proj=contiguous": {"barriers": {"moe_gate_up": "contiguous", "dense_gate_up": "contiguous", "shexp_gate_up": "contiguous",
-                                              "block_out": "contiguous", "q_proj": "contiguous"}},
-}
-SETS = {"baseline": ["baseline"], "knobs": list(KNOBS)}
+from model.gguf_file import GGUFFile
+from space.knobs import ModelInfo, single_knob_changes
+
+
+def configs(model: str, which: str) -> list[tuple[str, dict]]:
+  """baseline, or the baseline plus every single-knob change of this model's search space (BEAM apart: --beam sets it)."""
+  if which == "baseline": return [("baseline", {})]
+  info = ModelInfo.from_gguf(GGUFFile(model))
+  return [("baseline", {})] + [(label, json.loads(cfg.to_json())) for label, cfg in single_knob_changes(info) if not label.startswith("beam=")]
 
 
 def main() -> None:
   p = argparse.ArgumentParser()
   p.add_argument("--model", required=True)
   p.add_argument("--device")
-  p.add_argument("--set", default="baseline", choices=sorted(SETS))
-  p.add_argument("--only", nargs="*", help="names from KNOBS instead of a set")
+  p.add_argument("--set", default="baseline", choices=["baseline", "knobs"])
+  p.add_argument("--only", nargs="*", help="run only these labels of the set")
+  p.add_argument("--skip", type=int, default=0, help="skip the first N configs of the set (to split a set over calls)")
+  p.add_argument("--limit", type=int, help="run at most N configs")
   p.add_argument("--beam", type=int, default=0)
   p.add_argument("-n", type=int, default=32)
   p.add_argument("--rounds", type=int, default=3)
@@ -52,8 +40,9 @@ def main() -> None:
   p.add_argument("--out", required=True)
   args = p.parse_args()
   rows = []
-  for name in args.only or SETS[args.set]:
-    cfg = {**KNOBS[name], "beam": args.beam}
+  todo = [(n, c) for n, c in configs(args.model, args.set) if not args.only or n in args.only][args.skip:]
+  for name, cfg in todo[:args.limit]:
+    cfg = {**cfg, "beam": args.beam}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f: json.dump(cfg, f)
     cmd = [sys.executable, "-m", "model", "bench", "--model", args.model, "--config", f.name, "--json",
            "-n", str(args.n), "--rounds", str(args.rounds)]

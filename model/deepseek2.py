@@ -253,7 +253,7 @@ class Block:
     else:
       g, u = W.expert(xe, sel, self.gate_exps), W.expert(xe, sel, self.up_exps)
     y = self.barrier(W.expert(self.barrier(g.silu() * u, "moe_gate_up"), sel, self.down_exps), "expert_down")  # (B, T, K, D)
-    out = (y * w.unsqueeze(-1)).sum(2) if cfg.moe_combine == "mul_sum" else (w.unsqueeze(-2) @ y).squeeze(-2)
+    out = (y * w.unsqueeze(-1)).sum(2)
     out = self.barrier(out, "moe_out")
     if self.shared:
       out = out + self._ffn(x, self.gate_sh, self.up_sh, self.down_sh, self.gate_up_sh, "shexp_gate_up")

@@ -73,14 +73,14 @@ class Generator:
       pos += 1
 
 
-def jit_kernel_names(jit: TinyJit) -> list[str]:
-  """Names of the kernels one replay of a captured JIT runs, in order."""
-  names = []
+def jit_kernels(jit: TinyJit) -> list[tuple[str, str]]:
+  """(name, source) of the kernels one replay of a captured JIT runs, in order."""
+  progs = []
   for call in jit.captured.linear.src:
     if (ast := call.src[0]).op is Ops.CUSTOM_FUNCTION and ast.arg == "graph":
-      names += [ansistrip(c.src[0].arg.name) for c in ast.src[0].src if c.src[0].op is Ops.PROGRAM]
-    elif ast.op is Ops.PROGRAM: names.append(ansistrip(ast.arg.name))
-  return names
+      progs += [c.src[0] for c in ast.src[0].src if c.src[0].op is Ops.PROGRAM]
+    elif ast.op is Ops.PROGRAM: progs.append(ast)
+  return [(ansistrip(p.arg.name), next(s.arg for s in p.src if s.op is Ops.SOURCE)) for p in progs]
 
 
 def jit_stats(jit: TinyJit) -> tuple[int, int]:

@@ -11,6 +11,8 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
+import tomli_w
+
 SCHEMA_VERSION = 1
 
 # split points where the model may place a kernel boundary (.contiguous()) or an execution barrier (.realize())
@@ -18,7 +20,6 @@ BARRIER_POINTS = ("q_proj", "kv_a", "attn_out", "router_logits", "moe_gate_up", 
                   "shexp_gate_up", "dense_gate_up", "block_out", "kv_write")
 BARRIER_MODES = ("none", "contiguous", "realize")
 TOPK_VARIANTS = ("pairwise", "sort", "argmax")
-MOE_COMBINES = ("mul_sum", "matmul")
 BACKENDS = ("tensor", "fp16_cache")
 ROLES = ("dense", "expert")
 QUANT_NAMES = ("F32", "F16", "BF16", "Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
@@ -45,7 +46,6 @@ class StructureConfig:
   merge_gate_up_shared: bool = False
   merge_gate_up_dense: bool = False
   topk: str = "pairwise"
-  moe_combine: str = "mul_sum"
   backends: dict[str, str] = field(default_factory=dict)  # "<QUANT>:<role>" -> backend; absent means "tensor"
   mla_absorb: str = "runtime"
   kv_dtype: str = "float16"
@@ -66,7 +66,7 @@ class StructureConfig:
       _check("backends quant type", quant, QUANT_NAMES)
       _check("backends role", role, ROLES)
       _check(f"backends.{k}", b, BACKENDS)
-    for name, allowed in (("topk", TOPK_VARIANTS), ("moe_combine", MOE_COMBINES), ("mla_absorb", MLA_ABSORB), ("kv_dtype", DTYPES),
+    for name, allowed in (("topk", TOPK_VARIANTS), ("mla_absorb", MLA_ABSORB), ("kv_dtype", DTYPES),
                           ("attention", ATTENTION), ("act_dtype", DTYPES), ("beam", (0, 1, 2, 4, 8))):
       _check(name, getattr(self, name), allowed)
     for name in ("merge_gate_up_routed", "merge_gate_up_shared", "merge_gate_up_dense", "router_fp32"):
@@ -76,6 +76,7 @@ class StructureConfig:
 
   def to_dict(self) -> dict[str, Any]: return dataclasses.asdict(self)
   def to_json(self) -> str: return json.dumps(self.to_dict(), sort_keys=True)
+  def to_toml(self) -> str: return tomli_w.dumps(self.to_dict())
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> StructureConfig:

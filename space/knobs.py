@@ -20,7 +20,6 @@ from model.structure import (
   DEFAULT_BARRIERS,
   DTYPES,
   MLA_ABSORB,
-  MOE_COMBINES,
   TOPK_VARIANTS,
   StructureConfig,
 )
@@ -70,15 +69,20 @@ _BARRIER_APPLIES: dict[str, Callable[[ModelInfo], bool]] = {
 }
 
 
+# where tinygrad's scheduler already ends a kernel, "none" and "contiguous" build identical kernels (tests/test_space.py
+# compares kernel sources), so those points offer only one of the two
+BARRIER_CHOICES = {"q_proj": ("none", "realize"), "kv_a": ("none", "realize"), "kv_write": ("none", "realize"),
+                   "dense_gate_up": ("contiguous", "realize"), "block_out": ("contiguous", "realize")}
+
+
 def knobs(info: ModelInfo) -> list[Knob]:
   """The knobs that apply to this model, in a fixed order."""
-  ks = [Knob(f"barrier.{p}", BARRIER_MODES, DEFAULT_BARRIERS[p], _BARRIER_APPLIES.get(p, _always),
+  ks = [Knob(f"barrier.{p}", BARRIER_CHOICES.get(p, BARRIER_MODES), DEFAULT_BARRIERS[p], _BARRIER_APPLIES.get(p, _always),
              f"kernel boundary (contiguous) or execution barrier (realize) at {p}") for p in DEFAULT_BARRIERS]
   ks += [Knob(f"merge_gate_up_{kind}", (False, True), False, lambda m, kind=kind: kind in m.mergeable, f"{kind} FFN gate and up as one matrix")
          for kind in ("routed", "shared", "dense")]
   ks += [
          Knob("topk", TOPK_VARIANTS, "pairwise", _moe, "top-k routing: pairwise comparison matrix, sort-based, or k argmax passes"),
-         Knob("moe_combine", MOE_COMBINES, "mul_sum", _moe, "weighted sum over experts: multiply+sum or a batched matmul"),
          Knob("mla_absorb", MLA_ABSORB, "runtime", _always, "apply k_b per token, or absorb it into the q projection at load (fp16)"),
          Knob("kv_dtype", DTYPES, "float16", _always, "KV cache dtype"),
          Knob("attention", ATTENTION, "explicit", _always, "explicit matmul+softmax or scaled_dot_product_attention"),

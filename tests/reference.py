@@ -142,7 +142,10 @@ def read_hparams(meta: dict[str, Any]) -> Hparams:
 
 
 class Weights:
-  """Tensors of one GGUF, dequantized on first use and kept (as float64, numpy shape = ggml ne reversed)."""
+  """Tensors of one GGUF, dequantized on first use and kept (numpy shape = ggml ne reversed).
+
+  Kept as float32, which holds every dequantized value exactly (gguf.quants computes them in float32); products are
+  taken in float64, in row chunks for large matrices so no float64 copy of a whole vocabulary matrix is ever made."""
 
   def __init__(self, path: Path):
     reader = GGUFReader(path)
@@ -162,14 +165,15 @@ class Weights:
     """A whole tensor, or one expert's matrix of a 3-D `*_exps` tensor (so only the experts actually routed to get dequantized)."""
     if (name, expert) not in self._cache:
       shape, data = self.shape(name), self._raw[name].data
-      w = dequantize(np.asarray(data if expert is None else data[expert]), self.type(name)).astype(np.float64)
+      w = dequantize(np.asarray(data if expert is None else data[expert]), self.type(name)).astype(np.float32)
       self._cache[name, expert] = w.reshape(shape if expert is None else shape[1:])
     return self._cache[name, expert]
 
   def mm(self, x: np.ndarray, name: str, expert: int | None = None) -> np.ndarray:
     """ggml_mul_mat(weight, x): x (..., in) times the (out, in) weight, transposed."""
     if self.observer is not None: self.observer(x, name)
-    return x @ self.get(name, expert).T
+    w, rows = self.get(name, expert), 16384
+    return np.concatenate([x @ w[i:i + rows].T.astype(np.float64) for i in range(0, w.shape[0], rows)], axis=-1)
 
 
 @lru_cache(maxsize=8)
@@ -354,7 +358,7 @@ def _forward(w: Weights, tokens: list[int]) -> Forward:
   margins: list[np.ndarray] = [np.full(len(tokens), np.inf)]
   hp = w.hp
   pos = np.arange(len(tokens))
-  x = w.get("token_embd.weight")[np.asarray(tokens)]
+  x = w.get("token_embd.weight")[np.asarray(tokens)].astype(np.float64)
   for il in range(hp.n_layer):
     p = f"blk.{il}."
     x = x + attention(w, il, rms_norm(x, w.get(p + "attn_norm.weight"), hp.rms_eps), pos)

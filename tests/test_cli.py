@@ -76,7 +76,7 @@ def test_config_validation(tmp_path) -> None:
   with pytest.raises(ConfigError, match="unknown field"): StructureConfig.from_json('{"topkk": "sort"}')
   with pytest.raises(ConfigError, match="barriers point"): StructureConfig(barriers={"nowhere": "contiguous"})
   cfg = StructureConfig(topk="sort", backends={"Q4_0:expert": "fp16_cache"}, barriers={"kv_a": "realize"})
-  assert StructureConfig.from_json(cfg.to_json()) == cfg
+  assert StructureConfig.from_json(cfg.to_json()) == cfg == StructureConfig.from_toml(cfg.to_toml())
   bad = tmp_path / "bad.json"
   bad.write_text('{"beam": 3}')
   one_line_error(run_model("bench", "--model", "tiny", "--config", str(bad)), "beam=3 is not allowed")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from model.deepseek2 import Transformer
-from model.generate import Generator, jit_kernel_names
+from model.generate import Generator, jit_kernels
 from model.gguf_file import GGUFFile
 from model.structure import StructureConfig
 from space.knobs import ModelInfo, knobs, sample, single_knob_changes, size, suggest, to_config
@@ -31,12 +31,12 @@ def info(path: str) -> ModelInfo: return ModelInfo.from_gguf(GGUFFile(path))
 
 
 @functools.cache
-def run(path: str, cfg_json: str) -> tuple[np.ndarray, tuple[str, ...]]:
-  """Teacher-forced logits and the decode step's kernel names under one config."""
+def run(path: str, cfg_json: str) -> tuple[np.ndarray, tuple[tuple[str, str], ...]]:
+  """Teacher-forced logits and the decode step's kernels (name, source) under one config."""
   gen = Generator(Transformer(GGUFFile(path), StructureConfig.from_json(cfg_json), max_context=32), chunk=len(TOKENS))
   logits = gen.prefill(TOKENS).astype(np.float64)
   for i in range(3): gen.step(1, len(TOKENS) + i)
-  return logits, tuple(jit_kernel_names(gen.step_jit))
+  return logits, tuple(jit_kernels(gen.step_jit))
 
 
 def changes(path: str) -> list[tuple[str, StructureConfig]]:
@@ -49,7 +49,7 @@ def tiny(gguf_file) -> str: return gguf_file("tiny", "q4_k_m")
 
 def test_space_covers_every_knob_for_a_moe_model(tiny) -> None:
   names = {k.name for k in knobs(info(tiny))}
-  assert {"merge_gate_up_routed", "merge_gate_up_shared", "merge_gate_up_dense", "topk", "moe_combine", "mla_absorb", "kv_dtype",
+  assert {"merge_gate_up_routed", "merge_gate_up_shared", "merge_gate_up_dense", "topk", "mla_absorb", "kv_dtype",
           "attention", "act_dtype", "router_fp32", "beam", "barrier.q_proj", "barrier.kv_write", "barrier.expert_down"} <= names
   assert {"backend.Q4_K.expert", "backend.Q6_K.expert", "backend.Q5_K.dense", "backend.Q8_0.dense"} <= names
   assert size(info(tiny)) == np.prod([len(k.choices) for k in knobs(info(tiny))])
@@ -59,7 +59,7 @@ def test_dense_model_has_no_expert_knobs(gguf_file) -> None:
   from model.synth import write_synthetic
   del gguf_file
   names = {k.name for k in knobs(info(str(write_synthetic("/tmp/structsearch-test-youtu.gguf", "youtu", layers=1, quant="q8_0"))))}
-  assert not any(n.startswith(("topk", "moe_combine", "merge_gate_up_routed", "barrier.expert", "barrier.router")) for n in names)
+  assert not any(n.startswith(("topk", "merge_gate_up_routed", "barrier.expert", "barrier.router")) for n in names)
   assert "merge_gate_up_dense" in names and not any(".expert" in n for n in names)
 
 
@@ -90,4 +90,4 @@ def test_knob_is_equivalent_and_changes_the_kernels(tiny, label: str) -> None:
   top2 = np.sort(base_logits, axis=1)[:, -2:]
   decisive = top2[:, 1] - top2[:, 0] > 2 * tol * scale
   np.testing.assert_array_equal(logits.argmax(1)[decisive], base_logits.argmax(1)[decisive])
-  assert kernels != base_kernels, f"{label} runs exactly the baseline's kernels: it changes nothing"
+  assert kernels != base_kernels, f"{label} runs exactly the baseline's kernels (same sources): it changes nothing"

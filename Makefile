@@ -22,4 +22,4 @@ lint: setup
 	$(BIN)/ruff check .
 
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2 --dist loadfile

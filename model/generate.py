@@ -28,9 +28,11 @@ class Generator:
   def _step_logits(self, token: Tensor, start_pos: UOp) -> Tensor:
     return self.model.forward(token, start_pos)[0, -1].contiguous()
 
-  def _step(self, token: Tensor, start_pos: UOp, temperature: Tensor) -> Tensor:
+  def _step(self, token: Tensor, start_pos: UOp, temperature: Tensor, seed: Tensor) -> Tensor:
     logits = self.model.forward(token, start_pos)[0, -1]
-    gumbel = -(-Tensor.rand_like(logits).maximum(1e-12).log()).log()
+    # uniform noise from a stateless hash of (index, seed): a seed drawn on the host per step makes sampling reproducible
+    h = ((Tensor.arange(logits.shape[-1]).float() * 12.9898 + seed * 78.233).sin() * 43758.5453)
+    gumbel = -(-(h - h.floor()).maximum(1e-12).log()).log()
     return (logits / temperature.maximum(1e-6) + gumbel * (temperature > 0)).argmax(-1).cast(dtypes.int32).reshape(1, 1).contiguous()
 
   def _check_room(self, end: int) -> None:
@@ -54,22 +56,22 @@ class Generator:
     self._check_room(pos + 1)
     with Context(BEAM=self.beam): return self.step_logits_jit(Tensor([[token]], dtype=dtypes.int32), self.pos.bind(pos)).numpy()
 
-  def step(self, token: int, pos: int, temperature: float = 0.0) -> int:
+  def step(self, token: int, pos: int, temperature: float = 0.0, seed: float = 0.0) -> int:
     self._check_room(pos + 1)
-    with Context(BEAM=self.beam): return int(self.step_jit(Tensor([[token]], dtype=dtypes.int32), self.pos.bind(pos), Tensor([temperature])).item())
+    args = (Tensor([[token]], dtype=dtypes.int32), self.pos.bind(pos), Tensor([temperature]), Tensor([seed]))
+    with Context(BEAM=self.beam): return int(self.step_jit(*args).item())
 
   def generate(self, prompt: list[int], n: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                stop: set[int] = frozenset()) -> Iterator[int]:
     """Yields up to n new tokens after the prompt; stops after a token in `stop`."""
     rng = np.random.default_rng(seed)
-    if seed is not None: Tensor.manual_seed(seed)
     tok = sample(self.prefill(prompt)[-1], temperature, top_p, rng)
     pos = len(prompt)
     for i in range(n):
       yield tok
       if tok in stop or i == n - 1: return
       if top_p < 1.0 and temperature > 0: tok = sample(self.step_logits(tok, pos), temperature, top_p, rng)
-      else: tok = self.step(tok, pos, temperature)
+      else: tok = self.step(tok, pos, temperature, float(rng.random() * 1000))
       pos += 1
 
 

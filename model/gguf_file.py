@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from tinygrad import Tensor
 
 from model.quants import QUANT_TYPES, type_name
@@ -39,6 +39,23 @@ def _field_value(field) -> Any:
   return bool(v) if vtype == GGUFValueType.BOOL else v
 
 
+class _InfoReader(GGUFReader):
+  """GGUFReader that records tensor infos without viewing tensor data, so a truncated file can be reported per tensor."""
+
+  def _build_tensors(self, start_offs: int, fields: list) -> None:
+    self.infos = []
+    for field in fields:
+      _, name, _, dims, raw_type, offset = field.parts
+      ggml_type, n = int(raw_type[0]), int(np.prod(dims))
+      block, nbytes = GGML_QUANT_SIZES.get(GGMLQuantizationType(ggml_type), (1, 0)) if ggml_type in _KNOWN else (1, 0)
+      self.infos.append(TensorInfo(bytes(name).decode(), ggml_type, tuple(int(d) for d in reversed(dims.tolist())),
+                                   int(start_offs + offset[0]), n * nbytes // block))
+    self.tensors = []
+
+
+_KNOWN = {t.value for t in GGMLQuantizationType}
+
+
 class GGUFFile:
   """One GGUF file. Tensor data stays on disk until `raw()` moves one tensor's bytes to a device."""
 
@@ -46,12 +63,11 @@ class GGUFFile:
     self.path = pathlib.Path(path)
     if not self.path.is_file(): raise GGUFError(f"no GGUF file at {self.path}")
     size = self.path.stat().st_size
-    try: reader = GGUFReader(self.path)
+    try: reader = _InfoReader(self.path)
     except Exception as e: raise GGUFError(f"{self.path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
     self.metadata: dict[str, Any] = {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     self.tensors: dict[str, TensorInfo] = {}
-    for t in reader.tensors:
-      info = TensorInfo(t.name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())), int(t.data_offset), int(t.n_bytes))
+    for info in reader.infos:
       if info.ggml_type not in QUANT_TYPES:
         raise GGUFError(f"{self.path.name}: tensor {info.name} has type {info.type_name}, which is not supported "
                         f"(supported: {', '.join(type_name(q) for q in QUANT_TYPES)})")

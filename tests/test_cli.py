@@ -46,7 +46,7 @@ def test_truncated_file_names_the_tensor(gguf_file, tmp_path) -> None:
 def test_unsupported_type_names_tensor_and_type(tmp_path) -> None:
   path = tmp_path / "q5_0.gguf"
   w = GGUFWriter(str(path), "deepseek2")
-  w.add_tensor("blk.0.attn_q_a.weight", np.zeros((2, 22), dtype=np.uint8), raw_shape=(2, 32), raw_dtype=GGMLQuantizationType.Q5_0)
+  w.add_tensor("blk.0.attn_q_a.weight", np.zeros((2, 22), dtype=np.uint8), raw_dtype=GGMLQuantizationType.Q5_0)
   w.write_header_to_file()
   w.write_kv_data_to_file()
   w.write_tensors_to_file()

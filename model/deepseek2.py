@@ -62,10 +62,10 @@ class Hparams:
     # rope scaling and the attention scale, as llama.cpp derives them (llama-context.cpp, models/deepseek2.cpp)
     scaling, factor = f.key("rope.scaling.type", "none"), f.key("rope.scaling.factor", 0.0) or 1.0
     freq_scale = 1.0 if scaling == "none" else 1.0 / factor
-    ext_factor = f.key("rope.scaling.yarn_ext_factor", -1.0)
-    if ext_factor < 0: ext_factor = 1.0 if scaling == "yarn" else 0.0
+    # llama.cpp reads no yarn_ext_factor/attn_factor/beta keys: ext 1 with YaRN, attn 1, beta_fast 32, beta_slow 1
+    ext_factor = 1.0 if scaling == "yarn" else 0.0
     log_mul = f.key("rope.scaling.yarn_log_multiplier", 0.0) / 0.1
-    attn_factor = f.key("rope.scaling.yarn_attn_factor", 1.0)
+    attn_factor = 1.0
     if ext_factor != 0:  # with a log multiplier, deepseek2's mscale equals mscale_all_dim and their ratio is 1
       attn_factor = (1.0 if log_mul != 0 or factor <= 1 else 1.0 + 0.1 * math.log(factor)) / (1.0 + 0.1 * math.log(factor))
     attn_factor *= f.key("rope.scaling.attn_factor", 1.0)
@@ -79,7 +79,7 @@ class Hparams:
       norm_w=bool(f.key("expert_weights_norm", False)), w_scale=float(f.key("expert_weights_scale", 0.0)),
       eps=need("attention.layer_norm_rms_epsilon"), vocab=vocab, context_length=need("context_length"),
       rope_base=f.key("rope.freq_base", 10000.0), freq_scale=freq_scale, ext_factor=ext_factor, attn_factor=attn_factor,
-      beta_fast=f.key("rope.scaling.yarn_beta_fast", 32.0), beta_slow=f.key("rope.scaling.yarn_beta_slow", 1.0),
+      beta_fast=32.0, beta_slow=1.0,
       n_ctx_orig=f.key("rope.scaling.original_context_length", need("context_length")),
       kq_scale=mscale * mscale / math.sqrt(head_k))
 

@@ -186,6 +186,7 @@ class Block:
       wn, self.q_pe = QWeight(qb.planes, qb.ggml_type, (H, nope + rope, d_in)).split_rows(nope)
       self.q_pe.shape, q_nope = (H * rope, d_in), wn.to_float()
     self.q_abs = QWeight.fp16((self.k_b_float() @ q_nope).reshape(H * hp.kv_lora, d_in))  # (H, kv_lora, in) per head
+    self.q_b = None  # replaced by q_abs and q_pe: keeping it would hold the quantized q projection twice
 
   def k_b_float(self) -> Tensor: return self.k_b.to_float() if self.k_b_t is None else self.k_b_t.to_float().permute(0, 2, 1)
 

@@ -1,22 +1,37 @@
 #!/usr/bin/env bash
-# One device call: install carried wheels, synthesize GLM-4.7-Flash-shaped files, run benchmark sets. Results land in $OUT.
-# usage: bash benchmarks/gpu.sh STEP...   steps: env, bw, expert, glm4, knobsA, knobsB, beam4, full, fullbeam
+# One device call: install the carried wheels, synthesize GLM-4.7-Flash-shaped files, run the named steps. Results land in $OUT.
+# usage: bash benchmarks/gpu.sh STEP...
+#   steps: env bw trial repeat knobs study confirm status (evaluator and search on the 4-layer GLM-4.7-Flash Q4_0 shape),
+#          full (baseline at 47 layers); STUDY_TRIALS, STUDY_TIMEOUT set the study step's target and time limit.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DEV=CUDA
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DEV=CUDA STRUCTSEARCH_CACHE=/tmp/sscache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+DB=sqlite:////tmp/structsearch.db
+[ -f /tmp/structsearch.db ] || [ ! -f .gpu/structsearch.db ] || cp .gpu/structsearch.db /tmp/  # a study carried from an earlier machine
 synth() { [ -f "$2" ] || python3 -m model synth --preset glm-4.7-flash --quant q4_0 --layers "$1" --out "$2"; }
+timed() { local t0=$SECONDS; "$@"; echo "[wall $((SECONDS - t0)) s: $*]"; }
+ev() { timed python3 -m evaluator "$@"; }
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case $step in
-    env) nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 --version; nproc; free -g | head -2; df -h /tmp | tail -1 ;;
-    bw) python3 benchmarks/bandwidth.py | tee -a "$OUT/bandwidth.txt" ;;
-    glm4) synth 4 /tmp/glm4.gguf && python3 benchmarks/run.py --model /tmp/glm4.gguf --set baseline --out "$OUT/results.jsonl" ;;
-    expert) for b in 0 2; do python3 benchmarks/expert_kernel.py --beam $b; done | tee -a "$OUT/expert.txt" ;;
-    knobsA) synth 4 /tmp/glm4.gguf && python3 benchmarks/run.py --model /tmp/glm4.gguf --set knobs --limit 18 --out "$OUT/results.jsonl" --timeout 120 ;;
-    knobsB) synth 4 /tmp/glm4.gguf && python3 benchmarks/run.py --model /tmp/glm4.gguf --set knobs --skip 18 --out "$OUT/results.jsonl" --timeout 120 ;;
-    beam4) synth 4 /tmp/glm4.gguf && python3 benchmarks/run.py --model /tmp/glm4.gguf --set baseline --beam 2 --out "$OUT/results.jsonl" --timeout 560 ;;
-    full) synth 47 /tmp/glm47.gguf && python3 benchmarks/run.py --model /tmp/glm47.gguf --set baseline --out "$OUT/results.jsonl" --timeout 500 ;;
-    fullbeam) synth 47 /tmp/glm47.gguf && python3 benchmarks/run.py --model /tmp/glm47.gguf --set baseline --beam 2 --out "$OUT/results.jsonl" --timeout 560 ;;
+    env) nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 --version; nproc ;;
+    bw) synth 4 /tmp/glm4.gguf && ev bandwidth --device CUDA --remeasure ;;
+    trial) echo '{}' > /tmp/base.json
+           ev run --model /tmp/glm4.gguf --device CUDA --profile --json "$OUT/trial_baseline.json"  # includes making the reference
+           ev run --model /tmp/glm4.gguf --device CUDA --json "$OUT/trial_baseline2.json" ;;
+    repeat) ev compare --model /tmp/glm4.gguf --device CUDA --no-prefill /tmp/base.json /tmp/base.json --pairs 3 --json "$OUT/ab_same.json" ;;
+    knobs) for c in '{"mv_threads_per_row": 16}' '{"jit_batch_size": 0}' '{"backends": {"Q4_0:expert": "dsl", "Q4_0:dense": "dsl"}}' \
+                    '{"merge_gate_up_routed": true, "backends": {"Q4_0:expert": "fp16_cache"}}'; do
+             echo "$c" > /tmp/k.json; echo "--- $c"
+             ev run --model /tmp/glm4.gguf --device CUDA --no-prefill --config /tmp/k.json --json "$OUT/knob_$(echo "$c" | md5sum | cut -c1-8).json"
+           done ;;
+    study) timed python3 -m search start --model /tmp/glm4.gguf --study glm4-q4_0-L4 --storage $DB --device CUDA --fix beam=0 --no-prefill \
+             --trials "${STUDY_TRIALS:-30}" --timeout "${STUDY_TIMEOUT:-480}" --confirm 0 --seed 0; cp /tmp/structsearch.db "$OUT/" ;;
+    confirm) timed python3 -m search confirm --study glm4-q4_0-L4 --storage $DB --top "${CONFIRM_TOP:-1}" --pairs "${CONFIRM_PAIRS:-3}"
+             cp /tmp/structsearch.db "$OUT/" ;;
+    status) python3 -m search status --study glm4-q4_0-L4 --storage $DB
+            python3 -m search export --study glm4-q4_0-L4 --storage $DB --out "$OUT/glm4-q4_0-L4.toml" ;;
+    full) synth 47 /tmp/glm47.gguf && ev run --model /tmp/glm47.gguf --device CUDA --json "$OUT/trial_full.json" ;;
   esac
 done

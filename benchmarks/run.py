@@ -21,7 +21,7 @@ def configs(model: str, which: str) -> list[tuple[str, dict]]:
   """baseline, or the baseline plus every single-knob change of this model's search space (BEAM apart: --beam sets it)."""
   if which == "baseline": return [("baseline", {})]
   info = ModelInfo.from_gguf(GGUFFile(model))
-  return [("baseline", {})] + [(label, json.loads(cfg.to_json())) for label, cfg in single_knob_changes(info) if not label.startswith("beam=")]
+  return [("baseline", {})] + [(label, json.loads(cfg.to_json())) for label, cfg in single_knob_changes(info) if not label.startswith("beam")]
 
 
 def main() -> None:

@@ -1,19 +1,31 @@
 """Decode benchmark: sequential, after warm-up, at a fixed prompt and context range, in several rounds."""
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
 
+import tinygrad.helpers as th
 from tinygrad import Device, GlobalCounters
 
 from model.generate import Generator, jit_stats
-from model.structure import StructureConfig
+from model.structure import PROCESS_SETTINGS, StructureConfig
 
 
 def apply_process_settings(cfg: StructureConfig, device: str | None = None) -> None:
-  """tinygrad settings of the whole process; applied once, before the first kernel is built. (BEAM is scoped to decode by Generator.)"""
-  if device: Device.DEFAULT = device
+  """tinygrad settings of the whole process; applied once, before the first kernel is built. (BEAM is scoped to decode by Generator.)
+
+  tinygrad reads these variables through a cached getenv or at import, so the cache is cleared and the JIT batch size set
+  directly. Its BEAM cache is keyed by kernel, not by the BEAM_* limits, so non-default limits get a cache file of their own."""
+  if device: th.DEV.value = device
+  os.environ.update(cfg.process_env())
+  th.getenv.cache_clear()
+  th.JIT_BATCH_SIZE.value = cfg.jit_batch_size
+  beam_limits = [getattr(cfg, f) for f in PROCESS_SETTINGS if f.startswith("beam_")]
+  if beam_limits != [getattr(StructureConfig, f) for f in PROCESS_SETTINGS if f.startswith("beam_")]:
+    if th._db_connection is not None: raise RuntimeError("tinygrad's cache is open already: apply process settings before any kernel is built")
+    th.CACHEDB = os.path.join(th.cache_dir, "structsearch-beam-" + "-".join(map(str, beam_limits)) + ".db")
 
 
 def bench_prompt(vocab: int, n: int) -> list[int]:
@@ -34,38 +46,69 @@ class BenchResult:
   prefill_tok_s: float
   compile_s: float  # first prefill + first decode steps (kernel compilation, BEAM search, JIT capture)
   tokens: list[int]
+  deterministic: bool  # every round produced the same tokens
 
   def to_dict(self) -> dict: return asdict(self)
 
 
-def bench(gen: Generator, prompt_len: int = 32, n: int = 32, rounds: int = 3, warmup: int = 3) -> BenchResult:
-  vocab = gen.model.hp.vocab
-  prompt = bench_prompt(vocab, prompt_len)
+def sync() -> None: Device[Device.DEFAULT].synchronize()
+
+
+def prefill(gen: Generator, prompt: list[int]) -> tuple[int, float]:
+  """Prefill twice (the JIT captures on its second call), then once timed: (greedy next token, prefill tok/s)."""
+  for _ in range(2): gen.prefill(prompt)
   t0 = time.perf_counter()
   first = int(gen.prefill(prompt)[-1].argmax())
-  tok = first
-  for i in range(warmup): tok = gen.step(tok, prompt_len + i)
-  gen.prefill(prompt)
-  compile_s = time.perf_counter() - t0
-  t0 = time.perf_counter()
-  gen.prefill(prompt)
-  Device[Device.DEFAULT].synchronize()
-  prefill_tok_s = prompt_len / (time.perf_counter() - t0)
+  return first, len(prompt) / (time.perf_counter() - t0)
+
+
+def steps(gen: Generator, tok: int, pos: int, n: int) -> list[int]:
+  """n greedy decode steps from token `tok` at position `pos`; the first two build and capture the decode JIT."""
+  out = []
+  for i in range(n): out.append(tok := gen.step(tok, pos + i))
+  return out
+
+
+def feed(gen: Generator, tokens: list[int], start: int = 0) -> int:
+  """Tokens through decode steps at positions start..; returns the greedy token after the last."""
+  for i, t in enumerate(tokens): nxt = gen.step(t, start + i)
+  return nxt
+
+
+def traffic(gen: Generator, tok: int, pos: int) -> tuple[int, int, int]:
+  """(bytes read + written, kernels, JIT graph batches) of one decode step."""
   GlobalCounters.reset()
-  gen.step(first, prompt_len)
-  nbytes = GlobalCounters.global_mem
-  kernels, batches = jit_stats(gen.step_jit)
+  gen.step(tok, pos)
+  return int(GlobalCounters.global_mem), *jit_stats(gen.step_jit)
+
+
+def decode_rounds(gen: Generator, first: int, pos: int, n: int, rounds: int) -> tuple[list[float], list[float], list[list[int]]]:
+  """Sequential decode of n tokens from the same start, `rounds` times: (tok/s per round, ms per step, tokens per round)."""
   per_round, step_ms, tokens = [], [], []
   for _ in range(rounds):
     tok, out = first, [first]
     start = time.perf_counter()
     for i in range(n - 1):
       t = time.perf_counter()
-      tok = gen.step(tok, prompt_len + i)
+      tok = gen.step(tok, pos + i)
       step_ms.append((time.perf_counter() - t) * 1e3)
       out.append(tok)
     per_round.append((n - 1) / (time.perf_counter() - start))
-    tokens = out
-  q = statistics.quantiles(step_ms, n=10) if len(step_ms) > 1 else step_ms * 9
-  return BenchResult(statistics.median(per_round), min(per_round), max(per_round), statistics.median(step_ms), q[8],
-                     kernels, batches, int(nbytes), prefill_tok_s, compile_s, tokens)
+    tokens.append(out)
+  return per_round, step_ms, tokens
+
+
+def percentile(xs: list[float], q: float) -> float:
+  return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1] if len(xs) > 1 else xs[0]
+
+
+def bench(gen: Generator, prompt_len: int = 32, n: int = 32, rounds: int = 3, warmup: int = 3) -> BenchResult:
+  prompt = bench_prompt(gen.model.hp.vocab, prompt_len)
+  t0 = time.perf_counter()
+  first, prefill_tok_s = prefill(gen, prompt)
+  steps(gen, first, prompt_len, 2 + warmup)
+  compile_s = time.perf_counter() - t0
+  nbytes, kernels, batches = traffic(gen, first, prompt_len)
+  per_round, step_ms, tokens = decode_rounds(gen, first, prompt_len, n, rounds)
+  return BenchResult(statistics.median(per_round), min(per_round), max(per_round), statistics.median(step_ms), percentile(step_ms, 90),
+                     kernels, batches, nbytes, prefill_tok_s, compile_s, tokens[-1], all(t == tokens[0] for t in tokens))

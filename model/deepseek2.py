@@ -183,7 +183,7 @@ class Block:
       qf = qb.cache.reshape(H, nope + rope, d_in)
       q_nope, self.q_pe = qf[:, :nope].float(), QWeight.fp16(qf[:, nope:].reshape(H * rope, d_in))
     else:
-      wn, self.q_pe = QWeight(qb.planes, qb.ggml_type, (H, nope + rope, d_in)).split_rows(nope)
+      wn, self.q_pe = QWeight(qb.planes, qb.ggml_type, (H, nope + rope, d_in), backend=qb.backend).split_rows(nope)
       self.q_pe.shape, q_nope = (H * rope, d_in), wn.to_float()
     self.q_abs = QWeight.fp16((self.k_b_float() @ q_nope).reshape(H * hp.kv_lora, d_in))  # (H, kv_lora, in) per head
     self.q_b = None  # replaced by q_abs and q_pe: keeping it would hold the quantized q projection twice
@@ -284,7 +284,9 @@ class Transformer:
       w = QWeight.from_raw(f.raw(name, device), info.ggml_type, shape or info.shape)
       self.load_peak_bytes = max(self.load_peak_bytes, GlobalCounters.mem_used)
       if norm: return w.to_float().reshape(-1).contiguous().realize()
-      if self.cfg.backend(w.quant, role) == "fp16_cache": w.use_fp16_cache()
+      backend = self.cfg.backend(w.quant, role)
+      if backend == "fp16_cache": w.use_fp16_cache()
+      elif backend == "dsl": w.backend = "dsl"
       return w
 
     n = hp.n_layers if n_layers is None else n_layers

@@ -20,12 +20,23 @@ BARRIER_POINTS = ("q_proj", "kv_a", "attn_out", "router_logits", "moe_gate_up", 
                   "shexp_gate_up", "dense_gate_up", "block_out", "kv_write")
 BARRIER_MODES = ("none", "contiguous", "realize")
 TOPK_VARIANTS = ("pairwise", "sort", "argmax")
-BACKENDS = ("tensor", "fp16_cache")
+BACKENDS = ("tensor", "fp16_cache", "dsl")  # "dsl" only for the types in model/dsl.py's DSL_QUANTS
 ROLES = ("dense", "expert")
 QUANT_NAMES = ("F32", "F16", "BF16", "Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 MLA_ABSORB = ("runtime", "load")
 DTYPES = ("float16", "float32")
 ATTENTION = ("explicit", "sdpa")
+BEAM_WIDTHS = (0, 1, 2, 4, 8)
+# tinygrad process settings that change generated code or its execution: StructureConfig field -> (environment variable, allowed values)
+PROCESS_SETTINGS: dict[str, tuple[str, tuple]] = {
+  "beam_upcast_max": ("BEAM_UPCAST_MAX", (64, 128, 256)),  # BEAM: largest upcast a candidate may apply
+  "beam_local_max": ("BEAM_LOCAL_MAX", (256, 512, 1024)),  # BEAM: largest local (workgroup) size
+  "beam_min_progress": ("BEAM_MIN_PROGRESS", (0.01, 1.0, 5.0)),  # BEAM: stop when the best candidate gains less (µs)
+  "mv_blocksize": ("MV_BLOCKSIZE", (1, 2, 4, 8)),  # BEAM=0 matvec heuristic (GPUs): rows per workgroup block
+  "mv_threads_per_row": ("MV_THREADS_PER_ROW", (1, 4, 8, 16, 32)),  # BEAM=0 matvec heuristic: threads sharing one row's reduction
+  "mv_rows_per_thread": ("MV_ROWS_PER_THREAD", (1, 2, 4, 8)),  # BEAM=0 matvec heuristic: rows each thread upcasts
+  "jit_batch_size": ("JIT_BATCH_SIZE", (0, 8, 32, 128)),  # kernels in the first JIT graph batch, doubling after (0: one graph)
+}
 
 DEFAULT_BARRIERS = {p: "none" for p in BARRIER_POINTS} | {"moe_gate_up": "contiguous", "dense_gate_up": "contiguous",
                                                           "shexp_gate_up": "contiguous", "block_out": "contiguous"}
@@ -53,6 +64,13 @@ class StructureConfig:
   act_dtype: str = "float32"
   router_fp32: bool = True
   beam: int = 0
+  beam_upcast_max: int = 256
+  beam_local_max: int = 1024
+  beam_min_progress: float = 0.01
+  mv_blocksize: int = 4
+  mv_threads_per_row: int = 8
+  mv_rows_per_thread: int = 4
+  jit_batch_size: int = 32
   schema_version: int = SCHEMA_VERSION
 
   def __post_init__(self):
@@ -61,18 +79,25 @@ class StructureConfig:
       _check("barriers point", p, BARRIER_POINTS)
       _check(f"barriers.{p}", m, BARRIER_MODES)
     object.__setattr__(self, "barriers", {p: self.barriers.get(p, "none") for p in BARRIER_POINTS})
+    if isinstance(self.beam_min_progress, int) and not isinstance(self.beam_min_progress, bool):  # JSON/TOML may write 1.0 as 1
+      object.__setattr__(self, "beam_min_progress", float(self.beam_min_progress))
     for k, b in self.backends.items():
       quant, _, role = k.partition(":")
       _check("backends quant type", quant, QUANT_NAMES)
       _check("backends role", role, ROLES)
       _check(f"backends.{k}", b, BACKENDS)
     for name, allowed in (("topk", TOPK_VARIANTS), ("mla_absorb", MLA_ABSORB), ("kv_dtype", DTYPES),
-                          ("attention", ATTENTION), ("act_dtype", DTYPES), ("beam", (0, 1, 2, 4, 8))):
+                          ("attention", ATTENTION), ("act_dtype", DTYPES), ("beam", BEAM_WIDTHS),
+                          *((f, allowed) for f, (_, allowed) in PROCESS_SETTINGS.items())):
       _check(name, getattr(self, name), allowed)
     for name in ("merge_gate_up_routed", "merge_gate_up_shared", "merge_gate_up_dense", "router_fp32"):
       if not isinstance(getattr(self, name), bool): raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
   def backend(self, quant: str, role: str) -> str: return self.backends.get(f"{quant}:{role}", "tensor")
+
+  def process_env(self) -> dict[str, str]:
+    """The tinygrad environment variables of a trial process (BEAM itself is scoped to decode by model.generate)."""
+    return {var: str(getattr(self, f)) for f, (var, _) in PROCESS_SETTINGS.items()}
 
   def to_dict(self) -> dict[str, Any]: return dataclasses.asdict(self)
   def to_json(self) -> str: return json.dumps(self.to_dict(), sort_keys=True)

@@ -3,6 +3,7 @@
 `tensor` keeps a quantized weight as its GGUF blocks (split into one plane per block field at load, nothing dequantized)
 and dequantizes lazily inside the product, as a packed dot: each group's scale multiplies after the group's inner sum.
 `fp16_cache` dequantizes once at load into an fp16 matrix.
+`dsl` keeps the planes as `tensor` does and runs each product as one of model/dsl.py's custom kernels.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 from tinygrad import Tensor, dtypes
 
+from model import dsl
 from model.quants import FLOAT_TYPES, QUANT_TYPES, factors, float_weight, planes, to_float
 
 
@@ -19,6 +21,7 @@ class QWeight:
   ggml_type: int
   shape: tuple[int, ...]  # numpy order: (out, in), (experts, out, in) or (heads, out, in)
   cache: Tensor | None = None  # the fp16_cache backend's matrix, with `shape`
+  backend: str = "tensor"  # "dsl": the products over the planes run model/dsl.py's custom kernels
 
   @classmethod
   def from_raw(cls, raw: Tensor, ggml_type: int, shape: tuple[int, ...]) -> QWeight:
@@ -52,7 +55,8 @@ class QWeight:
     p = self.view(self.shape)
     a = {k: v[..., :n, :, :].contiguous().reshape(-1, *v.shape[-2:]).realize() for k, v in p.items()}
     b = {k: v[..., n:, :, :].contiguous().reshape(-1, *v.shape[-2:]).realize() for k, v in p.items()}
-    return QWeight(a, self.ggml_type, (*lead, n, inp)), QWeight(b, self.ggml_type, (*lead, out - n, inp))
+    return (QWeight(a, self.ggml_type, (*lead, n, inp), backend=self.backend),
+            QWeight(b, self.ggml_type, (*lead, out - n, inp), backend=self.backend))
 
 
 def concat_rows(a: QWeight, b: QWeight) -> QWeight:
@@ -62,7 +66,8 @@ def concat_rows(a: QWeight, b: QWeight) -> QWeight:
   shape = (*lead, out + b.shape[-2], inp)
   if a.cache is not None: return QWeight.fp16(a.cache.cat(b.cache, dim=-2))
   pa, pb = a.view(a.shape), b.view(b.shape)
-  return QWeight({k: pa[k].cat(pb[k], dim=-3).reshape(-1, *pa[k].shape[-2:]).contiguous().realize() for k in pa}, a.ggml_type, shape)
+  return QWeight({k: pa[k].cat(pb[k], dim=-3).reshape(-1, *pa[k].shape[-2:]).contiguous().realize() for k in pa}, a.ggml_type, shape,
+                 backend=a.backend)
 
 
 def _dot(x: Tensor, p: dict[str, Tensor], ggml_type: int) -> Tensor:
@@ -78,12 +83,14 @@ def _dot(x: Tensor, p: dict[str, Tensor], ggml_type: int) -> Tensor:
 def linear(x: Tensor, w: QWeight) -> Tensor:
   """x (..., in) @ w.T -> (..., out) float32, for a weight of shape (out, in)."""
   if w.cache is not None: return x.float() @ w.cache.T.float()
+  if w.backend == "dsl": return dsl.linear(x, w)
   return _dot(x.unsqueeze(-2), w.planes, w.ggml_type)
 
 
 def per_head(x: Tensor, w: QWeight) -> Tensor:
   """x (..., H, in) with w (H, out, in) -> (..., H, out): one small matrix per head (MLA's k_b and v_b)."""
   if w.cache is not None: return (x.float().unsqueeze(-2) * w.cache.float()).sum(-1)
+  if w.backend == "dsl": return dsl.per_head(x, w)
   return _dot(x.unsqueeze(-2), w.view(w.shape), w.ggml_type)
 
 
@@ -92,4 +99,5 @@ def expert(x: Tensor, sel: Tensor, w: QWeight) -> Tensor:
 
   The selected experts' rows are indexed inside the product (tinygrad folds the gather into the loads)."""
   if w.cache is not None: return (x.float().unsqueeze(-2) * w.cache[sel].float()).sum(-1)
+  if w.backend == "dsl": return dsl.expert(x, sel, w)
   return _dot(x.unsqueeze(-2), w.view(w.shape, sel), w.ggml_type)

@@ -11,20 +11,31 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from model.dsl import DSL_QUANTS
 from model.gguf_file import GGUFFile
 from model.quants import QUANT_TYPES
 from model.structure import (
   ATTENTION,
   BACKENDS,
   BARRIER_MODES,
+  BEAM_WIDTHS,
   DEFAULT_BARRIERS,
   DTYPES,
   MLA_ABSORB,
+  PROCESS_SETTINGS,
   TOPK_VARIANTS,
+  ConfigError,
   StructureConfig,
 )
 
-SPACE_VERSION = 1
+SPACE_VERSION = 2
+GPU_DEVICES = ("CUDA", "NV", "AMD", "METAL", "CL", "QCOM", "WEBGPU")  # renderers with local memory (the matvec heuristic needs it)
+GRAPH_DEVICES = ("CUDA", "NV", "AMD", "METAL")  # devices whose JIT batches kernels into graphs
+
+
+def device_kind(device: str) -> str:
+  """"CUDA:1" -> "CUDA": a study belongs to one device kind, whose knobs it explores."""
+  return device.split(":")[0].upper()
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,7 @@ class Knob:
   default: Any
   applies: Callable[[ModelInfo], bool]
   doc: str
+  when_beam: Callable[[int], bool] | None = None  # a condition on the chosen BEAM width (the knob is sampled after `beam`)
 
 
 _moe = lambda m: m.moe
@@ -75,8 +87,13 @@ BARRIER_CHOICES = {"q_proj": ("none", "realize"), "kv_a": ("none", "realize"), "
                    "dense_gate_up": ("contiguous", "realize"), "block_out": ("contiguous", "realize")}
 
 
-def knobs(info: ModelInfo) -> list[Knob]:
-  """The knobs that apply to this model, in a fixed order."""
+def backend_choices(quant: str) -> tuple[str, ...]:
+  """The backends a weight of this quant type can run on: `dsl` only where model/dsl.py has a kernel for the type."""
+  return tuple(b for b in BACKENDS if b != "dsl" or quant in DSL_QUANTS)
+
+
+def knobs(info: ModelInfo, device: str = "CPU") -> list[Knob]:
+  """The knobs that apply to this model on this device kind, in a fixed order (conditional knobs after `beam`)."""
   ks = [Knob(f"barrier.{p}", BARRIER_CHOICES.get(p, BARRIER_MODES), DEFAULT_BARRIERS[p], _BARRIER_APPLIES.get(p, _always),
              f"kernel boundary (contiguous) or execution barrier (realize) at {p}") for p in DEFAULT_BARRIERS]
   ks += [Knob(f"merge_gate_up_{kind}", (False, True), False, lambda m, kind=kind: kind in m.mergeable, f"{kind} FFN gate and up as one matrix")
@@ -89,8 +106,14 @@ def knobs(info: ModelInfo) -> list[Knob]:
          Knob("act_dtype", DTYPES, "float32", _always, "residual stream dtype"),
          Knob("router_fp32", (True, False), True, _moe, "router matmul input in float32")]
   for role, quants in info.quants.items():
-    ks += [Knob(f"backend.{q}.{role}", BACKENDS, "tensor", _always, f"kernel backend for {q} {role} weights") for q in quants]
-  ks.append(Knob("beam", (0, 1, 2, 4, 8), 0, _always, "BEAM width for the decode kernels"))
+    ks += [Knob(f"backend.{q}.{role}", backend_choices(q), "tensor", _always, f"kernel backend for {q} {role} weights") for q in quants]
+  ks.append(Knob("beam", BEAM_WIDTHS, 0, _always, "BEAM width for the decode kernels"))
+  kind, defaults = device_kind(device), StructureConfig()
+  for f, (var, allowed) in PROCESS_SETTINGS.items():
+    if f.startswith("beam_"): ks.append(Knob(f, allowed, getattr(defaults, f), _always, f"tinygrad {var} (when BEAM > 0)", lambda b: b > 0))
+    elif f.startswith("mv_") and kind in GPU_DEVICES:
+      ks.append(Knob(f, allowed, getattr(defaults, f), _always, f"tinygrad {var} (BEAM=0 matvec heuristic)", lambda b: b == 0))
+    elif f == "jit_batch_size" and kind in GRAPH_DEVICES: ks.append(Knob(f, allowed, getattr(defaults, f), _always, f"tinygrad {var}"))
   return [k for k in ks if k.applies(info)]
 
 
@@ -107,22 +130,75 @@ def to_config(values: dict[str, Any]) -> StructureConfig:
   return StructureConfig(**fields)
 
 
-def suggest(trial, info: ModelInfo) -> StructureConfig:
-  """Define-by-run: ask an Optuna trial for every knob that applies to this model."""
-  return to_config({k.name: trial.suggest_categorical(k.name, k.choices) for k in knobs(info)})
+def to_params(cfg: StructureConfig, info: ModelInfo, device: str = "CPU") -> dict[str, Any]:
+  """The knob values of a config, as Optuna parameters of this model's space (inverse of to_config); ConfigError when the
+  config sets something this space cannot express (a knob that does not apply here, or a value outside its domain)."""
+  d = cfg.to_dict()
+  value = lambda k: (d["barriers"][k.name[8:]] if k.name.startswith("barrier.") else
+                     cfg.backend(*k.name[8:].split(".")) if k.name.startswith("backend.") else d[k.name])
+  params = _choose(knobs(info, device), value)
+  for name, v in params.items():
+    k = next(k for k in knobs(info, device) if k.name == name)
+    if v not in k.choices: raise ConfigError(f"{name}={v!r} is outside this space's domain: {', '.join(map(str, k.choices))}")
+  if to_config(params) != cfg:
+    extra = set(describe(cfg).split()) - set(describe(to_config(params)).split())
+    raise ConfigError(f"the config sets knobs that do not apply to this model and device: {' '.join(sorted(extra))}")
+  return params
 
 
-def sample(info: ModelInfo, seed: int) -> StructureConfig:
+def _choose(ks: list[Knob], pick: Callable[[Knob], Any]) -> dict[str, Any]:
+  values: dict[str, Any] = {}
+  for k in ks:
+    if k.when_beam is None or k.when_beam(values["beam"]): values[k.name] = pick(k)
+  return values
+
+
+def suggest(trial, info: ModelInfo, device: str = "CPU", fixed: dict[str, Any] | None = None) -> StructureConfig:
+  """Define-by-run: ask an Optuna trial for every knob that applies to this model and device (conditional ones only when
+  they apply), except the knobs pinned in `fixed`."""
+  fixed = fixed or {}
+  return to_config(_choose(knobs(info, device), lambda k: fixed[k.name] if k.name in fixed else trial.suggest_categorical(k.name, k.choices)))
+
+
+def parse_pins(pins: list[str], info: ModelInfo, device: str = "CPU") -> dict[str, Any]:
+  """`knob=value` strings (the CLI's --fix) -> knob values, checked against this space."""
+  ks, out = {k.name: k for k in knobs(info, device)}, {}
+  for pin in pins:
+    name, _, text = pin.partition("=")
+    if name not in ks: raise ConfigError(f"--fix {pin}: no knob {name!r} in this space; knobs: {', '.join(ks)}")
+    match = [c for c in ks[name].choices if str(c).lower() == text.lower()]
+    if not match: raise ConfigError(f"--fix {pin}: {name} takes one of {', '.join(map(str, ks[name].choices))}")
+    out[name] = match[0]
+  return out
+
+
+def sample(info: ModelInfo, seed: int, device: str = "CPU") -> StructureConfig:
   rng = random.Random(seed)
-  return to_config({k.name: rng.choice(k.choices) for k in knobs(info)})
+  return to_config(_choose(knobs(info, device), lambda k: rng.choice(k.choices)))
 
 
-def size(info: ModelInfo) -> int:
-  """Distinct configurations of this model's space."""
-  return math.prod(len(k.choices) for k in knobs(info))
+def size(info: ModelInfo, device: str = "CPU") -> int:
+  """Distinct configurations of this model's space on this device kind."""
+  ks = knobs(info, device)
+  fixed = math.prod(len(k.choices) for k in ks if k.when_beam is None and k.name != "beam")
+  return fixed * sum(math.prod(len(k.choices) for k in ks if k.when_beam is not None and k.when_beam(b)) for b in BEAM_WIDTHS)
 
 
-def single_knob_changes(info: ModelInfo) -> list[tuple[str, StructureConfig]]:
-  """(label, config) for every non-default value of every knob, all else at the baseline."""
-  return [(f"{k.name}={v}", to_config({k.name: v})) for k in knobs(info) for v in k.choices if v != k.default]
+def single_knob_changes(info: ModelInfo, device: str = "CPU") -> list[tuple[str, StructureConfig]]:
+  """(label, config) for every non-default value of every knob, all else at the baseline (BEAM-conditional knobs at BEAM=2)."""
+  out = []
+  for k in knobs(info, device):
+    base = {"beam": 2} if k.when_beam is not None and not k.when_beam(0) else {}
+    out += [(f"{k.name}={v}", to_config(base | {k.name: v})) for v in k.choices if v != k.default]
+  return out
+
+
+def describe(config: StructureConfig) -> str:
+  """The knob values where a config differs from the baseline, as `name=value` (empty for the baseline)."""
+  base, d, parts = StructureConfig().to_dict(), config.to_dict(), []
+  for name, v in d.items():
+    if name in ("barriers", "backends"):
+      parts += [f"{name[:-1] if name == 'barriers' else 'backend'}.{p}={m}" for p, m in sorted(v.items()) if base[name].get(p, "tensor") != m]
+    elif v != base[name]: parts.append(f"{name}={v}")
+  return " ".join(parts)
 

@@ -1,9 +1,19 @@
 """Shared fixtures: synthetic GGUF files, written once per test session."""
 from __future__ import annotations
 
+import os
+import uuid
+
 import pytest
+from sqlalchemy import create_engine, make_url
 
 from model.synth import write_synthetic
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory) -> None:
+  """References, bandwidth figures, device locks and synthesised models of this test session only."""
+  os.environ["STRUCTSEARCH_CACHE"] = str(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="session")
@@ -15,3 +25,18 @@ def gguf_file(tmp_path_factory):
       cache[key] = str(write_synthetic(path, preset, quant=quant, legacy_kv_b=legacy))
     return cache[key]
   return get
+
+
+@pytest.fixture
+def pg_url():
+  """A fresh database on the test PostgreSQL server ($STRUCTSEARCH_TEST_PG, started by .ci/postgres.sh), dropped afterwards."""
+  pg = os.environ.get("STRUCTSEARCH_TEST_PG")
+  if not pg:
+    if os.environ.get("CI"): pytest.fail("STRUCTSEARCH_TEST_PG is not set: .ci/run sources .ci/postgres.sh to start PostgreSQL")
+    pytest.skip("PostgreSQL: set STRUCTSEARCH_TEST_PG (`. .ci/postgres.sh` starts a server and sets it)")
+  name = f"ss_test_{uuid.uuid4().hex[:12]}"
+  admin = create_engine(pg, isolation_level="AUTOCOMMIT")
+  with admin.connect() as c: c.exec_driver_sql(f'CREATE DATABASE "{name}"')
+  yield make_url(pg).set(database=name).render_as_string(hide_password=False)
+  with admin.connect() as c: c.exec_driver_sql(f'DROP DATABASE "{name}" WITH (FORCE)')
+  admin.dispose()

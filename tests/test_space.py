@@ -17,7 +17,7 @@ import pytest
 from model.deepseek2 import Transformer
 from model.generate import Generator, jit_kernels
 from model.gguf_file import GGUFFile
-from model.structure import StructureConfig
+from model.structure import ConfigError, StructureConfig
 from space.knobs import ModelInfo, knobs, sample, single_knob_changes, size, suggest, to_config
 
 FP16_KNOBS = ("backend.", "act_dtype", "mla_absorb", "router_fp32", "kv_dtype")
@@ -40,7 +40,7 @@ def run(path: str, cfg_json: str) -> tuple[np.ndarray, tuple[tuple[str, str], ..
 
 
 def changes(path: str) -> list[tuple[str, StructureConfig]]:
-  return [(label, cfg) for label, cfg in single_knob_changes(info(path)) if not label.startswith("beam=")]
+  return [(label, cfg) for label, cfg in single_knob_changes(info(path)) if not label.startswith("beam")]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,8 @@ def test_space_covers_every_knob_for_a_moe_model(tiny) -> None:
   assert {"merge_gate_up_routed", "merge_gate_up_shared", "merge_gate_up_dense", "topk", "mla_absorb", "kv_dtype",
           "attention", "act_dtype", "router_fp32", "beam", "barrier.q_proj", "barrier.kv_write", "barrier.expert_down"} <= names
   assert {"backend.Q4_K.expert", "backend.Q6_K.expert", "backend.Q5_K.dense", "backend.Q8_0.dense"} <= names
-  assert size(info(tiny)) == np.prod([len(k.choices) for k in knobs(info(tiny))])
+  unconditional = np.prod([len(k.choices) for k in knobs(info(tiny)) if k.when_beam is None and k.name != "beam"])
+  assert size(info(tiny)) == unconditional * (1 + 4 * 27)  # BEAM=0, or one of 4 widths with its 3 x 3 x 3 limits
 
 
 def test_dense_model_has_no_expert_knobs(gguf_file) -> None:
@@ -78,7 +79,7 @@ def test_tiny_model_info(tiny) -> None:
   assert info(tiny) == TINY_INFO
 
 
-@pytest.mark.parametrize("label", [lbl for lbl, _ in single_knob_changes(TINY_INFO) if not lbl.startswith("beam=")])
+@pytest.mark.parametrize("label", [lbl for lbl, _ in single_knob_changes(TINY_INFO) if not lbl.startswith("beam")])
 def test_knob_is_equivalent_and_changes_the_kernels(tiny, label: str) -> None:
   cfg = dict(changes(tiny))[label]
   base_logits, base_kernels = run(tiny, StructureConfig().to_json())
@@ -91,3 +92,22 @@ def test_knob_is_equivalent_and_changes_the_kernels(tiny, label: str) -> None:
   decisive = top2[:, 1] - top2[:, 0] > 2 * tol * scale
   np.testing.assert_array_equal(logits.argmax(1)[decisive], base_logits.argmax(1)[decisive])
   assert kernels != base_kernels, f"{label} runs exactly the baseline's kernels (same sources): it changes nothing"
+
+
+def test_device_and_beam_conditional_knobs() -> None:
+  from model.structure import PROCESS_SETTINGS
+  from space.knobs import parse_pins, to_params
+  cpu, cuda = {k.name for k in knobs(TINY_INFO, "CPU")}, {k.name for k in knobs(TINY_INFO, "CUDA:0")}
+  assert cuda - cpu == {"mv_blocksize", "mv_threads_per_row", "mv_rows_per_thread", "jit_batch_size"}  # no matvec heuristic or graphs on CPU
+  assert {"beam_upcast_max", "beam_local_max", "beam_min_progress"} <= cpu
+  fixed = np.prod([len(k.choices) for k in knobs(TINY_INFO, "CUDA") if k.when_beam is None and k.name != "beam"])
+  assert size(TINY_INFO, "CUDA") == fixed * (4 * 5 * 4 + 4 * 3 * 3 * 3)  # BEAM=0: the matvec knobs; BEAM>0: the BEAM limits
+  for seed in range(30):  # every sampled config round-trips through Optuna parameters, conditional knobs only where they apply
+    cfg = sample(TINY_INFO, seed, "CUDA")
+    params = to_params(cfg, TINY_INFO, "CUDA")
+    assert to_config(params) == cfg and ("mv_blocksize" in params) == (cfg.beam == 0) and ("beam_local_max" in params) == (cfg.beam > 0)
+  assert StructureConfig(jit_batch_size=0).process_env()["JIT_BATCH_SIZE"] == "0" and len(PROCESS_SETTINGS) == 7
+  assert parse_pins(["beam=0", "topk=sort", "router_fp32=false"], TINY_INFO) == {"beam": 0, "topk": "sort", "router_fp32": False}
+  for bad in ("beam=3", "nosuch=1", "mv_blocksize=4"):  # a value outside the domain, an unknown knob, a GPU knob on the CPU
+    with pytest.raises(ConfigError): parse_pins([bad], TINY_INFO, "CPU")
+  with pytest.raises(ConfigError, match="do not apply"): to_params(StructureConfig(mv_blocksize=2), TINY_INFO, "CPU")

@@ -1,0 +1,100 @@
+"""Opening the database: connect, check, bring our schema to head with Alembic. Every failure is one line in a DBError."""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from alembic.util import CommandError
+from sqlalchemy import URL, Engine, create_engine, event, make_url, text
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from db.models import VERSION_TABLE
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+PG_LOCK_KEY = 0x5353_4442  # any constant: the pg_advisory_xact_lock that serialises concurrent migrations
+
+
+class DBError(RuntimeError):
+  """The database cannot be used: unreachable, not a database, unsupported URL, or a schema newer than this code."""
+
+
+def default_url() -> str: return f"sqlite:///{Path.cwd() / 'structsearch.db'}"
+
+
+def hide_password(url: str) -> str: return re.sub(r"(://[^:/@]*):[^@]*@", r"\1:***@", url)
+
+
+def alembic_config(url: str) -> Config:
+  """Alembic's configuration without an alembic.ini, so migrations run from an installed package and any cwd."""
+  cfg = Config()
+  cfg.set_main_option("script_location", str(MIGRATIONS))
+  cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+  return cfg
+
+
+def _line(e: BaseException) -> str:
+  msg = str(getattr(e, "orig", None) or e).strip()
+  return msg.splitlines()[0] if msg else type(e).__name__
+
+
+def _reason(e: DBAPIError) -> str:
+  """The driver's first line less its 'connection to server at ... failed:' preamble: 'connection refused', 'database "x" does not exist', ..."""
+  reason = re.sub(r"^.*failed: (FATAL: +)?", "", _line(e)).strip()
+  return reason[:1].lower() + reason[1:]
+
+
+def _create_engine(u: URL) -> Engine:
+  if u.get_backend_name() == "sqlite":
+    engine = create_engine(u, connect_args={"timeout": 30})
+    event.listen(engine, "connect", lambda dbapi_conn, _: dbapi_conn.execute("PRAGMA foreign_keys = ON"))
+    return engine
+  if u.get_backend_name() == "postgresql":
+    return create_engine(u, pool_pre_ping=True, connect_args={} if "connect_timeout" in u.query else {"connect_timeout": 10})
+  raise ArgumentError(f"backend {u.get_backend_name()!r} is not supported (use sqlite:///FILE or postgresql+psycopg://USER@HOST:PORT/DB)")
+
+
+def _upgrade(conn, url: str, safe: str) -> None:
+  cfg = alembic_config(url)
+  cfg.attributes["connection"] = conn
+  known = {r.revision for r in ScriptDirectory.from_config(cfg).walk_revisions()}
+  current = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE}).get_current_heads()
+  if unknown := sorted(set(current) - known):
+    raise DBError(f"the database at {safe} has schema revision {', '.join(unknown)}, unknown to this structsearch: a newer version made it")
+  command.upgrade(cfg, "head")
+
+
+def open_db(url: str) -> Engine:
+  """Connect to url and upgrade our tables to head (idempotent; concurrent callers wait for each other). Never drops data."""
+  safe = hide_password(url)
+  try: u = make_url(url); engine = _create_engine(u)
+  except (ArgumentError, NoSuchModuleError, ImportError) as e: raise DBError(f"unsupported database URL {safe}: {_line(e)}") from None
+  sqlite = u.get_backend_name() == "sqlite"
+  try: conn = engine.connect()
+  except DBAPIError as e:
+    engine.dispose()
+    where = f"the SQLite database {u.database}" if sqlite else f"the database at {safe}"
+    raise DBError(f"cannot {'open' if sqlite else 'reach'} {where}: {_reason(e)}") from None
+  try:
+    with conn, conn.begin():
+      if sqlite: conn.exec_driver_sql("BEGIN IMMEDIATE")  # take the write lock before reading the schema version
+      else: conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": PG_LOCK_KEY})
+      _upgrade(conn, u.render_as_string(hide_password=False), safe)
+  except (SQLAlchemyError, CommandError, DBError) as e:
+    engine.dispose()
+    if isinstance(e, DBError): raise
+    if sqlite and "file is not a database" in str(e): raise DBError(f"{u.database} is not a SQLite database") from None
+    raise DBError(f"cannot set up the schema of the database at {safe}: {_line(e)}") from None
+  return engine
+
+
+@contextmanager
+def session(engine: Engine) -> Iterator[Session]:
+  """One transaction: commit on success, roll back on error. Objects stay readable after it (no expiry on commit)."""
+  with Session(engine, expire_on_commit=False) as s, s.begin(): yield s

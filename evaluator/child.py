@@ -1,0 +1,191 @@
+"""The trial process: `python -m evaluator.child SPEC.json RESULT.json`.
+
+Everything tinygrad happens here, in a fresh process per trial: the device and the config's process settings are set
+before tinygrad is imported, so no cache, JIT or setting leaks from one trial into the next. The result file is
+rewritten (atomically) after every phase, so the parent knows how far a trial got even when the process dies.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import socket
+import statistics
+import sys
+import time
+import traceback
+
+from evaluator.result import TrialResult, TrialSpec
+from model.structure import ConfigError, StructureConfig
+
+# test-only fault injection (the evaluator's own tests): a deliberately broken knob, a hang, a crash, an out-of-memory kill
+FAULT = os.environ.get("STRUCTSEARCH_TEST_FAULT", "")
+
+
+class Recorder:
+  """Times phases into a TrialResult and writes it to disk after each one."""
+
+  def __init__(self, result: TrialResult, path: str):
+    self.result, self.path, self.t0 = result, path, time.perf_counter()
+
+  def write(self) -> None:
+    with open(self.path + ".tmp", "w") as f: f.write(self.result.to_json())
+    os.replace(self.path + ".tmp", self.path)
+
+  def phase(self, name: str) -> None:
+    """Close the running phase and start `name`."""
+    now = time.perf_counter()
+    if self.result.phase: self.result.phases[f"{self.result.phase}_s"] = round(now - self.t0, 4)
+    self.result.phase, self.t0 = name, now
+    self.write()
+
+
+def classify(e: BaseException) -> str:
+  if isinstance(e, ConfigError): return "invalid_config"
+  from tinygrad.device import CompileError
+  text = f"{type(e).__name__}: {e}".lower()
+  if isinstance(e, MemoryError) or "out of memory" in text or "outofmemory" in text: return "oom"
+  if isinstance(e, CompileError): return "compile_error"
+  return "runtime_error"
+
+
+def environment(device: str) -> dict:
+  import tinygrad
+  from tinygrad import Device
+  env = {"device": device, "device_name": platform.processor() or platform.machine(), "driver": "",
+         "tinygrad_version": getattr(tinygrad, "__version__", "") or _dist_version("tinygrad"),
+         "tinygrad_path": os.path.dirname(os.path.dirname(tinygrad.__file__)), "python": platform.python_version(),
+         "host": socket.gethostname(), "platform": platform.platform()}
+  dev = Device[device]
+  if device.startswith(("CUDA", "NV")):
+    import subprocess
+    q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True)
+    if q.returncode == 0 and q.stdout.strip(): env["device_name"], env["driver"] = (x.strip() for x in q.stdout.splitlines()[0].split(",", 1))
+  elif hasattr(dev, "sysdevice"): env["device_name"] = str(dev.sysdevice.name())  # Metal
+  return env
+
+
+def _dist_version(name: str) -> str:
+  from importlib.metadata import PackageNotFoundError, version
+  try: return version(name)
+  except PackageNotFoundError: return ""
+
+
+def inject(cfg: StructureConfig) -> None:
+  """STRUCTSEARCH_TEST_FAULT, for the evaluator's tests: broken_argmax_topk makes the `argmax` top-k variant pick the
+  wrong experts (a wrong-output knob); crash, compile_error, hang and oom_kill act when the trial starts compiling."""
+  if FAULT == "broken_argmax_topk" and cfg.topk == "argmax":
+    import model.deepseek2 as m
+    right = m.topk_indices
+    m.topk_indices = lambda scores, k, variant: right(-scores, k, variant)
+  elif FAULT == "crash": raise RuntimeError("injected crash")
+  elif FAULT == "compile_error":
+    from tinygrad.device import CompileError
+    raise CompileError("injected compile error")
+  elif FAULT == "hang": time.sleep(3600)
+  elif FAULT == "oom_kill": os.kill(os.getpid(), 9)
+
+
+def run(spec: TrialSpec, rec: Recorder) -> None:
+  res = rec.result
+  rec.phase("load")
+  cfg = StructureConfig.from_dict(spec.config)
+  os.environ["DEV"] = spec.device
+  os.environ.update(cfg.process_env())
+  from tinygrad import GlobalCounters
+
+  from evaluator import reference
+  from model import bench as B
+  from model.bench import apply_process_settings
+  from model.deepseek2 import Transformer
+  from model.generate import Generator
+  from model.gguf_file import GGUFFile
+  apply_process_settings(cfg, spec.device)
+  res.env = environment(spec.device)
+  peak = lambda: max(res.metrics.get("peak_device_bytes", 0), GlobalCounters.mem_used)
+  model = Transformer(GGUFFile(spec.model), cfg, max_context=spec.max_context, n_layers=spec.layers)
+  gen, hp = Generator(model), model.hp
+  res.metrics |= {"layers": len(model.blocks), "load_peak_device_bytes": model.load_peak_bytes, "peak_device_bytes": peak()}
+  prompt = B.bench_prompt(hp.vocab, spec.prompt_len)
+  pos = spec.prompt_len
+
+  if spec.prefill:
+    rec.phase("prefill")
+    inject(cfg)
+    first, res.metrics["prefill_tok_s"] = B.prefill(gen, prompt)
+    rec.phase("compile")  # the first decode steps build the kernels (with the config's BEAM) and capture the JIT
+    B.steps(gen, first, pos, 2)
+  else:
+    rec.phase("compile")
+    inject(cfg)
+    first = B.feed(gen, prompt[:2])
+    rec.phase("prompt")
+    first = B.feed(gen, prompt[2:], start=2)
+  B.sync()
+  res.metrics["peak_device_bytes"] = peak()
+
+  if spec.write_reference:
+    rec.phase("reference")
+    reference.write(spec.write_reference, gen, first, prompt, spec.check_positions)
+    return
+  if spec.reference:
+    rec.phase("check")
+    ref = reference.load(spec.reference)
+    logits = reference.teacher_forced(gen, ref["tokens"], spec.prompt_len)
+    res.check = reference.compare(ref["logits"], logits, reference.tolerance(cfg))
+    if not res.check["ok"]:
+      res.status, res.error = "wrong_output", reference.verdict(res.check)
+      return
+
+  rec.phase("warmup")
+  B.steps(gen, first, pos, spec.warmup)
+  nbytes, kernels, batches = B.traffic(gen, first, pos)
+
+  rec.phase("measure")
+  per_round, step_ms, tokens = B.decode_rounds(gen, first, pos, spec.n, spec.rounds)
+  tok_s = statistics.median(per_round)
+  gb_s = nbytes * tok_s / 1e9
+  res.metrics |= {
+    "tok_s": tok_s, "tok_s_min": min(per_round), "tok_s_max": max(per_round), "tok_s_rounds": per_round,
+    "ms_per_token": 1e3 / tok_s, "ms_p50": B.percentile(step_ms, 50), "ms_p90": B.percentile(step_ms, 90),
+    "kernels_per_token": kernels, "graph_batches_per_token": batches, "bytes_per_token": nbytes, "gb_s": gb_s,
+    "bandwidth_share": gb_s / spec.bandwidth_gbs if spec.bandwidth_gbs else None, "peak_device_bytes": peak(),
+    "tokens": tokens[-1], "deterministic": all(t == tokens[0] for t in tokens),
+    "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)}
+  if spec.profile:
+    rec.phase("profile")
+    from evaluator.profile import kernel_profile
+    res.profile = kernel_profile(gen, first, pos)
+
+
+def orphan_watch() -> None:
+  """End this process when its parent dies (a killed worker must not leave a benchmark running beside the next one)."""
+  import threading
+  parent = os.getppid()
+  def watch() -> None:
+    while os.getppid() == parent: time.sleep(0.2)
+    os._exit(1)
+  threading.Thread(target=watch, daemon=True).start()
+
+
+def main() -> None:
+  orphan_watch()
+  spec_path, out_path = sys.argv[1:3]
+  spec = TrialSpec.from_json(open(spec_path).read())
+  rec = Recorder(TrialResult("running", spec.__dict__), out_path)
+  try:
+    run(spec, rec)
+    if rec.result.status == "running": rec.result.status = "ok"
+  except BaseException as e:  # noqa: BLE001 - every failure becomes a classified result
+    rec.result.status = classify(e) if not isinstance(e, KeyboardInterrupt) else "runtime_error"
+    rec.result.error = "".join(traceback.format_exception_only(type(e), e)).strip()[-2000:]
+    rec.result.metrics["traceback"] = traceback.format_exc()[-6000:]
+  finally:
+    phase = rec.result.phase
+    rec.phase("")
+    rec.result.phase = phase
+    rec.write()
+
+
+if __name__ == "__main__":
+  main()

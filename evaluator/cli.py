@@ -1,0 +1,125 @@
+"""The `evaluator` command: run one trial, compare two configs A/B, or measure a device's bandwidth."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from evaluator.compare import compare
+from evaluator.result import STAGES, TrialResult
+from evaluator.runner import Evaluator, bandwidth, default_device
+from model.gguf_file import GGUFError
+from model.registry import ModelNotFound, resolve
+from model.structure import ConfigError, StructureConfig
+
+console = Console(stderr=True)
+
+
+def summary(r: TrialResult) -> Table:
+  """The figures of one trial as a two-column table."""
+  m, t = r.metrics, Table(show_header=False, box=None, pad_edge=False)
+  t.add_column(style="bold")
+  t.add_column()
+  spec = r.spec
+  t.add_row("trial", f"{spec['stage']} stage, {m.get('layers', '?')} blocks of {spec['model']} on {spec['device']}: [bold]{r.status}[/]")
+  if r.error: t.add_row("error", r.error)
+  if "tok_s" in m:
+    share = f", {100 * m['bandwidth_share']:.1f}% of the device's {spec['bandwidth_gbs']:.0f} GB/s" if m.get("bandwidth_share") else ""
+    t.add_row("decode", f"{m['tok_s']:.2f} tok/s (min {m['tok_s_min']:.2f}, max {m['tok_s_max']:.2f} over {spec['rounds']} rounds of {spec['n']})"
+                        f"   {m['ms_p50']:.2f} ms/token p50, {m['ms_p90']:.2f} p90")
+    t.add_row("per token", f"{m['kernels_per_token']} kernels in {m['graph_batches_per_token']} graph batches, "
+                           f"{m['bytes_per_token'] / 1e6:.1f} MB, {m['gb_s']:.1f} GB/s{share}")
+    if "prefill_tok_s" in m: t.add_row("prefill", f"{m['prefill_tok_s']:.1f} tok/s")
+    t.add_row("memory", f"peak device {m['peak_device_bytes'] / 1e9:.3f} GB, host RSS {m['host_peak_rss_bytes'] / 1e9:.2f} GB")
+    t.add_row("determinism", "same tokens every round" if m["deterministic"] else "[red]tokens differ between rounds[/]")
+  if c := r.check:
+    t.add_row("check", f"max error {c['max_rel_err']:.2g} std (tolerance {c['tolerance']:.0e}), "
+                       f"top token agrees {c['top1_agree']}/{c['top1_checked']}, failed positions {c['failed_positions']}/{c['positions']}")
+  t.add_row("phases", "  ".join(f"{k[:-2]} {v:.1f}s" for k, v in r.phases.items()))
+  return t
+
+
+def profile_table(r: TrialResult) -> Table:
+  t = Table(title="kernels by time per decode step (profiling pass, unjitted)")
+  for col in ("#", "kernel", "launches", "µs/token", "share", "GB/s"): t.add_column(col, justify="right" if col != "kernel" else "left")
+  for p in r.profile:
+    t.add_row(str(p["rank"]), p["name"], str(p["count"]), f"{p['us_per_token']:.1f}", f"{100 * p['share']:.1f}%",
+              f"{p['gb_s']:.0f}" if p["gb_s"] is not None else "")
+  return t
+
+
+def _evaluator(args) -> Evaluator:
+  kw = {k: getattr(args, k) for k in ("n", "rounds", "timeout") if getattr(args, k, None) is not None}
+  return Evaluator.for_model(str(resolve(args.model)), args.device or default_device(), prefill=not args.no_prefill, **kw)
+
+
+def _config(path: str | None) -> dict:
+  return StructureConfig.load(path).to_dict() if path else StructureConfig().to_dict()
+
+
+def cmd_run(args) -> int:
+  ev = _evaluator(args)
+  with console.status("starting") as st:
+    r = ev.run(_config(args.config), args.stage, profile=args.profile, on_phase=lambda p: st.update(f"trial: {p}"), on_wait=console.print)
+  console.print(summary(r))
+  if r.profile: console.print(profile_table(r))
+  if args.json: open(args.json, "w").write(r.to_json() + "\n")
+  return 0 if r.ok else 1
+
+
+def cmd_compare(args) -> int:
+  ev = _evaluator(args)
+  a, b = _config(args.a), _config(args.b)
+  with console.status("starting") as st:
+    c = compare(ev, a, b, args.pairs, args.stage, on_run=lambda side, i: st.update(f"pair {i + 1}/{args.pairs}: {side.upper()}"),
+                on_phase=lambda p: None, on_wait=console.print)
+  if (bad := c.failed) is not None:
+    console.print(f"[red]a run failed ({bad.status}): {bad.error}[/]")
+    return 1
+  console.print(f"A {args.a}: {c.tok_s('a'):.2f} tok/s   B {args.b}: {c.tok_s('b'):.2f} tok/s (medians of {args.pairs} runs each)")
+  console.print(f"B/A speedup {c.speedup:.3f} (pairs: {', '.join(f'{x:.3f}' for x in c.ratios)}; lower bound {c.low:.3f})")
+  if args.json:
+    open(args.json, "w").write(json.dumps({"a": [r.to_dict() for r in c.a], "b": [r.to_dict() for r in c.b], "ratios": c.ratios,
+                                           "speedup": c.speedup, "low": c.low, "high": c.high}) + "\n")
+  return 0
+
+
+def cmd_bandwidth(args) -> int:
+  device = args.device or default_device()
+  print(f"{device}: {bandwidth(device, remeasure=args.remeasure, on_wait=console.print):.1f} GB/s streaming read")
+  return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+  p = argparse.ArgumentParser(prog="evaluator", description="one trustworthy decode benchmark per config, each in its own process")
+  sub = p.add_subparsers(dest="cmd", required=True)
+  common = argparse.ArgumentParser(add_help=False)
+  common.add_argument("--model", required=True, help="a model name or a .gguf path")
+  common.add_argument("--device", help="tinygrad device (default: tinygrad's default)")
+  common.add_argument("--stage", choices=STAGES, default="full", help="block: the first blocks only (the ladder's proxy); full: the model")
+  common.add_argument("-n", type=int, help="tokens per measured round (default 32)")
+  common.add_argument("--rounds", type=int, help="measured rounds (default 3)")
+  common.add_argument("--timeout", type=float, help="wall-clock limit per trial process in seconds (default 900)")
+  common.add_argument("--json", help="write the result as JSON to this file")
+  common.add_argument("--no-prefill", action="store_true", help="feed the prompt through decode steps (skips building the prefill graph)")
+  r = sub.add_parser("run", parents=[common], help="measure one config")
+  r.add_argument("--config", help="a StructureConfig .json or .toml (default: the baseline)")
+  r.add_argument("--profile", action="store_true", help="add a per-kernel profile")
+  r.set_defaults(fn=cmd_run)
+  c = sub.add_parser("compare", parents=[common], help="A/B: two configs measured alternately, the speedup of B over A")
+  c.add_argument("a")
+  c.add_argument("b")
+  c.add_argument("--pairs", type=int, default=3)
+  c.set_defaults(fn=cmd_compare)
+  b = sub.add_parser("bandwidth", help="the device's streaming read bandwidth (measured once, cached)")
+  b.add_argument("--device")
+  b.add_argument("--remeasure", action="store_true")
+  b.set_defaults(fn=cmd_bandwidth)
+  args = p.parse_args(argv)
+  try: sys.exit(args.fn(args))
+  except (GGUFError, ModelNotFound, ConfigError, RuntimeError, OSError) as e:
+    print(f"evaluator: error: {e}", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,36 @@
+"""One benchmark at a time per device: an exclusive file lock per device on this host (flock, released by the kernel
+when the holder dies, so a killed worker never leaves a stale lock)."""
+from __future__ import annotations
+
+import fcntl
+import os
+import pathlib
+import re
+from collections.abc import Callable
+
+from model.registry import cache_dir
+
+
+class DeviceLock:
+  def __init__(self, device: str, on_wait: Callable[[str], None] | None = None, what: str = ""):
+    self.path = cache_dir() / "locks" / (re.sub(r"[^A-Za-z0-9_.-]", "_", device) + ".lock")
+    self.device, self.on_wait, self.what, self.fd = device, on_wait, what, -1
+
+  def __enter__(self) -> DeviceLock:
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try: fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      if self.on_wait: self.on_wait(f"waiting for device {self.device}: {self.holder() or 'another process'} is benchmarking on it")
+      fcntl.flock(self.fd, fcntl.LOCK_EX)
+    os.ftruncate(self.fd, 0)
+    os.pwrite(self.fd, f"pid {os.getpid()} {self.what}".strip().encode(), 0)
+    return self
+
+  def holder(self) -> str:
+    return pathlib.Path(self.path).read_text().strip() if self.path.exists() else ""
+
+  def __exit__(self, *exc) -> None:
+    os.ftruncate(self.fd, 0)
+    fcntl.flock(self.fd, fcntl.LOCK_UN)
+    os.close(self.fd)

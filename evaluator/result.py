@@ -1,0 +1,62 @@
+"""What one trial asks for (TrialSpec) and what it returns (TrialResult), as JSON-able data shared by both processes."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+STAGES = ("block", "full")
+# why a trial did not produce a trustworthy figure; "ok" otherwise
+FAILURES = ("invalid_config", "compile_error", "runtime_error", "oom", "timeout", "wrong_output")
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+  """One decode benchmark of one config on one model file and device."""
+  model: str  # GGUF path
+  config: dict[str, Any]  # a StructureConfig as a dict (validated in the trial process: a bad one is an invalid_config result)
+  device: str
+  stage: str = "full"
+  layers: int | None = None  # blocks to build; None: all of them (set by the ladder for stage "block")
+  prompt_len: int = 32
+  n: int = 32  # tokens per measured round
+  rounds: int = 3
+  warmup: int = 3
+  check_positions: int = 16  # teacher-forced decode positions compared against the reference
+  reference: str | None = None  # the reference .npz to check against; None: no correctness gate
+  write_reference: str | None = None  # make the reference instead (the baseline config): decode logits along its greedy tokens
+  bandwidth_gbs: float | None = None  # the device's measured streaming bandwidth, for the share figure
+  profile: bool = False  # add a per-kernel profile from a separate, unjitted pass
+  prefill: bool = True  # build and time the prefill graph (prefill tok/s); without it the prompt goes through decode steps
+  max_context: int = 256
+
+  def to_json(self) -> str: return json.dumps(dataclasses.asdict(self))
+
+  @classmethod
+  def from_json(cls, text: str) -> TrialSpec: return cls(**json.loads(text))
+
+
+@dataclass
+class TrialResult:
+  status: str  # "ok" or one of FAILURES
+  spec: dict[str, Any]
+  metrics: dict[str, Any] = field(default_factory=dict)  # tok_s (median) and its spread, ms/token, kernels, bytes, GB/s, memory, ...
+  phases: dict[str, float] = field(default_factory=dict)  # seconds: process, load, prefill, compile, check, warmup, measure, profile
+  check: dict[str, Any] = field(default_factory=dict)  # correctness numbers against the reference
+  env: dict[str, Any] = field(default_factory=dict)  # device name, tinygrad version and git state, python, host
+  profile: list[dict[str, Any]] = field(default_factory=list)  # top kernels by time per token
+  error: str = ""  # error text of a failure (last lines of the traceback or of stderr)
+  phase: str = ""  # the phase the trial was in when it ended
+
+  @property
+  def ok(self) -> bool: return self.status == "ok"
+
+  @property
+  def tok_s(self) -> float | None: return self.metrics.get("tok_s") if self.ok else None
+
+  def to_dict(self) -> dict[str, Any]: return dataclasses.asdict(self)
+  def to_json(self) -> str: return json.dumps(self.to_dict())
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> TrialResult: return cls(**d)

@@ -1,0 +1,154 @@
+"""The parent side of a trial: spawn the trial process under the device lock, watch its phases, enforce the wall-clock
+limit, and turn whatever happened (a result, a crash, a kill) into a classified TrialResult. Also the benchmark ladder
+(block proxy, then full model), the per-device bandwidth cache and the per-model reference cache."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from evaluator.lock import DeviceLock
+from evaluator.reference import file_sha256
+from evaluator.result import TrialResult, TrialSpec
+from model.registry import cache_dir
+from model.structure import StructureConfig
+
+Phase = Callable[[str], None]
+
+
+@functools.cache
+def default_device() -> str:
+  """tinygrad's default device, asked of a throwaway process (the parent never opens a device)."""
+  if os.environ.get("DEV"): return os.environ["DEV"]
+  out = subprocess.run([sys.executable, "-c", "from tinygrad import Device; print(Device.DEFAULT)"], capture_output=True, text=True)
+  return out.stdout.strip() or "CPU"
+
+
+def _child_env() -> dict[str, str]:
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])), "PYTHONUNBUFFERED": "1"}
+
+
+def run_process(spec: TrialSpec, timeout: float, on_phase: Phase | None = None) -> TrialResult:
+  """One trial in a fresh process (no lock: see evaluate). Never raises for anything the trial does."""
+  with tempfile.TemporaryDirectory(prefix="structsearch-trial-") as tmp:
+    spec_path, out_path, log_path = (os.path.join(tmp, n) for n in ("spec.json", "result.json", "log.txt"))
+    with open(spec_path, "w") as f: f.write(spec.to_json())
+    t0, seen, killed = time.perf_counter(), "", False
+    with open(log_path, "w") as log:
+      proc = subprocess.Popen([sys.executable, "-m", "evaluator.child", spec_path, out_path], stdout=log, stderr=subprocess.STDOUT,
+                              env=_child_env(), start_new_session=True)
+      try:
+        while proc.poll() is None:
+          time.sleep(0.05)
+          if on_phase and (phase := _phase(out_path)) != seen and phase: on_phase(seen := phase)
+          if time.perf_counter() - t0 > timeout:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            killed = True
+      except BaseException:  # Ctrl-C or the caller's own failure: never leave a benchmark running
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    wall = time.perf_counter() - t0
+    res = TrialResult.from_dict(json.load(open(out_path))) if os.path.exists(out_path) else TrialResult("running", spec.__dict__)
+    tail = open(log_path, errors="replace").read()[-3000:].strip()
+  if killed: res.status, res.error = "timeout", f"no result after {timeout:.0f} s (in phase {res.phase or 'start'})"
+  elif res.status == "running":
+    rc = proc.returncode
+    if rc == -signal.SIGKILL: res.status, res.error = "oom", "killed by SIGKILL (the kernel's out-of-memory killer)"
+    else:
+      res.status = "runtime_error"
+      res.error = f"trial process died ({_signal_name(rc) if rc < 0 else f'exit code {rc}'}): " + (tail.splitlines() or [""])[-1][-500:]
+  if tail and not res.ok: res.metrics.setdefault("log_tail", tail)
+  res.phases["wall_s"] = round(wall, 3)
+  res.phases["overhead_s"] = round(wall - sum(v for k, v in res.phases.items() if k not in ("wall_s", "overhead_s")), 3)
+  return res
+
+
+def _phase(path: str) -> str:
+  try:
+    with open(path) as f: return json.load(f).get("phase", "")
+  except (OSError, ValueError): return ""
+
+
+def _signal_name(rc: int) -> str:
+  try: return signal.Signals(-rc).name
+  except ValueError: return f"signal {-rc}"
+
+
+def evaluate(spec: TrialSpec, timeout: float = 900, on_phase: Phase | None = None, on_wait: Phase | None = None) -> TrialResult:
+  """One trial under the device's lock: concurrent callers on one host wait (and say so through on_wait)."""
+  with DeviceLock(spec.device, on_wait, what=f"trial of {os.path.basename(spec.model)}"):
+    return run_process(spec, timeout, on_phase)
+
+
+def bandwidth(device: str, remeasure: bool = False, on_wait: Phase | None = None) -> float:
+  """The device's streaming read bandwidth in GB/s, measured once per device and host and cached."""
+  path = cache_dir() / "bandwidth.json"
+  known = json.loads(path.read_text()) if path.exists() else {}
+  key = f"{os.uname().nodename}:{device}"
+  if remeasure or key not in known:
+    with DeviceLock(device, on_wait, what="bandwidth probe"):
+      out = subprocess.run([sys.executable, "-m", "evaluator.bandwidth", device], capture_output=True, text=True, env=_child_env())
+    if out.returncode != 0: raise RuntimeError(f"bandwidth probe on {device} failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
+    known[key] = json.loads(out.stdout.strip().splitlines()[-1])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(known, indent=1))
+  return known[key]["gb_s"]
+
+
+@dataclass
+class Evaluator:
+  """Trials of one model file on one device: the ladder's stages, the shared reference and bandwidth figures."""
+  model: str
+  device: str
+  total_layers: int
+  block_layers: int  # the stage-1 proxy: the leading dense blocks and two MoE blocks (the same kernels as the full model)
+  n: int = 32
+  rounds: int = 3
+  warmup: int = 3
+  prompt_len: int = 32
+  timeout: float = 900
+  prefill: bool = True  # time the prefill graph too (the prompt otherwise goes through decode steps: no prefill kernels to build)
+
+  @classmethod
+  def for_model(cls, model: str, device: str, **kw) -> Evaluator:
+    from model.gguf_file import GGUFFile
+    f = GGUFFile(model)
+    total = int(f.key("block_count"))
+    return cls(str(f.path), device, total, min(total, int(f.key("leading_dense_block_count", 0)) + 2), **kw)
+
+  @property
+  def stages(self) -> list[str]: return ["block", "full"] if self.block_layers < self.total_layers else ["full"]
+
+  def layers(self, stage: str) -> int | None: return self.block_layers if stage == "block" and self.block_layers < self.total_layers else None
+
+  def spec(self, config: dict, stage: str = "full", **kw) -> TrialSpec:
+    return TrialSpec(self.model, config, self.device, stage, self.layers(stage), self.prompt_len, self.n, self.rounds, self.warmup,
+                     prefill=self.prefill, **kw)
+
+  def reference(self, stage: str, on_phase: Phase | None = None, on_wait: Phase | None = None) -> str:
+    """The baseline's reference for this file, device and stage, made on first use (in its own trial process)."""
+    sha = file_sha256(self.model, cache_dir())
+    probe = self.spec(StructureConfig().to_dict(), stage)
+    key = f"{sha[:16]}-{self.device.replace(':', '_')}-L{probe.layers or self.total_layers}-p{probe.prompt_len}-c{probe.check_positions}"
+    path = cache_dir() / "references" / f"{key}.npz"
+    if not path.exists():
+      path.parent.mkdir(parents=True, exist_ok=True)
+      res = evaluate(replace(probe, write_reference=str(path)), self.timeout, on_phase, on_wait)
+      if not res.ok: raise RuntimeError(f"the baseline config failed to make the reference ({res.status}): {res.error}")
+    return str(path)
+
+  def run(self, config: dict, stage: str = "full", profile: bool = False, check: bool = True, on_phase: Phase | None = None,
+          on_wait: Phase | None = None) -> TrialResult:
+    ref = self.reference(stage, on_phase, on_wait) if check else None
+    bw = bandwidth(self.device, on_wait=on_wait)
+    return evaluate(self.spec(config, stage, reference=ref, bandwidth_gbs=bw, profile=profile), self.timeout, on_phase, on_wait)

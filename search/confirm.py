@@ -1,0 +1,58 @@
+"""Confirmation: the top configs of a study re-measured against the baseline in the evaluator's A/B mode (fresh processes,
+alternating, more rounds). The winner is the config with the best lower bound of its speedup, not one lucky run."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlalchemy import delete
+
+from db import store
+from db.engine import open_db, session
+from db.models import Confirmation, KernelProfile, Study, utcnow
+from evaluator.compare import compare
+from model.structure import StructureConfig
+from search.leaderboard import winner
+from search.view import BASELINE, label
+
+
+def confirm(url: str, name: str, top: int = 3, pairs: int = 3, rounds: int = 5, device: str | None = None,
+            say: Callable[[str], None] = print, again: bool = False) -> list[Confirmation]:
+  """A/B-confirm the study's top configs; a config confirmed before keeps its figures unless `again`."""
+  from search.study import load_setup
+  setup, _ = load_setup(name, url, device)
+  ev = setup.evaluator(rounds=rounds)
+  engine = open_db(url)
+  with session(engine) as s:
+    study = store.get_study(s, name)
+    seen, todo = {BASELINE}, []
+    for t in store.leaderboard(s, study, limit=10 * top):
+      if t.config_hash not in seen and len(todo) < top: todo.append(t)
+      seen.add(t.config_hash)
+    done = {c.config_hash for c in store.confirmations(s, study) if c.status == "ok"}
+  if not again and (skip := [t for t in todo if t.config_hash in done]):
+    say(f"already confirmed (--again re-measures): trials {', '.join(str(t.number) for t in skip)}")
+    todo = [t for t in todo if t.config_hash not in done]
+  out = []
+  for i, t in enumerate(todo):
+    say(f"confirming {i + 1}/{len(todo)}: trial {t.number} ({label(t.config_json)}), {pairs} A/B pairs against the baseline")
+    c = compare(ev, StructureConfig().to_dict(), StructureConfig.from_json(t.config_json).to_dict(), pairs,
+                on_run=lambda side, j: say(f"  pair {j + 1}/{pairs}: {'baseline' if side == 'a' else 'candidate'}"))
+    fields = {"pairs": pairs, "rounds": rounds, "status": "ok"}
+    if c.failed is not None: fields |= {"status": c.failed.status, "tok_s": 0.0, "baseline_tok_s": 0.0, "speedup": 0.0, "speedup_low": 0.0,
+                                        "speedup_high": 0.0}
+    else: fields |= {"tok_s": c.tok_s("b"), "baseline_tok_s": c.tok_s("a"), "speedup": c.speedup, "speedup_low": c.low, "speedup_high": c.high}
+    with session(engine) as s: out.append(store.add_confirmation(s, study, t, **fields))
+    say(f"  {fields['status']}: speedup {fields['speedup']:.3f}x [{fields['speedup_low']:.3f}, {fields['speedup_high']:.3f}]")
+  with session(engine) as s:
+    win = winner(store.confirmations(s, study))
+    s.get(Study, study.id).finished_at = utcnow()
+  if win is not None and any(c.id == win.id for c in out):  # a new winner: its per-kernel profile, as for every confirmed winner
+    cand = next(t for t in todo if t.config_hash == win.config_hash)
+    say(f"profiling the winner, trial {cand.number} (a separate, unjitted pass)")
+    r = ev.run(StructureConfig.from_json(cand.config_json).to_dict(), profile=True)
+    if r.profile:
+      with session(engine) as s:
+        s.execute(delete(KernelProfile).where(KernelProfile.trial_id == cand.id))
+        s.add_all(KernelProfile(trial_id=cand.id, **row) for row in r.profile)
+  return out
+

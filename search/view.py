@@ -1,0 +1,85 @@
+"""The live view of a running study (rich): progress, the current trial's phase, best so far, recent results, failures, ETA.
+On a terminal it redraws in place; elsewhere (logs, CI) it prints one line per finished trial."""
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+
+from rich.console import Console, Group
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from db.models import Trial
+from model.structure import StructureConfig
+from search.study import Event, config_hash
+from space.knobs import describe
+
+BASELINE = config_hash(StructureConfig())
+
+
+def label(config_json: str) -> str: return describe(StructureConfig.from_json(config_json)) or "baseline"
+
+
+class LiveView:
+  def __init__(self, console: Console, study: str, total: int, finished: list[Trial]):
+    self.console, self.study, self.total = console, study, total
+    self.done = len([t for t in finished if t.state not in ("running", "interrupted")])
+    self.recent: collections.deque[Trial] = collections.deque(maxlen=6)
+    self.failures: collections.Counter[str] = collections.Counter(t.failure_class for t in finished if t.failure_class)
+    self.walls = [t.phases["wall_s"] for t in finished if t.phases and "wall_s" in t.phases]
+    self.best: Trial | None = max((t for t in finished if t.state == "ok"), key=lambda t: t.tok_s, default=None)
+    self.baseline = next((t.tok_s for t in finished if t.state == "ok" and t.config_hash == BASELINE), None)
+    self.current: tuple[int, str, str, float] | None = None  # number, label, phase, start
+    self.notes: collections.deque[str] = collections.deque(maxlen=3)
+
+  def handle(self, e: Event) -> None:
+    if e.kind == "start": self.current = (e.number, label(e.text), "starting", time.perf_counter())
+    elif e.kind == "phase" and self.current: self.current = (*self.current[:2], e.text, self.current[3])
+    elif e.kind in ("wait", "note"):
+      self.notes.append(e.text)
+      if not self.console.is_terminal: self.console.print(e.text)
+    elif e.kind == "end" and e.row is not None:
+      t, self.current = e.row, None
+      self.done += 1
+      self.recent.appendleft(t)
+      if t.failure_class and t.state != "reused": self.failures[t.failure_class] += 1
+      if t.phases and "wall_s" in t.phases: self.walls.append(t.phases["wall_s"] + t.phases.get("block_wall_s", 0))
+      if t.state == "ok" and t.config_hash == BASELINE: self.baseline = t.tok_s
+      if t.tok_s is not None and (self.best is None or t.tok_s > self.best.tok_s): self.best = t
+      if e.text.startswith("config already measured"): self.notes.append(f"trial {t.number}: {e.text}")
+      if not self.console.is_terminal: self.console.print(self.line(t, e.text))
+
+  def line(self, t: Trial, text: str) -> str:
+    fig = f"{t.tok_s:8.2f} tok/s" if t.tok_s is not None else f"{t.state:>14s}"
+    extra = f" ({text})" if t.state == "reused" else ""
+    return f"[{self.done}/{self.total}] trial {t.number:3d} {fig}  {label(t.config_json)}{extra}"
+
+  def speedup(self, tok_s: float | None) -> str:
+    return f" ({tok_s / self.baseline:.2f}x baseline)" if tok_s and self.baseline else ""
+
+  def eta(self) -> str:
+    if not self.walls: return "?"
+    s = statistics.median(self.walls) * max(0, self.total - self.done)
+    return f"{s / 60:.0f} min" if s >= 90 else f"{s:.0f} s"
+
+  def __rich__(self) -> Group:
+    best = f"{self.best.tok_s:.2f} tok/s in trial {self.best.number}{self.speedup(self.best.tok_s)}" if self.best else "-"
+    head = Text.from_markup(f"[bold]{self.study}[/]  trials {self.done}/{self.total}   best {best}   ETA {self.eta()}")
+    parts: list = [head]
+    if self.current:
+      n, lbl, phase, t0 = self.current
+      elapsed = time.perf_counter() - t0
+      expect = statistics.median(self.walls) if self.walls else max(elapsed * 2, 1.0)
+      bar = ProgressBar(total=expect, completed=min(elapsed, expect), width=50)
+      parts += [Text(f"trial {n}: {lbl[:100]}"), Group(Text(f"  {phase}  {elapsed:.0f} s"), bar)]
+    t = Table(box=None, pad_edge=False)
+    for col in ("#", "state", "tok/s", "block", "config"): t.add_column(col)
+    for r in self.recent:
+      t.add_row(str(r.number), r.state, f"{r.tok_s:.2f}{self.speedup(r.tok_s)}" if r.tok_s else "",
+                f"{r.block_tok_s:.2f}" if r.block_tok_s else "", label(r.config_json)[:80])
+    parts.append(t)
+    if self.failures: parts.append(Text("failures: " + ", ".join(f"{k} {v}" for k, v in self.failures.most_common())))
+    parts += [Text(n, style="dim") for n in self.notes]
+    return Group(*parts)

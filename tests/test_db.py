@@ -1,0 +1,207 @@
+"""db/: migrations, open_db's errors, the query API; on SQLite and on PostgreSQL ($STRUCTSEARCH_TEST_PG, from .ci/postgres.sh).
+
+Each PostgreSQL test gets a database of its own, made on that server and dropped after, so tests run in any order and in parallel."""
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC
+
+import git
+import optuna
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import create_engine, inspect, text
+from sqlalchemy.exc import IntegrityError
+
+from db import store
+from db.capture import fingerprint_hash, git_state, host_fingerprint
+from db.engine import DBError, default_url, open_db, session
+from db.models import VERSION_TABLE, Base, include_name
+
+OURS = {"ss_environment", "ss_git_state", "ss_study", "ss_trial", "ss_kernel_profile", "ss_confirmation"}
+PG = os.environ.get("STRUCTSEARCH_TEST_PG")
+ENV = {"device": "CPU", "device_name": "cpu", "driver": "clang 16", "tinygrad_version": "0.14.0", **host_fingerprint()}
+STUDY = dict(model_name="tiny", model_path="/m/tiny.gguf", model_sha256="0" * 64, model_bytes=5 << 30, layers=2, device="CPU",
+             device_name="cpu", space_version=1, objectives="tok_s", sampler="tpe")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request, tmp_path):
+  if request.param == "sqlite": return f"sqlite:///{tmp_path / 'ss.db'}"
+  return request.getfixturevalue("pg_url")
+
+
+@pytest.fixture
+def engine(url):
+  engine = open_db(url)
+  yield engine
+  engine.dispose()
+
+
+def make_trial(s, study, number, state, tok_s=None, config_hash="c0", **kw):
+  t = store.start_trial(s, study, number, "{}", config_hash, None, None, "host:1")
+  return t if state == "running" else store.finish_trial(s, t, state=state, tok_s=tok_s, **kw)
+
+
+def test_migrations_create_our_tables(engine):
+  tables = set(inspect(engine).get_table_names())
+  assert tables == OURS | {VERSION_TABLE}
+  with engine.connect() as c:
+    assert c.scalar(text(f"SELECT version_num FROM {VERSION_TABLE}")) == "0001"
+    ctx = MigrationContext.configure(c, opts={"include_name": include_name, "version_table": VERSION_TABLE})
+    assert compare_metadata(ctx, Base.metadata) == []  # the migrations make exactly the models' tables
+
+
+def test_open_db_is_idempotent(url):
+  with session(e := open_db(url)) as s: store.create_study(s, name="a", **STUDY)
+  e.dispose()
+  with session(e := open_db(url)) as s: assert [st.name for st in store.studies(s)] == ["a"]
+  e.dispose()
+
+
+def test_concurrent_open_db(url):
+  with ThreadPoolExecutor(4) as pool: engines = list(pool.map(open_db, [url] * 4))
+  for e in engines: e.dispose()
+  assert OURS < set(inspect(e := create_engine(url)).get_table_names())
+  e.dispose()
+
+
+@pytest.mark.parametrize("optuna_first", [False, True])
+def test_optuna_tables_beside_ours(url, optuna_first):
+  optuna.logging.set_verbosity(optuna.logging.WARNING)
+  if not optuna_first: open_db(url).dispose()
+  storage = optuna.storages.RDBStorage(url)
+  study = optuna.create_study(storage=storage, study_name="s", direction="maximize")
+  study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=3)
+  engine = open_db(url)
+  with session(engine) as s:
+    ours = store.create_study(s, name="s", **STUDY)
+    for t in study.trials: store.start_trial(s, ours, t.number, "{}", "c0", None, None, "host:1", optuna_trial_id=t._trial_id)
+  with session(engine) as s: assert [t.optuna_trial_id for t in store.trials(s, ours)] == [t._trial_id for t in study.trials]
+  tables = set(inspect(engine).get_table_names())
+  assert OURS | {VERSION_TABLE, "alembic_version", "studies", "trials", "trial_params", "version_info"} <= tables
+  assert len(optuna.load_study(study_name="s", storage=storage).trials) == 3
+  storage.engine.dispose()
+  engine.dispose()
+
+
+def test_git_state_dedupe(engine, tmp_path):
+  repo = git.Repo.init(tmp_path / "repo", initial_branch="main")
+  (tmp_path / "repo" / "sub").mkdir()
+  (f := tmp_path / "repo" / "sub" / "a.txt").write_text("one\n")
+  repo.index.add(["sub/a.txt"])
+  who = git.Actor("t", "t@example.com")
+  repo.index.commit("init", author=who, committer=who)
+  assert git_state(tmp_path) is None
+  clean = git_state(f.parent)
+  assert clean == {"commit": repo.head.commit.hexsha, "branch": "main", "dirty": False, "diff": ""}
+  with session(engine) as s: a, b = store.get_or_create_git_state(s, clean), store.get_or_create_git_state(s, git_state(f.parent))
+  assert a.id == b.id
+  f.write_text("two\n")
+  (tmp_path / "repo" / "new.txt").write_text("x")
+  dirty = git_state(f.parent)
+  assert dirty["dirty"] and "+two" in dirty["diff"] and dirty["diff"].endswith("# untracked: new.txt")
+  with session(engine) as s: c = store.get_or_create_git_state(s, dirty)
+  assert c.id != a.id and c.diff == dirty["diff"]
+  repo.git.checkout(repo.head.commit.hexsha, "--detach")
+  assert git_state(f.parent)["branch"] is None
+
+
+def test_environment_dedupe(engine):
+  with session(engine) as s:
+    a, b = store.get_or_create_environment(s, ENV), store.get_or_create_environment(s, dict(ENV, tinygrad_commit=None))
+    c = store.get_or_create_environment(s, ENV | {"tinygrad_diff": "--- a"})
+    assert a.id == b.id != c.id and a.hash == fingerprint_hash({k: ENV.get(k) for k in ENV | {"tinygrad_commit": 0, "tinygrad_diff": 0}})
+    with pytest.raises(ValueError, match="unknown fields gpu"): store.get_or_create_environment(s, ENV | {"gpu": "x"})
+    with pytest.raises(ValueError, match="missing fields driver"): store.get_or_create_environment(s, {k: v for k, v in ENV.items() if k != "driver"})
+
+
+def test_trial_lifecycle(engine):
+  profile = [{"rank": 1, "name": "r_matvec", "count": 40, "us_per_token": 120.5, "gb_s": 850.0, "share": 0.6},
+             {"rank": 2, "name": "E_add", "count": 10, "us_per_token": 10.0, "gb_s": None, "share": 0.05}]
+  with session(engine) as s:
+    study = store.create_study(s, name="s", environment=store.get_or_create_environment(s, ENV), **STUDY)
+    env = study.environment
+  with session(engine) as s:
+    gs = store.get_or_create_git_state(s, {"commit": "f" * 40, "branch": None, "dirty": False, "diff": ""})
+    t = store.start_trial(s, study, 0, '{"topk": "sort"}', "abcd", gs, env, "host:42", optuna_trial_id=7)
+  assert t.state == "running" and t.finished_at is None and t.started_at.tzinfo is not None
+  with session(engine) as s: store.finish_trial(s, t, state="ok", stage="full", tok_s=12.5, block_tok_s=99.0, metrics={"ms_p50": 80.0},
+                                                phases={"load": 1.5}, check={"max_abs": 1e-3}, profile=profile)
+  with session(engine) as s:
+    t = store.trials(s, study)[0]
+    assert (t.state, t.stage, t.tok_s, t.metrics, t.phases, t.check) == ("ok", "full", 12.5, {"ms_p50": 80.0}, {"load": 1.5}, {"max_abs": 1e-3})
+    assert [(p.rank, p.name, p.gb_s) for p in t.profile] == [(1, "r_matvec", 850.0), (2, "E_add", None)]
+    assert t.git_state.commit == "f" * 40 and t.environment.host == ENV["host"] and t.optuna_trial_id == 7
+    assert t.finished_at.tzinfo == UTC and t.finished_at >= t.started_at
+    with pytest.raises(ValueError): store.finish_trial(s, t, state="done")
+  with pytest.raises(IntegrityError), session(engine) as s: store.start_trial(s, study, 0, "{}", "abcd", None, None, "host:43")
+
+
+def test_find_measured_and_interrupted(engine):
+  with session(engine) as s:
+    study, other = store.create_study(s, name="s", **STUDY), store.create_study(s, name="o", **STUDY)
+    make_trial(s, other, 0, "ok", 50.0)
+    assert store.find_measured(s, study, "c0") is None
+    first = make_trial(s, study, 0, "ok", 10.0)
+    for n, state in enumerate(("interrupted", "pruned", "running"), 1): make_trial(s, study, n, state)
+    make_trial(s, study, 4, "reused", 10.0, reused_from=first)
+    assert store.find_measured(s, study, "c0").id == first.id
+    make_trial(s, study, 5, "timeout", failure_class="timeout")
+    assert store.find_measured(s, study, "c0").number == 5
+    assert store.find_measured(s, study, "c1") is None
+    assert store.mark_interrupted(s, study, {0, 3, 9}) == 1
+    assert [t.state for t in store.trials(s, study)] == ["ok", "interrupted", "pruned", "interrupted", "reused", "timeout"]
+
+
+def test_leaderboard_and_confirmations(engine):
+  with session(engine) as s:
+    study = store.create_study(s, name="s", **STUDY)
+    for n, (state, tok_s) in enumerate([("ok", 10.0), ("ok", 30.0), ("wrong_output", 50.0), ("oom", None), ("ok", 20.0), ("reused", 30.0)]):
+      make_trial(s, study, n, state, tok_s, config_hash=f"c{n}")
+    assert [t.tok_s for t in store.leaderboard(s, study)] == [30.0, 20.0, 10.0]
+    assert [t.number for t in store.leaderboard(s, study, limit=1)] == [1]
+    best = store.leaderboard(s, study)[0]
+    store.add_confirmation(s, study, best, pairs=5, rounds=3, tok_s=30.0, baseline_tok_s=10.0, speedup=3.0, speedup_low=2.8,
+                           speedup_high=3.2, status="confirmed")
+  with session(engine) as s: assert [(c.config_hash, c.trial.number, c.speedup) for c in store.confirmations(s, study)] == [("c1", 1, 3.0)]
+
+
+def test_unreachable_server():
+  t0 = time.monotonic()
+  with pytest.raises(DBError) as e: open_db("postgresql+psycopg://me:secret@127.0.0.1:1/db?connect_timeout=3")
+  assert time.monotonic() - t0 < 5
+  msg = str(e.value)
+  assert msg.startswith("cannot reach the database at postgresql+psycopg://me:***@127.0.0.1:1/db") and "connection refused" in msg
+  assert "secret" not in msg and "\n" not in msg
+
+
+def test_not_a_sqlite_file(tmp_path):
+  (f := tmp_path / "x.db").write_bytes(junk := os.urandom(8192))
+  with pytest.raises(DBError, match=r"x\.db is not a SQLite database$"): open_db(f"sqlite:///{f}")
+  assert f.read_bytes() == junk and os.listdir(tmp_path) == ["x.db"]
+  with pytest.raises(DBError, match="^cannot open the SQLite database"): open_db(f"sqlite:///{tmp_path}/no/such/dir/x.db")
+
+
+@pytest.mark.parametrize("bad", ["nosuch://host/db", "mysql://u@h/db", "postgresql+nosuchdriver://u@h/db", "not a url"])
+def test_unsupported_url(bad):
+  with pytest.raises(DBError, match="^unsupported database URL"): open_db(bad)
+
+
+def test_newer_schema_is_refused(url):
+  with session(e := open_db(url)) as s: store.create_study(s, name="kept", **STUDY)
+  with e.begin() as c: c.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = '9999_future'"))
+  e.dispose()
+  with pytest.raises(DBError, match="schema revision 9999_future, unknown to this structsearch"): open_db(url)
+  with (e := create_engine(url)).connect() as c:
+    assert c.scalar(text(f"SELECT version_num FROM {VERSION_TABLE}")) == "9999_future"
+    assert c.scalar(text("SELECT name FROM ss_study")) == "kept"
+  e.dispose()
+
+
+def test_default_url(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  assert default_url() == f"sqlite:///{tmp_path}/structsearch.db"

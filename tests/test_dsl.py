@@ -1,0 +1,130 @@
+"""The dsl backend (model/dsl.py): its custom kernels compute the tensor backend's products, and a model built on them decodes
+the baseline's logits with the custom kernels in place of the tensor path's gathered products.
+
+Model logits are compared with an fp32 KV cache on both sides: with the baseline's fp16 cache, any reordering of the
+float32 sums that feed the cache (the kv_a projection) moves some entries across an fp16 rounding boundary, an error of
+~1e-3 of the logits' std that has nothing to do with the kernels (tests/test_space.py holds backend knobs to 2e-2 for it).
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+import numpy as np
+import pytest
+from tinygrad import Tensor, dtypes
+
+from model import dsl
+from model.deepseek2 import Transformer
+from model.generate import Generator, jit_kernels
+from model.gguf_file import GGUFFile
+from model.quants import BF16, LAYOUTS, QUANT_TYPES
+from model.structure import BACKENDS, QUANT_NAMES, StructureConfig
+from model.weights import QWeight, expert, linear, per_head
+from space.knobs import ModelInfo, knobs
+
+TOKENS = [(7919 * i + 17) % 1000 for i in range(16)]
+TYPES = {QUANT_TYPES[t].name: t for t in QUANT_TYPES}
+
+
+def random_weight(rng: np.random.Generator, ggml_type: int, shape: tuple[int, ...], backend: str = "tensor") -> QWeight:
+  """Random bytes in every integer field (all bit patterns of codes, scales and mins), unit-scale floats in the float fields."""
+  qt, rows = QUANT_TYPES[ggml_type], int(np.prod(shape[:-1]))
+  blocks = rng.integers(0, 256, (rows, shape[-1] // qt.block, qt.nbytes), dtype=np.uint8)
+  for a, b, dt in LAYOUTS[ggml_type].values():
+    if dt == dtypes.float16: v = (rng.standard_normal((*blocks.shape[:2], (b - a) // 2)) * 0.05).astype(np.float16)
+    elif dt == dtypes.float32: v = rng.standard_normal((*blocks.shape[:2], 1)).astype(np.float32)
+    elif ggml_type == BF16: v = (rng.standard_normal((*blocks.shape[:2], 1)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    else: continue
+    blocks[..., a:b] = v.view(np.uint8)
+  w = QWeight.from_raw(Tensor(blocks.reshape(rows, -1)), ggml_type, shape)
+  w.backend = backend
+  return w
+
+
+def rel_err(got: Tensor, want: Tensor) -> float:
+  g, w = got.numpy(), want.numpy()
+  assert g.shape == w.shape
+  return float(np.abs(g - w).max() / np.abs(w).max())
+
+
+@pytest.mark.parametrize("quant", sorted(dsl.DSL_QUANTS))
+def test_products_equal_the_tensor_backend(quant: str) -> None:
+  rng, t = np.random.default_rng(TYPES[quant]), TYPES[quant]
+  n_out, n_in, E, K, H = 48, 512, 5, 3, 4
+  x = lambda *s, dt=np.float32: Tensor(rng.standard_normal(s).astype(dt))
+  w = random_weight(rng, t, (n_out, n_in))
+  wd = QWeight(w.planes, t, w.shape, backend="dsl")
+  for xi in (x(1, 1, n_in), x(1, 5, n_in), x(2, 3, n_in, dt=np.float16)):  # decode, prefill, fp16 activations
+    assert rel_err(linear(xi, wd), linear(xi, w)) < 1e-5
+  w = random_weight(rng, t, (H, n_out, n_in))
+  xh = x(1, 2, H, n_in)
+  assert rel_err(per_head(xh, QWeight(w.planes, t, w.shape, backend="dsl")), per_head(xh, w)) < 1e-5
+  w = random_weight(rng, t, (E, n_out, n_in))
+  wd = QWeight(w.planes, t, w.shape, backend="dsl")
+  for sel in ([[[E - 1, E - 1, 0]]], [[[E - 1, 2, E - 1], [1, 1, 1], [0, E - 1, 3]]]):  # ids that repeat and hit the last expert
+    s = Tensor(np.array(sel, np.int32))
+    for xe in (x(1, s.shape[1], 1, n_in), x(1, s.shape[1], K, n_in)):  # one input for all K (gate, up) or one per slot (down)
+      assert rel_err(expert(xe, s, wd), expert(xe, s, w)) < 1e-5
+
+
+def test_space_offers_dsl_exactly_for_supported_types(gguf_file, monkeypatch) -> None:
+  assert dsl.DSL_QUANTS == set(QUANT_NAMES) and "dsl" in BACKENDS
+  info = ModelInfo.from_gguf(GGUFFile(gguf_file("tiny", "q4_k_m")))
+  domains = {k.name: k.choices for k in knobs(info) if k.name.startswith("backend.")}
+  assert domains and all(c == BACKENDS for c in domains.values())
+  monkeypatch.setattr("space.knobs.DSL_QUANTS", frozenset({"Q4_K"}))
+  domains = {k.name: k.choices for k in knobs(info) if k.name.startswith("backend.")}
+  assert domains["backend.Q4_K.expert"] == domains["backend.Q4_K.dense"] == ("tensor", "fp16_cache", "dsl")
+  assert domains["backend.Q6_K.expert"] == domains["backend.Q5_K.dense"] == ("tensor", "fp16_cache")
+
+
+@functools.cache
+def run(path: str, cfg_json: str) -> tuple[np.ndarray, np.ndarray, tuple[tuple[str, str], ...], frozenset[int]]:
+  """Teacher-forced prefill logits, decode step logits, the decode step's kernels, and the sizes of the expert weights' largest
+  planes (their codes; no other buffer of the tiny models has those sizes)."""
+  model = Transformer(GGUFFile(path), StructureConfig.from_json(cfg_json), max_context=32)
+  gen = Generator(model, chunk=len(TOKENS))
+  prefill = gen.prefill(TOKENS).astype(np.float64)
+  steps = np.stack([gen.step_logits(1, len(TOKENS) + i) for i in range(3)]).astype(np.float64)
+  for i in range(3): gen.step(1, len(TOKENS) + i)
+  exps = frozenset(max(p.numel() for p in w.planes.values()) for b in model.blocks if b.moe for w in (b.gate_exps, b.up_exps, b.down_exps))
+  return prefill, steps, tuple(jit_kernels(gen.step_jit)), exps
+
+
+def reads(src: str, sizes: frozenset[int]) -> bool:
+  """Whether a kernel takes a buffer of one of these sizes (tinygrad names kernel buffers data<i>_<size>)."""
+  return any(int(n) in sizes for n in re.findall(r"\bdata\d+_(\d+)\b", src))
+
+
+@pytest.mark.parametrize("quant", ["q4_0", "q4_k_m"])
+def test_decode_matches_the_baseline_with_custom_kernels(gguf_file, quant: str) -> None:
+  path = gguf_file("tiny", quant)
+  info = ModelInfo.from_gguf(GGUFFile(path))
+  backends = {f"{q}:{role}": "dsl" for role, qs in info.quants.items() for q in qs}
+  if quant == "q4_0": assert backends == {"Q4_0:expert": "dsl", "Q4_0:dense": "dsl"}
+  base_prefill, base_steps, base_kernels, exps = run(path, StructureConfig(kv_dtype="float32").to_json())
+  prefill, steps, kernels, _ = run(path, StructureConfig(kv_dtype="float32", backends=backends).to_json())
+  for got, want in ((prefill, base_prefill), (steps, base_steps)):
+    err = np.abs(got - want).max(axis=-1) / want.std(axis=-1)
+    assert err.max() <= 1e-4, f"max |dlogit|/std {err.max():.3g}"
+  names = [n for n, _ in kernels]
+  n_moe = sum(n.endswith(".ffn_gate_exps.weight") for n in GGUFFile(path).tensors)
+  assert not any(n.startswith("dsl_") for n, _ in base_kernels)
+  assert sum(n.startswith("dsl_expert_") for n in names) == 3 * n_moe and any(n.startswith("dsl_dense_") for n in names)
+  # the baseline's gathered expert products read the expert weights' codes; with dsl only the custom kernels do
+  assert any(reads(s, exps) for n, s in base_kernels)
+  assert all(n.startswith("dsl_expert_") for n, s in kernels if reads(s, exps))
+
+
+def test_default_config_with_dsl_stays_within_fp16_rounding(gguf_file) -> None:
+  """With the baseline's fp16 KV cache (see the module docstring), the GLM-4.7-Flash type (Q4_0) everywhere on dsl."""
+  path = gguf_file("tiny", "q4_0")
+  base_prefill, base_steps, _, _ = run(path, StructureConfig().to_json())
+  prefill, steps, _, _ = run(path, StructureConfig(backends={"Q4_0:expert": "dsl", "Q4_0:dense": "dsl"}).to_json())
+  for got, want in ((prefill, base_prefill), (steps, base_steps)):
+    scale = want.std(axis=-1)
+    assert (np.abs(got - want).max(axis=-1) / scale).max() <= 2e-2
+    top2 = np.sort(want, axis=-1)[:, -2:]
+    decisive = top2[:, 1] - top2[:, 0] > 4e-2 * scale
+    np.testing.assert_array_equal(got.argmax(-1)[decisive], want.argmax(-1)[decisive])

@@ -1,0 +1,141 @@
+"""The evaluator runs real trials of the tiny model on the CPU, each in its own process: results, repeatability, the
+correctness gate, failure classes (faults injected through the test-only STRUCTSEARCH_TEST_FAULT hook), the device lock,
+A/B comparison and the CLI."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from evaluator.cli import main as evaluator_main
+from evaluator.compare import compare
+from evaluator.lock import DeviceLock
+from evaluator.runner import Evaluator, bandwidth, evaluate
+
+BASELINE: dict = {}
+
+
+@pytest.fixture(scope="module")
+def ev(gguf_file) -> Evaluator:
+  e = Evaluator.for_model(gguf_file("tiny", "q4_0"), "CPU", n=8, rounds=2, prefill=False, timeout=300)
+  e.reference("full")  # made once, before any fault is injected
+  return e
+
+
+@pytest.fixture(scope="module")
+def baseline(ev) -> tuple:
+  return ev.run(BASELINE), ev.run(BASELINE)
+
+
+def test_trial_reports_every_figure_and_repeats(baseline) -> None:
+  a, b = baseline
+  for r in (a, b):
+    assert r.ok, r.error
+    assert r.check["ok"] and r.check["max_rel_err"] == 0.0 and r.check["positions"] == 16
+    m = r.metrics
+    assert m["tok_s_min"] <= m["tok_s"] <= m["tok_s_max"] and len(m["tok_s_rounds"]) == 2 and m["deterministic"]
+    assert m["kernels_per_token"] > 10 and m["bytes_per_token"] > 1e5 and 0 < m["bandwidth_share"] < 1
+    assert m["ms_p50"] <= m["ms_p90"] and m["peak_device_bytes"] > 0 and m["layers"] == 3
+    assert {"load_s", "compile_s", "prompt_s", "check_s", "warmup_s", "measure_s", "wall_s", "overhead_s"} <= set(r.phases)
+    assert r.env["device"] == "CPU" and r.env["tinygrad_version"]
+  # the same config twice: the same tokens and the same work; the speed within the noise of a shared 2-core machine
+  assert a.metrics["tokens"] == b.metrics["tokens"]
+  assert (a.metrics["kernels_per_token"], a.metrics["bytes_per_token"]) == (b.metrics["kernels_per_token"], b.metrics["bytes_per_token"])
+  assert 0.5 < a.metrics["tok_s"] / b.metrics["tok_s"] < 2.0
+
+
+def test_prefill_and_kernel_profile(ev) -> None:
+  ev_prefill = Evaluator(ev.model, ev.device, ev.total_layers, ev.block_layers, n=8, rounds=1, prefill=True)
+  r = ev_prefill.run({"topk": "sort"}, profile=True)
+  assert r.ok, r.error
+  assert r.metrics["prefill_tok_s"] > 0 and "prefill_s" in r.phases and "profile_s" in r.phases
+  assert r.profile and r.profile[0]["rank"] == 1 and 0 < sum(p["share"] for p in r.profile) <= 1.0001
+  assert all(p["us_per_token"] > 0 and p["count"] >= 1 for p in r.profile)
+
+
+def test_a_different_config_passes_the_gate_with_its_own_kernels(ev, baseline) -> None:
+  base, fp16 = baseline[0], ev.run({"act_dtype": "float16", "merge_gate_up_routed": True})
+  assert base.ok and fp16.ok, fp16.error
+  assert 0 < fp16.check["max_rel_err"] <= fp16.check["tolerance"] == 5e-2
+  assert fp16.metrics["kernels_per_token"] != base.metrics["kernels_per_token"] or fp16.metrics["bytes_per_token"] != base.metrics["bytes_per_token"]
+
+
+@pytest.mark.parametrize("fault, config, status", [
+  ("", {"topk": "bogus"}, "invalid_config"),
+  ("crash", {}, "runtime_error"),
+  ("compile_error", {}, "compile_error"),
+  ("oom_kill", {}, "oom"),
+  ("hang", {}, "timeout"),
+  ("broken_argmax_topk", {"topk": "argmax"}, "wrong_output"),
+])
+def test_failures_are_classified(ev, monkeypatch, fault, config, status) -> None:
+  monkeypatch.setenv("STRUCTSEARCH_TEST_FAULT", fault)
+  if fault == "hang": monkeypatch.setattr(ev, "timeout", 20)
+  t0 = time.perf_counter()
+  r = ev.run(config)
+  assert r.status == status, (r.status, r.error)
+  assert r.error and not r.ok and r.tok_s is None
+  if status == "timeout": assert 20 <= time.perf_counter() - t0 < 60 and "compile" in r.error
+  if status == "wrong_output": assert r.check["failed_positions"] > r.check["positions"] // 4 and "tolerance" in r.error
+  if status == "invalid_config": assert "topk='bogus'" in r.error
+
+
+def test_argmax_topk_is_right_without_the_fault(ev) -> None:
+  r = ev.run({"topk": "argmax"})
+  assert r.ok and r.check["failed_positions"] == 0, r.error
+
+
+def test_device_lock_serialises_two_callers(ev, monkeypatch) -> None:
+  monkeypatch.setenv("STRUCTSEARCH_TEST_FAULT", "crash")  # a short trial: load, then an error
+  spec = ev.spec(BASELINE)
+  waits, spans = [], []
+  def one() -> None:
+    t0 = time.perf_counter()
+    r = evaluate(spec, 120, on_wait=waits.append)
+    spans.append((t0, time.perf_counter(), r.phases["wall_s"]))
+  threads = [threading.Thread(target=one) for _ in range(2)]
+  for t in threads: t.start()
+  for t in threads: t.join()
+  assert len(waits) == 1 and "waiting for device CPU" in waits[0] and "pid" in waits[0]
+  (s1, e1, w1), (s2, e2, w2) = sorted(spans)
+  assert e2 - s1 >= w1 + w2  # the two trial processes ran one after the other
+
+
+def test_lock_is_released_by_a_dead_holder(tmp_path, monkeypatch) -> None:
+  import subprocess
+  import sys
+  monkeypatch.setenv("STRUCTSEARCH_CACHE", str(tmp_path))
+  holder = subprocess.Popen([sys.executable, "-c", "import time; from evaluator.lock import DeviceLock\n"
+                             "with DeviceLock('FAKE'): print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+  assert holder.stdout.readline().strip() == "held"
+  holder.kill()
+  holder.wait()
+  with DeviceLock("FAKE", on_wait=lambda m: pytest.fail(m)): pass
+
+
+def test_ab_compare_of_a_config_with_itself(ev) -> None:
+  c = compare(ev, BASELINE, {"topk": "sort"}, pairs=1)
+  assert c.failed is None and len(c.ratios) == 1
+  assert 0.5 < c.low <= c.speedup <= c.high < 2.0
+
+
+def test_bandwidth_is_measured_once_and_cached(monkeypatch) -> None:
+  first = bandwidth("CPU")
+  monkeypatch.setattr("subprocess.run", lambda *a, **k: pytest.fail("measured again"))
+  assert bandwidth("CPU") == first > 0.1
+
+
+def test_cli(ev, tmp_path, capsys) -> None:
+  bad = tmp_path / "bad.json"
+  bad.write_text('{"beam": 3}')
+  with pytest.raises(SystemExit) as e: evaluator_main(["run", "--model", ev.model, "--device", "CPU", "--config", str(bad)])
+  assert e.value.code == 2 and "beam=3 is not allowed" in capsys.readouterr().err
+  with pytest.raises(SystemExit) as e: evaluator_main(["run", "--model", "/nonexistent.gguf"])
+  assert e.value.code == 2 and "no GGUF file" in capsys.readouterr().err
+  out = tmp_path / "r.json"
+  with pytest.raises(SystemExit) as e:
+    evaluator_main(["run", "--model", ev.model, "--device", "CPU", "-n", "4", "--rounds", "1", "--no-prefill", "--json", str(out)])
+  assert e.value.code == 0
+  import json
+  assert json.loads(out.read_text())["status"] == "ok"

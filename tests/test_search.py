@@ -1,0 +1,152 @@
+"""The search agent end to end on the tiny model (CPU, real trial processes): SQLite study with the ladder, resume, reuse
+of measured configs, confirmation, replay, views and export; Ctrl-C; two workers on PostgreSQL with one killed; bad storage."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+from sqlalchemy import create_engine, text
+
+from model.structure import StructureConfig
+from search.cli import main as search_main
+from search.replay import replay
+
+FAST = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--fix", "beam=0", "--confirm", "0", "--seed", "0"]
+
+
+def search(*argv: str) -> int:
+  try: search_main(list(argv))
+  except SystemExit as e: return int(e.code or 0)
+  return 0
+
+
+def rows(url: str, sql: str) -> list:
+  with create_engine(url).connect() as c: return list(c.execute(text(sql)))
+
+
+def cli(*argv: str) -> subprocess.Popen:
+  return subprocess.Popen([sys.executable, "-m", "search", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def model(gguf_file) -> str: return gguf_file("tiny", "q4_0")
+
+
+def test_sqlite_study_end_to_end(model, tmp_path, capsys) -> None:
+  url = f"sqlite:///{tmp_path / 's.db'}"
+  assert search("start", "--model", model, "--study", "t", "--storage", url, "--trials", "4", "--block-layers", "2", *FAST) == 0
+  out = capsys.readouterr().out
+  assert "trial   0" in out and "baseline" in out and "tiny" in out
+  trials = rows(url, "SELECT number, state, stage, tok_s, block_tok_s, git_state_id, environment_id, config_json FROM ss_trial ORDER BY number")
+  assert [t[0] for t in trials] == [0, 1, 2, 3] and all(t[1] in ("ok", "wrong_output", "pruned") or t[1] in
+                                                        ("compile_error", "runtime_error", "oom", "timeout") for t in trials)
+  assert StructureConfig.from_json(trials[0][7]) == StructureConfig()  # the baseline is measured first
+  ok = [t for t in trials if t[1] == "ok"]
+  assert ok and all(t[2] == "full" and t[3] > 0 and t[4] > 0 and t[5] and t[6] for t in ok)  # ladder: block, then full
+  assert rows(url, "SELECT count(*) FROM ss_git_state")[0][0] == 1 and rows(url, "SELECT count(*) FROM ss_environment")[0][0] >= 1
+  study = optuna.load_study(study_name="t", storage=url)
+  assert all(0 in t.intermediate_values for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE)
+
+  # resume: the same study goes on numbering; a config measured before is reused, not benchmarked again
+  study.enqueue_trial(study.trials[0].params)
+  assert search("start", "--model", model, "--study", "t", "--storage", url, "--trials", "6", "--block-layers", "2", *FAST) == 0
+  assert "config already measured in trial 0" in capsys.readouterr().out
+  trials = rows(url, "SELECT number, state, reused_from_id, tok_s FROM ss_trial ORDER BY number")
+  assert [t[0] for t in trials] == list(range(6))
+  reused = [t for t in trials if t[1] == "reused"]
+  assert len(reused) == 1 and reused[0][2] == 1  # a reused row points at its source (and is left out of the leaderboard)
+
+  # a changed space is refused for an existing study; the leaderboard, list and export
+  assert search("start", "--model", model, "--study", "t", "--storage", url, "--trials", "6", *FAST[:-4], "--fix", "topk=sort") == 2
+  assert "pins" in capsys.readouterr().err
+  assert search("status", "--study", "t", "--storage", url) == 0 and "baseline" in capsys.readouterr().out
+  assert search("list", "--storage", url) == 0 and "t" in capsys.readouterr().out
+  assert search("export", "--study", "t", "--storage", url, "--out", str(tmp_path / "x.toml")) == 2
+  assert "no confirmed winner" in capsys.readouterr().err
+
+  # confirmation: A/B against the baseline, recorded and shown
+  assert search("confirm", "--study", "t", "--storage", url, "--top", "1", "--pairs", "1", "--rounds", "1") == 0
+  conf = rows(url, "SELECT status, pairs, speedup, speedup_low FROM ss_confirmation")
+  assert len(conf) == 1 and conf[0][0] == "ok" and conf[0][2] > 0
+  assert search("export", "--study", "t", "--storage", url, "--out", str(tmp_path / "x.toml"), "--unconfirmed") == 0
+  measured = [StructureConfig.from_json(c) for (c,) in rows(url, "SELECT config_json FROM ss_trial WHERE state='ok'")]
+  assert StructureConfig.load(str(tmp_path / "x.toml")) in measured
+
+  # replay: the recorded study searched again offline, per sampler
+  results = replay(url, "t", ["random", "tpe"], trials=5, repeats=2)
+  assert [r.sampler for r in results] == ["random", "tpe"] and all(len(r.reached_at) == 2 for r in results)
+  assert all(r.reached_at[0] is None or 1 <= r.reached_at[0] <= 5 for r in results)
+  assert search("replay", "--study", "t", "--storage", url, "--trials", "3", "--repeats", "1") == 0
+  assert "reached in" in capsys.readouterr().out
+
+
+def test_ctrl_c_stops_cleanly_and_the_study_continues(model, tmp_path) -> None:
+  url = f"sqlite:///{tmp_path / 's.db'}"
+  p = cli("start", "--model", model, "--study", "c", "--storage", url, "--trials", "2", *FAST)
+  deadline = time.time() + 120
+  while time.time() < deadline and not (os.path.exists(tmp_path / "s.db") and _has_running(url)): time.sleep(0.5)
+  time.sleep(2)
+  p.send_signal(signal.SIGINT)
+  out, _ = p.communicate(timeout=60)
+  assert p.returncode == 130 and "continues" in out, out
+  assert rows(url, "SELECT number, state FROM ss_trial") == [(0, "interrupted")]
+  assert search("start", "--model", model, "--study", "c", "--storage", url, "--trials", "2", *FAST) == 0
+  trials = rows(url, "SELECT number, state, config_json FROM ss_trial ORDER BY number")
+  assert [(n, s) for n, s, _ in trials][0] == (0, "interrupted") and len([t for t in trials if t[1] != "interrupted"]) == 2
+  assert StructureConfig.from_json(trials[1][2]) == StructureConfig()  # the interrupted config runs first on resume
+
+
+def _has_running(url: str) -> bool:
+  try: return bool(rows(url, "SELECT 1 FROM ss_trial WHERE state='running'"))
+  except Exception: return False  # noqa: BLE001 - the tables may not exist yet
+
+
+def test_two_workers_on_postgres_one_killed(model, pg_url) -> None:
+  args = ["--storage", pg_url, "--heartbeat", "1"]
+  first = cli("start", "--model", model, "--study", "pg", "--trials", "4", *args, *FAST)
+  deadline = time.time() + 120
+  while time.time() < deadline and not _has_running(pg_url): time.sleep(0.5)
+  second = cli("worker", "--study", "pg", *args)
+  running = lambda: [w for (w,) in rows(pg_url, "SELECT worker FROM ss_trial WHERE state='running'") if w.endswith(f":{second.pid}")]
+  while time.time() < deadline and not running(): time.sleep(0.5)
+  time.sleep(1)
+  second.send_signal(signal.SIGKILL)
+  second.wait()
+  out, _ = first.communicate(timeout=600)
+  assert first.returncode == 0, out
+  study = optuna.load_study(study_name="pg", storage=pg_url)
+  states = [t.state for t in study.trials]
+  assert optuna.trial.TrialState.RUNNING not in states and states.count(optuna.trial.TrialState.FAIL) >= 1
+  ours = rows(pg_url, "SELECT number, state, worker FROM ss_trial ORDER BY number")
+  assert "running" not in [s for _, s, _ in ours]
+  killed = [n for n, s, w in ours if w.endswith(f":{second.pid}")]
+  assert killed and all(s == "interrupted" for n, s, _ in ours if n in killed[-1:])
+  assert len([s for _, s, _ in ours if s not in ("interrupted",)]) >= 4  # the target was reached without the killed trial
+
+
+@pytest.mark.parametrize("url, message", [
+  ("postgresql+psycopg://nobody@127.0.0.1:1/none", "cannot reach the database"),
+  ("mysql://x@y/z", "not supported"),
+])
+def test_bad_storage_is_one_line(url, message, capsys) -> None:
+  assert search("list", "--storage", url) == 2
+  err = capsys.readouterr().err.strip()
+  assert message in err and len(err.splitlines()) == 1
+
+
+def test_corrupt_sqlite_is_refused_and_kept(tmp_path, capsys) -> None:
+  bad = tmp_path / "bad.db"
+  bad.write_bytes(os.urandom(4096))
+  before = bad.read_bytes()
+  assert search("status", "--storage", f"sqlite:///{bad}") == 2
+  assert "not a SQLite database" in capsys.readouterr().err and bad.read_bytes() == before
+
+
+def test_worker_refuses_sqlite(capsys, tmp_path) -> None:
+  assert search("worker", "--study", "x", "--storage", f"sqlite:///{tmp_path / 'a.db'}") == 2
+  assert "postgresql+psycopg://" in capsys.readouterr().err

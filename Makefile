@@ -3,7 +3,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: deps setup demo test lint
+.PHONY: deps setup demo test test-slow lint
 deps:  # system packages: clang for tinygrad's CPU backend, a C++ toolchain for llama-cpp-python
 	@command -v clang >/dev/null && command -v cmake >/dev/null && command -v g++ >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang cmake g++ make >/dev/null; }
@@ -23,3 +23,6 @@ lint: setup
 
 test: lint
 	$(BIN)/pytest -q -n 2 --dist loadfile
+
+test-slow: setup  # the full-width GLM-4.7-Flash and DeepSeek-V2-Lite 2-layer files against llama.cpp (about 15 CPU minutes, 10 GB)
+	$(BIN)/pytest -q -m slow

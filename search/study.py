@@ -167,7 +167,7 @@ class Runner:
     res = None
     for stage in self.ev.stages:
       res = self.ev.run(cfg.to_dict(), stage, on_phase=phase(stage), on_wait=wait)
-      spent += res.phases.get("wall_s", 0.0)
+      spent += res.phases.get("wall_s", 0.0) + res.phases.get("setup_s", 0.0)
       if stage == "block" and len(self.ev.stages) > 1:
         block = res
         if not res.ok: break

@@ -83,8 +83,8 @@ def test_config_validation(tmp_path) -> None:
 
 
 def test_synth_run_and_bench(tmp_path) -> None:
-  out = tmp_path / "glm2.gguf"
-  r = run_model("synth", "--preset", "glm-4.7-flash", "--layers", "2", "--quant", "q4_k_m", "--out", str(out))
+  out = tmp_path / "tiny2.gguf"
+  r = run_model("synth", "--preset", "tiny", "--layers", "2", "--quant", "q4_k_m", "--out", str(out))
   assert r.returncode == 0, r.stderr
   r = run_model("run", "--model", str(out), "--prompt", "Hello world", "-n", "6", "--max-context", "64")
   assert r.returncode == 0, r.stderr

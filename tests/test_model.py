@@ -64,6 +64,7 @@ def test_matches_llama_cpp(gguf_file, preset: str, quant: str, legacy: bool) -> 
   check_llama_cpp(path, robust_tokens(path, "f32", N))
 
 
+@pytest.mark.slow  # about 15 CPU minutes and 10 GB: `make test-slow`
 @pytest.mark.parametrize("preset,quant", [("glm-4.7-flash", "q4_k_m"), ("deepseek-v2-lite", "q4_0")])
 def test_full_width_two_layers_match_llama_cpp(tmp_path_factory, preset: str, quant: str, record_property) -> None:
   """2-layer files with the real models' exact widths, vocabularies and routing; plus a free-running greedy comparison."""

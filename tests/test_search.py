@@ -84,6 +84,22 @@ def test_sqlite_study_end_to_end(model, tmp_path, capsys) -> None:
   assert search("replay", "--study", "t", "--storage", url, "--trials", "3", "--repeats", "1") == 0
   assert "reached in" in capsys.readouterr().out
 
+  # another study warm-started from this one: the baseline first, then this study's best configs, enqueued
+  assert search("start", "--model", model, "--study", "w", "--storage", url, "--trials", "1", "--warm-start-from", "t", *FAST) == 0
+  waiting = optuna.load_study(study_name="w", storage=url).get_trials(states=(optuna.trial.TrialState.WAITING,))
+  best = rows(url, "SELECT config_json FROM ss_trial WHERE state='ok' AND study_id=1 ORDER BY tok_s DESC")
+  assert waiting and len(waiting) <= len(best)
+  assert search("start", "--model", model, "--study", "x", "--storage", url, "--warm-start-from", "nosuch", *FAST) == 2
+
+
+def test_two_objectives_with_nsga2(model, tmp_path) -> None:
+  url = f"sqlite:///{tmp_path / 'm.db'}"
+  assert search("start", "--model", model, "--study", "m", "--storage", url, "--trials", "2", "--objectives", "tok_s,peak_memory", *FAST) == 0
+  study = optuna.load_study(study_name="m", storage=url)
+  assert study.user_attrs["sampler"] == "nsga2" and len(study.directions) == 2
+  done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+  assert done and all(len(t.values) == 2 and t.values[1] > 0 for t in done)
+
 
 def test_ctrl_c_stops_cleanly_and_the_study_continues(model, tmp_path) -> None:
   url = f"sqlite:///{tmp_path / 's.db'}"

@@ -11,11 +11,7 @@ from sqlalchemy.orm import Session
 from db import store
 from db.models import Confirmation, Study, Trial
 from model.structure import StructureConfig
-from search.view import BASELINE, label
-
-
-def baseline_tok_s(trials: list[Trial]) -> float | None:
-  return next((t.tok_s for t in trials if t.state == "ok" and t.config_hash == BASELINE), None)
+from search.view import baseline_tok_s, label
 
 
 def winner(confirmed: list[Confirmation]) -> Confirmation | None:

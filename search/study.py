@@ -110,15 +110,14 @@ class Runner:
 
   def __init__(self, setup: Setup, url: str, ev: Evaluator, info: ModelInfo, remeasure: bool = False,
                on_event: Callable[[Event], None] = lambda e: None, heartbeat: float = HEARTBEAT_S):
-    self.setup, self.url, self.ev, self.info, self.remeasure, self.on_event = setup, url, ev, info, remeasure, on_event
+    self.setup, self.ev, self.info, self.remeasure, self.on_event = setup, ev, info, remeasure, on_event
     self.engine = open_db(url)
-    multi = "," in setup.objectives
+    self.multi = "," in setup.objectives
     self.study = optuna.load_study(study_name=setup.name, storage=storage(url, heartbeat))
     # a resumed or second worker must not replay the proposals of the first: its sampler's seed moves with the study's size
     seed = None if setup.seed is None else setup.seed + len(self.study.trials)
     self.study.sampler = sampler(setup.sampler, seed, 8)
-    self.multi = multi
-    if not multi: self.study.pruner = optuna.pruners.PercentilePruner(25.0, n_startup_trials=5, n_warmup_steps=0)
+    if not self.multi: self.study.pruner = optuna.pruners.PercentilePruner(25.0, n_startup_trials=5, n_warmup_steps=0)
     with session(self.engine) as s: self.row = store.get_study(s, setup.name)
 
   def optimize(self, timeout: float | None = None) -> None:

@@ -22,15 +22,24 @@ BASELINE = config_hash(StructureConfig())
 def label(config_json: str) -> str: return describe(StructureConfig.from_json(config_json)) or "baseline"
 
 
+def baseline_tok_s(trials: list[Trial]) -> float | None:
+  return next((t.tok_s for t in trials if t.state == "ok" and t.config_hash == BASELINE), None)
+
+
+def wall(t: Trial) -> float | None:
+  """A trial's seconds in evaluator processes, both ladder stages."""
+  return t.phases["wall_s"] + t.phases.get("block_wall_s", 0) if t.phases and "wall_s" in t.phases else None
+
+
 class LiveView:
   def __init__(self, console: Console, study: str, total: int, finished: list[Trial]):
     self.console, self.study, self.total = console, study, total
     self.done = len([t for t in finished if t.state not in ("running", "interrupted")])
     self.recent: collections.deque[Trial] = collections.deque(maxlen=6)
     self.failures: collections.Counter[str] = collections.Counter(t.failure_class for t in finished if t.failure_class)
-    self.walls = [t.phases["wall_s"] for t in finished if t.phases and "wall_s" in t.phases]
+    self.walls = [w for t in finished if (w := wall(t)) is not None]
     self.best: Trial | None = max((t for t in finished if t.state == "ok"), key=lambda t: t.tok_s, default=None)
-    self.baseline = next((t.tok_s for t in finished if t.state == "ok" and t.config_hash == BASELINE), None)
+    self.baseline = baseline_tok_s(finished)
     self.current: tuple[int, str, str, float] | None = None  # number, label, phase, start
     self.notes: collections.deque[str] = collections.deque(maxlen=3)
 
@@ -45,7 +54,7 @@ class LiveView:
       self.done += 1
       self.recent.appendleft(t)
       if t.failure_class and t.state != "reused": self.failures[t.failure_class] += 1
-      if t.phases and "wall_s" in t.phases: self.walls.append(t.phases["wall_s"] + t.phases.get("block_wall_s", 0))
+      if (w := wall(t)) is not None: self.walls.append(w)
       if t.state == "ok" and t.config_hash == BASELINE: self.baseline = t.tok_s
       if t.tok_s is not None and (self.best is None or t.tok_s > self.best.tok_s): self.best = t
       if e.text.startswith("config already measured"): self.notes.append(f"trial {t.number}: {e.text}")

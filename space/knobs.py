@@ -133,13 +133,13 @@ def to_config(values: dict[str, Any]) -> StructureConfig:
 def to_params(cfg: StructureConfig, info: ModelInfo, device: str = "CPU") -> dict[str, Any]:
   """The knob values of a config, as Optuna parameters of this model's space (inverse of to_config); ConfigError when the
   config sets something this space cannot express (a knob that does not apply here, or a value outside its domain)."""
-  d = cfg.to_dict()
+  d, ks = cfg.to_dict(), knobs(info, device)
   value = lambda k: (d["barriers"][k.name[8:]] if k.name.startswith("barrier.") else
                      cfg.backend(*k.name[8:].split(".")) if k.name.startswith("backend.") else d[k.name])
-  params = _choose(knobs(info, device), value)
-  for name, v in params.items():
-    k = next(k for k in knobs(info, device) if k.name == name)
-    if v not in k.choices: raise ConfigError(f"{name}={v!r} is outside this space's domain: {', '.join(map(str, k.choices))}")
+  params = _choose(ks, value)
+  for k in ks:
+    if k.name in params and params[k.name] not in k.choices:
+      raise ConfigError(f"{k.name}={params[k.name]!r} is outside this space's domain: {', '.join(map(str, k.choices))}")
   if to_config(params) != cfg:
     extra = set(describe(cfg).split()) - set(describe(to_config(params)).split())
     raise ConfigError(f"the config sets knobs that do not apply to this model and device: {' '.join(sorted(extra))}")

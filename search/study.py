@@ -173,7 +173,7 @@ class Runner:
         if not self.multi:
           trial.report(res.metrics["tok_s"], 0)
           if trial.should_prune():
-            self._record(row, "pruned", res, None, time.perf_counter() - t0 - spent)
+            self._record(row, "pruned", res, res, time.perf_counter() - t0 - spent)  # keeps its proxy tok/s
             raise optuna.TrialPruned(f"block proxy {res.metrics['tok_s']:.2f} tok/s is in the bottom quarter")
     assert res is not None
     self._record(row, res.status, res, block, time.perf_counter() - t0 - spent)

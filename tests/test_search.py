@@ -60,6 +60,7 @@ def test_sqlite_study_end_to_end(model, tmp_path, capsys) -> None:
   assert [t[0] for t in trials] == list(range(6))
   reused = [t for t in trials if t[1] == "reused"]
   assert len(reused) == 1 and reused[0][2] == 1  # a reused row points at its source (and is left out of the leaderboard)
+  assert all(b for (b,) in rows(url, "SELECT block_tok_s FROM ss_trial WHERE state='pruned'"))  # a pruned trial keeps its proxy figure
 
   # a changed space is refused for an existing study; the leaderboard, list and export
   assert search("start", "--model", model, "--study", "t", "--storage", url, "--trials", "6", *FAST[:-4], "--fix", "topk=sort") == 2

@@ -1,43 +1,67 @@
-"""The routed-expert product (llama.cpp's mul_mat_id) alone, per kernel backend: GB/s of expert weights read.
+"""The routed-expert product (llama.cpp's mul_mat_id) alone, per kernel backend: GB/s of expert weights read, against the
+device's streaming bandwidth measured through tinygrad in the same process (evaluator/bandwidth.py).
 
-  python benchmarks/expert_kernel.py [--beam 0] [--quant Q4_0]   # GLM-4.7-Flash gate_exps shape: 64 experts, 1536 x 2048, 4 selected
+  python benchmarks/expert_kernel.py --beam 0 [--quant Q4_0] [--json out.jsonl]   # GLM-4.7-Flash ffn_gate_exps: 64 x 1536 x 2048, 4 selected
+
+One decode token, 4 experts chosen by a tensor (the gather happens inside the product). `kernel`: the product's kernels
+timed on the device (tinygrad's DEBUG=2 event timing, median of 20 runs after 5 warm-ups); `call`: one TinyJit call,
+synchronized, wall clock (launch and Python included, as a decode step's graph amortizes them).
 """
 import argparse
+import contextlib
+import datetime
+import io
+import json
 import time
 
 import numpy as np
-from tinygrad import Device, Tensor, TinyJit
+from products import random_weight  # tests/products.py (run with PYTHONPATH=tests)
+from tinygrad import Device, GlobalCounters, Tensor, TinyJit
 from tinygrad.helpers import Context
 
-from model.quants import Q4_0, Q4_K, Q6_K, Q8_0, QUANT_TYPES
+from evaluator.bandwidth import measure
+from model import native
+from model.quants import QUANT_TYPES
 from model.weights import QWeight, expert
 
 p = argparse.ArgumentParser()
 p.add_argument("--beam", type=int, default=0)
-p.add_argument("--quant", default="Q4_0", choices=["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+p.add_argument("--quant", default="Q4_0", choices=sorted(native.NATIVE_QUANTS))
+p.add_argument("--json", help="append one JSON line per backend")
 args = p.parse_args()
-E, OUT, IN, K = 64, 1536, 2048, 4
-qtype = {"Q4_0": Q4_0, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K}[args.quant]
-qt = QUANT_TYPES[qtype]
+E, OUT, IN, K, REPS = 64, 1536, 2048, 4, 20
+qtype = next(t for t, q in QUANT_TYPES.items() if q.name == args.quant)
+qt, dev = QUANT_TYPES[qtype], Device.DEFAULT
+bw = measure(dev)["gb_s"]
 rng = np.random.default_rng(0)
-raw = rng.integers(0, 256, (E * OUT, IN // qt.block, qt.nbytes), dtype=np.uint8)
-for off in {Q4_0: (0,), Q8_0: (0,), Q4_K: (0, 2), Q6_K: (208,)}[qtype]:
-  raw[..., off:off + 2] = (rng.standard_normal((E * OUT, IN // qt.block, 1)) * 0.01).astype(np.float16).view(np.uint8)
-for backend in ("tensor", "fp16_cache"):
-  w = QWeight.from_raw(Tensor(raw.reshape(E * OUT, -1)), qtype, (E, OUT, IN))
+base = random_weight(rng, qtype, (E, OUT, IN))
+backends = ["tensor", "fp16_cache", "dsl"] + (["native"] if native.available() else [])
+print(f"{dev} BEAM={args.beam} {args.quant}: streaming bandwidth {bw:.0f} GB/s")
+for backend in backends:
+  w = QWeight(base.planes, qtype, base.shape, backend=backend if backend != "fp16_cache" else "tensor")
   if backend == "fp16_cache": w.use_fp16_cache()
   read = K * OUT * IN * (2 if backend == "fp16_cache" else qt.nbytes / qt.block)
-  f = TinyJit(lambda x, sel, w=w: expert(x, sel, w).contiguous())
+  one = TinyJit(lambda x, sel, w=w: expert(x, sel, w).contiguous())
+  times: dict[str, list[float]] = {"kernel": [], "call": []}
   with Context(BEAM=args.beam):
-    ts = []
-    for i in range(30):
+    for i in range(25):
       x = Tensor.randn(1, 1, 1, IN).realize()
       sel = Tensor(rng.choice(E, K, replace=False).reshape(1, 1, K).astype(np.int32)).realize()
-      Device[Device.DEFAULT].synchronize()
-      t0 = time.perf_counter()
-      f(x, sel)
-      Device[Device.DEFAULT].synchronize()
-      if i >= 5: ts.append(time.perf_counter() - t0)
-  t = float(np.median(ts))
-  print(f"{Device.DEFAULT} BEAM={args.beam} {args.quant} {backend:10s} {t * 1e6:9.1f} us  {read / t / 1e9:8.1f} GB/s of expert weights")
-  del w, f
+      Device[dev].synchronize()
+      t0, k0 = time.perf_counter(), GlobalCounters.time_sum_s
+      one(x, sel)
+      Device[dev].synchronize()
+      call = time.perf_counter() - t0
+      with Context(DEBUG=2), contextlib.redirect_stdout(io.StringIO()): expert(x, sel, w).realize()
+      if i >= 5: times["call"].append(call); times["kernel"].append(GlobalCounters.time_sum_s - k0)
+  times = {k: float(np.median(v)) for k, v in times.items()}
+  gb_s = {k: read / t / 1e9 for k, t in times.items()}
+  print(f"{backend:10s} kernel {times['kernel'] * 1e6:8.1f} us {gb_s['kernel']:7.1f} GB/s ({gb_s['kernel'] / bw:6.1%})   "
+        f"call {times['call'] * 1e6:8.1f} us {gb_s['call']:7.1f} GB/s", flush=True)
+  if args.json:
+    with open(args.json, "a") as f:
+      f.write(json.dumps({"date": datetime.date.today().isoformat(), "device": dev, "bench": "expert_kernel", "quant": args.quant,
+                          "shape": [E, OUT, IN, K], "beam": args.beam, "backend": backend, "us_kernel": times["kernel"] * 1e6,
+                          "us_call": times["call"] * 1e6, "gb_s_kernel": gb_s["kernel"], "gb_s_call": gb_s["call"],
+                          "bandwidth_gb_s": bw, "command": f"python benchmarks/expert_kernel.py --beam {args.beam} --quant {args.quant}"}) + "\n")
+  del w, one

@@ -2,7 +2,9 @@
 # One device call: install the carried wheels, synthesize GLM-4.7-Flash-shaped files, run the named steps. Results land in $OUT.
 # usage: bash benchmarks/gpu.sh STEP...
 #   steps: env bw trial repeat knobs study confirm status (evaluator and search on the 4-layer GLM-4.7-Flash Q4_0 shape),
-#          full (baseline at 47 layers); STUDY_TRIALS, STUDY_TIMEOUT set the study step's target and time limit.
+#          full (baseline at 47 layers); STUDY_TRIALS, STUDY_TIMEOUT set the study step's target and time limit;
+#          native (tests/test_native.py on the GPU), expert (the mul_mat_id product per backend, BEAM 0 and 2),
+#          cudaknobs (model bench rows of the knob values added since the H200 table: dsl/native backends, JIT batch size)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DEV=CUDA STRUCTSEARCH_CACHE=/tmp/sscache
@@ -21,7 +23,7 @@ for step in "$@"; do
            ev run --model /tmp/glm4.gguf --device CUDA --profile --json "$OUT/trial_baseline.json"  # includes making the reference
            ev run --model /tmp/glm4.gguf --device CUDA --json "$OUT/trial_baseline2.json" ;;
     repeat) ev compare --model /tmp/glm4.gguf --device CUDA --no-prefill /tmp/base.json /tmp/base.json --pairs 3 --json "$OUT/ab_same.json" ;;
-    knobs) for c in '{"mv_threads_per_row": 16}' '{"jit_batch_size": 0}' '{"backends": {"Q4_0:expert": "dsl", "Q4_0:dense": "dsl"}}' \
+    knobs) for c in '{"backends": {"Q4_0:expert": "native", "Q4_0:dense": "native"}}' '{"jit_batch_size": 0}' '{"backends": {"Q4_0:expert": "dsl", "Q4_0:dense": "dsl"}}' \
                     '{"merge_gate_up_routed": true, "backends": {"Q4_0:expert": "fp16_cache"}}'; do
              echo "$c" > /tmp/k.json; echo "--- $c"
              ev run --model /tmp/glm4.gguf --device CUDA --no-prefill --config /tmp/k.json --json "$OUT/knob_$(echo "$c" | md5sum | cut -c1-8).json"
@@ -32,6 +34,11 @@ for step in "$@"; do
              cp /tmp/structsearch.db "$OUT/" ;;
     status) python3 -m search status --study glm4-q4_0-L4 --storage $DB
             python3 -m search export --study glm4-q4_0-L4 --storage $DB --out "$OUT/glm4-q4_0-L4.toml" ;;
+    native) timed python3 -m pytest -q -p no:cacheprovider -rs --tb=short ${NATIVE_TESTS:-tests/test_native.py} 2>&1 | tee "$OUT/native.log" | tail -60 ;;
+    expert) for b in ${EXPERT_BEAMS:-0 2}; do PYTHONPATH=$PYTHONPATH:tests timed python3 benchmarks/expert_kernel.py --beam $b --json "$OUT/expert.jsonl"; done ;;
+    cudaknobs) synth 4 /tmp/glm4.gguf && timed python3 benchmarks/run.py --model /tmp/glm4.gguf --device CUDA --set knobs --out "$OUT/cudaknobs.jsonl" \
+                 --only baseline backend.Q4_0.dense=dsl backend.Q4_0.expert=dsl backend.Q4_0.dense=native backend.Q4_0.expert=native \
+                        jit_batch_size=0 jit_batch_size=8 jit_batch_size=128 ;;
     full) synth 47 /tmp/glm47.gguf && ev run --model /tmp/glm47.gguf --device CUDA --json "$OUT/trial_full.json" ;;
   esac
 done

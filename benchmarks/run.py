@@ -17,11 +17,13 @@ from model.gguf_file import GGUFFile
 from space.knobs import ModelInfo, single_knob_changes
 
 
-def configs(model: str, which: str) -> list[tuple[str, dict]]:
-  """baseline, or the baseline plus every single-knob change of this model's search space (BEAM apart: --beam sets it)."""
+def configs(model: str, which: str, device: str) -> list[tuple[str, dict]]:
+  """baseline, or the baseline plus every single-knob change of this model's search space on this device (BEAM and its
+  limits apart: --beam sets it)."""
   if which == "baseline": return [("baseline", {})]
   info = ModelInfo.from_gguf(GGUFFile(model))
-  return [("baseline", {})] + [(label, json.loads(cfg.to_json())) for label, cfg in single_knob_changes(info) if not label.startswith("beam")]
+  changes = single_knob_changes(info, device)
+  return [("baseline", {})] + [(label, json.loads(cfg.to_json())) for label, cfg in changes if not label.startswith("beam")]
 
 
 def main() -> None:
@@ -40,7 +42,7 @@ def main() -> None:
   p.add_argument("--out", required=True)
   args = p.parse_args()
   rows = []
-  todo = [(n, c) for n, c in configs(args.model, args.set) if not args.only or n in args.only][args.skip:]
+  todo = [(n, c) for n, c in configs(args.model, args.set, args.device or "CPU") if not args.only or n in args.only][args.skip:]
   for name, cfg in todo[:args.limit]:
     cfg = {**cfg, "beam": args.beam}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f: json.dump(cfg, f)

@@ -12,6 +12,7 @@ import numpy as np
 from tinygrad import GlobalCounters, Tensor, UOp, dtypes
 from tinygrad.uop.ops import resolve
 
+from model import native
 from model import weights as W
 from model.gguf_file import GGUFError, GGUFFile
 from model.structure import StructureConfig
@@ -286,7 +287,9 @@ class Transformer:
       if norm: return w.to_float().reshape(-1).contiguous().realize()
       backend = self.cfg.backend(w.quant, role)
       if backend == "fp16_cache": w.use_fp16_cache()
-      elif backend == "dsl": w.backend = "dsl"
+      elif backend in ("dsl", "native"):
+        if backend == "native": native.check(w, device)
+        w.backend = backend
       return w
 
     n = hp.n_layers if n_layers is None else n_layers

@@ -13,14 +13,17 @@ from typing import Any
 
 import tomli_w
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# fields removed since an earlier schema version, dropped when a stored config of that version is read: tinygrad's BEAM=0
+# matvec heuristic (MV_*) takes no kernel of this model, so those settings built identical kernels (docs/benchmarks.md)
+REMOVED_FIELDS = {1: ("mv_blocksize", "mv_threads_per_row", "mv_rows_per_thread")}
 
 # split points where the model may place a kernel boundary (.contiguous()) or an execution barrier (.realize())
 BARRIER_POINTS = ("q_proj", "kv_a", "attn_out", "router_logits", "moe_gate_up", "expert_down", "moe_out",
                   "shexp_gate_up", "dense_gate_up", "block_out", "kv_write")
 BARRIER_MODES = ("none", "contiguous", "realize")
 TOPK_VARIANTS = ("pairwise", "sort", "argmax")
-BACKENDS = ("tensor", "fp16_cache", "dsl")  # "dsl" only for the types in model/dsl.py's DSL_QUANTS
+BACKENDS = ("tensor", "fp16_cache", "dsl", "native")  # "dsl": types in model/dsl.py's DSL_QUANTS; "native": model/native.py, CUDA only
 ROLES = ("dense", "expert")
 QUANT_NAMES = ("F32", "F16", "BF16", "Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 MLA_ABSORB = ("runtime", "load")
@@ -32,9 +35,6 @@ PROCESS_SETTINGS: dict[str, tuple[str, tuple]] = {
   "beam_upcast_max": ("BEAM_UPCAST_MAX", (64, 128, 256)),  # BEAM: largest upcast a candidate may apply
   "beam_local_max": ("BEAM_LOCAL_MAX", (256, 512, 1024)),  # BEAM: largest local (workgroup) size
   "beam_min_progress": ("BEAM_MIN_PROGRESS", (0.01, 1.0, 5.0)),  # BEAM: stop when the best candidate gains less (µs)
-  "mv_blocksize": ("MV_BLOCKSIZE", (1, 2, 4, 8)),  # BEAM=0 matvec heuristic (GPUs): rows per workgroup block
-  "mv_threads_per_row": ("MV_THREADS_PER_ROW", (1, 4, 8, 16, 32)),  # BEAM=0 matvec heuristic: threads sharing one row's reduction
-  "mv_rows_per_thread": ("MV_ROWS_PER_THREAD", (1, 2, 4, 8)),  # BEAM=0 matvec heuristic: rows each thread upcasts
   "jit_batch_size": ("JIT_BATCH_SIZE", (0, 8, 32, 128)),  # kernels in the first JIT graph batch, doubling after (0: one graph)
 }
 
@@ -67,9 +67,6 @@ class StructureConfig:
   beam_upcast_max: int = 256
   beam_local_max: int = 1024
   beam_min_progress: float = 0.01
-  mv_blocksize: int = 4
-  mv_threads_per_row: int = 8
-  mv_rows_per_thread: int = 4
   jit_batch_size: int = 32
   schema_version: int = SCHEMA_VERSION
 
@@ -105,6 +102,9 @@ class StructureConfig:
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> StructureConfig:
+    if isinstance(v := d.get("schema_version"), int) and v < SCHEMA_VERSION:  # a stored config of an earlier schema
+      d = {k: x for k, x in d.items() if k not in {f for old in range(v, SCHEMA_VERSION) for f in REMOVED_FIELDS.get(old, ())}}
+      d["schema_version"] = SCHEMA_VERSION
     unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
     if unknown: raise ConfigError(f"unknown field(s) {', '.join(sorted(unknown))}; known: {', '.join(f.name for f in dataclasses.fields(cls))}")
     return cls(**d)

@@ -3,7 +3,8 @@
 `tensor` keeps a quantized weight as its GGUF blocks (split into one plane per block field at load, nothing dequantized)
 and dequantizes lazily inside the product, as a packed dot: each group's scale multiplies after the group's inner sum.
 `fp16_cache` dequantizes once at load into an fp16 matrix.
-`dsl` keeps the planes as `tensor` does and runs each product as one of model/dsl.py's custom kernels.
+`dsl` keeps the planes as `tensor` does and runs each product as one of model/dsl.py's custom kernels; `native` runs
+model/native.py's hand-written CUDA C over the same planes.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 from tinygrad import Tensor, dtypes
 
-from model import dsl
+from model import dsl, native
 from model.quants import FLOAT_TYPES, QUANT_TYPES, factors, float_weight, planes, to_float
 
 
@@ -21,7 +22,7 @@ class QWeight:
   ggml_type: int
   shape: tuple[int, ...]  # numpy order: (out, in), (experts, out, in) or (heads, out, in)
   cache: Tensor | None = None  # the fp16_cache backend's matrix, with `shape`
-  backend: str = "tensor"  # "dsl": the products over the planes run model/dsl.py's custom kernels
+  backend: str = "tensor"  # "dsl" / "native": the products over the planes run model/dsl.py's / model/native.py's kernels
 
   @classmethod
   def from_raw(cls, raw: Tensor, ggml_type: int, shape: tuple[int, ...]) -> QWeight:
@@ -84,6 +85,7 @@ def linear(x: Tensor, w: QWeight) -> Tensor:
   """x (..., in) @ w.T -> (..., out) float32, for a weight of shape (out, in)."""
   if w.cache is not None: return x.float() @ w.cache.T.float()
   if w.backend == "dsl": return dsl.linear(x, w)
+  if w.backend == "native": return native.linear(x, w)
   return _dot(x.unsqueeze(-2), w.planes, w.ggml_type)
 
 
@@ -91,6 +93,7 @@ def per_head(x: Tensor, w: QWeight) -> Tensor:
   """x (..., H, in) with w (H, out, in) -> (..., H, out): one small matrix per head (MLA's k_b and v_b)."""
   if w.cache is not None: return (x.float().unsqueeze(-2) * w.cache.float()).sum(-1)
   if w.backend == "dsl": return dsl.per_head(x, w)
+  if w.backend == "native": return native.per_head(x, w)
   return _dot(x.unsqueeze(-2), w.view(w.shape), w.ggml_type)
 
 
@@ -100,4 +103,5 @@ def expert(x: Tensor, sel: Tensor, w: QWeight) -> Tensor:
   The selected experts' rows are indexed inside the product (tinygrad folds the gather into the loads)."""
   if w.cache is not None: return (x.float().unsqueeze(-2) * w.cache[sel].float()).sum(-1)
   if w.backend == "dsl": return dsl.expert(x, sel, w)
+  if w.backend == "native": return native.expert(x, sel, w)
   return _dot(x.unsqueeze(-2), w.view(w.shape, sel), w.ggml_type)

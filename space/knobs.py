@@ -13,6 +13,7 @@ from typing import Any
 
 from model.dsl import DSL_QUANTS
 from model.gguf_file import GGUFFile
+from model.native import NATIVE_DEVICES, NATIVE_QUANTS
 from model.quants import QUANT_TYPES
 from model.structure import (
   ATTENTION,
@@ -28,8 +29,8 @@ from model.structure import (
   StructureConfig,
 )
 
-SPACE_VERSION = 2
-GPU_DEVICES = ("CUDA", "NV", "AMD", "METAL", "CL", "QCOM", "WEBGPU")  # renderers with local memory (the matvec heuristic needs it)
+SPACE_VERSION = 3
+GPU_DEVICES = ("CUDA", "NV", "AMD", "METAL", "CL", "QCOM", "WEBGPU")  # renderers with local (workgroup) dims
 GRAPH_DEVICES = ("CUDA", "NV", "AMD", "METAL")  # devices whose JIT batches kernels into graphs
 
 
@@ -75,6 +76,7 @@ class Knob:
 
 _moe = lambda m: m.moe
 _always = lambda m: True
+
 _BARRIER_APPLIES: dict[str, Callable[[ModelInfo], bool]] = {
   "router_logits": _moe, "moe_gate_up": _moe, "expert_down": _moe, "moe_out": _moe,
   "shexp_gate_up": lambda m: m.shared_experts, "dense_gate_up": lambda m: m.dense_blocks or not m.moe,
@@ -87,9 +89,11 @@ BARRIER_CHOICES = {"q_proj": ("none", "realize"), "kv_a": ("none", "realize"), "
                    "dense_gate_up": ("contiguous", "realize"), "block_out": ("contiguous", "realize")}
 
 
-def backend_choices(quant: str) -> tuple[str, ...]:
-  """The backends a weight of this quant type can run on: `dsl` only where model/dsl.py has a kernel for the type."""
-  return tuple(b for b in BACKENDS if b != "dsl" or quant in DSL_QUANTS)
+def backend_choices(quant: str, device: str = "CPU") -> tuple[str, ...]:
+  """The backends a weight of this quant type can run on: `dsl` where model/dsl.py has a kernel for the type, `native`
+  where model/native.py has one and the device runs it (CUDA)."""
+  ok = {"dsl": quant in DSL_QUANTS, "native": quant in NATIVE_QUANTS and device_kind(device) in NATIVE_DEVICES}
+  return tuple(b for b in BACKENDS if ok.get(b, True))
 
 
 def knobs(info: ModelInfo, device: str = "CPU") -> list[Knob]:
@@ -106,13 +110,12 @@ def knobs(info: ModelInfo, device: str = "CPU") -> list[Knob]:
          Knob("act_dtype", DTYPES, "float32", _always, "residual stream dtype"),
          Knob("router_fp32", (True, False), True, _moe, "router matmul input in float32")]
   for role, quants in info.quants.items():
-    ks += [Knob(f"backend.{q}.{role}", backend_choices(q), "tensor", _always, f"kernel backend for {q} {role} weights") for q in quants]
+    ks += [Knob(f"backend.{q}.{role}", backend_choices(q, device), "tensor", _always, f"kernel backend for {q} {role} weights") for q in quants]
   ks.append(Knob("beam", BEAM_WIDTHS, 0, _always, "BEAM width for the decode kernels"))
   kind, defaults = device_kind(device), StructureConfig()
   for f, (var, allowed) in PROCESS_SETTINGS.items():
+    if f == "beam_local_max" and kind not in GPU_DEVICES: continue  # no local (workgroup) dims to limit
     if f.startswith("beam_"): ks.append(Knob(f, allowed, getattr(defaults, f), _always, f"tinygrad {var} (when BEAM > 0)", lambda b: b > 0))
-    elif f.startswith("mv_") and kind in GPU_DEVICES:
-      ks.append(Knob(f, allowed, getattr(defaults, f), _always, f"tinygrad {var} (BEAM=0 matvec heuristic)", lambda b: b == 0))
     elif f == "jit_batch_size" and kind in GRAPH_DEVICES: ks.append(Knob(f, allowed, getattr(defaults, f), _always, f"tinygrad {var}"))
   return [k for k in ks if k.applies(info)]
 

@@ -1,13 +1,20 @@
 """Shared fixtures: synthetic GGUF files, written once per test session."""
 from __future__ import annotations
 
+import importlib.util
 import os
+import pathlib
 import uuid
 
 import pytest
 from sqlalchemy import create_engine, make_url
 
 from model.synth import write_synthetic
+
+# NVIDIA's runtime compiler from the nvidia-cuda-nvrtc-cu12 wheel (a dev dependency), for tests/test_native.py's compile
+# check; tinygrad looks for it once, when its CUDA support is first imported, so this comes before any test module
+if not os.environ.get("NVRTC_PATH") and (spec := importlib.util.find_spec("nvidia.cuda_nvrtc")) and spec.submodule_search_locations:
+  if lib := next(pathlib.Path(*spec.submodule_search_locations).glob("lib/libnvrtc.so*"), None): os.environ["NVRTC_PATH"] = str(lib)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -24,6 +31,16 @@ def gguf_file(tmp_path_factory):
       path = tmp_path_factory.mktemp("ref") / f"{preset}-{quant}{'-legacy' if legacy else ''}.gguf"
       cache[key] = str(write_synthetic(path, preset, quant=quant, legacy_kv_b=legacy))
     return cache[key]
+  return get
+
+
+@pytest.fixture(scope="session")
+def glm_file(tmp_path_factory):
+  """mix -> a 2-layer GLM-4.7-Flash-shaped file in that quant mix, written on first use."""
+  paths: dict[str, str] = {}
+  def get(mix: str) -> str:
+    if mix not in paths: paths[mix] = str(write_synthetic(tmp_path_factory.mktemp("glm") / f"glm2-{mix}.gguf", "glm", layers=2, quant=mix))
+    return paths[mix]
   return get
 
 

@@ -12,40 +12,18 @@ import re
 
 import numpy as np
 import pytest
-from tinygrad import Tensor, dtypes
+from products import TYPES, random_weight, rel_err
+from tinygrad import Tensor
 
 from model import dsl
 from model.deepseek2 import Transformer
 from model.generate import Generator, jit_kernels
 from model.gguf_file import GGUFFile
-from model.quants import BF16, LAYOUTS, QUANT_TYPES
 from model.structure import BACKENDS, QUANT_NAMES, StructureConfig
 from model.weights import QWeight, expert, linear, per_head
 from space.knobs import ModelInfo, knobs
 
 TOKENS = [(7919 * i + 17) % 1000 for i in range(16)]
-TYPES = {QUANT_TYPES[t].name: t for t in QUANT_TYPES}
-
-
-def random_weight(rng: np.random.Generator, ggml_type: int, shape: tuple[int, ...], backend: str = "tensor") -> QWeight:
-  """Random bytes in every integer field (all bit patterns of codes, scales and mins), unit-scale floats in the float fields."""
-  qt, rows = QUANT_TYPES[ggml_type], int(np.prod(shape[:-1]))
-  blocks = rng.integers(0, 256, (rows, shape[-1] // qt.block, qt.nbytes), dtype=np.uint8)
-  for a, b, dt in LAYOUTS[ggml_type].values():
-    if dt == dtypes.float16: v = (rng.standard_normal((*blocks.shape[:2], (b - a) // 2)) * 0.05).astype(np.float16)
-    elif dt == dtypes.float32: v = rng.standard_normal((*blocks.shape[:2], 1)).astype(np.float32)
-    elif ggml_type == BF16: v = (rng.standard_normal((*blocks.shape[:2], 1)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    else: continue
-    blocks[..., a:b] = v.view(np.uint8)
-  w = QWeight.from_raw(Tensor(blocks.reshape(rows, -1)), ggml_type, shape)
-  w.backend = backend
-  return w
-
-
-def rel_err(got: Tensor, want: Tensor) -> float:
-  g, w = got.numpy(), want.numpy()
-  assert g.shape == w.shape
-  return float(np.abs(g - w).max() / np.abs(w).max())
 
 
 @pytest.mark.parametrize("quant", sorted(dsl.DSL_QUANTS))
@@ -72,7 +50,7 @@ def test_space_offers_dsl_exactly_for_supported_types(gguf_file, monkeypatch) ->
   assert dsl.DSL_QUANTS == set(QUANT_NAMES) and "dsl" in BACKENDS
   info = ModelInfo.from_gguf(GGUFFile(gguf_file("tiny", "q4_k_m")))
   domains = {k.name: k.choices for k in knobs(info) if k.name.startswith("backend.")}
-  assert domains and all(c == BACKENDS for c in domains.values())
+  assert domains and all(c == ("tensor", "fp16_cache", "dsl") for c in domains.values())  # native: CUDA only (tests/test_native.py)
   monkeypatch.setattr("space.knobs.DSL_QUANTS", frozenset({"Q4_K"}))
   domains = {k.name: k.choices for k in knobs(info) if k.name.startswith("backend.")}
   assert domains["backend.Q4_K.expert"] == domains["backend.Q4_K.dense"] == ("tensor", "fp16_cache", "dsl")

@@ -1,0 +1,111 @@
+"""The knob proof shared by the space tests: one config's teacher-forced logits and decode-step kernels, and the check
+that a knob value keeps the baseline's logits (within its arithmetic's tolerance) while running different kernels.
+
+Tolerances, relative to the logits' std per position: 1e-3 for knobs that only reorder float32 work; 2e-2 for knobs that
+round to fp16 (fp16 weights cache, fp16 activations, the fp16 absorbed q projection, fp16 router input). A float32
+reordering alone moves logits by ~1e-6 of their std, but the baseline keeps an fp16 KV cache: a reordered sum that feeds
+it can land on the other side of an fp16 rounding boundary (2^-11 of the entry), which later positions read, and that
+reaches ~1e-4 of the logits' std (1.1e-4 measured for barrier.moe_out on the tiny model). A real defect moves them by
+O(1). For the same reason kv_dtype=float32 is held to the fp16 bound, and so are the backends: fp16_cache rounds weights
+to fp16, and the others sum a row's products in another order than the baseline's float32 reduction.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+import model.weights
+from model.deepseek2 import Transformer
+from model.generate import Generator, jit_kernels, jit_stats
+from model.gguf_file import GGUFFile
+from model.structure import StructureConfig
+
+FP16_KNOBS = ("backend.", "act_dtype", "mla_absorb", "router_fp32", "kv_dtype")
+
+
+@functools.cache
+def gguf(path: str) -> GGUFFile:
+  """One parsed file per path, whose raw tensors are read once and whose block planes are split once (configs never
+  modify a weight's planes: fp16 caches, merges and splits build new tensors), so each config pays for its kernels only."""
+  f = GGUFFile(path)
+  f.raw = functools.cache(f.raw)
+  return f
+
+
+_planes, _split = model.weights.planes, {}
+def _shared_planes(raw, ggml_type: int):
+  """model.weights.planes, once per raw tensor (installed while `run` builds a model)."""
+  return _split.setdefault((id(raw), ggml_type), (raw, _planes(raw, ggml_type)))[1]
+
+
+@functools.cache
+def run(path: str, cfg_json: str, tokens: tuple[int, ...], steps: int = 3) -> tuple[np.ndarray, tuple[tuple[str, str], ...]]:
+  """Under one config, the decode step's logits teacher-forced on `tokens` (one step per token: the path the search
+  measures) and the decode step's kernels (name, source)."""
+  model.weights.planes = _shared_planes
+  try: gen = Generator(Transformer(gguf(path), StructureConfig.from_json(cfg_json), max_context=len(tokens) + steps + 1), chunk=1)
+  finally: model.weights.planes = _planes
+  logits = np.stack([gen.step_logits(t, i) for i, t in enumerate(tokens)]).astype(np.float64)
+  for i in range(steps): gen.step(1, len(tokens) + i)
+  return logits, tuple(jit_kernels(gen.step_jit))
+
+
+def check_knob(path: str, label: str, cfg: StructureConfig, tokens: tuple[int, ...], steps: int = 3) -> None:
+  """(a) logits equal the baseline's within the knob's tolerance, the top token agrees wherever the baseline's lead exceeds
+  it; (b) the decode step runs different kernels (names or sources) than the baseline's."""
+  base_logits, base_kernels = run(path, StructureConfig().to_json(), tokens, steps)
+  logits, kernels = run(path, cfg.to_json(), tokens, steps)
+  assert_close(label, logits, base_logits, 2e-2 if label.startswith(FP16_KNOBS) else 1e-3)
+  assert kernels != base_kernels, f"{label} runs exactly the baseline's kernels (same sources): it changes nothing"
+
+
+def assert_close(label: str, logits: np.ndarray, base: np.ndarray, tol: float) -> None:
+  """Per position: max |logit - base| within tol x the base logits' std, and the same top token where base's lead > 2 tol."""
+  scale = base.std(axis=1)
+  err = np.abs(logits - base).max(axis=1) / scale
+  assert err.max() <= tol, f"{label}: positions {np.flatnonzero(err > tol).tolist()}: max |dlogit|/std {err.max():.3g} > {tol:.3g}"
+  top2 = np.sort(base, axis=1)[:, -2:]
+  decisive = top2[:, 1] - top2[:, 0] > 2 * tol * scale
+  np.testing.assert_array_equal(logits.argmax(1)[decisive], base.argmax(1)[decisive])
+
+
+@functools.cache
+def run_fresh(path: str, cfg_json: str, tokens: tuple[int, ...], steps: int = 3) -> tuple[np.ndarray, tuple, int]:
+  """`run` in a fresh process with the config's tinygrad process settings applied at its start, as a trial applies them
+  (tinygrad reads them once and caches compiled kernels by their AST alone), plus the decode step's JIT graph batches."""
+  with tempfile.TemporaryDirectory() as d:
+    subprocess.run([sys.executable, __file__, path, cfg_json, ",".join(map(str, tokens)), str(steps), d], check=True)
+    logits = np.load(os.path.join(d, "logits.npy"))
+    with open(os.path.join(d, "kernels.json")) as f: out = json.load(f)
+  return logits, tuple(map(tuple, out["kernels"])), out["batches"]
+
+
+def check_process_setting(path: str, label: str, cfg: StructureConfig, tokens: tuple[int, ...]) -> None:
+  """A process-setting knob value against the baseline at the same BEAM, each in a fresh process: decode logits within
+  the fp16 bound (a new schedule reorders float32 sums, which moves entries of the baseline's fp16 KV cache across a
+  rounding boundary), the top token kept where decisive, and different kernels (names or sources) or, for the JIT batch
+  size, different graph batches."""
+  base_logits, base_kernels, base_batches = run_fresh(path, StructureConfig(beam=cfg.beam).to_json(), tokens)
+  logits, kernels, batches = run_fresh(path, cfg.to_json(), tokens)
+  changed = batches != base_batches if label.startswith("jit_batch_size") else kernels != base_kernels
+  assert changed, f"{label} runs exactly the baseline's kernels and graph batches: it changes nothing"
+  assert_close(label, logits, base_logits, 2e-2)
+
+
+if __name__ == "__main__":
+  from model.bench import apply_process_settings
+  path, cfg_json, toks, steps, out_dir = sys.argv[1:]
+  cfg = StructureConfig.from_json(cfg_json)
+  apply_process_settings(cfg)
+  tokens = [int(t) for t in toks.split(",")]
+  gen = Generator(Transformer(GGUFFile(path), cfg, max_context=len(tokens) + int(steps) + 1), chunk=1)
+  np.save(os.path.join(out_dir, "logits.npy"), np.stack([gen.step_logits(t, i) for i, t in enumerate(tokens)]).astype(np.float64))
+  for i in range(int(steps)): gen.step(1, len(tokens) + i)
+  with open(os.path.join(out_dir, "kernels.json"), "w") as f:
+    json.dump({"kernels": jit_kernels(gen.step_jit), "batches": jit_stats(gen.step_jit)[1]}, f)

@@ -1,0 +1,41 @@
+"""Every knob of the space is real and safe at GLM-4.7-Flash's widths: a synthetic 2-layer file (its leading dense block
+and one MoE block: 20 heads, q_lora 768, kv_lora 512, 64 experts of 1536, the full 154880-token vocabulary) in each quant
+mix. The proof is tests/knobcheck.py's, on 8 teacher-forced tokens: for Q4_0 (the benchmarked mix) every single-knob
+change of the space; for Q8_0, Q4_K_M (Q4_K, Q5_K, Q6_K and Q8_0 weights) and F16 the backend knobs, the knobs whose code
+depends on the weights' type (the structural knobs build the same graph around any product). The mixes run from
+tests/test_space_glm_mixes.py, so that a parallel run can give them a worker of their own.
+"""
+from __future__ import annotations
+
+from knobcheck import check_knob, gguf
+
+from space.knobs import ModelInfo, single_knob_changes
+
+TOKENS = tuple((7919 * i + 17) % 1000 for i in range(8))
+ALL = frozenset({"routed", "shared", "dense"})
+INFO = {"q4_0": ModelInfo(True, True, True, {"dense": ("Q4_0",), "expert": ("Q4_0",)}, ALL),
+        "q8_0": ModelInfo(True, True, True, {"dense": ("Q8_0",), "expert": ("Q8_0",)}, ALL),
+        "q4_k_m": ModelInfo(True, True, True, {"dense": ("Q4_K", "Q5_K", "Q6_K", "Q8_0"), "expert": ("Q4_K", "Q6_K")}, ALL),
+        "f16": ModelInfo(True, True, True, {"dense": ("F16",), "expert": ("F16",)}, ALL)}
+MIXES = ("q4_0",)
+
+
+def cases(mixes: tuple[str, ...]) -> list[tuple[str, str, object]]:
+  return [(mix, label, cfg) for mix in mixes for label, cfg in single_knob_changes(INFO[mix])
+          if not label.startswith("beam") and (mix == "q4_0" or label.startswith("backend."))]
+
+
+def pytest_generate_tests(metafunc) -> None:
+  mixes = metafunc.module.MIXES
+  if "label" in metafunc.fixturenames:
+    cs = cases(mixes)
+    metafunc.parametrize("mix,label,cfg", cs, ids=[f"{m}-{lbl}" for m, lbl, _ in cs])
+  elif "mix" in metafunc.fixturenames: metafunc.parametrize("mix", mixes)
+
+
+def test_glm_model_info(glm_file, mix: str) -> None:
+  assert ModelInfo.from_gguf(gguf(glm_file(mix))) == INFO[mix]
+
+
+def test_glm_knob_is_equivalent_and_changes_the_kernels(glm_file, mix: str, label: str, cfg) -> None:
+  check_knob(glm_file(mix), label, cfg, TOKENS, steps=2)

@@ -42,13 +42,28 @@ class _Layout:
   load: str  # C: fills w[nseg*seg] and xo[nseg] (segment offsets in the row) for unit u of weight row `row`
 
 
-_BYTES = "const unsigned {v}[{n}] = {{{words}}};"
-
-
 def _words(v: str, expr: str, n16: int) -> str:
   """C: n16 16-byte loads from `expr` into the 32-bit words v[0..4*n16)."""
   loads = " ".join(f"const uint4 {v}{i} = *(const uint4*)({expr} + {16 * i});" for i in range(n16))
-  return loads + " " + _BYTES.format(v=v, n=4 * n16, words=", ".join(f"{v}{i}.{c}" for i in range(n16) for c in "xyzw"))
+  return f"{loads} const unsigned {v}[{4 * n16}] = {{{', '.join(f'{v}{i}.{c}' for i in range(n16) for c in 'xyzw')}}};"
+
+
+def _k_quant(qh: bool) -> _Layout:
+  """Q4_K, or Q5_K with its fifth bits (bit g of qh byte e for element e of group g). Unit j of a block: qs bytes 32j..
+  hold group 2j (low nibbles) and 2j+1 (high); 6-bit scales and mins as ggml's get_scale_min_k4."""
+  fifth = lambda g: f" | (((BYTE(qh, e) >> ({g})) & 1) << 4)" if qh else ""
+  return _Layout(32, 2, 4, """
+    const size_t b = row * NB + (u >> 2); const int j = u & 3; const float d = h2f(p_d[b]), dmin = h2f(p_dmin[b]);
+    const unsigned char* s = p_sc + b * 12; float sc[2], mn[2];
+    #pragma unroll
+    for (int h = 0; h < 2; h++) { const int g = 2 * j + h;
+      sc[h] = d * (float)(g < 4 ? s[g] & 63 : (s[g + 4] & 15) | ((s[g - 4] >> 6) << 4));
+      mn[h] = dmin * (float)(g < 4 ? s[g + 4] & 63 : (s[g + 4] >> 4) | ((s[g] >> 6) << 4)); }
+    """ + _words("q", "p_qs + b * 128 + j * 32", 2) + (" " + _words("qh", "p_qh + b * 32", 2) if qh else "") + f"""
+    xo[0] = u * 64; xo[1] = u * 64 + 32;
+    #pragma unroll
+    for (int e = 0; e < 32; e++) {{ const int c = BYTE(q, e);
+      w[e] = sc[0] * (float)((c & 15){fifth("2 * j")}) - mn[0]; w[e + 32] = sc[1] * (float)((c >> 4){fifth("2 * j + 1")}) - mn[1]; }}""")
 
 
 _LAYOUTS: dict[int, _Layout] = {
@@ -64,19 +79,6 @@ _LAYOUTS: dict[int, _Layout] = {
     xo[0] = u * 32;
     #pragma unroll
     for (int j = 0; j < 32; j++) w[j] = d * (float)(signed char)BYTE(q, j);"""),
-  # Q4_K/Q5_K unit j of a block: qs bytes 32j.. hold group 2j (low nibbles) and 2j+1 (high); 6-bit scales/mins as ggml's get_scale_min_k4
-  Q4_K: _Layout(32, 2, 4, """
-    const size_t b = row * NB + (u >> 2); const int j = u & 3; const float d = h2f(p_d[b]), dmin = h2f(p_dmin[b]);
-    const unsigned char* s = p_sc + b * 12; float sc[2], mn[2];
-    #pragma unroll
-    for (int h = 0; h < 2; h++) { const int g = 2 * j + h;
-      sc[h] = d * (float)(g < 4 ? s[g] & 63 : (s[g + 4] & 15) | ((s[g - 4] >> 6) << 4));
-      mn[h] = dmin * (float)(g < 4 ? s[g + 4] & 63 : (s[g + 4] >> 4) | ((s[g] >> 6) << 4)); }
-    """ + _words("q", "p_qs + b * 128 + j * 32", 2) + """ QH_LOAD
-    xo[0] = u * 64; xo[1] = u * 64 + 32;
-    #pragma unroll
-    for (int e = 0; e < 32; e++) { const int c = BYTE(q, e);
-      w[e] = sc[0] * (float)((c & 15) QH_LO) - mn[0]; w[e + 32] = sc[1] * (float)((c >> 4) QH_HI) - mn[1]; }"""),
   # Q6_K unit (half hh, j0) of a block: ql bytes 64hh+32j0.. hold quarters j0 (low nibbles) and 2+j0 (high) of half hh;
   # their high 2 bits sit at bits 2j of qh bytes 32hh..; one int8 scale per 16 elements
   Q6_K: _Layout(32, 2, 4, """
@@ -101,10 +103,7 @@ _LAYOUTS: dict[int, _Layout] = {
   F32: _Layout(4, 1, 0, """
     const float4 v = *(const float4*)(p_w + row * IN + u * 4); xo[0] = u * 4; w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;"""),
 }
-_LAYOUTS[Q5_K] = _Layout(32, 2, 4, _LAYOUTS[Q4_K].load.replace("QH_LOAD", _words("qh", "p_qh + b * 32", 2)))
-_LAYOUTS[Q4_K] = _Layout(32, 2, 4, _LAYOUTS[Q4_K].load.replace("QH_LOAD", "").replace(" QH_LO", "").replace(" QH_HI", ""))
-_LAYOUTS[Q5_K] = _Layout(32, 2, 4, _LAYOUTS[Q5_K].load.replace("QH_LO", "| (((BYTE(qh, e) >> (2 * j)) & 1) << 4)")
-                         .replace("QH_HI", "| (((BYTE(qh, e) >> (2 * j + 1)) & 1) << 4)"))
+_LAYOUTS[Q4_K], _LAYOUTS[Q5_K] = _k_quant(qh=False), _k_quant(qh=True)
 NATIVE_QUANTS = frozenset(QUANT_TYPES[t].name for t in _LAYOUTS)
 
 _CTYPES = {dtypes.float16: "unsigned short", dtypes.uint16: "unsigned short", dtypes.uint8: "unsigned char", dtypes.int8: "signed char",
@@ -187,13 +186,13 @@ def plane_types(ggml_type: int) -> tuple[tuple[str, str], ...]:
 
 
 @functools.cache
-def source(role: str, ggml_type: int, planes: tuple[tuple[str, str], ...], shape: tuple[int, ...], **dims: int) -> tuple[str, str]:
-  """(function name, CUDA C) of one product. planes: (name, C type) in argument order; shape: the weight's (..., out, in)."""
+def source(role: str, ggml_type: int, shape: tuple[int, ...], **dims: int) -> tuple[str, str]:
+  """(function name, CUDA C) of one product; shape: the weight's (..., out, in). The planes follow in plane_types order."""
   lay, qt = _LAYOUTS[ggml_type], QUANT_TYPES[ggml_type]
   out, inp = shape[-2:]
   tn = dims.get("tn", 1)
   name = f"native_{role}_{qt.name.lower()}_{'_'.join(map(str, (*shape, *dims.values())))}"
-  params = ", ".join(([] if role != "expert" else ["const int* sel"]) + [f"const {ct}* __restrict__ p_{n}" for n, ct in planes])
+  params = ", ".join(([] if role != "expert" else ["const int* sel"]) + [f"const {ct}* __restrict__ p_{n}" for n, ct in plane_types(ggml_type)])
   src = _KERNEL.format(nb=inp // qt.block, inp=inp, out=out, threads=32 * WARPS, warps=WARPS, name=name, params=params, tn=tn,
                        setup=_SETUP[role].format(**dims), units=inp // qt.block * lay.per_block if lay.per_block else inp // lay.seg,
                        nw=lay.seg * lay.nseg, nseg=lay.nseg, seg=lay.seg, seg4=lay.seg // 4, load=lay.load)
@@ -202,9 +201,7 @@ def source(role: str, ggml_type: int, planes: tuple[tuple[str, str], ...], shape
 
 def _run(role: str, grid: tuple[int, int, int], out_shape: tuple[int, ...], x: Tensor, srcs: tuple[Tensor, ...], w: QWeight,
          rows_read: int, **dims: int) -> Tensor:
-  planes = plane_types(w.ggml_type)
-  names = tuple(k for k, _ in planes)
-  name, src = source(role, w.ggml_type, planes, w.shape, **dims)
+  name, src = source(role, w.ggml_type, w.shape, **dims)
   x = x.float()
   out = Tensor.empty(*out_shape, dtype=dtypes.float32, device=x.device)
   target = Device[x.device].renderer.target
@@ -216,7 +213,7 @@ def _run(role: str, grid: tuple[int, int, int], out_shape: tuple[int, ...], x: T
                        ins=tuple(range(1, len(params))), target=target)
     sink = UOp.sink(arg=KernelInfo(name=name, estimates=Estimates(ops=2 * tokens * out_shape[-1] * w.shape[-1], lds=mem, mem=mem)))
     return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=params), UOp(Ops.SOURCE, arg=src)), arg=info)
-  return out.custom_kernel(x, *srcs, *(w.planes[k] for k in names), fxn=fxn)[0]
+  return out.custom_kernel(x, *srcs, *(w.planes[k] for k, _ in plane_types(w.ggml_type)), fxn=fxn)[0]
 
 
 def _blocks(out: int) -> int: return -(-out // WARPS)

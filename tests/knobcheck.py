@@ -25,8 +25,17 @@ from model.deepseek2 import Transformer
 from model.generate import Generator, jit_kernels, jit_stats
 from model.gguf_file import GGUFFile
 from model.structure import StructureConfig
+from space.knobs import ModelInfo
 
 FP16_KNOBS = ("backend.", "act_dtype", "mla_absorb", "router_fp32", "kv_dtype")
+
+
+def mix_info(mix: str) -> ModelInfo:
+  """What the space knows of a synthetic MoE file (tiny or GLM-4.7-Flash-shaped) in a quant mix: q4_k_m mixes Q4_K, Q5_K,
+  Q6_K and Q8_0 dense weights with Q4_K and Q6_K experts; the others are pure."""
+  mixed = {"dense": ("Q4_K", "Q5_K", "Q6_K", "Q8_0"), "expert": ("Q4_K", "Q6_K")}
+  quants = mixed if mix == "q4_k_m" else dict.fromkeys(("dense", "expert"), (mix.upper(),))
+  return ModelInfo(True, True, True, quants, frozenset({"routed", "shared", "dense"}))
 
 
 @functools.cache
@@ -49,11 +58,18 @@ def run(path: str, cfg_json: str, tokens: tuple[int, ...], steps: int = 3) -> tu
   """Under one config, the decode step's logits teacher-forced on `tokens` (one step per token: the path the search
   measures) and the decode step's kernels (name, source)."""
   model.weights.planes = _shared_planes
-  try: gen = Generator(Transformer(gguf(path), StructureConfig.from_json(cfg_json), max_context=len(tokens) + steps + 1), chunk=1)
+  try: m = Transformer(gguf(path), StructureConfig.from_json(cfg_json), max_context=len(tokens) + steps + 1)
   finally: model.weights.planes = _planes
+  logits, gen = decode(m, tokens, steps)
+  return logits, tuple(jit_kernels(gen.step_jit))
+
+
+def decode(m: Transformer, tokens: tuple[int, ...], steps: int) -> tuple[np.ndarray, Generator]:
+  """Teacher-forced decode logits (len(tokens), vocab) float64, then `steps` more decode steps so the step JIT is captured."""
+  gen = Generator(m, chunk=1)
   logits = np.stack([gen.step_logits(t, i) for i, t in enumerate(tokens)]).astype(np.float64)
   for i in range(steps): gen.step(1, len(tokens) + i)
-  return logits, tuple(jit_kernels(gen.step_jit))
+  return logits, gen
 
 
 def check_knob(path: str, label: str, cfg: StructureConfig, tokens: tuple[int, ...], steps: int = 3) -> None:
@@ -103,9 +119,8 @@ if __name__ == "__main__":
   path, cfg_json, toks, steps, out_dir = sys.argv[1:]
   cfg = StructureConfig.from_json(cfg_json)
   apply_process_settings(cfg)
-  tokens = [int(t) for t in toks.split(",")]
-  gen = Generator(Transformer(GGUFFile(path), cfg, max_context=len(tokens) + int(steps) + 1), chunk=1)
-  np.save(os.path.join(out_dir, "logits.npy"), np.stack([gen.step_logits(t, i) for i, t in enumerate(tokens)]).astype(np.float64))
-  for i in range(int(steps)): gen.step(1, len(tokens) + i)
+  tokens = tuple(int(t) for t in toks.split(","))
+  logits, gen = decode(Transformer(GGUFFile(path), cfg, max_context=len(tokens) + int(steps) + 1), tokens, int(steps))
+  np.save(os.path.join(out_dir, "logits.npy"), logits)
   with open(os.path.join(out_dir, "kernels.json"), "w") as f:
     json.dump({"kernels": jit_kernels(gen.step_jit), "batches": jit_stats(gen.step_jit)[1]}, f)

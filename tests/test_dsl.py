@@ -12,15 +12,13 @@ import re
 
 import numpy as np
 import pytest
-from products import TYPES, random_weight, rel_err
-from tinygrad import Tensor
+from products import check_products
 
 from model import dsl
 from model.deepseek2 import Transformer
 from model.generate import Generator, jit_kernels
 from model.gguf_file import GGUFFile
 from model.structure import BACKENDS, QUANT_NAMES, StructureConfig
-from model.weights import QWeight, expert, linear, per_head
 from space.knobs import ModelInfo, knobs
 
 TOKENS = [(7919 * i + 17) % 1000 for i in range(16)]
@@ -28,22 +26,7 @@ TOKENS = [(7919 * i + 17) % 1000 for i in range(16)]
 
 @pytest.mark.parametrize("quant", sorted(dsl.DSL_QUANTS))
 def test_products_equal_the_tensor_backend(quant: str) -> None:
-  rng, t = np.random.default_rng(TYPES[quant]), TYPES[quant]
-  n_out, n_in, E, K, H = 48, 512, 5, 3, 4
-  x = lambda *s, dt=np.float32: Tensor(rng.standard_normal(s).astype(dt))
-  w = random_weight(rng, t, (n_out, n_in))
-  wd = QWeight(w.planes, t, w.shape, backend="dsl")
-  for xi in (x(1, 1, n_in), x(1, 5, n_in), x(2, 3, n_in, dt=np.float16)):  # decode, prefill, fp16 activations
-    assert rel_err(linear(xi, wd), linear(xi, w)) < 1e-5
-  w = random_weight(rng, t, (H, n_out, n_in))
-  xh = x(1, 2, H, n_in)
-  assert rel_err(per_head(xh, QWeight(w.planes, t, w.shape, backend="dsl")), per_head(xh, w)) < 1e-5
-  w = random_weight(rng, t, (E, n_out, n_in))
-  wd = QWeight(w.planes, t, w.shape, backend="dsl")
-  for sel in ([[[E - 1, E - 1, 0]]], [[[E - 1, 2, E - 1], [1, 1, 1], [0, E - 1, 3]]]):  # ids that repeat and hit the last expert
-    s = Tensor(np.array(sel, np.int32))
-    for xe in (x(1, s.shape[1], 1, n_in), x(1, s.shape[1], K, n_in)):  # one input for all K (gate, up) or one per slot (down)
-      assert rel_err(expert(xe, s, wd), expert(xe, s, w)) < 1e-5
+  check_products("dsl", quant)
 
 
 def test_space_offers_dsl_exactly_for_supported_types(gguf_file, monkeypatch) -> None:

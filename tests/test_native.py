@@ -6,11 +6,9 @@ CUDA, and a model asked to build it elsewhere refuses with a message.
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from knobcheck import check_knob, check_process_setting, gguf
-from products import TYPES, random_weight, rel_err
-from tinygrad import Tensor
+from knobcheck import check_knob, check_process_setting, gguf, mix_info
+from products import TYPES, check_products
 from tinygrad.uop.ops import Ops
 
 from model import native
@@ -18,7 +16,6 @@ from model.deepseek2 import Transformer
 from model.generate import Generator, jit_kernels
 from model.gguf_file import GGUFFile
 from model.structure import ConfigError, StructureConfig
-from model.weights import QWeight, expert, linear, per_head
 from space.knobs import ModelInfo, knobs, single_knob_changes
 
 needs_cuda = pytest.mark.skipif(not native.available(), reason="native kernels run on tinygrad's CUDA device: DEV=CUDA on an NVIDIA GPU")
@@ -30,14 +27,8 @@ def native_changes(info: ModelInfo) -> list[tuple[str, StructureConfig]]:
   return [(label, cfg) for label, cfg in single_knob_changes(info, "CUDA") if label.endswith("=native")]
 
 
-def tiny_info(mix: str) -> ModelInfo:
-  from test_space import TINY_INFO
-  q = {"q4_0": "Q4_0", "q8_0": "Q8_0", "f16": "F16"}.get(mix)
-  return TINY_INFO if q is None else ModelInfo(True, True, True, {"dense": (q,), "expert": (q,)}, TINY_INFO.mergeable)
-
-
 def test_space_offers_native_only_on_cuda() -> None:
-  info = tiny_info("q4_k_m")
+  info = mix_info("q4_k_m")
   for device, offered in (("CPU", False), ("METAL", False), ("CUDA", True), ("CUDA:1", True)):
     domains = [k.choices for k in knobs(info, device) if k.name.startswith("backend.")]
     assert domains and all(("native" in c) == offered for c in domains), device
@@ -64,7 +55,7 @@ def test_native_sources_compile_for_ampere_and_hopper(arch: str) -> None:
                               ("per_head", (20, 512, 256), {"tn": 8, "n": 11, "heads": 20}),
                               ("expert", (64, 1536, 2048), {"experts": 64, "xk": 1, "k": 4}),
                               ("expert", (64, 2048, 1536), {"experts": 64, "xk": 4, "k": 4})):
-      fname, src = native.source(role, t, native.plane_types(t), shape, **dims)
+      fname, src = native.source(role, t, shape, **dims)
       assert f"void __launch_bounds__(128) {fname}(" in src
       assert compiler.compile(src), f"{name} {role}"
 
@@ -79,21 +70,7 @@ def test_model_refuses_native_where_it_cannot_run(gguf_file) -> None:
 @pytest.mark.parametrize("quant", sorted(native.NATIVE_QUANTS))
 @pytest.mark.parametrize("shape", ["small", "glm"])
 def test_products_equal_the_tensor_backend(quant: str, shape: str) -> None:
-  rng, t = np.random.default_rng(TYPES[quant]), TYPES[quant]
-  n_out, n_in, E, K, H = (48, 512, 5, 3, 4) if shape == "small" else (1536, 2048, 64, 4, 20)
-  x = lambda *s, dt=np.float32: Tensor(rng.standard_normal(s).astype(dt))
-  nat = lambda w: QWeight(w.planes, t, w.shape, backend="native")
-  w = random_weight(rng, t, (n_out, n_in))
-  for xi in (x(1, 1, n_in), x(1, 5, n_in), x(1, 13, n_in), x(2, 3, n_in, dt=np.float16)):  # decode, prefill tiles (8 + 5), fp16 input
-    assert rel_err(linear(xi, nat(w)), linear(xi, w)) < 1e-5
-  w = random_weight(rng, t, (H, 64, n_in // 4 if shape == "glm" else n_in))
-  for xh in (x(1, 1, H, w.shape[-1]), x(1, 11, H, w.shape[-1])):
-    assert rel_err(per_head(xh, nat(w)), per_head(xh, w)) < 1e-5
-  w = random_weight(rng, t, (E, n_out, n_in))
-  for sel in (rng.choice(E, (1, 1, K), replace=False), np.array([[[E - 1] * K, [0] * K, list(range(K))]])):  # decode; repeats, last expert
-    s = Tensor(sel.astype(np.int32))
-    for xe in (x(1, s.shape[1], 1, n_in), x(1, s.shape[1], K, n_in)):  # one input for all K (gate, up) or one per slot (down)
-      assert rel_err(expert(xe, s, nat(w)), expert(xe, s, w)) < 1e-5
+  check_products("native", quant, shape)
 
 
 @needs_cuda
@@ -113,7 +90,7 @@ def test_decode_runs_native_kernels_in_the_graph(gguf_file, mix: str) -> None:
 
 
 @needs_cuda
-@pytest.mark.parametrize("mix,label", [(m, lbl) for m in ("q4_0", "q8_0", "q4_k_m", "f16") for lbl, _ in native_changes(tiny_info(m))])
+@pytest.mark.parametrize("mix,label", [(m, lbl) for m in MIXES for lbl, _ in native_changes(mix_info(m))])
 def test_tiny_native_knob(gguf_file, mix: str, label: str) -> None:
   path = gguf_file("tiny", mix)
   check_knob(path, label, dict(native_changes(ModelInfo.from_gguf(GGUFFile(path))))[label], TOKENS)
@@ -127,7 +104,7 @@ def test_glm_native_knobs(glm_file, mix: str) -> None:
     check_knob(path, label, cfg, TOKENS[:8], steps=2)
 
 
-CUDA_SETTINGS = [(lbl, cfg) for lbl, cfg in single_knob_changes(tiny_info("q4_0"), "CUDA") if lbl.startswith(("jit_batch_size", "beam_"))]
+CUDA_SETTINGS = [(lbl, cfg) for lbl, cfg in single_knob_changes(mix_info("q4_0"), "CUDA") if lbl.startswith(("jit_batch_size", "beam_"))]
 
 
 @needs_cuda

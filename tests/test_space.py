@@ -11,16 +11,14 @@ import functools
 
 import numpy as np
 import pytest
-from knobcheck import check_knob
+from knobcheck import check_knob, mix_info
 
 from model.gguf_file import GGUFFile
 from model.structure import ConfigError, StructureConfig
 from space.knobs import ModelInfo, knobs, sample, single_knob_changes, size, suggest, to_config
 
 TOKENS = tuple((7919 * i + 17) % 1000 for i in range(16))
-F32_INFO = ModelInfo(True, True, True, {"dense": ("F32",), "expert": ("F32",)}, frozenset({"routed", "shared", "dense"}))
-TINY_INFO = ModelInfo(True, True, True, {"dense": ("Q4_K", "Q5_K", "Q6_K", "Q8_0"), "expert": ("Q4_K", "Q6_K")},
-                      frozenset({"routed", "shared", "dense"}))
+TINY_INFO = mix_info("q4_k_m")
 
 
 @functools.cache

@@ -7,16 +7,12 @@ tests/test_space_glm_mixes.py, so that a parallel run can give them a worker of 
 """
 from __future__ import annotations
 
-from knobcheck import check_knob, gguf
+from knobcheck import check_knob, gguf, mix_info
 
 from space.knobs import ModelInfo, single_knob_changes
 
 TOKENS = tuple((7919 * i + 17) % 1000 for i in range(8))
-ALL = frozenset({"routed", "shared", "dense"})
-INFO = {"q4_0": ModelInfo(True, True, True, {"dense": ("Q4_0",), "expert": ("Q4_0",)}, ALL),
-        "q8_0": ModelInfo(True, True, True, {"dense": ("Q8_0",), "expert": ("Q8_0",)}, ALL),
-        "q4_k_m": ModelInfo(True, True, True, {"dense": ("Q4_K", "Q5_K", "Q6_K", "Q8_0"), "expert": ("Q4_K", "Q6_K")}, ALL),
-        "f16": ModelInfo(True, True, True, {"dense": ("F16",), "expert": ("F16",)}, ALL)}
+INFO = {mix: mix_info(mix) for mix in ("q4_0", "q8_0", "q4_k_m", "f16")}
 MIXES = ("q4_0",)
 
 

@@ -20,13 +20,13 @@ from tinygrad import Device, GlobalCounters, Tensor, TinyJit
 from tinygrad.helpers import Context
 
 from evaluator.bandwidth import measure
-from model import native
+from model import backends as K_
 from model.quants import QUANT_TYPES
-from model.weights import QWeight, expert
+from model.weights import QWeight
 
 p = argparse.ArgumentParser()
 p.add_argument("--beam", type=int, default=0)
-p.add_argument("--quant", default="Q4_0", choices=sorted(native.NATIVE_QUANTS))
+p.add_argument("--quant", default="Q4_0", choices=sorted(K_.native.BACKEND.quants))
 p.add_argument("--json", help="append one JSON line per backend")
 args = p.parse_args()
 E, OUT, IN, K, REPS = 64, 1536, 2048, 4, 20
@@ -35,13 +35,12 @@ qt, dev = QUANT_TYPES[qtype], Device.DEFAULT
 bw = measure(dev)["gb_s"]
 rng = np.random.default_rng(0)
 base = random_weight(rng, qtype, (E, OUT, IN))
-backends = ["tensor", "fp16_cache", "dsl"] + (["native"] if native.available() else [])
+backends = ["tensor", "fp16_cache", "dsl"] + (["native"] if K_.native.available() else [])
 print(f"{dev} BEAM={args.beam} {args.quant}: streaming bandwidth {bw:.0f} GB/s")
 for backend in backends:
-  w = QWeight(base.planes, qtype, base.shape, backend=backend if backend != "fp16_cache" else "tensor")
-  if backend == "fp16_cache": w.use_fp16_cache()
+  w = K_.get(backend).attach(QWeight(base.planes, qtype, base.shape), dev)
   read = K * OUT * IN * (2 if backend == "fp16_cache" else qt.nbytes / qt.block)
-  one = TinyJit(lambda x, sel, w=w: expert(x, sel, w).contiguous())
+  one = TinyJit(lambda x, sel, w=w: K_.expert(x, sel, w).contiguous())
   times: dict[str, list[float]] = {"kernel": [], "call": []}
   with Context(BEAM=args.beam):
     for i in range(25):
@@ -52,7 +51,7 @@ for backend in backends:
       one(x, sel)
       Device[dev].synchronize()
       call = time.perf_counter() - t0
-      with Context(DEBUG=2), contextlib.redirect_stdout(io.StringIO()): expert(x, sel, w).realize()
+      with Context(DEBUG=2), contextlib.redirect_stdout(io.StringIO()): K_.expert(x, sel, w).realize()
       if i >= 5: times["call"].append(call); times["kernel"].append(GlobalCounters.time_sum_s - k0)
   times = {k: float(np.median(v)) for k, v in times.items()}
   gb_s = {k: read / t / 1e9 for k, t in times.items()}

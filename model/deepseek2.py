@@ -12,7 +12,7 @@ import numpy as np
 from tinygrad import GlobalCounters, Tensor, UOp, dtypes
 from tinygrad.uop.ops import resolve
 
-from model import native
+from model import backends as K
 from model import weights as W
 from model.gguf_file import GGUFError, GGUFFile
 from model.structure import StructureConfig
@@ -193,7 +193,7 @@ class Block:
 
   def absorb(self, q_nope: Tensor) -> Tensor:
     """q_nope (B, T, H, nope) -> (B, T, H, kv_lora): per head, k_b applied to q (MLA absorption at run time)."""
-    if self.k_b_t is None: return W.per_head(q_nope, self.k_b)
+    if self.k_b_t is None: return K.per_head(q_nope, self.k_b)
     return (q_nope.unsqueeze(-1) * self.k_b_t.to_float()).sum(-2)
 
   def barrier(self, x: Tensor, point: str) -> Tensor:
@@ -203,15 +203,15 @@ class Block:
   def attention(self, x: Tensor, start_pos: int | UOp, cos: Tensor, sin: Tensor) -> Tensor:
     hp, (B, T, _) = self.hp, x.shape
     H, nope, rope, kvl = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.kv_lora
-    xq = rms_norm(W.linear(x, self.q_a), self.q_a_norm, hp.eps) if hp.q_lora else x
+    xq = rms_norm(K.linear(x, self.q_a), self.q_a_norm, hp.eps) if hp.q_lora else x
     if self.cfg.mla_absorb == "load":
-      q_abs = self.barrier(W.linear(xq, self.q_abs), "q_proj").reshape(B, T, H, kvl)
-      q_pe = W.linear(xq, self.q_pe).reshape(B, T, H, rope)
+      q_abs = self.barrier(K.linear(xq, self.q_abs), "q_proj").reshape(B, T, H, kvl)
+      q_pe = K.linear(xq, self.q_pe).reshape(B, T, H, rope)
     else:
-      q = self.barrier(W.linear(xq, self.q_b), "q_proj").reshape(B, T, H, nope + rope)
+      q = self.barrier(K.linear(xq, self.q_b), "q_proj").reshape(B, T, H, nope + rope)
       q_abs, q_pe = self.absorb(q[..., :nope]), q[..., nope:]
     q_pe = apply_rope(q_pe, cos, sin)
-    kv = self.barrier(W.linear(x, self.kv_a), "kv_a")
+    kv = self.barrier(K.linear(x, self.kv_a), "kv_a")
     c_kv = rms_norm(kv[..., :kvl], self.kv_a_norm, hp.eps)
     k_pe = apply_rope(kv[..., kvl:].reshape(B, T, 1, rope), cos, sin).reshape(B, T, rope)
     new = c_kv.cat(k_pe, dim=-1).cast(self.kv_dtype)
@@ -227,20 +227,20 @@ class Block:
     else:
       s = (qc @ k.transpose(-1, -2)) * hp.kq_scale
       o = (s if mask is None else s + mask).softmax(-1) @ k[..., :kvl]  # (B, H, T, kvl)
-    out = W.per_head(o.transpose(1, 2), self.v_b).reshape(B, T, H * hp.v_head)
-    return W.linear(self.barrier(out, "attn_out"), self.wo)
+    out = K.per_head(o.transpose(1, 2), self.v_b).reshape(B, T, H * hp.v_head)
+    return K.linear(self.barrier(out, "attn_out"), self.wo)
 
   def _ffn(self, x: Tensor, gate: QWeight | None, up: QWeight | None, down: QWeight, gate_up: QWeight | None, point: str) -> Tensor:
     if gate_up is not None:
-      gu = W.linear(x, gate_up)
+      gu = K.linear(x, gate_up)
       g, u = gu[..., :down.shape[1]], gu[..., down.shape[1]:]
     else:
-      g, u = W.linear(x, gate), W.linear(x, up)
-    return W.linear(self.barrier(g.silu() * u, point), down)
+      g, u = K.linear(x, gate), K.linear(x, up)
+    return K.linear(self.barrier(g.silu() * u, point), down)
 
   def moe_ffn(self, x: Tensor) -> Tensor:
     hp, cfg, (B, T, D) = self.hp, self.cfg, x.shape
-    logits = self.barrier(W.linear(x.float() if cfg.router_fp32 else x.cast(dtypes.float16), self.gate_inp), "router_logits")
+    logits = self.barrier(K.linear(x.float() if cfg.router_fp32 else x.cast(dtypes.float16), self.gate_inp), "router_logits")
     probs = {SOFTMAX: logits.softmax(-1), SIGMOID: logits.sigmoid(), SOFTMAX_WEIGHT: logits,
              SQRT_SOFTPLUS: logits.softplus().sqrt()}[hp.gating]
     sel = topk_indices(probs if self.probs_b is None else probs + self.probs_b, hp.n_used, cfg.topk)  # (B, T, K)
@@ -250,11 +250,11 @@ class Block:
     if hp.w_scale not in (0.0, 1.0): w = w * hp.w_scale
     xe = x.reshape(B, T, 1, D)
     if cfg.merge_gate_up_routed:
-      gu = W.expert(xe, sel, self.gate_up_exps)
+      gu = K.expert(xe, sel, self.gate_up_exps)
       g, u = gu[..., :self.n_ff_exp], gu[..., self.n_ff_exp:]
     else:
-      g, u = W.expert(xe, sel, self.gate_exps), W.expert(xe, sel, self.up_exps)
-    y = self.barrier(W.expert(self.barrier(g.silu() * u, "moe_gate_up"), sel, self.down_exps), "expert_down")  # (B, T, K, D)
+      g, u = K.expert(xe, sel, self.gate_exps), K.expert(xe, sel, self.up_exps)
+    y = self.barrier(K.expert(self.barrier(g.silu() * u, "moe_gate_up"), sel, self.down_exps), "expert_down")  # (B, T, K, D)
     out = (y * w.unsqueeze(-1)).sum(2)
     out = self.barrier(out, "moe_out")
     if self.shared:
@@ -285,12 +285,7 @@ class Transformer:
       w = QWeight.from_raw(f.raw(name, device), info.ggml_type, shape or info.shape)
       self.load_peak_bytes = max(self.load_peak_bytes, GlobalCounters.mem_used)
       if norm: return w.to_float().reshape(-1).contiguous().realize()
-      backend = self.cfg.backend(w.quant, role)
-      if backend == "fp16_cache": w.use_fp16_cache()
-      elif backend in ("dsl", "native"):
-        if backend == "native": native.check(w, device)
-        w.backend = backend
-      return w
+      return K.get(self.cfg.backend(w.quant, role)).attach(w, device)
 
     n = hp.n_layers if n_layers is None else n_layers
     if not 1 <= n <= hp.n_layers: raise ValueError(f"n_layers={n} is outside 1..{hp.n_layers}")
@@ -308,7 +303,7 @@ class Transformer:
     x = self.token_embd.rows(tokens).cast(self.act)
     for b in self.blocks: x = b(x, start_pos, cos, sin, self.act)
     if not all_logits: x = x[:, -1:]
-    return W.linear(rms_norm(x, self.output_norm, self.hp.eps), self.output)
+    return K.linear(rms_norm(x, self.output_norm, self.hp.eps), self.output)
 
   @property
   def kv_cache_bytes(self) -> int: return sum(b.cache.nbytes() for b in self.blocks)

@@ -13,7 +13,10 @@ from typing import Any
 
 import tomli_w
 
-SCHEMA_VERSION = 2
+from model import backends
+from model.errors import ConfigError
+
+SCHEMA_VERSION = 3
 # fields removed since an earlier schema version, dropped when a stored config of that version is read: tinygrad's BEAM=0
 # matvec heuristic (MV_*) takes no kernel of this model, so those settings built identical kernels (docs/benchmarks.md)
 REMOVED_FIELDS = {1: ("mv_blocksize", "mv_threads_per_row", "mv_rows_per_thread")}
@@ -23,8 +26,6 @@ BARRIER_POINTS = ("q_proj", "kv_a", "attn_out", "router_logits", "moe_gate_up", 
                   "shexp_gate_up", "dense_gate_up", "block_out", "kv_write")
 BARRIER_MODES = ("none", "contiguous", "realize")
 TOPK_VARIANTS = ("pairwise", "sort", "argmax")
-BACKENDS = ("tensor", "fp16_cache", "dsl", "native")  # "dsl": types in model/dsl.py's DSL_QUANTS; "native": model/native.py, CUDA only
-ROLES = ("dense", "expert")
 QUANT_NAMES = ("F32", "F16", "BF16", "Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 MLA_ABSORB = ("runtime", "load")
 DTYPES = ("float16", "float32")
@@ -42,10 +43,6 @@ DEFAULT_BARRIERS = {p: "none" for p in BARRIER_POINTS} | {"moe_gate_up": "contig
                                                           "shexp_gate_up": "contiguous", "block_out": "contiguous"}
 
 
-class ConfigError(ValueError):
-  """A StructureConfig that is malformed, names an unknown field or value, or combines options that cannot work together."""
-
-
 def _check(name: str, value: Any, allowed: tuple) -> None:
   if value not in allowed: raise ConfigError(f"{name}={value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
 
@@ -57,7 +54,8 @@ class StructureConfig:
   merge_gate_up_shared: bool = False
   merge_gate_up_dense: bool = False
   topk: str = "pairwise"
-  backends: dict[str, str] = field(default_factory=dict)  # "<QUANT>:<role>" -> backend; absent means "tensor"
+  backends: dict[str, str] = field(default_factory=dict)  # "<QUANT>:<role>" -> backend (model/backends); absent means "tensor"
+  fused: dict[str, str] = field(default_factory=dict)  # decode stage (model/backends.STAGES) -> backend; absent: the per-op path
   mla_absorb: str = "runtime"
   kv_dtype: str = "float16"
   attention: str = "explicit"
@@ -81,8 +79,13 @@ class StructureConfig:
     for k, b in self.backends.items():
       quant, _, role = k.partition(":")
       _check("backends quant type", quant, QUANT_NAMES)
-      _check("backends role", role, ROLES)
-      _check(f"backends.{k}", b, BACKENDS)
+      _check("backends role", role, backends.ROLES)
+      _check(f"backends.{k}", b, backends.NAMES)
+    for stage, b in self.fused.items():
+      _check("fused stage", stage, backends.STAGES)
+      _check(f"fused.{stage}", b, tuple(n for n in backends.NAMES if stage in backends.REGISTRY[n].stages))
+    if "moe" in self.fused and (k := next((k for k in self.backends if k.endswith(":expert")), None)):
+      raise ConfigError(f"backends.{k} does not apply with fused.moe: the fused stage reads the expert weights itself")
     for name, allowed in (("topk", TOPK_VARIANTS), ("mla_absorb", MLA_ABSORB), ("kv_dtype", DTYPES),
                           ("attention", ATTENTION), ("act_dtype", DTYPES), ("beam", BEAM_WIDTHS),
                           *((f, allowed) for f, (_, allowed) in PROCESS_SETTINGS.items())):
@@ -91,6 +94,7 @@ class StructureConfig:
       if not isinstance(getattr(self, name), bool): raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
   def backend(self, quant: str, role: str) -> str: return self.backends.get(f"{quant}:{role}", "tensor")
+  def stage(self, name: str) -> str | None: return self.fused.get(name)
 
   def process_env(self) -> dict[str, str]:
     """The tinygrad environment variables of a trial process (BEAM itself is scoped to decode by model.generate)."""

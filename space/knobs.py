@@ -11,13 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from model.dsl import DSL_QUANTS
+from model import backends
+from model.backends import device_kind
 from model.gguf_file import GGUFFile
-from model.native import NATIVE_DEVICES, NATIVE_QUANTS
 from model.quants import QUANT_TYPES
 from model.structure import (
   ATTENTION,
-  BACKENDS,
   BARRIER_MODES,
   BEAM_WIDTHS,
   DEFAULT_BARRIERS,
@@ -32,11 +31,6 @@ from model.structure import (
 SPACE_VERSION = 3
 GPU_DEVICES = ("CUDA", "NV", "AMD", "METAL", "CL", "QCOM", "WEBGPU")  # renderers with local (workgroup) dims
 GRAPH_DEVICES = ("CUDA", "NV", "AMD", "METAL")  # devices whose JIT batches kernels into graphs
-
-
-def device_kind(device: str) -> str:
-  """"CUDA:1" -> "CUDA": a study belongs to one device kind, whose knobs it explores."""
-  return device.split(":")[0].upper()
 
 
 @dataclass(frozen=True)
@@ -89,13 +83,6 @@ BARRIER_CHOICES = {"q_proj": ("none", "realize"), "kv_a": ("none", "realize"), "
                    "dense_gate_up": ("contiguous", "realize"), "block_out": ("contiguous", "realize")}
 
 
-def backend_choices(quant: str, device: str = "CPU") -> tuple[str, ...]:
-  """The backends a weight of this quant type can run on: `dsl` where model/dsl.py has a kernel for the type, `native`
-  where model/native.py has one and the device runs it (CUDA)."""
-  ok = {"dsl": quant in DSL_QUANTS, "native": quant in NATIVE_QUANTS and device_kind(device) in NATIVE_DEVICES}
-  return tuple(b for b in BACKENDS if ok.get(b, True))
-
-
 def knobs(info: ModelInfo, device: str = "CPU") -> list[Knob]:
   """The knobs that apply to this model on this device kind, in a fixed order (conditional knobs after `beam`)."""
   ks = [Knob(f"barrier.{p}", BARRIER_CHOICES.get(p, BARRIER_MODES), DEFAULT_BARRIERS[p], _BARRIER_APPLIES.get(p, _always),
@@ -110,7 +97,7 @@ def knobs(info: ModelInfo, device: str = "CPU") -> list[Knob]:
          Knob("act_dtype", DTYPES, "float32", _always, "residual stream dtype"),
          Knob("router_fp32", (True, False), True, _moe, "router matmul input in float32")]
   for role, quants in info.quants.items():
-    ks += [Knob(f"backend.{q}.{role}", backend_choices(q, device), "tensor", _always, f"kernel backend for {q} {role} weights") for q in quants]
+    ks += [Knob(f"backend.{q}.{role}", backends.choices(q, device), "tensor", _always, f"kernel backend for {q} {role} weights") for q in quants]
   ks.append(Knob("beam", BEAM_WIDTHS, 0, _always, "BEAM width for the decode kernels"))
   kind, defaults = device_kind(device), StructureConfig()
   for f, (var, allowed) in PROCESS_SETTINGS.items():

@@ -4,8 +4,9 @@ from __future__ import annotations
 import numpy as np
 from tinygrad import Tensor, dtypes
 
+from model.backends import expert, linear, per_head
 from model.quants import BF16, LAYOUTS, QUANT_TYPES
-from model.weights import QWeight, expert, linear, per_head
+from model.weights import QWeight
 
 TYPES = {QUANT_TYPES[t].name: t for t in QUANT_TYPES}
 

@@ -14,27 +14,27 @@ import numpy as np
 import pytest
 from products import check_products
 
-from model import dsl
+from model import backends
 from model.deepseek2 import Transformer
 from model.generate import Generator, jit_kernels
 from model.gguf_file import GGUFFile
-from model.structure import BACKENDS, QUANT_NAMES, StructureConfig
+from model.structure import QUANT_NAMES, StructureConfig
 from space.knobs import ModelInfo, knobs
 
 TOKENS = [(7919 * i + 17) % 1000 for i in range(16)]
 
 
-@pytest.mark.parametrize("quant", sorted(dsl.DSL_QUANTS))
+@pytest.mark.parametrize("quant", sorted(backends.dsl.BACKEND.quants))
 def test_products_equal_the_tensor_backend(quant: str) -> None:
   check_products("dsl", quant)
 
 
 def test_space_offers_dsl_exactly_for_supported_types(gguf_file, monkeypatch) -> None:
-  assert dsl.DSL_QUANTS == set(QUANT_NAMES) and "dsl" in BACKENDS
+  assert backends.dsl.BACKEND.quants == set(QUANT_NAMES) and "dsl" in backends.NAMES
   info = ModelInfo.from_gguf(GGUFFile(gguf_file("tiny", "q4_k_m")))
   domains = {k.name: k.choices for k in knobs(info) if k.name.startswith("backend.")}
   assert domains and all(c == ("tensor", "fp16_cache", "dsl") for c in domains.values())  # native: CUDA only (tests/test_native.py)
-  monkeypatch.setattr("space.knobs.DSL_QUANTS", frozenset({"Q4_K"}))
+  monkeypatch.setattr(backends.dsl.BACKEND, "quants", frozenset({"Q4_K"}))
   domains = {k.name: k.choices for k in knobs(info) if k.name.startswith("backend.")}
   assert domains["backend.Q4_K.expert"] == domains["backend.Q4_K.dense"] == ("tensor", "fp16_cache", "dsl")
   assert domains["backend.Q6_K.expert"] == domains["backend.Q5_K.dense"] == ("tensor", "fp16_cache")

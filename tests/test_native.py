@@ -15,7 +15,7 @@ from knobcheck import check_knob, check_process_setting, gguf, mix_info
 from products import TYPES, check_products
 from tinygrad.uop.ops import Ops
 
-from model import native
+from model.backends import native
 from model.deepseek2 import Transformer
 from model.generate import Generator, jit_kernels
 from model.gguf_file import GGUFFile
@@ -36,7 +36,7 @@ def test_space_offers_native_only_on_cuda() -> None:
   for device, offered in (("CPU", False), ("METAL", False), ("CUDA", True), ("CUDA:1", True)):
     domains = [k.choices for k in knobs(info, device) if k.name.startswith("backend.")]
     assert domains and all(("native" in c) == offered for c in domains), device
-  assert native.NATIVE_QUANTS >= {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16"}
+  assert native.BACKEND.quants >= {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16"}
 
 
 def nvrtc(arch: str):
@@ -56,7 +56,7 @@ def test_native_sources_compile_for_ampere_and_hopper(arch: str) -> None:
   tinygrad compiles it on the GPU; this runs on any Linux machine, the GPU tests below only where CUDA is."""
   compiler = nvrtc(arch)
   for name, t in TYPES.items():
-    if name not in native.NATIVE_QUANTS: continue
+    if name not in native.BACKEND.quants: continue
     for role, shape, dims in (("dense", (1536, 2048), {"tn": 8, "n": 13}), ("dense", (1536, 2048), {"tn": 1, "n": 1}),
                               ("per_head", (20, 512, 256), {"tn": 8, "n": 11, "heads": 20}),
                               ("expert", (64, 1536, 2048), {"experts": 64, "xk": 1, "k": 4}),
@@ -73,7 +73,7 @@ def test_model_refuses_native_where_it_cannot_run(gguf_file) -> None:
 
 
 @needs_cuda
-@pytest.mark.parametrize("quant", sorted(native.NATIVE_QUANTS))
+@pytest.mark.parametrize("quant", sorted(native.BACKEND.quants))
 @pytest.mark.parametrize("shape", ["small", "glm"])
 def test_products_equal_the_tensor_backend(quant: str, shape: str) -> None:
   check_products("native", quant, shape)

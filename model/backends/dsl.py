@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from tinygrad import Tensor, UOp, dtypes
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
+from model.backends import Backend
 from model.quants import BF16, F16, F32, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, QUANT_TYPES
 
 if TYPE_CHECKING:
@@ -75,7 +76,6 @@ def _float(p: Planes, r: UOp, b: UOp) -> tuple[UOp, UOp]:
 _ELEMENTS: dict[int, tuple[tuple[int, ...], Callable[..., tuple[UOp, UOp]]]] = {
   Q4_0: ((2, 16), _q4_0), Q8_0: ((32,), _q8_0), Q4_K: ((2, 2, 2, 32), _q45_k), Q5_K: ((2, 2, 2, 32), _q45_k),
   Q6_K: ((2, 2, 2, 2, 16), _q6_k), F32: ((), _float), F16: ((), _float), BF16: ((), _float)}
-DSL_QUANTS = frozenset(QUANT_TYPES[t].name for t in _ELEMENTS)
 
 
 def _dot(x: UOp, lead: tuple[UOp, ...], p: Planes, ggml_type: int, r: UOp, axis: int) -> UOp:
@@ -123,6 +123,15 @@ def _run(kernel: Callable[..., UOp], out_shape: tuple[int, ...], x: Tensor, srcs
   return out.custom_kernel(x, *srcs, *(w.planes[k] for k in names), fxn=fxn)[0]
 
 
+class DslBackend(Backend):
+  name = "dsl"
+  quants = frozenset(QUANT_TYPES[t].name for t in _ELEMENTS)
+
+  def linear(self, x: Tensor, w: QWeight) -> Tensor: return linear(x, w)
+  def per_head(self, x: Tensor, w: QWeight) -> Tensor: return per_head(x, w)
+  def expert(self, x: Tensor, sel: Tensor, w: QWeight) -> Tensor: return expert(x, sel, w)
+
+
 def linear(x: Tensor, w: QWeight) -> Tensor:
   """x (..., in) @ w.T -> (..., out) float32, for a weight of shape (out, in)."""
   lead, (out, inp) = x.shape[:-1], w.shape
@@ -140,3 +149,6 @@ def expert(x: Tensor, sel: Tensor, w: QWeight) -> Tensor:
   (B, T, K), (E, out, inp) = sel.shape, w.shape
   xs = x.reshape(B * T, x.shape[2], inp)
   return _run(expert_kernel, (B * T, K, out), xs, (sel.reshape(B * T, K),), w, n_experts=E).reshape(B, T, K, out)
+
+
+BACKEND = DslBackend()

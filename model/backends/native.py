@@ -24,13 +24,13 @@ from tinygrad import Device, Tensor, dtypes
 from tinygrad.renderer import Estimates
 from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
 
+from model.backends import Backend
+from model.errors import ConfigError
 from model.quants import BF16, F16, F32, LAYOUTS, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, QUANT_TYPES
-from model.structure import ConfigError
 
 if TYPE_CHECKING:
   from model.weights import QWeight
 
-NATIVE_DEVICES = ("CUDA",)
 WARPS, TOKENS = 4, 8
 
 
@@ -104,7 +104,6 @@ _LAYOUTS: dict[int, _Layout] = {
     const float4 v = *(const float4*)(p_w + row * IN + u * 4); xo[0] = u * 4; w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;"""),
 }
 _LAYOUTS[Q4_K], _LAYOUTS[Q5_K] = _k_quant(qh=False), _k_quant(qh=True)
-NATIVE_QUANTS = frozenset(QUANT_TYPES[t].name for t in _LAYOUTS)
 
 _CTYPES = {dtypes.float16: "unsigned short", dtypes.uint16: "unsigned short", dtypes.uint8: "unsigned char", dtypes.int8: "signed char",
            dtypes.float32: "float"}
@@ -164,20 +163,34 @@ _SETUP = {
 }
 
 
+class NativeBackend(Backend):
+  name = "native"
+  quants = frozenset(QUANT_TYPES[t].name for t in _LAYOUTS)
+  device_kinds = ("CUDA",)
+
+  def check(self, device: str | None) -> None:
+    """Only tinygrad's CUDA device rendering CUDA C (not PTX=1) compiles this source."""
+    from tinygrad.renderer.cstyle import CUDARenderer
+    dev = Device.canonicalize(device)
+    if not (self.runs_on(dev) and type(Device[dev].renderer) is CUDARenderer):
+      raise ConfigError(f"backend native needs tinygrad's CUDA device rendering CUDA C; this process runs on {dev}")
+
+  def attach(self, w: QWeight, device: str | None) -> QWeight:
+    super().attach(w, device)
+    lay = _LAYOUTS[w.ggml_type]
+    if lay.per_block == 0 and w.shape[-1] % lay.seg: raise ConfigError(f"backend native needs {w.quant} rows of a multiple of {lay.seg} elements")
+    return w
+
+  def linear(self, x: Tensor, w: QWeight) -> Tensor: return linear(x, w)
+  def per_head(self, x: Tensor, w: QWeight) -> Tensor: return per_head(x, w)
+  def expert(self, x: Tensor, sel: Tensor, w: QWeight) -> Tensor: return expert(x, sel, w)
+
+
 def available(device: str | None = None) -> bool:
-  """True where the native kernels can run: tinygrad's CUDA backend rendering CUDA C (not PTX=1)."""
-  from tinygrad.renderer.cstyle import CUDARenderer
-  dev = Device.canonicalize(device)
-  return dev.split(":")[0] in NATIVE_DEVICES and type(Device[dev].renderer) is CUDARenderer
-
-
-def check(w: QWeight, device: str | None) -> None:
-  """Raise ConfigError if a weight cannot take the native backend on this device."""
-  if not available(device):
-    raise ConfigError(f"backend native needs tinygrad's CUDA device rendering CUDA C; this process runs on {Device.canonicalize(device)}")
-  if w.quant not in NATIVE_QUANTS: raise ConfigError(f"backend native has no kernel for {w.quant}; it serves {', '.join(sorted(NATIVE_QUANTS))}")
-  lay = _LAYOUTS[w.ggml_type]
-  if lay.per_block == 0 and w.shape[-1] % lay.seg: raise ConfigError(f"backend native needs {w.quant} rows of a multiple of {lay.seg} elements")
+  """True where the native kernels can run in this process."""
+  try: BACKEND.check(device)
+  except ConfigError: return False
+  return True
 
 
 def plane_types(ggml_type: int) -> tuple[tuple[str, str], ...]:
@@ -244,3 +257,6 @@ def expert(x: Tensor, sel: Tensor, w: QWeight) -> Tensor:
   grid = (_blocks(out), B * T * K, 1)
   return _run("expert", grid, (B * T * K, out), x.reshape(B * T * xk, inp), (sel.reshape(B * T * K).cast(dtypes.int32),), w,
               B * T * K * out, experts=E, xk=xk, k=K).reshape(B, T, K, out)
+
+
+BACKEND = NativeBackend()

@@ -1,0 +1,554 @@
+"""CUDA C sources of the native backend (model/backends/native.py runs them inside tinygrad's graphs).
+
+Every kernel here is generated from one description of each GGUF type's block layout: a *unit* is the piece of a weight
+row one lane reads at a time (a Q4_0 or Q8_0 block, a 64-element quarter of a K-quant block, 8 float16 weights, ...) with
+16-byte loads; its elements are integer codes in groups that share a scale and a minimum, so a lane computes
+    sum over groups of  scale * (x . code) + min * sum(x)
+with the codes turned into floats by the exponent trick (`MAG`, two full-rate instructions instead of a quarter-rate
+int->float conversion) and the group sums of x taken once per lane, not once per row.
+
+Matrix-vector products (one decode token) keep the input in registers: the lanes of a *row group* (G lanes, the smallest
+power of two covering a row's units, at most 32) own fixed units of the input, load their part of x once (normalised by
+an RMSNorm folded into the load where a kernel asks for it) and reuse it for the R output rows the group computes, so the
+weight bytes are the only memory traffic that grows with the matrix. Rows far longer than the register budget go in
+chunks. A shuffle reduction inside the group sums its lanes; lane 0 of the group applies the kernel's epilogue.
+Multi-token products (prefill) read x from memory instead and share each weight read among up to TOKENS tokens.
+
+Kernels use no shared-memory arrays larger than a few KB, no dynamic shared memory and no cooperative launches, so
+tinygrad can batch them into its CUDA graphs like its own. Device-specific helpers (inline PTX) sit inside
+`#ifdef __CUDACC_RTC__` (NVRTC defines it), so the same source also runs on the CPU emulator of the tests.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from model.quants import BF16, F16, F32, LAYOUTS, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, QUANT_TYPES
+
+WARPS, TOKENS, XREGS = 4, 8, 64  # warps per block, tokens per prefill tile, input floats a lane keeps in registers
+THREADS = 32 * WARPS
+CTYPES = {"half": "unsigned short", "unsigned short": "unsigned short", "unsigned char": "unsigned char", "signed char": "signed char",
+          "float": "float"}  # tinygrad dtype name -> the C type a kernel reads it as
+
+PRELUDE = r"""
+#define BYTE(v, i) (((v)[(i) >> 2] >> (8 * ((i) & 3))) & 255u)
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+#define MAG(c) (__int_as_float(0x4B000000u | (unsigned)(c)) - 8388608.f)
+#ifdef __CUDACC_RTC__
+__device__ __forceinline__ float h2f(unsigned short h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
+__device__ __forceinline__ unsigned short f2h(float f) { unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+#endif
+__device__ __forceinline__ float group_sum(float a, int g) { for (int m = g >> 1; m > 0; m >>= 1) a += __shfl_xor_sync(0xffffffffu, a, m); return a; }
+__device__ __forceinline__ float warp_max(float a) { for (int m = 16; m > 0; m >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, m)); return a; }
+"""
+
+
+def _words(v: str, expr: str, n16: int) -> str:
+  """C: n16 16-byte loads from `expr` into the 32-bit words v[0..4*n16)."""
+  loads = " ".join(f"const uint4 {v}{i} = *(const uint4*)({expr} + {16 * i});" for i in range(n16))
+  return f"{loads} const unsigned {v}[{4 * n16}] = {{{', '.join(f'{v}{i}.{c}' for i in range(n16) for c in 'xyzw')}}};"
+
+
+@dataclass(frozen=True)
+class Unit:
+  """One type's unit: `elems` input elements, read from row `row` (a size_t) at unit index `u` by `setup` (C; `$` stands for
+  the weight's plane prefix, `$NB` for its blocks per row, `$IN` for its row length). Quantized types: `groups` of
+  (scale, min, ((element, code), ...)) with unsigned integer codes; float types: one group (None, None, ((element, value), ...))."""
+  elems: int
+  setup: str
+  groups: tuple[tuple[str | None, str | None, tuple[tuple[int, str], ...]], ...]
+  xbase: str  # C: the row offset of element 0 of unit {u}
+  xoff: Callable[[int], int]  # element -> offset from xbase
+
+  @property
+  def quantized(self) -> bool: return self.groups[0][0] is not None
+
+
+def _k_quant(qh: bool) -> Unit:
+  """Q4_K, or Q5_K with its fifth bits (bit g of qh byte e for element e of group g). Unit j of a block: qs bytes 32j..
+  hold group 2j (low nibbles) and 2j+1 (high); 6-bit scales and mins as ggml's get_scale_min_k4."""
+  fifth = lambda h: f" | (((BYTE(qh, {{e}}) >> (2 * j + {h})) & 1u) << 4)" if qh else ""
+  setup = ("const size_t b = row * $NB + (u >> 2); const int j = u & 3; const float d = h2f($d[b]), dmin = h2f($dmin[b]);"
+           " const unsigned char* s = $sc + b * 12; float sc[2], mn[2];"
+           " for (int h = 0; h < 2; h++) { const int g = 2 * j + h;"
+           " sc[h] = d * (float)(g < 4 ? s[g] & 63 : (s[g + 4] & 15) | ((s[g - 4] >> 6) << 4));"
+           " mn[h] = dmin * (float)(g < 4 ? s[g + 4] & 63 : (s[g + 4] >> 4) | ((s[g] >> 6) << 4)); } "
+           + _words("q", "$qs + b * 128 + j * 32", 2) + (" " + _words("qh", "$qh + b * 32", 2) if qh else ""))
+  groups = tuple((f"sc[{h}]", f"-mn[{h}]", tuple((32 * h + e, f"((BYTE(q, {e}) {'& 15u' if h == 0 else '>> 4'}){fifth(h).format(e=e)})")
+                                               for e in range(32))) for h in range(2))
+  return Unit(64, setup, groups, "{u} * 64", lambda e: e)
+
+
+def _q6_k() -> Unit:
+  """Q6_K unit (half hh, j0) of a block: ql bytes 64hh+32j0.. hold quarters j0 (low nibbles) and 2+j0 (high) of half hh;
+  their high 2 bits sit at bits 2j of qh bytes 32hh..; one int8 scale per 16 elements."""
+  setup = ("const size_t b = row * $NB + (u >> 2); const int hh = (u >> 1) & 1, j0 = u & 1; const float d = h2f($d[b]);"
+           " const signed char* s = $sc + b * 16 + hh * 8;"
+           " const float s0 = d * (float)s[j0 * 2], s1 = d * (float)s[j0 * 2 + 1], s2 = d * (float)s[j0 * 2 + 4], s3 = d * (float)s[j0 * 2 + 5]; "
+           + _words("l", "$ql + b * 128 + hh * 64 + j0 * 32", 2) + " " + _words("hb", "$qh + b * 64 + hh * 32", 2))
+  lo = lambda e: f"((BYTE(l, {e}) & 15u) | (((BYTE(hb, {e}) >> (2 * j0)) & 3u) << 4))"
+  hi = lambda e: f"((BYTE(l, {e}) >> 4) | (((BYTE(hb, {e}) >> (2 * j0 + 4)) & 3u) << 4))"
+  groups = (("s0", "-32.f * s0", tuple((e, lo(e)) for e in range(16))), ("s1", "-32.f * s1", tuple((e, lo(e)) for e in range(16, 32))),
+            ("s2", "-32.f * s2", tuple((32 + e, hi(e)) for e in range(16))), ("s3", "-32.f * s3", tuple((32 + e, hi(e)) for e in range(16, 32))))
+  return Unit(64, setup, groups, "({u} >> 2) * 256 + (({u} >> 1) & 1) * 128 + ({u} & 1) * 32", lambda e: e if e < 32 else e + 32)
+
+
+UNITS: dict[int, Unit] = {
+  Q4_0: Unit(32, "const size_t b = row * $NB + u; const float d = h2f($d[b]); " + _words("q", "$qs + b * 16", 1),
+             (("d", "-8.f * d", tuple((e, f"(BYTE(q, {e}) & 15u)") for e in range(16)) + tuple((16 + e, f"(BYTE(q, {e}) >> 4)") for e in range(16))),),
+             "{u} * 32", lambda e: e),
+  Q8_0: Unit(32, "const size_t b = row * $NB + u; const float d = h2f($d[b]); " + _words("q", "(const unsigned char*)$qs + b * 32", 2),
+             (("d", "-128.f * d", tuple((e, f"(BYTE(q, {e}) ^ 128u)") for e in range(32))),), "{u} * 32", lambda e: e),
+  Q4_K: _k_quant(qh=False), Q5_K: _k_quant(qh=True), Q6_K: _q6_k(),
+  F16: Unit(8, _words("q", "(const unsigned char*)($w + row * $IN + u * 8)", 1),
+            ((None, None, tuple((e, f"h2f((unsigned short)(q[{e >> 1}] >> {16 * (e & 1)}))") for e in range(8))),), "{u} * 8", lambda e: e),
+  BF16: Unit(8, _words("q", "(const unsigned char*)($w + row * $IN + u * 8)", 1),
+             ((None, None, tuple((e, f"__uint_as_float((q[{e >> 1}] >> {16 * (e & 1)}) << 16)") for e in range(8))),), "{u} * 8", lambda e: e),
+  F32: Unit(4, "const float4 q = *(const float4*)($w + row * $IN + u * 4);", ((None, None, tuple((e, f"q.{'xyzw'[e]}") for e in range(4))),),
+            "{u} * 4", lambda e: e),
+}
+
+
+@dataclass(frozen=True)
+class W:
+  """A weight argument of a kernel: its planes are params `<prefix><plane>`; rows of `inp` elements."""
+  prefix: str
+  ggml_type: int
+  inp: int
+
+  @property
+  def unit(self) -> Unit: return UNITS[self.ggml_type]
+  @property
+  def units(self) -> int: return self.inp // self.unit.elems
+  @property
+  def nb(self) -> int: return self.inp // QUANT_TYPES[self.ggml_type].block
+  @property
+  def group_lanes(self) -> int: return min(32, 1 << (self.units - 1).bit_length())
+  @property
+  def params(self) -> list[str]: return [f"const {ct}* __restrict__ {self.prefix}{n}" for n, ct in plane_types(self.ggml_type)]
+
+  def setup(self) -> str: return self.unit.setup.replace("$NB", str(self.nb)).replace("$IN", str(self.inp)).replace("$", self.prefix)
+
+
+def plane_types(ggml_type: int) -> tuple[tuple[str, str], ...]:
+  """The planes of a weight of this type, in argument order, with their C element types."""
+  return tuple((k, CTYPES[dt.name]) for k, (_, _, dt) in LAYOUTS[ggml_type].items())
+
+
+def supported(ggml_type: int, inp: int) -> bool: return ggml_type in UNITS and inp % UNITS[ggml_type].elems == 0
+
+
+def unit_dot(w: W, row: str, u: str, X: Callable[[int], str], XS: Callable[[int], str] | None, acc: str) -> str:
+  """C: acc += (unit u of weight row `row`) . x, with X(e) the x value at element e of the unit and XS(g) the sum of x over
+  group g (None: summed here)."""
+  un, lines = w.unit, []
+  for g, (scale, mn, elems) in enumerate(un.groups):
+    if not un.quantized:
+      lines += [f"r = fmaf({X(e)}, {v}, r);" for e, v in elems]
+      continue
+    body = " ".join(f"s = fmaf({X(e)}, MAG({c}), s);" for e, c in elems)
+    xs = XS(g) if XS is not None else "(" + " + ".join(X(e) for e, _ in elems) + ")"
+    lines.append(f"{{ float s = 0.f; {body} r = fmaf({scale}, s, r); r = fmaf({mn}, {xs}, r); }}")
+  return f"{{ const int u = {u}; const size_t row = {row}; {w.setup()} float r = 0.f; {' '.join(lines)} {acc} += r; }}"
+
+
+def _runs(un: Unit) -> list[tuple[int, int]]:
+  """(first element, offset) of each run of 4 consecutive input floats of a unit (float4 loads)."""
+  return [(e, un.xoff(e)) for e in range(0, un.elems, 4)]
+
+
+def load_x(w: W, i: int, xp: str, u: str, norm: str | None) -> str:
+  """C: registers x<i>_<e> (and group sums xs<i>_<g>) for unit u of an input at xp, zero where u is past the row;
+  norm: the C name of a gamma pointer, whose row-wide RMS factor `rs` (see rms_prologue) scales x as it is loaded."""
+  un, out = w.unit, []
+  out.append(" ".join(f"float x{i}_{e} = 0.f;" for e in range(un.elems)))
+  loads = []
+  for e, off in _runs(un):
+    idx = f"{un.xbase.format(u=f'({u})')} + {off}"
+    loads.append(f"{{ const float4 v = *(const float4*)({xp} + {idx});" + (f" const float4 gm = *(const float4*)({norm} + {idx});" if norm else ""))
+    loads.append(" ".join(f"x{i}_{e + k} = " + (f"(v.{c} * rs) * gm.{c};" if norm else f"v.{c};") for k, c in enumerate("xyzw")) + " }")
+  out.append(f"if ({u} < {w.units}) {{ {' '.join(loads)} }}")
+  if un.quantized:
+    out += [f"const float xs{i}_{g} = " + " + ".join(f"x{i}_{e}" for e, _ in elems) + ";" for g, (_, _, elems) in enumerate(un.groups)]
+  return " ".join(out)
+
+
+def rms_prologue(xp: str, n: int, eps: float) -> str:
+  """C: `rs` = 1/sqrt(mean(x^2) + eps) over x[0..n) at xp, computed by each warp on its own (x is small and L1-resident)."""
+  return (f"float rs; {{ float ss = 0.f; for (int k = (threadIdx.x & 31) * 4; k < {n}; k += 128) {{ const float4 v = *(const float4*)({xp} + k);"
+          f" ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }} ss = group_sum(ss, 32); rs = 1.f / sqrtf(ss / {n}.f + {eps!r}f); }}")
+
+
+def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, norm: str | None, epilogue: Callable[[str, list[str]], str] | None,
+         G: int | None = None) -> str:
+  """C body: the row group of this lane computes outputs o = obase .. obase+R-1 (< rows) of one or more components, each a
+  weight with its row for output o (a C template with `{o}`) and an accumulator name; all components share the input at xp.
+  `obase`, `gl` (lane in group) must be defined; epilogue(o, accs) is C run by lane 0 of the group for each valid o (None:
+  the reduced sums stay in every lane's accumulators). G: the row group width (default: the weights' own)."""
+  w0 = comps[0][0]
+  assert all((w.inp, w.unit.elems) == (w0.inp, w0.unit.elems) for w, _, _ in comps), "components of one gemv share the input layout"
+  G, nw = G or w0.group_lanes, w0.unit.elems
+  per_lane = -(-w0.units // G)
+  upl = max(1, min(per_lane, XREGS // nw))
+  nch = -(-per_lane // upl)
+  accs = [f"{a}{r}" for _, _, a in comps for r in range(R)]
+  body = [" ".join(f"float {a} = 0.f;" for a in accs), f"for (int c = 0; c < {nch}; c++) {{"]
+  us = [f"(c * {G * upl} + gl + {G * i})" for i in range(upl)]
+  body += [load_x(w0, i, xp, us[i], norm) for i in range(upl)]
+  for r in range(R):
+    dots = []
+    for w, row, a in comps:
+      for i in range(upl):
+        d = unit_dot(w, row.format(o=f"(obase + {r})"), us[i], lambda e, i=i: f"x{i}_{e}", (lambda g, i=i: f"xs{i}_{g}") if w.unit.quantized else None, f"{a}{r}")
+        dots.append(d if nch * upl * G == w0.units else f"if ({us[i]} < {w0.units}) {d}")
+    body.append(f"if (obase + {r} < {rows}) {{ {' '.join(dots)} }}")
+  body.append("}")
+  body.append(" ".join(f"{a} = group_sum({a}, {G});" for a in accs))
+  for r in range(R if epilogue is not None else 0):
+    body.append(f"if (gl == 0 && obase + {r} < {rows}) {{ const int o = obase + {r}; {epilogue('o', [f'{a}{r}' for _, _, a in comps])} }}")
+  return "\n  ".join(body)
+
+
+def group_setup(G: int, R: int, cta_rows_dim: str = "blockIdx.x") -> str:
+  """C: gl (lane in row group) and obase (first output row of the group) for warps of 32/G groups of R rows each."""
+  per_warp = 32 // G
+  return (f"const int lane = threadIdx.x & 31, gl = lane & {G - 1};"
+          f" const int obase = (({cta_rows_dim} * {WARPS} + (threadIdx.x >> 5)) * {per_warp} + (lane >> {G.bit_length() - 1})) * {R};")
+
+
+def rows_per_block(G: int, R: int) -> int: return WARPS * (32 // G) * R
+
+
+def kernel(name: str, params: list[str], body: str) -> str:
+  return f"{PRELUDE}\nextern \"C\" __global__ void __launch_bounds__({THREADS}) {name}({', '.join(params)}) {{\n  {body}\n}}\n"
+
+
+@dataclass(frozen=True)
+class Kernel:
+  name: str
+  src: str
+  grid: tuple[int, int, int]
+  outs: tuple[int, ...]  # params written (the rest are read)
+
+
+# ------------------------------------------------------------------ products of the backend (tensor API) -----------------
+
+def _tile_body(w: W, role: str, out: int, dims: dict[str, int]) -> str:
+  """The multi-token (prefill) product: one warp per output row, lanes over units, x read from memory, TOKENS tokens share
+  each weight read."""
+  tn, n = dims["tn"], dims["n"]
+  if role == "dense":
+    setup = (f"const size_t wrow = o; const int t0 = blockIdx.y * {tn}, nt = min({tn}, {n} - t0);"
+             f" auto xrow = [&](int t) {{ return x + (size_t)(t0 + t) * {w.inp}; }}; auto outidx = [&](int t) {{ return (size_t)(t0 + t) * {out} + o; }};")
+  elif role == "per_head":
+    H = dims["heads"]
+    setup = (f"const int h = blockIdx.y; const size_t wrow = (size_t)h * {out} + o; const int t0 = blockIdx.z * {tn}, nt = min({tn}, {n} - t0);"
+             f" auto xrow = [&](int t) {{ return x + ((size_t)(t0 + t) * {H} + h) * {w.inp}; }};"
+             f" auto outidx = [&](int t) {{ return ((size_t)(t0 + t) * {H} + h) * {out} + o; }};")
+  else:
+    setup = (f"const int y = blockIdx.y, e = min(max(sel[y], 0), {dims['experts'] - 1}); const size_t wrow = (size_t)e * {out} + o; const int nt = 1;"
+             f" auto xrow = [&](int t) {{ return x + (size_t)({dims['xk']} > 1 ? y : y / {dims['k']}) * {w.inp}; }};"
+             f" auto outidx = [&](int t) {{ return (size_t)y * {out} + o; }};")
+  un = w.unit
+  xidx = lambda e: f"xrow(t)[{un.xbase.format(u='uu')} + {un.xoff(e)}]"
+  dot = unit_dot(w, "wrow", "uu", xidx, None, "acc[t]")
+  return (f"const int lane = threadIdx.x & 31, o = blockIdx.x * {WARPS} + (threadIdx.x >> 5); if (o >= {out}) return; {setup}\n"
+          f"  float acc[{tn}]; for (int t = 0; t < {tn}; t++) acc[t] = 0.f;\n"
+          f"  for (int uu = lane; uu < {w.units}; uu += 32) {{ for (int t = 0; t < {tn}; t++) {{ if (t >= nt) break; {dot} }} }}\n"
+          f"  for (int t = 0; t < {tn}; t++) {{ const float a = group_sum(acc[t], 32); if (lane == 0 && t < nt) out[outidx(t)] = a; }}")
+
+
+R_PRODUCT = 4  # output rows per row group in the single-token products
+
+
+@functools.cache
+def product(role: str, ggml_type: int, shape: tuple[int, ...], **dims: int) -> Kernel:
+  """One product of the backend: role dense (out = x @ w.T), per_head or expert; shape: the weight's (..., out, in).
+  dims: n (tokens) and tn (tokens per tile) for dense/per_head, heads; experts, k (slots per token), xk (inputs per token)
+  and slots (all tokens' slots) for expert."""
+  out, inp = shape[-2:]
+  w = W("w_", ggml_type, inp)
+  name = f"native_{role}_{QUANT_TYPES[ggml_type].name.lower()}_{'_'.join(map(str, (*shape, *dims.values())))}"
+  params = ["float* out", "const float* __restrict__ x"] + (["const int* __restrict__ sel"] if role == "expert" else []) + w.params
+  single = role == "expert" or dims.get("n") == 1
+  if not single:
+    grid = (-(-out // WARPS), -(-dims["n"] // dims["tn"]), 1) if role == "dense" else (-(-out // WARPS), dims["heads"], -(-dims["n"] // dims["tn"]))
+    return Kernel(name, kernel(name, params, _tile_body(w, role, out, dims)), grid, (0,))
+  G, R = w.group_lanes, R_PRODUCT
+  blocks = -(-out // rows_per_block(G, R))
+  if role == "dense":
+    body = gemv([(w, "{o}", "a")], "x", out, R, None, lambda o, a: f"out[{o}] = {a[0]};")
+    return Kernel(name, kernel(name, params, group_setup(G, R) + "\n  " + body), (blocks, 1, 1), (0,))
+  if role == "per_head":
+    body = (f"const int h = blockIdx.y; const float* xh = x + (size_t)h * {inp};\n  "
+            + gemv([(w, f"(size_t)h * {out} + {{o}}", "a")], "xh", out, R, None, lambda o, a: f"out[(size_t)h * {out} + {o}] = {a[0]};"))
+    return Kernel(name, kernel(name, params, group_setup(G, R) + "\n  " + body), (blocks, dims["heads"], 1), (0,))
+  body = (f"const int y = blockIdx.y, e = min(max(sel[y], 0), {dims['experts'] - 1});"
+          f" const float* xe = x + (size_t)({dims['xk']} > 1 ? y : y / {dims['k']}) * {inp};\n  "
+          + gemv([(w, f"(size_t)e * {out} + {{o}}", "a")], "xe", out, R, None, lambda o, a: f"out[(size_t)y * {out} + {o}] = {a[0]};"))
+  return Kernel(name, kernel(name, params, group_setup(G, R) + "\n  " + body), (blocks, dims["slots"], 1), (0,))
+
+
+# ------------------------------------------------------------------ fused decode stages (one token) ----------------------
+
+def _gemv_block(ws: list[tuple[W, str, str]], xp: str, rows: int, R: int, norm: str | None, epilogue) -> str:
+  """A braced gemv with its own row-group setup (its weights' group width), so kernels can branch between weight types."""
+  return "{ " + group_setup(ws[0][0].group_lanes, R) + "\n  " + gemv(ws, xp, rows, R, norm, epilogue) + " }"
+
+
+@functools.cache
+def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, residual: bool = False) -> Kernel:
+  """out_j = [res +] W_j . [rmsnorm(x) * gamma] for each weight j (blockIdx.y picks it): a norm folded into one or two products
+  of one input (q_a and kv_a), or a residual add folded into one (the attention output)."""
+  tag = "_".join(f"{QUANT_TYPES[w.ggml_type].name.lower()}x{rows}x{w.inp}" for w, rows in ws)
+  name = f"native_dense_{'norm_' if eps is not None else ''}{'res_' if residual else ''}{tag}"
+  params = [f"float* out{j}" for j in range(len(ws))] + ["const float* __restrict__ x"] + (["const float* __restrict__ gamma"] if eps is not None else [])
+  params += ["const float* __restrict__ res"] if residual else []
+  for w, _ in ws: params += w.params
+  inp = ws[0][0].inp
+  body = [rms_prologue("x", inp, eps) if eps is not None else ""]
+  for j, (w, rows) in enumerate(ws):
+    epi = lambda o, a, j=j: f"out{j}[{o}] = " + (f"res[{o}] + {a[0]};" if residual else f"{a[0]};")
+    body.append(f"if (blockIdx.y == {j}) " + _gemv_block([(w, "{o}", "a")], "x", rows, R, "gamma" if eps is not None else None, epi))
+  blocks = max(-(-rows // rows_per_block(w.group_lanes, R)) for w, rows in ws)
+  return Kernel(name, kernel(name, params, "\n  ".join(body)), (blocks, len(ws), 1), tuple(range(len(ws))))
+
+
+@functools.cache
+def absorb_rope_kv(kb: W, heads: int, nope: int, rope: int, kvl: int, max_ctx: int, eps: float, cache_half: bool, R: int = 2) -> Kernel:
+  """MLA's per-token step before attention: per head, q_nope absorbed through k_b into the compressed space (blockIdx.y < H);
+  one extra block (blockIdx.y == H) rotates q_pe, normalises c_kv, rotates k_pe and writes [c_kv, k_pe] to the KV cache row
+  of the position. Out: qc (H, kvl + rope) = [q_abs, rotated q_pe] and the cache."""
+  D, half = kvl + rope, rope // 2
+  name = f"native_mla_absorb_{QUANT_TYPES[kb.ggml_type].name.lower()}_h{heads}_{nope}_{rope}_{kvl}_c{max_ctx}{'' if cache_half else '_f32'}"
+  ct = "unsigned short" if cache_half else "float"
+  store = (lambda v: f"f2h({v})") if cache_half else (lambda v: v)
+  params = ["float* qc", f"{ct}* cache", "const float* __restrict__ q", "const float* __restrict__ kv", "const float* __restrict__ gamma",
+            "const float* __restrict__ cosv", "const float* __restrict__ sinv", "const int* __restrict__ pos"] + kb.params
+  head = (f"const int h = blockIdx.y; const float* xh = q + (size_t)h * {nope + rope};\n  "
+          + _gemv_block([(kb, f"(size_t)h * {kvl} + {{o}}", "a")], "xh", kvl, R, None, lambda o, a: f"qc[(size_t)h * {D} + {o}] = {a[0]};"))
+  tail = (f"const int p = pos[0];\n"
+          f"  for (int i = threadIdx.x; i < {heads * half}; i += {THREADS}) {{ const int h = i / {half}, k = i % {half};"
+          f" const float x0 = q[h * {nope + rope} + {nope} + 2 * k], x1 = q[h * {nope + rope} + {nope} + 2 * k + 1];"
+          f" const float c = cosv[p * {half} + k], s = sinv[p * {half} + k];"
+          f" qc[h * {D} + {kvl} + 2 * k] = x0 * c - x1 * s; qc[h * {D} + {kvl} + 2 * k + 1] = x0 * s + x1 * c; }}\n"
+          f"  if (threadIdx.x < 32) {{ {rms_prologue('kv', kvl, eps)}\n"
+          f"    for (int k = threadIdx.x; k < {kvl}; k += 32) cache[(size_t)p * {D} + k] = {store('(kv[k] * rs) * gamma[k]')};\n"
+          f"    for (int k = threadIdx.x; k < {half}; k += 32) {{ const float x0 = kv[{kvl} + 2 * k], x1 = kv[{kvl} + 2 * k + 1];"
+          f" const float c = cosv[p * {half} + k], s = sinv[p * {half} + k];"
+          f" cache[(size_t)p * {D} + {kvl} + 2 * k] = {store('x0 * c - x1 * s')}; cache[(size_t)p * {D} + {kvl} + 2 * k + 1] = {store('x0 * s + x1 * c')}; }} }}")
+  body = f"if (blockIdx.y < {heads}) {{ {head} }}\n  else if (blockIdx.x == 0) {{ {tail} }}"
+  blocks = -(-kvl // rows_per_block(kb.group_lanes, R))
+  return Kernel(name, kernel(name, params, body), (blocks, heads + 1, 1), (0, 1))
+
+
+def attention_splits(max_ctx: int) -> tuple[int, int]:
+  """(positions per split, splits) of the MLA attention kernel for a cache of max_ctx positions."""
+  ch = max(8, -(-max_ctx // 64))
+  return ch, -(-max_ctx // ch)
+
+
+@functools.cache
+def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, cache_half: bool) -> Kernel:
+  """MLA decode attention over the compressed cache, split over the context (grid: heads x splits): each block scores its
+  positions with the absorbed query (scores over all kvl + rope dims, values = the cache's first kvl dims, V a slice of K),
+  keeps an online softmax per warp, merges its warps, and writes (max, sum, unnormalised output) of its split; the last
+  block of a head to finish (an atomic count, reset by that block) merges the splits into o (H, kvl)."""
+  D, ch, S = kvl + rope, *attention_splits(max_ctx)
+  nd, nv = D // 32, kvl // 32
+  name = f"native_mla_attention_h{heads}_{kvl}_{rope}_c{max_ctx}{'' if cache_half else '_f32'}"
+  ct = "unsigned short" if cache_half else "float"
+  ld = (lambda v: f"h2f({v})") if cache_half else (lambda v: v)
+  params = ["float* o", "float* part", "int* cnt", "const float* __restrict__ qc", f"const {ct}* __restrict__ cache", "const int* __restrict__ pos"]
+  body = f"""const int h = blockIdx.x, sp = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n = pos[0] + 1, j0 = sp * {ch}, j1 = min(n, j0 + {ch});
+  float qv[{nd}], ov[{nv}], m = -INFINITY, l = 0.f;
+  for (int k = 0; k < {nd}; k++) qv[k] = qc[(size_t)h * {D} + lane + 32 * k];
+  for (int k = 0; k < {nv}; k++) ov[k] = 0.f;
+  #pragma unroll 2
+  for (int j = j0 + warp; j < j1; j += {WARPS}) {{
+    float v[{nd}], sc = 0.f;
+    for (int k = 0; k < {nd}; k++) {{ v[k] = {ld(f'cache[(size_t)j * {D} + lane + 32 * k]')}; sc = fmaf(qv[k], v[k], sc); }}
+    sc = group_sum(sc, 32) * {scale!r}f;
+    const float mn = fmaxf(m, sc), corr = expf(m - mn), p = expf(sc - mn);
+    l = l * corr + p;
+    for (int k = 0; k < {nv}; k++) ov[k] = ov[k] * corr + p * v[k];
+    m = mn;
+  }}
+  __shared__ float sm[{WARPS}], sl[{WARPS}], so[{WARPS}][{kvl}];
+  __shared__ int last;
+  if (lane == 0) {{ sm[warp] = m; sl[warp] = l; }}
+  for (int k = 0; k < {nv}; k++) so[warp][lane + 32 * k] = ov[k];
+  __syncthreads();
+  float M = -INFINITY;
+  for (int w = 0; w < {WARPS}; w++) M = fmaxf(M, sm[w]);
+  float f[{WARPS}], L = 0.f;
+  for (int w = 0; w < {WARPS}; w++) {{ f[w] = sm[w] == -INFINITY ? 0.f : expf(sm[w] - M); L += f[w] * sl[w]; }}
+  float* mine = part + ((size_t)h * {S} + sp) * {kvl + 2};
+  for (int c = threadIdx.x; c < {kvl}; c += {THREADS}) {{ float a = 0.f; for (int w = 0; w < {WARPS}; w++) a += f[w] * so[w][c]; mine[2 + c] = a; }}
+  if (threadIdx.x == 0) {{ mine[0] = M; mine[1] = L; }}
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&cnt[h], 1) == {S - 1};
+  __syncthreads();
+  if (!last) return;
+  const volatile float* ph = part + (size_t)h * {S} * {kvl + 2};
+  float MX = -INFINITY;
+  for (int s = 0; s < {S}; s++) MX = fmaxf(MX, ph[s * {kvl + 2}]);
+  float LT = 0.f;
+  for (int s = 0; s < {S}; s++) {{ const float ms = ph[s * {kvl + 2}]; if (ms != -INFINITY) LT += expf(ms - MX) * ph[s * {kvl + 2} + 1]; }}
+  for (int c = threadIdx.x; c < {kvl}; c += {THREADS}) {{
+    float a = 0.f;
+    for (int s = 0; s < {S}; s++) {{ const float ms = ph[s * {kvl + 2}]; if (ms != -INFINITY) a += expf(ms - MX) * ph[s * {kvl + 2} + 2 + c]; }}
+    o[(size_t)h * {kvl} + c] = a / LT;
+  }}
+  if (threadIdx.x == 0) cnt[h] = 0;"""
+  return Kernel(name, kernel(name, params, body), (heads, S, 1), (0, 1, 2))
+
+
+GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softplus"}
+
+
+@functools.cache
+def router(w: W, experts: int, k: int, eps: float, gating: int, bias: bool, norm_w: bool, w_scale: float, forced: bool = False) -> Kernel:
+  """The MoE router in one kernel: each block computes some experts' logits from the normalised input (RMSNorm folded);
+  the last block to finish (an atomic count, reset by it) applies the gating function and the selection bias, picks the
+  top k (ties to the lower index, as the pairwise top-k), and writes the selected ids and their weights (normalised and
+  scaled as the model says). forced (the correctness check only): the ids come from an input and the kernel's own top k
+  goes to an extra output, so a candidate runs with the reference's routing while its own is compared."""
+  epl = -(-experts // 32)
+  name = (f"native_router_{QUANT_TYPES[w.ggml_type].name.lower()}_{experts}x{w.inp}_k{k}_{GATING[gating]}{'_bias' if bias else ''}"
+          f"{'_norm' if norm_w else ''}{'_forced' if forced else ''}")
+  params = ["int* sel", "float* wts", "float* logits", "int* cnt"] + (["int* own", "const int* __restrict__ force"] if forced else [])
+  params += ["const float* __restrict__ x", "const float* __restrict__ gamma"] + (["const float* __restrict__ bias"] if bias else []) + w.params
+  R = 2
+  prob = {1: "expf(lg - mx) / den", 2: "1.f / (1.f + expf(-lg))", 3: "lg", 4: "sqrtf(logf(1.f + expf(lg)))"}[gating]
+  scale = f" wv *= {w_scale!r}f;" if w_scale not in (0.0, 1.0) else ""
+  body = f"""{rms_prologue('x', w.inp, eps)}
+  {_gemv_block([(w, "{o}", "a")], "x", experts, R, "gamma", lambda o, a: f"logits[{o}] = {a[0]};")}
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(cnt, 1) == (int)gridDim.x - 1;
+  __syncthreads();
+  if (!last || threadIdx.x >= 32) return;
+  const int lane = threadIdx.x;
+  const volatile float* lv = logits;
+  float p[{epl}], sc[{epl}], mx = -INFINITY, den = 0.f;
+  for (int i = 0; i < {epl}; i++) mx = fmaxf(mx, lane + 32 * i < {experts} ? lv[lane + 32 * i] : -INFINITY);
+  mx = warp_max(mx);
+  for (int i = 0; i < {epl}; i++) if (lane + 32 * i < {experts}) den += expf(lv[lane + 32 * i] - mx);
+  den = group_sum(den, 32);
+  for (int i = 0; i < {epl}; i++) {{
+    const int e = lane + 32 * i; const float lg = e < {experts} ? lv[e] : 0.f;
+    p[i] = {prob}; sc[i] = e < {experts} ? p[i]{' + bias[e]' if bias else ''} : -INFINITY;
+  }}
+  unsigned taken = 0;
+  float wsel[{k}]; int isel[{k}];
+  for (int t = 0; t < {k}; t++) {{
+    float bv = -INFINITY; int bi = 0x7fffffff;
+    for (int i = 0; i < {epl}; i++) {{ const int e = lane + 32 * i;
+      if (e < {experts} && !((taken >> i) & 1u) && (sc[i] > bv || (sc[i] == bv && e < bi) || bi == 0x7fffffff)) {{ bv = sc[i]; bi = e; }} }}
+    for (int m = 16; m > 0; m >>= 1) {{
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, m); const int oi = __shfl_xor_sync(0xffffffffu, bi, m);
+      if (ov > bv || (ov == bv && oi < bi)) {{ bv = ov; bi = oi; }}
+    }}
+    if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
+    isel[t] = bi;
+  }}
+  for (int t = 0; t < {k}; t++) {{
+    const int e = {'force[t]' if forced else 'isel[t]'};
+    float pv = 0.f;
+    for (int i = 0; i < {epl}; i++) if (i == (e >> 5)) pv = p[i];
+    wsel[t] = __shfl_sync(0xffffffffu, pv, e & 31);
+  }}
+  {f'float ws = -INFINITY; for (int t = 0; t < {k}; t++) ws = fmaxf(ws, wsel[t]); float se = 0.f; for (int t = 0; t < {k}; t++) {{ wsel[t] = expf(wsel[t] - ws); se += wsel[t]; }} for (int t = 0; t < {k}; t++) wsel[t] /= se;' if gating == 3 else ''}
+  float sum = 0.f;
+  for (int t = 0; t < {k}; t++) sum += wsel[t];
+  if (lane == 0) {{
+    for (int t = 0; t < {k}; t++) {{
+      float wv = wsel[t];{' wv = wv / fmaxf(sum, 6.103515625e-5f);' if norm_w else ''}{scale}
+      sel[t] = {'force[t]' if forced else 'isel[t]'}; wts[t] = wv;{' own[t] = isel[t];' if forced else ''}
+    }}
+    cnt[0] = 0;
+  }}"""
+  blocks = -(-experts // rows_per_block(w.group_lanes, R))
+  return Kernel(name, kernel(name, params, body), (blocks, 1, 1), (0, 1, 2, 3) + ((4,) if forced else ()))
+
+
+@dataclass(frozen=True)
+class FFN:
+  """The FFN weights one pair of fused kernels reads: gate and up (one merged weight with `up_off` rows, or two), down, rows
+  of the hidden layer; experts > 0 for a routed stack (rows indexed by the selected expert)."""
+  gate: W
+  up: W
+  down: W
+  hidden: int
+  experts: int = 0
+  gate_rows: int = 0  # rows per expert of the gate (and up) weight: hidden, or 2*hidden when merged
+  up_off: int = 0  # row of up's first row inside its expert's rows (hidden when gate and up are one merged weight)
+
+  @property
+  def merged(self) -> bool: return self.up_off > 0
+  @property
+  def params(self) -> list[str]: return self.gate.params + ([] if self.merged else self.up.params)
+
+
+def _ffn_w(f: FFN, tag: str) -> FFN:
+  """The FFN with its weights' plane prefixes set for kernel parameters (routed: r, plain: p)."""
+  gate = W(f"{tag}g_", f.gate.ggml_type, f.gate.inp)
+  up = gate if f.merged else W(f"{tag}u_", f.up.ggml_type, f.up.inp)
+  return FFN(gate, up, W(f"{tag}d_", f.down.ggml_type, f.down.inp), f.hidden, f.experts, f.gate_rows, f.up_off)
+
+
+def _ffn_tag(f: FFN | None) -> str:
+  if f is None: return "none"
+  t = lambda w: QUANT_TYPES[w.ggml_type].name.lower()
+  return f"{t(f.gate)}{'m' if f.merged else t(f.up)}{t(f.down)}x{f.hidden}" + (f"e{f.experts}" if f.experts else "")
+
+
+@functools.cache
+def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: int = 4) -> Kernel:
+  """SiLU(gate) * up of the normalised input (RMSNorm folded) for the k selected experts of a routed stack (blockIdx.y < k)
+  and a plain FFN (the shared expert, or a dense block's FFN; blockIdx.y == k), into act = [k x hidden, plain hidden]."""
+  name = f"native_glu_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}"
+  r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
+  params = ["float* act", "const float* __restrict__ x", "const float* __restrict__ gamma"] + (["const int* __restrict__ sel"] if r else [])
+  params += (r.params if r else []) + (p.params if p else [])
+  silu = lambda a: f"({a[0]} * (1.f / (1.f + expf(-{a[0]})))) * {a[1]}"
+  body = [rms_prologue("x", dim, eps)]
+  if r:
+    body.append(f"if (blockIdx.y < {k}) {{ const int y = blockIdx.y, e = min(max(sel[y], 0), {r.experts - 1});\n  "
+                + _gemv_block([(r.gate, f"(size_t)e * {r.gate_rows} + {{o}}", "g"), (r.up, f"(size_t)e * {r.gate_rows} + {r.up_off} + {{o}}", "u")],
+                              "x", r.hidden, R, "gamma", lambda o, a: f"act[(size_t)y * {r.hidden} + {o}] = {silu(a)};") + " }")
+  if p:
+    body.append(f"if (blockIdx.y == {k if r else 0}) "
+                + _gemv_block([(p.gate, "{o}", "g"), (p.up, f"{p.up_off} + {{o}}", "u")], "x", p.hidden, R, "gamma",
+                              lambda o, a: f"act[{(k * r.hidden if r else 0)} + {o}] = {silu(a)};"))
+  blocks = max(-(-f.hidden // rows_per_block(f.gate.group_lanes, R)) for f in (r, p) if f)
+  return Kernel(name, kernel(name, params, "\n  ".join(body)), (blocks, (k if r else 0) + (1 if p else 0), 1), (0,))
+
+
+@functools.cache
+def down(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int = 2) -> Kernel:
+  """out = res + sum over the k selected experts of weight_k * (down_e . act_k) + down_plain . act_plain: the routed experts'
+  down projections, their weighted combine, the shared expert (or a dense block's down projection) and the residual add."""
+  name = f"native_down_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}"
+  r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
+  params = ["float* out", "const float* __restrict__ res", "const float* __restrict__ act"]
+  params += (["const int* __restrict__ sel", "const float* __restrict__ wts"] + r.down.params if r else []) + (p.down.params if p else [])
+  G = max(f.down.group_lanes for f in (r, p) if f)  # one row group computes an output row from both parts
+  body = [group_setup(G, R), " ".join(f"float tot{i} = 0.f;" for i in range(R))]
+  if r:
+    body.append(f"for (int kk = 0; kk < {k}; kk++) {{ const int e = min(max(sel[kk], 0), {r.experts - 1}); const float wk = wts[kk];"
+                f" const float* xk = act + (size_t)kk * {r.hidden};\n  "
+                + gemv([(r.down, f"(size_t)e * {dim} + {{o}}", "a")], "xk", dim, R, None, None, G) + "\n  "
+                + " ".join(f"tot{i} += wk * a{i};" for i in range(R)) + " }")
+  if p:
+    body.append("{ " + gemv([(p.down, "{o}", "b")], f"act + {k * r.hidden if r else 0}", dim, R, None, None, G) + "\n  "
+                + " ".join(f"tot{i} += b{i};" for i in range(R)) + " }")
+  body += [f"if (gl == 0 && obase + {i} < {dim}) out[obase + {i}] = res[obase + {i}] + tot{i};" for i in range(R)]
+  return Kernel(name, kernel(name, params, "\n  ".join(body)), (-(-dim // rows_per_block(G, R)), 1, 1), (0,))

@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 
 .PHONY: deps setup demo test test-slow lint
-deps:  # system packages: clang for tinygrad's CPU backend, a C++ toolchain for llama-cpp-python
+deps:  # system packages: clang for tinygrad's CPU backend, a C++ toolchain for llama-cpp-python and tests/cuda_cpu.py
 	@command -v clang >/dev/null && command -v cmake >/dev/null && command -v g++ >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang cmake g++ make >/dev/null; }
 

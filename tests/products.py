@@ -11,8 +11,9 @@ from model.weights import QWeight
 TYPES = {QUANT_TYPES[t].name: t for t in QUANT_TYPES}
 
 
-def random_weight(rng: np.random.Generator, ggml_type: int, shape: tuple[int, ...], backend: str = "tensor") -> QWeight:
-  """Random bytes in every integer field (all bit patterns of codes, scales and mins), unit-scale floats in the float fields."""
+def random_blocks(rng: np.random.Generator, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
+  """Raw GGUF blocks (rows, blocks per row, block bytes) of a weight of `shape`: random bytes in every integer field (all
+  bit patterns of codes, scales and mins), unit-scale floats in the float fields."""
   qt, rows = QUANT_TYPES[ggml_type], int(np.prod(shape[:-1]))
   blocks = rng.integers(0, 256, (rows, shape[-1] // qt.block, qt.nbytes), dtype=np.uint8)
   for a, b, dt in LAYOUTS[ggml_type].values():
@@ -21,7 +22,13 @@ def random_weight(rng: np.random.Generator, ggml_type: int, shape: tuple[int, ..
     elif ggml_type == BF16: v = (rng.standard_normal((*blocks.shape[:2], 1)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
     else: continue
     blocks[..., a:b] = v.view(np.uint8)
-  w = QWeight.from_raw(Tensor(blocks.reshape(rows, -1)), ggml_type, shape)
+  return blocks
+
+
+def random_weight(rng: np.random.Generator, ggml_type: int, shape: tuple[int, ...], backend: str = "tensor") -> QWeight:
+  """A QWeight of random_blocks."""
+  blocks = random_blocks(rng, ggml_type, shape)
+  w = QWeight.from_raw(Tensor(blocks.reshape(blocks.shape[0], -1)), ggml_type, shape)
   w.backend = backend
   return w
 

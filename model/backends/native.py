@@ -110,7 +110,9 @@ _CTYPES = {dtypes.float16: "unsigned short", dtypes.uint16: "unsigned short", dt
 
 _KERNEL = r"""
 #define BYTE(v, i) (((v)[(i) >> 2] >> (8 * ((i) & 3))) & 255)
+#ifdef __CUDACC_RTC__
 __device__ __forceinline__ float h2f(unsigned short h) {{ float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }}
+#endif
 #define NB {nb}
 #define IN {inp}
 #define O {out}

@@ -6,7 +6,7 @@ dims), as llama.cpp does. Where a StructureConfig option applies, the code names
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from tinygrad import GlobalCounters, Tensor, UOp, dtypes
@@ -14,6 +14,7 @@ from tinygrad.uop.ops import resolve
 
 from model import backends as K
 from model import weights as W
+from model.errors import ConfigError
 from model.gguf_file import GGUFError, GGUFFile
 from model.structure import StructureConfig
 from model.weights import QWeight
@@ -135,43 +136,45 @@ def topk_indices(scores: Tensor, k: int, variant: str) -> Tensor:
 
 
 class Block:
-  def __init__(self, f: GGUFFile, i: int, hp: Hparams, cfg: StructureConfig, load, max_context: int, device: str | None):
+  def __init__(self, f: GGUFFile, i: int, hp: Hparams, cfg: StructureConfig, load, max_context: int, device: str | None, shared: dict):
     self.hp, self.cfg, self.i = hp, cfg, i
+    self.cos, self.sin, self.scratch = shared["cos"], shared["sin"], shared
     p = f"blk.{i}."
     has = lambda n: p + n + ".weight" in f.tensors
     self.attn_norm, self.ffn_norm, self.kv_a_norm = (load(p + n + ".weight", norm=True) for n in ("attn_norm", "ffn_norm", "attn_kv_a_norm"))
+    att = lambda n, **kw: load(p + n + ".weight", stage="attention", **kw)
     if hp.q_lora:
-      self.q_a, self.q_a_norm, self.q_b = load(p + "attn_q_a.weight"), load(p + "attn_q_a_norm.weight", norm=True), load(p + "attn_q_b.weight")
+      self.q_a, self.q_a_norm, self.q_b = att("attn_q_a"), load(p + "attn_q_a_norm.weight", norm=True), att("attn_q_b")
     else:
-      self.q_b = load(p + "attn_q.weight")
-    self.kv_a = load(p + "attn_kv_a_mqa.weight")
+      self.q_b = att("attn_q")
+    self.kv_a = att("attn_kv_a_mqa")
     H, nope, v = hp.n_heads, hp.qk_nope, hp.v_head
     self.k_b_t: QWeight | None = None  # legacy files: k_b as (H, nope, kv_lora), applied transposed
     if has("attn_k_b"):
-      self.k_b = load(p + "attn_k_b.weight", shape=(H, hp.kv_lora, nope))
-      self.v_b = load(p + "attn_v_b.weight", shape=(H, v, hp.kv_lora))
+      self.k_b = att("attn_k_b", shape=(H, hp.kv_lora, nope))
+      self.v_b = att("attn_v_b", shape=(H, v, hp.kv_lora))
     elif has("attn_kv_b"):  # legacy file: one (H*(nope+v), kv_lora) matrix; per head, its nope rows are k_b transposed
-      self.k_b_t, self.v_b = load(p + "attn_kv_b.weight", shape=(H, nope + v, hp.kv_lora)).split_rows(nope)
+      if cfg.stage("attention"): raise ConfigError(f"fused.attention needs split attn_k_b/attn_v_b tensors; {f.path.name} has the legacy attn_kv_b")
+      self.k_b_t, self.v_b = att("attn_kv_b", shape=(H, nope + v, hp.kv_lora)).split_rows(nope)
     else:
       raise GGUFError(f"{f.path.name}: block {i} has neither attn_k_b/attn_v_b nor attn_kv_b")
-    self.wo = load(p + "attn_output.weight")
+    self.wo = att("attn_output")
     if cfg.mla_absorb == "load": self._absorb_k_b()
     self.moe = i >= hp.n_dense_lead
+    self.gate_up_exps = self.gate_up_sh = self.gate_up = None
     if self.moe:
-      self.gate_inp = load(p + "ffn_gate_inp.weight")
+      self.gate_inp = load(p + "ffn_gate_inp.weight", stage="router")
       self.probs_b = load(p + "exp_probs_b.bias", norm=True) if p + "exp_probs_b.bias" in f.tensors else None
       exps = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-      self.gate_exps, self.up_exps, self.down_exps = (load(p + n + ".weight", role="expert") for n in exps)
+      self.gate_exps, self.up_exps, self.down_exps = (load(p + n + ".weight", role="expert", stage="moe") for n in exps)
       self.n_ff_exp = self.gate_exps.shape[1]
       if cfg.merge_gate_up_routed: self.gate_up_exps, self.gate_exps, self.up_exps = W.concat_rows(self.gate_exps, self.up_exps), None, None
       self.shared = has("ffn_gate_shexp")
       if self.shared:
-        self.gate_sh, self.up_sh, self.down_sh = (load(p + n + ".weight") for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"))
-        self.gate_up_sh = None
+        self.gate_sh, self.up_sh, self.down_sh = (load(p + n + ".weight", stage="moe") for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"))
         if cfg.merge_gate_up_shared: self.gate_up_sh, self.gate_sh, self.up_sh = W.concat_rows(self.gate_sh, self.up_sh), None, None
     else:
-      self.gate, self.up, self.down = (load(p + n + ".weight") for n in ("ffn_gate", "ffn_up", "ffn_down"))
-      self.gate_up = None
+      self.gate, self.up, self.down = (load(p + n + ".weight", stage="ffn") for n in ("ffn_gate", "ffn_up", "ffn_down"))
       if cfg.merge_gate_up_dense: self.gate_up, self.gate, self.up = W.concat_rows(self.gate, self.up), None, None
     self.kv_dtype = dtypes.float16 if cfg.kv_dtype == "float16" else dtypes.float32
     self.cache = Tensor.zeros(1, max_context, hp.kv_lora + hp.qk_rope, dtype=self.kv_dtype, device=device).contiguous().realize()
@@ -200,18 +203,25 @@ class Block:
     mode = self.cfg.barriers[point]
     return x if mode == "none" else x.contiguous().realize() if mode == "realize" else x.contiguous()
 
-  def attention(self, x: Tensor, start_pos: int | UOp, cos: Tensor, sin: Tensor) -> Tensor:
-    hp, (B, T, _) = self.hp, x.shape
+  def project(self, xn: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The attention's projections of the normalised input: absorbed q (B, T, H, kv_lora), q_pe (B, T, H, rope), kv (B, T, kv_lora + rope)."""
+    hp, (B, T, _) = self.hp, xn.shape
     H, nope, rope, kvl = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.kv_lora
-    xq = rms_norm(K.linear(x, self.q_a), self.q_a_norm, hp.eps) if hp.q_lora else x
+    xq = rms_norm(K.linear(xn, self.q_a), self.q_a_norm, hp.eps) if hp.q_lora else xn
     if self.cfg.mla_absorb == "load":
       q_abs = self.barrier(K.linear(xq, self.q_abs), "q_proj").reshape(B, T, H, kvl)
       q_pe = K.linear(xq, self.q_pe).reshape(B, T, H, rope)
     else:
       q = self.barrier(K.linear(xq, self.q_b), "q_proj").reshape(B, T, H, nope + rope)
       q_abs, q_pe = self.absorb(q[..., :nope]), q[..., nope:]
+    return q_abs, q_pe, self.barrier(K.linear(xn, self.kv_a), "kv_a")
+
+  def attend(self, q_abs: Tensor, q_pe: Tensor, kv: Tensor, start_pos: int | UOp) -> Tensor:
+    """RoPE, the KV cache write, attention over the compressed cache and v_b: (B, T, H * v_head), before the output projection."""
+    hp, (B, T, H, _) = self.hp, q_abs.shape
+    rope, kvl = hp.qk_rope, hp.kv_lora
+    cos, sin = self.cos[start_pos:start_pos + T], self.sin[start_pos:start_pos + T]
     q_pe = apply_rope(q_pe, cos, sin)
-    kv = self.barrier(K.linear(x, self.kv_a), "kv_a")
     c_kv = rms_norm(kv[..., :kvl], self.kv_a_norm, hp.eps)
     k_pe = apply_rope(kv[..., kvl:].reshape(B, T, 1, rope), cos, sin).reshape(B, T, rope)
     new = c_kv.cat(k_pe, dim=-1).cast(self.kv_dtype)
@@ -227,8 +237,10 @@ class Block:
     else:
       s = (qc @ k.transpose(-1, -2)) * hp.kq_scale
       o = (s if mask is None else s + mask).softmax(-1) @ k[..., :kvl]  # (B, H, T, kvl)
-    out = K.per_head(o.transpose(1, 2), self.v_b).reshape(B, T, H * hp.v_head)
-    return K.linear(self.barrier(out, "attn_out"), self.wo)
+    return K.per_head(o.transpose(1, 2), self.v_b).reshape(B, T, H * hp.v_head)
+
+  def attention(self, xn: Tensor, start_pos: int | UOp) -> Tensor:
+    return K.linear(self.barrier(self.attend(*self.project(xn), start_pos), "attn_out"), self.wo)
 
   def _ffn(self, x: Tensor, gate: QWeight | None, up: QWeight | None, down: QWeight, gate_up: QWeight | None, point: str) -> Tensor:
     if gate_up is not None:
@@ -238,34 +250,75 @@ class Block:
       g, u = K.linear(x, gate), K.linear(x, up)
     return K.linear(self.barrier(g.silu() * u, point), down)
 
-  def moe_ffn(self, x: Tensor) -> Tensor:
-    hp, cfg, (B, T, D) = self.hp, self.cfg, x.shape
-    logits = self.barrier(K.linear(x.float() if cfg.router_fp32 else x.cast(dtypes.float16), self.gate_inp), "router_logits")
-    probs = {SOFTMAX: logits.softmax(-1), SIGMOID: logits.sigmoid(), SOFTMAX_WEIGHT: logits,
-             SQRT_SOFTPLUS: logits.softplus().sqrt()}[hp.gating]
-    sel = topk_indices(probs if self.probs_b is None else probs + self.probs_b, hp.n_used, cfg.topk)  # (B, T, K)
+  def router_logits(self, xn: Tensor) -> Tensor:
+    return self.barrier(K.linear(xn.float() if self.cfg.router_fp32 else xn.cast(dtypes.float16), self.gate_inp), "router_logits")
+
+  def probs(self, logits: Tensor) -> Tensor:
+    return {SOFTMAX: logits.softmax(-1), SIGMOID: logits.sigmoid(), SOFTMAX_WEIGHT: logits, SQRT_SOFTPLUS: logits.softplus().sqrt()}[self.hp.gating]
+
+  def scores(self, logits: Tensor) -> Tensor:
+    """What top-k selects on: the gating function's output plus the selection bias."""
+    probs = self.probs(logits)
+    return probs if self.probs_b is None else probs + self.probs_b
+
+  def route(self, logits: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(the ids used, their weights, the router's own top-k ids), each (B, T, K); forced: ids to use instead of its own."""
+    hp = self.hp
+    probs = self.probs(logits)
+    own = topk_indices(probs if self.probs_b is None else probs + self.probs_b, hp.n_used, self.cfg.topk)  # (B, T, K)
+    sel = own if forced is None else forced
     w = probs.gather(-1, sel)
     if hp.gating == SOFTMAX_WEIGHT: w = w.softmax(-1)
     if hp.norm_w: w = w / w.sum(-1, keepdim=True).maximum(6.103515625e-5)
     if hp.w_scale not in (0.0, 1.0): w = w * hp.w_scale
-    xe = x.reshape(B, T, 1, D)
-    if cfg.merge_gate_up_routed:
+    return sel, w, own
+
+  def experts(self, xn: Tensor, sel: Tensor, w: Tensor) -> Tensor:
+    """The routed experts' outputs weighted and summed, plus the shared expert: (B, T, D)."""
+    B, T, D = xn.shape
+    xe = xn.reshape(B, T, 1, D)
+    if self.gate_up_exps is not None:
       gu = K.expert(xe, sel, self.gate_up_exps)
       g, u = gu[..., :self.n_ff_exp], gu[..., self.n_ff_exp:]
     else:
       g, u = K.expert(xe, sel, self.gate_exps), K.expert(xe, sel, self.up_exps)
     y = self.barrier(K.expert(self.barrier(g.silu() * u, "moe_gate_up"), sel, self.down_exps), "expert_down")  # (B, T, K, D)
-    out = (y * w.unsqueeze(-1)).sum(2)
-    out = self.barrier(out, "moe_out")
-    if self.shared:
-      out = out + self._ffn(x, self.gate_sh, self.up_sh, self.down_sh, self.gate_up_sh, "shexp_gate_up")
+    out = self.barrier((y * w.unsqueeze(-1)).sum(2), "moe_out")
+    if self.shared: out = out + self._ffn(xn, self.gate_sh, self.up_sh, self.down_sh, self.gate_up_sh, "shexp_gate_up")
     return out
 
-  def __call__(self, x: Tensor, start_pos: int | UOp, cos: Tensor, sin: Tensor, act) -> Tensor:
-    h = x + self.attention(rms_norm(x, self.attn_norm, self.hp.eps), start_pos, cos, sin).cast(act)
-    xn = rms_norm(h, self.ffn_norm, self.hp.eps)
-    ffn = self.moe_ffn(xn) if self.moe else self._ffn(xn, self.gate, self.up, self.down, self.gate_up, "dense_gate_up")
-    return self.barrier(h + ffn.cast(act), "block_out")
+  def __call__(self, x: Tensor, start_pos: int | UOp, pos: Tensor | None, act, check: Check | None = None) -> Tensor:
+    """One block. A fused stage of the config replaces its part of the per-op path for a single token (decode); `pos`
+    holds the position for the native kernels. check: the correctness check's forced routing and records (MoE blocks)."""
+    hp, fused = self.hp, self.cfg.fused if x.shape[1] == 1 else {}
+    stage = lambda name: K.get(fused[name]) if name in fused else None
+    if (b := stage("attention")) is not None: h = b.attention(self, x, start_pos, pos).cast(act)
+    else: h = x + self.attention(rms_norm(x, self.attn_norm, hp.eps), start_pos).cast(act)
+    xn = None
+    def norm() -> Tensor:
+      nonlocal xn
+      if xn is None: xn = rms_norm(h, self.ffn_norm, hp.eps)
+      return xn
+    if not self.moe:
+      if (b := stage("ffn")) is not None: return self.barrier(b.ffn(self, h).cast(act), "block_out")
+      return self.barrier(h + self._ffn(norm(), self.gate, self.up, self.down, self.gate_up, "dense_gate_up").cast(act), "block_out")
+    forced = check.forced[self.i - hp.n_dense_lead].reshape(1, 1, hp.n_used) if check is not None and check.forced is not None else None
+    if (b := stage("router")) is not None: sel, w, own, logits = b.router(self, h, forced)
+    else:
+      logits = self.router_logits(norm())
+      sel, w, own = self.route(logits, forced)
+    if check is not None: check.own.append(own.reshape(-1, hp.n_used)), check.scores.append(self.scores(logits.float()).reshape(-1, hp.n_experts))
+    if (b := stage("moe")) is not None: return self.barrier(b.moe(self, h, sel, w).cast(act), "block_out")
+    return self.barrier(h + self.experts(norm(), sel, w).cast(act), "block_out")
+
+
+@dataclass
+class Check:
+  """The correctness check's view into one forward pass: routing forced per MoE block (ids (n_moe, K), or None: the model's
+  own), and what each MoE block's router computed: its own top-k ids (T, K) and its selection scores (T, E)."""
+  forced: Tensor | None = None
+  own: list[Tensor] = field(default_factory=list)
+  scores: list[Tensor] = field(default_factory=list)
 
 
 class Transformer:
@@ -279,29 +332,38 @@ class Transformer:
     self.act = dtypes.float16 if self.cfg.act_dtype == "float16" else dtypes.float32
     self.load_peak_bytes = 0  # device memory high-water mark while loading (raw bytes and their planes coexist briefly)
 
-    def load(name: str, norm: bool = False, role: str = "dense", shape: tuple[int, ...] | None = None):
+    def load(name: str, norm: bool = False, role: str = "dense", shape: tuple[int, ...] | None = None, stage: str | None = None):
+      """A tensor of the file on the device: a norm as float32, a matrix as a QWeight of the backend that computes its
+      products (the fused stage's where its stage is fused, else the config's backend for its type and role)."""
       if name not in f.tensors: raise GGUFError(f"{f.path.name}: tensor {name} is missing")
       info = f.tensors[name]
       w = QWeight.from_raw(f.raw(name, device), info.ggml_type, shape or info.shape)
       self.load_peak_bytes = max(self.load_peak_bytes, GlobalCounters.mem_used)
       if norm: return w.to_float().reshape(-1).contiguous().realize()
-      return K.get(self.cfg.backend(w.quant, role)).attach(w, device)
+      return K.get(self.cfg.stage(stage) or self.cfg.backend(w.quant, role)).attach(w, device)
 
     n = hp.n_layers if n_layers is None else n_layers
     if not 1 <= n <= hp.n_layers: raise ValueError(f"n_layers={n} is outside 1..{hp.n_layers}")
-    self.token_embd = load("token_embd.weight")
-    self.blocks = [Block(f, i, hp, self.cfg, load, self.max_context, device) for i in range(n)]
-    self.output_norm = load("output_norm.weight", norm=True)
-    self.output = load("output.weight") if "output.weight" in f.tensors else self.token_embd
     cos, sin = rope_table(hp, self.max_context)
     self.cos, self.sin = Tensor(cos, device=device).realize(), Tensor(sin, device=device).realize()
+    # shared by the blocks: the RoPE tables and the native kernels' scratch (split-attention partials, arrival counters)
+    splits = K.cuda_src.attention_splits(self.max_context)[1]
+    shared = {"cos": self.cos, "sin": self.sin}
+    if "native" in self.cfg.fused.values():
+      shared |= {"part": Tensor.zeros(hp.n_heads * splits * (hp.kv_lora + 2), device=device).contiguous().realize(),
+                 "cnt": Tensor.zeros(hp.n_heads, dtype=dtypes.int32, device=device).contiguous().realize(),
+                 "router_cnt": Tensor.zeros(1, dtype=dtypes.int32, device=device).contiguous().realize()}
+    self.token_embd = load("token_embd.weight")
+    self.blocks = [Block(f, i, hp, self.cfg, load, self.max_context, device, shared) for i in range(n)]
+    self.output_norm = load("output_norm.weight", norm=True)
+    self.output = load("output.weight") if "output.weight" in f.tensors else self.token_embd
 
-  def forward(self, tokens: Tensor, start_pos: int | UOp, all_logits: bool = False) -> Tensor:
+  def forward(self, tokens: Tensor, start_pos: int | UOp, all_logits: bool = False, check: Check | None = None) -> Tensor:
     """tokens (1, T) at positions start_pos.. -> float32 logits (1, T, vocab), or (1, 1, vocab) for the last token only."""
     T = tokens.shape[1]
-    cos, sin = self.cos[start_pos:start_pos + T], self.sin[start_pos:start_pos + T]
+    pos = (Tensor.zeros(1, dtype=dtypes.int32, device=self.device) + start_pos).contiguous() if T == 1 and self.cfg.fused else None
     x = self.token_embd.rows(tokens).cast(self.act)
-    for b in self.blocks: x = b(x, start_pos, cos, sin, self.act)
+    for b in self.blocks: x = b(x, start_pos, pos, self.act, check)
     if not all_logits: x = x[:, -1:]
     return K.linear(rms_norm(x, self.output_norm, self.hp.eps), self.output)
 

@@ -84,6 +84,8 @@ class StructureConfig:
     for stage, b in self.fused.items():
       _check("fused stage", stage, backends.STAGES)
       _check(f"fused.{stage}", b, tuple(n for n in backends.NAMES if stage in backends.REGISTRY[n].stages))
+    if "attention" in self.fused and self.mla_absorb != "runtime":
+      raise ConfigError("fused.attention absorbs k_b per token: it needs mla_absorb=runtime")
     if "moe" in self.fused and (k := next((k for k in self.backends if k.endswith(":expert")), None)):
       raise ConfigError(f"backends.{k} does not apply with fused.moe: the fused stage reads the expert weights itself")
     for name, allowed in (("topk", TOPK_VARIANTS), ("mla_absorb", MLA_ABSORB), ("kv_dtype", DTYPES),

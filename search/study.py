@@ -271,12 +271,13 @@ def load_setup(name: str, url: str, device: str | None = None) -> tuple[Setup, M
 
 def info_to_json(info: ModelInfo) -> str:
   return json.dumps({"moe": info.moe, "dense_blocks": info.dense_blocks, "shared_experts": info.shared_experts,
-                     "quants": {k: list(v) for k, v in info.quants.items()}, "mergeable": sorted(info.mergeable)})
+                     "quants": {k: list(v) for k, v in info.quants.items()}, "mergeable": sorted(info.mergeable), "split_kv_b": info.split_kv_b})
 
 
 def info_from_json(text: str) -> ModelInfo:
   d = json.loads(text)
-  return ModelInfo(d["moe"], d["dense_blocks"], d["shared_experts"], {k: tuple(v) for k, v in d["quants"].items()}, frozenset(d["mergeable"]))
+  return ModelInfo(d["moe"], d["dense_blocks"], d["shared_experts"], {k: tuple(v) for k, v in d["quants"].items()}, frozenset(d["mergeable"]),
+                   d.get("split_kv_b", True))
 
 
 def model_info(path: str) -> ModelInfo: return ModelInfo.from_gguf(GGUFFile(path))

@@ -5,6 +5,8 @@ device kind, and knobs whose domain depends on the file (per-quant-type backends
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import random
 from collections.abc import Callable
@@ -28,7 +30,7 @@ from model.structure import (
   StructureConfig,
 )
 
-SPACE_VERSION = 3
+SPACE_VERSION = 4
 GPU_DEVICES = ("CUDA", "NV", "AMD", "METAL", "CL", "QCOM", "WEBGPU")  # renderers with local (workgroup) dims
 GRAPH_DEVICES = ("CUDA", "NV", "AMD", "METAL")  # devices whose JIT batches kernels into graphs
 
@@ -41,6 +43,7 @@ class ModelInfo:
   shared_experts: bool
   quants: dict[str, tuple[str, ...]]  # role -> quant types of that role's weight matrices
   mergeable: frozenset[str] = frozenset()  # FFN kinds whose gate and up share one type in every block (routed, shared, dense)
+  split_kv_b: bool = True  # attn_k_b/attn_v_b tensors (False: the legacy attn_kv_b, which the fused attention does not read)
 
   @classmethod
   def from_gguf(cls, f: GGUFFile) -> ModelInfo:
@@ -55,7 +58,8 @@ class ModelInfo:
       return bool(found) and all(u is not None and u.ggml_type == g.ggml_type for g, u in found)
     return cls(moe=bool(roles["expert"]), dense_blocks=n_dense > 0, shared_experts=any("_shexp." in n for n in f.tensors),
                quants={r: tuple(sorted(q)) for r, q in roles.items() if q},
-               mergeable=frozenset(k for k, (g, u) in pairs.items() if same_types(g, u)))
+               mergeable=frozenset(k for k, (g, u) in pairs.items() if same_types(g, u)),
+               split_kv_b=not any(n.endswith("attn_kv_b.weight") for n in f.tensors))
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,8 @@ class Knob:
   default: Any
   applies: Callable[[ModelInfo], bool]
   doc: str
-  when_beam: Callable[[int], bool] | None = None  # a condition on the chosen BEAM width (the knob is sampled after `beam`)
+  when: Callable[[dict[str, Any]], bool] | None = None  # a condition on the values of the knobs before it (None: always)
+  enable: tuple[tuple[str, Any], ...] = ()  # earlier knob values under which `when` holds (for single-knob changes)
 
 
 _moe = lambda m: m.moe
@@ -76,17 +81,44 @@ _BARRIER_APPLIES: dict[str, Callable[[ModelInfo], bool]] = {
   "shexp_gate_up": lambda m: m.shared_experts, "dense_gate_up": lambda m: m.dense_blocks or not m.moe,
 }
 
-
 # where tinygrad's scheduler already ends a kernel, "none" and "contiguous" build identical kernels (tests/test_space.py
 # compares kernel sources), so those points offer only one of the two
 BARRIER_CHOICES = {"q_proj": ("none", "realize"), "kv_a": ("none", "realize"), "kv_write": ("none", "realize"),
                    "dense_gate_up": ("contiguous", "realize"), "block_out": ("contiguous", "realize")}
 
+# the fused stages a model has, and what each needs of the file: attention the split k_b/v_b tensors, moe and ffn one type
+# for gate and up (their kernels read both rows in one pass)
+_STAGE_APPLIES: dict[str, Callable[[ModelInfo], bool]] = {
+  "attention": lambda m: m.split_kv_b, "router": _moe,
+  "moe": lambda m: m.moe and "routed" in m.mergeable and (not m.shared_experts or "shared" in m.mergeable),
+  "ffn": lambda m: (m.dense_blocks or not m.moe) and "dense" in m.mergeable}
+# the per-op code a knob changes, by the fused stage that replaces it for decode: the knob applies while that stage is off,
+# or (second set) also where the stage's dsl twin still runs that per-op code
+_KNOB_STAGE = {"barrier.q_proj": "attention", "barrier.kv_a": "attention", "barrier.attn_out": "attention", "barrier.kv_write": "attention",
+               "mla_absorb": "attention", "attention": "attention", "barrier.router_logits": "router", "topk": "router", "router_fp32": "router",
+               "barrier.moe_gate_up": "moe", "barrier.expert_down": "moe", "barrier.moe_out": "moe", "barrier.shexp_gate_up": "moe",
+               "merge_gate_up_routed": "moe", "merge_gate_up_shared": "moe", "barrier.dense_gate_up": "ffn", "merge_gate_up_dense": "ffn"}
+_DSL_KEEPS = {"barrier.kv_write", "attention", "topk"}
+
+
+def _stage_off(stage: str, knob: str) -> Callable[[dict[str, Any]], bool]:
+  keep = ("off", "dsl") if knob in _DSL_KEEPS else ("off",)
+  return lambda v: v.get(f"fused.{stage}", "off") in keep
+
+
+def _block_out(info: ModelInfo) -> Callable[[dict[str, Any]], bool]:
+  """block_out bounds the per-op FFN's output: it matters while any block's FFN stage (moe, ffn) runs per op."""
+  stages = [s for s, has in (("moe", info.moe), ("ffn", info.dense_blocks or not info.moe)) if has]
+  return lambda v: any(v.get(f"fused.{s}", "off") == "off" for s in stages)
+
 
 def knobs(info: ModelInfo, device: str = "CPU") -> list[Knob]:
-  """The knobs that apply to this model on this device kind, in a fixed order (conditional knobs after `beam`)."""
-  ks = [Knob(f"barrier.{p}", BARRIER_CHOICES.get(p, BARRIER_MODES), DEFAULT_BARRIERS[p], _BARRIER_APPLIES.get(p, _always),
-             f"kernel boundary (contiguous) or execution barrier (realize) at {p}") for p in DEFAULT_BARRIERS]
+  """The knobs that apply to this model on this device kind, in a fixed order: the fused stages first, then the per-op
+  knobs (each only while the stage it belongs to runs per op), BEAM and the knobs that need BEAM > 0 last."""
+  ks = [Knob(f"fused.{st}", ("off", *backends.stage_choices(st, device)), "off", _STAGE_APPLIES[st],
+             f"decode {st} as fused kernels of a backend (model/backends STAGES), or per op") for st in backends.STAGES]
+  ks += [Knob(f"barrier.{p}", BARRIER_CHOICES.get(p, BARRIER_MODES), DEFAULT_BARRIERS[p], _BARRIER_APPLIES.get(p, _always),
+              f"kernel boundary (contiguous) or execution barrier (realize) at {p}") for p in DEFAULT_BARRIERS]
   ks += [Knob(f"merge_gate_up_{kind}", (False, True), False, lambda m, kind=kind: kind in m.mergeable, f"{kind} FFN gate and up as one matrix")
          for kind in ("routed", "shared", "dense")]
   ks += [
@@ -97,22 +129,33 @@ def knobs(info: ModelInfo, device: str = "CPU") -> list[Knob]:
          Knob("act_dtype", DTYPES, "float32", _always, "residual stream dtype"),
          Knob("router_fp32", (True, False), True, _moe, "router matmul input in float32")]
   for role, quants in info.quants.items():
-    ks += [Knob(f"backend.{q}.{role}", backends.choices(q, device), "tensor", _always, f"kernel backend for {q} {role} weights") for q in quants]
+    ks += [Knob(f"backend.{q}.{role}", backends.choices(q, device), "tensor", _always, f"kernel backend for {q} {role} weights",
+                _stage_off("moe", "") if role == "expert" else None) for q in quants]
   ks.append(Knob("beam", BEAM_WIDTHS, 0, _always, "BEAM width for the decode kernels"))
   kind, defaults = device_kind(device), StructureConfig()
   for f, (var, allowed) in PROCESS_SETTINGS.items():
     if f == "beam_local_max" and kind not in GPU_DEVICES: continue  # no local (workgroup) dims to limit
-    if f.startswith("beam_"): ks.append(Knob(f, allowed, getattr(defaults, f), _always, f"tinygrad {var} (when BEAM > 0)", lambda b: b > 0))
+    if f.startswith("beam_"):
+      ks.append(Knob(f, allowed, getattr(defaults, f), _always, f"tinygrad {var} (when BEAM > 0)", lambda v: v["beam"] > 0, (("beam", 2),)))
     elif f == "jit_batch_size" and kind in GRAPH_DEVICES: ks.append(Knob(f, allowed, getattr(defaults, f), _always, f"tinygrad {var}"))
-  return [k for k in ks if k.applies(info)]
+  out = []
+  for k in ks:
+    if not k.applies(info): continue
+    stage = _KNOB_STAGE.get(k.name)
+    if stage and _STAGE_APPLIES[stage](info) and backends.stage_choices(stage, device): k = dataclasses.replace(k, when=_stage_off(stage, k.name))
+    elif k.name == "barrier.block_out": k = dataclasses.replace(k, when=_block_out(info))
+    out.append(k)
+  return out
 
 
 def to_config(values: dict[str, Any]) -> StructureConfig:
   """Knob values (by knob name; absent knobs keep their defaults) -> a StructureConfig."""
-  fields: dict[str, Any] = {"barriers": dict(DEFAULT_BARRIERS), "backends": {}}
+  fields: dict[str, Any] = {"barriers": dict(DEFAULT_BARRIERS), "backends": {}, "fused": {}}
   for name, v in values.items():
     kind, _, rest = name.partition(".")
     if kind == "barrier": fields["barriers"][rest] = v
+    elif kind == "fused":
+      if v != "off": fields["fused"][rest] = v
     elif kind == "backend":
       q, role = rest.split(".")
       if v != "tensor": fields["backends"][f"{q}:{role}"] = v
@@ -125,7 +168,8 @@ def to_params(cfg: StructureConfig, info: ModelInfo, device: str = "CPU") -> dic
   config sets something this space cannot express (a knob that does not apply here, or a value outside its domain)."""
   d, ks = cfg.to_dict(), knobs(info, device)
   value = lambda k: (d["barriers"][k.name[8:]] if k.name.startswith("barrier.") else
-                     cfg.backend(*k.name[8:].split(".")) if k.name.startswith("backend.") else d[k.name])
+                     cfg.backend(*k.name[8:].split(".")) if k.name.startswith("backend.") else
+                     cfg.fused.get(k.name[6:], "off") if k.name.startswith("fused.") else d[k.name])
   params = _choose(ks, value)
   for k in ks:
     if k.name in params and params[k.name] not in k.choices:
@@ -139,7 +183,7 @@ def to_params(cfg: StructureConfig, info: ModelInfo, device: str = "CPU") -> dic
 def _choose(ks: list[Knob], pick: Callable[[Knob], Any]) -> dict[str, Any]:
   values: dict[str, Any] = {}
   for k in ks:
-    if k.when_beam is None or k.when_beam(values["beam"]): values[k.name] = pick(k)
+    if k.when is None or k.when(values): values[k.name] = pick(k)
   return values
 
 
@@ -168,27 +212,27 @@ def sample(info: ModelInfo, seed: int, device: str = "CPU") -> StructureConfig:
 
 
 def size(info: ModelInfo, device: str = "CPU") -> int:
-  """Distinct configurations of this model's space on this device kind."""
+  """Distinct configurations of this model's space on this device kind (conditional knobs counted where they apply)."""
   ks = knobs(info, device)
-  fixed = math.prod(len(k.choices) for k in ks if k.when_beam is None and k.name != "beam")
-  return fixed * sum(math.prod(len(k.choices) for k in ks if k.when_beam is not None and k.when_beam(b)) for b in BEAM_WIDTHS)
+  roots = [k for k in ks if k.name.startswith("fused.") or k.name == "beam"]  # every condition reads only these
+  rest = [k for k in ks if k not in roots]
+  return sum(math.prod(len(k.choices) for k in rest if k.when is None or k.when(v))
+             for v in (dict(zip([r.name for r in roots], combo, strict=True)) for combo in itertools.product(*(r.choices for r in roots))))
 
 
 def single_knob_changes(info: ModelInfo, device: str = "CPU") -> list[tuple[str, StructureConfig]]:
-  """(label, config) for every non-default value of every knob, all else at the baseline (BEAM-conditional knobs at BEAM=2)."""
-  out = []
-  for k in knobs(info, device):
-    base = {"beam": 2} if k.when_beam is not None and not k.when_beam(0) else {}
-    out += [(f"{k.name}={v}", to_config(base | {k.name: v})) for v in k.choices if v != k.default]
-  return out
+  """(label, config) for every non-default value of every knob, all else at the baseline (a conditional knob with the
+  earlier values that make it apply: BEAM's limits at BEAM=2)."""
+  return [(f"{k.name}={v}", to_config(dict(k.enable) | {k.name: v})) for k in knobs(info, device) for v in k.choices if v != k.default]
 
 
 def describe(config: StructureConfig) -> str:
   """The knob values where a config differs from the baseline, as `name=value` (empty for the baseline)."""
   base, d, parts = StructureConfig().to_dict(), config.to_dict(), []
   for name, v in d.items():
-    if name in ("barriers", "backends"):
-      parts += [f"{name[:-1] if name == 'barriers' else 'backend'}.{p}={m}" for p, m in sorted(v.items()) if base[name].get(p, "tensor") != m]
+    if name in ("barriers", "backends", "fused"):
+      label, default = {"barriers": ("barrier", None), "backends": ("backend", "tensor"), "fused": ("fused", "off")}[name]
+      parts += [f"{label}.{p}={m}" for p, m in sorted(v.items()) if base[name].get(p, default) != m]
     elif v != base[name]: parts.append(f"{name}={v}")
   return " ".join(parts)
 

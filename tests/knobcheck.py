@@ -27,7 +27,7 @@ from model.gguf_file import GGUFFile
 from model.structure import StructureConfig
 from space.knobs import ModelInfo
 
-FP16_KNOBS = ("backend.", "act_dtype", "mla_absorb", "router_fp32", "kv_dtype")
+FP16_KNOBS = ("backend.", "fused.", "act_dtype", "mla_absorb", "router_fp32", "kv_dtype")
 
 
 def mix_info(mix: str) -> ModelInfo:

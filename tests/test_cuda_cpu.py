@@ -1,6 +1,6 @@
 """tests/cuda_cpu.py runs CUDA C on the CPU: each primitive against numpy (bit for bit where the GPU's result is exact), the
-misuse and faults it reports, and every native kernel (model/native.py) of each type and role against the product of the
-weight dequantized by gguf."""
+misuse and faults it reports, and every native product kernel (model/backends/cuda_src.py) of each type and role against
+the product of the weight dequantized by gguf."""
 from __future__ import annotations
 
 import os
@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from products import TYPES, random_blocks
 
-from model import native
+from model.backends import cuda_src
 from model.quants import LAYOUTS
 
 
@@ -264,40 +264,41 @@ def _weight(t: int, shape: tuple[int, ...], seed: int) -> tuple[list[np.ndarray]
   blocks = random_blocks(np.random.default_rng(seed), t, shape)
   planes = {k: blocks[..., a:b].copy().view(np.dtype(dt.fmt)) for k, (a, b, dt) in LAYOUTS[t].items()}
   w = dequantize(blocks.reshape(blocks.shape[0], -1), GGMLQuantizationType(t)).astype(np.float64).reshape(shape)
-  return [planes[k] for k, _ in native.plane_types(t)], w
+  return [planes[k] for k, _ in cuda_src.plane_types(t)], w
 
 
-def _run(role: str, t: int, shape: tuple[int, ...], grid: tuple[int, int, int], out: np.ndarray, args: list, **dims: int) -> np.ndarray:
-  name, src = native.source(role, t, shape, **dims)
-  cuda_cpu.launch(src, name, grid, (32 * native.WARPS, 1, 1), [out, *args])
+def _run(role: str, t: int, shape: tuple[int, ...], out: np.ndarray, args: list, **dims: int) -> np.ndarray:
+  k = cuda_src.product(role, t, shape, **dims)
+  cuda_cpu.launch(k.src, k.name, k.grid, (cuda_src.THREADS, 1, 1), [out, *args])
   return out
 
 
 def rel_err(got: np.ndarray, want: np.ndarray) -> float: return float(np.abs(got - want).max() / np.abs(want).max())
 
 
-@pytest.mark.parametrize("quant", sorted(native.NATIVE_QUANTS))
+@pytest.mark.parametrize("quant", sorted(q for q, t in TYPES.items() if t in cuda_src.UNITS))
 def test_native_kernels_equal_the_dequantized_product(quant: str) -> None:
   """Each role's kernel as model/native.py launches it: dense decode (1 token) and prefill (13: a full tile of 8 and a
   partial one), per-head (3 heads, 2 tokens), expert with one input for all K slots and one per slot, ids that repeat and
   hit the last expert."""
-  t, rng, blocks = TYPES[quant], np.random.default_rng(5), lambda n, per: -(-n // per)
+  t, rng = TYPES[quant], np.random.default_rng(5)
   x = lambda *s: rng.standard_normal(s).astype(np.float32)
   planes, w = _weight(t, (ROWS, IN), 6)
   for n, tn in ((1, 1), (13, 8)):
     xi = x(n, IN)
-    got = _run("dense", t, (ROWS, IN), (blocks(ROWS, native.WARPS), blocks(n, tn), 1), np.zeros((n, ROWS), np.float32), [xi, *planes], tn=tn, n=n)
+    got = _run("dense", t, (ROWS, IN), np.zeros((n, ROWS), np.float32), [xi, *planes], tn=tn, n=n)
     assert rel_err(got, xi @ w.T) < 1e-5, (quant, n)
   H, n, inp = 3, 2, 512
   planes, w = _weight(t, (H, ROWS, inp), 7)
   xh = x(n, H, inp)
-  got = _run("per_head", t, (H, ROWS, inp), (blocks(ROWS, native.WARPS), H, 1), np.zeros((n, H, ROWS), np.float32), [xh, *planes], tn=n, n=n, heads=H)
+  got = _run("per_head", t, (H, ROWS, inp), np.zeros((n, H, ROWS), np.float32), [xh, *planes], tn=n, n=n, heads=H)
   assert rel_err(got, np.einsum("nhi,hoi->nho", xh, w)) < 1e-5, quant
+  got = _run("per_head", t, (H, ROWS, inp), np.zeros((1, H, ROWS), np.float32), [xh[:1], *planes], tn=1, n=1, heads=H)
+  assert rel_err(got, np.einsum("nhi,hoi->nho", xh[:1], w)) < 1e-5, quant
   planes, w = _weight(t, (E, ROWS, IN), 8)
   sel = np.array([E - 1, E - 1, 0, 1, E - 1, 2], np.int32)  # 2 tokens x K slots
   for xk in (1, K):
     xe = x(len(sel) // K * xk, IN)
-    got = _run("expert", t, (E, ROWS, IN), (blocks(ROWS, native.WARPS), len(sel), 1), np.zeros((len(sel), ROWS), np.float32), [xe, sel, *planes],
-               experts=E, xk=xk, k=K)
+    got = _run("expert", t, (E, ROWS, IN), np.zeros((len(sel), ROWS), np.float32), [xe, sel, *planes], experts=E, xk=xk, k=K, slots=len(sel))
     want = np.stack([w[e] @ xe[y if xk > 1 else y // K] for y, e in enumerate(sel)])
     assert rel_err(got, want) < 1e-5, (quant, xk)

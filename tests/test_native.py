@@ -1,8 +1,9 @@
-"""The native backend (model/native.py). Where it runs (tinygrad's CUDA device: DEV=CUDA on an NVIDIA GPU): each kernel
-computes the tensor backend's product, at small shapes and at GLM-4.7-Flash's widths, and every native knob value passes
-tests/knobcheck.py's proof on the tiny preset and on the 2-layer GLM-4.7-Flash file in each quant mix; the JIT batch
-size of a CUDA study changes the decode step's graphs, and the BEAM limits its kernels. Everywhere: the space offers native only on
-CUDA, and a model asked to build it elsewhere refuses with a message.
+"""The native backend (model/backends/native.py). Everywhere: the space offers native only on CUDA, a model asked to build it
+elsewhere refuses with a message, every kernel a model builds compiles with NVRTC, and the fused stages run in a model on
+the CPU through the CUDA emulator (tests/native_cpu.py). Where it runs (tinygrad's CUDA device: DEV=CUDA on an NVIDIA GPU):
+each product equals the tensor backend's at small shapes and at GLM-4.7-Flash's widths, every native knob value (backends
+and fused stages) passes tests/knobcheck.py's proof on the tiny preset and on the 2-layer GLM-4.7-Flash file in each quant
+mix, the JIT batch size of a CUDA study changes the decode step's graphs, and the BEAM limits its kernels.
 """
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import os
 import platform
 import sys
 
+import numpy as np
 import pytest
-from knobcheck import check_knob, check_process_setting, gguf, mix_info
-from products import TYPES, check_products
+from knobcheck import assert_close, check_knob, check_process_setting, gguf, mix_info
+from native_cpu import native_on_cpu
+from products import check_products
+from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import Ops
 
-from model.backends import native
+from model.backends import STAGES, cuda_src, native
 from model.deepseek2 import Transformer
 from model.generate import Generator, jit_kernels
 from model.gguf_file import GGUFFile
@@ -50,20 +54,58 @@ def nvrtc(arch: str):
     pytest.skip(why)
 
 
+ALL_NATIVE = {"fused": dict.fromkeys(STAGES, "native")}
+
+
+def model_kernels(path: str, cfg: StructureConfig, monkeypatch, positions: int = 1) -> list[cuda_src.Kernel]:
+  """The native kernels one eager decode step of a model builds (recorded, not run: the CPU stands in for the GPU)."""
+  seen: list[cuda_src.Kernel] = []
+  def record(k, params, mem, ops=0):
+    seen.append(k)
+    return params
+  monkeypatch.setattr(native, "launch", record)
+  monkeypatch.setattr(native.NativeBackend, "check", lambda self, device: None)
+  m = Transformer(gguf(path), cfg, max_context=64)
+  for i in range(positions): m.forward(Tensor([[1]], dtype=dtypes.int32), i)
+  return list({k.name: k for k in seen}.values())
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_native_sources_compile_for_ampere_and_hopper(arch: str) -> None:
-  """Every native kernel (each type, each role, decode and prefill tiles) compiles with NVIDIA's runtime compiler, as
-  tinygrad compiles it on the GPU; this runs on any Linux machine, the GPU tests below only where CUDA is."""
+def test_native_sources_compile_for_ampere_and_hopper(arch: str, glm_file, gguf_file, monkeypatch) -> None:
+  """Every native kernel a decode step of GLM-4.7-Flash's shape builds (Q4_0 and the Q4_K_M mix, all stages fused and the
+  per-op products), of the tiny-lite preset (direct q, softmax router, two shared experts), and the multi-token products of
+  each type, compiles with NVIDIA's runtime compiler as tinygrad compiles it on the GPU; this runs on any Linux machine."""
   compiler = nvrtc(arch)
-  for name, t in TYPES.items():
-    if name not in native.BACKEND.quants: continue
-    for role, shape, dims in (("dense", (1536, 2048), {"tn": 8, "n": 13}), ("dense", (1536, 2048), {"tn": 1, "n": 1}),
-                              ("per_head", (20, 512, 256), {"tn": 8, "n": 11, "heads": 20}),
-                              ("expert", (64, 1536, 2048), {"experts": 64, "xk": 1, "k": 4}),
-                              ("expert", (64, 2048, 1536), {"experts": 64, "xk": 4, "k": 4})):
-      fname, src = native.source(role, t, shape, **dims)
-      assert f"void __launch_bounds__(128) {fname}(" in src
-      assert compiler.compile(src), f"{name} {role}"
+  kernels = [k for path, cfg in ((glm_file("q4_0"), ALL_NATIVE), (glm_file("q4_k_m"), ALL_NATIVE), (gguf_file("tiny-lite", "q4_0"), ALL_NATIVE),
+                                 (glm_file("q4_k_m"), StructureConfig(backends={f"{q}:{r}": "native" for q in ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
+                                                                               for r in ("dense", "expert")})))
+             for k in model_kernels(path, StructureConfig.from_dict(cfg) if isinstance(cfg, dict) else cfg, monkeypatch)]
+  kernels += [cuda_src.product(role, t, shape, **dims) for t in cuda_src.UNITS
+              for role, shape, dims in (("dense", (1536, 2048), {"tn": 8, "n": 13}), ("per_head", (20, 512, 256), {"tn": 8, "n": 11, "heads": 20}))]
+  names = {k.name.split("_")[1] for k in kernels}
+  assert {"dense", "per", "expert", "mla", "router", "glu", "down"} <= names, names
+  for k in kernels:
+    assert f"void __launch_bounds__({cuda_src.THREADS}) {k.name}(" in k.src
+    assert compiler.compile(k.src), k.name
+
+
+TOKENS_EMU = tuple((7919 * i + 17) % 1000 for i in range(10))  # 10 positions: the attention's splits of 8 (context 16) both hold some
+
+
+def eager_logits(path: str, cfg: StructureConfig) -> np.ndarray:
+  """Decode logits (positions, vocab) of eager forward passes (no JIT), with the native kernels in the CPU emulator."""
+  m = Transformer(gguf(path), cfg, max_context=16)
+  return np.stack([m.forward(Tensor([[t]], dtype=dtypes.int32), i).numpy()[0, -1] for i, t in enumerate(TOKENS_EMU)]).astype(np.float64)
+
+
+@pytest.mark.parametrize("preset,mix", [("tiny", "q4_0"), ("tiny-lite", "q4_0"), ("tiny", "q4_k_m")])
+def test_fused_stages_in_the_cpu_emulator(gguf_file, monkeypatch, preset: str, mix: str) -> None:
+  """All four stages fused on native kernels, run by the CUDA emulator: decode logits equal the baseline's within the fp16
+  bound (the baseline's fp16 KV cache; tests/knobcheck.py), the top token kept where the lead is decisive."""
+  path = gguf_file(preset, mix)
+  base = eager_logits(path, StructureConfig())
+  with native_on_cpu(monkeypatch): got = eager_logits(path, StructureConfig.from_dict(ALL_NATIVE))
+  assert_close("all stages native", got, base, 2e-2)
 
 
 @pytest.mark.skipif(native.available(), reason="checks the refusal where native cannot run")

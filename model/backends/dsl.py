@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING
 from tinygrad import Tensor, UOp, dtypes
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
-from model.backends import Backend
+from model.backends import STAGES, Backend
 from model.quants import BF16, F16, F32, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, QUANT_TYPES
 
 if TYPE_CHECKING:
+  from model.deepseek2 import Block
   from model.weights import QWeight
 
 Planes = dict[str, UOp]  # each (rows, nblocks, field_len), as QWeight keeps them
@@ -78,13 +79,19 @@ _ELEMENTS: dict[int, tuple[tuple[int, ...], Callable[..., tuple[UOp, UOp]]]] = {
   Q6_K: ((2, 2, 2, 2, 16), _q6_k), F32: ((), _float), F16: ((), _float), BF16: ((), _float)}
 
 
-def _dot(x: UOp, lead: tuple[UOp, ...], p: Planes, ggml_type: int, r: UOp, axis: int) -> UOp:
-  """sum over the input of x[*lead, i] * w[r, i], float32: REDUCE ranges (axis ids from `axis`) over blocks and block elements."""
+def _term(xv: Callable[[UOp], UOp], p: Planes, ggml_type: int, r: UOp, axis: int) -> tuple[UOp, tuple[UOp, ...]]:
+  """x[i] * w[r, i] for one input element i, float32, and the REDUCE ranges (axis ids from `axis`) over blocks and block
+  elements that sum it into the dot product; xv(i): the x value at input index i."""
   dims, element = _ELEMENTS[ggml_type]
   nb = next(iter(p.values())).shape[1]
   b, *rngs = (UOp.range(n, axis + i, AxisType.REDUCE) for i, n in enumerate((nb, *dims)))
   off, w = element(p, r, b, *rngs)
-  return (_f(x[(*lead, b * QUANT_TYPES[ggml_type].block + off)]) * w).reduce(b, *rngs, arg=Ops.ADD)
+  return _f(xv(b * QUANT_TYPES[ggml_type].block + off)) * w, (b, *rngs)
+
+
+def _dot(xv: Callable[[UOp], UOp], p: Planes, ggml_type: int, r: UOp, axis: int) -> UOp:
+  term, rngs = _term(xv, p, ggml_type, r, axis)
+  return term.reduce(*rngs, arg=Ops.ADD)
 
 
 def _sink(store: UOp, ranges: tuple[UOp, ...], role: str, ggml_type: int) -> UOp:
@@ -94,14 +101,14 @@ def _sink(store: UOp, ranges: tuple[UOp, ...], role: str, ggml_type: int) -> UOp
 def dense_kernel(out: UOp, x: UOp, *planes: UOp, names: tuple[str, ...], ggml_type: int) -> UOp:
   """out (N, O) = x (N, I) @ w.T for planes of w (O, I)."""
   n, o = (UOp.range(s, i) for i, s in enumerate(out.shape))
-  acc = _dot(x, (n,), dict(zip(names, planes, strict=True)), ggml_type, o, 2)
+  acc = _dot(lambda i: x[n, i], dict(zip(names, planes, strict=True)), ggml_type, o, 2)
   return _sink(out[n, o].store(acc), (n, o), "dense", ggml_type)
 
 
 def per_head_kernel(out: UOp, x: UOp, *planes: UOp, names: tuple[str, ...], ggml_type: int) -> UOp:
   """out (N, H, O): per head h, x (N, H, I) @ w[h].T for planes of w (H*O, I)."""
   n, h, o = (UOp.range(s, i) for i, s in enumerate(out.shape))
-  acc = _dot(x, (n, h), dict(zip(names, planes, strict=True)), ggml_type, h * out.shape[2] + o, 3)
+  acc = _dot(lambda i: x[n, h, i], dict(zip(names, planes, strict=True)), ggml_type, h * out.shape[2] + o, 3)
   return _sink(out[n, h, o].store(acc), (n, h, o), "per_head", ggml_type)
 
 
@@ -112,7 +119,7 @@ def expert_kernel(out: UOp, x: UOp, sel: UOp, *planes: UOp, names: tuple[str, ..
   m, k, o = (UOp.range(s, i) for i, s in enumerate(out.shape))
   e = _i(sel[m, k]).clip(0, n_experts - 1).cast(dtypes.weakint)
   xk = k if x.shape[1] > 1 else UOp.const(0, dtypes.weakint)  # gate and up share one input for all K slots
-  acc = _dot(x, (m, xk), dict(zip(names, planes, strict=True)), ggml_type, e * out.shape[2] + o, 3)
+  acc = _dot(lambda i: x[m, xk, i], dict(zip(names, planes, strict=True)), ggml_type, e * out.shape[2] + o, 3)
   return _sink(out[m, k, o].store(acc), (m, k, o), "expert", ggml_type)
 
 
@@ -123,9 +130,152 @@ def _run(kernel: Callable[..., UOp], out_shape: tuple[int, ...], x: Tensor, srcs
   return out.custom_kernel(x, *srcs, *(w.planes[k] for k in names), fxn=fxn)[0]
 
 
+# ------------------------------------------------------------------ fused decode stages (one token) ----------------------
+# The same stage boundaries as the native kernels where a product carries them (an RMSNorm folded into the products that
+# read its output, SiLU(gate)*up, the experts' weighted combine with the shared expert and the residual add), each a UOp
+# kernel; attention's softmax and the router's top-k stay tinygrad ops (a UOp kernel cannot rank the outputs of its own
+# reduce), so this twin runs a few more kernels than native.
+
+def _planes(ws: list[tuple[QWeight, str]], srcs: tuple[UOp, ...]) -> dict[str, Planes]:
+  """The kernel's plane params, split per weight (in the order `_plane_srcs` passed them)."""
+  out, i = {}, 0
+  for w, tag in ws:
+    out[tag] = dict(zip(tuple(w.planes), srcs[i:i + len(w.planes)], strict=True))
+    i += len(w.planes)
+  return out
+
+
+def _plane_srcs(ws: list[QWeight]) -> list[Tensor]: return [v for w in ws for v in w.planes.values()]
+
+
+def _rs(x: UOp, n: int, eps: float, axis: int) -> UOp:
+  """1 / sqrt(mean(x^2) + eps) over x[0..n), as a reduce of its own inside the kernel."""
+  j = UOp.range(n, axis, AxisType.REDUCE)
+  ss = (_f(x[j]) * _f(x[j])).reduce(j, arg=Ops.ADD)
+  return (ss / n + eps).sqrt().reciprocal()
+
+
+def _silu(g: UOp) -> UOp: return g * (1 + (g * (-1 / 0.6931471805599453)).exp2()).reciprocal()
+
+
+def dense_norm_kernel(out: UOp, x: UOp, *srcs: UOp, w: QWeight, eps: float | None, residual: bool) -> UOp:
+  """out (O,) = [res +] w . [rmsnorm(x) * gamma]: srcs = [gamma], [res], planes."""
+  o, i = UOp.range(out.shape[0], 0), 0
+  gamma = srcs[i] if eps is not None else None
+  i += eps is not None
+  res = srcs[i] if residual else None
+  p = _planes([(w, "w")], srcs[i + residual:])["w"]
+  acc = _dot(lambda k: _f(x[k]) * _f(gamma[k]) if gamma is not None else x[k], p, w.ggml_type, o, 1)
+  if gamma is not None: acc = acc * _rs(x, x.shape[0], eps, 9)
+  if res is not None: acc = _f(res[o]) + acc
+  return _sink(out[o].store(acc), (o,), "dense_norm" if eps is not None else "dense_res", w.ggml_type)
+
+
+def glu_kernel(out: UOp, x: UOp, gamma: UOp, *srcs: UOp, gate: QWeight, up: QWeight | None, eps: float, rows: int, up_off: int,
+               experts: int) -> UOp:
+  """out (S, F) = SiLU(gate . xn) * (up . xn), xn = rmsnorm(x) * gamma, for S selected experts (srcs = sel, planes) or one
+  plain FFN (S = 1); up None: gate and up are one merged weight (up's rows at up_off)."""
+  y, o = UOp.range(out.shape[0], 0), UOp.range(out.shape[1], 1)
+  sel, srcs = (srcs[0], srcs[1:]) if experts else (None, srcs)
+  ps = _planes([(gate, "g")] + ([(up, "u")] if up is not None else []), srcs)
+  base = _i(sel[y]).clip(0, experts - 1).cast(dtypes.weakint) * rows if sel is not None else UOp.const(0, dtypes.weakint)
+  xv = lambda k: _f(x[k]) * _f(gamma[k])
+  rs = _rs(x, x.shape[0], eps, 20)
+  g = _dot(xv, ps["g"], gate.ggml_type, base + o, 2) * rs
+  u = _dot(xv, ps["u" if up is not None else "g"], (up or gate).ggml_type, base + up_off + o, 10) * rs
+  return _sink(out[y, o].store(_silu(g) * u), (y, o), "glu", gate.ggml_type)
+
+
+def down_kernel(out: UOp, res: UOp, *srcs: UOp, routed: QWeight | None, plain: QWeight | None, k: int) -> UOp:
+  """out (D,) = res + sum_k wts[k] * (down[sel[k]] . act[k]) + down_plain . act_plain; srcs = [act, sel, wts, routed planes],
+  [act_plain, plain planes]."""
+  o, i, acc = UOp.range(out.shape[0], 0), 0, None
+  if routed is not None:
+    act, sel, wts = srcs[:3]
+    p = _planes([(routed, "d")], srcs[3:3 + len(routed.planes)])["d"]
+    i = 3 + len(routed.planes)
+    kk = UOp.range(k, 1, AxisType.REDUCE)
+    e = _i(sel[kk]).clip(0, routed.shape[0] - 1).cast(dtypes.weakint)
+    term, rngs = _term(lambda j: act[kk, j], p, routed.ggml_type, e * out.shape[0] + o, 2)
+    acc = (_f(wts[kk]) * term).reduce(kk, *rngs, arg=Ops.ADD)
+  if plain is not None:
+    act_p, p = srcs[i], _planes([(plain, "d")], srcs[i + 1:])["d"]
+    d = _dot(lambda j: act_p[j], p, plain.ggml_type, o, 10)
+    acc = d if acc is None else acc + d
+  return _sink(out[o].store(_f(res[o]) + acc), (o,), "down", (routed or plain).ggml_type)
+
+
+def _custom(kernel: Callable[..., UOp], shape: tuple[int, ...], srcs: list[Tensor], dtype=dtypes.float32, **kw) -> Tensor:
+  out = Tensor.empty(*shape, dtype=dtype, device=srcs[0].device)
+  return out.custom_kernel(*srcs, fxn=partial(kernel, **kw))[0]
+
+
+def dense_norm(x: Tensor, w: QWeight, gamma: Tensor | None = None, eps: float | None = None, res: Tensor | None = None) -> Tensor:
+  """[res +] w . [rmsnorm(x) * gamma] for one token: x (in,) -> (out,)."""
+  srcs = [x.float().contiguous()] + ([gamma] if gamma is not None else []) + ([res.float().contiguous()] if res is not None else [])
+  return _custom(dense_norm_kernel, (w.shape[0],), srcs + _plane_srcs([w]), w=w, eps=eps, residual=res is not None)
+
+
+def attention(blk: Block, x: Tensor, start_pos, pos: Tensor | None) -> Tensor:
+  """h = x + attention(x) for one token: the projections with the norm folded in, the per-op RoPE, cache write, attention
+  and v_b (tinygrad ops and the weights' products), the output projection with the residual add folded in."""
+  hp = blk.hp
+  H, nope, rope, dim = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.dim
+  xf = x.reshape(dim)
+  q = dense_norm(dense_norm(xf, blk.q_a, blk.attn_norm, hp.eps), blk.q_b, blk.q_a_norm, hp.eps) if hp.q_lora else dense_norm(xf, blk.q_b, blk.attn_norm, hp.eps)
+  kv = dense_norm(xf, blk.kv_a, blk.attn_norm, hp.eps).reshape(1, 1, -1)
+  q = q.reshape(1, 1, H, nope + rope)
+  out = blk.attend(blk.absorb(q[..., :nope]), q[..., nope:], kv, start_pos)
+  return dense_norm(out.reshape(-1), blk.wo, res=xf).reshape(1, 1, dim)
+
+
+def router(blk: Block, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+  """The router logits with the norm folded in (a UOp kernel); gating, bias, top-k and weights as the per-op path."""
+  hp = blk.hp
+  logits = dense_norm(h.reshape(hp.dim), blk.gate_inp, blk.ffn_norm, hp.eps).reshape(1, 1, hp.n_experts)
+  return *blk.route(logits, forced), logits
+
+
+def _glu(x: Tensor, gamma: Tensor, eps: float, gate: QWeight, up: QWeight | None, hidden: int, rows: int, up_off: int, sel: Tensor | None = None,
+         experts: int = 0) -> Tensor:
+  slots = sel.shape[-1] if sel is not None else 1
+  srcs = [x, gamma] + ([sel.reshape(slots).cast(dtypes.int32).contiguous()] if sel is not None else []) + _plane_srcs([gate] + ([up] if up else []))
+  return _custom(glu_kernel, (slots, hidden), srcs, gate=gate, up=up, eps=eps, rows=rows, up_off=up_off, experts=experts)
+
+
+def _ffn_args(gate: QWeight | None, up: QWeight | None, gate_up: QWeight | None, hidden: int) -> dict:
+  if gate_up is not None: return {"gate": gate_up, "up": None, "rows": 2 * hidden, "up_off": hidden}
+  return {"gate": gate, "up": up, "rows": hidden, "up_off": 0}
+
+
+def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor) -> Tensor:
+  """h + MoE FFN(h) for one token: the selected experts' gate+up+SiLU (one kernel), the shared expert's (one kernel), the
+  down projections with the routing weights, the shared expert and the residual add (one kernel)."""
+  hp = blk.hp
+  hf, K, F = h.reshape(hp.dim).float().contiguous(), hp.n_used, blk.n_ff_exp
+  act = _glu(hf, blk.ffn_norm, hp.eps, hidden=F, sel=sel, experts=hp.n_experts, **_ffn_args(blk.gate_exps, blk.up_exps, blk.gate_up_exps, F))
+  srcs = [hf, act, sel.reshape(K).cast(dtypes.int32).contiguous(), wts.reshape(K).float().contiguous()] + _plane_srcs([blk.down_exps])
+  plain = None
+  if blk.shared:
+    Fp = blk.down_sh.shape[-1]
+    srcs += [_glu(hf, blk.ffn_norm, hp.eps, hidden=Fp, **_ffn_args(blk.gate_sh, blk.up_sh, blk.gate_up_sh, Fp)).reshape(Fp)] + _plane_srcs([blk.down_sh])
+    plain = blk.down_sh
+  return _custom(down_kernel, (hp.dim,), srcs, routed=blk.down_exps, plain=plain, k=K).reshape(1, 1, hp.dim)
+
+
+def ffn(blk: Block, h: Tensor) -> Tensor:
+  """h + FFN(h) for one token of a dense block: gate+up+SiLU with the norm folded in, down with the residual add."""
+  hp = blk.hp
+  hf, F = h.reshape(hp.dim).float().contiguous(), blk.down.shape[-1]
+  act = _glu(hf, blk.ffn_norm, hp.eps, hidden=F, **_ffn_args(blk.gate, blk.up, blk.gate_up, F)).reshape(F)
+  return _custom(down_kernel, (hp.dim,), [hf, act] + _plane_srcs([blk.down]), routed=None, plain=blk.down, k=0).reshape(1, 1, hp.dim)
+
+
 class DslBackend(Backend):
   name = "dsl"
   quants = frozenset(QUANT_TYPES[t].name for t in _ELEMENTS)
+  stages = frozenset(STAGES)
+  attention, router, moe, ffn = staticmethod(attention), staticmethod(router), staticmethod(moe), staticmethod(ffn)
 
   def linear(self, x: Tensor, w: QWeight) -> Tensor: return linear(x, w)
   def per_head(self, x: Tensor, w: QWeight) -> Tensor: return per_head(x, w)

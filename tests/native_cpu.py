@@ -1,0 +1,38 @@
+"""The native backend on the CPU, for tests: its kernels run in the CUDA emulator (tests/cuda_cpu.py) in place of tinygrad's
+CUDA device, so the backend's Python side (parameters, shapes, grids, scratch buffers) and its kernels run in a model
+on a machine without a GPU. Eager only: each launch realizes its inputs (no TinyJit around it)."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import cuda_cpu
+import numpy as np
+from tinygrad import Tensor, dtypes
+
+from model.backends import cuda_src, native
+
+_VIEW = {np.dtype(np.float16): np.uint16}  # fp16 buffers are `unsigned short*` in the kernels
+
+
+def launch(k: cuda_src.Kernel, params: list[Tensor], mem: int, ops: int = 0) -> list[Tensor]:
+  arrays = [np.ascontiguousarray(p.numpy()) for p in params]
+  views = [a.view(_VIEW.get(a.dtype, a.dtype)) for a in arrays]
+  cuda_cpu.launch(k.src, k.name, k.grid, (cuda_src.THREADS, 1, 1), views)
+  out = []
+  for i, (p, a) in enumerate(zip(params, arrays, strict=True)):
+    if i in k.outs:
+      p.assign(Tensor(a.reshape(p.shape), dtype=p.dtype, device=p.device)).realize()
+    out.append(p)
+  return out
+
+
+@contextlib.contextmanager
+def native_on_cpu(monkeypatch) -> Iterator[None]:
+  """Within: the native backend accepts the CPU device and runs its kernels in the emulator."""
+  monkeypatch.setattr(native, "launch", launch)
+  monkeypatch.setattr(native.NativeBackend, "check", lambda self, device: None)
+  yield
+
+
+__all__ = ["launch", "native_on_cpu", "dtypes"]

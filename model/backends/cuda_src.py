@@ -98,8 +98,8 @@ def _q6_k() -> Unit:
 
 UNITS: dict[int, Unit] = {
   Q4_0: Unit(32, "const size_t b = row * $NB + u; const float d = h2f($d[b]); " + _words("q", "$qs + b * 16", 1),
-             (("d", "-8.f * d", tuple((e, f"(BYTE(q, {e}) & 15u)") for e in range(16)) + tuple((16 + e, f"(BYTE(q, {e}) >> 4)") for e in range(16))),),
-             "{u} * 32", lambda e: e),
+             (("d", "-8.f * d", tuple((e, f"(BYTE(q, {e}) & 15u)") for e in range(16))
+               + tuple((16 + e, f"(BYTE(q, {e}) >> 4)") for e in range(16))),), "{u} * 32", lambda e: e),
   Q8_0: Unit(32, "const size_t b = row * $NB + u; const float d = h2f($d[b]); " + _words("q", "(const unsigned char*)$qs + b * 32", 2),
              (("d", "-128.f * d", tuple((e, f"(BYTE(q, {e}) ^ 128u)") for e in range(32))),), "{u} * 32", lambda e: e),
   Q4_K: _k_quant(qh=False), Q5_K: _k_quant(qh=True), Q6_K: _q6_k(),
@@ -202,7 +202,8 @@ def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, norm: str 
     dots = []
     for w, row, a in comps:
       for i in range(upl):
-        d = unit_dot(w, row.format(o=f"(obase + {r})"), us[i], lambda e, i=i: f"x{i}_{e}", (lambda g, i=i: f"xs{i}_{g}") if w.unit.quantized else None, f"{a}{r}")
+        xs = (lambda g, i=i: f"xs{i}_{g}") if w.unit.quantized else None
+        d = unit_dot(w, row.format(o=f"(obase + {r})"), us[i], lambda e, i=i: f"x{i}_{e}", xs, f"{a}{r}")
         dots.append(d if nch * upl * G == w0.units else f"if ({us[i]} < {w0.units}) {d}")
     body.append(f"if (obase + {r} < {rows}) {{ {' '.join(dots)} }}")
   body.append("}")
@@ -242,7 +243,8 @@ def _tile_body(w: W, role: str, out: int, dims: dict[str, int]) -> str:
   tn, n = dims["tn"], dims["n"]
   if role == "dense":
     setup = (f"const size_t wrow = o; const int t0 = blockIdx.y * {tn}, nt = min({tn}, {n} - t0);"
-             f" auto xrow = [&](int t) {{ return x + (size_t)(t0 + t) * {w.inp}; }}; auto outidx = [&](int t) {{ return (size_t)(t0 + t) * {out} + o; }};")
+             f" auto xrow = [&](int t) {{ return x + (size_t)(t0 + t) * {w.inp}; }};"
+             f" auto outidx = [&](int t) {{ return (size_t)(t0 + t) * {out} + o; }};")
   elif role == "per_head":
     H = dims["heads"]
     setup = (f"const int h = blockIdx.y; const size_t wrow = (size_t)h * {out} + o; const int t0 = blockIdx.z * {tn}, nt = min({tn}, {n} - t0);"
@@ -305,8 +307,8 @@ def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, resid
   of one input (q_a and kv_a), or a residual add folded into one (the attention output)."""
   tag = "_".join(f"{QUANT_TYPES[w.ggml_type].name.lower()}x{rows}x{w.inp}" for w, rows in ws)
   name = f"native_dense_{'norm_' if eps is not None else ''}{'res_' if residual else ''}{tag}"
-  params = [f"float* out{j}" for j in range(len(ws))] + ["const float* __restrict__ x"] + (["const float* __restrict__ gamma"] if eps is not None else [])
-  params += ["const float* __restrict__ res"] if residual else []
+  params = [f"float* out{j}" for j in range(len(ws))] + ["const float* __restrict__ x"]
+  params += (["const float* __restrict__ gamma"] if eps is not None else []) + (["const float* __restrict__ res"] if residual else [])
   for w, _ in ws: params += w.params
   inp = ws[0][0].inp
   body = [rms_prologue("x", inp, eps) if eps is not None else ""]
@@ -339,7 +341,8 @@ def absorb_rope_kv(kb: W, heads: int, nope: int, rope: int, kvl: int, max_ctx: i
           f"    for (int k = threadIdx.x; k < {kvl}; k += 32) cache[(size_t)p * {D} + k] = {store('(kv[k] * rs) * gamma[k]')};\n"
           f"    for (int k = threadIdx.x; k < {half}; k += 32) {{ const float x0 = kv[{kvl} + 2 * k], x1 = kv[{kvl} + 2 * k + 1];"
           f" const float c = cosv[p * {half} + k], s = sinv[p * {half} + k];"
-          f" cache[(size_t)p * {D} + {kvl} + 2 * k] = {store('x0 * c - x1 * s')}; cache[(size_t)p * {D} + {kvl} + 2 * k + 1] = {store('x0 * s + x1 * c')}; }} }}")
+          f" cache[(size_t)p * {D} + {kvl} + 2 * k] = {store('x0 * c - x1 * s')};"
+          f" cache[(size_t)p * {D} + {kvl} + 2 * k + 1] = {store('x0 * s + x1 * c')}; }} }}")
   body = f"if (blockIdx.y < {heads}) {{ {head} }}\n  else if (blockIdx.x == 0) {{ {tail} }}"
   blocks = -(-kvl // rows_per_block(kb.group_lanes, R))
   return Kernel(name, kernel(name, params, body), (blocks, heads + 1, 1), (0, 1))
@@ -427,6 +430,8 @@ def router(w: W, experts: int, k: int, eps: float, gating: int, bias: bool, norm
   R = 2
   prob = {1: "expf(lg - mx) / den", 2: "1.f / (1.f + expf(-lg))", 3: "lg", 4: "sqrtf(logf(1.f + expf(lg)))"}[gating]
   scale = f" wv *= {w_scale!r}f;" if w_scale not in (0.0, 1.0) else ""
+  softmax_k = (f"float ws = -INFINITY; for (int t = 0; t < {k}; t++) ws = fmaxf(ws, wsel[t]); float se = 0.f;"
+               f" for (int t = 0; t < {k}; t++) {{ wsel[t] = expf(wsel[t] - ws); se += wsel[t]; }} for (int t = 0; t < {k}; t++) wsel[t] /= se;")
   body = f"""{rms_prologue('x', w.inp, eps)}
   {_gemv_block([(w, "{o}", "a")], "x", experts, R, "gamma", lambda o, a: f"logits[{o}] = {a[0]};")}
   __shared__ int last;
@@ -465,7 +470,7 @@ def router(w: W, experts: int, k: int, eps: float, gating: int, bias: bool, norm
     for (int i = 0; i < {epl}; i++) if (i == (e >> 5)) pv = p[i];
     wsel[t] = __shfl_sync(0xffffffffu, pv, e & 31);
   }}
-  {f'float ws = -INFINITY; for (int t = 0; t < {k}; t++) ws = fmaxf(ws, wsel[t]); float se = 0.f; for (int t = 0; t < {k}; t++) {{ wsel[t] = expf(wsel[t] - ws); se += wsel[t]; }} for (int t = 0; t < {k}; t++) wsel[t] /= se;' if gating == 3 else ''}
+  {softmax_k if gating == 3 else ''}
   float sum = 0.f;
   for (int t = 0; t < {k}; t++) sum += wsel[t];
   if (lane == 0) {{

@@ -222,7 +222,8 @@ def attention(blk: Block, x: Tensor, start_pos, pos: Tensor | None) -> Tensor:
   hp = blk.hp
   H, nope, rope, dim = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.dim
   xf = x.reshape(dim)
-  q = dense_norm(dense_norm(xf, blk.q_a, blk.attn_norm, hp.eps), blk.q_b, blk.q_a_norm, hp.eps) if hp.q_lora else dense_norm(xf, blk.q_b, blk.attn_norm, hp.eps)
+  if hp.q_lora: q = dense_norm(dense_norm(xf, blk.q_a, blk.attn_norm, hp.eps), blk.q_b, blk.q_a_norm, hp.eps)
+  else: q = dense_norm(xf, blk.q_b, blk.attn_norm, hp.eps)
   kv = dense_norm(xf, blk.kv_a, blk.attn_norm, hp.eps).reshape(1, 1, -1)
   q = q.reshape(1, 1, H, nope + rope)
   out = blk.attend(blk.absorb(q[..., :nope]), q[..., nope:], kv, start_pos)
@@ -258,7 +259,8 @@ def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor) -> Tensor:
   plain = None
   if blk.shared:
     Fp = blk.down_sh.shape[-1]
-    srcs += [_glu(hf, blk.ffn_norm, hp.eps, hidden=Fp, **_ffn_args(blk.gate_sh, blk.up_sh, blk.gate_up_sh, Fp)).reshape(Fp)] + _plane_srcs([blk.down_sh])
+    act_p = _glu(hf, blk.ffn_norm, hp.eps, hidden=Fp, **_ffn_args(blk.gate_sh, blk.up_sh, blk.gate_up_sh, Fp)).reshape(Fp)
+    srcs += [act_p] + _plane_srcs([blk.down_sh])
     plain = blk.down_sh
   return _custom(down_kernel, (hp.dim,), srcs, routed=blk.down_exps, plain=plain, k=K).reshape(1, 1, hp.dim)
 

@@ -3,14 +3,15 @@
 #   bash benchmarks/sidebyside.sh        # on the device, carrying .whl (benchmarks/wheels.sh) and .llama (benchmarks/llama_cpp.sh)
 #
 # Starts building llama-bench in the background first, meanwhile writes the synthetic files (`model synth`) and makes each
-# file's correctness reference (nothing is timed while the build runs), then per model: llama-bench, the baseline config and
-# each config of $CONFIGS through `evaluator run`. Every figure goes through benchmarks/record.py into $OUT/results.jsonl
+# file's correctness reference (nothing is timed while the build runs), then per model: llama-bench and each config of
+# $CONFIGS through `evaluator run`. Every figure goes through benchmarks/record.py into $OUT/results.jsonl
 # (append it to benchmarks/results.jsonl, then `python -m benchmarks.render`). A failed step is recorded and the rest goes on.
 #
 # Environment [default]:
 #   MODELS    presets, each written as a synthetic file with exact shapes [glm-4.7-flash deepseek-v2-lite]
 #   QUANT     [q4_0]   LAYERS  blocks to write [all of them]
-#   CONFIGS   NAME=FILE ..., measured after the baseline {}, each with --profile [best=benchmarks/configs/best.json]
+#   CONFIGS   `baseline` (the config {}) and NAME=FILE ..., in order; all but the baseline with --profile
+#             [baseline best=benchmarks/configs/best.json]
 #   N ROUNDS  evaluator tokens per measured round and rounds [32 3]      LLAMA_N LLAMA_REPS  llama-bench -n and -r [128 5]
 #   DEVICE    [CUDA]   LLAMA_BENCH  a llama-bench binary to use instead of building one from .llama/llama.cpp.tar.gz
 #   WORK      files, references and the build [/tmp/sidebyside]; reused when the machine is still warm
@@ -20,7 +21,7 @@
 #      $OUT/sidebyside.log, $OUT/llama-build.log
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODELS=${MODELS:-glm-4.7-flash deepseek-v2-lite} QUANT=${QUANT:-q4_0} LAYERS=${LAYERS:-} CONFIGS=${CONFIGS:-best=benchmarks/configs/best.json}
+MODELS=${MODELS:-glm-4.7-flash deepseek-v2-lite} QUANT=${QUANT:-q4_0} LAYERS=${LAYERS:-} CONFIGS=${CONFIGS:-baseline best=benchmarks/configs/best.json}
 N=${N:-32} ROUNDS=${ROUNDS:-3} LLAMA_N=${LLAMA_N:-128} LLAMA_REPS=${LLAMA_REPS:-5} DEVICE=${DEVICE:-CUDA} WORK=${WORK:-/tmp/sidebyside}
 DEADLINE=${DEADLINE:-570} PY=${PYTHON:-python3} OUT=${OUT:-$WORK/out}
 mkdir -p "$WORK" "$OUT"
@@ -28,21 +29,22 @@ exec > >(tee -a "$OUT/sidebyside.log") 2>&1
 T0=$SECONDS
 log() { echo "[$(date -u +%H:%M:%S) +$((SECONDS - T0))s] $*"; }
 left() { echo $((DEADLINE - (SECONDS - T0))); }
+log "models: $MODELS; configs: $CONFIGS; device $DEVICE"
+
+BENCH=${LLAMA_BENCH:-$WORK/llama/build/bin/llama-bench} BUILD=
+if [ ! -x "$BENCH" ] && [ -z "${LLAMA_BENCH:-}" ]; then  # first; stopped (with its compilers) if it would leave 2 minutes or less
+  log "building llama-bench in the background (log: llama-build.log)"
+  rm -rf "$WORK/llama"
+  timeout "$((DEADLINE - 120))" bash benchmarks/llama_cpp.sh build "$WORK/llama" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
+    > "$OUT/llama-build.log" 2>&1 &
+  BUILD=$!
+fi
 
 if [ -d .whl ] && ! "$PY" -c "import tinygrad" 2>/dev/null; then  # the device's image lacks the project's packages
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-log "models: $MODELS; configs: baseline $CONFIGS; device $DEVICE"
-
-BENCH=${LLAMA_BENCH:-$WORK/llama/build/bin/llama-bench} BUILD=
-if [ ! -x "$BENCH" ] && [ -z "${LLAMA_BENCH:-}" ]; then
-  log "building llama-bench in the background (log: llama-build.log)"
-  rm -rf "$WORK/llama"
-  bash benchmarks/llama_cpp.sh build "$WORK/llama" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON > "$OUT/llama-build.log" 2>&1 &
-  BUILD=$!
-fi
 
 if [ "$DEVICE" = CUDA ]; then LABEL="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) (CUDA)"
 else LABEL="$("$PY" -c 'import platform; print(platform.processor() or platform.machine())') ($DEVICE)"; fi
@@ -63,7 +65,7 @@ Evaluator.for_model(sys.argv[1], sys.argv[2]).reference('full')" "$(file "$m")" 
 done
 if [ -n "$BUILD" ]; then
   log "waiting for the llama-bench build"
-  wait "$BUILD" || log "llama-bench build failed: $(tail -3 "$OUT/llama-build.log")"
+  wait "$BUILD" || log "llama-bench build failed (exit $?; 124: stopped at the deadline): $(grep -i -m3 error "$OUT/llama-build.log")"
 fi
 log "llama-bench: $( [ -x "$BENCH" ] && echo "$BENCH" || echo missing)"
 
@@ -75,7 +77,10 @@ for m in $MODELS; do
   fi
   cmd="llama-bench -m $(basename "$f") -p 0 -n $LLAMA_N -r $LLAMA_REPS -ngl 99 -fa 1 -o json  ($(basename "$f"): model synth --preset $m --quant $QUANT${LAYERS:+ --layers $LAYERS})"
   rm -f "$json"
-  if [ "$(left)" -lt 30 ]; then rec error --kind llama_cpp --model "$f" --model-name "$(name "$m")" --config-name llama.cpp --command "$cmd" --error "skipped: deadline"
+  if [ ! -x "$BENCH" ]; then rec error --kind llama_cpp --model "$f" --model-name "$(name "$m")" --config-name llama.cpp --command "$cmd" \
+    --error "no llama-bench: its build failed (llama-build.log)"
+  elif [ "$(left)" -lt 30 ]; then rec error --kind llama_cpp --model "$f" --model-name "$(name "$m")" --config-name llama.cpp --command "$cmd" \
+    --error "skipped: deadline"
   else
     log "llama-bench $m"
     if timeout "$(($(left) - 10))" "$BENCH" -m "$f" -p 0 -n "$LLAMA_N" -r "$LLAMA_REPS" -ngl 99 -fa 1 -o json > "$json.tmp" 2> "$WORK/llama-bench.err"; then
@@ -88,7 +93,8 @@ for m in $MODELS; do
     fi
   fi
   echo '{}' > "$WORK/baseline.json"
-  for spec in "baseline=$WORK/baseline.json" $CONFIGS; do
+  for spec in $CONFIGS; do
+    [ "$spec" = baseline ] && spec=baseline=$WORK/baseline.json
     cname=${spec%%=*} cfg=${spec#*=} res=$WORK/$m.${spec%%=*}.json
     profile=$( [ "$cname" = baseline ] || echo --profile )
     cmd="python -m evaluator run --model $(basename "$f") --device $DEVICE --no-prefill -n $N --rounds $ROUNDS --config $( [ "$cname" = baseline ] && echo '{}' || echo "$cfg") $profile"

@@ -36,8 +36,8 @@ def out(tmp_path_factory) -> pathlib.Path:
   bench.chmod(bench.stat().st_mode | stat.S_IEXEC)
   (tmp / "sorted.json").write_text('{"topk": "sort"}')
   (tmp / "broken.json").write_text('{"topk": "no-such-variant"}')
-  env = os.environ | {"MODELS": "tiny", "DEVICE": "CPU", "CONFIGS": f"sorted={tmp}/sorted.json broken={tmp}/broken.json", "N": "4", "ROUNDS": "1",
-                      "WORK": str(tmp), "OUT": str(tmp / "out"), "LLAMA_BENCH": str(bench), "PYTHON": sys.executable}
+  env = os.environ | {"MODELS": "tiny", "DEVICE": "CPU", "CONFIGS": f"baseline sorted={tmp}/sorted.json broken={tmp}/broken.json",
+                      "N": "4", "ROUNDS": "1", "WORK": str(tmp), "OUT": str(tmp / "out"), "LLAMA_BENCH": str(bench), "PYTHON": sys.executable}
   r = subprocess.run(["bash", "benchmarks/sidebyside.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
   return tmp / "out"

@@ -20,6 +20,7 @@ from tinygrad import Device, GlobalCounters, Tensor, TinyJit
 from tinygrad.helpers import Context
 
 from evaluator.bandwidth import measure
+from evaluator.child import environment
 from model import backends as K_
 from model.quants import QUANT_TYPES
 from model.weights import QWeight
@@ -33,6 +34,7 @@ E, OUT, IN, K, REPS = 64, 1536, 2048, 4, 20
 qtype = next(t for t, q in QUANT_TYPES.items() if q.name == args.quant)
 qt, dev = QUANT_TYPES[qtype], Device.DEFAULT
 bw = measure(dev)["gb_s"]
+label = f"{environment(dev)['device_name']} ({dev})"
 rng = np.random.default_rng(0)
 base = random_weight(rng, qtype, (E, OUT, IN))
 backends = ["tensor", "fp16_cache", "dsl"] + (["native"] if K_.native.available() else [])
@@ -57,10 +59,14 @@ for backend in backends:
   gb_s = {k: read / t / 1e9 for k, t in times.items()}
   print(f"{backend:10s} kernel {times['kernel'] * 1e6:8.1f} us {gb_s['kernel']:7.1f} GB/s ({gb_s['kernel'] / bw:6.1%})   "
         f"call {times['call'] * 1e6:8.1f} us {gb_s['call']:7.1f} GB/s", flush=True)
-  if args.json:
+  if args.json:  # a benchmarks/results.jsonl line
     with open(args.json, "a") as f:
-      f.write(json.dumps({"date": datetime.date.today().isoformat(), "device": dev, "bench": "expert_kernel", "quant": args.quant,
-                          "shape": [E, OUT, IN, K], "beam": args.beam, "backend": backend, "us_kernel": times["kernel"] * 1e6,
-                          "us_call": times["call"] * 1e6, "gb_s_kernel": gb_s["kernel"], "gb_s_call": gb_s["call"],
-                          "bandwidth_gb_s": bw, "command": f"python benchmarks/expert_kernel.py --beam {args.beam} --quant {args.quant}"}) + "\n")
+      f.write(json.dumps({"date": datetime.date.today().isoformat(), "kind": "expert_kernel", "device": label,
+                          "model": f"glm-4.7-flash ffn_gate_exps ({E} x {OUT} x {IN}, {K} selected)", "layers": 0, "quant": args.quant,
+                          "config": f"expert product, backend {backend}", "backend": backend, "beam": args.beam,
+                          "us_kernel": round(times["kernel"] * 1e6, 1), "us_call": round(times["call"] * 1e6, 1),
+                          "gb_s_kernel": round(gb_s["kernel"], 1), "gb_s_call": round(gb_s["call"], 1), "bandwidth_gb_s": round(bw),
+                          "bandwidth_share": round(gb_s["kernel"] / bw, 5),
+                          "command": f"DEV={dev} PYTHONPATH=tests python benchmarks/expert_kernel.py --beam {args.beam} --quant {args.quant}"})
+              + "\n")
   del w, one

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call: install the carried wheels, synthesize GLM-4.7-Flash-shaped files, run the named steps. Results land in $OUT.
+# One device call: install the carried wheels, synthesize GLM-4.7-Flash-shaped files, run the named steps. Results land in $OUT;
+# the evaluator runs of the trial, knobs and full steps also as benchmarks/record.py lines in $OUT/results.jsonl.
 # usage: bash benchmarks/gpu.sh STEP...
 #   steps: env bw trial repeat knobs study confirm status (evaluator and search on the 4-layer GLM-4.7-Flash Q4_0 shape),
 #          full (baseline at 47 layers); STUDY_TRIALS, STUDY_TIMEOUT set the study step's target and time limit;
@@ -14,6 +15,12 @@ DB=sqlite:////tmp/structsearch.db
 synth() { [ -f "$2" ] || python3 -m model synth --preset glm-4.7-flash --quant q4_0 --layers "$1" --out "$2"; }
 timed() { local t0=$SECONDS; "$@"; echo "[wall $((SECONDS - t0)) s: $*]"; }
 ev() { timed python3 -m evaluator "$@"; }
+LABEL="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) (CUDA)"
+rec() {  # RESULT.json COMMAND...: an evaluator result's lines into $OUT/results.jsonl
+  local res=$1; shift
+  [ -f "$res" ] && python3 -m benchmarks.record trial "$res" --device "$LABEL" --model-name "glm-4.7-flash (synthetic, exact shapes)" \
+    --quant Q4_0 --command "DEV=CUDA python -m evaluator $*  (via bash benchmarks/gpu.sh)" >> "$OUT/results.jsonl"
+}
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case $step in
@@ -21,12 +28,15 @@ for step in "$@"; do
     bw) synth 4 /tmp/glm4.gguf && ev bandwidth --device CUDA --remeasure ;;
     trial) echo '{}' > /tmp/base.json
            ev run --model /tmp/glm4.gguf --device CUDA --profile --json "$OUT/trial_baseline.json"  # includes making the reference
-           ev run --model /tmp/glm4.gguf --device CUDA --json "$OUT/trial_baseline2.json" ;;
+           rec "$OUT/trial_baseline.json" run --model glm4.gguf --device CUDA --profile
+           ev run --model /tmp/glm4.gguf --device CUDA --json "$OUT/trial_baseline2.json"
+           rec "$OUT/trial_baseline2.json" run --model glm4.gguf --device CUDA ;;
     repeat) ev compare --model /tmp/glm4.gguf --device CUDA --no-prefill /tmp/base.json /tmp/base.json --pairs 3 --json "$OUT/ab_same.json" ;;
     knobs) for c in '{"backends": {"Q4_0:expert": "native", "Q4_0:dense": "native"}}' '{"jit_batch_size": 0}' '{"backends": {"Q4_0:expert": "dsl", "Q4_0:dense": "dsl"}}' \
                     '{"merge_gate_up_routed": true, "backends": {"Q4_0:expert": "fp16_cache"}}'; do
-             echo "$c" > /tmp/k.json; echo "--- $c"
-             ev run --model /tmp/glm4.gguf --device CUDA --no-prefill --config /tmp/k.json --json "$OUT/knob_$(echo "$c" | md5sum | cut -c1-8).json"
+             echo "$c" > /tmp/k.json; echo "--- $c"; res="$OUT/knob_$(echo "$c" | md5sum | cut -c1-8).json"
+             ev run --model /tmp/glm4.gguf --device CUDA --no-prefill --config /tmp/k.json --json "$res"
+             rec "$res" run --model glm4.gguf --device CUDA --no-prefill --config "'$c'"
            done ;;
     study) timed python3 -m search start --model /tmp/glm4.gguf --study glm4-q4_0-L4 --storage $DB --device CUDA --fix beam=0 --no-prefill \
              --trials "${STUDY_TRIALS:-30}" --timeout "${STUDY_TIMEOUT:-480}" --confirm 0 --seed 0; cp /tmp/structsearch.db "$OUT/" ;;
@@ -39,6 +49,7 @@ for step in "$@"; do
     cudaknobs) synth 4 /tmp/glm4.gguf && timed python3 benchmarks/run.py --model /tmp/glm4.gguf --device CUDA --set knobs --out "$OUT/cudaknobs.jsonl" \
                  --only baseline backend.Q4_0.dense=dsl backend.Q4_0.expert=dsl backend.Q4_0.dense=native backend.Q4_0.expert=native \
                         jit_batch_size=0 jit_batch_size=8 jit_batch_size=128 ;;
-    full) synth 47 /tmp/glm47.gguf && ev run --model /tmp/glm47.gguf --device CUDA --json "$OUT/trial_full.json" ;;
+    full) synth 47 /tmp/glm47.gguf && ev run --model /tmp/glm47.gguf --device CUDA --json "$OUT/trial_full.json"
+          rec "$OUT/trial_full.json" run --model glm47.gguf --device CUDA ;;
   esac
 done

@@ -1,0 +1,113 @@
+"""The one converter from measurements to benchmarks/results.jsonl lines: an evaluator trial's JSON (evaluator/result.py's
+TrialResult, as `evaluator run --json` writes it) and llama.cpp's `llama-bench -o json` output. Lines go to stdout.
+
+  python benchmarks/record.py trial RESULT.json --device "NVIDIA H100 80GB HBM3 (CUDA)" --model-name "glm-4.7-flash (synthetic,
+         exact shapes)" --quant Q4_0 [--config-name best] --command "..." [--llama LLAMA.json]  # decode, trial, gate, profile
+  python benchmarks/record.py llama LLAMA.json --model FILE --device ... --model-name ... --quant Q4_0 --command "..."
+  python benchmarks/record.py error --kind trial --model FILE --device ... --model-name ... --quant Q4_0 --config-name best
+         --command "..." --error "what went wrong"                                  # a step that left no JSON behind
+
+A trial gives: a `decode` line (the figure, with `llama_cpp_tok_s` and its stddev from llama-bench on the same file when
+--llama is given), a `trial` line (status, wall and each phase's seconds), a `gate` line (the correctness check's verdict and
+figures) when the check ran, and one `profile` line per kernel of the per-kernel profile. benchmarks/render.py holds the
+fields every kind of line must have (REQUIRED).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from typing import Any
+
+from evaluator.result import TrialResult
+from model.gguf_file import GGUFFile
+from model.structure import StructureConfig
+from search.study import config_hash
+from space.knobs import describe
+
+
+def _round(x: Any, n: int) -> Any: return round(x, n) if isinstance(x, float) else x
+
+
+def common(kind: str, device: str, model_name: str, layers: int | None, quant: str, config: str) -> dict[str, Any]:
+  return {"date": datetime.datetime.now(datetime.UTC).date().isoformat(), "kind": kind, "device": device, "model": model_name,
+          "layers": layers, "quant": quant, "config": config}
+
+
+def llama_figures(bench: list[dict]) -> dict[str, Any]:
+  """llama-bench's decode test (-p 0 -n N): tok/s with its stddev and spread over the repetitions."""
+  t = next(t for t in bench if t["n_gen"] > 0 and t["n_prompt"] == 0)
+  return {"tok_s": _round(t["avg_ts"], 2), "tok_s_stddev": _round(t["stddev_ts"], 2), "tok_s_min": _round(min(t["samples_ts"]), 2),
+          "tok_s_max": _round(max(t["samples_ts"]), 2), "ms_per_token": _round(1e3 / t["avg_ts"], 3), "n_gen": t["n_gen"],
+          "repetitions": len(t["samples_ts"]), "n_gpu_layers": t["n_gpu_layers"], "flash_attn": t["flash_attn"], "backends": t["backends"],
+          "build": t["build_commit"] + (f" b{t['build_number']}" if t["build_number"] else "")}
+
+
+def llama_line(bench: list[dict], model_file: str, device: str, model_name: str, quant: str, command: str) -> dict[str, Any]:
+  layers = int(GGUFFile(model_file).key("block_count"))
+  return common("llama_cpp", device, model_name, layers, quant, "llama.cpp") | llama_figures(bench) | {"command": command}
+
+
+def trial_lines(r: TrialResult, device: str, model_name: str, quant: str, config_name: str | None, command: str,
+                llama: list[dict] | None = None) -> list[dict[str, Any]]:
+  """config_name: what tables call the config (default: its knob values, or "baseline")."""
+  cfg = StructureConfig.from_dict(r.spec["config"])
+  config_name = config_name or describe(cfg) or "baseline"
+  layers = r.metrics.get("layers") or int(GGUFFile(r.spec["model"]).key("block_count"))
+  head = common("", device, model_name, layers, quant, config_name) | {"config_hash": config_hash(cfg), "beam": cfg.beam}
+  line = lambda kind, **kw: head | {"kind": kind} | kw | {"command": command}
+  m, bw, out = r.metrics, r.spec.get("bandwidth_gbs"), []
+  if r.ok:
+    figures = {k: _round(m.get(k), n) for k, n in (("tok_s", 2), ("tok_s_min", 2), ("tok_s_max", 2), ("ms_per_token", 3), ("ms_p50", 3),
+               ("ms_p90", 3), ("kernels_per_token", 0), ("graph_batches_per_token", 0), ("bytes_per_token", 0), ("gb_s", 2),
+               ("bandwidth_share", 4), ("prefill_tok_s", 1), ("peak_device_bytes", 0), ("host_peak_rss_bytes", 0)) if m.get(k) is not None}
+    vs = {} if llama is None else {"llama_cpp_tok_s": (f := llama_figures(llama))["tok_s"], "llama_cpp_tok_s_stddev": f["tok_s_stddev"]}
+    out.append(line("decode", knobs=describe(cfg) or "baseline", **figures, bandwidth_gb_s=_round(bw, 1),
+                    compile_s=_round(r.phases.get("compile_s"), 2), **vs))
+  out.append(line("trial", status=r.status, **{k: _round(v, 2) for k, v in r.phases.items()},
+                  **({"phase": r.phase, "error": r.error[-400:]} if not r.ok else {})))
+  if r.check:
+    figures = {f"check_{k}": _round(v, 6) for k, v in r.check.items() if isinstance(v, (bool, int, float, str))}
+    out.append(line("gate", name=config_name, state=r.status, **figures, check_s=_round(r.phases.get("check_s"), 2)))
+  for p in r.profile:
+    out.append(line("profile", rank=p["rank"], name=p["name"], count=p["count"], us_per_token=_round(p["us_per_token"], 2),
+                    share=_round(p["share"], 4), gb_s=_round(p["gb_s"], 2),
+                    bandwidth_share=_round(p["gb_s"] / bw, 4) if p["gb_s"] is not None and bw else None))
+  return out
+
+
+def error_line(kind: str, model_file: str | None, device: str, model_name: str, quant: str, config_name: str, command: str,
+               error: str) -> dict[str, Any]:
+  layers = int(GGUFFile(model_file).key("block_count")) if model_file else None
+  return common(kind, device, model_name, layers, quant, config_name) | {"status": "error", "error": error[-400:], "command": command}
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(prog="record.py", description=__doc__.split("\n\n")[0])
+  sub = p.add_subparsers(dest="cmd", required=True)
+  base = argparse.ArgumentParser(add_help=False)
+  for a in ("--device", "--model-name", "--quant", "--command"): base.add_argument(a, required=True)
+  t = sub.add_parser("trial", parents=[base])
+  t.add_argument("result")
+  t.add_argument("--config-name", help="what tables call the config (default: its knob values, or baseline)")
+  t.add_argument("--llama", help="llama-bench's JSON output for the same file, run in the same call")
+  ll = sub.add_parser("llama", parents=[base])
+  ll.add_argument("bench")
+  ll.add_argument("--model", required=True, help="the GGUF file llama-bench ran")
+  e = sub.add_parser("error", parents=[base])
+  e.add_argument("--kind", required=True, choices=("trial", "llama_cpp"))
+  e.add_argument("--model", help="the GGUF file, when it exists")
+  e.add_argument("--config-name", required=True)
+  e.add_argument("--error", required=True)
+  a = p.parse_args()
+  if a.cmd == "trial":
+    r = TrialResult.from_dict(json.load(open(a.result)))
+    lines = trial_lines(r, a.device, a.model_name, a.quant, a.config_name, a.command, json.load(open(a.llama)) if a.llama else None)
+  elif a.cmd == "llama": lines = [llama_line(json.load(open(a.bench)), a.model, a.device, a.model_name, a.quant, a.command)]
+  else: lines = [error_line(a.kind, a.model, a.device, a.model_name, a.quant, a.config_name, a.command, a.error)]
+  sys.stdout.write("".join(json.dumps(line) + "\n" for line in lines))
+
+
+if __name__ == "__main__":
+  main()

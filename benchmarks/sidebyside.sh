@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# structsearch next to llama.cpp on the same files, in one device call (under 10 minutes per model at full depth):
+#   bash benchmarks/sidebyside.sh        # on the device, carrying .whl (benchmarks/wheels.sh) and .llama (benchmarks/llama_cpp.sh)
+#
+# Starts building llama-bench in the background first, meanwhile writes the synthetic files (`model synth`) and makes each
+# file's correctness reference (nothing is timed while the build runs), then per model: llama-bench and each config of
+# $CONFIGS through `evaluator run`. Every figure goes through benchmarks/record.py into $OUT/results.jsonl
+# (append it to benchmarks/results.jsonl, then `python -m benchmarks.render`). A failed step is recorded and the rest goes on.
+#
+# Environment [default]:
+#   MODELS    presets, each written as a synthetic file with exact shapes [glm-4.7-flash deepseek-v2-lite]
+#   QUANT     [q4_0]   LAYERS  blocks to write [all of them]
+#   CONFIGS   `baseline` (the config {}) and NAME=FILE ..., in order; all but the baseline with --profile
+#             [baseline best=benchmarks/configs/best.json]
+#   N ROUNDS  evaluator tokens per measured round and rounds [32 3]      LLAMA_N LLAMA_REPS  llama-bench -n and -r [128 5]
+#   DEVICE    [CUDA]   LLAMA_BENCH  a llama-bench binary to use instead of building one from .llama/llama.cpp.tar.gz
+#   WORK      files, references and the build [/tmp/sidebyside]; reused when the machine is still warm
+#   DEADLINE  seconds after the start past which no step starts, and by which each step is stopped [570]
+#   PYTHON    [python3]
+# Out: $OUT/results.jsonl, $OUT/trials.jsonl (each evaluator result and llama-bench output, whole: phases, check, profile),
+#      $OUT/sidebyside.log, $OUT/llama-build.log
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MODELS=${MODELS:-glm-4.7-flash deepseek-v2-lite} QUANT=${QUANT:-q4_0} LAYERS=${LAYERS:-} CONFIGS=${CONFIGS:-baseline best=benchmarks/configs/best.json}
+N=${N:-32} ROUNDS=${ROUNDS:-3} LLAMA_N=${LLAMA_N:-128} LLAMA_REPS=${LLAMA_REPS:-5} DEVICE=${DEVICE:-CUDA} WORK=${WORK:-/tmp/sidebyside}
+DEADLINE=${DEADLINE:-570} PY=${PYTHON:-python3} OUT=${OUT:-$WORK/out}
+mkdir -p "$WORK" "$OUT"
+exec > >(tee -a "$OUT/sidebyside.log") 2>&1
+T0=$SECONDS
+log() { echo "[$(date -u +%H:%M:%S) +$((SECONDS - T0))s] $*"; }
+left() { echo $((DEADLINE - (SECONDS - T0))); }
+log "models: $MODELS; configs: $CONFIGS; device $DEVICE"
+
+BENCH=${LLAMA_BENCH:-$WORK/llama/build/bin/llama-bench} BUILD=
+if [ ! -x "$BENCH" ] && [ -z "${LLAMA_BENCH:-}" ]; then  # first; stopped (with its compilers) if it would leave 2 minutes or less
+  log "building llama-bench in the background (log: llama-build.log)"
+  rm -rf "$WORK/llama"
+  timeout "$((DEADLINE - 120))" bash benchmarks/llama_cpp.sh build "$WORK/llama" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
+    > "$OUT/llama-build.log" 2>&1 &
+  BUILD=$!
+fi
+
+if [ -d .whl ] && ! "$PY" -c "import tinygrad" 2>/dev/null; then  # the device's image lacks the project's packages
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+
+if [ "$DEVICE" = CUDA ]; then LABEL="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) (CUDA)"
+else LABEL="$("$PY" -c 'import platform; print(platform.processor() or platform.machine())') ($DEVICE)"; fi
+file() { echo "$WORK/$1-$QUANT${LAYERS:+-L$LAYERS}.gguf"; }
+name() { echo "$1 (synthetic, exact shapes)"; }
+rec() { "$PY" -m benchmarks.record "$@" --device "$LABEL" --quant "${QUANT^^}" >> "$OUT/results.jsonl" || log "record.py failed: $*"; }
+
+for m in $MODELS; do
+  [ -f "$(file "$m")" ] && continue
+  log "writing $(file "$m")"
+  "$PY" -m model synth --preset "$m" --quant "$QUANT" ${LAYERS:+--layers "$LAYERS"} --out "$(file "$m")" || log "model synth failed for $m"
+done
+for m in $MODELS; do  # the baseline's reference for the correctness gate: made once per file, by the evaluator's own code
+  [ -f "$(file "$m")" ] || continue
+  log "reference for $m"
+  timeout "$(($(left) - 60))" "$PY" -c "import sys; from evaluator.runner import Evaluator
+Evaluator.for_model(sys.argv[1], sys.argv[2]).reference('full')" "$(file "$m")" "$DEVICE" || log "the reference for $m failed (its first trial makes it again)"
+done
+if [ -n "$BUILD" ]; then
+  log "waiting for the llama-bench build"
+  wait "$BUILD" || log "llama-bench build failed (exit $?; 124: stopped at the deadline): $(grep -i -m3 error "$OUT/llama-build.log")"
+fi
+log "llama-bench: $( [ -x "$BENCH" ] && echo "$BENCH" || echo missing)"
+
+for m in $MODELS; do
+  f=$(file "$m") json=$WORK/$m.llama.json
+  if [ ! -f "$f" ]; then
+    rec error --kind llama_cpp --model-name "$(name "$m")" --config-name llama.cpp --command "model synth --preset $m" --error "no model file"
+    continue
+  fi
+  cmd="llama-bench -m $(basename "$f") -p 0 -n $LLAMA_N -r $LLAMA_REPS -ngl 99 -fa 1 -o json  ($(basename "$f"): model synth --preset $m --quant $QUANT${LAYERS:+ --layers $LAYERS})"
+  rm -f "$json"
+  if [ ! -x "$BENCH" ]; then rec error --kind llama_cpp --model "$f" --model-name "$(name "$m")" --config-name llama.cpp --command "$cmd" \
+    --error "no llama-bench: its build failed (llama-build.log)"
+  elif [ "$(left)" -lt 30 ]; then rec error --kind llama_cpp --model "$f" --model-name "$(name "$m")" --config-name llama.cpp --command "$cmd" \
+    --error "skipped: deadline"
+  else
+    log "llama-bench $m"
+    if timeout "$(($(left) - 10))" "$BENCH" -m "$f" -p 0 -n "$LLAMA_N" -r "$LLAMA_REPS" -ngl 99 -fa 1 -o json > "$json.tmp" 2> "$WORK/llama-bench.err"; then
+      mv "$json.tmp" "$json"
+      rec llama "$json" --model "$f" --model-name "$(name "$m")" --command "$cmd"
+      "$PY" -c "import json, sys; print(json.dumps(json.load(open(sys.argv[1]))))" "$json" >> "$OUT/trials.jsonl"
+    else
+      rec error --kind llama_cpp --model "$f" --model-name "$(name "$m")" --config-name llama.cpp --command "$cmd" \
+        --error "llama-bench failed: $(tail -2 "$WORK/llama-bench.err" | tr '\n' ' ')"
+    fi
+  fi
+  echo '{}' > "$WORK/baseline.json"
+  for spec in $CONFIGS; do
+    [ "$spec" = baseline ] && spec=baseline=$WORK/baseline.json
+    cname=${spec%%=*} cfg=${spec#*=} res=$WORK/$m.${spec%%=*}.json
+    profile=$( [ "$cname" = baseline ] || echo --profile )
+    cmd="python -m evaluator run --model $(basename "$f") --device $DEVICE --no-prefill -n $N --rounds $ROUNDS --config $( [ "$cname" = baseline ] && echo '{}' || echo "$cfg") $profile"
+    cmd="$cmd  ($(basename "$f"): model synth --preset $m --quant $QUANT${LAYERS:+ --layers $LAYERS}; via bash benchmarks/sidebyside.sh)"
+    rm -f "$res"
+    if [ "$(left)" -lt 30 ]; then
+      rec error --kind trial --model "$f" --model-name "$(name "$m")" --config-name "$cname" --command "$cmd" --error "skipped: deadline"
+      continue
+    fi
+    log "evaluator: $m $cname"
+    "$PY" -m evaluator run --model "$f" --device "$DEVICE" --no-prefill -n "$N" --rounds "$ROUNDS" --config "$cfg" $profile \
+      --timeout "$(($(left) - 10))" --json "$res"
+    if [ -f "$res" ]; then
+      rec trial "$res" --model-name "$(name "$m")" --config-name "$cname" --command "$cmd" $( [ -f "$json" ] && echo --llama "$json" )
+      cat "$res" >> "$OUT/trials.jsonl"
+    else
+      rec error --kind trial --model "$f" --model-name "$(name "$m")" --config-name "$cname" --command "$cmd" --error "the evaluator wrote no result"
+    fi
+  done
+done
+log "done: $(wc -l < "$OUT/results.jsonl") lines in results.jsonl"
+"$PY" -c "
+import json, sys
+for l in open(sys.argv[1]):
+  r = json.loads(l)
+  if r['kind'] in ('decode', 'llama_cpp') or 'error' in r:
+    print(f\"{r['model'][:24]:24s} {r['config']:12s} {r.get('tok_s', ''):>8} tok/s  llama.cpp {r.get('llama_cpp_tok_s', '')}  {r.get('error', '')}\")
+" "$OUT/results.jsonl"

@@ -1,0 +1,77 @@
+"""benchmarks/sidebyside.sh end to end on the CPU: the tiny model, a stand-in for llama-bench (the real one is built on the
+device; `bash benchmarks/llama_cpp.sh pack --check` proves the packed source builds it), every figure turned into
+results.jsonl lines by benchmarks/record.py, a broken config recorded without stopping the rest, and the side-by-side tables
+of docs/benchmarks.template.md rendered from those lines."""
+import collections
+import json
+import os
+import pathlib
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import render
+from model.structure import StructureConfig
+from search.study import config_hash
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# llama-bench -o json of this llama.cpp (llama-cpp-python 0.3.36's), the fields record.py reads and a few beside them
+LLAMA = {"build_commit": "llama-cpp-python-0.3.36", "build_number": 0, "cpu_info": "AMD EPYC", "gpu_info": "", "backends": "CPU",
+         "model_type": "deepseek2 ?B Q4_0", "n_gpu_layers": 99, "flash_attn": 1, "n_prompt": 0, "n_gen": 128, "avg_ns": 2946000,
+         "stddev_ns": 20000, "avg_ts": 339.42, "stddev_ts": 2.31, "samples_ns": [2940000] * 5, "samples_ts": [337.1, 338.9, 339.4, 340.2, 341.5]}
+STAND_IN = f"""#!{sys.executable}
+import json, sys
+a = sys.argv[1:]
+assert a[2:] == "-p 0 -n 128 -r 5 -ngl 99 -fa 1 -o json".split() and a[0] == "-m" and a[1].endswith(".gguf"), a
+print(json.dumps([{json.dumps(LLAMA)} | {{"model_filename": a[1]}}], indent=2))
+"""
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory) -> pathlib.Path:
+  tmp = tmp_path_factory.mktemp("sidebyside")
+  (bench := tmp / "llama-bench").write_text(STAND_IN)
+  bench.chmod(bench.stat().st_mode | stat.S_IEXEC)
+  (tmp / "sorted.json").write_text('{"topk": "sort"}')
+  (tmp / "broken.json").write_text('{"topk": "no-such-variant"}')
+  env = os.environ | {"MODELS": "tiny", "DEVICE": "CPU", "CONFIGS": f"baseline sorted={tmp}/sorted.json broken={tmp}/broken.json",
+                      "N": "4", "ROUNDS": "1", "WORK": str(tmp), "OUT": str(tmp / "out"), "LLAMA_BENCH": str(bench), "PYTHON": sys.executable}
+  r = subprocess.run(["bash", "benchmarks/sidebyside.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+  return tmp / "out"
+
+
+def test_every_figure_is_a_results_line(out):
+  lines = render.load(out / "results.jsonl")
+  assert {i: m for i, x in enumerate(lines) if (m := render.missing(x))} == {}
+  assert collections.Counter((x["kind"], x["config"]) for x in lines if x["kind"] != "profile") == collections.Counter({
+    ("llama_cpp", "llama.cpp"): 1, ("decode", "baseline"): 1, ("trial", "baseline"): 1, ("gate", "baseline"): 1,
+    ("decode", "sorted"): 1, ("trial", "sorted"): 1, ("gate", "sorted"): 1, ("trial", "broken"): 1})
+  assert {x["device"] for x in lines} == {next(x for x in lines if x["kind"] == "decode")["device"]} and lines[0]["device"].endswith(" (CPU)")
+  assert {x["model"] for x in lines} == {"tiny (synthetic, exact shapes)"} and {x["layers"] for x in lines} == {3}
+  llama, base, fast = lines[0], *[x for x in lines if x["kind"] == "decode"]
+  assert (llama["tok_s"], llama["tok_s_stddev"], llama["tok_s_min"], llama["tok_s_max"]) == (339.42, 2.31, 337.1, 341.5)
+  assert base["config_hash"] == config_hash(StructureConfig()) and base["knobs"] == "baseline" and fast["knobs"] == "topk=sort"
+  assert base["llama_cpp_tok_s"] == fast["llama_cpp_tok_s"] == 339.42 and base["llama_cpp_tok_s_stddev"] == 2.31
+  assert all(x["tok_s_min"] <= x["tok_s"] <= x["tok_s_max"] and x["kernels_per_token"] > 0 for x in (base, fast))
+  assert all(x["state"] == "ok" and x["check_ok"] and x["check_s"] > 0 for x in lines if x["kind"] == "gate")
+  trials = {x["config"]: x for x in lines if x["kind"] == "trial"}
+  assert trials["sorted"]["status"] == "ok" and trials["sorted"]["wall_s"] > trials["sorted"]["compile_s"] > 0
+  assert trials["broken"]["status"] == "error" and trials["broken"]["error"] == "the evaluator wrote no result"
+  profile = [x for x in lines if x["kind"] == "profile"]  # the configs other than the baseline are profiled
+  assert profile and {x["config"] for x in profile} == {"sorted"} and [x["rank"] for x in profile] == list(range(1, len(profile) + 1))
+
+
+def test_each_result_is_kept_whole(out):
+  kept = [json.loads(x) for x in (out / "trials.jsonl").read_text().splitlines()]
+  assert kept[0][0]["model_filename"].endswith("tiny-q4_0.gguf")  # llama-bench's own output
+  assert [r["spec"]["config"]["topk"] for r in kept[1:]] == ["pairwise", "sort"] and kept[2]["profile"] and kept[2]["phases"]
+
+
+def test_the_template_renders_the_run(out):
+  doc = render.render(render.TEMPLATE.read_text(), render.load() + render.load(out / "results.jsonl"))
+  side = doc[doc.index("## Side by side"):doc.index("## Evaluator and search")]
+  assert "recorded yet" not in side
+  assert "| tiny (synthetic, exact shapes) | 3 | sorted | topk=sort |" in side and "± 2.3 (337.1-341.5)" in side

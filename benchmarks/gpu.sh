@@ -5,7 +5,9 @@
 #   steps: env bw trial repeat knobs study confirm status (evaluator and search on the 4-layer GLM-4.7-Flash Q4_0 shape),
 #          full (baseline at 47 layers); STUDY_TRIALS, STUDY_TIMEOUT set the study step's target and time limit;
 #          native (tests/test_native.py on the GPU), expert (the mul_mat_id product per backend, BEAM 0 and 2),
-#          cudaknobs (model bench rows of the knob values added since the H200 table: dsl/native backends, JIT batch size)
+#          cudaknobs (model bench rows of the knob values added since the H200 table: dsl/native backends, JIT batch size),
+#          fusedcheck (the native products, decode graph and knob proofs on the GPU), fused47 (model bench of the best known and
+#          the all-fused native configs at 47 layers, with per-kernel profiles)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DEV=CUDA STRUCTSEARCH_CACHE=/tmp/sscache
@@ -49,6 +51,11 @@ for step in "$@"; do
     cudaknobs) synth 4 /tmp/glm4.gguf && timed python3 benchmarks/run.py --model /tmp/glm4.gguf --device CUDA --set knobs --out "$OUT/cudaknobs.jsonl" \
                  --only baseline backend.Q4_0.dense=dsl backend.Q4_0.expert=dsl backend.Q4_0.dense=native backend.Q4_0.expert=native \
                         jit_batch_size=0 jit_batch_size=8 jit_batch_size=128 ;;
+    fusedcheck) timed timeout "${CHECK_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs --tb=short -x tests/test_native.py \
+                  -k "products_equal or decode_runs or tiny_native_knob" 2>&1 | tee "$OUT/fusedcheck.log" | tail -40 ;;
+    fused47) synth 47 /tmp/glm47.gguf && timed python3 benchmarks/run.py --model /tmp/glm47.gguf --device CUDA --set named --profile \
+               --config "best=benchmarks/configs/best.json" --config "fused-native=benchmarks/configs/fused-native.json" ${FUSED_EXTRA:-} \
+               --timeout 280 --out "$OUT/fused47.jsonl" ;;
     full) synth 47 /tmp/glm47.gguf && ev run --model /tmp/glm47.gguf --device CUDA --json "$OUT/trial_full.json"
           rec "$OUT/trial_full.json" run --model glm47.gguf --device CUDA ;;
   esac

@@ -67,6 +67,9 @@ def cmd_bench(args) -> None:
   d = {"model": str(f.path), "device": Device.DEFAULT, "layers": len(m.blocks), "load_s": load_s, "file_bytes": f.path.stat().st_size,
        "kv_cache_bytes": m.kv_cache_bytes, "device_bytes": GlobalCounters.mem_used, "load_peak_device_bytes": m.load_peak_bytes,
        "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **r.to_dict()}
+  if args.profile:
+    from evaluator.profile import kernel_profile
+    d["profile"] = kernel_profile(gen, r.tokens[0], args.prompt_len)
   if args.json: print(json.dumps(d))
   else:
     print(f"{f.path.name}: {len(gen.model.blocks)} blocks, prompt {args.prompt_len}, {args.n} tokens x {args.rounds} rounds")
@@ -75,6 +78,9 @@ def cmd_bench(args) -> None:
     print(f"  prefill  {r.prefill_tok_s:8.2f} tok/s    load {load_s:.1f} s, compile {r.compile_s:.1f} s")
     print(f"  memory   device {d['device_bytes'] / 1e9:.2f} GB (file {d['file_bytes'] / 1e9:.2f} GB, KV cache {d['kv_cache_bytes'] / 1e9:.3f} GB), "
           f"host peak {d['host_peak_rss_bytes'] / 1e9:.2f} GB")
+    for k in d.get("profile", []):
+      print(f"  {k['rank']:3d} {k['name'][:60]:60s} x{k['count']:<4d} {k['us_per_token']:9.1f} us/token {k['share']:6.1%}"
+            + (f" {k['gb_s']:8.1f} GB/s" if k["gb_s"] else ""))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
       c.add_argument("--prompt-len", type=int, default=32)
       c.add_argument("--rounds", type=int, default=3)
       c.add_argument("--json", action="store_true", help="print one JSON object")
+      c.add_argument("--profile", action="store_true", help="add a per-kernel profile of one decode step (unjitted, each kernel timed)")
   args = p.parse_args(argv)
   try: args.fn(args)
   except (GGUFError, ModelNotFound, ConfigError, ValueError) as e:

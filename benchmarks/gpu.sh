@@ -56,6 +56,20 @@ for step in "$@"; do
     fused47) synth 47 /tmp/glm47.gguf && timed python3 benchmarks/run.py --model /tmp/glm47.gguf --device CUDA --set named --profile \
                --config "best=benchmarks/configs/best.json" --config "fused-native=benchmarks/configs/fused-native.json" ${FUSED_EXTRA:-} \
                --timeout 280 --out "$OUT/fused47.jsonl" ;;
+    side) # model bench of the named configs (no correctness gate) and llama-bench, on full-depth GLM-4.7-Flash and DeepSeek-V2-Lite Q4_0
+          (timeout 400 bash benchmarks/llama_cpp.sh build /tmp/llama -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
+             > "$OUT/llama-build.log" 2>&1; echo "llama build exit $?" >> "$OUT/llama-build.log") &
+          LB=$!
+          synth 47 /tmp/glm47.gguf
+          timed python3 benchmarks/run.py --model /tmp/glm47.gguf --device CUDA --set named --profile ${SIDE_CONFIGS:---config fused-native=benchmarks/configs/fused-native.json} \
+            --timeout 200 --out "$OUT/side.jsonl"
+          [ -f /tmp/ds.gguf ] || timed python3 -m model synth --preset deepseek-v2-lite --quant q4_0 --out /tmp/ds.gguf
+          timed python3 benchmarks/run.py --model /tmp/ds.gguf --device CUDA --set named ${SIDE_CONFIGS:---config fused-native=benchmarks/configs/fused-native.json} \
+            --timeout 150 --out "$OUT/side.jsonl"
+          wait $LB; tail -3 "$OUT/llama-build.log"
+          for f in /tmp/glm47.gguf /tmp/ds.gguf; do
+            timed timeout 90 /tmp/llama/build/bin/llama-bench -m $f -p 0 -n 128 -r 5 -ngl 99 -fa 1 -o json > "$OUT/llama-$(basename $f .gguf).json" 2> "$OUT/llama-bench.err"
+            tail -c 600 "$OUT/llama-$(basename $f .gguf).json"; done ;;
     full) synth 47 /tmp/glm47.gguf && ev run --model /tmp/glm47.gguf --device CUDA --json "$OUT/trial_full.json"
           rec "$OUT/trial_full.json" run --model glm47.gguf --device CUDA ;;
   esac

@@ -300,7 +300,7 @@ class Block:
       if xn is None: xn = rms_norm(h, self.ffn_norm, hp.eps)
       return xn
     if not self.moe:
-      if (b := stage("ffn")) is not None: return self.barrier(b.ffn(self, h).cast(act), "block_out")
+      if (b := stage("ffn")) is not None: return b.ffn(self, h).cast(act)  # a kernel's output: block_out bounds nothing here
       return self.barrier(h + self._ffn(norm(), self.gate, self.up, self.down, self.gate_up, "dense_gate_up").cast(act), "block_out")
     forced = check.forced[self.i - hp.n_dense_lead].reshape(1, 1, hp.n_used) if check is not None and check.forced is not None else None
     if (b := stage("router")) is not None: sel, w, own, logits = b.router(self, h, forced)
@@ -308,7 +308,7 @@ class Block:
       logits = self.router_logits(norm())
       sel, w, own = self.route(logits, forced)
     if check is not None: check.own.append(own.reshape(-1, hp.n_used)), check.scores.append(self.scores(logits.float()).reshape(-1, hp.n_experts))
-    if (b := stage("moe")) is not None: return self.barrier(b.moe(self, h, sel, w).cast(act), "block_out")
+    if (b := stage("moe")) is not None: return b.moe(self, h, sel, w).cast(act)
     return self.barrier(h + self.experts(norm(), sel, w).cast(act), "block_out")
 
 

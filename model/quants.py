@@ -57,7 +57,9 @@ def planes(raw: Tensor, ggml_type: int) -> dict[str, Tensor]:
   materialize its input), and each field of a row is contiguous, which suits vector loads."""
   qt = QUANT_TYPES[ggml_type]
   blocks = raw.reshape(raw.shape[0], -1, qt.nbytes)
-  return {k: blocks[..., a:b].contiguous().bitcast(dt) for k, (a, b, dt) in LAYOUTS[ggml_type].items()}
+  out = {k: blocks[..., a:b].contiguous().bitcast(dt) for k, (a, b, dt) in LAYOUTS[ggml_type].items()}
+  # a 4-byte field stays a view of its bytes after the bitcast, which a custom kernel's input would copy on every call
+  return {k: v.contiguous() if v.dtype.itemsize == 4 else v for k, v in out.items()}
 
 
 def _k_scales(s: Tensor) -> tuple[Tensor, Tensor]:

@@ -11,6 +11,7 @@ import os
 import platform
 import sys
 
+import cuda_cpu
 import numpy as np
 import pytest
 from knobcheck import assert_close, check_knob, check_process_setting, gguf, mix_info
@@ -160,3 +161,53 @@ CUDA_SETTINGS = [(lbl, cfg) for lbl, cfg in single_knob_changes(mix_info("q4_0")
 def test_cuda_process_setting_changes_the_decode_step(gguf_file, label: str) -> None:
   """The JIT batch size at BEAM=0; the BEAM limits at BEAM=2, against the baseline at BEAM=2 (minutes of search each)."""
   check_process_setting(gguf_file("tiny", "q4_0"), label, dict(CUDA_SETTINGS)[label], TOKENS)
+
+
+def test_attention_kernel_splits_the_context(monkeypatch) -> None:
+  """The MLA attention kernel alone (CUDA emulator): one split, and several with the last block to finish merging them;
+  its arrival counters are back at zero after each launch."""
+  H, kvl, rope, ctx, scale = 2, 64, 32, 256, 0.11
+  rng = np.random.default_rng(0)
+  cache = rng.standard_normal((ctx, kvl + rope)).astype(np.float16)
+  qc = rng.standard_normal((H, kvl + rope)).astype(np.float32)
+  k = cuda_src.mla_attention(H, kvl, rope, ctx, scale, True)
+  ch, S = cuda_src.attention_splits(ctx)
+  for p in (20, ch * 2 + 30):
+    o, part, cnt = np.zeros((H, kvl), np.float32), np.zeros(H * S * (kvl + 2), np.float32), np.zeros(H, np.int32)
+    cuda_cpu.launch(k.src, k.name, k.grid, (cuda_src.THREADS, 1, 1), [o, part, cnt, qc, cache.view(np.uint16), np.array([p], np.int32)])
+    c = cache[:p + 1].astype(np.float64)
+    s = qc.astype(np.float64) @ c.T * scale
+    w = np.exp(s - s.max(-1, keepdims=True))
+    want = (w / w.sum(-1, keepdims=True)) @ c[:, :kvl]
+    np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-5)
+    assert (cnt == 0).all()
+
+
+@pytest.mark.parametrize("gating", sorted(cuda_src.GATING))
+def test_router_kernel(gating: int) -> None:
+  """The router kernel alone (CUDA emulator), each gating function, with and without the selection bias, its own top-k
+  and with forced ids (the correctness check's variant): ids, weights and counter as the model's per-op routing computes them."""
+  E, K, dim, eps, scale = 40, 3, 256, 1e-5, 1.8
+  rng = np.random.default_rng(gating)
+  x, gamma = rng.standard_normal(dim).astype(np.float32), (1 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
+  w, bias = (rng.standard_normal((E, dim)) * 0.2).astype(np.float32), (0.01 * rng.standard_normal(E)).astype(np.float32)
+  xn = x / np.sqrt((x.astype(np.float64) ** 2).mean() + eps) * gamma
+  lg = w.astype(np.float64) @ xn
+  probs = {1: np.exp(lg - lg.max()) / np.exp(lg - lg.max()).sum(), 2: 1 / (1 + np.exp(-lg)), 3: lg, 4: np.sqrt(np.log1p(np.exp(lg)))}[gating]
+  for use_bias, norm_w, forced in ((True, True, None), (False, False, np.array([7, 0, 39], np.int32))):
+    k = cuda_src.router(cuda_src.W("g_", 0, dim), E, K, eps, gating, use_bias, norm_w, scale, forced is not None)
+    sc = probs + (bias if use_bias else 0)
+    own = np.argsort(-sc, kind="stable")[:K]
+    ids = own if forced is None else forced
+    wt = probs[ids]
+    if gating == 3: wt = np.exp(wt - wt.max()) / np.exp(wt - wt.max()).sum()
+    if norm_w: wt = wt / max(wt.sum(), 6.103515625e-5)
+    wt = wt * scale
+    sel, wts, logits, cnt = np.zeros(K, np.int32), np.zeros(K, np.float32), np.zeros(E, np.float32), np.zeros(1, np.int32)
+    args = [sel, wts, logits, cnt] + ([np.zeros(K, np.int32), forced] if forced is not None else []) + [x, gamma] + ([bias] if use_bias else [])
+    cuda_cpu.launch(k.src, k.name, k.grid, (cuda_src.THREADS, 1, 1), args + [w.reshape(E, dim, 1)])
+    np.testing.assert_array_equal(sel, ids)
+    if forced is not None: np.testing.assert_array_equal(args[4], own)
+    np.testing.assert_allclose(logits, lg, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(wts, wt, rtol=1e-4, atol=1e-6)
+    assert cnt[0] == 0

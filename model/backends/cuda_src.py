@@ -195,17 +195,18 @@ def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, norm: str 
   upl = max(1, min(per_lane, XREGS // nw))
   nch = -(-per_lane // upl)
   accs = [f"{a}{r}" for _, _, a in comps for r in range(R)]
-  body = [" ".join(f"float {a} = 0.f;" for a in accs), f"for (int c = 0; c < {nch}; c++) {{"]
+  # rows past the end and units past the row are clamped, not skipped (their x is zero, their sums are not stored), so no
+  # weight load sits behind a branch and a lane issues all of its loads at once
+  body = [" ".join(f"float {a} = 0.f;" for a in accs) + " " + " ".join(f"const int o{r} = min(obase + {r}, {rows - 1});" for r in range(R)),
+          f"for (int c = 0; c < {nch}; c++) {{"]
   us = [f"(c * {G * upl} + gl + {G * i})" for i in range(upl)]
   body += [load_x(w0, i, xp, us[i], norm) for i in range(upl)]
+  uw = us if nch * upl * G == w0.units else [f"min({u}, {w0.units - 1})" for u in us]
   for r in range(R):
-    dots = []
     for w, row, a in comps:
       for i in range(upl):
         xs = (lambda g, i=i: f"xs{i}_{g}") if w.unit.quantized else None
-        d = unit_dot(w, row.format(o=f"(obase + {r})"), us[i], lambda e, i=i: f"x{i}_{e}", xs, f"{a}{r}")
-        dots.append(d if nch * upl * G == w0.units else f"if ({us[i]} < {w0.units}) {d}")
-    body.append(f"if (obase + {r} < {rows}) {{ {' '.join(dots)} }}")
+        body.append(unit_dot(w, row.format(o=f"o{r}"), uw[i], lambda e, i=i: f"x{i}_{e}", xs, f"{a}{r}"))
   body.append("}")
   body.append(" ".join(f"{a} = group_sum({a}, {G});" for a in accs))
   for r in range(R if epilogue is not None else 0):
@@ -349,36 +350,47 @@ def absorb_rope_kv(kb: W, heads: int, nope: int, rope: int, kvl: int, max_ctx: i
 
 
 def attention_splits(max_ctx: int) -> tuple[int, int]:
-  """(positions per split, splits) of the MLA attention kernel for a cache of max_ctx positions."""
-  ch = max(8, -(-max_ctx // 64))
+  """(positions per split, splits) of the MLA attention kernel for a cache of max_ctx positions: 64 positions per block
+  (4 warps x 4 batches of 4), more where the context is long, at most 64 splits."""
+  ch = max(64, -(-max_ctx // 64))
   return ch, -(-max_ctx // ch)
+
+
+ATT_BATCH = 4  # positions a warp scores at once (independent loads and reductions, then one softmax update)
 
 
 @functools.cache
 def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, cache_half: bool) -> Kernel:
   """MLA decode attention over the compressed cache, split over the context (grid: heads x splits): each block scores its
-  positions with the absorbed query (scores over all kvl + rope dims, values = the cache's first kvl dims, V a slice of K),
-  keeps an online softmax per warp, merges its warps, and writes (max, sum, unnormalised output) of its split; the last
-  block of a head to finish (an atomic count, reset by that block) merges the splits into o (H, kvl)."""
-  D, ch, S = kvl + rope, *attention_splits(max_ctx)
+  positions with the absorbed query (all kvl + rope dims; the values are the cache's first kvl dims: V is a slice of K),
+  keeps an online softmax per warp, merges its warps. Blocks past the last position return at once; with one active split
+  its block writes o itself, else each writes (max, sum, unnormalised output) and the last to finish (an atomic count of
+  the active splits, reset by it) merges them into o (H, kvl)."""
+  D, (ch, S), P = kvl + rope, attention_splits(max_ctx), ATT_BATCH
   nd, nv = D // 32, kvl // 32
   name = f"native_mla_attention_h{heads}_{kvl}_{rope}_c{max_ctx}{'' if cache_half else '_f32'}"
   ct = "unsigned short" if cache_half else "float"
   ld = (lambda v: f"h2f({v})") if cache_half else (lambda v: v)
   params = ["float* o", "float* part", "int* cnt", "const float* __restrict__ qc", f"const {ct}* __restrict__ cache", "const int* __restrict__ pos"]
   body = f"""const int h = blockIdx.x, sp = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n = pos[0] + 1, j0 = sp * {ch}, j1 = min(n, j0 + {ch});
+  const int n = pos[0] + 1, j0 = sp * {ch}, j1 = min(n, j0 + {ch}), active = (n + {ch - 1}) / {ch};
+  if (j0 >= n) return;
   float qv[{nd}], ov[{nv}], m = -INFINITY, l = 0.f;
   for (int k = 0; k < {nd}; k++) qv[k] = qc[(size_t)h * {D} + lane + 32 * k];
   for (int k = 0; k < {nv}; k++) ov[k] = 0.f;
-  #pragma unroll 2
-  for (int j = j0 + warp; j < j1; j += {WARPS}) {{
-    float v[{nd}], sc = 0.f;
-    for (int k = 0; k < {nd}; k++) {{ v[k] = {ld(f'cache[(size_t)j * {D} + lane + 32 * k]')}; sc = fmaf(qv[k], v[k], sc); }}
-    sc = group_sum(sc, 32) * {scale!r}f;
-    const float mn = fmaxf(m, sc), corr = expf(m - mn), p = expf(sc - mn);
-    l = l * corr + p;
-    for (int k = 0; k < {nv}; k++) ov[k] = ov[k] * corr + p * v[k];
+  for (int jb = j0 + warp * {P}; jb < j1; jb += {WARPS * P}) {{
+    float v[{P}][{nd}], sc[{P}];
+    for (int b = 0; b < {P}; b++) {{
+      const int j = min(jb + b, j1 - 1); sc[b] = 0.f;
+      for (int k = 0; k < {nd}; k++) {{ v[b][k] = {ld(f'cache[(size_t)j * {D} + lane + 32 * k]')}; sc[b] = fmaf(qv[k], v[b][k], sc[b]); }}
+    }}
+    for (int mm = 16; mm > 0; mm >>= 1) for (int b = 0; b < {P}; b++) sc[b] += __shfl_xor_sync(0xffffffffu, sc[b], mm);
+    float mn = m;
+    for (int b = 0; b < {P}; b++) {{ sc[b] = jb + b < j1 ? sc[b] * {scale!r}f : -INFINITY; mn = fmaxf(mn, sc[b]); }}
+    const float corr = expf(m - mn);
+    l *= corr;
+    for (int k = 0; k < {nv}; k++) ov[k] *= corr;
+    for (int b = 0; b < {P}; b++) {{ const float p = expf(sc[b] - mn); l += p; for (int k = 0; k < {nv}; k++) ov[k] = fmaf(p, v[b][k], ov[k]); }}
     m = mn;
   }}
   __shared__ float sm[{WARPS}], sl[{WARPS}], so[{WARPS}][{kvl}];
@@ -390,22 +402,28 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
   for (int w = 0; w < {WARPS}; w++) M = fmaxf(M, sm[w]);
   float f[{WARPS}], L = 0.f;
   for (int w = 0; w < {WARPS}; w++) {{ f[w] = sm[w] == -INFINITY ? 0.f : expf(sm[w] - M); L += f[w] * sl[w]; }}
+  if (active == 1) {{
+    for (int c = threadIdx.x; c < {kvl}; c += {THREADS}) {{
+      float a = 0.f; for (int w = 0; w < {WARPS}; w++) a += f[w] * so[w][c];
+      o[(size_t)h * {kvl} + c] = a / L;
+    }}
+    return;
+  }}
   float* mine = part + ((size_t)h * {S} + sp) * {kvl + 2};
   for (int c = threadIdx.x; c < {kvl}; c += {THREADS}) {{ float a = 0.f; for (int w = 0; w < {WARPS}; w++) a += f[w] * so[w][c]; mine[2 + c] = a; }}
   if (threadIdx.x == 0) {{ mine[0] = M; mine[1] = L; }}
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(&cnt[h], 1) == {S - 1};
+  if (threadIdx.x == 0) last = atomicAdd(&cnt[h], 1) == active - 1;
   __syncthreads();
   if (!last) return;
   const volatile float* ph = part + (size_t)h * {S} * {kvl + 2};
-  float MX = -INFINITY;
-  for (int s = 0; s < {S}; s++) MX = fmaxf(MX, ph[s * {kvl + 2}]);
-  float LT = 0.f;
-  for (int s = 0; s < {S}; s++) {{ const float ms = ph[s * {kvl + 2}]; if (ms != -INFINITY) LT += expf(ms - MX) * ph[s * {kvl + 2} + 1]; }}
+  float MX = -INFINITY, LT = 0.f;
+  for (int s = 0; s < active; s++) MX = fmaxf(MX, ph[s * {kvl + 2}]);
+  for (int s = 0; s < active; s++) LT += expf(ph[s * {kvl + 2}] - MX) * ph[s * {kvl + 2} + 1];
   for (int c = threadIdx.x; c < {kvl}; c += {THREADS}) {{
     float a = 0.f;
-    for (int s = 0; s < {S}; s++) {{ const float ms = ph[s * {kvl + 2}]; if (ms != -INFINITY) a += expf(ms - MX) * ph[s * {kvl + 2} + 2 + c]; }}
+    for (int s = 0; s < active; s++) a += expf(ph[s * {kvl + 2}] - MX) * ph[s * {kvl + 2} + 2 + c];
     o[(size_t)h * {kvl} + c] = a / LT;
   }}
   if (threadIdx.x == 0) cnt[h] = 0;"""

@@ -39,7 +39,12 @@ def launch(k: C.Kernel, params: list[Tensor], mem: int, ops: int = 0) -> list[Te
 def planes(w: QWeight) -> list[Tensor]: return [w.planes[n] for n, _ in C.plane_types(w.ggml_type)]
 def row_bytes(w: QWeight) -> int: return w.shape[-1] // QUANT_TYPES[w.ggml_type].block * QUANT_TYPES[w.ggml_type].nbytes
 def cw(prefix: str, w: QWeight) -> C.W: return C.W(prefix, w.ggml_type, w.shape[-1])
-def f32(x: Tensor) -> Tensor: return x.float().contiguous()
+def f32(x: Tensor) -> Tensor:
+  """x as float32 for a kernel input; a float32 tensor is passed as it is (a copy would cost a kernel per call)."""
+  return x if x.dtype == dtypes.float32 else x.float()
+
+
+def i32(x: Tensor) -> Tensor: return x if x.dtype == dtypes.int32 else x.cast(dtypes.int32)
 def empty(*shape: int, dtype=dtypes.float32, device: str | None = None) -> Tensor: return Tensor.empty(*shape, dtype=dtype, device=device)
 
 
@@ -88,7 +93,7 @@ def attention(blk: Block, x: Tensor, start_pos, pos: Tensor) -> Tensor:
   attention split over the context, v_b, output projection + residual: 6 kernels."""
   hp, dev = blk.hp, x.device
   H, nope, rope, kvl, dim = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.kv_lora, hp.dim
-  xf = f32(x.reshape(dim))
+  xf = f32(x)
   first = blk.q_a if hp.q_lora else blk.q_b
   rows = (first.shape[0], blk.kv_a.shape[0])
   k1 = C.dense(((cw("a_", first), rows[0]), (cw("b_", blk.kv_a), rows[1])), _rows_r(max(rows)), hp.eps)
@@ -105,9 +110,10 @@ def attention(blk: Block, x: Tensor, start_pos, pos: Tensor) -> Tensor:
                      row_bytes(blk.k_b) * H * kvl + D * 2)[:2]
   k4 = C.mla_attention(H, kvl, rope, blk.cache.shape[1], hp.kq_scale, cache_half)
   o = launch(k4, [empty(H * kvl, device=dev), blk.scratch["part"], blk.scratch["cnt"], qc, cache, pos], cache.nbytes() // 4)[0]
-  a = per_head(o.reshape(1, H, kvl), blk.v_b).reshape(H * hp.v_head)
+  kv5 = C.product("per_head", blk.v_b.ggml_type, blk.v_b.shape, tn=1, n=1, heads=H)
+  a = launch(kv5, [empty(H * hp.v_head, device=dev), o, *planes(blk.v_b)], row_bytes(blk.v_b) * H * hp.v_head)[0]
   k6 = C.dense(((cw("a_", blk.wo), dim),), _rows_r(dim), None, residual=True)
-  return launch(k6, [empty(dim, device=dev), a, xf, *planes(blk.wo)], row_bytes(blk.wo) * dim)[0].reshape(1, 1, dim)
+  return launch(k6, [empty(1, 1, dim, device=dev), a, xf, *planes(blk.wo)], row_bytes(blk.wo) * dim)[0]
 
 
 def router(blk: Block, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -116,12 +122,10 @@ def router(blk: Block, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor,
   hp, dev, w = blk.hp, h.device, blk.gate_inp
   E, K = hp.n_experts, hp.n_used
   k = C.router(cw("g_", w), E, K, hp.eps, hp.gating, blk.probs_b is not None, hp.norm_w, hp.w_scale, forced is not None)
-  outs = [empty(K, dtype=dtypes.int32, device=dev), empty(K, device=dev), empty(E, device=dev), blk.scratch["router_cnt"]]
-  if forced is not None: outs += [empty(K, dtype=dtypes.int32, device=dev), forced.reshape(K).cast(dtypes.int32).contiguous()]
-  res = launch(k, [*outs, f32(h.reshape(hp.dim)), blk.ffn_norm, *([blk.probs_b] if blk.probs_b is not None else []), *planes(w)],
-               row_bytes(w) * E)
-  sel = res[0].reshape(1, 1, K)
-  return sel, res[1].reshape(1, 1, K), res[4].reshape(1, 1, K) if forced is not None else sel, res[2].reshape(1, 1, E)
+  outs = [empty(1, 1, K, dtype=dtypes.int32, device=dev), empty(1, 1, K, device=dev), empty(1, 1, E, device=dev), blk.scratch["router_cnt"]]
+  if forced is not None: outs += [empty(1, 1, K, dtype=dtypes.int32, device=dev), i32(forced)]
+  res = launch(k, [*outs, f32(h), blk.ffn_norm, *([blk.probs_b] if blk.probs_b is not None else []), *planes(w)], row_bytes(w) * E)
+  return res[0], res[1], res[4] if forced is not None else res[0], res[2]
 
 
 def _ffn(gate: QWeight | None, up: QWeight | None, down: QWeight, gate_up: QWeight | None, hidden: int, experts: int = 0) -> C.FFN:
@@ -144,7 +148,7 @@ def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor) -> Tensor:
   if blk.shared:
     Fp = blk.down_sh.shape[-1]
     plain, pp = _ffn(blk.gate_sh, blk.up_sh, blk.down_sh, blk.gate_up_sh, Fp), _ffn_planes(blk.gate_sh, blk.up_sh, blk.gate_up_sh)
-  return _glu_down(blk, h, routed, plain, rp, pp, K * F + Fp, (sel.reshape(K).cast(dtypes.int32).contiguous(), f32(wts.reshape(K))),
+  return _glu_down(blk, h, routed, plain, rp, pp, K * F + Fp, (i32(sel), f32(wts)),
                    row_bytes(blk.down_exps) * hp.dim * K + (row_bytes(blk.down_sh) * hp.dim if blk.shared else 0), dev)
 
 
@@ -158,14 +162,14 @@ def ffn(blk: Block, h: Tensor) -> Tensor:
 def _glu_down(blk: Block, h: Tensor, routed: C.FFN | None, plain: C.FFN | None, rp: list[Tensor], pp: list[Tensor], n_act: int,
               route: tuple[Tensor, Tensor] | None, down_bytes: int, dev: str) -> Tensor:
   hp, K = blk.hp, blk.hp.n_used if routed else 0
-  hf = f32(h.reshape(hp.dim))
+  hf = f32(h)
   gu_bytes = n_act * 2 * (hp.dim // QUANT_TYPES[(routed or plain).gate.ggml_type].block) * QUANT_TYPES[(routed or plain).gate.ggml_type].nbytes
   kg = C.glu(routed, plain, K, hp.dim, hp.eps)
   act = launch(kg, [empty(n_act, device=dev), hf, blk.ffn_norm, *([route[0]] if route else []), *rp, *pp], gu_bytes)[0]
   kd = C.down(routed, plain, K, hp.dim)
   routed_down = [route[0], route[1], *planes(blk.down_exps)] if routed else []
   plain_down = planes(blk.down_sh if routed else blk.down) if plain else []
-  return launch(kd, [empty(hp.dim, device=dev), hf, act, *routed_down, *plain_down], down_bytes)[0].reshape(1, 1, hp.dim)
+  return launch(kd, [empty(1, 1, hp.dim, device=dev), hf, act, *routed_down, *plain_down], down_bytes)[0]
 
 
 class NativeBackend(Backend):

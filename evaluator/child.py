@@ -94,7 +94,7 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
   os.environ.update(cfg.process_env())
   from tinygrad import GlobalCounters
 
-  from evaluator import reference
+  from evaluator import gate
   from model import bench as B
   from model.bench import apply_process_settings
   from model.deepseek2 import Transformer
@@ -126,16 +126,17 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
 
   if spec.write_reference:
     rec.phase("reference")
-    reference.write(spec.write_reference, gen, first, prompt, spec.check_positions)
+    gate.make_reference(gen, prompt, spec.check_positions).save(spec.write_reference)
     return
+  ref, tol = None, gate.tolerance(cfg)
   if spec.reference:
     rec.phase("check")
-    ref = reference.load(spec.reference)
-    logits = reference.teacher_forced(gen, ref["tokens"], spec.prompt_len)
-    res.check = reference.compare(ref["logits"], logits, reference.tolerance(cfg))
+    ref = gate.Reference.load(spec.reference)
+    res.check = gate.check(gen, ref, tol)
     if not res.check["ok"]:
-      res.status, res.error = "wrong_output", reference.verdict(res.check)
+      res.status, res.error = "wrong_output", gate.verdict(res.check)
       return
+    first = int(ref.tokens[spec.prompt_len])  # the timed run continues the reference's sequence, so its tokens are checked too
 
   rec.phase("warmup")
   B.steps(gen, first, pos, spec.warmup)
@@ -152,6 +153,11 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
     "bandwidth_share": gb_s / spec.bandwidth_gbs if spec.bandwidth_gbs else None, "peak_device_bytes": peak(),
     "tokens": tokens[-1], "deterministic": all(t == tokens[0] for t in tokens),
     "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)}
+  if ref is not None:
+    res.check |= gate.check_tokens(ref, tokens[-1], tol)
+    if res.check["tokens_differ"]:
+      res.status, res.error = "wrong_output", gate.verdict(res.check)
+      return
   if spec.profile:
     rec.phase("profile")
     from evaluator.profile import kernel_profile

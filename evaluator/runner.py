@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from evaluator.lock import DeviceLock
-from evaluator.reference import file_sha256
 from evaluator.result import TrialResult, TrialSpec
+from model.filehash import file_sha256
 from model.registry import cache_dir
 from model.structure import StructureConfig
 
@@ -137,9 +137,9 @@ class Evaluator:
 
   def reference(self, stage: str, on_phase: Phase | None = None, on_wait: Phase | None = None) -> str:
     """The baseline's reference for this file, device and stage, made on first use (in its own trial process)."""
-    sha = file_sha256(self.model, cache_dir())
+    from evaluator.gate import reference_key
     probe = self.spec(StructureConfig().to_dict(), stage)
-    key = f"{sha[:16]}-{self.device.replace(':', '_')}-L{probe.layers or self.total_layers}-p{probe.prompt_len}-c{probe.check_positions}"
+    key = reference_key(file_sha256(self.model), self.device, probe.layers or self.total_layers, probe.prompt_len, probe.check_positions)
     path = cache_dir() / "references" / f"{key}.npz"
     if not path.exists():
       path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ from tinygrad import Tensor, TinyJit, UOp, dtypes
 from tinygrad.helpers import Context, ansistrip
 from tinygrad.uop.ops import Ops
 
-from model.deepseek2 import Transformer
+from model.deepseek2 import Check, Transformer
 
 
 class Generator:
@@ -21,12 +21,19 @@ class Generator:
     self.model, self.chunk, self.beam = model, min(chunk, model.max_context), model.cfg.beam
     self.pos = UOp.variable("start_pos", 0, model.max_context - 1)
     self.prefill_jit, self.step_jit, self.step_logits_jit = TinyJit(self._prefill), TinyJit(self._step), TinyJit(self._step_logits)
+    self.check_jit, self.forced_jit = TinyJit(self._check), TinyJit(self._check)  # the correctness check's graphs: own / forced routing
 
   def _prefill(self, tokens: Tensor, start_pos: UOp) -> Tensor:
     return self.model.forward(tokens, start_pos, all_logits=True)[0].contiguous()
 
   def _step_logits(self, token: Tensor, start_pos: UOp) -> Tensor:
     return self.model.forward(token, start_pos)[0, -1].contiguous()
+
+  def _check(self, token: Tensor, start_pos: UOp, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    chk = Check(forced)
+    logits = self.model.forward(token, start_pos, check=chk)[0, -1]
+    if not chk.own: return logits.contiguous(), Tensor.zeros(1, dtype=dtypes.int32).contiguous(), Tensor.zeros(1).contiguous()
+    return logits.contiguous(), Tensor.stack(*chk.own).cast(dtypes.int32).contiguous(), Tensor.stack(*chk.scores).float().contiguous()
 
   def _step(self, token: Tensor, start_pos: UOp, temperature: Tensor, seed: Tensor) -> Tensor:
     logits = self.model.forward(token, start_pos)[0, -1]
@@ -55,6 +62,16 @@ class Generator:
   def step_logits(self, token: int, pos: int) -> np.ndarray:
     self._check_room(pos + 1)
     with Context(BEAM=self.beam): return self.step_logits_jit(Tensor([[token]], dtype=dtypes.int32), self.pos.bind(pos)).numpy()
+
+  def check_step(self, token: int, pos: int, forced: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One decode step for the correctness check: (logits (vocab,), each MoE block's own top-k ids (n_moe, K), its selection
+    scores (n_moe, E)); forced (n_moe, K): the expert ids every MoE block uses instead of its own (the routing of a reference)."""
+    self._check_room(pos + 1)
+    args = (Tensor([[token]], dtype=dtypes.int32), self.pos.bind(pos))
+    with Context(BEAM=self.beam):
+      out = self.check_jit(*args) if forced is None else self.forced_jit(*args, Tensor(np.ascontiguousarray(forced, dtype=np.int32)))
+    logits, own, scores = (t.numpy() for t in out)
+    return logits, own, scores
 
   def step(self, token: int, pos: int, temperature: float = 0.0, seed: float = 0.0) -> int:
     self._check_room(pos + 1)

@@ -120,6 +120,11 @@ PRESETS: dict[str, ModelShape] = {
     name="tiny", hf_repo="", url="", n_layers=3, n_dense=1, dim=256, n_heads=4, q_lora=128, kv_lora=128, qk_nope=32, qk_rope=32,
     v_head=32, dense_ffn=512, n_experts=8, n_used=2, n_shared=1, expert_ffn=256, gating="sigmoid", exp_probs_bias=True,
     routed_scale=1.8, norm_topk=True, vocab=1024, ctx=2048, rope_theta=10000.0, rms_eps=1e-5),
+  # the tiny widths at depth: 30 MoE blocks, where a routing near-tie anywhere sends a per-position logit comparison astray
+  "tiny-deep": ModelShape(
+    name="tiny-deep", hf_repo="", url="", n_layers=32, n_dense=2, dim=256, n_heads=4, q_lora=128, kv_lora=128, qk_nope=32, qk_rope=32,
+    v_head=32, dense_ffn=512, n_experts=64, n_used=4, n_shared=1, expert_ffn=64, gating="sigmoid", exp_probs_bias=True,
+    routed_scale=1.8, norm_topk=True, vocab=1024, ctx=2048, rope_theta=10000.0, rms_eps=1e-5),
   "tiny-lite": ModelShape(
     name="tiny-lite", hf_repo="", url="", n_layers=3, n_dense=1, dim=256, n_heads=4, q_lora=0, kv_lora=128, qk_nope=32, qk_rope=32,
     v_head=32, dense_ffn=512, n_experts=8, n_used=2, n_shared=2, expert_ffn=256, gating="softmax", exp_probs_bias=False,

@@ -228,9 +228,8 @@ def _environment(env: dict) -> dict:
 def create_or_check(setup: Setup, url: str, info: ModelInfo, ev: Evaluator, enqueue: list[StructureConfig]) -> None:
   """Create the study (ours and Optuna's) or check that an existing one is this model file, device kind and space; then
   enqueue the baseline and the given configs (each once per study)."""
-  from evaluator.reference import file_sha256
-  from model.registry import cache_dir
-  sha = file_sha256(setup.model, cache_dir())
+  from model.filehash import file_sha256
+  sha = file_sha256(setup.model)
   engine = open_db(url)
   with session(engine) as s:
     row = store.get_study(s, setup.name)

@@ -1,0 +1,158 @@
+"""The correctness gate at depth (evaluator/gate.py) on a deep narrow model (tiny-deep: 30 MoE blocks of 64 experts at the
+tiny widths): a position-by-position comparison of free-running logits fails legitimate configs there (a kernel-boundary
+knob among them: it flips routing near-ties), the gate passes them, and it fails deliberately broken ones (faults patched
+into the model by the test), each touching a single position."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from tinygrad import Tensor, dtypes
+
+import evaluator.gate as gate
+from model.deepseek2 import Block, Transformer, topk_indices
+from model.generate import Generator
+from model.gguf_file import GGUFFile
+from model.structure import StructureConfig
+
+PROMPT = [(7919 * i + 17) % 1000 for i in range(8)]
+POSITIONS = 8
+
+
+@pytest.fixture(scope="module")
+def deep(gguf_file) -> str: return gguf_file("tiny-deep", "q4_0")
+
+
+@functools.cache
+def model(path: str, cfg_json: str = "{}") -> Transformer:
+  return Transformer(GGUFFile(path), StructureConfig.from_json(cfg_json), max_context=32)
+
+
+@pytest.fixture(scope="module")
+def ref(deep) -> gate.Reference: return gate.make_reference(Generator(model(deep)), PROMPT, POSITIONS)
+
+
+def free_logits(m: Transformer, tokens: np.ndarray) -> np.ndarray:
+  """The trial's logits at the check positions when it routes by itself (what the gate compared before)."""
+  g = Generator(m)
+  out = [g.check_step(int(t), j)[0] for j, t in enumerate(tokens[:len(PROMPT) + POSITIONS])]
+  return np.stack(out[len(PROMPT):])
+
+
+@pytest.mark.parametrize("cfg", ['{"barriers": {"moe_out": "contiguous"}}', '{"kv_dtype": "float32"}'])
+def test_legitimate_configs_pass_the_gate(deep, ref, cfg: str) -> None:
+  """A kernel boundary (float32 reorderings) and an fp32 KV cache against the baseline's fp16 one (the fp16 class); the
+  boundary also fails a position-by-position comparison of free-running logits, the gate of before."""
+  m = model(deep, cfg)
+  tol = gate.tolerance(StructureConfig.from_json(cfg))
+  if "barriers" in cfg:
+    assert (gate.rel_err(free_logits(m, ref.tokens), ref.logits) > tol).any(), "depth no longer breaks the free-running comparison here"
+  c = gate.check(Generator(m), ref, tol)
+  assert c["ok"] and c["failed_positions"] == 0 and c["wrong_routing"] == 0, c
+  assert c["max_rel_err"] <= tol and c["routing_decisions"] == (len(PROMPT) + POSITIONS) * 30
+
+
+def test_the_reference_records_routing_and_margins(ref) -> None:
+  n = len(PROMPT) + POSITIONS
+  assert ref.sel.shape == (n, 30, 4) and ref.scores.shape == (n, 30, 64) and ref.logits.shape == (POSITIONS, 1024)
+  assert (np.sort(ref.sel, -1) == np.sort(np.argsort(-ref.scores, -1, kind="stable")[..., :4], -1)).all()
+  m = ref.margins()
+  assert m.shape == (n, 30) and (m >= 0).all() and (m < 0.01).any(), "a random-weight model of this depth has near-ties"
+
+
+def _pos(start_pos) -> Tensor: return Tensor.zeros(1, dtype=dtypes.int32) + start_pos
+
+
+def _single_position(ref: gate.Reference, block: int) -> tuple[int, int]:
+  """(expert, check position) such that the reference selects `expert` in MoE block `block` at that one fed position only."""
+  sel = ref.sel[:, block]
+  for e in range(ref.scores.shape[-1]):
+    where = np.flatnonzero((sel == e).any(-1))
+    if len(where) == 1 and where[0] >= ref.prompt_len: return e, int(where[0])
+  pytest.skip("no expert of this block is used at exactly one check position")
+
+
+def test_a_wrong_expert_at_one_position_fails(deep, ref, monkeypatch) -> None:
+  """One MoE block's router swaps its second choice for the fifth at one position where its choice is clear: the routing
+  check sees it (the logits, under the reference's routing, do not)."""
+  m, b = model(deep), 20
+  p = ref.prompt_len + int(np.argmax(ref.margins()[ref.prompt_len:, b]))
+  blk = m.blocks[2 + b]
+  right = Block.route
+  def route(self, logits, forced=None):
+    sel, w, own = right(self, logits, forced)
+    if self is not blk: return sel, w, own
+    fifth = topk_indices(self.scores(logits), 5, "pairwise")[..., 4:5]
+    wrong = own[..., :1].cat(fifth, own[..., 2:], dim=-1)
+    return sel, w, (_pos(self._pos) == p).reshape(1, 1, 1).where(wrong, own)
+  call = Block.__call__
+  def tracked(self, x, start_pos, *a, **kw):
+    self._pos = start_pos
+    return call(self, x, start_pos, *a, **kw)
+  monkeypatch.setattr(Block, "route", route)
+  monkeypatch.setattr(Block, "__call__", tracked)
+  c = gate.check(Generator(m), ref, gate.FP32_TOL)
+  assert not c["ok"] and c["wrong_routing"] == 1 and c["wrong_routing_at"] == [p] and c["failed_positions"] == 0, c
+  assert "routing decisions differ" in gate.verdict(c)
+
+
+def test_a_scale_off_by_one_block_fails(deep, ref) -> None:
+  """In one MoE block, one expert's down projection reads each row's first block scale from its second block: the one
+  check position that uses that expert fails."""
+  m = Transformer(GGUFFile(deep), StructureConfig(), max_context=32)
+  b = 10
+  e, p = _single_position(ref, b)
+  w = m.blocks[2 + b].down_exps
+  d = w.planes["d"].numpy()
+  rows = slice(e * w.shape[1], (e + 1) * w.shape[1])
+  d[rows, 0] = d[rows, 1]
+  w.planes["d"].assign(Tensor(d)).realize()
+  c = gate.check(Generator(m), ref, gate.FP32_TOL)
+  assert not c["ok"] and c["failed_at"][0] == p - ref.prompt_len, c
+
+
+def test_a_dropped_residual_at_one_position_fails(deep, ref, monkeypatch) -> None:
+  m, p = model(deep), ref.prompt_len + 5
+  blk = m.blocks[15]
+  right = Block.attention
+  def attention(self, xn, start_pos):
+    a = right(self, xn, start_pos)
+    return a if self is not blk else a - (_pos(start_pos) == p).reshape(1, 1, 1).where(self._x, 0)
+  call = Block.__call__
+  def keep_x(self, x, *a, **kw):
+    self._x = x
+    return call(self, x, *a, **kw)
+  monkeypatch.setattr(Block, "attention", attention)
+  monkeypatch.setattr(Block, "__call__", keep_x)
+  c = gate.check(Generator(m), ref, gate.FP32_TOL)
+  assert not c["ok"] and c["failed_at"][0] == p - ref.prompt_len and c["max_rel_err"] > 10 * gate.FP32_TOL, c
+
+
+def test_the_timed_run_is_checked_where_the_reference_is_decisive() -> None:
+  """A timed run that computes something else (every token one id off) fails the token check; the reference's own tokens
+  pass; the comparison stops at the first position with a near-tie (of the top two logits, or of a routing decision
+  there or before), after which two legitimate runs may part."""
+  rng, P, n = np.random.default_rng(0), 4, 6
+  logits = rng.standard_normal((n, 50)).astype(np.float32)
+  want = logits.argmax(-1)
+  logits[np.arange(n), want] += 3  # clear leads
+  scores = np.tile(np.linspace(0, 1, 8, dtype=np.float32), (P + n, 3, 1))  # margins of 1/7 over a std of 0.33: clear
+  sel = np.argsort(-scores, -1)[..., :2]
+  ref = gate.Reference(np.array([1] * P + [7] + list(want)), sel, scores, logits, P)
+  assert ref.decisive_tokens(gate.FP32_TOL) == n
+  timed = [7] + list(want)
+  assert gate.check_tokens(ref, timed, gate.FP32_TOL) == {"tokens_compared": n, "tokens_differ": 0, "first_differing": None}
+  bad = gate.check_tokens(ref, [7] + [(t + 1) % 50 for t in want], gate.FP32_TOL)
+  assert bad["tokens_differ"] == n and bad["first_differing"] == 1
+  scores[P + 2, 1, 5] = scores[P + 2, 1, 6]  # a routing tie (2nd and 3rd) at check position 2: positions 2.. are not compared
+  assert ref.decisive_tokens(gate.FP32_TOL) == 2
+  assert gate.check_tokens(ref, timed[:3] + [0] * (n - 2), gate.FP32_TOL)["tokens_differ"] == 0
+
+
+def test_reference_key_follows_code_and_tinygrad(tmp_path, monkeypatch) -> None:
+  key = gate.reference_key("ab" * 32, "CUDA:0", 47, 32, 16)
+  assert "CUDA_0" in key and "L47" in key and "tinygrad0.14" in key
+  (tmp_path / "deepseek2.py").write_text("# other code\n")
+  monkeypatch.setattr(gate, "CODE", tmp_path)
+  assert gate.reference_key("ab" * 32, "CUDA:0", 47, 32, 16) != key

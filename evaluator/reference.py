@@ -11,10 +11,7 @@ decision (an expert score within rounding of the k-th), a broken code path fails
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import pathlib
 
 import numpy as np
 
@@ -69,20 +66,3 @@ def verdict(check: dict) -> str:
           f"{check['max_rel_err']:.3g} std, tolerance {check['tolerance']:.0e}; top token agrees at {check['top1_agree']} of "
           f"{check['top1_checked']} positions with a clear lead)")
 
-
-def file_sha256(path: str, cache_dir: pathlib.Path) -> str:
-  """SHA-256 of a (possibly 20 GB) model file, remembered by path, size and mtime."""
-  st = os.stat(path)
-  memo = cache_dir / "sha256.json"
-  key = f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}"
-  known = json.loads(memo.read_text()) if memo.exists() else {}
-  if key not in known:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-      while chunk := f.read(1 << 24): h.update(chunk)
-    known[key] = h.hexdigest()
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_suffix(".tmp")
-    tmp.write_text(json.dumps(known))
-    tmp.replace(memo)
-  return known[key]

@@ -1,7 +1,6 @@
 """GGUF files: metadata and tensor infos through the `gguf` package, raw tensor bytes as zero-copy tinygrad disk tensors."""
 from __future__ import annotations
 
-import hashlib
 import pathlib
 from dataclasses import dataclass
 from typing import Any
@@ -92,8 +91,3 @@ class GGUFFile:
     buf = np.fromfile(self.path, dtype=np.uint8, count=info.nbytes, offset=info.offset)
     return Tensor(buf.reshape(rows, info.nbytes // rows), device=device).realize()
 
-  def sha256(self) -> str:
-    h = hashlib.sha256()
-    with self.path.open("rb") as f:
-      while chunk := f.read(1 << 24): h.update(chunk)
-    return h.hexdigest()

@@ -1,8 +1,9 @@
 """The evaluator runs real trials of the tiny model on the CPU, each in its own process: results, repeatability, the
-correctness gate, failure classes (faults injected through the test-only STRUCTSEARCH_TEST_FAULT hook), the device lock,
-A/B comparison and the CLI."""
+correctness gate, failure classes (faults injected into the trial process from the outside: tests/inject/), the device
+lock, A/B comparison and the CLI."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -11,7 +12,7 @@ import pytest
 from evaluator.cli import main as evaluator_main
 from evaluator.compare import compare
 from evaluator.lock import DeviceLock
-from evaluator.runner import Evaluator, bandwidth, evaluate
+from evaluator.runner import Evaluator, bandwidth, evaluate, memory_limit, oom_kills, sigkill_verdict
 
 BASELINE: dict = {}
 
@@ -65,12 +66,13 @@ def test_a_different_config_passes_the_gate_with_its_own_kernels(ev, baseline) -
   ("", {"topk": "bogus"}, "invalid_config"),
   ("crash", {}, "runtime_error"),
   ("compile_error", {}, "compile_error"),
-  ("oom_kill", {}, "oom"),
+  ("sigkill", {}, "killed"),
+  ("device_oom_kill", {}, "oom"),
   ("hang", {}, "timeout"),
   ("broken_argmax_topk", {"topk": "argmax"}, "wrong_output"),
 ])
-def test_failures_are_classified(ev, monkeypatch, fault, config, status) -> None:
-  monkeypatch.setenv("STRUCTSEARCH_TEST_FAULT", fault)
+def test_failures_are_classified(ev, monkeypatch, inject, fault, config, status) -> None:
+  inject(fault)
   if fault == "hang": monkeypatch.setattr(ev, "timeout", 20)
   t0 = time.perf_counter()
   r = ev.run(config)
@@ -79,6 +81,17 @@ def test_failures_are_classified(ev, monkeypatch, fault, config, status) -> None
   if status == "timeout": assert 20 <= time.perf_counter() - t0 < 60 and "compile" in r.error
   if status == "wrong_output": assert r.check["failed_positions"] > r.check["positions"] // 4 and "tolerance" in r.error
   if status == "invalid_config": assert "topk='bogus'" in r.error
+  if status == "killed": assert "from outside" in r.error and r.metrics["host_peak_rss_bytes"] > 1e7
+  if status == "oom": assert "device ran out of memory" in r.error
+
+
+def test_sigkill_is_oom_only_on_evidence() -> None:
+  limit = memory_limit()
+  assert sigkill_verdict(1, 10**8, False, "")[0] == "killed"
+  assert sigkill_verdict(1, 10**8, True, "")[0] == "oom"  # the cgroup's OOM killer struck during the trial
+  assert sigkill_verdict(1, int(0.95 * limit), False, "")[0] == "oom"  # its own high-water mark at the memory limit
+  assert sigkill_verdict(1, 10**8, False, "loading\nRuntimeError: CUDA out of memory")[0] == "oom"
+  assert 1e9 < limit <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") and oom_kills() >= 0
 
 
 def test_argmax_topk_is_right_without_the_fault(ev) -> None:
@@ -86,8 +99,8 @@ def test_argmax_topk_is_right_without_the_fault(ev) -> None:
   assert r.ok and r.check["failed_positions"] == 0, r.error
 
 
-def test_device_lock_serialises_two_callers(ev, monkeypatch) -> None:
-  monkeypatch.setenv("STRUCTSEARCH_TEST_FAULT", "crash")  # a short trial: load, then an error
+def test_device_lock_serialises_two_callers(ev, inject) -> None:
+  inject("crash")  # a short trial: load, then an error
   spec = ev.spec(BASELINE)
   waits, spans = [], []
   def one() -> None:

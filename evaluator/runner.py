@@ -23,6 +23,14 @@ from model.structure import StructureConfig
 Phase = Callable[[str], None]
 
 
+class ReferenceFailed(RuntimeError):
+  """The baseline config failed to make the correctness reference: no trial of this file, device and depth can be checked."""
+
+  def __init__(self, result: TrialResult):
+    super().__init__(f"the baseline config failed to make the reference ({result.status}): {result.error}")
+    self.result = result
+
+
 @functools.cache
 def default_device() -> str:
   """tinygrad's default device, asked of a throwaway process (the parent never opens a device)."""
@@ -194,7 +202,7 @@ class Evaluator:
     if not path.exists():
       path.parent.mkdir(parents=True, exist_ok=True)
       res = evaluate(replace(probe, write_reference=str(path)), self.timeout, on_phase, on_wait)
-      if not res.ok: raise RuntimeError(f"the baseline config failed to make the reference ({res.status}): {res.error}")
+      if not res.ok: raise ReferenceFailed(res)
     return str(path)
 
   def run(self, config: dict, stage: str = "full", profile: bool = False, check: bool = True, on_phase: Phase | None = None,

@@ -180,11 +180,14 @@ def sample(info: ModelInfo, seed: int, device: str = "CPU") -> StructureConfig:
   return to_config(_choose(knobs(info, device), lambda k: rng.choice(k.choices)))
 
 
-def size(info: ModelInfo, device: str = "CPU") -> int:
-  """Distinct configurations of this model's space on this device kind."""
+def size(info: ModelInfo, device: str = "CPU", pins: dict[str, Any] | None = None) -> int:
+  """Distinct configurations of this model's space on this device kind (with `pins`: of the sub-space they leave)."""
+  pins = pins or {}
+  n = lambda k: 1 if k.name in pins else len(k.choices)
   ks = knobs(info, device)
-  fixed = math.prod(len(k.choices) for k in ks if k.when_beam is None and k.name != "beam")
-  return fixed * sum(math.prod(len(k.choices) for k in ks if k.when_beam is not None and k.when_beam(b)) for b in BEAM_WIDTHS)
+  fixed = math.prod(n(k) for k in ks if k.when_beam is None and k.name != "beam")
+  beams = [pins["beam"]] if "beam" in pins else BEAM_WIDTHS
+  return fixed * sum(math.prod(n(k) for k in ks if k.when_beam is not None and k.when_beam(b)) for b in beams)
 
 
 def single_knob_changes(info: ModelInfo, device: str = "CPU") -> list[tuple[str, StructureConfig]]:

@@ -40,6 +40,7 @@ def test_trial_reports_every_figure_and_repeats(baseline) -> None:
     assert m["ms_p50"] <= m["ms_p90"] and m["peak_device_bytes"] > 0 and m["layers"] == 3
     assert {"load_s", "compile_s", "prompt_s", "check_s", "warmup_s", "measure_s", "wall_s", "overhead_s"} <= set(r.phases)
     assert r.env["device"] == "CPU" and r.env["tinygrad_version"]
+    assert m["beam"] == {"search_s": 0.0, "kernels": 0}  # BEAM=0: no BEAM search
   # the same config twice: the same tokens and the same work; the speed within the noise of a shared 2-core machine
   assert a.metrics["tokens"] == b.metrics["tokens"]
   assert (a.metrics["kernels_per_token"], a.metrics["bytes_per_token"]) == (b.metrics["kernels_per_token"], b.metrics["bytes_per_token"])
@@ -130,6 +131,32 @@ def test_ab_compare_of_a_config_with_itself(ev) -> None:
   c = compare(ev, BASELINE, {"topk": "sort"}, pairs=1)
   assert c.failed is None and len(c.ratios) == 1
   assert 0.5 < c.low <= c.speedup <= c.high < 2.0
+
+
+BEAM_ONE_KERNEL = """
+import json, sys
+from model.bench import apply_process_settings, time_beam_search
+from model.structure import StructureConfig
+apply_process_settings(StructureConfig(), "CPU", sys.argv[1])
+beam = time_beam_search()
+from tinygrad import Context, Tensor
+x = Tensor.ones(4, 4).contiguous().realize()
+with Context(BEAM=1): (x * 2).sum(1).realize()
+print(json.dumps(beam))
+"""
+
+
+def test_beam_search_time_is_recorded_and_cached_per_study(tmp_path) -> None:
+  """The BEAM search of a kernel is timed apart; its choice lands in the study's own tinygrad cache, where the next trial
+  of the study finds it (and another study's cache does not hold it)."""
+  import json
+  import subprocess
+  import sys
+  run = lambda cache: json.loads(subprocess.run([sys.executable, "-c", BEAM_ONE_KERNEL, str(cache)], capture_output=True, text=True, check=True,
+                                                env={**os.environ, "PARALLEL": "0"}).stdout)
+  first, again = run(tmp_path / "study-a"), run(tmp_path / "study-a")
+  assert first["kernels"] == again["kernels"] == 1 and first["search_s"] > 0.05 and again["search_s"] < first["search_s"] / 10
+  assert (tmp_path / "study-a" / "cache.db").stat().st_size > 0 and not (tmp_path / "study-b").exists()
 
 
 def test_bandwidth_is_measured_once_and_cached(monkeypatch) -> None:

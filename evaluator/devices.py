@@ -1,7 +1,8 @@
 """Which physical device a tinygrad device name means: the key of its benchmark lock, and the model name a study is bound to.
 
 `CUDA`, `CUDA:0` and `NV` name one card (tinygrad's default device is index 0; CUDA and NV are two drivers of the same
-NVIDIA cards), so they share one lock. A CUDA index counts the cards that CUDA_VISIBLE_DEVICES lets the process see;
+NVIDIA cards), so they share one lock. An index is nvidia-smi's, but that CUDA counts only the cards CUDA_VISIBLE_DEVICES
+lets it see (on a host of mixed GPU models, CUDA_DEVICE_ORDER=PCI_BUS_ID makes CUDA count in nvidia-smi's order);
 nvidia-smi, where present, turns it into the card's UUID and model name. The host's CPU is one device however it is named."""
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def physical(device: str) -> PhysicalDevice:
   k, i = kind(device), index(device)
   if k == "CPU": return PhysicalDevice("CPU", platform.processor() or platform.machine())
   if k not in NVIDIA: return PhysicalDevice(f"{k}-{i}", "")
-  visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+  visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()] if k == "CUDA" else []
   card = visible[i] if i < len(visible) else str(i)
   gpus = nvidia_gpus()
   for n, (name, uuid) in enumerate(gpus):

@@ -73,9 +73,9 @@ def _run(setup: Setup, url: str, info: ModelInfo, args) -> None:
   with session(open_db(url, create=False)) as s: console.print(leaderboard_table(s, store.get_study(s, setup.name)))
 
 
-def _protocol(args, info: ModelInfo | None, device: str) -> dict:
+def _protocol(args, info: ModelInfo, device: str) -> dict:
   """The measurement settings this command line gives (None: not given)."""
-  fixed = parse_pins(args.fix, info, device) if args.fix is not None and info is not None else None
+  fixed = parse_pins(args.fix, info, device) if args.fix is not None else None
   return {"n": args.n, "rounds": args.rounds, "prefill": False if args.no_prefill else None, "block_layers": args.block_layers,
           "sampler": args.sampler, "seed": args.seed, "objectives": args.objectives, "fixed": fixed}
 

@@ -40,8 +40,8 @@ def test_device_names_map_to_physical_devices(nvidia_smi, monkeypatch) -> None:
   assert physical("CUDA") == physical("CUDA:0") == physical("NV") == physical("nv:0") == devices.PhysicalDevice("nvidia-GPU-0000-aaaa",
                                                                                                              "NVIDIA H100 80GB HBM3")
   assert physical("CUDA:1") == physical("NV:1") == devices.PhysicalDevice("nvidia-GPU-0001-aaaa", "NVIDIA A100-SXM4-40GB")
-  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # the process sees one card: CUDA:0 is the host's second
-  assert physical("CUDA").key == physical("NV:0").key == "nvidia-GPU-0001-aaaa"
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # CUDA sees one card: its CUDA:0 is the host's second (NV counts them all)
+  assert physical("CUDA").key == physical("NV:1").key == "nvidia-GPU-0001-aaaa" and physical("NV:0").key == "nvidia-GPU-0000-aaaa"
   monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-0000")
   assert physical("CUDA:0").name == "NVIDIA H100 80GB HBM3"
   nvidia_smi()  # no nvidia-smi answer: the index is the key

@@ -109,7 +109,7 @@ def test_ctrl_c_stops_cleanly_and_the_study_continues(model, tmp_path) -> None:
   out, _ = p.communicate(timeout=60)
   assert p.returncode == 130 and "continues" in out, out
   assert rows(url, "SELECT number, state FROM ss_trial") == [(0, "interrupted")]
-  assert search("start", "--study", "c", "--storage", url) == 0  # the command the stop message gives
+  assert search("start", "--study", "c", "--storage", url, "--confirm", "0") == 0  # the command the stop message gives
   trials = rows(url, "SELECT number, state, config_json FROM ss_trial ORDER BY number")
   assert [(n, s) for n, s, _ in trials][0] == (0, "interrupted") and len([t for t in trials if t[1] != "interrupted"]) == 2
   assert StructureConfig.from_json(trials[1][2]) == StructureConfig()  # the interrupted config runs first on resume

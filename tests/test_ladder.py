@@ -38,7 +38,7 @@ def test_spearman() -> None:
 
 @pytest.mark.parametrize("proxy", ["predicts", "random"])
 def test_the_proxy_prunes_only_where_it_predicts(model, tmp_path, monkeypatch, capsys, proxy) -> None:
-  install_fake_trials(monkeypatch.setattr, proxy=proxy)
+  install_fake_trials(monkeypatch.setattr, seconds=0.01, proxy=proxy)
   url = f"sqlite:///{tmp_path / 's.db'}"
   assert search("start", "--model", model, "--study", "l", "--storage", url, "--trials", "16", "--block-layers", "2", *FAST) == 0
   ts = trials(url, "l")

@@ -25,6 +25,10 @@ class DBError(RuntimeError):
   """The database cannot be used: unreachable, not a database, unsupported URL, or a schema newer than this code."""
 
 
+class NoDatabase(DBError):
+  """A command that only reads or joins found no structsearch database at the URL (and made none)."""
+
+
 def default_url() -> str: return f"sqlite:///{Path.cwd() / 'structsearch.db'}"
 
 
@@ -60,22 +64,27 @@ def _create_engine(u: URL) -> Engine:
   raise ArgumentError(f"backend {u.get_backend_name()!r} is not supported (use sqlite:///FILE or postgresql+psycopg://USER@HOST:PORT/DB)")
 
 
-def _upgrade(conn, url: str, safe: str) -> None:
+def _upgrade(conn, url: str, safe: str, create: bool) -> None:
   cfg = alembic_config(url)
   cfg.attributes["connection"] = conn
   known = {r.revision for r in ScriptDirectory.from_config(cfg).walk_revisions()}
   current = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE}).get_current_heads()
+  if not current and not create: raise NoDatabase(f"no structsearch database at {safe}")
   if unknown := sorted(set(current) - known):
     raise DBError(f"the database at {safe} has schema revision {', '.join(unknown)}, unknown to this structsearch: a newer version made it")
   command.upgrade(cfg, "head")
 
 
-def open_db(url: str) -> Engine:
-  """Connect to url and upgrade our tables to head (idempotent; concurrent callers wait for each other). Never drops data."""
+def open_db(url: str, create: bool = True) -> Engine:
+  """Connect to url and upgrade our tables to head (idempotent; concurrent callers wait for each other). Never drops data.
+  Without `create` (the commands that only read or join), a database that does not exist yet is an error, and none is made."""
   safe = hide_password(url)
   try: u = make_url(url); engine = _create_engine(u)
   except (ArgumentError, NoSuchModuleError, ImportError) as e: raise DBError(f"unsupported database URL {safe}: {_line(e)}") from None
   sqlite = u.get_backend_name() == "sqlite"
+  if sqlite and not create and not (u.database and u.database != ":memory:" and Path(u.database).is_file()):
+    engine.dispose()
+    raise NoDatabase(f"no database at {u.database}")
   try: conn = engine.connect()
   except DBAPIError as e:
     engine.dispose()
@@ -85,7 +94,7 @@ def open_db(url: str) -> Engine:
     with conn, conn.begin():
       if sqlite: conn.exec_driver_sql("BEGIN IMMEDIATE")  # take the write lock before reading the schema version
       else: conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": PG_LOCK_KEY})
-      _upgrade(conn, u.render_as_string(hide_password=False), safe)
+      _upgrade(conn, u.render_as_string(hide_password=False), safe, create)
   except (SQLAlchemyError, CommandError, DBError) as e:
     engine.dispose()
     if isinstance(e, DBError): raise

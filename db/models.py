@@ -9,8 +9,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
 VERSION_TABLE = "ss_alembic_version"  # Optuna's migrations own alembic_version
-TRIAL_STATES = ("running", "ok", "wrong_output", "invalid_config", "compile_error", "runtime_error", "oom", "timeout", "pruned", "reused",
-                "interrupted")
+TRIAL_STATES = ("running", "ok", "wrong_output", "invalid_config", "compile_error", "runtime_error", "oom", "killed", "timeout", "pruned",
+                "reused", "interrupted")
 
 
 def include_name(name: str | None, type_: str, parent_names: dict) -> bool:
@@ -75,14 +75,12 @@ class Study(Base):
   model_bytes: Mapped[int] = mapped_column(BigInteger)
   layers: Mapped[int]
   device: Mapped[str]
-  device_name: Mapped[str]
-  environment_id: Mapped[int | None] = mapped_column(ForeignKey("ss_environment.id"))
+  device_name: Mapped[str]  # the device model every trial of the study runs on (results of two models never share a ranking)
   space_version: Mapped[int]
   objectives: Mapped[str]  # "tok_s" or "tok_s,peak_memory"
   sampler: Mapped[str]
   created_at: Mapped[datetime] = mapped_column(default=utcnow)
   finished_at: Mapped[datetime | None]
-  environment: Mapped[Environment | None] = relationship()
 
 
 class Trial(Base):

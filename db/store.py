@@ -13,6 +13,8 @@ from db.capture import fingerprint_hash
 from db.models import TRIAL_STATES, Base, Confirmation, Environment, GitState, KernelProfile, Study, Trial, utcnow
 
 UNMEASURED = ("running", "interrupted", "pruned", "reused")  # states that say nothing about how a config performs
+TRANSIENT = ("killed", "timeout")  # failures that are not a property of the config: it is measured again when proposed again
+RETRIES = 2  # ... up to this many times; after that the config's last failure stands
 
 
 def _get_or_insert(s: Session, cls: type[Base], values: dict) -> Base:
@@ -51,31 +53,36 @@ def create_study(s: Session, **fields) -> Study:
   return study
 
 
-def start_trial(s: Session, study: Study, number: int, config_json: str, config_hash: str, git_state: GitState | None,
-                environment: Environment | None, worker: str, optuna_trial_id: int | None = None) -> Trial:
+def start_trial(s: Session, study: Study, number: int, config_json: str, config_hash: str, git_state: GitState | None, worker: str,
+                optuna_trial_id: int | None = None) -> Trial:
   s.add(trial := Trial(study_id=study.id, number=number, config_json=config_json, config_hash=config_hash, state="running", worker=worker,
-                       git_state_id=git_state and git_state.id, environment_id=environment and environment.id, optuna_trial_id=optuna_trial_id))
+                       git_state_id=git_state and git_state.id, optuna_trial_id=optuna_trial_id))
   s.flush()
   return trial
 
 
 def finish_trial(s: Session, trial: Trial, *, state: str, stage: str | None = None, tok_s: float | None = None, block_tok_s: float | None = None,
                  metrics: dict | None = None, phases: dict | None = None, check: dict | None = None, failure_class: str | None = None,
-                 error_text: str | None = None, reused_from: Trial | None = None, profile: list[dict] | None = None) -> Trial:
-  """Record the outcome; profile rows are dicts with rank, name, count, us_per_token, gb_s, share."""
+                 error_text: str | None = None, reused_from: Trial | None = None, profile: list[dict] | None = None,
+                 environment: Environment | None = None) -> Trial:
+  """Record the outcome and the environment the trial process ran in; profile rows are dicts with rank, name, count, us_per_token, gb_s, share."""
   if state not in TRIAL_STATES or state == "running": raise ValueError(f"not a final trial state: {state!r}")
   t = s.get(Trial, trial.id)
   t.state, t.stage, t.tok_s, t.block_tok_s, t.metrics, t.phases, t.check = state, stage, tok_s, block_tok_s, metrics, phases, check
   t.failure_class, t.error_text, t.reused_from_id, t.finished_at = failure_class, error_text, reused_from and reused_from.id, utcnow()
+  t.environment_id = environment and environment.id
   t.profile = [KernelProfile(**row) for row in profile or ()]
   s.flush()
   return t
 
 
-def find_measured(s: Session, study: Study, config_hash: str) -> Trial | None:
-  """The most recent trial of study with this config whose outcome was measured: ok, wrong_output, or a failure (not interrupted/pruned/reused)."""
+def find_measured(s: Session, study: Study, config_hash: str, retries: int = RETRIES) -> Trial | None:
+  """The trial of study whose outcome stands for this config: its most recent measurement (ok, wrong_output or a failure;
+  not interrupted/pruned/reused) that is not TRANSIENT; a transient one only once the config has failed so more than `retries` times."""
   q = select(Trial).filter_by(study_id=study.id, config_hash=config_hash).where(Trial.state.not_in(UNMEASURED))
-  return s.scalars(q.order_by(Trial.id.desc()).limit(1)).first()
+  measured = list(s.scalars(q.order_by(Trial.id.desc())))
+  if lasting := [t for t in measured if t.state not in TRANSIENT]: return lasting[0]
+  return measured[0] if len(measured) > retries else None
 
 
 def leaderboard(s: Session, study: Study, limit: int = 20) -> list[Trial]:
@@ -87,10 +94,10 @@ def leaderboard(s: Session, study: Study, limit: int = 20) -> list[Trial]:
 def trials(s: Session, study: Study) -> list[Trial]: return list(s.scalars(select(Trial).filter_by(study_id=study.id).order_by(Trial.number)))
 
 
-def mark_interrupted(s: Session, study: Study, numbers: Iterable[int]) -> int:
-  """Set the still-running trials among numbers (their worker died) to interrupted; returns how many changed."""
+def mark_interrupted(s: Session, study: Study, numbers: Iterable[int], why: str) -> int:
+  """Set the still-running trials among numbers (their worker died) to interrupted, saying why; returns how many changed."""
   q = update(Trial).filter_by(study_id=study.id, state="running").where(Trial.number.in_(list(numbers)))
-  return s.execute(q.values(state="interrupted", finished_at=utcnow()).execution_options(synchronize_session="fetch")).rowcount
+  return s.execute(q.values(state="interrupted", error_text=why, finished_at=utcnow()).execution_options(synchronize_session="fetch")).rowcount
 
 
 def add_confirmation(s: Session, study: Study, trial: Trial, **fields) -> Confirmation:

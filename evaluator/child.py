@@ -18,9 +18,6 @@ import traceback
 from evaluator.result import TrialResult, TrialSpec
 from model.structure import ConfigError, StructureConfig
 
-# test-only fault injection (the evaluator's own tests): a deliberately broken knob, a hang, a crash, an out-of-memory kill
-FAULT = os.environ.get("STRUCTSEARCH_TEST_FAULT", "")
-
 
 class Recorder:
   """Times phases into a TrialResult and writes it to disk after each one."""
@@ -71,21 +68,6 @@ def _dist_version(name: str) -> str:
   except PackageNotFoundError: return ""
 
 
-def inject(cfg: StructureConfig) -> None:
-  """STRUCTSEARCH_TEST_FAULT, for the evaluator's tests: broken_argmax_topk makes the `argmax` top-k variant pick the
-  wrong experts (a wrong-output knob); crash, compile_error, hang and oom_kill act when the trial starts compiling."""
-  if FAULT == "broken_argmax_topk" and cfg.topk == "argmax":
-    import model.deepseek2 as m
-    right = m.topk_indices
-    m.topk_indices = lambda scores, k, variant: right(-scores, k, variant)
-  elif FAULT == "crash": raise RuntimeError("injected crash")
-  elif FAULT == "compile_error":
-    from tinygrad.device import CompileError
-    raise CompileError("injected compile error")
-  elif FAULT == "hang": time.sleep(3600)
-  elif FAULT == "oom_kill": os.kill(os.getpid(), 9)
-
-
 def run(spec: TrialSpec, rec: Recorder) -> None:
   res = rec.result
   rec.phase("load")
@@ -100,7 +82,8 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
   from model.deepseek2 import Transformer
   from model.generate import Generator
   from model.gguf_file import GGUFFile
-  apply_process_settings(cfg, spec.device)
+  apply_process_settings(cfg, spec.device, spec.tinygrad_cache)
+  res.metrics["beam"] = B.time_beam_search()  # BEAM search seconds, apart from the rest of compiling (updated as kernels are built)
   res.env = environment(spec.device)
   peak = lambda: max(res.metrics.get("peak_device_bytes", 0), GlobalCounters.mem_used)
   model = Transformer(GGUFFile(spec.model), cfg, max_context=spec.max_context, n_layers=spec.layers)
@@ -111,13 +94,11 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
 
   if spec.prefill:
     rec.phase("prefill")
-    inject(cfg)
     first, res.metrics["prefill_tok_s"] = B.prefill(gen, prompt)
     rec.phase("compile")  # the first decode steps build the kernels (with the config's BEAM) and capture the JIT
     B.steps(gen, first, pos, 2)
   else:
     rec.phase("compile")
-    inject(cfg)
     first = B.feed(gen, prompt[:2])
     rec.phase("prompt")
     first = B.feed(gen, prompt[2:], start=2)

@@ -1,5 +1,6 @@
-"""One benchmark at a time per device: an exclusive file lock per device on this host (flock, released by the kernel
-when the holder dies, so a killed worker never leaves a stale lock)."""
+"""One benchmark at a time per physical device: an exclusive file lock per device on this host (flock, released by the
+kernel when the holder dies, so a killed worker never leaves a stale lock). Device names that mean the same hardware
+(`CUDA`, `CUDA:0`, `NV`) take the same lock; two cards of one host are locked apart (evaluator/devices.py)."""
 from __future__ import annotations
 
 import fcntl
@@ -8,12 +9,13 @@ import pathlib
 import re
 from collections.abc import Callable
 
+from evaluator.devices import physical
 from model.registry import cache_dir
 
 
 class DeviceLock:
   def __init__(self, device: str, on_wait: Callable[[str], None] | None = None, what: str = ""):
-    self.path = cache_dir() / "locks" / (re.sub(r"[^A-Za-z0-9_.-]", "_", device) + ".lock")
+    self.path = cache_dir() / "locks" / (re.sub(r"[^A-Za-z0-9_.-]", "_", physical(device).key) + ".lock")
     self.device, self.on_wait, self.what, self.fd = device, on_wait, what, -1
 
   def __enter__(self) -> DeviceLock:
@@ -24,7 +26,7 @@ class DeviceLock:
       if self.on_wait: self.on_wait(f"waiting for device {self.device}: {self.holder() or 'another process'} is benchmarking on it")
       fcntl.flock(self.fd, fcntl.LOCK_EX)
     os.ftruncate(self.fd, 0)
-    os.pwrite(self.fd, f"pid {os.getpid()} {self.what}".strip().encode(), 0)
+    os.pwrite(self.fd, f"pid {os.getpid()} on {self.device} {self.what}".strip().encode(), 0)
     return self
 
   def holder(self) -> str:

@@ -8,7 +8,8 @@ from typing import Any
 
 STAGES = ("block", "full")
 # why a trial did not produce a trustworthy figure; "ok" otherwise
-FAILURES = ("invalid_config", "compile_error", "runtime_error", "oom", "timeout", "wrong_output")
+# (killed: SIGKILL from outside with no sign of running out of memory; killed and timeout say nothing lasting about the config)
+FAILURES = ("invalid_config", "compile_error", "runtime_error", "oom", "killed", "timeout", "wrong_output")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class TrialSpec:
   profile: bool = False  # add a per-kernel profile from a separate, unjitted pass
   prefill: bool = True  # build and time the prefill graph (prefill tok/s); without it the prompt goes through decode steps
   max_context: int = 256
+  tinygrad_cache: str | None = None  # directory of tinygrad's cache (CACHEDB: BEAM choices, compiled programs); None: tinygrad's own
 
   def to_json(self) -> str: return json.dumps(dataclasses.asdict(self))
 

@@ -23,6 +23,14 @@ from model.structure import StructureConfig
 Phase = Callable[[str], None]
 
 
+class ReferenceFailed(RuntimeError):
+  """The baseline config failed to make the correctness reference: no trial of this file, device and depth can be checked."""
+
+  def __init__(self, result: TrialResult):
+    super().__init__(f"the baseline config failed to make the reference ({result.status}): {result.error}")
+    self.result = result
+
+
 @functools.cache
 def default_device() -> str:
   """tinygrad's default device, asked of a throwaway process (the parent never opens a device)."""
@@ -41,36 +49,85 @@ def run_process(spec: TrialSpec, timeout: float, on_phase: Phase | None = None) 
   with tempfile.TemporaryDirectory(prefix="structsearch-trial-") as tmp:
     spec_path, out_path, log_path = (os.path.join(tmp, n) for n in ("spec.json", "result.json", "log.txt"))
     with open(spec_path, "w") as f: f.write(spec.to_json())
-    t0, seen, killed = time.perf_counter(), "", False
+    t0, seen, killed, ooms = time.perf_counter(), "", False, oom_kills()
     with open(log_path, "w") as log:
       proc = subprocess.Popen([sys.executable, "-m", "evaluator.child", spec_path, out_path], stdout=log, stderr=subprocess.STDOUT,
                               env=_child_env(), start_new_session=True)
       try:
-        while proc.poll() is None:
+        while not (done := os.wait4(proc.pid, os.WNOHANG))[0]:
           time.sleep(0.05)
           if on_phase and (phase := _phase(out_path)) != seen and phase: on_phase(seen := phase)
-          if time.perf_counter() - t0 > timeout:
+          if time.perf_counter() - t0 > timeout and not killed:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
             killed = True
       except BaseException:  # Ctrl-C or the caller's own failure: never leave a benchmark running
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         raise
+      _, status, usage = done
+      proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, with its resource usage: Popen must not wait again
+      peak_rss = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     wall = time.perf_counter() - t0
     res = TrialResult.from_dict(json.load(open(out_path))) if os.path.exists(out_path) else TrialResult("running", spec.__dict__)
     tail = open(log_path, errors="replace").read()[-3000:].strip()
   if killed: res.status, res.error = "timeout", f"no result after {timeout:.0f} s (in phase {res.phase or 'start'})"
   elif res.status == "running":
     rc = proc.returncode
-    if rc == -signal.SIGKILL: res.status, res.error = "oom", "killed by SIGKILL (the kernel's out-of-memory killer)"
+    if rc == -signal.SIGKILL: res.status, res.error = sigkill_verdict(proc.pid, peak_rss, oom_kills() > ooms, tail)
     else:
       res.status = "runtime_error"
       res.error = f"trial process died ({_signal_name(rc) if rc < 0 else f'exit code {rc}'}): " + (tail.splitlines() or [""])[-1][-500:]
   if tail and not res.ok: res.metrics.setdefault("log_tail", tail)
+  res.metrics.setdefault("host_peak_rss_bytes", peak_rss)
   res.phases["wall_s"] = round(wall, 3)
   res.phases["overhead_s"] = round(wall - sum(v for k, v in res.phases.items() if k not in ("wall_s", "overhead_s")), 3)
   return res
+
+
+def sigkill_verdict(pid: int, peak_rss: int, cgroup_oom: bool, tail: str) -> tuple[str, str]:
+  """Why a trial process died of SIGKILL, from the evidence: the kernel's OOM record (the cgroup's oom_kill count rose
+  during the trial, or the kernel log names the process), the process's own memory high-water mark near the memory
+  limit, or the device's out-of-memory error in its output. Without any, it was killed from outside: `killed`."""
+  limit = memory_limit()
+  gb = lambda b: f"{b / 1e9:.1f} GB"
+  if cgroup_oom: return "oom", "killed by SIGKILL: the kernel's out-of-memory killer (the cgroup's oom_kill count rose during the trial)"
+  if f"Killed process {pid} " in _kernel_log(): return "oom", f"killed by SIGKILL: the kernel's out-of-memory killer (its log names process {pid})"
+  if peak_rss >= 0.9 * limit: return "oom", f"killed by SIGKILL with {gb(peak_rss)} resident of the {gb(limit)} memory limit: out of memory"
+  if "out of memory" in tail.lower(): return "oom", "killed by SIGKILL after the device ran out of memory: " + tail.splitlines()[-1][-300:]
+  return "killed", f"killed by SIGKILL from outside (no sign of running out of memory: {gb(peak_rss)} resident of {gb(limit)})"
+
+
+def _cgroup_file(v2: str, v1: str) -> str | None:
+  """The path of a memory controller file of this process's cgroup (v2 name, v1 name), None when there is none."""
+  try: lines = open("/proc/self/cgroup").read().splitlines()
+  except OSError: return None
+  for line in lines:
+    _, ctrl, path = line.split(":", 2)
+    for cand in ([f"/sys/fs/cgroup{path}/{v2}"] if ctrl == "" else
+                 [f"/sys/fs/cgroup/memory{path}/{v1}", f"/sys/fs/cgroup/memory/{v1}"] if "memory" in ctrl.split(",") else []):
+      if os.path.exists(cand): return cand
+  return None
+
+
+def oom_kills() -> int:
+  """How many processes the kernel's OOM killer has ended in this process's cgroup (0 where unreadable)."""
+  if (path := _cgroup_file("memory.events", "memory.oom_control")) is None: return 0
+  try: return next((int(line.split()[1]) for line in open(path) if line.startswith("oom_kill ")), 0)
+  except (OSError, ValueError): return 0
+
+
+def memory_limit() -> int:
+  """Bytes of memory a process here may use: the machine's, or its cgroup's limit where lower."""
+  total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  try:
+    text = open(_cgroup_file("memory.max", "memory.limit_in_bytes") or "/dev/null").read().strip()
+    return min(total, int(text)) if text.isdigit() else total
+  except OSError: return total
+
+
+def _kernel_log() -> str:
+  try: return subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5).stdout
+  except (OSError, subprocess.TimeoutExpired): return ""
 
 
 def _phase(path: str) -> str:
@@ -118,6 +175,7 @@ class Evaluator:
   prompt_len: int = 32
   timeout: float = 900
   prefill: bool = True  # time the prefill graph too (the prompt otherwise goes through decode steps: no prefill kernels to build)
+  tinygrad_cache: str | None = None  # tinygrad's cache directory for these trials (a study's own); None: tinygrad's default
 
   @classmethod
   def for_model(cls, model: str, device: str, **kw) -> Evaluator:
@@ -133,7 +191,7 @@ class Evaluator:
 
   def spec(self, config: dict, stage: str = "full", **kw) -> TrialSpec:
     return TrialSpec(self.model, config, self.device, stage, self.layers(stage), self.prompt_len, self.n, self.rounds, self.warmup,
-                     prefill=self.prefill, **kw)
+                     prefill=self.prefill, tinygrad_cache=self.tinygrad_cache, **kw)
 
   def reference(self, stage: str, on_phase: Phase | None = None, on_wait: Phase | None = None) -> str:
     """The baseline's reference for this file, device and stage, made on first use (in its own trial process)."""
@@ -144,7 +202,7 @@ class Evaluator:
     if not path.exists():
       path.parent.mkdir(parents=True, exist_ok=True)
       res = evaluate(replace(probe, write_reference=str(path)), self.timeout, on_phase, on_wait)
-      if not res.ok: raise RuntimeError(f"the baseline config failed to make the reference ({res.status}): {res.error}")
+      if not res.ok: raise ReferenceFailed(res)
     return str(path)
 
   def run(self, config: dict, stage: str = "full", profile: bool = False, check: bool = True, on_phase: Phase | None = None,

@@ -16,12 +16,13 @@ from search.view import BASELINE, label
 
 
 def confirm(url: str, name: str, top: int = 3, pairs: int = 3, rounds: int = 5, device: str | None = None,
-            say: Callable[[str], None] = print, again: bool = False) -> list[Confirmation]:
-  """A/B-confirm the study's top configs; a config confirmed before keeps its figures unless `again`."""
-  from search.study import load_setup
-  setup, _ = load_setup(name, url, device)
+            say: Callable[[str], None] = print, again: bool = False, model: str | None = None) -> list[Confirmation]:
+  """A/B-confirm the study's top configs; a config confirmed before keeps its figures unless `again`. `model`: this host's
+  copy of the study's file (checked by SHA-256, as the stored path is)."""
+  from search.study import measuring_setup
+  setup, _ = measuring_setup(name, url, device, model)
   ev = setup.evaluator(rounds=rounds)
-  engine = open_db(url)
+  engine = open_db(url, create=False)
   with session(engine) as s:
     study = store.get_study(s, name)
     seen, todo = {BASELINE}, []

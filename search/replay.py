@@ -2,7 +2,11 @@
 
 Each replayed trial asks the sampler for a config as the live search would; its value is the one recorded for that config
 (no device involved). A config the study never measured is unavailable: the trial fails and the sampler moves on, as after
-a crash. The figure is how many trials a sampler needs to reach 95% of the best tok/s the study knows."""
+a crash. The figure is how many trials a sampler needs to reach 95% of the best tok/s the study knows.
+
+A study's own sampler proposes what it measured; any other sampler meets unavailable configs, counted against it. So
+replay compares samplers only on a study measured densely (MIN_COVERAGE of its space, e.g. a random study of a small
+sub-space made for the purpose), and reports each sampler's share of unavailable proposals beside its figure."""
 from __future__ import annotations
 
 import statistics
@@ -12,9 +16,10 @@ import optuna
 
 from db import store
 from db.engine import open_db, session
-from model.structure import StructureConfig
 from search.study import TrialFailed, config_hash, load_setup, sampler
-from space.knobs import suggest, to_params
+from space.knobs import size, suggest
+
+MIN_COVERAGE = 0.9  # share of the study's space it must have measured for a sampler comparison
 
 
 @dataclass
@@ -32,15 +37,28 @@ class ReplayResult:
 
 
 def recorded(url: str, name: str) -> dict[str, float | None]:
-  """config hash -> measured tok/s (None for a config that failed or computed the wrong output)."""
-  with session(open_db(url)) as s:
+  """config hash -> measured tok/s (None for a config that failed or computed the wrong output; a config that was only
+  killed or timed out counts as unmeasured: that says nothing lasting about it)."""
+  with session(open_db(url, create=False)) as s:
     study = store.get_study(s, name)
     if study is None: raise ValueError(f"no study named {name!r}")
-    return {t.config_hash: t.tok_s for t in store.trials(s, study) if t.state not in store.UNMEASURED}
+    return {t.config_hash: t.tok_s for t in store.trials(s, study) if t.state not in store.UNMEASURED + store.TRANSIENT}
+
+
+def coverage(url: str, name: str) -> tuple[int, int]:
+  """(distinct configs the study measured, configs in its space)."""
+  setup, info = load_setup(name, url)
+  return len(recorded(url, name)), size(info, setup.device, setup.fixed)
 
 
 def replay(url: str, name: str, samplers: list[str], trials: int, repeats: int, share: float = 0.95) -> list[ReplayResult]:
   setup, info = load_setup(name, url)
+  measured, space = coverage(url, name)
+  if measured < MIN_COVERAGE * space:
+    raise ValueError(f"study {name!r} measured {measured} of the {space:,} configs of its space ({100 * measured / space:.2g}%): replay compares "
+                     f"samplers only on a study that measured at least {100 * MIN_COVERAGE:.0f}% of its space, or the configs its own sampler "
+                     "never proposed count against the others; make one of a small sub-space, e.g. `search start --sampler random` "
+                     "with --fix on all but a few knobs and --trials about three times the sub-space's size")
   values = recorded(url, name)
   best = max((v for v in values.values() if v), default=None)
   if best is None: raise ValueError(f"study {name!r} has no successful trial to replay against")
@@ -49,8 +67,7 @@ def replay(url: str, name: str, samplers: list[str], trials: int, repeats: int, 
     reached, missing, asked = [], 0, 0
     for r in range(repeats):
       study = optuna.create_study(direction="maximize", sampler=sampler(sname, r, min(8, trials // 3 or 1)))
-      base = to_params(StructureConfig(), info, setup.device)
-      study.enqueue_trial({k: v for k, v in base.items() if k not in setup.fixed})  # as the live search starts from the baseline
+      study.enqueue_trial(setup.params(setup.baseline(info), info))  # as the live search starts from the baseline
       first: list[int] = []
       def objective(trial: optuna.Trial, first: list[int] = first) -> float:
         nonlocal missing, asked

@@ -1,40 +1,52 @@
-"""A study: Optuna explores the space of one model file on one device kind; every trial is measured by the evaluator
+"""A study: Optuna explores the space of one model file on one device model; every trial is measured by the evaluator
 (block proxy, then the full model) and recorded, with the code that produced it, beside Optuna's own tables.
 
-Optuna's RDB storage and our ss_ tables share one database URL. Several workers (`search worker`) may join one study on
-PostgreSQL; the evaluator's device lock keeps the benchmarks of one machine sequential, and Optuna's heartbeat fails the
-trial of a worker that died, re-enqueueing its config once.
+Optuna's RDB storage and our ss_ tables share one database URL. Several workers (`search worker`, or `search start
+--devices`) may join one study on PostgreSQL; the evaluator's device lock keeps the benchmarks of one device sequential.
+A worker that dies stops beating: after the grace period any worker fails its trial (Optuna's heartbeat) and its config
+is queued again; a worker does not end while trials of other workers are running, so a dead one's trial is always
+failed and measured again, whichever worker is left.
 """
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import pathlib
+import re
 import socket
 import time
+import uuid
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import optuna
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from db import store
 from db.capture import git_state
-from db.engine import DBError, open_db, session
+from db.engine import DBError, NoDatabase, open_db, session
 from db.models import GitState, Study, Trial
+from evaluator.devices import physical
 from evaluator.result import TrialResult
-from evaluator.runner import Evaluator
+from evaluator.runner import Evaluator, ReferenceFailed
+from model.filehash import file_sha256
 from model.gguf_file import GGUFFile
+from model.registry import cache_dir
 from model.structure import ConfigError, StructureConfig
-from space.knobs import SPACE_VERSION, ModelInfo, device_kind, suggest, to_params
+from search.proxy import ladder, proxy_fit
+from space.knobs import SPACE_VERSION, ModelInfo, device_kind, knobs, suggest, to_params
 
 SAMPLERS = ("tpe", "random", "gp", "nsga2")
 PROJECT = pathlib.Path(__file__).resolve().parents[1]
 HEARTBEAT_S = 10  # a worker that stops beating for 6 heartbeats is dead: its trial fails and its config is enqueued again
+# the measurement protocol: Setup fields fixed when a study is created, and the `search start` option that sets each
+PROTOCOL = {"n": "-n", "rounds": "--rounds", "prefill": "--no-prefill", "block_layers": "--block-layers", "sampler": "--sampler",
+            "seed": "--seed", "objectives": "--objectives", "fixed": "--fix"}
 
 
 class TrialFailed(Exception):
@@ -42,20 +54,25 @@ class TrialFailed(Exception):
 
 
 class StudyMismatch(ValueError):
-  """`search start` on an existing study with another model file, device kind or space version."""
+  """A study used against what it is: another model file, device model, space version or measurement protocol."""
+
+
+class BaselineFailed(RuntimeError):
+  """The baseline config failed: nothing of the study can be compared with it, so the study stops."""
 
 
 def config_hash(cfg: StructureConfig) -> str: return hashlib.sha256(cfg.to_json().encode()).hexdigest()[:16]
 
 
-def storage(url: str, heartbeat: float = HEARTBEAT_S) -> RDBStorage:
-  """Optuna's storage on our database (our schema migrated first, so an unreachable or foreign database fails with one line)."""
-  open_db(url)
+def storage(url: str, heartbeat: float = HEARTBEAT_S, create: bool = False) -> RDBStorage:
+  """Optuna's storage on our database (our schema migrated first, so an unreachable or foreign database fails with one line;
+  without `create`, a database that does not exist is an error)."""
+  open_db(url, create).dispose()
   try:
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
       return RDBStorage(url, heartbeat_interval=max(1, round(heartbeat)), grace_period=max(3, round(6 * heartbeat)),
-                        heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1))
+                        heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=store.RETRIES))
   except Exception as e:  # noqa: BLE001 - Optuna raises bare SQLAlchemy or RuntimeErrors here
     raise DBError(f"Optuna cannot use the database: {str(e).splitlines()[0]}") from None
 
@@ -67,19 +84,19 @@ def sampler(name: str, seed: int | None, n_startup: int) -> optuna.samplers.Base
   if name == "random": return optuna.samplers.RandomSampler(seed=seed)
   if name == "nsga2": return optuna.samplers.NSGAIISampler(seed=seed)
   if name == "gp":
-    import importlib.util
-    if importlib.util.find_spec("torch") is None: raise ConfigError("the gp sampler needs PyTorch: pip install torch")
+    if missing := [m for m in ("torch", "scipy") if importlib.util.find_spec(m) is None]:
+      raise ConfigError(f"the gp sampler needs {' and '.join(missing)}, which are not installed: pip install {' '.join(missing)}")
     return optuna.samplers.GPSampler(seed=seed)
   raise ConfigError(f"unknown sampler {name!r}; choose one of: {', '.join(SAMPLERS)}")
 
 
 @dataclass
 class Setup:
-  """What a study is: fixed when it is created, read back by every worker that joins it."""
+  """What a study is: fixed when it is created (but the target `trials`), read back by every worker that joins it."""
   name: str
-  model: str  # GGUF path
+  model: str  # GGUF path (absolute)
   model_name: str
-  device: str
+  device: str  # this worker's device (another worker may use another device of the same model)
   sampler: str = "tpe"
   objectives: str = "tok_s"  # or "tok_s,peak_memory" (NSGA-II)
   seed: int | None = None
@@ -89,16 +106,34 @@ class Setup:
   rounds: int = 3
   prefill: bool = True
   block_layers: int | None = None  # the ladder's stage-1 proxy size (default: the leading dense blocks + 2)
+  cache_key: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names the study's own tinygrad cache
+
+  @property
+  def tinygrad_cache(self) -> str:
+    """The study's own tinygrad cache directory on this host: its BEAM choices and compiled programs depend on no other
+    study or run, so a trial's compile time and BEAM choice are reproducible within the study."""
+    return str(cache_dir() / "tinygrad" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', self.name)}-{self.cache_key}")
 
   def evaluator(self, timeout: float = 900, rounds: int | None = None) -> Evaluator:
-    ev = Evaluator.for_model(self.model, self.device, n=self.n, rounds=rounds or self.rounds, prefill=self.prefill, timeout=timeout)
+    ev = Evaluator.for_model(self.model, self.device, n=self.n, rounds=rounds or self.rounds, prefill=self.prefill, timeout=timeout,
+                             tinygrad_cache=self.tinygrad_cache)
     if self.block_layers: ev.block_layers = min(self.block_layers, ev.total_layers)
+    if "," in self.objectives: ev.block_layers = ev.total_layers  # two objectives: no pruning, so no proxy stage to pay for
     return ev
+
+  def baseline(self, info: ModelInfo) -> StructureConfig:
+    """The study's first config: every knob at its default but the pinned ones, as the search builds it."""
+    defaults = {k.name: k.default for k in knobs(info, self.device) if k.name not in self.fixed}
+    return suggest(optuna.trial.FixedTrial(defaults), info, self.device, self.fixed)
+
+  def params(self, cfg: StructureConfig, info: ModelInfo) -> dict[str, Any]:
+    """A config as this study's Optuna parameters (the pinned knobs are not parameters)."""
+    return {k: v for k, v in to_params(cfg, info, self.device).items() if k not in self.fixed}
 
 
 @dataclass
 class Event:
-  """What the live view hears: a trial started, changed phase, or ended."""
+  """What the live view hears: a trial started, changed phase, waits for a device or other workers, ended; or a note."""
   kind: str  # start | phase | wait | end | note
   number: int
   text: str = ""
@@ -110,105 +145,144 @@ class Runner:
 
   def __init__(self, setup: Setup, url: str, ev: Evaluator, info: ModelInfo, remeasure: bool = False,
                on_event: Callable[[Event], None] = lambda e: None, heartbeat: float = HEARTBEAT_S):
-    self.setup, self.ev, self.info, self.remeasure, self.on_event = setup, ev, info, remeasure, on_event
-    self.engine = open_db(url)
+    self.setup, self.ev, self.info, self.remeasure, self.on_event, self.heartbeat = setup, ev, info, remeasure, on_event, heartbeat
+    self.engine = open_db(url, create=False)
     self.multi = "," in setup.objectives
     self.study = optuna.load_study(study_name=setup.name, storage=storage(url, heartbeat))
     # a resumed or second worker must not replay the proposals of the first: its sampler's seed moves with the study's size
     seed = None if setup.seed is None else setup.seed + len(self.study.trials)
     self.study.sampler = sampler(setup.sampler, seed, 8)
     if not self.multi: self.study.pruner = optuna.pruners.PercentilePruner(25.0, n_startup_trials=5, n_warmup_steps=0)
-    with session(self.engine) as s: self.row = store.get_study(s, setup.name)
+    self.baseline = setup.baseline(info)
+    with session(self.engine) as s: self.row = bind_device(s, store.get_study(s, setup.name), setup.device)
 
   def optimize(self, timeout: float | None = None) -> None:
-    """Run trials until the study has its target number of finished trials (all workers together) or the timeout passes."""
-    def stop(study: optuna.Study, _=None) -> None:
-      if self.finished() >= self.setup.trials: study.stop()
-    if self.finished() < self.setup.trials:
-      self.study.optimize(self.objective, timeout=timeout, catch=(TrialFailed,), callbacks=[stop], gc_after_trial=False)
+    """Run trials until the study has its target number of finished trials (all workers together) and no trial is left
+    running or queued again after a dead worker; or until the timeout passes (no new trial starts after it)."""
+    t0, said = time.monotonic(), ""
+    self._baseline_first()
+    while timeout is None or time.monotonic() - t0 < timeout:
+      self.reap()
+      trials = self.study.get_trials(deepcopy=False)
+      running = [t for t in trials if t.state == TrialState.RUNNING]  # between trials, none of them is this worker's
+      retries = [t for t in trials if t.state == TrialState.WAITING and "failed_trial" in t.system_attrs]
+      done = self.finished(trials)
+      if done >= self.setup.trials and not running and not retries: return
+      if done + len(running) >= self.setup.trials and not retries:
+        if said != (said := f"waiting for trial{'s' * (len(running) > 1)} {', '.join(str(t.number) for t in running)} of other workers "
+                            "to finish, or to fail when their worker stops beating"): self.on_event(Event("wait", -1, said))
+        time.sleep(self.heartbeat)
+        continue
+      self.study.optimize(self.objective, n_trials=1, catch=(TrialFailed,), gc_after_trial=False)
 
-  def finished(self) -> int:
+  def finished(self, trials: list[FrozenTrial] | None = None) -> int:
     """Trials with an outcome: completed, pruned, or failed by the evaluator (not interrupted, not lost with a dead worker:
     those configs are enqueued again)."""
-    ts = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL))
-    return sum(t.state != TrialState.FAIL or "failure" in t.user_attrs for t in ts)
+    if trials is None: trials = self.study.get_trials(deepcopy=False)
+    return sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) or (t.state == TrialState.FAIL and "failure" in t.user_attrs) for t in trials)
+
+  def reap(self) -> None:
+    """Fail the trials whose worker stopped beating (Optuna's heartbeat; its retry callback queues their configs again) and
+    mark them interrupted in our table."""
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+      optuna.storages.fail_stale_trials(self.study)
+    failed = {t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.FAIL,))}
+    if not failed: return
+    why = "its worker stopped beating (killed or cut off): Optuna failed the trial and queued its config again"
+    with session(self.engine) as s:
+      for t in store.trials(s, self.row):
+        if t.state == "running" and t.number in failed and store.mark_interrupted(s, self.row, [t.number], why):
+          self.on_event(Event("note", t.number, f"trial {t.number} of worker {t.worker}: {why}"))
+
+  def _baseline_first(self) -> None:
+    """Queue the baseline again when the study has no ok measurement of it and none is queued or running (it failed before)."""
+    h, params = config_hash(self.baseline), self.setup.params(self.baseline, self.info)
+    with session(self.engine) as s: rows = [t for t in store.trials(s, self.row) if t.config_hash == h]
+    if any(t.state in ("ok", "running") for t in rows): return
+    if any(t.system_attrs.get("fixed_params") == params for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))): return
+    self.study.enqueue_trial(params)
 
   def objective(self, trial: optuna.Trial) -> float | tuple[float, float]:
-    self._sync_stale()
     cfg = suggest(trial, self.info, self.setup.device, self.setup.fixed)
-    h = config_hash(cfg)
+    h, is_base = config_hash(cfg), cfg == self.baseline
     with session(self.engine) as s:
-      row = store.start_trial(s, self.row, trial.number, cfg.to_json(), h, _git(s), None, f"{socket.gethostname()}:{os.getpid()}",
+      row = store.start_trial(s, self.row, trial.number, cfg.to_json(), h, _git(s), f"{socket.gethostname()}:{os.getpid()}",
                               optuna_trial_id=trial._trial_id)
       prior = None if self.remeasure else store.find_measured(s, self.row, h)
+      mode = ladder(trial.number, proxy_fit(store.trials(s, self.row)), is_base) if len(self.ev.stages) > 1 else "full"
+    if is_base and prior is not None and prior.state != "ok": prior = None  # a failed baseline is measured again, never reused
     trial.set_user_attr("config_hash", h)
     self.on_event(Event("start", trial.number, cfg.to_json(), row))
     try:
-      if prior is not None: return self._reuse(trial, row, prior)
-      return self._measure(trial, row, cfg)
+      if prior is not None: return self._reuse(trial, row, prior, is_base)
+      return self._measure(trial, row, cfg, mode, is_base)
+    except TrialFailed as e:
+      if is_base: raise BaselineFailed(f"the baseline config failed in trial {trial.number} ({e}): the study stops") from None
+      raise
+    except ReferenceFailed as e:  # the baseline run that makes the correctness reference failed: this trial cannot be checked
+      r = e.result
+      with session(self.engine) as s:
+        store.finish_trial(s, row, state=r.status if is_base else "interrupted", failure_class=r.status if is_base else None, error_text=str(e))
+      raise BaselineFailed(f"the baseline config failed to make the reference in trial {trial.number} ({r.status}: {r.error}): "
+                           "the study stops") from None
     except (KeyboardInterrupt, SystemExit):
       with session(self.engine) as s: store.finish_trial(s, row, state="interrupted", error_text="stopped by the user")
       self.study.enqueue_trial(trial.params)  # measured first when the study continues
       raise
 
-  def _reuse(self, trial: optuna.Trial, row: Trial, prior: Trial) -> float | tuple[float, float]:
+  def _reuse(self, trial: optuna.Trial, row: Trial, prior: Trial, is_base: bool) -> float | tuple[float, float]:
     with session(self.engine) as s:
       row = store.finish_trial(s, row, state="reused", stage=prior.stage, tok_s=prior.tok_s, block_tok_s=prior.block_tok_s,
                                metrics=prior.metrics, check=prior.check, failure_class=prior.failure_class, error_text=prior.error_text,
                                reused_from=prior)
     self.on_event(Event("end", trial.number, f"config already measured in trial {prior.number}: its result is reused", row))
-    return self._value(trial, prior.state, prior.tok_s, (prior.metrics or {}).get("peak_device_bytes"))
+    return self._value(trial, prior.state, prior.tok_s, (prior.metrics or {}).get("peak_device_bytes"), prior.error_text, is_base)
 
-  def _measure(self, trial: optuna.Trial, row: Trial, cfg: StructureConfig) -> float | tuple[float, float]:
+  def _measure(self, trial: optuna.Trial, row: Trial, cfg: StructureConfig, mode: str, is_base: bool) -> float | tuple[float, float]:
     t0, spent, block = time.perf_counter(), 0.0, None
     phase = lambda stage: lambda p: self.on_event(Event("phase", trial.number, f"{stage}: {p}"))
     wait = lambda msg: self.on_event(Event("wait", trial.number, msg))
-    res = None
-    for stage in self.ev.stages:
+    stages, res = (["full"] if mode == "full" else self.ev.stages), None
+    for stage in stages:
       res = self.ev.run(cfg.to_dict(), stage, on_phase=phase(stage), on_wait=wait)
       spent += res.phases.get("wall_s", 0.0) + res.phases.get("setup_s", 0.0)
-      if stage == "block" and len(self.ev.stages) > 1:
+      if stage == "block" and len(stages) > 1:
         block = res
         if not res.ok: break
-        if not self.multi:
-          trial.report(res.metrics["tok_s"], 0)
-          if trial.should_prune():
-            self._record(row, "pruned", res, res, time.perf_counter() - t0 - spent)  # keeps its proxy tok/s
-            raise optuna.TrialPruned(f"block proxy {res.metrics['tok_s']:.2f} tok/s is in the bottom quarter")
+        trial.report(res.metrics["tok_s"], 0)
+        if mode == "prune" and trial.should_prune():
+          self._record(row, "pruned", res, res, time.perf_counter() - t0 - spent, mode)  # keeps its proxy tok/s
+          raise optuna.TrialPruned(f"block proxy {res.metrics['tok_s']:.2f} tok/s is in the bottom quarter")
     assert res is not None
-    self._record(row, res.status, res, block, time.perf_counter() - t0 - spent)
-    return self._value(trial, res.status, res.tok_s, res.metrics.get("peak_device_bytes"))
+    self._record(row, res.status, res, block, time.perf_counter() - t0 - spent, mode)
+    return self._value(trial, res.status, res.tok_s, res.metrics.get("peak_device_bytes"), res.error, is_base)
 
-  def _value(self, trial: optuna.Trial, state: str, tok_s: float | None, peak: int | None) -> float | tuple[float, float]:
-    if state not in ("ok", "wrong_output"):
+  def _value(self, trial: optuna.Trial, state: str, tok_s: float | None, peak: int | None, error: str | None,
+             is_base: bool) -> float | tuple[float, float]:
+    if state not in ("ok", "wrong_output") or (is_base and state != "ok"):
       trial.set_user_attr("failure", state)
-      raise TrialFailed(state)
+      raise TrialFailed(f"{state}: {(error or '').splitlines()[0][:300]}" if error else state)
     trial.set_constraint("wrong_output", 1.0 if state == "wrong_output" else 0.0)  # infeasible: never best
     value = tok_s if state == "ok" else 0.0
     return (value, float(peak or 0)) if self.multi else value
 
-  def _record(self, row: Trial, state: str, res: TrialResult, block: TrialResult | None, overhead: float) -> None:
+  def _record(self, row: Trial, state: str, res: TrialResult, block: TrialResult | None, overhead: float, mode: str) -> None:
     with session(self.engine) as s:
       env = store.get_or_create_environment(s, _environment(res.env)) if res.env else None
-      if env is not None: s.get(Trial, row.id).environment_id = env.id
       metrics = {k: v for k, v in res.metrics.items() if k not in ("traceback", "log_tail")}
-      metrics["search_overhead_s"] = round(overhead, 3)
-      if block is not None: metrics["block"] = {k: block.metrics.get(k) for k in ("tok_s", "tok_s_min", "tok_s_max", "layers", "kernels_per_token")}
+      metrics["search_overhead_s"], metrics["ladder"] = round(overhead, 3), mode
+      if block is not None:
+        metrics["block"] = {k: block.metrics.get(k) for k in ("tok_s", "tok_s_min", "tok_s_max", "layers", "kernels_per_token", "beam")}
       phases = {**res.phases, **({f"block_{k}": v for k, v in block.phases.items()} if block is not None and block is not res else {})}
       row = store.finish_trial(
         s, row, state=state, stage=res.spec["stage"], tok_s=res.tok_s if state == "ok" else None,
         block_tok_s=block.metrics.get("tok_s") if block is not None and block.ok else None, metrics=metrics, phases=phases, check=res.check,
         failure_class=state if state not in ("ok", "pruned") else None,
         error_text=(res.error or "") + ("\n" + res.metrics.get("traceback", "") if res.metrics.get("traceback") else "") or None,
-        profile=res.profile or None)
+        profile=res.profile or None, environment=env)
       if self.row.device_name in ("", None) and res.env: s.get(Study, self.row.id).device_name = self.row.device_name = res.env.get("device_name", "")
     self.on_event(Event("end", row.number, state, row))
-
-  def _sync_stale(self) -> None:
-    """Trials that Optuna failed because their worker stopped beating (killed) are interrupted in our table too."""
-    failed = {t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.FAIL,))}
-    if failed:
-      with session(self.engine) as s: store.mark_interrupted(s, self.row, failed)
 
 
 def _git(s) -> GitState | None:
@@ -225,47 +299,101 @@ def _environment(env: dict) -> dict:
           "tinygrad_diff": state["diff"] if state else None, "python": env["python"], "host": env["host"], "platform": env["platform"]}
 
 
-def create_or_check(setup: Setup, url: str, info: ModelInfo, ev: Evaluator, enqueue: list[StructureConfig]) -> None:
-  """Create the study (ours and Optuna's) or check that an existing one is this model file, device kind and space; then
-  enqueue the baseline and the given configs (each once per study)."""
-  from model.filehash import file_sha256
+def bind_device(s, row: Study, device: str) -> Study:
+  """A study belongs to one device model: the first worker's binds it; a worker on a device of another model is refused."""
+  name = physical(device).name
+  if row.device_name and name and row.device_name != name:
+    raise StudyMismatch(f"study {row.name!r} is measured on {row.device_name}; {device} here is {name}: results of two device models never "
+                        "share a ranking (start a study of its own with --study NEW_NAME)")
+  if name and not row.device_name: s.get(Study, row.id).device_name = row.device_name = name
+  return row
+
+
+def check_model(row: Study, path: str) -> None:
+  """Every command that measures checks that its model file is the study's, by SHA-256 (cached by path, size and mtime)."""
+  if not os.path.isfile(path):
+    raise StudyMismatch(f"study {row.name!r} measures {row.model_path}, which is not on this host: pass --model with the path of that file here")
+  if (sha := file_sha256(path)) != row.model_sha256:
+    raise StudyMismatch(f"{path} (sha256 {sha[:12]}) is not the model file of study {row.name!r} ({row.model_path}, sha256 {row.model_sha256[:12]})")
+
+
+def study_exists(url: str, name: str) -> bool:
+  """Whether the storage holds a study of this name (a storage that does not exist yet holds none; nothing is created)."""
+  try: engine = open_db(url, create=False)
+  except NoDatabase: return False
+  with session(engine) as s: found = store.get_study(s, name) is not None
+  engine.dispose()
+  return found
+
+
+def create(setup: Setup, url: str, info: ModelInfo, ev: Evaluator) -> None:
+  """Create the study, ours and Optuna's, with its measurement protocol (fixed from now on). Checks what can be checked
+  before anything is written: the sampler can be built."""
+  sampler(setup.sampler, setup.seed, 8)
   sha = file_sha256(setup.model)
-  engine = open_db(url)
-  with session(engine) as s:
-    row = store.get_study(s, setup.name)
-    if row is None:
-      store.create_study(s, name=setup.name, model_name=setup.model_name, model_path=setup.model, model_sha256=sha,
-                         model_bytes=os.path.getsize(setup.model), layers=ev.total_layers, device=setup.device, device_name="",
-                         space_version=SPACE_VERSION, objectives=setup.objectives, sampler=setup.sampler)
-    else:
-      mismatch = (f"belongs to {row.model_path} (sha256 {row.model_sha256[:12]}), not this file" if row.model_sha256 != sha else
-                  f"runs on {row.device}, not {setup.device}" if device_kind(row.device) != device_kind(setup.device) else
-                  f"was made with space version {row.space_version}, this is {SPACE_VERSION}" if row.space_version != SPACE_VERSION else "")
-      if mismatch: raise StudyMismatch(f"study {setup.name!r} {mismatch}")
+  with session(open_db(url)) as s:
+    store.create_study(s, name=setup.name, model_name=setup.model_name, model_path=setup.model, model_sha256=sha,
+                       model_bytes=os.path.getsize(setup.model), layers=ev.total_layers, device=setup.device, device_name="",
+                       space_version=SPACE_VERSION, objectives=setup.objectives, sampler=setup.sampler)
   directions = ["maximize", "minimize"] if "," in setup.objectives else ["maximize"]
-  study = optuna.create_study(study_name=setup.name, storage=storage(url), directions=directions, load_if_exists=True)
-  attrs = {"model": setup.model, "model_name": setup.model_name, "device": setup.device, "sampler": setup.sampler,
-           "objectives": setup.objectives, "seed": setup.seed, "trials": setup.trials, "fixed": setup.fixed, "model_info": info_to_json(info),
-           "n": setup.n, "rounds": setup.rounds, "prefill": setup.prefill,
-           "block_layers": setup.block_layers}
-  if "fixed" in study.user_attrs and study.user_attrs["fixed"] != setup.fixed:
-    raise StudyMismatch(f"study {setup.name!r} pins {study.user_attrs['fixed'] or 'no knobs'}; a study keeps one space (use another --study)")
-  for k, v in attrs.items(): study.set_user_attr(k, v)
-  for i, cfg in enumerate([StructureConfig(), *enqueue]):  # pins override the baseline's values (then no trial is the pure baseline)
+  study = optuna.create_study(study_name=setup.name, storage=storage(url), directions=directions)
+  for f in fields(setup):
+    if f.name != "name": study.set_user_attr(f.name, getattr(setup, f.name))
+  study.set_user_attr("model_info", info_to_json(info))
+
+
+def check_protocol(setup: Setup, given: dict[str, Any]) -> None:
+  """A later run may not change how the study measures: any given setting that differs from the stored one is refused."""
+  for name, value in given.items():
+    if value is None or value == getattr(setup, name): continue
+    flag, was = PROTOCOL[name], getattr(setup, name)
+    show = lambda v, flag=flag: (("--no-prefill" if not v else "the prefill graph timed (no --no-prefill)") if flag == "--no-prefill" else
+                                 (" ".join(f"--fix {k}={x}" for k, x in v.items()) or "no --fix") if flag == "--fix" else
+                                 f"{flag} {v}" if v is not None else f"no {flag}")
+    raise StudyMismatch(f"study {setup.name!r} measures with {show(was)}, not {show(value)}: a study's measurement protocol is fixed when "
+                        f"it is created; leave {flag} out to continue it, or start a new study with --study NEW_NAME")
+
+
+def set_target(setup: Setup, url: str, trials: int) -> None:
+  """The target number of trials is the one setting a later run may change."""
+  optuna.load_study(study_name=setup.name, storage=storage(url)).set_user_attr("trials", trials)
+  setup.trials = trials
+
+
+def check_configs(setup: Setup, info: ModelInfo, configs: list[StructureConfig]) -> None:
+  """Configs to enqueue must lie in the study's space and agree with its pinned knobs (checked before anything runs)."""
+  for cfg in configs:
     params = to_params(cfg, info, setup.device)
-    if i and any(params.get(k, v) != v for k, v in setup.fixed.items()):
-      raise ConfigError(f"an enqueued config contradicts the pinned knobs {setup.fixed}")
-    study.enqueue_trial({k: v for k, v in params.items() if k not in setup.fixed}, skip_if_exists=True)
+    if any(params.get(k, v) != v for k, v in setup.fixed.items()): raise ConfigError(f"an enqueued config contradicts the pinned knobs {setup.fixed}")
+
+
+def enqueue(setup: Setup, url: str, info: ModelInfo, configs: list[StructureConfig]) -> None:
+  """Queue the baseline and the given configs, each once per study."""
+  check_configs(setup, info, configs)
+  study = optuna.load_study(study_name=setup.name, storage=storage(url))
+  for cfg in [setup.baseline(info), *configs]: study.enqueue_trial(setup.params(cfg, info), skip_if_exists=True)
 
 
 def load_setup(name: str, url: str, device: str | None = None) -> tuple[Setup, ModelInfo]:
-  """A study's setup as its creator stored it (for `search worker` and the views); the device may be overridden (same kind)."""
-  try: attrs = optuna.load_study(study_name=name, storage=storage(url)).user_attrs
+  """A study's setup as its creator stored it; the device may be another of the same kind (a worker checks its model)."""
+  try: study = optuna.load_study(study_name=name, storage=storage(url))
   except KeyError: raise StudyMismatch(f"no study named {name!r} in {url}") from None
-  setup = Setup(name, attrs["model"], attrs["model_name"], device or attrs["device"], attrs["sampler"], attrs["objectives"], attrs["seed"],
-                attrs["trials"], attrs["fixed"], attrs["n"], attrs["rounds"], attrs["prefill"], attrs["block_layers"])
-  if device_kind(setup.device) != device_kind(attrs["device"]): raise StudyMismatch(f"study {name!r} runs on {attrs['device']}, not {device}")
+  attrs = study.user_attrs
+  if "cache_key" not in attrs: study.set_user_attr("cache_key", attrs.setdefault("cache_key", uuid.uuid4().hex[:12]))  # a study made before
+  setup = Setup(name, **{f.name: attrs[f.name] for f in fields(Setup) if f.name != "name"})
+  if device is not None:
+    if device_kind(device) != device_kind(setup.device): raise StudyMismatch(f"study {name!r} runs on {device_kind(setup.device)}, not {device}")
+    setup.device = device
   return setup, info_from_json(attrs["model_info"])
+
+
+def measuring_setup(name: str, url: str, device: str | None = None, model: str | None = None) -> tuple[Setup, ModelInfo]:
+  """The setup of a study about to be measured on this host: its model file (the stored path, or `model`, this host's copy)
+  checked against the study's by SHA-256 first."""
+  setup, info = load_setup(name, url, device)
+  setup.model = model or setup.model
+  with session(open_db(url, create=False)) as s: check_model(store.get_study(s, name), setup.model)
+  return setup, info
 
 
 def info_to_json(info: ModelInfo) -> str:

@@ -211,13 +211,17 @@ def sample(info: ModelInfo, seed: int, device: str = "CPU") -> StructureConfig:
   return to_config(_choose(knobs(info, device), lambda k: rng.choice(k.choices)))
 
 
-def size(info: ModelInfo, device: str = "CPU") -> int:
-  """Distinct configurations of this model's space on this device kind (conditional knobs counted where they apply)."""
+def size(info: ModelInfo, device: str = "CPU", pins: dict[str, Any] | None = None) -> int:
+  """Distinct configurations of this model's space on this device kind (conditional knobs counted where they apply; with
+  `pins`: of the sub-space they leave)."""
+  pins = pins or {}
   ks = knobs(info, device)
   roots = [k for k in ks if k.name.startswith("fused.") or k.name == "beam"]  # every condition reads only these
   rest = [k for k in ks if k not in roots]
-  return sum(math.prod(len(k.choices) for k in rest if k.when is None or k.when(v))
-             for v in (dict(zip([r.name for r in roots], combo, strict=True)) for combo in itertools.product(*(r.choices for r in roots))))
+  n = lambda k: 1 if k.name in pins else len(k.choices)
+  combos = itertools.product(*([pins[r.name]] if r.name in pins else r.choices for r in roots))
+  values = (dict(zip([r.name for r in roots], c, strict=True)) for c in combos)
+  return sum(math.prod(n(k) for k in rest if k.when is None or k.when(v)) for v in values)
 
 
 def single_knob_changes(info: ModelInfo, device: str = "CPU") -> list[tuple[str, StructureConfig]]:

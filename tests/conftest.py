@@ -45,6 +45,20 @@ def glm_file(tmp_path_factory):
 
 
 @pytest.fixture
+def inject(monkeypatch):
+  """inject(fault="", **fake): the faults and fake trials of tests/inject/trialfakes.py in the processes this test starts
+  (trial processes, `search` processes), through tests/inject/sitecustomize.py on their PYTHONPATH."""
+  from inject.trialfakes import env
+  def set_env(fault: str = "", **fake) -> dict[str, str]:
+    for k in ("STRUCTSEARCH_FAULT", "STRUCTSEARCH_FAKE_TRIALS"): monkeypatch.delenv(k, raising=False)
+    new = env(fault, **fake)
+    for k in ("PYTHONPATH", "STRUCTSEARCH_FAULT", "STRUCTSEARCH_FAKE_TRIALS"):
+      if k in new: monkeypatch.setenv(k, new[k])
+    return new
+  return set_env
+
+
+@pytest.fixture
 def pg_url():
   """A fresh database on the test PostgreSQL server ($STRUCTSEARCH_TEST_PG, started by .ci/postgres.sh), dropped afterwards."""
   pg = os.environ.get("STRUCTSEARCH_TEST_PG")

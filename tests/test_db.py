@@ -13,17 +13,19 @@ import optuna
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.exc import IntegrityError
 
 from db import store
-from db.capture import fingerprint_hash, git_state, host_fingerprint
-from db.engine import DBError, default_url, open_db, session
+from db.capture import fingerprint_hash, git_state
+from db.engine import DBError, NoDatabase, alembic_config, default_url, open_db, session
 from db.models import VERSION_TABLE, Base, include_name
 
 OURS = {"ss_environment", "ss_git_state", "ss_study", "ss_trial", "ss_kernel_profile", "ss_confirmation"}
 PG = os.environ.get("STRUCTSEARCH_TEST_PG")
-ENV = {"device": "CPU", "device_name": "cpu", "driver": "clang 16", "tinygrad_version": "0.14.0", **host_fingerprint()}
+ENV = {"device": "CPU", "device_name": "cpu", "driver": "clang 16", "tinygrad_version": "0.14.0", "python": "3.11.7", "host": "h1",
+       "platform": "Linux-6-x86_64"}
 STUDY = dict(model_name="tiny", model_path="/m/tiny.gguf", model_sha256="0" * 64, model_bytes=5 << 30, layers=2, device="CPU",
              device_name="cpu", space_version=1, objectives="tok_s", sampler="tpe")
 
@@ -42,7 +44,7 @@ def engine(url):
 
 
 def make_trial(s, study, number, state, tok_s=None, config_hash="c0", **kw):
-  t = store.start_trial(s, study, number, "{}", config_hash, None, None, "host:1")
+  t = store.start_trial(s, study, number, "{}", config_hash, None, "host:1")
   return t if state == "running" else store.finish_trial(s, t, state=state, tok_s=tok_s, **kw)
 
 
@@ -50,9 +52,36 @@ def test_migrations_create_our_tables(engine):
   tables = set(inspect(engine).get_table_names())
   assert tables == OURS | {VERSION_TABLE}
   with engine.connect() as c:
-    assert c.scalar(text(f"SELECT version_num FROM {VERSION_TABLE}")) == "0001"
+    assert c.scalar(text(f"SELECT version_num FROM {VERSION_TABLE}")) == ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
     ctx = MigrationContext.configure(c, opts={"include_name": include_name, "version_table": VERSION_TABLE})
     assert compare_metadata(ctx, Base.metadata) == []  # the migrations make exactly the models' tables
+
+
+def test_upgrade_from_the_first_schema_keeps_the_data(url):
+  from alembic import command
+  e = create_engine(url)
+  with e.begin() as c:
+    cfg = alembic_config(url)
+    cfg.attributes["connection"] = c
+    command.upgrade(cfg, "0001")
+    c.execute(text("INSERT INTO ss_study (name, model_name, model_path, model_sha256, model_bytes, layers, device, device_name, space_version, "
+                   "objectives, sampler, created_at) VALUES ('old', 'tiny', '/m', 'ab', 1, 2, 'CPU', 'cpu', 3, 'tok_s', 'tpe', '2026-01-01')"))
+  e.dispose()
+  with session(e := open_db(url)) as s: assert [(st.name, st.model_sha256) for st in store.studies(s)] == [("old", "ab")]
+  assert "environment_id" not in {c["name"] for c in inspect(e).get_columns("ss_study")}
+  e.dispose()
+
+
+def test_reading_commands_never_create_a_database(url, tmp_path):
+  if url.startswith("sqlite"):
+    with pytest.raises(NoDatabase, match=f"^no database at {tmp_path}/ss.db$"): open_db(url, create=False)
+    assert os.listdir(tmp_path) == []
+  else:
+    with pytest.raises(NoDatabase, match="^no structsearch database at postgresql"): open_db(url, create=False)
+    with (e := create_engine(url)).connect() as c: assert inspect(c).get_table_names() == []
+    e.dispose()
+  open_db(url).dispose()
+  open_db(url, create=False).dispose()  # once made, it opens
 
 
 def test_open_db_is_idempotent(url):
@@ -79,7 +108,7 @@ def test_optuna_tables_beside_ours(url, optuna_first):
   engine = open_db(url)
   with session(engine) as s:
     ours = store.create_study(s, name="s", **STUDY)
-    for t in study.trials: store.start_trial(s, ours, t.number, "{}", "c0", None, None, "host:1", optuna_trial_id=t._trial_id)
+    for t in study.trials: store.start_trial(s, ours, t.number, "{}", "c0", None, "host:1", optuna_trial_id=t._trial_id)
   with session(engine) as s: assert [t.optuna_trial_id for t in store.trials(s, ours)] == [t._trial_id for t in study.trials]
   tables = set(inspect(engine).get_table_names())
   assert OURS | {VERSION_TABLE, "alembic_version", "studies", "trials", "trial_params", "version_info"} <= tables
@@ -110,6 +139,24 @@ def test_git_state_dedupe(engine, tmp_path):
   assert git_state(f.parent)["branch"] is None
 
 
+def test_stored_diffs_leave_out_ignored_files_and_secrets(tmp_path):
+  root = tmp_path / "repo"
+  repo = git.Repo.init(root, initial_branch="main")
+  files = {".gitignore": "*.log\n", "code.py": "x = 1\n", ".env": "A=1\n", "conf/db_password.txt": "p\n", "keys/server.pem": "k\n", "run.log": "l\n"}
+  for name, body in files.items():
+    (root / name).parent.mkdir(parents=True, exist_ok=True)
+    (root / name).write_text(body)
+  repo.git.add("-f", *files)  # run.log is tracked although .gitignore matches it
+  who = git.Actor("t", "t@example.com")
+  repo.index.commit("init", author=who, committer=who)
+  for name in files: (root / name).write_text({"code.py": "x = 2\n", ".gitignore": "*.log\nbuild/\n"}.get(name, "SECRET-VALUE changed\n"))
+  for name in ("API_TOKEN.txt", "notes.txt", "build.log"): (root / name).write_text("SECRET-VALUE\n")
+  d = git_state(root)["diff"]
+  assert "+x = 2" in d and "# untracked: notes.txt" in d and "SECRET-VALUE" not in d and "build.log" not in d
+  left_out = {line.removeprefix("# left out: ") for line in d.splitlines() if line.startswith("# left out: ")}
+  assert left_out == {".env", "conf/db_password.txt", "keys/server.pem", "run.log", "API_TOKEN.txt"}
+
+
 def test_environment_dedupe(engine):
   with session(engine) as s:
     a, b = store.get_or_create_environment(s, ENV), store.get_or_create_environment(s, dict(ENV, tinygrad_commit=None))
@@ -123,14 +170,14 @@ def test_trial_lifecycle(engine):
   profile = [{"rank": 1, "name": "r_matvec", "count": 40, "us_per_token": 120.5, "gb_s": 850.0, "share": 0.6},
              {"rank": 2, "name": "E_add", "count": 10, "us_per_token": 10.0, "gb_s": None, "share": 0.05}]
   with session(engine) as s:
-    study = store.create_study(s, name="s", environment=store.get_or_create_environment(s, ENV), **STUDY)
-    env = study.environment
+    study = store.create_study(s, name="s", **STUDY)
   with session(engine) as s:
     gs = store.get_or_create_git_state(s, {"commit": "f" * 40, "branch": None, "dirty": False, "diff": ""})
-    t = store.start_trial(s, study, 0, '{"topk": "sort"}', "abcd", gs, env, "host:42", optuna_trial_id=7)
+    t = store.start_trial(s, study, 0, '{"topk": "sort"}', "abcd", gs, "host:42", optuna_trial_id=7)
   assert t.state == "running" and t.finished_at is None and t.started_at.tzinfo is not None
   with session(engine) as s: store.finish_trial(s, t, state="ok", stage="full", tok_s=12.5, block_tok_s=99.0, metrics={"ms_p50": 80.0},
-                                                phases={"load": 1.5}, check={"max_abs": 1e-3}, profile=profile)
+                                                phases={"load": 1.5}, check={"max_abs": 1e-3}, profile=profile,
+                                                environment=store.get_or_create_environment(s, ENV))
   with session(engine) as s:
     t = store.trials(s, study)[0]
     assert (t.state, t.stage, t.tok_s, t.metrics, t.phases, t.check) == ("ok", "full", 12.5, {"ms_p50": 80.0}, {"load": 1.5}, {"max_abs": 1e-3})
@@ -138,7 +185,7 @@ def test_trial_lifecycle(engine):
     assert t.git_state.commit == "f" * 40 and t.environment.host == ENV["host"] and t.optuna_trial_id == 7
     assert t.finished_at.tzinfo == UTC and t.finished_at >= t.started_at
     with pytest.raises(ValueError): store.finish_trial(s, t, state="done")
-  with pytest.raises(IntegrityError), session(engine) as s: store.start_trial(s, study, 0, "{}", "abcd", None, None, "host:43")
+  with pytest.raises(IntegrityError), session(engine) as s: store.start_trial(s, study, 0, "{}", "abcd", None, "host:43")
 
 
 def test_find_measured_and_interrupted(engine):
@@ -150,11 +197,26 @@ def test_find_measured_and_interrupted(engine):
     for n, state in enumerate(("interrupted", "pruned", "running"), 1): make_trial(s, study, n, state)
     make_trial(s, study, 4, "reused", 10.0, reused_from=first)
     assert store.find_measured(s, study, "c0").id == first.id
-    make_trial(s, study, 5, "timeout", failure_class="timeout")
+    make_trial(s, study, 5, "oom", failure_class="oom")
     assert store.find_measured(s, study, "c0").number == 5
     assert store.find_measured(s, study, "c1") is None
-    assert store.mark_interrupted(s, study, {0, 3, 9}) == 1
-    assert [t.state for t in store.trials(s, study)] == ["ok", "interrupted", "pruned", "interrupted", "reused", "timeout"]
+    assert store.mark_interrupted(s, study, {0, 3, 9}, "its worker died") == 1
+    assert [t.state for t in store.trials(s, study)] == ["ok", "interrupted", "pruned", "interrupted", "reused", "oom"]
+    assert store.trials(s, study)[3].error_text == "its worker died"
+
+
+def test_killed_and_timed_out_configs_are_measured_again_up_to_the_retry_limit(engine):
+  with session(engine) as s:
+    study = store.create_study(s, name="s", **STUDY)
+    make_trial(s, study, 0, "killed", failure_class="killed")
+    assert store.find_measured(s, study, "c0") is None  # not a property of the config: measured again
+    make_trial(s, study, 1, "timeout", failure_class="timeout")
+    assert store.find_measured(s, study, "c0", retries=2) is None
+    make_trial(s, study, 2, "killed", failure_class="killed")
+    assert store.find_measured(s, study, "c0", retries=2).number == 2  # failed 3 times: the last failure stands
+    make_trial(s, study, 3, "ok", 5.0)
+    make_trial(s, study, 4, "timeout", failure_class="timeout")
+    assert store.find_measured(s, study, "c0").number == 3  # a lasting measurement outranks later transient failures
 
 
 def test_leaderboard_and_confirmations(engine):

@@ -1,8 +1,9 @@
 """The evaluator runs real trials of the tiny model on the CPU, each in its own process: results, repeatability, the
-correctness gate, failure classes (faults injected through the test-only STRUCTSEARCH_TEST_FAULT hook), the device lock,
-A/B comparison and the CLI."""
+correctness gate, failure classes (faults injected into the trial process from the outside: tests/inject/), the device
+lock, A/B comparison and the CLI."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -11,7 +12,7 @@ import pytest
 from evaluator.cli import main as evaluator_main
 from evaluator.compare import compare
 from evaluator.lock import DeviceLock
-from evaluator.runner import Evaluator, bandwidth, evaluate
+from evaluator.runner import Evaluator, bandwidth, evaluate, memory_limit, oom_kills, sigkill_verdict
 
 BASELINE: dict = {}
 
@@ -39,6 +40,7 @@ def test_trial_reports_every_figure_and_repeats(baseline) -> None:
     assert m["ms_p50"] <= m["ms_p90"] and m["peak_device_bytes"] > 0 and m["layers"] == 3
     assert {"load_s", "compile_s", "prompt_s", "check_s", "warmup_s", "measure_s", "wall_s", "overhead_s"} <= set(r.phases)
     assert r.env["device"] == "CPU" and r.env["tinygrad_version"]
+    assert m["beam"] == {"search_s": 0.0, "kernels": 0}  # BEAM=0: no BEAM search
   # the same config twice: the same tokens and the same work; the speed within the noise of a shared 2-core machine
   assert a.metrics["tokens"] == b.metrics["tokens"]
   assert (a.metrics["kernels_per_token"], a.metrics["bytes_per_token"]) == (b.metrics["kernels_per_token"], b.metrics["bytes_per_token"])
@@ -65,12 +67,13 @@ def test_a_different_config_passes_the_gate_with_its_own_kernels(ev, baseline) -
   ("", {"topk": "bogus"}, "invalid_config"),
   ("crash", {}, "runtime_error"),
   ("compile_error", {}, "compile_error"),
-  ("oom_kill", {}, "oom"),
+  ("sigkill", {}, "killed"),
+  ("device_oom_kill", {}, "oom"),
   ("hang", {}, "timeout"),
   ("broken_argmax_topk", {"topk": "argmax"}, "wrong_output"),
 ])
-def test_failures_are_classified(ev, monkeypatch, fault, config, status) -> None:
-  monkeypatch.setenv("STRUCTSEARCH_TEST_FAULT", fault)
+def test_failures_are_classified(ev, monkeypatch, inject, fault, config, status) -> None:
+  inject(fault)
   if fault == "hang": monkeypatch.setattr(ev, "timeout", 20)
   t0 = time.perf_counter()
   r = ev.run(config)
@@ -79,6 +82,17 @@ def test_failures_are_classified(ev, monkeypatch, fault, config, status) -> None
   if status == "timeout": assert 20 <= time.perf_counter() - t0 < 60 and "compile" in r.error
   if status == "wrong_output": assert r.check["wrong_routing"] > 0 and "routing decisions differ" in r.error  # it picks wrong experts
   if status == "invalid_config": assert "topk='bogus'" in r.error
+  if status == "killed": assert "from outside" in r.error and r.metrics["host_peak_rss_bytes"] > 1e7
+  if status == "oom": assert "device ran out of memory" in r.error
+
+
+def test_sigkill_is_oom_only_on_evidence() -> None:
+  limit = memory_limit()
+  assert sigkill_verdict(1, 10**8, False, "")[0] == "killed"
+  assert sigkill_verdict(1, 10**8, True, "")[0] == "oom"  # the cgroup's OOM killer struck during the trial
+  assert sigkill_verdict(1, int(0.95 * limit), False, "")[0] == "oom"  # its own high-water mark at the memory limit
+  assert sigkill_verdict(1, 10**8, False, "loading\nRuntimeError: CUDA out of memory")[0] == "oom"
+  assert 1e9 < limit <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") and oom_kills() >= 0
 
 
 def test_argmax_topk_is_right_without_the_fault(ev) -> None:
@@ -86,8 +100,8 @@ def test_argmax_topk_is_right_without_the_fault(ev) -> None:
   assert r.ok and r.check["failed_positions"] == 0, r.error
 
 
-def test_device_lock_serialises_two_callers(ev, monkeypatch) -> None:
-  monkeypatch.setenv("STRUCTSEARCH_TEST_FAULT", "crash")  # a short trial: load, then an error
+def test_device_lock_serialises_two_callers(ev, inject) -> None:
+  inject("crash")  # a short trial: load, then an error
   spec = ev.spec(BASELINE)
   waits, spans = [], []
   def one() -> None:
@@ -117,6 +131,32 @@ def test_ab_compare_of_a_config_with_itself(ev) -> None:
   c = compare(ev, BASELINE, {"topk": "sort"}, pairs=1)
   assert c.failed is None and len(c.ratios) == 1
   assert 0.5 < c.low <= c.speedup <= c.high < 2.0
+
+
+BEAM_ONE_KERNEL = """
+import json, sys
+from model.bench import apply_process_settings, time_beam_search
+from model.structure import StructureConfig
+apply_process_settings(StructureConfig(), "CPU", sys.argv[1])
+beam = time_beam_search()
+from tinygrad import Context, Tensor
+x = Tensor.ones(4, 4).contiguous().realize()
+with Context(BEAM=1): (x * 2).sum(1).realize()
+print(json.dumps(beam))
+"""
+
+
+def test_beam_search_time_is_recorded_and_cached_per_study(tmp_path) -> None:
+  """The BEAM search of a kernel is timed apart; its choice lands in the study's own tinygrad cache, where the next trial
+  of the study finds it (and another study's cache does not hold it)."""
+  import json
+  import subprocess
+  import sys
+  run = lambda cache: json.loads(subprocess.run([sys.executable, "-c", BEAM_ONE_KERNEL, str(cache)], capture_output=True, text=True, check=True,
+                                                env={**os.environ, "PARALLEL": "0"}).stdout)
+  first, again = run(tmp_path / "study-a"), run(tmp_path / "study-a")
+  assert first["kernels"] == again["kernels"] == 1 and first["search_s"] > 0.05 and again["search_s"] < first["search_s"] / 10
+  assert (tmp_path / "study-a" / "cache.db").stat().st_size > 0 and not (tmp_path / "study-b").exists()
 
 
 def test_bandwidth_is_measured_once_and_cached(monkeypatch) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import pytest
 from knobcheck import check_knob, mix_info
 
@@ -38,8 +37,28 @@ def test_space_covers_every_knob_for_a_moe_model(tiny) -> None:
   assert {"merge_gate_up_routed", "merge_gate_up_shared", "merge_gate_up_dense", "topk", "mla_absorb", "kv_dtype",
           "attention", "act_dtype", "router_fp32", "beam", "barrier.q_proj", "barrier.kv_write", "barrier.expert_down"} <= names
   assert {"backend.Q4_K.expert", "backend.Q6_K.expert", "backend.Q5_K.dense", "backend.Q8_0.dense"} <= names
-  unconditional = np.prod([len(k.choices) for k in knobs(info(tiny)) if k.when_beam is None and k.name != "beam"])
-  assert size(info(tiny)) == unconditional * (1 + 4 * 9)  # BEAM=0, or one of 4 widths with its 3 x 3 limits (no BEAM_LOCAL_MAX on the CPU)
+  assert {f"fused.{s}" for s in ("attention", "router", "moe", "ffn")} <= names
+
+
+def enumerate_configs(info_: ModelInfo, device: str, free: set[str]) -> set[str]:
+  """Every distinct config of the sub-space where only the `free` knobs vary, by brute force over their choices."""
+  import itertools
+  ks = knobs(info_, device)
+  out = set()
+  for combo in itertools.product(*(k.choices for k in ks if k.name in free)):
+    chosen, values = dict(zip([k.name for k in ks if k.name in free], combo, strict=True)), {}
+    for k in ks:
+      if k.when is None or k.when(values): values[k.name] = chosen.get(k.name, k.default)
+    out.add(to_config(values).to_json())
+  return out
+
+
+@pytest.mark.parametrize("device", ["CPU", "CUDA"])
+def test_space_size_counts_conditional_knobs(device: str) -> None:
+  """size() against brute force over a sub-space with stage, per-op and BEAM-conditional knobs."""
+  free = {"fused.moe", "fused.router", "backend.Q4_K.expert", "merge_gate_up_routed", "topk", "beam", "beam_upcast_max", "kv_dtype"}
+  pins = {k.name: k.default for k in knobs(TINY_INFO, device) if k.name not in free}
+  assert size(TINY_INFO, device, pins) == len(enumerate_configs(TINY_INFO, device, free)) > 100
 
 
 def test_dense_model_has_no_expert_knobs(gguf_file) -> None:
@@ -76,8 +95,8 @@ def test_device_and_beam_conditional_knobs() -> None:
   cpu, cuda = {k.name for k in knobs(TINY_INFO, "CPU")}, {k.name for k in knobs(TINY_INFO, "CUDA:0")}
   assert cuda - cpu == {"jit_batch_size", "beam_local_max"}  # no graphs on the CPU, no local (workgroup) dims to limit
   assert {"beam_upcast_max", "beam_min_progress"} <= cpu
-  fixed = np.prod([len(k.choices) for k in knobs(TINY_INFO, "CUDA") if k.when_beam is None and k.name != "beam"])
-  assert size(TINY_INFO, "CUDA") == fixed * (1 + 4 * 3 * 3 * 3)  # BEAM=0, or one of 4 widths with its 3 x 3 x 3 limits
+  beam_limits = {k.name for k in knobs(TINY_INFO, "CUDA") if k.enable == (("beam", 2),)}
+  assert beam_limits == {"beam_upcast_max", "beam_local_max", "beam_min_progress"}
   for seed in range(30):  # every sampled config round-trips through Optuna parameters, conditional knobs only where they apply
     cfg = sample(TINY_INFO, seed, "CUDA")
     params = to_params(cfg, TINY_INFO, "CUDA")

@@ -1,0 +1,137 @@
+"""Test-only faults and fakes, injected from the outside: production code carries no hook for them.
+
+- Faults of the trial process ($STRUCTSEARCH_FAULT): `crash`, `compile_error`, `hang`, `sigkill` (killed from outside),
+  `device_oom_kill` (the device says it is out of memory, then the process is killed) act on the first decode step;
+  `broken_argmax_topk` makes the `argmax` top-k variant pick the wrong experts (a knob that computes the wrong output).
+  They patch model code as it is imported, so the trial process is the production one up to the fault.
+- Fake trials ($STRUCTSEARCH_FAKE_TRIALS, JSON: {"seconds": S, "proxy": "predicts" | "random", "status": STATUS}) replace the
+  evaluator's trial process in a `search` process: no tinygrad, a tok/s that is a fixed function of the config (its
+  block-proxy figure three times that, or unrelated to it), under the real device lock. Search-level behaviour (workers,
+  kills, resumes, the ladder) is then tested in seconds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.abc
+import importlib.util
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from types import ModuleType
+
+
+class AfterImport(importlib.abc.MetaPathFinder):
+  """Applies patch(module) right after the named module is first executed."""
+
+  def __init__(self, patches: dict[str, Callable[[ModuleType], None]]): self.patches = patches
+
+  def find_spec(self, name, path, target=None):
+    if name not in self.patches: return None
+    sys.meta_path.remove(self)
+    try: spec = importlib.util.find_spec(name)
+    finally: sys.meta_path.insert(0, self)
+    if spec is None or spec.loader is None: return spec
+    run, patch = spec.loader.exec_module, self.patches.pop(name)
+    def exec_module(module: ModuleType) -> None:
+      run(module)
+      patch(module)
+    spec.loader.exec_module = exec_module
+    return spec
+
+
+def _on_first_step(act: Callable[[], None]) -> Callable[[ModuleType], None]:
+  def patch(m: ModuleType) -> None:
+    step = m.Generator.step
+    def faulty(self, *args, **kwargs):
+      act()
+      return step(self, *args, **kwargs)
+    m.Generator.step = faulty
+  return patch
+
+
+def _raise(e: BaseException) -> Callable[[], None]:
+  def act() -> None: raise e
+  return act
+
+
+def _compile_error() -> None:
+  from tinygrad.device import CompileError
+  raise CompileError("injected compile error")
+
+
+def _kill(message: str = "") -> Callable[[], None]:
+  def act() -> None:
+    if message: print(message, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+  return act
+
+
+def _broken_argmax(m: ModuleType) -> None:
+  right = m.topk_indices
+  m.topk_indices = lambda scores, k, variant: right(-scores if variant == "argmax" else scores, k, variant)
+
+
+FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
+  "crash": ("model.generate", _on_first_step(_raise(RuntimeError("injected crash")))),
+  "compile_error": ("model.generate", _on_first_step(_compile_error)),
+  "hang": ("model.generate", _on_first_step(lambda: time.sleep(3600))),
+  "sigkill": ("model.generate", _on_first_step(_kill())),
+  "device_oom_kill": ("model.generate", _on_first_step(_kill("CUDA error: out of memory (injected)"))),
+  "broken_argmax_topk": ("model.deepseek2", _broken_argmax),
+}
+
+
+def fake_tok_s(config: dict, stage: str, proxy: str = "predicts") -> float:
+  """The fake figure of a config: full-model tok/s from its hash; the block proxy's 3x that, or from another part of the hash."""
+  from model.structure import StructureConfig
+  h = hashlib.sha256(StructureConfig.from_dict(config).to_json().encode()).digest()
+  full = 10 + h[0] / 16
+  return full if stage == "full" else 3 * full if proxy == "predicts" else 10 + h[1] / 16
+
+
+def fake_run_process(seconds: float = 0.0, proxy: str = "predicts", status: str = "ok"):
+  """A stand-in for evaluator.runner.run_process: waits `seconds`, then reports fake_tok_s with status `status`."""
+  from evaluator.result import TrialResult
+  def run_process(spec, timeout: float, on_phase=None) -> TrialResult:
+    t0 = time.time()
+    if on_phase: on_phase("measure")
+    time.sleep(seconds)
+    tok_s = fake_tok_s(spec.config, spec.stage, proxy)
+    metrics = {"tok_s": tok_s, "tok_s_min": tok_s, "tok_s_max": tok_s, "layers": spec.layers or 0, "kernels_per_token": 100,
+               "bytes_per_token": 1_000_000, "peak_device_bytes": 1 << 20, "span": [t0, time.time()], "pid": os.getpid()}
+    env = {"device": spec.device, "device_name": "fake device", "python": "3", "host": socket.gethostname(), "platform": "test"}
+    return TrialResult(status, dataclasses.asdict(spec), metrics if status == "ok" else {"span": [t0, time.time()]},
+                       {"wall_s": round(time.time() - t0, 3)}, env=env, error="" if status == "ok" else f"injected {status}")
+  return run_process
+
+
+def install_fake_trials(setattr_: Callable[[object, str, object], None], **settings) -> None:
+  """Fake trials in this process (setattr_: pytest's monkeypatch.setattr in-process, plain setattr in a started process)."""
+  import evaluator.runner as runner
+  setattr_(runner, "run_process", fake_run_process(**settings))
+  setattr_(runner, "bandwidth", lambda device, remeasure=False, on_wait=None: 100.0)
+
+
+def install_from_env() -> None:
+  patches = {}
+  if fault := os.environ.get("STRUCTSEARCH_FAULT"):
+    module, patch = FAULTS[fault]
+    patches[module] = patch
+  if fake := os.environ.get("STRUCTSEARCH_FAKE_TRIALS"):
+    settings = json.loads(fake)
+    patches["evaluator.runner"] = lambda m: install_fake_trials(setattr, **settings)
+  sys.meta_path.insert(0, AfterImport(patches))
+
+
+def env(fault: str = "", **fake) -> dict[str, str]:
+  """The environment of a process the tests start with this directory on its path and these faults or fakes."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  out = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+  if fault: out["STRUCTSEARCH_FAULT"] = fault
+  if fake: out["STRUCTSEARCH_FAKE_TRIALS"] = json.dumps(fake)
+  return out

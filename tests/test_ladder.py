@@ -1,0 +1,87 @@
+"""The ladder's proxy is judged, not assumed: both stages recorded for a sample of trials, their rank correlation reported
+by `search status`, pruning only where the proxy predicts, no proxy stage with two objectives. Replay compares samplers
+only on a densely measured study. Trials are fakes (tests/inject/) whose proxy predicts the full figure, or does not."""
+from __future__ import annotations
+
+import optuna
+import pytest
+from inject.trialfakes import install_fake_trials
+
+from db import store
+from db.engine import open_db, session
+from search.cli import main as search_main
+from search.proxy import MIN_PAIRS, proxy_fit, spearman
+from search.study import model_info
+from space.knobs import knobs
+
+FAST = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--fix", "beam=0", "--confirm", "0", "--seed", "0"]
+
+
+def search(*argv: str) -> int:
+  try: search_main(list(argv))
+  except SystemExit as e: return int(e.code or 0)
+  return 0
+
+
+def trials(url: str, name: str) -> list:
+  with session(open_db(url)) as s: return store.trials(s, store.get_study(s, name))
+
+
+@pytest.fixture(scope="module")
+def model(gguf_file) -> str: return gguf_file("tiny", "q4_0")
+
+
+def test_spearman() -> None:
+  assert spearman([1, 2, 3, 4], [10, 20, 30, 45]) == 1.0 and spearman([1, 2, 3], [3, 2, 1]) == -1.0
+  assert spearman([1, 2, 2, 3], [1, 3, 3, 2]) == pytest.approx(1 / 3)  # scipy.stats.spearmanr's figure and spearman([1, 1, 1], [1, 2, 3]) is None
+
+
+@pytest.mark.parametrize("proxy", ["predicts", "random"])
+def test_the_proxy_prunes_only_where_it_predicts(model, tmp_path, monkeypatch, capsys, proxy) -> None:
+  install_fake_trials(monkeypatch.setattr, seconds=0.01, proxy=proxy)
+  url = f"sqlite:///{tmp_path / 's.db'}"
+  assert search("start", "--model", model, "--study", "l", "--storage", url, "--trials", "16", "--block-layers", "2", *FAST) == 0
+  ts = trials(url, "l")
+  ladder = [(t.metrics or {}).get("ladder") for t in ts if t.state != "reused"]
+  assert ladder[:MIN_PAIRS] == ["sample"] * MIN_PAIRS  # both stages, never pruned, until the proxy has been judged
+  fit = proxy_fit(ts)
+  assert fit.pairs >= MIN_PAIRS and 0 < fit.proxy_s < fit.total_s
+  assert search("status", "--study", "l", "--storage", url) == 0
+  out = capsys.readouterr().out
+  assert f"Spearman rho {fit.rho:.2f} over {fit.pairs} sampled trials" in out and "of trial time" in out
+  later = [t for t in ts[MIN_PAIRS:] if t.state != "reused" and t.metrics["ladder"] != "sample"]
+  assert later
+  if proxy == "predicts":
+    assert fit.rho == 1.0 and fit.predicts and "prunes the bottom quarter" in out
+    assert {t.metrics["ladder"] for t in later} == {"prune"} and all(t.block_tok_s for t in later)
+  else:
+    assert fit.rho < 0.7 and not fit.predicts and "does not predict" in out
+    assert {t.metrics["ladder"] for t in later} == {"full"} and not any(t.block_tok_s or t.state == "pruned" for t in later)
+
+
+def test_two_objectives_skip_the_proxy(model, tmp_path, monkeypatch) -> None:
+  install_fake_trials(monkeypatch.setattr)
+  url = f"sqlite:///{tmp_path / 's.db'}"
+  assert search("start", "--model", model, "--study", "m", "--storage", url, "--trials", "3", "--block-layers", "2",
+                "--objectives", "tok_s,peak_memory", *FAST) == 0
+  ts = trials(url, "m")
+  assert len(ts) == 3 and all(t.stage == "full" and t.block_tok_s is None and "block_wall_s" not in t.phases for t in ts)
+
+
+def test_replay_compares_samplers_only_on_a_dense_study(model, tmp_path, monkeypatch, capsys) -> None:
+  install_fake_trials(monkeypatch.setattr)
+  url = f"sqlite:///{tmp_path / 's.db'}"
+  free = ("topk", "kv_dtype")  # a 6-config sub-space, measured at random 18 times
+  pins = [f"--fix={k.name}={k.default}" for k in knobs(model_info(model), "CPU") if k.name not in free]
+  args = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--confirm", "0", "--seed", "0", "--sampler", "random"]
+  assert search("start", "--model", model, "--study", "dense", "--storage", url, "--trials", "18", *args, *pins) == 0
+  assert search("start", "--model", model, "--study", "sparse", "--storage", url, "--trials", "4", *FAST) == 0
+  capsys.readouterr()
+  assert search("replay", "--study", "sparse", "--storage", url, "--trials", "3", "--repeats", "1") == 2
+  err = capsys.readouterr().err
+  assert "study 'sparse' measured 4 of the" in err and "only on a study that measured at least 90% of its space" in err
+  assert search("replay", "--study", "dense", "--storage", url, "--trials", "6", "--repeats", "2", "--sampler", "tpe", "--sampler", "random") == 0
+  out = capsys.readouterr().out
+  assert "replay of dense (measured 6 of 6 configs)" in out and "unmeasured proposals" in out
+  study = optuna.load_study(study_name="dense", storage=url)
+  assert {tuple(sorted(t.params)) for t in study.trials} == {tuple(sorted(free))}

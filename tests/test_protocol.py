@@ -1,0 +1,140 @@
+"""Settings never drift: a study keeps the protocol it was created with and continues from its name alone; every command
+that measures checks the model file's hash; numbers are checked when the command line is read; reading commands never
+create a database; a sampler that cannot run is refused before anything is made. Trials are fakes (tests/inject/)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+import optuna
+import pytest
+from inject.trialfakes import install_fake_trials
+from sqlalchemy import create_engine, text
+
+from search.cli import main as search_main
+
+FAST = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--fix", "beam=0", "--confirm", "0", "--seed", "0"]
+
+
+def search(*argv: str) -> int:
+  try: search_main(list(argv))
+  except SystemExit as e: return int(e.code or 0)
+  return 0
+
+
+def rows(url: str, sql: str) -> list:
+  e = create_engine(url)
+  try:
+    with e.connect() as c: return list(c.execute(text(sql)))
+  finally: e.dispose()
+
+
+def make_study(gguf_file, tmp_path) -> tuple[str, str]:
+  """A 2-trial study "p" of a copy of the tiny model, created from a relative path; (storage URL, model path)."""
+  model = tmp_path / "m" / "tiny.gguf"
+  model.parent.mkdir()
+  shutil.copy(gguf_file("tiny", "q4_0"), model)
+  url = f"sqlite:///{tmp_path / 's.db'}"
+  with pytest.MonkeyPatch.context() as mp:
+    install_fake_trials(mp.setattr)
+    mp.chdir(tmp_path)
+    assert search("start", "--model", "m/tiny.gguf", "--study", "p", "--storage", url, "--trials", "2", *FAST) == 0
+  return url, str(model)
+
+
+@pytest.fixture
+def study(gguf_file, tmp_path, monkeypatch) -> tuple[str, str]:
+  install_fake_trials(monkeypatch.setattr)
+  return make_study(gguf_file, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def kept_study(gguf_file, tmp_path_factory) -> tuple[str, str]:
+  """The same, shared by the tests that must leave it as it is."""
+  return make_study(gguf_file, tmp_path_factory.mktemp("kept"))
+
+
+def test_a_study_continues_from_its_name_with_its_stored_settings(study) -> None:
+  url, model = study
+  assert rows(url, "SELECT model_path FROM ss_study") == [(model,)]  # stored absolute, though given relative
+  assert search("start", "--study", "p", "--storage", url, "--trials", "3") == 0
+  assert len(rows(url, "SELECT 1 FROM ss_trial")) == 3
+  attrs = optuna.load_study(study_name="p", storage=url).user_attrs
+  assert (attrs["n"], attrs["rounds"], attrs["prefill"], attrs["seed"], attrs["fixed"], attrs["trials"]) == (6, 1, False, 0, {"beam": 0}, 3)
+
+
+@pytest.mark.parametrize("change, message", [
+  (["-n", "8"], "measures with -n 6, not -n 8"),
+  (["--rounds", "3"], "measures with --rounds 1, not --rounds 3"),
+  (["--block-layers", "2"], "measures with no --block-layers, not --block-layers 2"),
+  (["--sampler", "random"], "measures with --sampler tpe, not --sampler random"),
+  (["--seed", "1"], "measures with --seed 0, not --seed 1"),
+  (["--objectives", "tok_s,peak_memory"], "measures with --objectives tok_s, not --objectives tok_s,peak_memory"),
+  (["--fix", "topk=sort"], "measures with --fix beam=0, not --fix topk=sort"),
+])
+def test_a_later_run_cannot_change_the_protocol(kept_study, capsys, change, message) -> None:
+  url, _ = kept_study
+  before = (optuna.load_study(study_name="p", storage=url).user_attrs, rows(url, "SELECT number, state FROM ss_trial"))
+  assert search("start", "--study", "p", "--storage", url, *change) == 2
+  err = capsys.readouterr().err.strip()
+  assert message in err and "start a new study with --study NEW_NAME" in err and len(err.splitlines()) == 1, err
+  assert (optuna.load_study(study_name="p", storage=url).user_attrs, rows(url, "SELECT number, state FROM ss_trial")) == before
+
+
+def test_prefill_is_part_of_the_protocol(gguf_file, tmp_path, monkeypatch, capsys) -> None:
+  install_fake_trials(monkeypatch.setattr)
+  url, model = f"sqlite:///{tmp_path / 's.db'}", gguf_file("tiny", "q4_0")
+  assert search("start", "--model", model, "--study", "q", "--storage", url, "--trials", "1", *FAST[:2], "--confirm", "0") == 0
+  assert search("start", "--study", "q", "--storage", url, "--no-prefill") == 2
+  assert "measures with the prefill graph timed (no --no-prefill), not --no-prefill" in capsys.readouterr().err
+
+
+def test_every_measuring_command_checks_the_model_file(study, tmp_path, capsys) -> None:
+  url, model = study
+  copy = shutil.copy(model, tmp_path / "copy.gguf")
+  with open(model, "ab") as f: f.write(b"\0" * 64)  # the same path, another file
+  for cmd in (["start", "--study", "p"], ["confirm", "--study", "p", "--top", "1", "--pairs", "1"]):
+    assert search(*cmd, "--storage", url) == 2
+    err = capsys.readouterr().err
+    assert f"{model} (sha256 " in err and "is not the model file of study 'p'" in err, err
+  os.remove(model)
+  assert search("start", "--study", "p", "--storage", url) == 2
+  assert "which is not on this host: pass --model" in capsys.readouterr().err
+  assert len(rows(url, "SELECT 1 FROM ss_trial")) == 2  # nothing measured
+  assert search("start", "--study", "p", "--storage", url, "--model", str(copy), "--trials", "3") == 0  # this host's copy of the file
+  assert len(rows(url, "SELECT 1 FROM ss_trial")) == 3
+
+
+@pytest.mark.parametrize("argv, message", [
+  (["start", "--model", "tiny", "--trials", "0"], "--trials: 0 is below 1"),
+  (["start", "--model", "tiny", "--trials", "-3"], "--trials: -3 is below 1"),
+  (["start", "--model", "tiny", "-n", "0"], "-n: 0 is below 2"),
+  (["start", "--model", "tiny", "--rounds", "0"], "--rounds: 0 is below 1"),
+  (["start", "--model", "tiny", "--trial-timeout", "-5"], "--trial-timeout: -5 is below 0"),
+  (["start", "--model", "tiny", "--timeout", "0"], "--timeout: 0 is not a positive number of seconds"),
+  (["worker", "--study", "x", "--heartbeat", "0"], "--heartbeat: 0 is not a positive number of seconds"),
+  (["confirm", "--study", "x", "--pairs", "0"], "--pairs: 0 is below 1"),
+  (["replay", "--study", "x", "--trials", "2.5"], "--trials: '2.5' is not an integer"),
+])
+def test_numbers_are_checked_when_the_command_line_is_read(argv, message, tmp_path, monkeypatch, capsys) -> None:
+  monkeypatch.chdir(tmp_path)
+  assert search(*argv) == 2
+  assert message in capsys.readouterr().err and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("argv", [["status"], ["status", "--study", "x"], ["list"], ["export", "--study", "x"], ["replay", "--study", "x"],
+                                  ["confirm", "--study", "x"], ["start", "--study", "x"]])
+def test_reading_commands_never_create_a_database(argv, tmp_path, capsys) -> None:
+  path = tmp_path / "typo.db"
+  assert search(*argv, "--storage", f"sqlite:///{path}") == 2
+  err = capsys.readouterr().err.strip()
+  assert err in (f"search: error: no database at {path}", f"search: error: no study named 'x' in sqlite:///{path}: pass --model to create it")
+  assert not path.exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="PyTorch is installed: the gp sampler can run")
+def test_a_sampler_that_cannot_run_is_refused_before_anything_is_made(gguf_file, tmp_path, capsys) -> None:
+  url = f"sqlite:///{tmp_path / 's.db'}"
+  assert search("start", "--model", gguf_file("tiny", "q4_0"), "--storage", url, "--sampler", "gp", *FAST) == 2
+  assert "the gp sampler needs torch" in capsys.readouterr().err and not (tmp_path / "s.db").exists()

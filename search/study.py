@@ -109,8 +109,9 @@ class Runner:
   """One worker of a study: proposes configs through Optuna, measures them with the evaluator, records everything."""
 
   def __init__(self, setup: Setup, url: str, ev: Evaluator, info: ModelInfo, remeasure: bool = False,
-               on_event: Callable[[Event], None] = lambda e: None, heartbeat: float = HEARTBEAT_S):
+               on_event: Callable[[Event], None] = lambda e: None, heartbeat: float = HEARTBEAT_S, artifacts=None):
     self.setup, self.ev, self.info, self.remeasure, self.on_event = setup, ev, info, remeasure, on_event
+    self.artifacts = artifacts  # an Optuna artifact store: each finished trial's metrics, diff and profile for the dashboard
     self.engine = open_db(url)
     self.multi = "," in setup.objectives
     self.study = optuna.load_study(study_name=setup.name, storage=storage(url, heartbeat))
@@ -124,8 +125,10 @@ class Runner:
     """Run trials until the study has its target number of finished trials (all workers together) or the timeout passes."""
     def stop(study: optuna.Study, _=None) -> None:
       if self.finished() >= self.setup.trials: study.stop()
+    from search import noise
     if self.finished() < self.setup.trials:
-      self.study.optimize(self.objective, timeout=timeout, catch=(TrialFailed,), callbacks=[stop], gc_after_trial=False)
+      self.study.optimize(self.objective, timeout=timeout, catch=(TrialFailed,), callbacks=[stop, noise.between_trials(self)], gc_after_trial=False)
+    if self.finished() >= self.setup.trials and not self.multi: noise.settle(self)
 
   def finished(self) -> int:
     """Trials with an outcome: completed, pruned, or failed by the evaluator (not interrupted, not lost with a dead worker:
@@ -150,14 +153,19 @@ class Runner:
       with session(self.engine) as s: store.finish_trial(s, row, state="interrupted", error_text="stopped by the user")
       self.study.enqueue_trial(trial.params)  # measured first when the study continues
       raise
+    finally:
+      if self.artifacts is not None:
+        from search.dashboard import attach
+        attach(self.artifacts, trial, self.engine, self.row, row)
 
   def _reuse(self, trial: optuna.Trial, row: Trial, prior: Trial) -> float | tuple[float, float]:
     with session(self.engine) as s:
       row = store.finish_trial(s, row, state="reused", stage=prior.stage, tok_s=prior.tok_s, block_tok_s=prior.block_tok_s,
                                metrics=prior.metrics, check=prior.check, failure_class=prior.failure_class, error_text=prior.error_text,
                                reused_from=prior)
+      est = store.estimates(s, self.row).get(prior.config_hash)  # all its measurements so far, not the first figure alone
     self.on_event(Event("end", trial.number, f"config already measured in trial {prior.number}: its result is reused", row))
-    return self._value(trial, prior.state, prior.tok_s, (prior.metrics or {}).get("peak_device_bytes"))
+    return self._value(trial, prior.state, est.median if est else prior.tok_s, (prior.metrics or {}).get("peak_device_bytes"))
 
   def _measure(self, trial: optuna.Trial, row: Trial, cfg: StructureConfig) -> float | tuple[float, float]:
     t0, spent, block = time.perf_counter(), 0.0, None

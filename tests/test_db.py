@@ -21,7 +21,7 @@ from db.capture import fingerprint_hash, git_state, host_fingerprint
 from db.engine import DBError, default_url, open_db, session
 from db.models import VERSION_TABLE, Base, include_name
 
-OURS = {"ss_environment", "ss_git_state", "ss_study", "ss_trial", "ss_kernel_profile", "ss_confirmation"}
+OURS = {"ss_environment", "ss_git_state", "ss_study", "ss_trial", "ss_kernel_profile", "ss_confirmation", "ss_measurement", "ss_export"}
 PG = os.environ.get("STRUCTSEARCH_TEST_PG")
 ENV = {"device": "CPU", "device_name": "cpu", "driver": "clang 16", "tinygrad_version": "0.14.0", **host_fingerprint()}
 STUDY = dict(model_name="tiny", model_path="/m/tiny.gguf", model_sha256="0" * 64, model_bytes=5 << 30, layers=2, device="CPU",
@@ -50,7 +50,7 @@ def test_migrations_create_our_tables(engine):
   tables = set(inspect(engine).get_table_names())
   assert tables == OURS | {VERSION_TABLE}
   with engine.connect() as c:
-    assert c.scalar(text(f"SELECT version_num FROM {VERSION_TABLE}")) == "0001"
+    assert c.scalar(text(f"SELECT version_num FROM {VERSION_TABLE}")) == "0002_review"
     ctx = MigrationContext.configure(c, opts={"include_name": include_name, "version_table": VERSION_TABLE})
     assert compare_metadata(ctx, Base.metadata) == []  # the migrations make exactly the models' tables
 

@@ -24,6 +24,8 @@ from db.models import Study, Trial
 from model.production import home
 from search.leaderboard import trial_doc
 
+OBJECTIVES = ("tok/s", "peak device bytes")  # the objectives of a study, in Optuna's order
+
 
 def artifact_dir(url: str, given: str | None = None) -> pathlib.Path:
   if given: return pathlib.Path(given).expanduser()
@@ -62,10 +64,12 @@ def attach(artifacts: FileSystemArtifactStore, trial: optuna.Trial, engine: Engi
 
 def serve(url: str, study: str | None, host: str, port: int, artifacts: str | None, say=print) -> None:
   """Serve optuna-dashboard on url until interrupted, printing the address (of the study's page when one is named)."""
-  from optuna_dashboard import run_server
+  from optuna_dashboard import run_server, set_objective_names
 
   from search.study import StudyMismatch, storage
   st = storage(url)
+  for summary in optuna.get_all_study_summaries(st, include_best_trial=False):  # the dashboard's axis titles
+    set_objective_names(optuna.load_study(study_name=summary.study_name, storage=st), list(OBJECTIVES[: len(summary.directions)]))
   path = ""
   if study is not None:
     try: path = f"dashboard/studies/{st.get_study_id_from_name(study)}"

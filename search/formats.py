@@ -29,6 +29,18 @@ class Section:
 def _cell(v: Any) -> str: return "" if v is None else str(v)
 
 
+def markdown(sections: list[Section], notes: list[str] = (), level: int = 3) -> str:
+  out = []
+  for sec in sections:
+    out.append(f"{'#' * level} {sec.title}\n")
+    if sec.code is not None: out.append(f"```{sec.lang}\n{sec.code.rstrip()}\n```\n")
+    elif sec.rows:
+      esc = lambda v: _cell(v).replace("|", "\\|").replace("\n", " ")
+      out += ["| " + " | ".join(map(esc, sec.columns)) + " |", "|" + "---|" * len(sec.columns)]
+      out += ["| " + " | ".join(map(esc, r)) + " |" for r in sec.rows] + [""]
+  return "\n".join(out + [f"{n}\n" for n in notes]).rstrip()
+
+
 def emit(fmt: str, sections: list[Section], data: Any, console: Console, notes: list[str] = ()) -> None:
   """Print the view in fmt: JSON is `data` alone; CSV is the sections' rows (a multi-section view's rows start with their
   section's title); table and Markdown add the notes."""
@@ -47,16 +59,7 @@ def emit(fmt: str, sections: list[Section], data: Any, console: Console, notes: 
       for sec in sections:
         if sec.code is not None: w.writerow([sec.title, "text", sec.code])
         w.writerows([sec.title, *map(_cell, r)] for r in sec.rows)
-  elif fmt == "markdown":
-    out = []
-    for sec in sections:
-      out.append(f"### {sec.title}\n")
-      if sec.code is not None: out.append(f"```{sec.lang}\n{sec.code.rstrip()}\n```\n")
-      elif sec.rows:
-        esc = lambda v: _cell(v).replace("|", "\\|").replace("\n", " ")
-        out += ["| " + " | ".join(map(esc, sec.columns)) + " |", "|" + "---|" * len(sec.columns)]
-        out += ["| " + " | ".join(map(esc, r)) + " |" for r in sec.rows] + [""]
-    print("\n".join(out + [f"{n}\n" for n in notes]).rstrip())
+  elif fmt == "markdown": print(markdown(sections, notes))
   elif fmt == "table":
     for sec in sections:
       if sec.code is not None:

@@ -80,10 +80,15 @@ def verdict(s: Session, study: Study) -> str:
     best = max(ok, key=lambda c: c.speedup_low)
     return (f"no config beats the baseline: the best confirmed, trial {trials[best.trial_id].number}, runs at {best.speedup:.3f}x "
             f"[{best.speedup_low:.3f}, {best.speedup_high:.3f}] of it; keep the baseline")
-  top = store.leaderboard(s, study, 2)
-  cand = next((t for t in top if t.config_hash != BASELINE), None)
+  cand = next((t for t in store.leaderboard(s, study, 2) if t.config_hash != BASELINE), None)
   if cand is None: return "no config beats the baseline: no other config finished ok"
-  return f"nothing confirmed yet: the best measured config, trial {cand.number}, is unconfirmed (`search confirm --study {study.name}`)"
+  est = store.estimates(s, study)
+  e, base = est[cand.config_hash], est.get(BASELINE)
+  if base is not None and e.median <= base.median:
+    return f"no config beats the baseline: the best other config, trial {cand.number}, measures {e.median / base.median:.3f}x of it (unconfirmed)"
+  return (f"nothing confirmed yet: the best measured config, trial {cand.number}, "
+          f"{f'measures {e.median / base.median:.3f}x the baseline' if base else 'has no baseline to compare with'} "
+          f"(`search confirm --study {study.name}`)")
 
 
 def _row(t: Trial, est: store.Estimate | None, base: store.Estimate | None, c: Confirmation | None, win: Confirmation | None) -> dict[str, Any]:

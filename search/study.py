@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 
 from db import store
 from db.capture import git_state
-from db.engine import DBError, open_db, session
+from db.engine import DBError, engine_kwargs, open_db, session
 from db.models import GitState, Study, Trial
 from evaluator.result import TrialResult
 from evaluator.runner import Evaluator
@@ -55,7 +55,7 @@ def storage(url: str, heartbeat: float = HEARTBEAT_S) -> RDBStorage:
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
       return RDBStorage(url, heartbeat_interval=max(1, round(heartbeat)), grace_period=max(3, round(6 * heartbeat)),
-                        heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1))
+                        heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1), engine_kwargs=engine_kwargs(url))
   except Exception as e:  # noqa: BLE001 - Optuna raises bare SQLAlchemy or RuntimeErrors here
     raise DBError(f"Optuna cannot use the database: {str(e).splitlines()[0]}") from None
 

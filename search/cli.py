@@ -299,6 +299,6 @@ def main(argv: list[str] | None = None) -> None:
   except (GGUFError, ModelNotFound, ConfigError, DBError, StudyMismatch, ValueError, RuntimeError) as e:
     print(f"search: error: {e}", file=sys.stderr)
     sys.exit(2)
-  except BrokenPipeError:  # the reader (e.g. `| head`) has all it wants: no traceback, and none when Python flushes stdout at exit
+  except BrokenPipeError:  # the reader (`| head`) stopped reading: no traceback, none when Python flushes stdout at exit (exit 1, as rich does)
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    sys.exit(0)
+    sys.exit(1)

@@ -110,7 +110,10 @@ def export(s: Session, study: Study, url: str, which: str | None, unconfirmed: b
   path.write_text(render(s, study, t, why, url))
   sha = branch = diff = None
   if do_commit:
-    sha, branch, diff = commit(path, f"structsearch: export study {study.name}, trial {t.number} ({why}) on {study.device_name or study.device}",
-                               "structsearch/" + re.sub(r"[^A-Za-z0-9._-]+", "-", study.name) + f"-trial{t.number}")
+    est = store.estimates(s, study)
+    e, base = est.get(t.config_hash), est.get(BASELINE)
+    measured = f"; measured {e.median / base.median:.3f}x the baseline" if e and base else ""
+    message = f"structsearch: export study {study.name}, trial {t.number}: {why}{measured}, on {study.device_name or study.device}"
+    sha, branch, diff = commit(path, message, "structsearch/" + re.sub(r"[^A-Za-z0-9._-]+", "-", study.name) + f"-trial{t.number}")
   store.add_export(s, study, t, str(path.resolve()), sha, branch, diff)
   return path, f"wrote {path}: trial {t.number} of {study.name}, {why}" + (f"; committed {sha[:12]} on branch {branch}" if sha else "")

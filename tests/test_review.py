@@ -290,7 +290,7 @@ def test_export_to_production_that_bench_uses(live, tmp_path, capsys) -> None:
   assert StructureConfig.load(str(path)) == StructureConfig.from_json(fresh.config_json)
 
   # model bench loads it by default and says so; --baseline ignores it; a config for another file is not applied
-  r = subprocess.run([sys.executable, "-m", "model", "bench", "--model", live.model, "-n", "4", "--rounds", "1", "--json"],
+  r = subprocess.run([sys.executable, "-m", "model", "bench", "--model", live.model, "-n", "2", "--rounds", "1", "--layers", "1", "--json"],
                      capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr
   assert f"config: production config {path}" in r.stderr
@@ -312,7 +312,7 @@ def test_export_to_production_that_bench_uses(live, tmp_path, capsys) -> None:
   branch = repo.heads[f"structsearch/r-trial{fresh.number}"]
   assert repo.head.commit.hexsha == head and branch.commit.parents[0].hexsha == head and not repo.index.diff("HEAD")
   assert branch.commit.tree["production/tiny.toml"].data_stream.read().decode() == to.read_text()
-  assert f"trial {fresh.number}" in branch.commit.message
+  assert f"trial {fresh.number}" in branch.commit.message and "the baseline, on " in branch.commit.message
   with session(open_db(url)) as s:
     ex = store.exports(s, store.get_study(s, "r"))
     assert ex[-1].commit == branch.commit.hexsha and ex[-1].branch == branch.name and "+++ b/production/tiny.toml" in ex[-1].diff

@@ -5,7 +5,6 @@ them into the robust estimate that ranks configs everywhere (leaderboard, confir
 from __future__ import annotations
 
 import optuna
-from optuna.trial import TrialState
 
 from db import store
 from db.engine import session
@@ -18,7 +17,7 @@ SETTLE_N = 3  # figures of each near-best config before a study ends
 
 
 def repeat_every(trials: int) -> int:
-  """Trials between two measurements of the baseline: a tenth of a short study's budget at most, every 10 trials in a long one."""
+  """Finished trials between two measurements of the baseline: a quarter of a short study's target (2 at least), 10 in a long one."""
   return max(2, min(10, trials // 4))
 
 
@@ -47,7 +46,7 @@ def between_trials(runner: Runner):
   """An Optuna callback: after every repeat_every(target) finished trials of the study, the baseline is measured again."""
   def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
     done = runner.finished()
-    if trial.state != TrialState.RUNNING and done and done % repeat_every(runner.setup.trials) == 0 and done < runner.setup.trials:
+    if done and done % repeat_every(runner.setup.trials) == 0 and done < runner.setup.trials:
       _measure(runner, BASELINE, StructureConfig(), None, f"baseline re-measured after {done} trials")
   return callback
 

@@ -15,8 +15,9 @@ $(VENV)/.installed: pyproject.toml
 	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
-demo: setup  # 8 trials of the tiny model on the CPU at BEAM=0 (BEAM on the CPU costs minutes per trial), the best one confirmed
+demo: setup  # 8 trials of the tiny model on the CPU at BEAM=0 (BEAM on the CPU costs minutes per trial), the best one confirmed, its report
 	$(BIN)/search start --model tiny --trials 8 --fix beam=0 --no-prefill -n 16 --confirm 1 --pairs 2
+	$(BIN)/search report --study tiny-CPU --out report-tiny-CPU
 
 lint: setup
 	$(BIN)/ruff check .

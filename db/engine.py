@@ -54,9 +54,14 @@ def _reason(e: DBAPIError) -> str:
   return reason[:1].lower() + reason[1:]
 
 
+def engine_kwargs(url: str) -> dict:
+  """Engine options of every connection to url, ours and Optuna's: SQLite waits up to 30 s for a lock (its default is 5 s)."""
+  return {"connect_args": {"timeout": 30}} if make_url(url).get_backend_name() == "sqlite" else {}
+
+
 def _create_engine(u: URL) -> Engine:
   if u.get_backend_name() == "sqlite":
-    engine = create_engine(u, connect_args={"timeout": 30})
+    engine = create_engine(u, **engine_kwargs(u.render_as_string(hide_password=False)))
     event.listen(engine, "connect", lambda dbapi_conn, _: dbapi_conn.execute("PRAGMA foreign_keys = ON"))
     return engine
   if u.get_backend_name() == "postgresql":
@@ -91,10 +96,14 @@ def open_db(url: str, create: bool = True) -> Engine:
     where = f"the SQLite database {u.database}" if sqlite else f"the database at {safe}"
     raise DBError(f"cannot {'open' if sqlite else 'reach'} {where}: {_reason(e)}") from None
   try:
-    with conn, conn.begin():
-      if sqlite: conn.exec_driver_sql("BEGIN IMMEDIATE")  # take the write lock before reading the schema version
-      else: conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": PG_LOCK_KEY})
-      _upgrade(conn, u.render_as_string(hide_password=False), safe, create)
+    with conn:
+      if sqlite:  # write-ahead log: readers (the dashboard, `search status`) never block the writing search, nor it them
+        conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+        conn.commit()
+      with conn.begin():
+        if sqlite: conn.exec_driver_sql("BEGIN IMMEDIATE")  # take the write lock before reading the schema version
+        else: conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": PG_LOCK_KEY})
+        _upgrade(conn, u.render_as_string(hide_password=False), safe, create)
   except (SQLAlchemyError, CommandError, DBError) as e:
     engine.dispose()
     if isinstance(e, DBError): raise

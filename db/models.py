@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import JSON, BigInteger, DateTime, ForeignKey, MetaData, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -142,3 +142,31 @@ class Confirmation(Base):
   status: Mapped[str]
   created_at: Mapped[datetime] = mapped_column(default=utcnow)
   trial: Mapped[Trial] = relationship()
+
+
+class Measurement(Base):
+  """One decode figure of one config: a trial's own stage, a baseline repeat, a near-best re-measurement or an A/B run."""
+  __tablename__ = "ss_measurement"
+  KINDS: ClassVar[tuple[str, ...]] = ("trial", "repeat", "confirm")  # a trial's own figure, a re-measurement by the search, an A/B run
+  id: Mapped[int] = mapped_column(primary_key=True)
+  study_id: Mapped[int] = mapped_column(ForeignKey("ss_study.id"), index=True)
+  trial_id: Mapped[int | None] = mapped_column(ForeignKey("ss_trial.id"))  # None: a baseline repeat between trials
+  config_hash: Mapped[str] = mapped_column(String(16))
+  stage: Mapped[str]  # "block" | "full"
+  tok_s: Mapped[float]  # median over its rounds
+  rounds: Mapped[list[float] | None] = mapped_column(JSON)  # tok/s of each measured round
+  kind: Mapped[str]  # one of KINDS
+  created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Export(Base):
+  """A config written to production by `search export`, and the git commit that holds it (--commit)."""
+  __tablename__ = "ss_export"
+  id: Mapped[int] = mapped_column(primary_key=True)
+  study_id: Mapped[int] = mapped_column(ForeignKey("ss_study.id"), index=True)
+  trial_id: Mapped[int] = mapped_column(ForeignKey("ss_trial.id"))
+  path: Mapped[str]
+  commit: Mapped[str | None] = mapped_column(String(64))
+  branch: Mapped[str | None]
+  diff: Mapped[str | None] = mapped_column(Text)
+  created_at: Mapped[datetime] = mapped_column(default=utcnow)

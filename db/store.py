@@ -2,15 +2,19 @@
 (db.engine.session). Model objects passed in may be detached: only their ids are used."""
 from __future__ import annotations
 
+import math
+from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 
+import numpy as np
 from sqlalchemy import select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from db.capture import fingerprint_hash
-from db.models import TRIAL_STATES, Base, Confirmation, Environment, GitState, KernelProfile, Study, Trial, utcnow
+from db.models import TRIAL_STATES, Base, Confirmation, Environment, Export, GitState, KernelProfile, Measurement, Study, Trial, utcnow
 
 UNMEASURED = ("running", "interrupted", "pruned", "reused")  # states that say nothing about how a config performs
 TRANSIENT = ("killed", "timeout")  # failures that are not a property of the config: it is measured again when proposed again
@@ -65,13 +69,19 @@ def finish_trial(s: Session, trial: Trial, *, state: str, stage: str | None = No
                  metrics: dict | None = None, phases: dict | None = None, check: dict | None = None, failure_class: str | None = None,
                  error_text: str | None = None, reused_from: Trial | None = None, profile: list[dict] | None = None,
                  environment: Environment | None = None) -> Trial:
-  """Record the outcome and the environment the trial process ran in; profile rows are dicts with rank, name, count, us_per_token, gb_s, share."""
+  """Record the outcome and the environment the trial process ran in; profile rows are dicts with rank, name, count,
+  us_per_token, gb_s, share. A measured figure (the block proxy's, the full model's when ok) is also stored as one of the
+  config's measurements; a reused trial measured nothing."""
   if state not in TRIAL_STATES or state == "running": raise ValueError(f"not a final trial state: {state!r}")
   t = s.get(Trial, trial.id)
   t.state, t.stage, t.tok_s, t.block_tok_s, t.metrics, t.phases, t.check = state, stage, tok_s, block_tok_s, metrics, phases, check
   t.failure_class, t.error_text, t.reused_from_id, t.finished_at = failure_class, error_text, reused_from and reused_from.id, utcnow()
   t.environment_id = environment and environment.id
   t.profile = [KernelProfile(**row) for row in profile or ()]
+  if state != "reused":
+    if block_tok_s is not None: add_measurement(s, t.study_id, t.config_hash, "block", block_tok_s, "trial", trial=t)
+    if state == "ok" and tok_s is not None:
+      add_measurement(s, t.study_id, t.config_hash, stage or "full", tok_s, "trial", trial=t, rounds=(metrics or {}).get("tok_s_rounds"))
   s.flush()
   return t
 
@@ -85,10 +95,15 @@ def find_measured(s: Session, study: Study, config_hash: str, retries: int = RET
   return measured[0] if len(measured) > retries else None
 
 
-def leaderboard(s: Session, study: Study, limit: int = 20) -> list[Trial]:
-  """ok trials by tok_s, fastest first; reused trials are left out (they duplicate their source)."""
-  q = select(Trial).filter_by(study_id=study.id, state="ok").where(Trial.tok_s.is_not(None))
-  return list(s.scalars(q.order_by(Trial.tok_s.desc(), Trial.number).limit(limit)))
+def leaderboard(s: Session, study: Study, limit: int | None = 20) -> list[Trial]:
+  """One ok trial per config (its first), fastest first by the config's robust estimate (see estimates); reused trials are
+  left out (they duplicate their source)."""
+  q = select(Trial).filter_by(study_id=study.id, state="ok").where(Trial.tok_s.is_not(None)).order_by(Trial.number)
+  first: dict[str, Trial] = {}
+  for t in s.scalars(q): first.setdefault(t.config_hash, t)
+  est = estimates(s, study)
+  ranked = sorted(first.values(), key=lambda t: (-(est[t.config_hash].median if t.config_hash in est else t.tok_s), t.number))
+  return ranked[:limit]
 
 
 def trials(s: Session, study: Study) -> list[Trial]: return list(s.scalars(select(Trial).filter_by(study_id=study.id).order_by(Trial.number)))
@@ -109,3 +124,73 @@ def add_confirmation(s: Session, study: Study, trial: Trial, **fields) -> Confir
 
 def confirmations(s: Session, study: Study) -> list[Confirmation]:
   return list(s.scalars(select(Confirmation).filter_by(study_id=study.id).order_by(Confirmation.id)))
+
+
+def add_measurement(s: Session, study_id: int, config_hash: str, stage: str, tok_s: float, kind: str, trial: Trial | None = None,
+                    rounds: list[float] | None = None) -> Measurement:
+  if kind not in Measurement.KINDS: raise ValueError(f"not a measurement kind: {kind!r}")
+  s.add(m := Measurement(study_id=study_id, trial_id=trial and trial.id, config_hash=config_hash, stage=stage, tok_s=tok_s, rounds=rounds,
+                         kind=kind))
+  s.flush()
+  return m
+
+
+def measurements(s: Session, study: Study, stage: str | None = "full") -> list[Measurement]:
+  q = select(Measurement).filter_by(study_id=study.id)
+  return list(s.scalars((q if stage is None else q.filter_by(stage=stage)).order_by(Measurement.id)))
+
+
+@dataclass(frozen=True)
+class Estimate:
+  """A config's tok/s: the median of its measurements, and a 90% interval for it (None until some config is measured twice)."""
+  median: float
+  low: float | None
+  high: float | None
+  n: int  # measurements
+
+
+LEVEL, BOOT = 0.90, 2000
+
+
+def estimates(s: Session, study: Study, stage: str = "full") -> dict[str, Estimate]:
+  """The robust estimate of every measured config of study (by config_hash), from all its measurements at stage.
+
+  Run-to-run noise is a property of the machine and the protocol, not of one config, and most configs are measured once or
+  twice: an interval from a config's own figures alone would be empty (n=1) or cover little (n=2 brackets the median half
+  the time). So the spread is pooled: every config measured at least twice (the baseline above all, repeated through the
+  study) contributes its log-deviations from its own median (scaled by sqrt(n/(n-1)) for the degree of freedom the median
+  takes); a config's interval is then a residual bootstrap of the median of n such deviations around its median, so it
+  narrows as the config is measured again. Before any config has been measured twice there is no noise figure, and no
+  interval."""
+  by: dict[str, list[float]] = defaultdict(list)
+  for m in measurements(s, study, stage): by[m.config_hash].append(m.tok_s)
+  pool = [(math.log(x) - float(np.median(np.log(xs)))) * math.sqrt(len(xs) / (len(xs) - 1)) for xs in by.values() if len(xs) > 1 for x in xs]
+  rng, spread = np.random.default_rng(0), {}
+  def bounds(n: int) -> tuple[float, float]:  # quantiles of the median of n pooled deviations
+    if n not in spread:
+      meds = np.median(rng.choice(pool, size=(BOOT, n)), axis=1)
+      spread[n] = (float(np.quantile(meds, (1 - LEVEL) / 2)), float(np.quantile(meds, (1 + LEVEL) / 2)))
+    return spread[n]
+  out = {}
+  for h, xs in by.items():
+    med = float(np.median(xs))
+    if not pool: out[h] = Estimate(med, None, None, len(xs))
+    else:
+      lo, hi = bounds(len(xs))
+      out[h] = Estimate(med, med * math.exp(-hi), med * math.exp(-lo), len(xs))
+  return out
+
+
+def add_export(s: Session, study: Study, trial: Trial, path: str, commit: str | None = None, branch: str | None = None,
+               diff: str | None = None) -> Export:
+  s.add(e := Export(study_id=study.id, trial_id=trial.id, path=path, commit=commit, branch=branch, diff=diff))
+  s.flush()
+  return e
+
+
+def exports(s: Session, study: Study) -> list[Export]: return list(s.scalars(select(Export).filter_by(study_id=study.id).order_by(Export.id)))
+
+
+def interval(e: Estimate) -> str:
+  """`median [low, high]`, or the median alone while the study has no noise figure."""
+  return f"{e.median:.2f} [{e.low:.2f}, {e.high:.2f}]" if e.low is not None else f"{e.median:.2f} [noise not measured yet]"

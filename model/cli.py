@@ -10,19 +10,22 @@ from collections import Counter
 
 from model.gguf_file import GGUFError, GGUFFile
 from model.registry import ModelNotFound, resolve
-from model.structure import ConfigError, StructureConfig
+from model.structure import ConfigError
 
 
 def _load(args) -> tuple:
   from model.bench import apply_process_settings
   from model.deepseek2 import Transformer
   from model.generate import Generator
-  cfg = StructureConfig.load(args.config) if args.config else StructureConfig()
+  from model.production import select
+  path = resolve(args.model)
+  cfg, which = select(path, args.model, args.config, args.baseline)
+  print(which, file=sys.stderr)
   apply_process_settings(cfg, args.device)
-  f = GGUFFile(resolve(args.model))
+  f = GGUFFile(path)
   t0 = time.perf_counter()
   m = Transformer(f, cfg, max_context=args.max_context, n_layers=args.layers)
-  return f, Generator(m), time.perf_counter() - t0
+  return f, Generator(m), time.perf_counter() - t0, cfg
 
 
 def cmd_synth(args) -> None:
@@ -42,7 +45,7 @@ def cmd_info(args) -> None:
 
 def cmd_run(args) -> None:
   from model.tokenizer import Tokenizer
-  f, gen, _ = _load(args)
+  f, gen, _, _ = _load(args)
   tok = Tokenizer.from_metadata(f.metadata)
   text = tok.format_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
   ids = tok.encode(text)
@@ -61,12 +64,12 @@ def cmd_bench(args) -> None:
   from tinygrad import Device, GlobalCounters
 
   from model.bench import bench
-  f, gen, load_s = _load(args)
+  f, gen, load_s, cfg = _load(args)
   r = bench(gen, prompt_len=args.prompt_len, n=args.n, rounds=args.rounds)
   m = gen.model
   d = {"model": str(f.path), "device": Device.DEFAULT, "layers": len(m.blocks), "load_s": load_s, "file_bytes": f.path.stat().st_size,
        "kv_cache_bytes": m.kv_cache_bytes, "device_bytes": GlobalCounters.mem_used, "load_peak_device_bytes": m.load_peak_bytes,
-       "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **r.to_dict()}
+       "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **r.to_dict(), "config": cfg.to_dict()}
   if args.profile:
     from evaluator.profile import kernel_profile
     d["profile"] = kernel_profile(gen, r.tokens[0], args.prompt_len)
@@ -103,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     c = sub.add_parser(name, help=hlp)
     c.add_argument("--model", required=True, help="a name (tiny, glm, deepseek-v2-lite, youtu, ...) or a .gguf path")
     c.add_argument("-n", type=int, default=64 if name == "run" else 32, help="tokens to generate")
-    c.add_argument("--config", help="a StructureConfig as .json or .toml (default: the baseline)")
+    c.add_argument("--config", help="a StructureConfig as .json or .toml (default: the production config exported for this model file, "
+                                    "else the baseline)")
+    c.add_argument("--baseline", action="store_true", help="the baseline config, ignoring any production config")
     c.add_argument("--device", help="tinygrad device, e.g. CPU, CUDA, METAL (default: tinygrad's default)")
     c.add_argument("--layers", type=int, help="run only the first N blocks")
     c.add_argument("--max-context", type=int, default=512)

@@ -17,10 +17,12 @@ from rich.table import Table
 
 from db import store
 from db.engine import DBError, default_url, open_db, session
+from db.models import TRIAL_STATES
 from evaluator.runner import default_device
 from model.gguf_file import GGUFError, GGUFFile
 from model.registry import ModelNotFound, cache_dir, resolve
 from model.structure import ConfigError, StructureConfig
+from search.formats import FORMATS, emit
 from search.study import (
   SAMPLERS,
   BaselineFailed,
@@ -39,6 +41,7 @@ from search.study import (
 from space.knobs import ModelInfo, device_kind, knobs, parse_pins, sample, size, to_params
 
 console = Console() if sys.stdout.isatty() else Console(width=200)
+errors = Console(stderr=True)
 
 
 def cmd_space(args) -> None:
@@ -55,14 +58,15 @@ def cmd_space(args) -> None:
 
 def _run(setup: Setup, url: str, info: ModelInfo, args) -> None:
   """Run this worker's share of the study under the live view; the leaderboard at the end."""
-  from search.leaderboard import leaderboard_table
+  from search.dashboard import artifact_dir, artifact_store
   from search.view import LiveView
   ev = setup.evaluator(args.trial_timeout)
   with session(open_db(url, create=False)) as s: finished = store.trials(s, store.get_study(s, setup.name))
   view = LiveView(console, setup.name, setup.trials, finished)
-  runner = Runner(setup, url, ev, info, remeasure=getattr(args, "remeasure", False), on_event=view.handle, heartbeat=args.heartbeat)
+  runner = Runner(setup, url, ev, info, remeasure=getattr(args, "remeasure", False), on_event=view.handle, heartbeat=args.heartbeat,
+                  artifacts=artifact_store(url, args.artifacts))
   console.print(f"study {setup.name}: {setup.model_name} on {setup.device}, {len(finished)} trials so far, target {setup.trials}"
-                f" ({setup.sampler} sampler, stages: {' then '.join(ev.stages)}; storage {url})")
+                f" ({setup.sampler} sampler, stages: {' then '.join(ev.stages)}; storage {url}; artifacts {artifact_dir(url, args.artifacts)})")
   try:
     if console.is_terminal:
       with Live(view, console=console, refresh_per_second=4): runner.optimize(args.timeout)
@@ -70,7 +74,7 @@ def _run(setup: Setup, url: str, info: ModelInfo, args) -> None:
   except KeyboardInterrupt:
     console.print(f"stopped: the running trial is marked interrupted; `search start --study {setup.name} --storage {url}` continues")
     sys.exit(130)
-  with session(open_db(url, create=False)) as s: console.print(leaderboard_table(s, store.get_study(s, setup.name)))
+  show_leaderboard(url, setup.name, top=15)
 
 
 def _protocol(args, info: ModelInfo, device: str) -> dict:
@@ -118,8 +122,10 @@ def cmd_start(args) -> None:
   if args.confirm:
     from search.confirm import confirm
     confirm(args.storage, name, top=args.confirm, pairs=args.pairs, device=setup.device, say=console.print, model=setup.model)
-    from search.leaderboard import leaderboard_table
-    with session(open_db(args.storage, create=False)) as s: console.print(leaderboard_table(s, store.get_study(s, name)))
+    show_leaderboard(args.storage, name, top=15)
+  where = "" if args.storage == default_url() else f" --storage {args.storage}"
+  console.print(f"review: `search leaderboard --study {name}{where}`; `search report --study {name}{where} --out report-{name}` "
+                f"(Markdown, HTML, plots); `search dashboard --study {name}{where}` (web dashboard on 127.0.0.1:8080)")
 
 
 def _spawn_worker(setup: Setup, args, device: str) -> tuple[str, subprocess.Popen, pathlib.Path]:
@@ -159,10 +165,10 @@ def cmd_worker(args) -> None:
 
 def cmd_confirm(args) -> None:
   from search.confirm import confirm
-  from search.leaderboard import leaderboard_table
-  confirm(args.storage, args.study, top=args.top, pairs=args.pairs, rounds=args.rounds, device=args.device, say=console.print, again=args.again,
+  say = console.print if args.format == "table" else errors.print  # the progress; stdout keeps the document alone
+  confirm(args.storage, args.study, top=args.top, pairs=args.pairs, rounds=args.rounds, device=args.device, say=say, again=args.again,
           model=str(resolve(args.model).resolve()) if args.model else None)
-  with session(open_db(args.storage, create=False)) as s: console.print(leaderboard_table(s, store.get_study(s, args.study)))
+  show_leaderboard(args.storage, args.study, args.format, top=15)
 
 
 def cmd_replay(args) -> None:
@@ -179,30 +185,69 @@ def cmd_replay(args) -> None:
   console.print(t)
 
 
+def _study(s, url: str, name: str):
+  if (st := store.get_study(s, name)) is None: raise StudyMismatch(f"no study named {name!r} in {url}")
+  return st
+
+
+def show_leaderboard(url: str, name: str, fmt: str = "table", top: int | None = None, states: tuple[str, ...] = ("ok",),
+                     where: dict[str, str] | None = None) -> None:
+  from search.leaderboard import leaderboard, leaderboard_view
+  with session(open_db(url, create=False)) as s: doc = leaderboard(s, _study(s, url, name), states, where, top)
+  secs, notes = leaderboard_view(doc)
+  emit(fmt, secs, doc, console, notes)
+
+
+def cmd_leaderboard(args) -> None:
+  from search.leaderboard import parse_where
+  states = TRIAL_STATES if "all" in (args.state or ()) else tuple(args.state or ("ok",))
+  show_leaderboard(args.storage, args.study, args.format, args.top, states, parse_where(args.where or []))
+
+
 def cmd_status(args) -> None:
-  from search.leaderboard import leaderboard_table, studies_table
+  from search.leaderboard import studies, studies_view
   from search.proxy import proxy_fit
+  if args.study:
+    show_leaderboard(args.storage, args.study, args.format, args.top)
+    with session(open_db(args.storage, create=False)) as s: trials = store.trials(s, _study(s, args.storage, args.study))
+    if args.format == "table" and any(t.block_tok_s for t in trials): console.print(proxy_fit(trials).summary())
+    return
+  with session(open_db(args.storage, create=False)) as s: doc = studies(s)
+  emit(args.format, studies_view(doc), doc, console)
+
+
+def cmd_show(args) -> None:
+  from search.leaderboard import find_trial, trial_doc, trial_view
   with session(open_db(args.storage, create=False)) as s:
-    if not args.study:
-      console.print(studies_table(s))
-      return
-    st = store.get_study(s, args.study)
-    if st is None: raise StudyMismatch(f"no study named {args.study!r} in {args.storage}")
-    console.print(leaderboard_table(s, st, args.top))
-    trials = store.trials(s, st)
-    if any(t.block_tok_s for t in trials): console.print(proxy_fit(trials).summary())
+    st = _study(s, args.storage, args.study)
+    doc = trial_doc(s, st, find_trial(s, st, args.trial))
+  emit(args.format, trial_view(doc), doc, console)
+
+
+def cmd_compare(args) -> None:
+  from search.leaderboard import compare_doc, compare_view, find_trial
+  with session(open_db(args.storage, create=False)) as s:
+    st = _study(s, args.storage, args.study)
+    doc = compare_doc(s, st, find_trial(s, st, args.a), find_trial(s, st, args.b))
+  secs, notes = compare_view(doc)
+  emit(args.format, secs, doc, console, notes)
 
 
 def cmd_export(args) -> None:
-  from search.leaderboard import export
+  from search.export import export
   with session(open_db(args.storage, create=False)) as s:
-    st = store.get_study(s, args.study)
-    if st is None: raise StudyMismatch(f"no study named {args.study!r} in {args.storage}")
-    cfg, head = export(s, st, args.unconfirmed)
-  out = pathlib.Path(args.out or f"model/production/{st.model_name}.toml")
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(head + cfg.to_toml())
-  console.print(f"wrote {out}: " + head.splitlines()[0][2:])
+    _, line = export(s, _study(s, args.storage, args.study), args.storage, None if args.best else args.trial, args.unconfirmed, args.to, args.commit)
+  console.print(line)
+
+
+def cmd_dashboard(args) -> None:
+  from search.dashboard import serve
+  serve(args.storage, args.study, args.host, args.port, args.artifacts, say=console.print)
+
+
+def cmd_report(args) -> None:
+  from search.report import report
+  console.print(f"report of {args.study}: {report(args.storage, args.study, pathlib.Path(args.out))}")
 
 
 def at_least(lo: float, kind: type = int) -> Callable[[str], float]:
@@ -237,6 +282,9 @@ def main(argv: list[str] | None = None) -> None:
   run_arg.add_argument("--timeout", type=positive, help="stop starting trials after this many seconds")
   run_arg.add_argument("--trial-timeout", type=positive, default=900, help="wall-clock limit of one trial process (s)")
   run_arg.add_argument("--heartbeat", type=positive, default=10, help="seconds between worker heartbeats; a worker silent for 6 is dead")
+  run_arg.add_argument("--artifacts", help="directory of the trials' dashboard artifacts (default: beside a SQLite database)")
+  fmt_arg = argparse.ArgumentParser(add_help=False)
+  fmt_arg.add_argument("--format", choices=FORMATS, default="table", help="table (default), json (see search/leaderboard.py), csv, markdown")
 
   s = sub.add_parser("space", help="print the search space of a model (or a random valid config with --sample)")
   s.add_argument("--model", required=True, help="a model name or a .gguf path")
@@ -275,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
   w.add_argument("--model", help="where the study's model file is on this host (default: the study's path; checked by SHA-256)")
   w.set_defaults(fn=cmd_worker)
 
-  c = sub.add_parser("confirm", parents=[store_arg], help="A/B-confirm a study's top configs against the baseline")
+  c = sub.add_parser("confirm", parents=[store_arg, fmt_arg], help="A/B-confirm a study's top configs against the baseline")
   c.add_argument("--study", required=True)
   c.add_argument("--top", type=at_least(1), default=3)
   c.add_argument("--pairs", type=at_least(1), default=3)
@@ -292,16 +340,50 @@ def main(argv: list[str] | None = None) -> None:
   r.add_argument("--repeats", type=at_least(1), default=10)
   r.set_defaults(fn=cmd_replay)
 
-  for name, hlp in (("status", "a study's leaderboard (or all studies)"), ("list", "the studies in a storage")):
-    x = sub.add_parser(name, parents=[store_arg], help=hlp)
+  for name, hlp in (("status", "the studies in a storage (with --study: its leaderboard)"), ("list", "the studies in a storage")):
+    x = sub.add_parser(name, parents=[store_arg, fmt_arg], help=hlp)
     x.add_argument("--study", help=None if name == "status" else argparse.SUPPRESS)
     x.add_argument("--top", type=at_least(1), default=15, help=None if name == "status" else argparse.SUPPRESS)
     x.set_defaults(fn=cmd_status)
 
-  e = sub.add_parser("export", parents=[store_arg], help="write a study's confirmed winner as a production config (TOML)")
+  lb = sub.add_parser("leaderboard", parents=[store_arg, fmt_arg], help="a study's configs ranked (confirmed speedup, else estimated)")
+  lb.add_argument("--study", required=True)
+  lb.add_argument("--top", type=int, help="the first N rows")
+  lb.add_argument("--state", action="append", choices=(*TRIAL_STATES, "all"), help="trial states to list (default ok); repeatable")
+  lb.add_argument("--where", action="append", metavar="KNOB=VALUE", help="only configs with this knob value (e.g. topk=sort); repeatable")
+  lb.set_defaults(fn=cmd_leaderboard)
+
+  sh = sub.add_parser("show", parents=[store_arg, fmt_arg], help="everything about one trial")
+  sh.add_argument("--study", required=True)
+  sh.add_argument("trial", help="a trial number, or 'baseline'")
+  sh.set_defaults(fn=cmd_show)
+
+  cp = sub.add_parser("compare", parents=[store_arg, fmt_arg], help="two trials side by side, knob by knob and metric by metric")
+  cp.add_argument("--study", required=True)
+  cp.add_argument("a", help="a trial number, or 'baseline'")
+  cp.add_argument("b", help="a trial number, or 'baseline'")
+  cp.set_defaults(fn=cmd_compare)
+
+  d = sub.add_parser("dashboard", parents=[store_arg], help="serve optuna-dashboard on the storage (with the trials' artifacts)")
+  d.add_argument("--study", help="print the address of this study's page")
+  d.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+  d.add_argument("--port", type=int, default=8080)
+  d.add_argument("--artifacts", help="the artifact directory the workers wrote (default: beside a SQLite database)")
+  d.set_defaults(fn=cmd_dashboard)
+
+  rp = sub.add_parser("report", parents=[store_arg], help="a study's report: Markdown and HTML with PNG plots, in one directory")
+  rp.add_argument("--study", required=True)
+  rp.add_argument("--out", required=True, help="directory to write report.md, report.html and the plots into")
+  rp.set_defaults(fn=cmd_report)
+
+  e = sub.add_parser("export", parents=[store_arg], help="write a study's config to the model's production config (TOML)")
   e.add_argument("--study", required=True)
-  e.add_argument("--out", help="default: model/production/<model>.toml")
-  e.add_argument("--unconfirmed", action="store_true", help="export the best measured config when none is confirmed")
+  which = e.add_mutually_exclusive_group()
+  which.add_argument("--trial", help="this trial's config (a number)")
+  which.add_argument("--best", action="store_true", help="the confirmed winner (the default)")
+  e.add_argument("--to", "--out", dest="to", help="default: $STRUCTSEARCH_HOME/production/<model>.toml, where `model run`/`model bench` look")
+  e.add_argument("--unconfirmed", action="store_true", help="allow a config that no A/B confirmation has shown faster than the baseline")
+  e.add_argument("--commit", action="store_true", help="commit the file on a new branch of the git repository it lives in")
   e.set_defaults(fn=cmd_export)
 
   args = p.parse_args(argv)
@@ -314,3 +396,6 @@ def main(argv: list[str] | None = None) -> None:
   except (GGUFError, ModelNotFound, ConfigError, DBError, StudyMismatch, ValueError, RuntimeError) as e:
     print(f"search: error: {e}", file=sys.stderr)
     sys.exit(2)
+  except BrokenPipeError:  # the reader (`| head`) stopped reading: no traceback, none when Python flushes stdout at exit (exit 1, as rich does)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(1)

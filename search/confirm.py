@@ -42,8 +42,14 @@ def confirm(url: str, name: str, top: int = 3, pairs: int = 3, rounds: int = 5, 
     if c.failed is not None: fields |= {"status": c.failed.status, "tok_s": 0.0, "baseline_tok_s": 0.0, "speedup": 0.0, "speedup_low": 0.0,
                                         "speedup_high": 0.0}
     else: fields |= {"tok_s": c.tok_s("b"), "baseline_tok_s": c.tok_s("a"), "speedup": c.speedup, "speedup_low": c.low, "speedup_high": c.high}
-    with session(engine) as s: out.append(store.add_confirmation(s, study, t, **fields))
-    say(f"  {fields['status']}: speedup {fields['speedup']:.3f}x [{fields['speedup_low']:.3f}, {fields['speedup_high']:.3f}]")
+    with session(engine) as s:
+      out.append(store.add_confirmation(s, study, t, **fields))
+      for side, h, trial in (("a", BASELINE, None), ("b", t.config_hash, t)):
+        for r in getattr(c, side):
+          if r.ok: store.add_measurement(s, study.id, h, r.spec["stage"], r.tok_s, "confirm", trial=trial, rounds=r.metrics.get("tok_s_rounds"))
+    verdict = ("failed" if fields["status"] != "ok" else "faster than the baseline in every pair" if fields["speedup_low"] > 1 else
+               "not faster than the baseline" if fields["speedup"] <= 1 else "not faster in every pair: inconclusive")
+    say(f"  {fields['status']}: speedup {fields['speedup']:.3f}x [{fields['speedup_low']:.3f}, {fields['speedup_high']:.3f}]: {verdict}")
   with session(engine) as s:
     win = winner(store.confirmations(s, study))
     s.get(Study, study.id).finished_at = utcnow()

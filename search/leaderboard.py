@@ -1,72 +1,299 @@
-"""The views of stored studies: the leaderboard with measured and confirmed figures, the list of studies, the export of a
-study's winner as a production config."""
+"""The views of stored studies, as JSON-able documents first and then as sections for search.formats: the leaderboard, the
+list of studies, one trial in full, two trials side by side. Every figure comes from db.store (the robust estimate of each
+config, its confirmations), so all views agree.
+
+The leaderboard document (`search leaderboard --format json`, schema 1):
+  {"schema": 1, "study", "model", "model_sha256", "device", "device_name", "layers", "objectives",
+   "states": {state: trials}, "baseline": {"trial", "tok_s", "tok_s_low", "tok_s_high", "measurements"} | null,
+   "winner": trial number | null, "verdict": one sentence,
+   "rows": [{"rank" (null for configs that did not finish ok), "trial" (the config's first trial), "trials" (all its ok trials),
+             "config_hash", "state", "tok_s", "tok_s_low", "tok_s_high" (median of its measurements and 90% interval, null
+             before any config was measured twice), "measurements",
+             "speedup" (tok_s over the baseline's), "confirmed": {"speedup", "low", "high", "pairs", "status"} | null, "winner",
+             "block_tok_s", "ms_per_token", "kernels_per_token", "mb_per_token", "bandwidth_share", "peak_memory_mb", "failure",
+             "changes": {knob: value} (where it differs from the baseline)}]}
+Rows are ranked by confirmed speedup where a confirmation exists, else by the estimated speedup (tok/s where the study has
+no pure baseline); other states follow unranked, by trial number.
+"""
 from __future__ import annotations
 
 import collections
 import datetime
+from typing import Any
 
-from rich.table import Table
 from sqlalchemy.orm import Session
 
 from db import store
 from db.models import Confirmation, Study, Trial
-from model.structure import StructureConfig
-from search.view import baseline_tok_s, label
+from db.store import interval
+from model.structure import QUANT_NAMES, ROLES, StructureConfig
+from search.formats import Section
+from search.view import BASELINE
+
+SCHEMA = 1
 
 
 def winner(confirmed: list[Confirmation]) -> Confirmation | None:
   """The confirmed config with the best lower bound of its speedup over the baseline, if that bound is above 1."""
-  best = max(confirmed, key=lambda c: c.speedup_low, default=None)
+  best = max((c for c in confirmed if c.status == "ok"), key=lambda c: c.speedup_low, default=None)
   return best if best is not None and best.speedup_low > 1.0 else None
 
 
-def leaderboard_table(s: Session, study: Study, limit: int = 15) -> Table:
+def flat(cfg: StructureConfig) -> dict[str, Any]:
+  """Every knob value of a config, named as `describe` names them: barrier.<point>, backend.<QUANT>:<role>, the plain fields."""
+  out: dict[str, Any] = {}
+  for k, v in cfg.to_dict().items():
+    if k == "barriers": out |= {f"barrier.{p}": m for p, m in v.items()}
+    elif k == "backends": out |= {f"backend.{q}:{r}": cfg.backend(q, r) for q in QUANT_NAMES for r in ROLES}
+    elif k != "schema_version": out[k] = v
+  return out
+
+
+def changes(cfg: StructureConfig) -> dict[str, Any]:
+  base = flat(StructureConfig())
+  return {k: v for k, v in flat(cfg).items() if base[k] != v}
+
+
+def parse_where(pins: list[str]) -> dict[str, str]:
+  """--where knob=value filters (knob names as in the leaderboard's changes)."""
+  known, out = flat(StructureConfig()), {}
+  for p in pins:
+    k, eq, v = p.partition("=")
+    if not eq: raise ValueError(f"--where {p!r}: expected KNOB=VALUE")
+    if k not in known: raise ValueError(f"--where: unknown knob {k!r}; knobs: {', '.join(known)}")
+    out[k] = v
+  return out
+
+
+def _latest(s: Session, study: Study) -> dict[str, Confirmation]:
+  return {c.config_hash: c for c in store.confirmations(s, study)}  # in id order: the latest confirmation of each config wins
+
+
+def verdict(s: Session, study: Study) -> str:
+  """One sentence: the confirmed winner, or plainly that no config beats the baseline (or that nothing is confirmed yet)."""
+  conf, trials = _latest(s, study), {t.id: t for t in store.trials(s, study)}
+  if (win := winner(list(conf.values()))) is not None:
+    return (f"trial {trials[win.trial_id].number} beats the baseline: confirmed speedup {win.speedup:.3f}x "
+            f"[{win.speedup_low:.3f}, {win.speedup_high:.3f}] over {win.pairs} A/B pairs")
+  ok = [c for c in conf.values() if c.status == "ok" and c.config_hash != BASELINE]
+  if ok:
+    best = max(ok, key=lambda c: c.speedup_low)
+    return (f"no config beats the baseline: the best confirmed, trial {trials[best.trial_id].number}, runs at {best.speedup:.3f}x "
+            f"[{best.speedup_low:.3f}, {best.speedup_high:.3f}] of it; keep the baseline")
+  cand = next((t for t in store.leaderboard(s, study, 2) if t.config_hash != BASELINE), None)
+  if cand is None: return "no config beats the baseline: no other config finished ok"
+  est = store.estimates(s, study)
+  e, base = est[cand.config_hash], est.get(BASELINE)
+  if base is not None and e.median <= base.median:
+    return f"no config beats the baseline: the best other config, trial {cand.number}, measures {e.median / base.median:.3f}x of it (unconfirmed)"
+  return (f"nothing confirmed yet: the best measured config, trial {cand.number}, "
+          f"{f'measures {e.median / base.median:.3f}x the baseline' if base else 'has no baseline to compare with'} "
+          f"(`search confirm --study {study.name}`)")
+
+
+def _row(t: Trial, est: store.Estimate | None, base: store.Estimate | None, c: Confirmation | None, win: Confirmation | None) -> dict[str, Any]:
+  m = t.metrics or {}
+  tok = est.median if est is not None and t.state == "ok" else None
+  return {"rank": None, "trial": t.number, "trials": [t.number], "config_hash": t.config_hash, "state": t.state,
+          "tok_s": tok, "tok_s_low": est.low if tok else None, "tok_s_high": est.high if tok else None, "measurements": est.n if tok else 0,
+          "speedup": tok / base.median if tok and base else None,
+          "confirmed": {"speedup": c.speedup, "low": c.speedup_low, "high": c.speedup_high, "pairs": c.pairs, "status": c.status} if c else None,
+          "winner": win is not None and c is win, "block_tok_s": t.block_tok_s, "ms_per_token": 1e3 / tok if tok else None,
+          "kernels_per_token": m.get("kernels_per_token"), "mb_per_token": m["bytes_per_token"] / 1e6 if m.get("bytes_per_token") else None,
+          "bandwidth_share": m.get("bandwidth_share"), "peak_memory_mb": m["peak_device_bytes"] / 1e6 if m.get("peak_device_bytes") else None,
+          "failure": (t.error_text or t.failure_class or "").strip().splitlines()[0][:200] if t.failure_class else None,
+          "changes": changes(StructureConfig.from_json(t.config_json))}
+
+
+def leaderboard(s: Session, study: Study, states: tuple[str, ...] = ("ok",), where: dict[str, str] | None = None,
+                top: int | None = None) -> dict[str, Any]:
+  """The leaderboard document (see the module's docstring)."""
   trials = store.trials(s, study)
-  base = baseline_tok_s(trials)
-  conf = {c.config_hash: c for c in store.confirmations(s, study)}
-  win = winner(list(conf.values()))
-  states = collections.Counter(t.state for t in trials)
-  t = Table(title=f"{study.name}: {study.model_name} ({study.layers} blocks) on {study.device_name or study.device}  "
-                  f"[{', '.join(f'{k} {v}' for k, v in states.most_common())}]")
-  for col in ("rank", "trial", "tok/s", "speedup", "block tok/s", "kernels", "MB/token", "confirmed speedup [low, high]"):
-    t.add_column(col, justify="left" if col == "confirmed speedup [low, high]" else "right", no_wrap=True, min_width=min(len(col), 12))
-  t.add_column("config (changes from the baseline)", overflow="fold", max_width=90)
-  for i, r in enumerate(store.leaderboard(s, study, limit)):
-    c = conf.get(r.config_hash)
-    mark = " *" if win is not None and c is win else ""
-    t.add_row(str(i + 1), str(r.number), f"{r.tok_s:.2f}", f"{r.tok_s / base:.3f}x" if base else "",
-              f"{r.block_tok_s:.2f}" if r.block_tok_s else "", str(r.metrics.get("kernels_per_token", "")),
-              f"{r.metrics.get('bytes_per_token', 0) / 1e6:.1f}",
-              f"{c.speedup:.3f}x [{c.speedup_low:.3f}, {c.speedup_high:.3f}]{mark}" if c else "", label(r.config_json))
-  return t
+  est, conf = store.estimates(s, study), _latest(s, study)
+  base, win = est.get(BASELINE), winner(list(conf.values()))
+  ok: dict[str, dict] = {}
+  rest = []
+  for t in trials:
+    if t.state == "reused": continue
+    if t.state == "ok" and t.config_hash in ok: ok[t.config_hash]["trials"].append(t.number)
+    elif t.state == "ok": ok[t.config_hash] = _row(t, est.get(t.config_hash), base, conf.get(t.config_hash), win)
+    else: rest.append(_row(t, None, base, None, None))
+  def key(r: dict) -> float:
+    c = r["confirmed"]
+    if base is None: return r["tok_s"] or 0.0
+    return (c["speedup"] if c["status"] == "ok" else 0.0) if c else r["speedup"] or 0.0
+  ranked = sorted(ok.values(), key=lambda r: (-key(r), r["trial"]))
+  for i, r in enumerate(ranked): r["rank"] = i + 1
+  flats = {t.number: flat(StructureConfig.from_json(t.config_json)) for t in trials}
+  rows = [r for r in ranked + rest if r["state"] in states and all(str(flats[r["trial"]][k]).lower() == v.lower() for k, v in (where or {}).items())]
+  bt = next((t for t in trials if t.config_hash == BASELINE and t.state == "ok"), None)
+  return {"schema": SCHEMA, "study": study.name, "model": study.model_name, "model_sha256": study.model_sha256, "device": study.device,
+          "device_name": study.device_name, "layers": study.layers, "objectives": study.objectives,
+          "states": dict(collections.Counter(t.state for t in trials).most_common()),
+          "baseline": {"trial": bt.number if bt else None, "tok_s": base.median, "tok_s_low": base.low, "tok_s_high": base.high,
+                       "measurements": base.n} if base else None,
+          "winner": next((r["trial"] for r in ranked if r["winner"]), None), "verdict": verdict(s, study), "rows": rows[:top]}
 
 
-def studies_table(s: Session) -> Table:
-  t = Table(title="studies")
-  for col in ("study", "model", "device", "trials", "ok", "failed", "best tok/s", "speedup", "created", "finished"): t.add_column(col)
+def _f(v: float | None, spec: str = ".2f", suffix: str = "") -> str: return "" if v is None else f"{v:{spec}}{suffix}"
+
+
+def leaderboard_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
+  cols = ["rank", "trial", "tok/s [90%] n", "speedup", "confirmed [low, high]", "ms/token", "kernels/token", "MB/token", "BW share",
+          "peak MB", "state", "changes from the baseline"]
+  rows = []
+  for r in doc["rows"]:
+    c = r["confirmed"]
+    conf = (f"{c['speedup']:.3f}x [{c['low']:.3f}, {c['high']:.3f}]{' *' if r['winner'] else ''}" if c and c["status"] == "ok" else
+            c["status"] if c else "")
+    tok = (f"{interval(store.Estimate(r['tok_s'], r['tok_s_low'], r['tok_s_high'], r['measurements']))} {r['measurements']}" if r["tok_s"] else
+           _f(r["block_tok_s"], ".2f", " (block)"))
+    rows.append([r["rank"] or "", r["trial"], tok, _f(r["speedup"], ".3f", "x"), conf, _f(r["ms_per_token"]), _f(r["kernels_per_token"], "d"),
+                 _f(r["mb_per_token"], ".1f"), _f(r["bandwidth_share"], ".1%"), _f(r["peak_memory_mb"], ".1f"),
+                 r["state"] if not r["failure"] else f"{r['state']}: {r['failure'][:60]}",
+                 " ".join(f"{k}={v}" for k, v in r["changes"].items()) or "baseline"])
+  records = [{**{k: v for k, v in r.items() if k not in ("confirmed", "changes", "trials")},
+              "trials": " ".join(map(str, r["trials"])),
+              **{f"confirmed_{k}": (r["confirmed"] or {}).get(k) for k in ("speedup", "low", "high", "pairs", "status")},
+              "changes": " ".join(f"{k}={v}" for k, v in r["changes"].items())} for r in doc["rows"]]
+  title = (f"{doc['study']}: {doc['model']} ({doc['layers']} blocks) on {doc['device_name'] or doc['device']}  "
+           f"[{', '.join(f'{k} {v}' for k, v in doc['states'].items())}]")
+  return [Section(title, cols, rows, records=records, wrap=("changes from the baseline",))], [doc["verdict"]]
+
+
+def studies(s: Session) -> dict[str, Any]:
+  out = []
   for st in store.studies(s):
-    trials = store.trials(s, st)
-    base, ok = baseline_tok_s(trials), [x for x in trials if x.state == "ok"]
-    best = max((x.tok_s for x in ok), default=None)
-    t.add_row(st.name, st.model_name, st.device_name or st.device, str(len(trials)), str(len(ok)),
-              str(sum(1 for x in trials if x.failure_class)), f"{best:.2f}" if best else "", f"{best / base:.3f}x" if best and base else "",
-              _day(st.created_at), _day(st.finished_at))
-  return t
+    trials, est = store.trials(s, st), store.estimates(s, st)
+    base = est.get(BASELINE)
+    best = max((e for h, e in est.items() if any(t.config_hash == h and t.state == "ok" for t in trials)), key=lambda e: e.median, default=None)
+    out.append({"study": st.name, "model": st.model_name, "device": st.device_name or st.device, "trials": len(trials),
+                "ok": sum(t.state == "ok" for t in trials), "failed": sum(bool(t.failure_class) for t in trials),
+                "best_tok_s": best.median if best else None, "speedup": best.median / base.median if best and base else None,
+                "verdict": verdict(s, st), "created": _day(st.created_at), "finished": _day(st.finished_at)})
+  return {"schema": SCHEMA, "studies": out}
+
+
+def studies_view(doc: dict[str, Any]) -> list[Section]:
+  cols = ["study", "model", "device", "trials", "ok", "failed", "best tok/s", "speedup", "created", "finished"]
+  rows = [[d["study"], d["model"], d["device"], d["trials"], d["ok"], d["failed"], _f(d["best_tok_s"]), _f(d["speedup"], ".3f", "x"),
+           d["created"], d["finished"]] for d in doc["studies"]]
+  return [Section("studies", cols, rows, records=[{k: v for k, v in d.items()} for d in doc["studies"]])]
 
 
 def _day(d: datetime.datetime | None) -> str: return d.strftime("%Y-%m-%d %H:%M") if d else ""
 
 
-def export(s: Session, study: Study, allow_unconfirmed: bool = False) -> tuple[StructureConfig, str]:
-  """The study's winner (confirmed by A/B against the baseline) as a config, and a TOML header saying where it comes from."""
-  win = winner(store.confirmations(s, study))
-  if win is not None:
-    trial = s.get(Trial, win.trial_id)
-    why = f"confirmed speedup {win.speedup:.3f}x [{win.speedup_low:.3f}, {win.speedup_high:.3f}] over {win.pairs} A/B pairs"
-  elif allow_unconfirmed and (top := store.leaderboard(s, study, 1)):
-    trial, why = top[0], "UNCONFIRMED: best measured trial"
-  else: raise ValueError(f"study {study.name!r} has no confirmed winner (run `search confirm --study {study.name}`, or export --unconfirmed)")
-  cfg = StructureConfig.from_json(trial.config_json)
-  head = (f"# structsearch export of study {study.name!r}, trial {trial.number}: {trial.tok_s:.2f} tok/s on {study.device_name or study.device}\n"
-          f"# model {study.model_name} ({study.model_path}, sha256 {study.model_sha256[:16]}), {why}\n")
-  return cfg, head
+def find_trial(s: Session, study: Study, which: str) -> Trial:
+  """A trial by number, or "baseline": the baseline config's first ok trial."""
+  trials = store.trials(s, study)
+  if which == "baseline":
+    t = next((t for t in trials if t.config_hash == BASELINE and t.state == "ok"), None)
+    if t is None: raise ValueError(f"study {study.name!r} has no ok trial of the baseline config")
+    return t
+  try: n = int(which)
+  except ValueError: raise ValueError(f"not a trial number: {which!r} (a number, or 'baseline')") from None
+  t = next((t for t in trials if t.number == n), None)
+  if t is None: raise ValueError(f"study {study.name!r} has no trial {n} (trials 0..{len(trials) - 1})")
+  return t
+
+
+def trial_doc(s: Session, study: Study, t: Trial) -> dict[str, Any]:
+  """Everything about one trial (`search show --format json`)."""
+  src = t.reused_from or t
+  est, conf = store.estimates(s, study), _latest(s, study)
+  e, base, c = est.get(t.config_hash), est.get(BASELINE), conf.get(t.config_hash)
+  cfg = StructureConfig.from_json(t.config_json)
+  env, git = src.environment, src.git_state
+  numbers = {x.id: x.number for x in store.trials(s, study)}
+  return {"schema": SCHEMA, "study": study.name, "trial": t.number, "state": t.state, "stage": t.stage, "config_hash": t.config_hash,
+          "config": cfg.to_dict(), "changes": changes(cfg), "reused_from": t.reused_from.number if t.reused_from else None,
+          "estimate": {"tok_s": e.median, "low": e.low, "high": e.high, "measurements": e.n} if e else None,
+          "speedup": e.median / base.median if e and base and t.state in ("ok", "reused") and src.state == "ok" else None,
+          "confirmed": {"speedup": c.speedup, "low": c.speedup_low, "high": c.speedup_high, "pairs": c.pairs, "status": c.status} if c else None,
+          "tok_s": src.tok_s, "block_tok_s": src.block_tok_s, "metrics": src.metrics or {}, "phases": src.phases or {}, "check": src.check or {},
+          "failure_class": src.failure_class, "error_text": src.error_text,
+          "measurements": [{"kind": m.kind, "stage": m.stage, "tok_s": m.tok_s, "rounds": m.rounds, "trial": numbers.get(m.trial_id),
+                            "at": m.created_at.isoformat()} for m in store.measurements(s, study, None) if m.config_hash == t.config_hash],
+          "profile": [{"rank": p.rank, "name": p.name, "count": p.count, "us_per_token": p.us_per_token, "gb_s": p.gb_s, "share": p.share}
+                      for p in src.profile],
+          "environment": {k: getattr(env, k) for k in ("device", "device_name", "driver", "tinygrad_version", "tinygrad_commit", "python", "host",
+                                                       "platform")} if env else None,
+          "git": {"commit": git.commit, "branch": git.branch, "dirty": git.dirty, "diff": git.diff} if git else None,
+          "worker": t.worker, "started_at": t.started_at.isoformat(), "finished_at": t.finished_at.isoformat() if t.finished_at else None}
+
+
+def _kv(d: dict[str, Any], prefix: str = "") -> list[list[Any]]:
+  rows = []
+  for k, v in d.items():
+    if isinstance(v, dict): rows += _kv(v, f"{prefix}{k}.")
+    else: rows.append([prefix + k, f"{v:.6g}" if isinstance(v, float) else v])
+  return rows
+
+
+def trial_view(doc: dict[str, Any]) -> list[Section]:
+  e, c = doc["estimate"], doc["confirmed"]
+  head = [["state", doc["state"] + (f" (result of trial {doc['reused_from']})" if doc["reused_from"] is not None else "")],
+          ["stage", doc["stage"]], ["config hash", doc["config_hash"]],
+          ["tok/s", f"{interval(store.Estimate(e['tok_s'], e['low'], e['high'], e['measurements']))} ({e['measurements']} measurements)"
+           if e else ""],
+          ["speedup", _f(doc["speedup"], ".3f", "x")],
+          ["confirmed", f"{c['speedup']:.3f}x [{c['low']:.3f}, {c['high']:.3f}] over {c['pairs']} A/B pairs ({c['status']})" if c else ""],
+          ["failure", doc["failure_class"] or ""], ["worker", doc["worker"]], ["started", doc["started_at"]], ["finished", doc["finished_at"]]]
+  base = flat(StructureConfig())
+  secs = [Section(f"trial {doc['trial']} of {doc['study']}", ["", ""], head),
+          Section("config: changes from the baseline", ["knob", "value", "baseline"], [[k, v, base[k]] for k, v in doc["changes"].items()]),
+          Section("config (TOML)", code=StructureConfig.from_dict(doc["config"]).to_toml(), lang="toml"),
+          Section("metrics", ["metric", "value"], _kv(doc["metrics"])), Section("phases (s)", ["phase", "seconds"], _kv(doc["phases"])),
+          Section("correctness check", ["", ""], _kv(doc["check"])),
+          Section("measurements", ["kind", "stage", "tok/s", "rounds", "at"],
+                  [[m["kind"], m["stage"], f"{m['tok_s']:.2f}", " ".join(f"{x:.2f}" for x in m["rounds"] or ()), m["at"][:19]]
+                   for m in doc["measurements"]])]
+  if doc["error_text"]: secs.append(Section("failure text", code=doc["error_text"], lang="text"))
+  if doc["profile"]:
+    secs.append(Section("per-kernel profile", ["rank", "kernel", "count", "us/token", "GB/s", "share"],
+                        [[p["rank"], p["name"], p["count"], f"{p['us_per_token']:.1f}", _f(p["gb_s"], ".1f"), f"{p['share']:.1%}"]
+                         for p in doc["profile"]]))
+  if doc["environment"]: secs.append(Section("environment", ["", ""], _kv(doc["environment"])))
+  if g := doc["git"]:
+    secs.append(Section("git state", ["", ""], [["commit", g["commit"]], ["branch", g["branch"] or "(detached)"], ["dirty", g["dirty"]]]))
+    if g["diff"]: secs.append(Section("git diff", code=g["diff"], lang="diff"))
+  return secs
+
+
+COMPARED = (("tok_s", "tok/s"), ("ms_per_token", "ms/token"), ("kernels_per_token", "kernels/token"),
+            ("graph_batches_per_token", "graph batches/token"), ("bytes_per_token", "bytes/token"), ("gb_s", "GB/s"),
+            ("bandwidth_share", "bandwidth share"), ("peak_device_bytes", "peak device bytes"),
+            ("prefill_tok_s", "prefill tok/s"))
+
+
+def compare_doc(s: Session, study: Study, a: Trial, b: Trial) -> dict[str, Any]:
+  """Two trials side by side (`search compare --format json`): knobs that differ, and each metric with the ratio B/A."""
+  da, db = trial_doc(s, study, a), trial_doc(s, study, b)
+  fa, fb = flat(StructureConfig.from_json(a.config_json)), flat(StructureConfig.from_json(b.config_json))
+  def metric(d: dict, k: str) -> float | None:
+    if k == "tok_s": return d["estimate"]["tok_s"] if d["estimate"] else None
+    if k == "ms_per_token": return 1e3 / d["estimate"]["tok_s"] if d["estimate"] else None
+    return d["metrics"].get(k)
+  metrics = [{"metric": k, "a": metric(da, k), "b": metric(db, k)} for k, _ in COMPARED]
+  metrics += [{"metric": f"phase {k}", "a": da["phases"].get(k), "b": db["phases"].get(k)} for k in ("load_s", "compile_s", "wall_s")]
+  for m in metrics: m["ratio"] = m["b"] / m["a"] if isinstance(m["a"], int | float) and isinstance(m["b"], int | float) and m["a"] else None
+  return {"schema": SCHEMA, "study": study.name, "a": a.number, "b": b.number, "state": {"a": a.state, "b": b.state},
+          "estimate": {"a": da["estimate"], "b": db["estimate"]}, "confirmed": {"a": da["confirmed"], "b": db["confirmed"]},
+          "knobs": [{"knob": k, "a": fa[k], "b": fb[k]} for k in fa if fa[k] != fb[k]], "metrics": metrics}
+
+
+def compare_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
+  names = dict(COMPARED)
+  a, b = f"trial {doc['a']}", f"trial {doc['b']}"
+  fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("" if v is None else v)
+  rows = [[f"knob {k['knob']}", k["a"], k["b"], ""] for k in doc["knobs"]]
+  rows += [[names.get(m["metric"], m["metric"]), fmt(m["a"]), fmt(m["b"]), _f(m["ratio"], ".3f", "x")] for m in doc["metrics"]]
+  ea, eb = doc["estimate"]["a"], doc["estimate"]["b"]
+  notes = []
+  if ea and eb:
+    overlap = None if ea["low"] is None else eb["high"] >= ea["low"] and ea["high"] >= eb["low"]
+    notes.append(f"B/A is {eb['tok_s'] / ea['tok_s']:.3f}x in tok/s; " + ("no run-to-run noise measured yet" if overlap is None else
+                 "their 90% intervals overlap: within the noise" if overlap else "their 90% intervals do not overlap"))
+  return [Section(f"{doc['study']}: {b} (B) against {a} (A)", ["", f"A: {a} ({doc['state']['a']})", f"B: {b} ({doc['state']['b']})", "B/A"],
+                  rows, records=[{"name": r[0], "a": r[1], "b": r[2], "ratio": r[3]} for r in rows])], notes

@@ -29,7 +29,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from db import store
 from db.capture import git_state
-from db.engine import DBError, NoDatabase, open_db, session
+from db.engine import DBError, NoDatabase, engine_kwargs, open_db, session
 from db.models import GitState, Study, Trial
 from evaluator.devices import physical
 from evaluator.result import TrialResult
@@ -72,7 +72,7 @@ def storage(url: str, heartbeat: float = HEARTBEAT_S, create: bool = False) -> R
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
       return RDBStorage(url, heartbeat_interval=max(1, round(heartbeat)), grace_period=max(3, round(6 * heartbeat)),
-                        heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=store.RETRIES))
+                        heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=store.RETRIES), engine_kwargs=engine_kwargs(url))
   except Exception as e:  # noqa: BLE001 - Optuna raises bare SQLAlchemy or RuntimeErrors here
     raise DBError(f"Optuna cannot use the database: {str(e).splitlines()[0]}") from None
 
@@ -144,8 +144,9 @@ class Runner:
   """One worker of a study: proposes configs through Optuna, measures them with the evaluator, records everything."""
 
   def __init__(self, setup: Setup, url: str, ev: Evaluator, info: ModelInfo, remeasure: bool = False,
-               on_event: Callable[[Event], None] = lambda e: None, heartbeat: float = HEARTBEAT_S):
+               on_event: Callable[[Event], None] = lambda e: None, heartbeat: float = HEARTBEAT_S, artifacts=None):
     self.setup, self.ev, self.info, self.remeasure, self.on_event, self.heartbeat = setup, ev, info, remeasure, on_event, heartbeat
+    self.artifacts = artifacts  # an Optuna artifact store: each finished trial's metrics, diff and profile for the dashboard
     self.engine = open_db(url, create=False)
     self.multi = "," in setup.objectives
     self.study = optuna.load_study(study_name=setup.name, storage=storage(url, heartbeat))
@@ -158,8 +159,10 @@ class Runner:
 
   def optimize(self, timeout: float | None = None) -> None:
     """Run trials until the study has its target number of finished trials (all workers together) and no trial is left
-    running or queued again after a dead worker; or until the timeout passes (no new trial starts after it)."""
-    t0, said = time.monotonic(), ""
+    running or queued again after a dead worker; or until the timeout passes (no new trial starts after it). The baseline
+    is measured again at intervals on the way, and the configs within the noise of the best before the end (search/noise.py)."""
+    from search import noise
+    t0, said, between = time.monotonic(), "", noise.between_trials(self)
     self._baseline_first()
     while timeout is None or time.monotonic() - t0 < timeout:
       self.reap()
@@ -167,13 +170,15 @@ class Runner:
       running = [t for t in trials if t.state == TrialState.RUNNING]  # between trials, none of them is this worker's
       retries = [t for t in trials if t.state == TrialState.WAITING and "failed_trial" in t.system_attrs]
       done = self.finished(trials)
-      if done >= self.setup.trials and not running and not retries: return
+      if done >= self.setup.trials and not running and not retries:
+        if not self.multi: noise.settle(self)
+        return
       if done + len(running) >= self.setup.trials and not retries:
         if said != (said := f"waiting for trial{'s' * (len(running) > 1)} {', '.join(str(t.number) for t in running)} of other workers "
                             "to finish, or to fail when their worker stops beating"): self.on_event(Event("wait", -1, said))
         time.sleep(self.heartbeat)
         continue
-      self.study.optimize(self.objective, n_trials=1, catch=(TrialFailed,), gc_after_trial=False)
+      self.study.optimize(self.objective, n_trials=1, catch=(TrialFailed,), callbacks=[between], gc_after_trial=False)
 
   def finished(self, trials: list[FrozenTrial] | None = None) -> int:
     """Trials with an outcome: completed, pruned, or failed by the evaluator (not interrupted, not lost with a dead worker:
@@ -230,14 +235,20 @@ class Runner:
       with session(self.engine) as s: store.finish_trial(s, row, state="interrupted", error_text="stopped by the user")
       self.study.enqueue_trial(trial.params)  # measured first when the study continues
       raise
+    finally:
+      if self.artifacts is not None:
+        from search.dashboard import attach
+        attach(self.artifacts, trial, self.engine, self.row, row)
 
   def _reuse(self, trial: optuna.Trial, row: Trial, prior: Trial, is_base: bool) -> float | tuple[float, float]:
     with session(self.engine) as s:
       row = store.finish_trial(s, row, state="reused", stage=prior.stage, tok_s=prior.tok_s, block_tok_s=prior.block_tok_s,
                                metrics=prior.metrics, check=prior.check, failure_class=prior.failure_class, error_text=prior.error_text,
                                reused_from=prior)
+      est = store.estimates(s, self.row).get(prior.config_hash)  # all its measurements so far, not the first figure alone
     self.on_event(Event("end", trial.number, f"config already measured in trial {prior.number}: its result is reused", row))
-    return self._value(trial, prior.state, prior.tok_s, (prior.metrics or {}).get("peak_device_bytes"), prior.error_text, is_base)
+    return self._value(trial, prior.state, est.median if est else prior.tok_s, (prior.metrics or {}).get("peak_device_bytes"), prior.error_text,
+                       is_base)
 
   def _measure(self, trial: optuna.Trial, row: Trial, cfg: StructureConfig, mode: str, is_base: bool) -> float | tuple[float, float]:
     t0, spent, block = time.perf_counter(), 0.0, None

@@ -19,8 +19,9 @@ if not os.environ.get("NVRTC_PATH") and (spec := importlib.util.find_spec("nvidi
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory) -> None:
-  """References, bandwidth figures, device locks and synthesised models of this test session only."""
+  """References, bandwidth figures, device locks, synthesised models and production configs of this test session only."""
   os.environ["STRUCTSEARCH_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+  os.environ["STRUCTSEARCH_HOME"] = str(tmp_path_factory.mktemp("home"))
 
 
 @pytest.fixture(scope="session")

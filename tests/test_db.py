@@ -22,7 +22,7 @@ from db.capture import fingerprint_hash, git_state
 from db.engine import DBError, NoDatabase, alembic_config, default_url, open_db, session
 from db.models import VERSION_TABLE, Base, include_name
 
-OURS = {"ss_environment", "ss_git_state", "ss_study", "ss_trial", "ss_kernel_profile", "ss_confirmation"}
+OURS = {"ss_environment", "ss_git_state", "ss_study", "ss_trial", "ss_kernel_profile", "ss_confirmation", "ss_measurement", "ss_export"}
 PG = os.environ.get("STRUCTSEARCH_TEST_PG")
 ENV = {"device": "CPU", "device_name": "cpu", "driver": "clang 16", "tinygrad_version": "0.14.0", "python": "3.11.7", "host": "h1",
        "platform": "Linux-6-x86_64"}

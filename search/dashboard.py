@@ -1,0 +1,78 @@
+"""The web dashboard: optuna-dashboard on a study's storage (history, parameter importance, parallel coordinates, the Pareto
+front of two-objective studies), and the per-trial artifacts it shows beside Optuna's figures: the trial's metrics (the
+`search show` document), the git diff of the code that ran it, its per-kernel profile when it has one.
+
+Artifacts live in an Optuna file-system artifact store: beside a SQLite database (`structsearch.db` -> `structsearch.db-artifacts/`),
+under $STRUCTSEARCH_HOME/artifacts/<host>-<port>-<database>/ for a server database, or where --artifacts says (name a shared
+directory when workers on several machines write to one PostgreSQL study)."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import pathlib
+import tempfile
+import warnings
+
+import optuna
+from optuna.artifacts import FileSystemArtifactStore, upload_artifact
+from sqlalchemy import Engine, make_url
+
+from db import store
+from db.engine import session
+from db.models import Study, Trial
+from model.production import home
+from search.leaderboard import trial_doc
+
+OBJECTIVES = ("tok/s", "peak device bytes")  # the objectives of a study, in Optuna's order
+
+
+def artifact_dir(url: str, given: str | None = None) -> pathlib.Path:
+  if given: return pathlib.Path(given).expanduser()
+  u = make_url(url)
+  if u.get_backend_name() == "sqlite": return pathlib.Path(f"{u.database}-artifacts")
+  return home() / "artifacts" / f"{u.host}-{u.port or 5432}-{u.database}"
+
+
+def artifact_store(url: str, given: str | None = None) -> FileSystemArtifactStore:
+  (d := artifact_dir(url, given)).mkdir(parents=True, exist_ok=True)
+  return FileSystemArtifactStore(str(d))
+
+
+def attach(artifacts: FileSystemArtifactStore, trial: optuna.Trial, engine: Engine, study: Study, row: Trial) -> None:
+  """Upload a finished trial's metrics, git diff and profile to the artifact store, while Optuna still lets the trial change."""
+  with session(engine) as s:
+    t = s.get(Trial, row.id)
+    if t.state in ("running", "interrupted"): return
+    doc = trial_doc(s, store.get_study(s, study.name), t)
+  git = doc.pop("git")
+  files = {f"trial-{t.number}-metrics.json": json.dumps(doc, indent=1, default=str)}
+  if git:
+    head = f"# commit {git['commit']} ({git['branch'] or 'detached'}{', dirty' if git['dirty'] else ''})"
+    files[f"trial-{t.number}-git.diff"] = f"{head}\n{git['diff']}"
+  if doc["profile"]:
+    buf = io.StringIO()
+    (w := csv.DictWriter(buf, list(doc["profile"][0]))).writeheader()
+    w.writerows(doc["profile"])
+    files[f"trial-{t.number}-profile.csv"] = buf.getvalue()
+  with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+    for name, text in files.items():
+      (p := pathlib.Path(tmp) / name).write_text(text)
+      upload_artifact(artifact_store=artifacts, file_path=str(p), study_or_trial=trial)
+
+
+def serve(url: str, study: str | None, host: str, port: int, artifacts: str | None, say=print) -> None:
+  """Serve optuna-dashboard on url until interrupted, printing the address (of the study's page when one is named)."""
+  from optuna_dashboard import run_server, set_objective_names
+
+  from search.study import StudyMismatch, storage
+  st = storage(url)
+  for summary in optuna.get_all_study_summaries(st, include_best_trial=False):  # the dashboard's axis titles
+    set_objective_names(optuna.load_study(study_name=summary.study_name, storage=st), list(OBJECTIVES[: len(summary.directions)]))
+  path = ""
+  if study is not None:
+    try: path = f"dashboard/studies/{st.get_study_id_from_name(study)}"
+    except KeyError: raise StudyMismatch(f"no study named {study!r} in {url}") from None
+  say(f"dashboard of {url} at http://{host}:{port}/{path} (artifacts in {artifact_dir(url, artifacts)}); Ctrl-C stops it")
+  run_server(st, host=host, port=port, artifact_store=artifact_store(url, artifacts))

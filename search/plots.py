@@ -1,0 +1,136 @@
+"""The plots of a study (matplotlib), shared by `search report` and notebooks/leaderboard.ipynb: optimisation history with the
+baseline's noise band, knob importance (Optuna's fANOVA), tok/s per value of each knob, kernels/token against tok/s, block
+proxy against full model (with Spearman's rank correlation), and the Pareto front of a two-objective study. Each returns a
+Figure, or None where the study cannot show it (say why with `missing`)."""
+from __future__ import annotations
+
+import collections
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import optuna
+from matplotlib.figure import Figure
+from scipy.stats import spearmanr
+
+from db import store
+from db.engine import open_db, session
+from model.structure import StructureConfig
+from search.leaderboard import flat, leaderboard
+
+
+@dataclass
+class StudyData:
+  """What the plots read: the leaderboard document, every trial that measured ok (its own figures), Optuna's study."""
+  name: str
+  board: dict[str, Any]
+  ok: list[dict[str, Any]]  # number, tok_s, block_tok_s, kernels, knobs (flat config)
+  optuna: optuna.Study
+  missing: dict[str, str]  # plot -> why it is not drawn
+
+
+def load(url: str, name: str) -> StudyData:
+  from search.study import StudyMismatch, storage
+  with session(open_db(url)) as s:
+    st = store.get_study(s, name)
+    if st is None: raise StudyMismatch(f"no study named {name!r} in {url}")
+    board = leaderboard(s, st, states=("ok",))
+    ok = [{"number": t.number, "tok_s": t.tok_s, "block_tok_s": t.block_tok_s, "kernels": (t.metrics or {}).get("kernels_per_token"),
+           "knobs": flat(StructureConfig.from_json(t.config_json))} for t in store.trials(s, st) if t.state == "ok"]
+  return StudyData(name, board, ok, optuna.load_study(study_name=name, storage=storage(url)), {})
+
+
+def _skip(d: StudyData, plot: str, why: str) -> None: d.missing[plot] = why
+
+
+def _fig(w: float = 7, h: float = 4) -> tuple[Figure, Any]:
+  fig = Figure(figsize=(w, h), layout="constrained")
+  return fig, fig.add_subplot()
+
+
+def history(d: StudyData) -> Figure | None:
+  if not d.ok: return _skip(d, "history", "no trial finished ok")
+  fig, ax = _fig()
+  xs, ys = [t["number"] for t in d.ok], [t["tok_s"] for t in d.ok]
+  ax.plot(xs, ys, "o", label="trial (its own measurement)")
+  ax.plot(xs, np.maximum.accumulate(ys), "-", label="best so far")
+  if (b := d.board["baseline"]) is not None:
+    ax.axhline(b["tok_s"], color="gray", ls="--", label=f"baseline, median of {b['measurements']}")
+    if b["tok_s_low"] is not None: ax.axhspan(b["tok_s_low"], b["tok_s_high"], color="gray", alpha=0.2, label="baseline 90% interval")
+  ax.set(xlabel="trial", ylabel="decode tok/s", title=f"{d.name}: optimisation history")
+  ax.legend(fontsize="small")
+  return fig
+
+
+def importance(d: StudyData) -> Figure | None:
+  done = d.optuna.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+  if len(done) < 2: return _skip(d, "importance", "fewer than 2 completed trials")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    try: imp = optuna.importance.get_param_importances(d.optuna, evaluator=optuna.importance.FanovaImportanceEvaluator(seed=0),
+                                                      target=lambda t: t.values[0])
+    except (ValueError, RuntimeError) as e: return _skip(d, "importance", f"fANOVA: {e}")
+  if not imp: return _skip(d, "importance", "no knob varied among the completed trials")
+  names = list(imp)[:15][::-1]
+  fig, ax = _fig(7, 0.3 * len(names) + 1.2)
+  ax.barh(names, [imp[n] for n in names])
+  ax.set(xlabel="importance for tok/s (fANOVA)", title=f"{d.name}: knob importance")
+  return fig
+
+
+def per_knob(d: StudyData) -> Figure | None:
+  """tok/s of the ok trials per value of each knob that took more than one value."""
+  values = collections.defaultdict(lambda: collections.defaultdict(list))
+  for t in d.ok:
+    for k, v in t["knobs"].items(): values[k][str(v)].append(t["tok_s"])
+  knobs = [k for k, by in values.items() if len(by) > 1]
+  if not knobs: return _skip(d, "per_knob", "no knob took two values among the ok trials")
+  cols = min(4, len(knobs))
+  rows = -(-len(knobs) // cols)
+  fig = Figure(figsize=(3.2 * cols, 2.4 * rows), layout="constrained")
+  for i, k in enumerate(knobs):
+    ax = fig.add_subplot(rows, cols, i + 1)
+    for j, (_, ys) in enumerate(sorted(values[k].items())):
+      ax.plot([j] * len(ys), ys, "o", alpha=0.7)
+    ax.set_xticks(range(len(values[k])), sorted(values[k]), fontsize="x-small", rotation=20)
+    ax.set_title(k, fontsize="small")
+  fig.supylabel("decode tok/s")
+  return fig
+
+
+def kernels(d: StudyData) -> Figure | None:
+  pts = [(t["kernels"], t["tok_s"]) for t in d.ok if t["kernels"] is not None]
+  if not pts: return _skip(d, "kernels", "no trial recorded kernels per token")
+  fig, ax = _fig()
+  ax.plot(*zip(*pts, strict=True), "o")
+  ax.set(xlabel="kernels per token", ylabel="decode tok/s", title=f"{d.name}: kernels per token against tok/s")
+  return fig
+
+
+def proxy(d: StudyData) -> Figure | None:
+  pts = [(t["block_tok_s"], t["tok_s"]) for t in d.ok if t["block_tok_s"] is not None]
+  if len(pts) < 2: return _skip(d, "proxy", "fewer than 2 trials ran both the block proxy and the full model")
+  fig, ax = _fig()
+  ax.plot(*zip(*pts, strict=True), "o")
+  rho = spearmanr(*zip(*pts, strict=True)).statistic if len(pts) > 2 else float("nan")
+  ax.set(xlabel="block proxy tok/s", ylabel="full model tok/s", title=f"{d.name}: proxy against full model (Spearman {rho:.2f}, {len(pts)} trials)")
+  return fig
+
+
+def pareto(d: StudyData) -> Figure | None:
+  if len(d.optuna.directions) < 2: return _skip(d, "pareto", "one objective")
+  done = d.optuna.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+  if not done: return _skip(d, "pareto", "no completed trial")
+  front = {t.number for t in d.optuna.best_trials}
+  fig, ax = _fig()
+  for on, style, lbl in ((False, "o", "trial"), (True, "*", "Pareto front")):
+    pts = [(t.values[1] / 1e6, t.values[0]) for t in done if (t.number in front) == on]
+    if pts: ax.plot(*zip(*pts, strict=True), style, ms=10 if on else 6, label=lbl)
+  ax.set(xlabel="peak device memory (MB)", ylabel="decode tok/s", title=f"{d.name}: tok/s against peak memory")
+  ax.legend(fontsize="small")
+  return fig
+
+
+PLOTS = {"history": history, "importance": importance, "per_knob": per_knob, "kernels": kernels, "proxy": proxy, "pareto": pareto}
+

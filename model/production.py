@@ -11,6 +11,7 @@ import pathlib
 import re
 from dataclasses import dataclass
 
+from model.filehash import file_sha256
 from model.presets import UnknownPreset, get_preset
 from model.structure import ConfigError, StructureConfig
 
@@ -56,10 +57,7 @@ def select(model_file: pathlib.Path, model: str, config: str | None, baseline: b
   if baseline: return StructureConfig(), "config: the baseline (--baseline)"
   d = production_dir()
   if not d.is_dir() or not (files := sorted(d.glob("*.toml"))): return StructureConfig(), "config: the baseline (no production config)"
-  from evaluator.reference import file_sha256  # the one cached hash of model files (by path, size and mtime)
-
-  from model.registry import cache_dir
-  sha = file_sha256(str(model_file), cache_dir())
+  sha = file_sha256(model_file)
   named = d / f"{model_key(model)}.toml"
   prods = [read(f) for f in sorted(files, key=lambda f: f != named)]
   if match := next((p for p in prods if p.sha256 == sha), None):

@@ -26,7 +26,8 @@ from sqlalchemy.orm import Session
 from db import store
 from db.models import Confirmation, Study, Trial
 from db.store import interval
-from model.structure import QUANT_NAMES, ROLES, StructureConfig
+from model.backends import ROLES, STAGES
+from model.structure import QUANT_NAMES, StructureConfig
 from search.formats import Section
 from search.view import BASELINE
 
@@ -40,11 +41,13 @@ def winner(confirmed: list[Confirmation]) -> Confirmation | None:
 
 
 def flat(cfg: StructureConfig) -> dict[str, Any]:
-  """Every knob value of a config, named as `describe` names them: barrier.<point>, backend.<QUANT>:<role>, the plain fields."""
+  """Every knob value of a config, named as `describe` names them: barrier.<point>, backend.<QUANT>:<role>, fused.<stage>,
+  the plain fields."""
   out: dict[str, Any] = {}
   for k, v in cfg.to_dict().items():
     if k == "barriers": out |= {f"barrier.{p}": m for p, m in v.items()}
     elif k == "backends": out |= {f"backend.{q}:{r}": cfg.backend(q, r) for q in QUANT_NAMES for r in ROLES}
+    elif k == "fused": out |= {f"fused.{st}": cfg.fused.get(st, "off") for st in STAGES}
     elif k != "schema_version": out[k] = v
   return out
 

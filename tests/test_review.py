@@ -269,9 +269,9 @@ def test_export_to_production_that_bench_uses(live, tmp_path, capsys) -> None:
     store.add_confirmation(s, st, slow, pairs=3, rounds=5, tok_s=1.0, baseline_tok_s=1.2, speedup=0.84, speedup_low=0.8, speedup_high=0.9,
                            status="ok")
     for n, state in ((7, "wrong_output"), (8, "pruned"), (9, "interrupted"), (10, "timeout")):
-      t = store.start_trial(s, st, n, fresh.config_json, fresh.config_hash, None, None, "h:1")
+      t = store.start_trial(s, st, n, fresh.config_json, fresh.config_hash, None, "h:1")
       if state != "interrupted": store.finish_trial(s, t, state=state, failure_class=state if state in ("wrong_output", "timeout") else None)
-      else: store.mark_interrupted(s, st, [n])
+      else: store.mark_interrupted(s, st, [n], "stopped by the test")
 
   def refused(*args: str, why: str) -> None:
     assert search("export", "--study", "r", "--storage", url, *args) == 2

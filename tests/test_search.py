@@ -32,7 +32,10 @@ def rows(url: str, sql: str) -> list:
 
 
 def cli(*argv: str) -> subprocess.Popen:
-  return subprocess.Popen([sys.executable, "-m", "search", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  """`search` in a process of its own, with Ctrl-C's default action (a pytest-xdist worker ignores SIGINT, and a process
+  started with a signal ignored keeps it ignored)."""
+  return subprocess.Popen([sys.executable, "-m", "search", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 @pytest.fixture(scope="module")

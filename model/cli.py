@@ -72,7 +72,7 @@ def cmd_bench(args) -> None:
        "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **r.to_dict(), "config": cfg.to_dict()}
   if args.profile:
     from evaluator.profile import kernel_profile
-    d["profile"] = kernel_profile(gen, r.tokens[0], args.prompt_len)
+    d["profile"] = kernel_profile(gen.step_jit, {"start_pos": args.prompt_len})
   if args.json: print(json.dumps(d))
   else:
     print(f"{f.path.name}: {len(gen.model.blocks)} blocks, prompt {args.prompt_len}, {args.n} tokens x {args.rounds} rounds")
@@ -82,8 +82,8 @@ def cmd_bench(args) -> None:
     print(f"  memory   device {d['device_bytes'] / 1e9:.2f} GB (file {d['file_bytes'] / 1e9:.2f} GB, KV cache {d['kv_cache_bytes'] / 1e9:.3f} GB), "
           f"host peak {d['host_peak_rss_bytes'] / 1e9:.2f} GB")
     for k in d.get("profile", []):
-      print(f"  {k['rank']:3d} {k['name'][:60]:60s} x{k['count']:<4d} {k['us_per_token']:9.1f} us/token {k['share']:6.1%}"
-            + (f" {k['gb_s']:8.1f} GB/s" if k["gb_s"] else ""))
+      print(f"  {k['rank']:3d} {k['name'][:60]:60s} x{k['count']:<4d} {k['us_per_token']:9.1f} us/token {k['us_per_launch']:7.1f} us"
+            f" {k['share']:6.1%}" + (f" {k['gb_s']:8.1f} GB/s" if k["gb_s"] else "") + (" (host-bound)" if k["host_bound"] else ""))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,7 +31,8 @@ def _load(args) -> tuple:
 def cmd_synth(args) -> None:
   from model.synth import write_synthetic
   t0 = time.perf_counter()
-  path = write_synthetic(args.out, args.preset, layers=args.layers, quant=args.quant, seed=args.seed, legacy_kv_b=args.legacy_kv_b)
+  path = write_synthetic(args.out, args.preset, layers=args.layers, quant=args.quant, seed=args.seed, legacy_kv_b=args.legacy_kv_b,
+                         routing=args.routing)
   print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s")
 
 
@@ -88,7 +89,7 @@ def cmd_bench(args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
   from model.presets import PRESETS
-  from model.synth import QUANT_CHOICES
+  from model.synth import QUANT_CHOICES, ROUTING
   p = argparse.ArgumentParser(prog="model", description="deepseek2 (MLA/MoE) models in tinygrad")
   sub = p.add_subparsers(dest="cmd", required=True)
   s = sub.add_parser("synth", help="write a synthetic GGUF with a real model's exact shapes and random weights")
@@ -97,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
   s.add_argument("--quant", default="q4_0", choices=QUANT_CHOICES)
   s.add_argument("--seed", type=int, default=0)
   s.add_argument("--legacy-kv-b", action="store_true", help="write the older single attn_kv_b tensor instead of attn_k_b/attn_v_b")
+  s.add_argument("--routing", choices=ROUTING, default="random",
+                 help="decisive: each token's experts lead its router's scores by a clear margin, as in trained models (random: near-ties)")
   s.add_argument("--out", required=True)
   s.set_defaults(fn=cmd_synth)
   i = sub.add_parser("info", help="print a model's hyperparameters and tensor types")

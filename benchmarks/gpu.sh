@@ -70,6 +70,25 @@ for step in "$@"; do
           for f in /tmp/glm47.gguf /tmp/ds.gguf; do
             timed timeout 90 /tmp/llama/build/bin/llama-bench -m $f -p 0 -n 128 -r 5 -ngl 99 -fa 1 -o json > "$OUT/llama-$(basename $f .gguf).json" 2> "$OUT/llama-bench.err"
             tail -c 600 "$OUT/llama-$(basename $f .gguf).json"; done ;;
+    final) # one call: llama-bench built in the background; on full-depth GLM-4.7-Flash and DeepSeek-V2-Lite Q4_0, a gated evaluator
+           # trial of the fused native config (its reference made first, profile after), model bench if the gate refuses it; llama-bench
+           T0=$SECONDS; left() { echo $((${DEADLINE:-540} - (SECONDS - T0))); }
+           (timeout 420 bash benchmarks/llama_cpp.sh build /tmp/llama -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
+              > "$OUT/llama-build.log" 2>&1; echo "llama build exit $?" >> "$OUT/llama-build.log") &
+           LB=$!
+           synth 47 /tmp/glm47.gguf
+           [ -f /tmp/ds.gguf ] || timed python3 -m model synth --preset deepseek-v2-lite --quant q4_0 --out /tmp/ds.gguf
+           for m in glm47 ds; do
+             cfg=${FINAL_CONFIG:-benchmarks/configs/fused-native.json}
+             timed timeout $(( $(left) - 40 )) python3 -m evaluator run --model /tmp/$m.gguf --device CUDA --no-prefill --config "$cfg" --profile \
+               --json "$OUT/$m-gated.json"
+             grep -q '"status": "ok"' "$OUT/$m-gated.json" 2>/dev/null || timed timeout $(( $(left) - 30 )) python3 benchmarks/run.py \
+               --model /tmp/$m.gguf --device CUDA --set named --config "fused-native=$cfg" --timeout 150 --out "$OUT/$m-bench.jsonl"
+           done
+           wait $LB; tail -2 "$OUT/llama-build.log"
+           for m in glm47 ds; do
+             timed timeout 60 /tmp/llama/build/bin/llama-bench -m /tmp/$m.gguf -p 0 -n 128 -r 5 -ngl 99 -fa 1 -o json > "$OUT/llama-$m.json" \
+               2> "$OUT/llama-bench.err"; grep -o '"avg_ts": [0-9.]*' "$OUT/llama-$m.json"; done ;;
     full) synth 47 /tmp/glm47.gguf && ev run --model /tmp/glm47.gguf --device CUDA --json "$OUT/trial_full.json"
           rec "$OUT/trial_full.json" run --model glm47.gguf --device CUDA ;;
   esac

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from db.capture import fingerprint_hash
 from db.models import TRIAL_STATES, Base, Confirmation, Environment, Export, GitState, KernelProfile, Measurement, Study, Trial, utcnow
 
+PROFILE_COLUMNS = ("rank", "name", "count", "us_per_token", "gb_s", "share")  # of a kernel profile row, as ss_kernel_profile stores it
 UNMEASURED = ("running", "interrupted", "pruned", "reused")  # states that say nothing about how a config performs
 TRANSIENT = ("killed", "timeout")  # failures that are not a property of the config: it is measured again when proposed again
 RETRIES = 2  # ... up to this many times; after that the config's last failure stands
@@ -77,13 +78,18 @@ def finish_trial(s: Session, trial: Trial, *, state: str, stage: str | None = No
   t.state, t.stage, t.tok_s, t.block_tok_s, t.metrics, t.phases, t.check = state, stage, tok_s, block_tok_s, metrics, phases, check
   t.failure_class, t.error_text, t.reused_from_id, t.finished_at = failure_class, error_text, reused_from and reused_from.id, utcnow()
   t.environment_id = environment and environment.id
-  t.profile = [KernelProfile(**row) for row in profile or ()]
+  t.profile = profile_rows(profile or [])
   if state != "reused":
     if block_tok_s is not None: add_measurement(s, t.study_id, t.config_hash, "block", block_tok_s, "trial", trial=t)
     if state == "ok" and tok_s is not None:
       add_measurement(s, t.study_id, t.config_hash, stage or "full", tok_s, "trial", trial=t, rounds=(metrics or {}).get("tok_s_rounds"))
   s.flush()
   return t
+
+
+def profile_rows(profile: list[dict]) -> list[KernelProfile]:
+  """A trial's per-kernel profile (evaluator/profile.py rows) as ss_kernel_profile rows."""
+  return [KernelProfile(**{k: row[k] for k in PROFILE_COLUMNS}) for row in profile]
 
 
 def find_measured(s: Session, study: Study, config_hash: str, retries: int = RETRIES) -> Trial | None:

@@ -142,7 +142,7 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
   if spec.profile:
     rec.phase("profile")
     from evaluator.profile import kernel_profile
-    res.profile = kernel_profile(gen, first, pos)
+    res.profile = kernel_profile(gen.step_jit, {"start_pos": pos}, spec.bandwidth_gbs)
 
 
 def orphan_watch() -> None:

@@ -31,7 +31,8 @@ def _load(args) -> tuple:
 def cmd_synth(args) -> None:
   from model.synth import write_synthetic
   t0 = time.perf_counter()
-  path = write_synthetic(args.out, args.preset, layers=args.layers, quant=args.quant, seed=args.seed, legacy_kv_b=args.legacy_kv_b)
+  path = write_synthetic(args.out, args.preset, layers=args.layers, quant=args.quant, seed=args.seed, legacy_kv_b=args.legacy_kv_b,
+                         routing=args.routing)
   print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s")
 
 
@@ -72,7 +73,7 @@ def cmd_bench(args) -> None:
        "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **r.to_dict(), "config": cfg.to_dict()}
   if args.profile:
     from evaluator.profile import kernel_profile
-    d["profile"] = kernel_profile(gen, r.tokens[0], args.prompt_len)
+    d["profile"] = kernel_profile(gen.step_jit, {"start_pos": args.prompt_len})
   if args.json: print(json.dumps(d))
   else:
     print(f"{f.path.name}: {len(gen.model.blocks)} blocks, prompt {args.prompt_len}, {args.n} tokens x {args.rounds} rounds")
@@ -82,13 +83,13 @@ def cmd_bench(args) -> None:
     print(f"  memory   device {d['device_bytes'] / 1e9:.2f} GB (file {d['file_bytes'] / 1e9:.2f} GB, KV cache {d['kv_cache_bytes'] / 1e9:.3f} GB), "
           f"host peak {d['host_peak_rss_bytes'] / 1e9:.2f} GB")
     for k in d.get("profile", []):
-      print(f"  {k['rank']:3d} {k['name'][:60]:60s} x{k['count']:<4d} {k['us_per_token']:9.1f} us/token {k['share']:6.1%}"
-            + (f" {k['gb_s']:8.1f} GB/s" if k["gb_s"] else ""))
+      print(f"  {k['rank']:3d} {k['name'][:60]:60s} x{k['count']:<4d} {k['us_per_token']:9.1f} us/token {k['us_per_launch']:7.1f} us"
+            f" {k['share']:6.1%}" + (f" {k['gb_s']:8.1f} GB/s" if k["gb_s"] else "") + (" (host-bound)" if k["host_bound"] else ""))
 
 
 def main(argv: list[str] | None = None) -> None:
   from model.presets import PRESETS
-  from model.synth import QUANT_CHOICES
+  from model.synth import QUANT_CHOICES, ROUTING
   p = argparse.ArgumentParser(prog="model", description="deepseek2 (MLA/MoE) models in tinygrad")
   sub = p.add_subparsers(dest="cmd", required=True)
   s = sub.add_parser("synth", help="write a synthetic GGUF with a real model's exact shapes and random weights")
@@ -97,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
   s.add_argument("--quant", default="q4_0", choices=QUANT_CHOICES)
   s.add_argument("--seed", type=int, default=0)
   s.add_argument("--legacy-kv-b", action="store_true", help="write the older single attn_kv_b tensor instead of attn_k_b/attn_v_b")
+  s.add_argument("--routing", choices=ROUTING, default="random",
+                 help="decisive: each token's experts lead its router's scores by a clear margin, as in trained models (random: near-ties)")
   s.add_argument("--out", required=True)
   s.set_defaults(fn=cmd_synth)
   i = sub.add_parser("info", help="print a model's hyperparameters and tensor types")

@@ -337,7 +337,7 @@ class Transformer:
       products (the fused stage's where its stage is fused, else the config's backend for its type and role)."""
       if name not in f.tensors: raise GGUFError(f"{f.path.name}: tensor {name} is missing")
       info = f.tensors[name]
-      w = QWeight.from_raw(f.raw(name, device), info.ggml_type, shape or info.shape)
+      w = QWeight.from_bytes(f.read(name), info.ggml_type, shape or info.shape, device)
       self.load_peak_bytes = max(self.load_peak_bytes, GlobalCounters.mem_used)
       if norm: return w.to_float().reshape(-1).contiguous().realize()
       return K.get(self.cfg.stage(stage) or self.cfg.backend(w.quant, role)).attach(w, device)

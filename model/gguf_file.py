@@ -1,4 +1,4 @@
-"""GGUF files: metadata and tensor infos through the `gguf` package, raw tensor bytes as zero-copy tinygrad disk tensors."""
+"""GGUF files: metadata and tensor infos through the `gguf` package, a tensor's raw bytes read on demand."""
 from __future__ import annotations
 
 import pathlib
@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
-from tinygrad import Tensor
 
 from model.quants import QUANT_TYPES, type_name
 
@@ -56,7 +55,7 @@ _KNOWN = {t.value for t in GGMLQuantizationType}
 
 
 class GGUFFile:
-  """One GGUF file. Tensor data stays on disk until `raw()` moves one tensor's bytes to a device."""
+  """One GGUF file. Tensor data stays on disk until `read()` reads one tensor's bytes."""
 
   def __init__(self, path: str | pathlib.Path):
     self.path = pathlib.Path(path)
@@ -81,13 +80,12 @@ class GGUFFile:
     """An architecture key such as `block_count` (read as `<arch>.block_count`)."""
     return self.metadata.get(f"{self.arch}.{name}", default)
 
-  def raw(self, name: str, device: str | None = None) -> Tensor:
-    """The tensor's raw bytes (uint8, shape (rows, row_bytes)) on `device`.
+  def read(self, name: str) -> np.ndarray:
+    """The tensor's raw bytes (uint8, shape (rows, row_bytes)) in host memory.
 
-    Read with one pread into a buffer that lives only until the copy, so host memory stays bounded by the largest tensor
-    (mapping the whole file would leave every page of it resident)."""
+    Read with one pread into a buffer that lives only until its planes are on the device, so host memory stays bounded by
+    the largest tensor (mapping the whole file would leave every page of it resident)."""
     info = self.tensors[name]
     rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
-    buf = np.fromfile(self.path, dtype=np.uint8, count=info.nbytes, offset=info.offset)
-    return Tensor(buf.reshape(rows, info.nbytes // rows), device=device).realize()
+    return np.fromfile(self.path, dtype=np.uint8, count=info.nbytes, offset=info.offset).reshape(rows, info.nbytes // rows)
 

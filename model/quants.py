@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from gguf import GGMLQuantizationType
 from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
@@ -50,16 +51,14 @@ LAYOUTS: dict[int, dict[str, tuple[int, int, DType]]] = {
 }
 
 
-def planes(raw: Tensor, ggml_type: int) -> dict[str, Tensor]:
-  """Raw GGUF rows (rows, row_bytes) -> one tensor per block field, each (rows, nblocks, field_len) in its own dtype.
+def planes(raw: np.ndarray, ggml_type: int) -> dict[str, np.ndarray]:
+  """Raw GGUF rows (rows, row_bytes) uint8 -> one array per block field, each (rows, nblocks, field_len) in its own dtype.
 
-  Done once at load: the hot path then never reinterprets bytes (a size-changing bitcast after a gather makes tinygrad
-  materialize its input), and each field of a row is contiguous, which suits vector loads."""
-  qt = QUANT_TYPES[ggml_type]
-  blocks = raw.reshape(raw.shape[0], -1, qt.nbytes)
-  out = {k: blocks[..., a:b].contiguous().bitcast(dt) for k, (a, b, dt) in LAYOUTS[ggml_type].items()}
-  # a 4-byte field stays a view of its bytes after the bitcast, which a custom kernel's input would copy on every call
-  return {k: v.contiguous() if v.dtype.itemsize == 4 else v for k, v in out.items()}
+  Done once at load, on the host (a strided copy at memory speed, no device kernel): the hot path then never reinterprets
+  bytes (a size-changing bitcast after a gather makes tinygrad materialize its input), and each field of a row is
+  contiguous, which suits vector loads."""
+  blocks = raw.reshape(raw.shape[0], -1, QUANT_TYPES[ggml_type].nbytes)
+  return {k: np.ascontiguousarray(blocks[..., a:b]).view(np.dtype(dt.fmt)) for k, (a, b, dt) in LAYOUTS[ggml_type].items()}
 
 
 def _k_scales(s: Tensor) -> tuple[Tensor, Tensor]:

@@ -65,12 +65,16 @@ def _qtype(quant: str, name: str, row: int, layer: int | None, n_layers: int) ->
   return next(t for t in (want, T.Q8_0, T.F16) if row % gguf.GGML_QUANT_SIZES[t][0] == 0)
 
 
-def tensor_plan(s: ModelShape, quant: str = "q4_0", legacy_kv_b: bool = False) -> list[_Tensor]:
-  """Every tensor of the file in write order, with its ggml shape as llama.cpp's deepseek2 loader expects it."""
+def tensor_plan(s: ModelShape, quant: str = "q4_0", legacy_kv_b: bool = False, routing: str = "random") -> list[_Tensor]:
+  """Every tensor of the file in write order, with its ggml shape as llama.cpp's deepseek2 loader expects it. With decisive
+  routing the projections that write into the residual stream are scaled by 1/sqrt(blocks), so the stream stays near unit
+  rms through depth and the embeddings' routing signature stays readable in the last block as in the first."""
   out: list[_Tensor] = []
+  residual = s.n_layers ** -0.5 if routing == "decisive" else 1.0
   def tn(t: MT, bid: int | None = None, suffix: str = "weight") -> str: return f"{gguf.TENSOR_NAMES[t].format(bid=bid)}.{suffix}"
   def mat(name: str, *ne: int, layer: int | None = None, std: float | None = None) -> None:
-    out.append(_Tensor(name, ne, _qtype(quant, name, ne[0], layer, s.n_layers), ne[0] ** -0.5 if std is None else std))
+    if std is None: std = ne[0] ** -0.5 * (residual if name.split(".")[-2] in _WRITES_RESIDUAL else 1.0)
+    out.append(_Tensor(name, ne, _qtype(quant, name, ne[0], layer, s.n_layers), std))
   def norm(name: str, n: int) -> None: out.append(_Tensor(name, (n,), T.F32, 0.05, 1.0))
   # unit-rms embeddings keep the token identity from drowning in the first blocks' outputs (rms ~1), so routing varies by
   # token; a tied table is the output head too and takes the geometric mean of that and 1/sqrt(dim)
@@ -308,14 +312,65 @@ def _write_metadata(w: gguf.GGUFWriter, s: ModelShape, quant: str, legacy_kv_b: 
   w.add_chat_template(s.chat_template)
 
 
+_WRITES_RESIDUAL = ("attn_output", "ffn_down", "ffn_down_exps", "ffn_down_shexp")
+_QUANTIZABLE = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0)  # the embedding types gguf's numpy quantizer writes
+
+
+# *** decisive routing: token embeddings carry a signature that each layer's router reads, so the top experts of a token
+# lead by a clear margin as in trained models (with random weights, the k-th and (k+1)-th scores are near ties at depth)
+
+ROUTING = ("random", "decisive")
+SIGNATURE, ROUTER_GAIN, ROUTER_NOISE = 10.0, 0.4, 0.05  # signature size on each of a token's experts' directions; router scales
+
+
+class _Decisive:
+  """The structure of a decisive-routing file: one unit direction per expert (orthonormal), a random set of n_used experts
+  per token, a random permutation of the experts per layer (each layer routes a token to its own experts)."""
+
+  def __init__(self, s: ModelShape, seed: int):
+    if s.n_experts > s.dim: raise ValueError(f"decisive routing needs no more experts ({s.n_experts}) than dimensions ({s.dim})")
+    rng = np.random.default_rng([seed, 0xD1CE])
+    self.dirs = np.linalg.qr(rng.standard_normal((s.dim, s.n_experts)))[0].T.astype(np.float32)  # (E, dim), orthonormal rows
+    self.experts = np.argsort(rng.random((s.vocab, s.n_experts)), -1)[:, :s.n_used]  # per token
+    self.perm = {i: rng.permutation(s.n_experts) for i in range(s.n_layers)}
+
+  def embedding(self, rng: np.random.Generator, rows: slice, dim: int, std: float) -> np.ndarray:
+    x = rng.standard_normal((rows.stop - rows.start, dim), dtype=np.float32) * np.float32(std)
+    return x + SIGNATURE * std * self.dirs[self.experts[rows]].sum(1)
+
+  def router(self, rng: np.random.Generator, layer: int, dim: int) -> np.ndarray:
+    """Router rows (E, dim): expert e of this layer reads the direction of the expert the permutation maps it to."""
+    return ROUTER_GAIN * self.dirs[self.perm[layer]] + ROUTER_NOISE * dim ** -0.5 * rng.standard_normal(self.dirs.shape, dtype=np.float32)
+
+
+def _write_decisive(fout, t: _Tensor, seed: int, d: _Decisive) -> bool:
+  """Write a tensor of a decisive-routing file that carries its structure (False: it is an ordinary random one)."""
+  rng = np.random.Generator(np.random.SFC64(np.random.SeedSequence([seed, zlib.crc32(t.name.encode())])))
+  if t.name == "token_embd.weight":
+    dim, vocab = t.ne
+    for i in range(0, vocab, step := max(1, CHUNK_BYTES // (16 * dim))):
+      fout.write(gguf.quants.quantize(d.embedding(rng, slice(i, min(vocab, i + step)), dim, t.std), t.type).data)
+    return True
+  if t.name.endswith("ffn_gate_inp.weight"):
+    fout.write(d.router(rng, int(t.name.split(".")[1]), t.ne[0]).data)
+    return True
+  return False
+
+
 def write_synthetic(path: str | pathlib.Path, preset: str | ModelShape, layers: int | None = None, quant: str = "q4_0", seed: int = 0,
-                    legacy_kv_b: bool = False) -> pathlib.Path:
-  """Write a deepseek2 GGUF with random weights and the preset's exact shapes (the first `layers` blocks if given)."""
+                    legacy_kv_b: bool = False, routing: str = "random") -> pathlib.Path:
+  """Write a deepseek2 GGUF with random weights and the preset's exact shapes (the first `layers` blocks if given);
+  routing "decisive": a token's experts lead by a clear margin in every layer (see _Decisive)."""
   s = get_preset(preset) if isinstance(preset, str) else preset
   if quant not in QUANT_CHOICES: raise ValueError(f"unknown quant {quant!r}: choose one of {', '.join(QUANT_CHOICES)}")
+  if routing not in ROUTING: raise ValueError(f"unknown routing {routing!r}: choose one of {', '.join(ROUTING)}")
   if layers is not None: s = s.with_layers(layers)
   path = pathlib.Path(path)
-  plan = tensor_plan(s, quant, legacy_kv_b)
+  plan = tensor_plan(s, quant, legacy_kv_b, routing)
+  decisive = _Decisive(s, seed) if routing == "decisive" and s.n_experts else None
+  if decisive is not None and (emb := plan[0].type) not in _QUANTIZABLE:
+    raise ValueError(f"decisive routing writes the token embedding from floats, which gguf cannot quantize to {emb.name} ({quant}); "
+                     f"use one of: {', '.join(q for q in QUANT_CHOICES if _PURE.get(q) in _QUANTIZABLE)}")
   w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.DEEPSEEK2])
   _write_metadata(w, s, quant, legacy_kv_b)
   for t in plan: w.add_tensor_info(t.name, t.ne[::-1], np.dtype(np.float32), _nbytes(t), raw_dtype=t.type)
@@ -327,7 +382,7 @@ def write_synthetic(path: str | pathlib.Path, preset: str | ModelShape, layers: 
   try:
     w.write_padding(fout, fout.tell())
     for t in plan:
-      _write_tensor(fout, t, seed)
+      if decisive is None or not _write_decisive(fout, t, seed, decisive): _write_tensor(fout, t, seed)
       w.write_padding(fout, _nbytes(t))
   finally: w.close()
   return path

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from tinygrad import Tensor, dtypes
 
 from model.quants import QUANT_TYPES, planes, to_float
@@ -18,8 +19,9 @@ class QWeight:
   backend: str = "tensor"  # the name of the model/backends backend that computes its products
 
   @classmethod
-  def from_raw(cls, raw: Tensor, ggml_type: int, shape: tuple[int, ...]) -> QWeight:
-    return cls({k: v.realize() for k, v in planes(raw, ggml_type).items()}, ggml_type, shape)
+  def from_bytes(cls, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...], device: str | None = None) -> QWeight:
+    """A weight from its GGUF bytes (rows, row_bytes): its planes split on the host, each copied to the device once."""
+    return cls({k: Tensor(v, device=device).realize() for k, v in planes(raw, ggml_type).items()}, ggml_type, shape)
 
   @classmethod
   def fp16(cls, w: Tensor) -> QWeight: return cls({}, 1, tuple(w.shape), w.cast(dtypes.float16).contiguous().realize(), "fp16_cache")

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sqlalchemy import delete
-
 from db import store
 from db.engine import open_db, session
-from db.models import Confirmation, KernelProfile, Study, utcnow
+from db.models import Confirmation, Study, Trial, utcnow
 from evaluator.compare import compare
 from model.structure import StructureConfig
 from search.leaderboard import winner
@@ -55,11 +53,9 @@ def confirm(url: str, name: str, top: int = 3, pairs: int = 3, rounds: int = 5, 
     s.get(Study, study.id).finished_at = utcnow()
   if win is not None and any(c.id == win.id for c in out):  # a new winner: its per-kernel profile, as for every confirmed winner
     cand = next(t for t in todo if t.config_hash == win.config_hash)
-    say(f"profiling the winner, trial {cand.number} (a separate, unjitted pass)")
+    say(f"profiling the winner, trial {cand.number} (its step's kernels timed one name at a time)")
     r = ev.run(StructureConfig.from_json(cand.config_json).to_dict(), profile=True)
     if r.profile:
-      with session(engine) as s:
-        s.execute(delete(KernelProfile).where(KernelProfile.trial_id == cand.id))
-        s.add_all(KernelProfile(trial_id=cand.id, **row) for row in r.profile)
+      with session(engine) as s: s.get(Trial, cand.id).profile = store.profile_rows(r.profile)  # replaces its earlier rows
   return out
 

@@ -20,7 +20,6 @@ import tempfile
 
 import numpy as np
 
-import model.weights
 from model.deepseek2 import Transformer
 from model.generate import Generator, jit_kernels, jit_stats
 from model.gguf_file import GGUFFile
@@ -40,26 +39,17 @@ def mix_info(mix: str) -> ModelInfo:
 
 @functools.cache
 def gguf(path: str) -> GGUFFile:
-  """One parsed file per path, whose raw tensors are read once and whose block planes are split once (configs never
-  modify a weight's planes: fp16 caches, merges and splits build new tensors), so each config pays for its kernels only."""
+  """One parsed file per path, whose tensors are read from disk once (each config still copies them to the device)."""
   f = GGUFFile(path)
-  f.raw = functools.cache(f.raw)
+  f.read = functools.cache(f.read)
   return f
-
-
-_planes, _split = model.weights.planes, {}
-def _shared_planes(raw, ggml_type: int):
-  """model.weights.planes, once per raw tensor (installed while `run` builds a model)."""
-  return _split.setdefault((id(raw), ggml_type), (raw, _planes(raw, ggml_type)))[1]
 
 
 @functools.cache
 def run(path: str, cfg_json: str, tokens: tuple[int, ...], steps: int = 3) -> tuple[np.ndarray, tuple[tuple[str, str], ...]]:
   """Under one config, the decode step's logits teacher-forced on `tokens` (one step per token: the path the search
   measures) and the decode step's kernels (name, source)."""
-  model.weights.planes = _shared_planes
-  try: m = Transformer(gguf(path), StructureConfig.from_json(cfg_json), max_context=len(tokens) + steps + 1)
-  finally: model.weights.planes = _planes
+  m = Transformer(gguf(path), StructureConfig.from_json(cfg_json), max_context=len(tokens) + steps + 1)
   logits, gen = decode(m, tokens, steps)
   return logits, tuple(jit_kernels(gen.step_jit))
 

@@ -28,7 +28,7 @@ def random_blocks(rng: np.random.Generator, ggml_type: int, shape: tuple[int, ..
 def random_weight(rng: np.random.Generator, ggml_type: int, shape: tuple[int, ...], backend: str = "tensor") -> QWeight:
   """A QWeight of random_blocks."""
   blocks = random_blocks(rng, ggml_type, shape)
-  w = QWeight.from_raw(Tensor(blocks.reshape(blocks.shape[0], -1)), ggml_type, shape)
+  w = QWeight.from_bytes(blocks.reshape(blocks.shape[0], -1), ggml_type, shape)
   w.backend = backend
   return w
 

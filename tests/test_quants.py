@@ -6,6 +6,12 @@ from tinygrad import Tensor, dtypes
 
 from model.quants import BF16, F16, F32, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, QUANT_TYPES, factors, planes, to_float
 
+
+def device_planes(raw: np.ndarray, ggml_type: int) -> dict:
+  """The planes of raw GGUF rows as tensors, as a loaded QWeight holds them."""
+  return {k: Tensor(v) for k, v in planes(raw, ggml_type).items()}
+
+
 # byte offsets of each type's fp16 scale fields: random bytes there could be inf/nan, so they get real fp16 values
 F16_FIELDS = {Q4_0: (0,), Q8_0: (0,), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,)}
 
@@ -28,7 +34,7 @@ def test_dequant_matches_gguf(ggml_type: int) -> None:
   rows, nblk = 3, 4
   raw = random_blocks(ggml_type, rows, nblk, rng)
   ref = dequantize(raw, GGMLQuantizationType(ggml_type)).reshape(rows, nblk * qt.block)
-  ours = to_float(planes(Tensor(raw), ggml_type), ggml_type, (rows, nblk * qt.block)).numpy()
+  ours = to_float(device_planes(raw, ggml_type), ggml_type, (rows, nblk * qt.block)).numpy()
   np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-6)
 
 
@@ -39,11 +45,11 @@ def test_factored_dot_equals_dense_dot(ggml_type: int) -> None:
   raw = random_blocks(ggml_type, 5, 2, rng)
   w = dequantize(raw, GGMLQuantizationType(ggml_type)).reshape(5, -1)
   x = rng.standard_normal(w.shape[1]).astype(np.float32)
-  scale, code, bias = factors(planes(Tensor(raw), ggml_type), ggml_type)
+  scale, code, bias = factors(device_planes(raw, ggml_type), ggml_type)
   xg = Tensor(x).reshape(-1, qt.group)
   y = ((xg * code).sum(-1) * scale + (0 if bias is None else xg.sum(-1) * bias)).sum(-1)
   np.testing.assert_allclose(y.numpy(), w @ x, rtol=1e-4, atol=1e-4)
 
 
 def test_bf16_bitcast_dtype() -> None:
-  assert to_float(planes(Tensor(np.zeros((1, 2), np.uint8)), BF16), BF16, (1, 1)).dtype == dtypes.float32
+  assert to_float(device_planes(np.zeros((1, 2), np.uint8), BF16), BF16, (1, 1)).dtype == dtypes.float32

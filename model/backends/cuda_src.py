@@ -350,9 +350,9 @@ def absorb_rope_kv(kb: W, heads: int, nope: int, rope: int, kvl: int, max_ctx: i
 
 
 def attention_splits(max_ctx: int) -> tuple[int, int]:
-  """(positions per split, splits) of the MLA attention kernel for a cache of max_ctx positions: 64 positions per block
-  (4 warps x 4 batches of 4), more where the context is long, at most 64 splits."""
-  ch = max(64, -(-max_ctx // 64))
+  """(positions per split, splits) of the MLA attention kernel for a cache of max_ctx positions: 32 positions per block
+  (4 warps x 2 batches of 4), more where the context is long, at most 64 splits."""
+  ch = max(32, -(-max_ctx // 64))
   return ch, -(-max_ctx // ch)
 
 
@@ -556,22 +556,29 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
 
 
 @functools.cache
-def down(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int = 2) -> Kernel:
+def down(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int = 4) -> Kernel:
   """out = res + sum over the k selected experts of weight_k * (down_e . act_k) + down_plain . act_plain: the routed experts'
-  down projections, their weighted combine, the shared expert (or a dense block's down projection) and the residual add."""
+  down projections, their weighted combine, the shared expert (or a dense block's down projection) and the residual add.
+
+  A block computes R output rows; its warps take the slots (the k experts, then the plain FFN) in turn, so the slots'
+  loads are in flight together rather than one slot after another, and the warps' sums meet in shared memory."""
   name = f"native_down_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}"
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
   params = ["float* out", "const float* __restrict__ res", "const float* __restrict__ act"]
   params += (["const int* __restrict__ sel", "const float* __restrict__ wts"] + r.down.params if r else []) + (p.down.params if p else [])
-  G = max(f.down.group_lanes for f in (r, p) if f)  # one row group computes an output row from both parts
-  body = [group_setup(G, R), " ".join(f"float tot{i} = 0.f;" for i in range(R))]
+  slots = (k if r else 0) + (1 if p else 0)
+  body = [f"const int lane = threadIdx.x & 31, gl = lane, warp = threadIdx.x >> 5, obase = blockIdx.x * {R};",
+          " ".join(f"float tot{i} = 0.f;" for i in range(R)), f"for (int sl = warp; sl < {slots}; sl += {WARPS}) {{"]
   if r:
-    body.append(f"for (int kk = 0; kk < {k}; kk++) {{ const int e = min(max(sel[kk], 0), {r.experts - 1}); const float wk = wts[kk];"
-                f" const float* xk = act + (size_t)kk * {r.hidden};\n  "
-                + gemv([(r.down, f"(size_t)e * {dim} + {{o}}", "a")], "xk", dim, R, None, None, G) + "\n  "
+    body.append(f"if (sl < {k}) {{ const int e = min(max(sel[sl], 0), {r.experts - 1}); const float wk = wts[sl];"
+                f" const float* xk = act + (size_t)sl * {r.hidden};\n  "
+                + gemv([(r.down, f"(size_t)e * {dim} + {{o}}", "a")], "xk", dim, R, None, None, 32) + "\n  "
                 + " ".join(f"tot{i} += wk * a{i};" for i in range(R)) + " }")
   if p:
-    body.append("{ " + gemv([(p.down, "{o}", "b")], f"act + {k * r.hidden if r else 0}", dim, R, None, None, G) + "\n  "
+    body.append(f"{'else ' if r else ''}{{ " + gemv([(p.down, "{o}", "b")], f"act + {k * r.hidden if r else 0}", dim, R, None, None, 32) + "\n  "
                 + " ".join(f"tot{i} += b{i};" for i in range(R)) + " }")
-  body += [f"if (gl == 0 && obase + {i} < {dim}) out[obase + {i}] = res[obase + {i}] + tot{i};" for i in range(R)]
-  return Kernel(name, kernel(name, params, "\n  ".join(body)), (-(-dim // rows_per_block(G, R)), 1, 1), (0,))
+  body += ["}", f"__shared__ float part[{WARPS}][{R}];", "if (lane == 0) { " + " ".join(f"part[warp][{i}] = tot{i};" for i in range(R)) + " }",
+           "__syncthreads();",
+           f"if (threadIdx.x < {R} && obase + threadIdx.x < {dim}) {{ float t = 0.f;"
+           f" for (int w = 0; w < {WARPS}; w++) t += part[w][threadIdx.x]; out[obase + threadIdx.x] = res[obase + threadIdx.x] + t; }}"]
+  return Kernel(name, kernel(name, params, "\n  ".join(body)), (-(-dim // R), 1, 1), (0,))

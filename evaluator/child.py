@@ -91,6 +91,10 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
   res.metrics |= {"layers": len(model.blocks), "load_peak_device_bytes": model.load_peak_bytes, "peak_device_bytes": peak()}
   prompt = B.bench_prompt(hp.vocab, spec.prompt_len)
   pos = spec.prompt_len
+  if spec.write_reference:  # the baseline's run through the check path alone: it feeds the prompt itself, from position 0
+    rec.phase("reference")
+    gate.make_reference(gen, prompt, spec.check_positions).save(spec.write_reference)
+    return
 
   if spec.prefill:
     rec.phase("prefill")
@@ -105,10 +109,6 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
   B.sync()
   res.metrics["peak_device_bytes"] = peak()
 
-  if spec.write_reference:
-    rec.phase("reference")
-    gate.make_reference(gen, prompt, spec.check_positions).save(spec.write_reference)
-    return
   ref, tol = None, gate.tolerance(cfg)
   if spec.reference:
     rec.phase("check")

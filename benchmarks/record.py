@@ -44,8 +44,10 @@ def llama_figures(bench: list[dict]) -> dict[str, Any]:
           "build": t["build_commit"] + (f" b{t['build_number']}" if t["build_number"] else "")}
 
 
-def llama_line(bench: list[dict], model_file: str, device: str, model_name: str, quant: str, command: str) -> dict[str, Any]:
-  layers = int(GGUFFile(model_file).key("block_count"))
+def llama_line(bench: list[dict], model_file: str | None, device: str, model_name: str, quant: str, command: str,
+               layers: int | None = None) -> dict[str, Any]:
+  """layers: the file's blocks (default: read from model_file, where the file is at hand)."""
+  layers = layers or int(GGUFFile(model_file).key("block_count"))
   return common("llama_cpp", device, model_name, layers, quant, "llama.cpp") | llama_figures(bench) | {"command": command}
 
 
@@ -72,7 +74,8 @@ def trial_lines(r: TrialResult, device: str, model_name: str, quant: str, config
     out.append(line("gate", name=config_name, state=r.status, **figures, check_s=_round(r.phases.get("check_s"), 2)))
   for p in r.profile:
     out.append(line("profile", rank=p["rank"], name=p["name"], count=p["count"], us_per_token=_round(p["us_per_token"], 2),
-                    share=_round(p["share"], 4), gb_s=_round(p["gb_s"], 2),
+                    us_per_launch=_round(p.get("us_per_launch"), 2), host_bound=p.get("host_bound"), share=_round(p["share"], 4),
+                    gb_s=_round(p["gb_s"], 2),
                     bandwidth_share=_round(p["gb_s"] / bw, 4) if p["gb_s"] is not None and bw else None))
   return out
 
@@ -94,7 +97,8 @@ def main() -> None:
   t.add_argument("--llama", help="llama-bench's JSON output for the same file, run in the same call")
   ll = sub.add_parser("llama", parents=[base])
   ll.add_argument("bench")
-  ll.add_argument("--model", required=True, help="the GGUF file llama-bench ran")
+  ll.add_argument("--model", help="the GGUF file llama-bench ran (its block count is read from it)")
+  ll.add_argument("--layers", type=int, help="the file's block count, where the file is not at hand")
   e = sub.add_parser("error", parents=[base])
   e.add_argument("--kind", required=True, choices=("trial", "llama_cpp"))
   e.add_argument("--model", help="the GGUF file, when it exists")
@@ -104,7 +108,9 @@ def main() -> None:
   if a.cmd == "trial":
     r = TrialResult.from_dict(json.load(open(a.result)))
     lines = trial_lines(r, a.device, a.model_name, a.quant, a.config_name, a.command, json.load(open(a.llama)) if a.llama else None)
-  elif a.cmd == "llama": lines = [llama_line(json.load(open(a.bench)), a.model, a.device, a.model_name, a.quant, a.command)]
+  elif a.cmd == "llama":
+    if not (a.model or a.layers): p.error("llama needs --model or --layers")
+    lines = [llama_line(json.load(open(a.bench)), a.model, a.device, a.model_name, a.quant, a.command, a.layers)]
   else: lines = [error_line(a.kind, a.model, a.device, a.model_name, a.quant, a.config_name, a.command, a.error)]
   sys.stdout.write("".join(json.dumps(line) + "\n" for line in lines))
 

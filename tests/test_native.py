@@ -211,3 +211,25 @@ def test_router_kernel(gating: int) -> None:
     np.testing.assert_allclose(logits, lg, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(wts, wt, rtol=1e-4, atol=1e-6)
     assert cnt[0] == 0
+
+
+def test_fused_stages_leave_no_per_op_kernel_in_a_block(gguf_file, tmp_path, monkeypatch) -> None:
+  """With all four stages native, a decode step's blocks run native kernels only: 8 per dense block, 9 per MoE block, and
+  the step's own few kernels (position, embedding, final norm, sampling) are the same at any depth (counted in the JIT's
+  captured graph on the CPU, the native kernels standing in as custom kernels that compute nothing)."""
+  from native_cpu import launch_nothing
+
+  from model.generate import jit_kernels
+  from model.synth import write_synthetic
+  monkeypatch.setattr(native, "launch", launch_nothing)
+  monkeypatch.setattr(native.NativeBackend, "check", lambda self, device: None)
+  cfg = StructureConfig.from_dict({**ALL_NATIVE, "backends": {"Q4_0:dense": "native"}})
+  counts = {}
+  for path, dense, moe in ((gguf_file("tiny", "q4_0"), 1, 2), (write_synthetic(tmp_path / "deep5.gguf", "tiny-deep", layers=5), 2, 3)):
+    gen = Generator(Transformer(GGUFFile(path), cfg, max_context=16))
+    for i in range(3): gen.step(1, i)
+    names = [n for n, _ in jit_kernels(gen.step_jit)]
+    per_block = [n for n in names if n.startswith("native_") and not n.startswith("native_dense_q4_0_1024_")]  # all but the head
+    assert len(per_block) == 8 * dense + 9 * moe, names
+    counts[path] = len(names) - len(per_block)
+  assert len(set(counts.values())) == 1 and next(iter(counts.values())) <= 8, counts

@@ -10,7 +10,6 @@ import os
 import platform
 import resource
 import socket
-import statistics
 import sys
 import time
 import traceback
@@ -77,37 +76,26 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
   from tinygrad import GlobalCounters
 
   from evaluator import gate
-  from model import bench as B
-  from model.bench import apply_process_settings
+  from evaluator.driver import bench_prompt, measure, prepare
   from model.deepseek2 import Transformer
   from model.generate import Generator
   from model.gguf_file import GGUFFile
+  from model.settings import apply_process_settings, time_beam_search
   apply_process_settings(cfg, spec.device, spec.tinygrad_cache)
-  res.metrics["beam"] = B.time_beam_search()  # BEAM search seconds, apart from the rest of compiling (updated as kernels are built)
+  res.metrics["beam"] = time_beam_search()  # BEAM search seconds, apart from the rest of compiling (updated as kernels are built)
   res.env = environment(spec.device)
   peak = lambda: max(res.metrics.get("peak_device_bytes", 0), GlobalCounters.mem_used)
   model = Transformer(GGUFFile(spec.model), cfg, max_context=spec.max_context, n_layers=spec.layers)
   gen, hp = Generator(model), model.hp
   res.metrics |= {"layers": len(model.blocks), "load_peak_device_bytes": model.load_peak_bytes, "peak_device_bytes": peak()}
-  prompt = B.bench_prompt(hp.vocab, spec.prompt_len)
   pos = spec.prompt_len
   if spec.write_reference:  # the baseline's run through the check path alone: it feeds the prompt itself, from position 0
     rec.phase("reference")
-    gate.make_reference(gen, prompt, spec.check_positions).save(spec.write_reference)
+    gate.make_reference(gen, bench_prompt(hp.vocab, spec.prompt_len), spec.check_positions).save(spec.write_reference)
     return
 
-  if spec.prefill:
-    rec.phase("prefill")
-    first, res.metrics["prefill_tok_s"] = B.prefill(gen, prompt)
-    rec.phase("compile")  # the first decode steps build the kernels (with the config's BEAM) and capture the JIT
-    B.steps(gen, first, pos, 2)
-  else:
-    rec.phase("compile")
-    first = B.feed(gen, prompt[:2])
-    rec.phase("prompt")
-    first = B.feed(gen, prompt[2:], start=2)
-  B.sync()
-  res.metrics["peak_device_bytes"] = peak()
+  first, figures = prepare(gen, spec.prompt_len, spec.prefill, rec.phase)
+  res.metrics |= figures | {"peak_device_bytes": peak()}
 
   ref, tol = None, gate.tolerance(cfg)
   if spec.reference:
@@ -119,23 +107,12 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
       return
     first = int(ref.tokens[spec.prompt_len])  # the timed run continues the reference's sequence, so its tokens are checked too
 
-  rec.phase("warmup")
-  B.steps(gen, first, pos, spec.warmup)
-  nbytes, kernels, batches = B.traffic(gen, first, pos)
-
-  rec.phase("measure")
-  per_round, step_ms, tokens = B.decode_rounds(gen, first, pos, spec.n, spec.rounds)
-  tok_s = statistics.median(per_round)
-  gb_s = nbytes * tok_s / 1e9
-  res.metrics |= {
-    "tok_s": tok_s, "tok_s_min": min(per_round), "tok_s_max": max(per_round), "tok_s_rounds": per_round,
-    "ms_per_token": 1e3 / tok_s, "ms_p50": B.percentile(step_ms, 50), "ms_p90": B.percentile(step_ms, 90),
-    "kernels_per_token": kernels, "graph_batches_per_token": batches, "bytes_per_token": nbytes, "gb_s": gb_s,
-    "bandwidth_share": gb_s / spec.bandwidth_gbs if spec.bandwidth_gbs else None, "peak_device_bytes": peak(),
-    "tokens": tokens[-1], "deterministic": all(t == tokens[0] for t in tokens),
-    "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)}
+  m = measure(gen, first, pos, spec.n, spec.rounds, spec.warmup, rec.phase)
+  gb_s = m["bytes_per_token"] * m["tok_s"] / 1e9
+  res.metrics |= m | {"gb_s": gb_s, "bandwidth_share": gb_s / spec.bandwidth_gbs if spec.bandwidth_gbs else None, "peak_device_bytes": peak(),
+                      "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)}
   if ref is not None:
-    res.check |= gate.check_tokens(ref, tokens[-1], tol)
+    res.check |= gate.check_tokens(ref, m["tokens"], tol)
     if res.check["tokens_differ"]:
       res.status, res.error = "wrong_output", gate.verdict(res.check)
       return

@@ -14,10 +14,10 @@ from model.structure import ConfigError
 
 
 def _load(args) -> tuple:
-  from model.bench import apply_process_settings
   from model.deepseek2 import Transformer
   from model.generate import Generator
   from model.production import select
+  from model.settings import apply_process_settings
   path = resolve(args.model)
   cfg, which = select(path, args.model, args.config, args.baseline)
   print(which, file=sys.stderr)
@@ -64,22 +64,26 @@ def cmd_run(args) -> None:
 def cmd_bench(args) -> None:
   from tinygrad import Device, GlobalCounters
 
-  from model.bench import bench
+  from evaluator.driver import measure, prepare  # the evaluator's own decode benchmark: the same steps as a trial's
   f, gen, load_s, cfg = _load(args)
-  r = bench(gen, prompt_len=args.prompt_len, n=args.n, rounds=args.rounds)
+  t0 = time.perf_counter()
+  first, figures = prepare(gen, args.prompt_len, prefill=True)
+  compile_s = time.perf_counter() - t0  # the prefill graph's build and the first decode steps (kernels, BEAM, JIT capture)
+  r = figures | measure(gen, first, args.prompt_len, args.n, args.rounds, warmup=3) | {"compile_s": compile_s}
   m = gen.model
   d = {"model": str(f.path), "device": Device.DEFAULT, "layers": len(m.blocks), "load_s": load_s, "file_bytes": f.path.stat().st_size,
        "kv_cache_bytes": m.kv_cache_bytes, "device_bytes": GlobalCounters.mem_used, "load_peak_device_bytes": m.load_peak_bytes,
-       "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **r.to_dict(), "config": cfg.to_dict()}
+       "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **r, "config": cfg.to_dict()}
   if args.profile:
     from evaluator.profile import kernel_profile
     d["profile"] = kernel_profile(gen.step_jit, {"start_pos": args.prompt_len})
   if args.json: print(json.dumps(d))
   else:
     print(f"{f.path.name}: {len(gen.model.blocks)} blocks, prompt {args.prompt_len}, {args.n} tokens x {args.rounds} rounds")
-    print(f"  decode   {r.tok_s:8.2f} tok/s (min {r.tok_s_min:.2f}, max {r.tok_s_max:.2f})   {r.ms_p50:.2f} ms/token p50, {r.ms_p90:.2f} p90")
-    print(f"  kernels  {r.kernels_per_token} per token, {r.bytes_per_token / 1e6:.1f} MB read+written per token")
-    print(f"  prefill  {r.prefill_tok_s:8.2f} tok/s    load {load_s:.1f} s, compile {r.compile_s:.1f} s")
+    print(f"  decode   {r['tok_s']:8.2f} tok/s (min {r['tok_s_min']:.2f}, max {r['tok_s_max']:.2f})   {r['ms_p50']:.2f} ms/token p50, "
+          f"{r['ms_p90']:.2f} p90")
+    print(f"  kernels  {r['kernels_per_token']} per token, {r['bytes_per_token'] / 1e6:.1f} MB read+written per token")
+    print(f"  prefill  {r['prefill_tok_s']:8.2f} tok/s    load {load_s:.1f} s, compile {r['compile_s']:.1f} s")
     print(f"  memory   device {d['device_bytes'] / 1e9:.2f} GB (file {d['file_bytes'] / 1e9:.2f} GB, KV cache {d['kv_cache_bytes'] / 1e9:.3f} GB), "
           f"host peak {d['host_peak_rss_bytes'] / 1e9:.2f} GB")
     for k in d.get("profile", []):

@@ -20,6 +20,7 @@ import tempfile
 
 import numpy as np
 
+from evaluator.gate import rel_err
 from model.deepseek2 import Transformer
 from model.generate import Generator, jit_kernels, jit_stats
 from model.gguf_file import GGUFFile
@@ -73,8 +74,7 @@ def check_knob(path: str, label: str, cfg: StructureConfig, tokens: tuple[int, .
 
 def assert_close(label: str, logits: np.ndarray, base: np.ndarray, tol: float) -> None:
   """Per position: max |logit - base| within tol x the base logits' std, and the same top token where base's lead > 2 tol."""
-  scale = base.std(axis=1)
-  err = np.abs(logits - base).max(axis=1) / scale
+  scale, err = base.std(axis=1), rel_err(logits, base)
   assert err.max() <= tol, f"{label}: positions {np.flatnonzero(err > tol).tolist()}: max |dlogit|/std {err.max():.3g} > {tol:.3g}"
   top2 = np.sort(base, axis=1)[:, -2:]
   decisive = top2[:, 1] - top2[:, 0] > 2 * tol * scale
@@ -105,7 +105,7 @@ def check_process_setting(path: str, label: str, cfg: StructureConfig, tokens: t
 
 
 if __name__ == "__main__":
-  from model.bench import apply_process_settings
+  from model.settings import apply_process_settings
   path, cfg_json, toks, steps, out_dir = sys.argv[1:]
   cfg = StructureConfig.from_json(cfg_json)
   apply_process_settings(cfg)

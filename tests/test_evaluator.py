@@ -135,7 +135,7 @@ def test_ab_compare_of_a_config_with_itself(ev) -> None:
 
 BEAM_ONE_KERNEL = """
 import json, sys
-from model.bench import apply_process_settings, time_beam_search
+from model.settings import apply_process_settings, time_beam_search
 from model.structure import StructureConfig
 apply_process_settings(StructureConfig(), "CPU", sys.argv[1])
 beam = time_beam_search()

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from reference import _weights, llamacpp_error_bound, llamacpp_logits, reference_logits, robust_tokens
 
+from evaluator.gate import rel_err
 from model.deepseek2 import Transformer
 from model.generate import Generator
 from model.gguf_file import GGUFFile
@@ -32,9 +33,6 @@ def generator(path: str, f32_kv: bool = True) -> Generator:
 
 
 def ours(path: str, tokens: list[int]) -> np.ndarray: return generator(path).prefill(tokens).astype(np.float64)
-
-
-def rel_err(a: np.ndarray, b: np.ndarray) -> np.ndarray: return np.abs(a - b).max(axis=1) / b.std(axis=1)
 
 
 @pytest.mark.parametrize("preset,quant,legacy", CASES, ids=IDS)

@@ -1,0 +1,84 @@
+"""The one decode benchmark, in the same steps wherever a decode figure is measured: the evaluator's trial process and
+`model bench` both run `prepare` then `measure` (the trial process checks the output between the two).
+
+prepare: the fixed prompt through the prefill graph (built, captured, then timed once) and the first decode steps, or, without
+prefill, through decode steps alone (the first two build and capture the decode graph). measure: warm-up steps, one step
+counted for kernels and bytes, then `rounds` rounds of n greedy steps from the same start, each step timed."""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+from tinygrad import Device, GlobalCounters
+
+from model.generate import Generator, jit_stats
+
+Phase = Callable[[str], None]
+
+
+def bench_prompt(vocab: int, n: int) -> list[int]:
+  """A fixed, deterministic prompt of n token ids spread over the vocabulary."""
+  return [(7919 * i + 17) % vocab for i in range(n)]
+
+
+def _steps(gen: Generator, tok: int, pos: int, n: int) -> int:
+  """n greedy decode steps from token `tok` at position `pos`; returns the last token."""
+  for i in range(n): tok = gen.step(tok, pos + i)
+  return tok
+
+
+def _feed(gen: Generator, tokens: list[int], start: int = 0) -> int:
+  """Tokens through decode steps at positions start..; returns the greedy token after the last."""
+  for i, t in enumerate(tokens): nxt = gen.step(t, start + i)
+  return nxt
+
+
+def percentile(xs: list[float], q: float) -> float:
+  return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1] if len(xs) > 1 else xs[0]
+
+
+def prepare(gen: Generator, prompt_len: int, prefill: bool, phase: Phase = lambda name: None) -> tuple[int, dict]:
+  """The prompt in the model's cache and the decode graph built: (the greedy token after the prompt, {prefill_tok_s})."""
+  prompt, out = bench_prompt(gen.model.hp.vocab, prompt_len), {}
+  if prefill:
+    phase("prefill")
+    for _ in range(2): gen.prefill(prompt)  # the JIT captures on its second call
+    t0 = time.perf_counter()
+    first = int(gen.prefill(prompt)[-1].argmax())
+    out["prefill_tok_s"] = len(prompt) / (time.perf_counter() - t0)
+    phase("compile")  # the first decode steps build the kernels (with the config's BEAM) and capture the JIT
+    _steps(gen, first, prompt_len, 2)
+  else:
+    phase("compile")
+    first = _feed(gen, prompt[:2])
+    phase("prompt")
+    first = _feed(gen, prompt[2:], start=2)
+  Device[Device.DEFAULT].synchronize()
+  return first, out
+
+
+def measure(gen: Generator, first: int, pos: int, n: int, rounds: int, warmup: int, phase: Phase = lambda name: None) -> dict:
+  """Decode figures from token `first` at position `pos`: tok/s (median round, min, max, each round), ms per step (p50, p90),
+  kernels, graph batches and bytes of one step, the tokens of the last round and whether every round made the same."""
+  phase("warmup")
+  _steps(gen, first, pos, warmup)
+  GlobalCounters.reset()
+  gen.step(first, pos)
+  nbytes, (kernels, batches) = int(GlobalCounters.global_mem), jit_stats(gen.step_jit)
+  phase("measure")
+  per_round, step_ms, tokens = [], [], []
+  for _ in range(rounds):
+    tok, out = first, [first]
+    start = time.perf_counter()
+    for i in range(n - 1):
+      t = time.perf_counter()
+      tok = gen.step(tok, pos + i)
+      step_ms.append((time.perf_counter() - t) * 1e3)
+      out.append(tok)
+    per_round.append((n - 1) / (time.perf_counter() - start))
+    tokens.append(out)
+  tok_s = statistics.median(per_round)
+  return {"tok_s": tok_s, "tok_s_min": min(per_round), "tok_s_max": max(per_round), "tok_s_rounds": per_round, "ms_per_token": 1e3 / tok_s,
+          "ms_p50": percentile(step_ms, 50), "ms_p90": percentile(step_ms, 90), "kernels_per_token": kernels, "graph_batches_per_token": batches,
+          "bytes_per_token": nbytes, "tokens": tokens[-1], "deterministic": all(t == tokens[0] for t in tokens)}

@@ -1,0 +1,43 @@
+"""tinygrad's process settings of a config (applied once, at the start of a trial or `model` process), and the timing of its BEAM search."""
+from __future__ import annotations
+
+import os
+import time
+
+import tinygrad.helpers as th
+
+from model.structure import PROCESS_SETTINGS, StructureConfig
+
+
+def apply_process_settings(cfg: StructureConfig, device: str | None = None, cache: str | None = None) -> None:
+  """tinygrad settings of the whole process; applied once, before the first kernel is built. (BEAM is scoped to decode by Generator.)
+
+  tinygrad reads these variables through a cached getenv or at import, so the cache is cleared and the JIT batch size set
+  directly. tinygrad's disk cache (CACHEDB: BEAM choices and compiled programs) lives in `cache` when given (a study's
+  own, so its trials do not depend on other studies' or runs' BEAM choices), else in tinygrad's directory. Its BEAM
+  entries are keyed by kernel, not by the BEAM_* limits, so non-default limits get a cache file of their own."""
+  if device: th.DEV.value = device
+  os.environ.update(cfg.process_env())
+  th.getenv.cache_clear()
+  th.JIT_BATCH_SIZE.value = cfg.jit_batch_size
+  beam_limits = [getattr(cfg, f) for f in PROCESS_SETTINGS if f.startswith("beam_")]
+  default_limits = beam_limits == [getattr(StructureConfig, f) for f in PROCESS_SETTINGS if f.startswith("beam_")]
+  if cache is None and default_limits: return
+  if th._db_connection is not None: raise RuntimeError("tinygrad's cache is open already: apply process settings before any kernel is built")
+  name = "cache.db" if default_limits else "structsearch-beam-" + "-".join(map(str, beam_limits)) + ".db"
+  th.CACHEDB = os.path.join(cache or th.cache_dir, name)
+
+
+def time_beam_search() -> dict[str, float]:
+  """Time spent in tinygrad's BEAM search from now on, in this process: {"search_s", "kernels"}, updated in place.
+
+  Its beam_search function is wrapped: the seconds are the search itself (candidate compiles and timing runs), apart from
+  the rest of the compile phase; a kernel whose choice is in the cache returns at once and counts as a kernel."""
+  import tinygrad.codegen.opt.search as search  # beam_search is looked up in this module at each call
+  stats, inner = {"search_s": 0.0, "kernels": 0}, search.beam_search
+  def timed(*args, **kwargs):
+    t0 = time.perf_counter()
+    try: return inner(*args, **kwargs)
+    finally: stats["search_s"], stats["kernels"] = round(stats["search_s"] + time.perf_counter() - t0, 4), stats["kernels"] + 1
+  search.beam_search = timed
+  return stats

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 import platform
-import resource
 import socket
 import sys
 import time
 import traceback
 
 from evaluator.result import TrialResult, TrialSpec
+from model.memory import peak_rss_bytes
 from model.structure import ConfigError, StructureConfig
 
 
@@ -110,7 +110,7 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
   m = measure(gen, first, pos, spec.n, spec.rounds, spec.warmup, rec.phase)
   gb_s = m["bytes_per_token"] * m["tok_s"] / 1e9
   res.metrics |= m | {"gb_s": gb_s, "bandwidth_share": gb_s / spec.bandwidth_gbs if spec.bandwidth_gbs else None, "peak_device_bytes": peak(),
-                      "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)}
+                      "host_peak_rss_bytes": peak_rss_bytes()}
   if ref is not None:
     res.check |= gate.check_tokens(ref, m["tokens"], tol)
     if res.check["tokens_differ"]:

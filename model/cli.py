@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import time
 from collections import Counter
 
 from model.gguf_file import GGUFError, GGUFFile
+from model.memory import peak_rss_bytes
 from model.registry import ModelNotFound, resolve
 from model.structure import ConfigError
 
@@ -73,7 +73,7 @@ def cmd_bench(args) -> None:
   m = gen.model
   d = {"model": str(f.path), "device": Device.DEFAULT, "layers": len(m.blocks), "load_s": load_s, "file_bytes": f.path.stat().st_size,
        "kv_cache_bytes": m.kv_cache_bytes, "device_bytes": GlobalCounters.mem_used, "load_peak_device_bytes": m.load_peak_bytes,
-       "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **r, "config": cfg.to_dict()}
+       "host_peak_rss_bytes": peak_rss_bytes(), **r, "config": cfg.to_dict()}
   if args.profile:
     from evaluator.profile import kernel_profile
     d["profile"] = kernel_profile(gen.step_jit, {"start_pos": args.prompt_len})

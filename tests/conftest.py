@@ -7,9 +7,15 @@ import pathlib
 import uuid
 
 import pytest
+import tinygrad.helpers
 from sqlalchemy import create_engine, make_url
 
 from model.synth import write_synthetic
+
+# tinygrad's allocators keep freed buffers for reuse (LRU): in a trial process that builds one model it is what we want,
+# in a test worker that builds hundreds of models of many sizes the cache grows until the machine runs out of memory
+os.environ["LRU"] = "0"  # for the trial processes tests start
+tinygrad.helpers.LRU.value = 0
 
 # NVIDIA's runtime compiler from the nvidia-cuda-nvrtc-cu12 wheel (a dev dependency), for tests/test_native.py's compile
 # check; tinygrad looks for it once, when its CUDA support is first imported, so this comes before any test module

@@ -40,10 +40,9 @@ def mix_info(mix: str) -> ModelInfo:
 
 @functools.cache
 def gguf(path: str) -> GGUFFile:
-  """One parsed file per path, whose tensors are read from disk once (each config still copies them to the device)."""
-  f = GGUFFile(path)
-  f.read = functools.cache(f.read)
-  return f
+  """One parsed file per path (its tensors are read from the page cache by each config: kept in memory, the bytes of the
+  GLM-width files of four mixes would hold gigabytes for the worker's whole life)."""
+  return GGUFFile(path)
 
 
 @functools.cache

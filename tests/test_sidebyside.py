@@ -74,4 +74,4 @@ def test_the_template_renders_the_run(out):
   doc = render.render(render.TEMPLATE.read_text(), render.load() + render.load(out / "results.jsonl"))
   side = doc[doc.index("## Side by side"):doc.index("## Evaluator and search")]
   assert "recorded yet" not in side
-  assert "| tiny (synthetic, exact shapes) | 3 | sorted | topk=sort |" in side and "± 2.3 (337.1-341.5)" in side
+  assert "| tiny (synthetic, exact shapes) | 3 | sorted |  |" in side and "± 2.3 (337.1-341.5)" in side

@@ -7,6 +7,9 @@ Layouts follow ggml-common.h / ggml-quants.c.
 """
 from __future__ import annotations
 
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,11 +57,29 @@ LAYOUTS: dict[int, dict[str, tuple[int, int, DType]]] = {
 def planes(raw: np.ndarray, ggml_type: int) -> dict[str, np.ndarray]:
   """Raw GGUF rows (rows, row_bytes) uint8 -> one array per block field, each (rows, nblocks, field_len) in its own dtype.
 
-  Done once at load, on the host (a strided copy at memory speed, no device kernel): the hot path then never reinterprets
-  bytes (a size-changing bitcast after a gather makes tinygrad materialize its input), and each field of a row is
-  contiguous, which suits vector loads."""
-  blocks = raw.reshape(raw.shape[0], -1, QUANT_TYPES[ggml_type].nbytes)
-  return {k: np.ascontiguousarray(blocks[..., a:b]).view(np.dtype(dt.fmt)) for k, (a, b, dt) in LAYOUTS[ggml_type].items()}
+  Done once at load, on the host (no device kernel): the hot path then never reinterprets bytes (a size-changing bitcast
+  after a gather makes tinygrad materialize its input), and each field of a row is contiguous, which suits vector loads.
+  A field is a strided copy, several times slower than memcpy per thread, so row chunks are copied on all cores (numpy
+  releases the GIL)."""
+  layout, nbytes, raw = LAYOUTS[ggml_type], QUANT_TYPES[ggml_type].nbytes, np.ascontiguousarray(raw)
+  if len(layout) == 1: return {k: raw.view(np.dtype(dt.fmt)).reshape(raw.shape[0], -1, 1) for k, (_, _, dt) in layout.items()}
+  kinds = {k: np.dtype(dt.fmt) for k, (_, _, dt) in layout.items()}
+  fields = np.dtype({"names": list(layout), "offsets": [a for a, _, _ in layout.values()], "itemsize": nbytes,
+                     "formats": [(kinds[k], ((b - a) // kinds[k].itemsize,)) for k, (a, b, _) in layout.items()]})
+  blocks = raw.reshape(-1).view(fields).reshape(raw.shape[0], -1)
+  out = {k: np.empty((*blocks.shape, (b - a) // kinds[k].itemsize), kinds[k]) for k, (a, b, _) in layout.items()}
+  step = max(1, (SPLIT_CHUNK_BYTES // max(1, raw.shape[1])))
+  def copy(r: int) -> None:
+    for k, o in out.items(): o[r:r + step] = blocks[k][r:r + step]
+  list(_split_pool().map(copy, range(0, raw.shape[0], step)))
+  return out
+
+
+SPLIT_CHUNK_BYTES = 4 << 20
+
+
+@functools.cache
+def _split_pool() -> ThreadPoolExecutor: return ThreadPoolExecutor(min(16, os.cpu_count() or 1), thread_name_prefix="planes")
 
 
 def _k_scales(s: Tensor) -> tuple[Tensor, Tensor]:

@@ -44,11 +44,11 @@ def model(gguf_file) -> str: return gguf_file("tiny", "q4_0")
 
 def test_sqlite_study_end_to_end(model, tmp_path, capsys) -> None:
   url = f"sqlite:///{tmp_path / 's.db'}"
-  assert search("start", "--model", model, "--study", "t", "--storage", url, "--trials", "4", "--block-layers", "2", *FAST) == 0
+  assert search("start", "--model", model, "--study", "t", "--storage", url, "--trials", "3", "--block-layers", "2", *FAST) == 0
   out = capsys.readouterr().out
   assert "trial   0" in out and "baseline" in out and "tiny" in out
   trials = rows(url, "SELECT number, state, stage, tok_s, block_tok_s, git_state_id, environment_id, config_json FROM ss_trial ORDER BY number")
-  assert [t[0] for t in trials] == [0, 1, 2, 3] and all(t[1] in ("ok", "wrong_output", "pruned") or t[1] in
+  assert [t[0] for t in trials] == [0, 1, 2] and all(t[1] in ("ok", "wrong_output", "pruned") or t[1] in
                                                         ("compile_error", "runtime_error", "oom", "timeout") for t in trials)
   assert StructureConfig.from_json(trials[0][7]) == StructureConfig()  # the baseline is measured first
   ok = [t for t in trials if t[1] == "ok"]
@@ -59,16 +59,16 @@ def test_sqlite_study_end_to_end(model, tmp_path, capsys) -> None:
 
   # resume: the same study goes on numbering; a config measured before is reused, not benchmarked again
   study.enqueue_trial(study.trials[0].params)
-  assert search("start", "--model", model, "--study", "t", "--storage", url, "--trials", "6", "--block-layers", "2", *FAST) == 0
+  assert search("start", "--model", model, "--study", "t", "--storage", url, "--trials", "5", "--block-layers", "2", *FAST) == 0
   assert "config already measured in trial 0" in capsys.readouterr().out
   trials = rows(url, "SELECT number, state, reused_from_id, tok_s FROM ss_trial ORDER BY number")
-  assert [t[0] for t in trials] == list(range(6))
+  assert [t[0] for t in trials] == list(range(5))
   reused = [t for t in trials if t[1] == "reused"]
   assert len(reused) == 1 and reused[0][2] == 1  # a reused row points at its source (and is left out of the leaderboard)
   assert all(b for (b,) in rows(url, "SELECT block_tok_s FROM ss_trial WHERE state='pruned'"))  # a pruned trial keeps its proxy figure
 
   # a changed space is refused for an existing study; the leaderboard, list and export
-  assert search("start", "--model", model, "--study", "t", "--storage", url, "--trials", "6", *FAST[:-4], "--fix", "topk=sort") == 2
+  assert search("start", "--model", model, "--study", "t", "--storage", url, "--trials", "5", *FAST[:-4], "--fix", "topk=sort") == 2
   assert "measures with --fix beam=0, not --fix beam=0 --fix topk=sort" in capsys.readouterr().err
   attrs = optuna.load_study(study_name="t", storage=url).user_attrs  # its own tinygrad cache (BEAM choices, compiled programs)
   assert (cache_dir() / "tinygrad" / f"t-{attrs['cache_key']}" / "cache.db").stat().st_size > 0

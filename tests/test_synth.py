@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from model.gguf_file import GGUFFile
 from model.presets import PRESETS, get_preset
 from model.synth import GENERATORS, QUANT_CHOICES, tensor_plan, write_synthetic
 
@@ -234,3 +235,16 @@ def test_peak_memory_is_the_process_own() -> None:
   code = "from model.memory import peak_rss_bytes; print(peak_rss_bytes())"
   r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
   assert int(r.stdout) < 300 << 20 < ballast.nbytes
+
+
+def test_the_header_reads_as_gguf_reads_it(big: dict, gguf_file) -> None:
+  """model.gguf_file's own header parser against the gguf package's reader: every metadata value (type included) and every
+  tensor's type, shape, offset and size, on the real shapes and on tiny files of every quant type."""
+  from reference import _field_value  # the reference model's metadata, through gguf.GGUFReader
+  paths = [p for p, _ in big.values()] + [gguf_file("tiny", q) for q in QUANT_CHOICES] + [gguf_file("tiny-lite", "q6_k", True)]
+  for path in paths:
+    ours, r = GGUFFile(path), GGUFReader(path)
+    theirs = {k: _field_value(f) for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    assert [(k, v, type(v)) for k, v in ours.metadata.items()] == [(k, v, type(v)) for k, v in theirs.items()], path
+    assert [(t.name, t.tensor_type.value, tuple(reversed(t.shape.tolist())), t.data_offset, t.n_bytes) for t in r.tensors] == \
+           [(i.name, i.ggml_type, i.shape, i.offset, i.nbytes) for i in ours.tensors.values()], path

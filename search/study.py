@@ -9,6 +9,8 @@ failed and measured again, whichever worker is left.
 """
 from __future__ import annotations
 
+import copy
+import datetime
 import hashlib
 import importlib.util
 import json
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import optuna
+import sqlalchemy
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
@@ -186,12 +189,33 @@ class Runner:
     if trials is None: trials = self.study.get_trials(deepcopy=False)
     return sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) or (t.state == TrialState.FAIL and "failure" in t.user_attrs) for t in trials)
 
+  def _fail_silent(self) -> None:
+    """Fail the RUNNING trials that never beat, once the grace period has passed since they started: their worker died
+    between starting the trial and its first heartbeat (Optuna's fail_stale_trials only sees trials with a heartbeat, so
+    such a trial would stay RUNNING for good). Heartbeats are read from Optuna's own table, in the database we share."""
+    storage = self.study._storage
+    rdb = getattr(storage, "_backend", storage)  # Optuna wraps its RDB storage in a cache
+    grace = rdb.grace_period or 2 * rdb.heartbeat_interval
+    now = datetime.datetime.now()
+    old = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+           if t.datetime_start is not None and (now - t.datetime_start).total_seconds() > grace]
+    if not old: return
+    with self.engine.connect() as c: beating = {tid for (tid,) in c.execute(sqlalchemy.text("SELECT trial_id FROM trial_heartbeats"))}
+    callback = storage.get_heartbeat_stale_trial_callback()
+    for t in old:
+      if t._trial_id in beating: continue
+      try:
+        if storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL) and callback is not None:
+          callback(self.study, copy.deepcopy(storage.get_trial(t._trial_id)))
+      except optuna.exceptions.UpdateFinishedTrialError: pass  # another worker failed it first
+
   def reap(self) -> None:
     """Fail the trials whose worker stopped beating (Optuna's heartbeat; its retry callback queues their configs again) and
     mark them interrupted in our table."""
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
       optuna.storages.fail_stale_trials(self.study)
+      self._fail_silent()
     failed = {t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.FAIL,))}
     if not failed: return
     why = "its worker stopped beating (killed or cut off): Optuna failed the trial and queued its config again"

@@ -95,6 +95,18 @@ def test_killed_worker_resumed_later_at_its_target(model, url, inject, monkeypat
   assert_nothing_stuck(url, "k", killed, 1)
 
 
+def test_a_worker_killed_before_its_first_heartbeat(model, url, inject, monkeypatch) -> None:
+  """A worker killed between starting a trial and its first heartbeat leaves a RUNNING trial that Optuna never fails (it has
+  no heartbeat to go stale); the next run fails it once the grace period has passed and reaches its target."""
+  install_fake_trials(monkeypatch.setattr, seconds=0.2)
+  assert search("start", "--model", model, "--study", "k", "--storage", url, "--trials", "2", *FAST) == 0
+  optuna.load_study(study_name="k", storage=url).ask()  # started by a worker that died before it beat: no heartbeat
+  time.sleep(4)  # past the grace period (3 s at --heartbeat 0.5)
+  assert search("start", "--study", "k", "--storage", url, "--trials", "3", "--heartbeat", "0.5") == 0
+  trials = optuna.load_study(study_name="k", storage=url).trials
+  assert optuna.trial.TrialState.RUNNING not in [t.state for t in trials] and len([t for t in trials if t.state.is_finished()]) >= 3
+
+
 def test_killed_worker_while_another_finishes_first(model, pg_url, inject) -> None:
   args = ["--storage", pg_url, "--heartbeat", "0.5"]
   first = started(inject, "start", "--model", model, "--study", "pg", "--trials", "3", *FAST, *args)

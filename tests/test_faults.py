@@ -121,6 +121,7 @@ def test_killed_worker_while_another_finishes_first(model, pg_url, inject) -> No
 
 def test_failing_baseline_stops_the_study(model, tmp_path, monkeypatch, capsys) -> None:
   url = f"sqlite:///{tmp_path / 's.db'}"
+  monkeypatch.setenv("STRUCTSEARCH_CACHE", str(tmp_path / "cache"))  # no reference of this file yet: the baseline's run makes it
   install_fake_trials(monkeypatch.setattr, status="runtime_error")
   assert search("start", "--model", model, "--study", "b", "--storage", url, "--trials", "4", *FAST) == 1
   err = capsys.readouterr().err.strip()

@@ -200,7 +200,8 @@ class Runner:
     old = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
            if t.datetime_start is not None and (now - t.datetime_start).total_seconds() > grace]
     if not old: return
-    with self.engine.connect() as c: beating = {tid for (tid,) in c.execute(sqlalchemy.text("SELECT trial_id FROM trial_heartbeats"))}
+    ask = sqlalchemy.text("SELECT trial_id FROM trial_heartbeats WHERE trial_id IN :ids").bindparams(sqlalchemy.bindparam("ids", expanding=True))
+    with self.engine.connect() as c: beating = {tid for (tid,) in c.execute(ask, {"ids": [t._trial_id for t in old]})}
     callback = storage.get_heartbeat_stale_trial_callback()
     for t in old:
       if t._trial_id in beating: continue

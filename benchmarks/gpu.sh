@@ -7,7 +7,11 @@
 #          native (tests/test_native.py on the GPU), expert (the mul_mat_id product per backend, BEAM 0 and 2),
 #          cudaknobs (model bench rows of the knob values added since the H200 table: dsl/native backends, JIT batch size),
 #          fusedcheck (the native products, decode graph and knob proofs on the GPU), fused47 (model bench of the best known and
-#          the all-fused native configs at 47 layers, with per-kernel profiles)
+#          the all-fused native configs at 47 layers, with per-kernel profiles), side and final (the side-by-side table),
+#          speed (llama-bench built while the full-depth files are written, then llama-bench and a gated, profiled trial of
+#          $SPEED_CONFIG on each), broken (deliberately broken configs at full depth: faults of tests/inject, which the gate must
+#          reject), study47 (a full-depth GLM-4.7-Flash study, created with the issue configs enqueued or continued; BEAM
+#          pinned by $STUDY_FIX), cost47 (its cost table)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DEV=CUDA STRUCTSEARCH_CACHE=/tmp/sscache
@@ -89,6 +93,32 @@ for step in "$@"; do
            for m in glm47 ds; do
              timed timeout 60 /tmp/llama/build/bin/llama-bench -m /tmp/$m.gguf -p 0 -n 128 -r 5 -ngl 99 -fa 1 -o json > "$OUT/llama-$m.json" \
                2> "$OUT/llama-bench.err"; grep -o '"avg_ts": [0-9.]*' "$OUT/llama-$m.json"; done ;;
+    speed) (timeout 420 bash benchmarks/llama_cpp.sh build /tmp/llama -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
+              > "$OUT/llama-build.log" 2>&1; echo "llama build exit $?" >> "$OUT/llama-build.log") &
+           LB=$!
+           synth 47 /tmp/glm47.gguf
+           [ -f /tmp/ds.gguf ] || timed python3 -m model synth --preset deepseek-v2-lite --quant q4_0 --out /tmp/ds.gguf
+           wait $LB; tail -2 "$OUT/llama-build.log"  # nothing is timed before the build has finished
+           for m in glm47 ds; do
+             timed timeout 60 /tmp/llama/build/bin/llama-bench -m /tmp/$m.gguf -p 0 -n 128 -r 5 -ngl 99 -fa 1 -o json > "$OUT/llama-$m.json" \
+               2> "$OUT/llama-bench.err"; grep -o '"avg_ts": [0-9.]*' "$OUT/llama-$m.json"; done
+           for m in glm47 ds; do
+             ev run --model /tmp/$m.gguf --device CUDA --no-prefill --config "${SPEED_CONFIG:-benchmarks/configs/fused-native.json}" --profile \
+               --json "$OUT/$m-gated.json"; done ;;
+    broken) echo '{"topk": "argmax"}' > /tmp/argmax.json
+            for fc in broken_argmax_topk:/tmp/argmax.json scale_off_one_block:benchmarks/configs/fused-native.json \
+                      dropped_residual_one_block:benchmarks/configs/baseline.json; do
+              PYTHONPATH=$PYTHONPATH:$PWD/tests/inject STRUCTSEARCH_FAULT=${fc%%:*} ev run --model /tmp/glm47.gguf --device CUDA --no-prefill \
+                --config "${fc#*:}" --json "$OUT/broken-${fc%%:*}.json"; done ;;
+    study47) if python3 -m search status --study glm47-q4_0 --storage $DB > /dev/null 2>&1; then how=(--study glm47-q4_0)
+             else how=(--model /tmp/glm47.gguf --study glm47-q4_0 --device CUDA --no-prefill --seed 0 ${STUDY_FIX:---fix beam=0}
+                       --enqueue benchmarks/configs/moe-out-contiguous.json --enqueue benchmarks/configs/native-dense.json
+                       --enqueue benchmarks/configs/native-expert.json --enqueue benchmarks/configs/best.json
+                       --enqueue benchmarks/configs/fused-native.json); fi
+             timed python3 -m search start "${how[@]}" --storage $DB --trials "${STUDY_TRIALS:-12}" --timeout "${STUDY_TIMEOUT:-420}" --confirm 0
+             cp /tmp/structsearch.db "$OUT/" ;;
+    cost47) python3 -m search cost --study glm47-q4_0 --storage $DB
+            python3 -m search status --study glm47-q4_0 --storage $DB ;;
     full) synth 47 /tmp/glm47.gguf && ev run --model /tmp/glm47.gguf --device CUDA --json "$OUT/trial_full.json"
           rec "$OUT/trial_full.json" run --model glm47.gguf --device CUDA ;;
   esac

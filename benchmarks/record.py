@@ -4,12 +4,16 @@ TrialResult, as `evaluator run --json` writes it) and llama.cpp's `llama-bench -
   python benchmarks/record.py trial RESULT.json --device "NVIDIA H100 80GB HBM3 (CUDA)" --model-name "glm-4.7-flash (synthetic,
          exact shapes)" --quant Q4_0 [--config-name best] --command "..." [--llama LLAMA.json]  # decode, trial, gate, profile
   python benchmarks/record.py llama LLAMA.json --model FILE --device ... --model-name ... --quant Q4_0 --command "..."
+  python benchmarks/record.py study --storage URL --study NAME --device ... --model-name ... --quant Q4_0 --command "..."
+                                                              # a study's trials (trial, gate) and its cost (study)
   python benchmarks/record.py error --kind trial --model FILE --device ... --model-name ... --quant Q4_0 --config-name best
          --command "..." --error "what went wrong"                                  # a step that left no JSON behind
 
 A trial gives: a `decode` line (the figure, with `llama_cpp_tok_s` and its stddev from llama-bench on the same file when
 --llama is given), a `trial` line (status, wall and each phase's seconds), a `gate` line (the correctness check's verdict and
-figures) when the check ran, and one `profile` line per kernel of the per-kernel profile. benchmarks/render.py holds the
+figures) when the check ran, and one `profile` line per kernel of the per-kernel profile. A study gives a `trial` line per
+measured trial (its stages' and phases' seconds, search/cost.py), a `gate` line per full-model verdict, and one `study` line:
+what its trials cost and the projected wall time of 200. benchmarks/render.py holds the
 fields every kind of line must have (REQUIRED).
 """
 from __future__ import annotations
@@ -80,6 +84,36 @@ def trial_lines(r: TrialResult, device: str, model_name: str, quant: str, config
   return out
 
 
+def study_lines(url: str, name: str, device: str, model_name: str, quant: str, command: str, project: int = 200) -> list[dict[str, Any]]:
+  from db import store
+  from db.engine import open_db, session
+  from search.cost import study_cost
+  with session(open_db(url, create=False)) as s:
+    st = store.get_study(s, name)
+    if st is None: raise SystemExit(f"record.py: error: no study {name!r} in {url}")
+    trials = {t.number: t for t in store.trials(s, st)}
+    doc, layers = study_cost(list(trials.values()), project), st.layers
+  out = []
+  for r in doc["trials"]:
+    t = trials[r["number"]]
+    cfg = StructureConfig.from_json(t.config_json)
+    head = common("", device, model_name, layers if t.stage == "full" else (t.metrics or {}).get("layers"), quant, describe(cfg) or "baseline")
+    head |= {"config_hash": t.config_hash, "beam": cfg.beam, "study": name, "trial": t.number}
+    out.append(head | {"kind": "trial", "status": t.state, "stage": t.stage, "ladder": r["ladder"]}
+               | {k: _round(v, 2) for k, v in r.items() if k.endswith("_s")} | {"command": command})
+    if t.stage == "full" and t.check:
+      figures = {f"check_{k}": _round(v, 6) for k, v in t.check.items() if isinstance(v, (bool, int, float, str))}
+      out.append(head | {"kind": "gate", "name": head["config"], "state": t.state, **figures,
+                         "check_s": _round((t.phases or {}).get("check_s"), 2), "command": command})
+  if doc["n"]:
+    out.append(common("study", device, model_name, layers, quant, "") | {
+      "study": name, "n": doc["n"], "full_stage": doc["full_stage"], "block_stage": doc["block_stage"], "setup_s": _round(doc["setup_s"], 1),
+      "mean_trial_s": _round(doc["mean_trial_s"], 1), "search_share": _round(doc["search_share"], 5),
+      "median_phases_s": {k: _round(v, 2) for k, v in doc["median"].items()}, "projected_n": project,
+      "projected_s": _round(doc["projected_s"], 0), "projected_h": _round(doc["projected_s"] / 3600, 2), "command": command})
+  return out
+
+
 def error_line(kind: str, model_file: str | None, device: str, model_name: str, quant: str, config_name: str, command: str,
                error: str) -> dict[str, Any]:
   layers = int(GGUFFile(model_file).key("block_count")) if model_file else None
@@ -99,6 +133,9 @@ def main() -> None:
   ll.add_argument("bench")
   ll.add_argument("--model", help="the GGUF file llama-bench ran (its block count is read from it)")
   ll.add_argument("--layers", type=int, help="the file's block count, where the file is not at hand")
+  st = sub.add_parser("study", parents=[base])
+  st.add_argument("--storage", required=True)
+  st.add_argument("--study", required=True)
   e = sub.add_parser("error", parents=[base])
   e.add_argument("--kind", required=True, choices=("trial", "llama_cpp"))
   e.add_argument("--model", help="the GGUF file, when it exists")
@@ -111,6 +148,7 @@ def main() -> None:
   elif a.cmd == "llama":
     if not (a.model or a.layers): p.error("llama needs --model or --layers")
     lines = [llama_line(json.load(open(a.bench)), a.model, a.device, a.model_name, a.quant, a.command, a.layers)]
+  elif a.cmd == "study": lines = study_lines(a.storage, a.study, a.device, a.model_name, a.quant, a.command)
   else: lines = [error_line(a.kind, a.model, a.device, a.model_name, a.quant, a.config_name, a.command, a.error)]
   sys.stdout.write("".join(json.dumps(line) + "\n" for line in lines))
 

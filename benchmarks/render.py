@@ -47,6 +47,7 @@ REQUIRED = {
   "trial": ("layers", "config", "config_hash", "beam", "status", "wall_s"),
   "gate": ("layers", "config", "name", "config_hash", "beam", "state", "check_ok", "check_s"),
   "profile": ("layers", "config", "config_hash", "beam", "rank", "name", "us_per_token", "share"),
+  "study": ("layers", "study", "n", "mean_trial_s", "setup_s", "search_share", "projected_n", "projected_s"),
   "expert_kernel": ("layers", "config", "backend", "beam", "bandwidth_gb_s", "bandwidth_share"),
 }
 TABLE = re.compile(r"<!-- table\n(.*?)-->\n", re.S)

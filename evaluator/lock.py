@@ -7,6 +7,7 @@ import fcntl
 import os
 import pathlib
 import re
+import time
 from collections.abc import Callable
 
 from evaluator.devices import physical
@@ -23,7 +24,7 @@ class DeviceLock:
     self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
     try: fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-      if self.on_wait: self.on_wait(f"waiting for device {self.device}: {self.holder() or 'another process'} is benchmarking on it")
+      if self.on_wait: self.on_wait(f"waiting for device {self.device}: {self._named_holder()} is benchmarking on it")
       fcntl.flock(self.fd, fcntl.LOCK_EX)
     os.ftruncate(self.fd, 0)
     os.pwrite(self.fd, f"pid {os.getpid()} on {self.device} {self.what}".strip().encode(), 0)
@@ -31,6 +32,13 @@ class DeviceLock:
 
   def holder(self) -> str:
     return pathlib.Path(self.path).read_text().strip() if self.path.exists() else ""
+
+  def _named_holder(self) -> str:
+    """The holder's name: it writes it just after taking the lock, so a waiter that comes in between waits for it a moment."""
+    for _ in range(50):
+      if name := self.holder(): return name
+      time.sleep(0.01)
+    return "another process"
 
   def __exit__(self, *exc) -> None:
     os.ftruncate(self.fd, 0)

@@ -16,8 +16,9 @@ from model import backends as K
 from model import weights as W
 from model.errors import ConfigError
 from model.gguf_file import GGUFError, GGUFFile
+from model.quants import F32
 from model.structure import StructureConfig
-from model.weights import QWeight
+from model.weights import QWeight, upload
 
 SOFTMAX, SIGMOID, SOFTMAX_WEIGHT, SQRT_SOFTPLUS = 1, 2, 3, 4
 
@@ -337,6 +338,7 @@ class Transformer:
       products (the fused stage's where its stage is fused, else the config's backend for its type and role)."""
       if name not in f.tensors: raise GGUFError(f"{f.path.name}: tensor {name} is missing")
       info = f.tensors[name]
+      if norm and info.ggml_type == F32: return upload(f.read(name).view(np.float32).reshape(-1), device)
       w = QWeight.from_bytes(f.read(name), info.ggml_type, shape or info.shape, device)
       self.load_peak_bytes = max(self.load_peak_bytes, GlobalCounters.mem_used)
       if norm: return w.to_float().reshape(-1).contiguous().realize()
@@ -345,7 +347,7 @@ class Transformer:
     n = hp.n_layers if n_layers is None else n_layers
     if not 1 <= n <= hp.n_layers: raise ValueError(f"n_layers={n} is outside 1..{hp.n_layers}")
     cos, sin = rope_table(hp, self.max_context)
-    self.cos, self.sin = Tensor(cos, device=device).realize(), Tensor(sin, device=device).realize()
+    self.cos, self.sin = upload(cos, device), upload(sin, device)
     # shared by the blocks: the RoPE tables and the native kernels' scratch (split-attention partials, arrival counters)
     splits = K.cuda_src.attention_splits(self.max_context)[1]
     shared = {"cos": self.cos, "sin": self.sin}

@@ -5,10 +5,46 @@ from collections.abc import Iterator
 
 import numpy as np
 from tinygrad import Tensor, TinyJit, UOp, dtypes
+from tinygrad.dtype import DType, _to_np_dtype
 from tinygrad.helpers import Context, ansistrip
 from tinygrad.uop.ops import Ops
 
 from model.deepseek2 import Check, Transformer
+from model.weights import write
+
+
+class Slot:
+  """One JIT input kept in one device buffer. A call copies its host value in, unless the buffer holds it already: a realized
+  buffer is all the JIT wants, so no graph is scheduled per step (a Tensor made from Python values costs the scheduler over a
+  millisecond per input and step, growing with the model's tensor count)."""
+
+  def __init__(self, shape: tuple[int, ...], dtype: DType, device: str | None = None):
+    self.tensor = Tensor.empty(*shape, dtype=dtype, device=device)
+    self.np_dtype, self.held = _to_np_dtype(dtype), None
+
+  def __call__(self, value) -> Tensor:
+    arr = np.ascontiguousarray(np.broadcast_to(np.asarray(value, dtype=self.np_dtype), self.tensor.shape))
+    if self.held is not None and np.array_equal(arr, self.held): return self.tensor
+    self.held = arr
+    write(self.tensor, arr)
+    return self.tensor
+
+
+def argmax_first(x: Tensor, group: int = 128) -> Tensor:
+  """Index of the first maximum of a 1-D tensor, as np.argmax gives it, in two stages: the first maximum of each group of
+  `group` values, then the first group holding the overall maximum. A flat argmax over a vocabulary leaves a few hundred
+  threads to loop over it; the groups spread it over the device."""
+  n = x.shape[0]
+  if n <= group: return x.argmax()
+  rows = -(-n // group)
+  g = x.pad((0, rows * group - n), value=float("-inf")).reshape(rows, group)
+  local = g.argmax(1) + Tensor.arange(rows) * group
+  return local[g.max(1).argmax()]
+
+
+def read(t: Tensor) -> np.ndarray:
+  """A realized JIT output's values on the host, copied straight from its buffer (Tensor.numpy schedules a graph first)."""
+  return t.uop.buffer.numpy().reshape(t.shape)
 
 
 class Generator:
@@ -21,7 +57,11 @@ class Generator:
     self.model, self.chunk, self.beam = model, min(chunk, model.max_context), model.cfg.beam
     self.pos = UOp.variable("start_pos", 0, model.max_context - 1)
     self.prefill_jit, self.step_jit, self.step_logits_jit = TinyJit(self._prefill), TinyJit(self._step), TinyJit(self._step_logits)
+    self.sample_jit = TinyJit(self._sample)  # temperature > 0: the greedy graph computes no noise
     self.check_jit, self.forced_jit = TinyJit(self._check), TinyJit(self._check)  # the correctness check's graphs: own / forced routing
+    dev = model.device
+    self.token, self.temperature, self.seed = Slot((1, 1), dtypes.int32, dev), Slot((1,), dtypes.float, dev), Slot((1,), dtypes.float, dev)
+    self.chunk_tokens, self.forced = Slot((1, self.chunk), dtypes.int32, dev), None
 
   def _prefill(self, tokens: Tensor, start_pos: UOp) -> Tensor:
     return self.model.forward(tokens, start_pos, all_logits=True)[0].contiguous()
@@ -35,12 +75,15 @@ class Generator:
     if not chk.own: return logits.contiguous(), Tensor.zeros(1, dtype=dtypes.int32).contiguous(), Tensor.zeros(1).contiguous()
     return logits.contiguous(), Tensor.stack(*chk.own).cast(dtypes.int32).contiguous(), Tensor.stack(*chk.scores).float().contiguous()
 
-  def _step(self, token: Tensor, start_pos: UOp, temperature: Tensor, seed: Tensor) -> Tensor:
+  def _step(self, token: Tensor, start_pos: UOp) -> Tensor:
+    return argmax_first(self.model.forward(token, start_pos)[0, -1]).cast(dtypes.int32).reshape(1, 1).contiguous()
+
+  def _sample(self, token: Tensor, start_pos: UOp, temperature: Tensor, seed: Tensor) -> Tensor:
     logits = self.model.forward(token, start_pos)[0, -1]
     # uniform noise from a stateless hash of (index, seed): a seed drawn on the host per step makes sampling reproducible
     h = ((Tensor.arange(logits.shape[-1]).float() * 12.9898 + seed * 78.233).sin() * 43758.5453)
     gumbel = -(-(h - h.floor()).maximum(1e-12).log()).log()
-    return (logits / temperature.maximum(1e-6) + gumbel * (temperature > 0)).argmax(-1).cast(dtypes.int32).reshape(1, 1).contiguous()
+    return argmax_first(logits / temperature + gumbel).cast(dtypes.int32).reshape(1, 1).contiguous()
 
   def _check_room(self, end: int) -> None:
     if end > self.model.max_context: raise ValueError(f"sequence of {end} tokens exceeds the context of {self.model.max_context}")
@@ -55,28 +98,31 @@ class Generator:
       if pos + self.chunk > self.model.max_context:  # the padded chunk would run past the cache: fall back to exact size
         logits = self.model.forward(Tensor([part], dtype=dtypes.int32), self.pos.bind(pos), all_logits=True)[0].numpy()
       else:  # padding past the prompt writes cache rows that later steps overwrite before they read them
-        logits = self.prefill_jit(Tensor([part + [0] * (self.chunk - len(part))], dtype=dtypes.int32), self.pos.bind(pos)).numpy()
+        logits = read(self.prefill_jit(self.chunk_tokens([part + [0] * (self.chunk - len(part))]), self.pos.bind(pos)))
       out.append(logits[:len(part)])
     return np.concatenate(out)
 
   def step_logits(self, token: int, pos: int) -> np.ndarray:
     self._check_room(pos + 1)
-    with Context(BEAM=self.beam): return self.step_logits_jit(Tensor([[token]], dtype=dtypes.int32), self.pos.bind(pos)).numpy()
+    with Context(BEAM=self.beam): return read(self.step_logits_jit(self.token(token), self.pos.bind(pos)))
 
   def check_step(self, token: int, pos: int, forced: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One decode step for the correctness check: (logits (vocab,), each MoE block's own top-k ids (n_moe, K), its selection
     scores (n_moe, E)); forced (n_moe, K): the expert ids every MoE block uses instead of its own (the routing of a reference)."""
     self._check_room(pos + 1)
-    args = (Tensor([[token]], dtype=dtypes.int32), self.pos.bind(pos))
-    with Context(BEAM=self.beam):
-      out = self.check_jit(*args) if forced is None else self.forced_jit(*args, Tensor(np.ascontiguousarray(forced, dtype=np.int32)))
-    logits, own, scores = (t.numpy() for t in out)
+    args = (self.token(token), self.pos.bind(pos))
+    if forced is not None and self.forced is None: self.forced = Slot(forced.shape, dtypes.int32, self.model.device)  # (n_moe, K): known on first use
+    with Context(BEAM=self.beam): out = self.check_jit(*args) if forced is None else self.forced_jit(*args, self.forced(forced))
+    logits, own, scores = (read(t) for t in out)
     return logits, own, scores
 
   def step(self, token: int, pos: int, temperature: float = 0.0, seed: float = 0.0) -> int:
     self._check_room(pos + 1)
-    args = (Tensor([[token]], dtype=dtypes.int32), self.pos.bind(pos), Tensor([temperature]), Tensor([seed]))
-    with Context(BEAM=self.beam): return int(self.step_jit(*args).item())
+    """The next token after `token` at `pos`: greedy at temperature 0, else a Gumbel-max draw seeded by `seed`."""
+    args = (self.token(token), self.pos.bind(pos))
+    with Context(BEAM=self.beam):
+      out = self.step_jit(*args) if temperature <= 0 else self.sample_jit(*args, self.temperature(temperature), self.seed(seed))
+    return int(read(out)[0, 0])
 
   def generate(self, prompt: list[int], n: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                stop: set[int] = frozenset()) -> Iterator[int]:

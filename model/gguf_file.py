@@ -113,11 +113,16 @@ class GGUFFile:
     return self.metadata.get(f"{self.arch}.{name}", default)
 
   def read(self, name: str) -> np.ndarray:
-    """The tensor's raw bytes (uint8, shape (rows, row_bytes)) in host memory.
+    """The tensor's raw bytes (uint8, shape (rows, row_bytes)), read-only, mapped from the file.
 
-    Read with one pread into a buffer that lives only until its planes are on the device, so host memory stays bounded by
-    the largest tensor (mapping the whole file would leave every page of it resident)."""
+    Only the tensor's own range is mapped, and only while the array lives, so host memory stays bounded by the largest
+    tensor; the pages are populated in one call (a file in the page cache maps at memory speed, where reading it into a
+    fresh buffer costs a copy and a fault per page of that buffer)."""
     info = self.tensors[name]
     rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
-    return np.fromfile(self.path, dtype=np.uint8, count=info.nbytes, offset=info.offset).reshape(rows, info.nbytes // rows)
+    start = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
+    with open(self.path, "rb") as fh:
+      m = mmap.mmap(fh.fileno(), info.offset + info.nbytes - start, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                    prot=mmap.PROT_READ, offset=start)
+    return np.frombuffer(m, dtype=np.uint8, count=info.nbytes, offset=info.offset - start).reshape(rows, info.nbytes // rows)
 

@@ -5,9 +5,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from tinygrad import Tensor, dtypes
+from tinygrad import Device, Tensor, dtypes
+from tinygrad.device import Buffer
+from tinygrad.dtype import _from_np_dtype
 
 from model.quants import QUANT_TYPES, planes, to_float
+
+
+def write(t: Tensor, arr: np.ndarray) -> Buffer:
+  """Copy a host array into the buffer of a buffer-backed tensor of its size (no graph is scheduled); returns the buffer."""
+  buf = t.uop.buffer.ensure_allocated()
+  buf.copy_from(Buffer("PYTHON", buf.size, buf.dtype, opaque=memoryview(np.ascontiguousarray(arr).reshape(-1)).cast("B")))
+  return buf
+
+
+SYNC_BYTES = 1 << 30
+_unsynced: dict[str, int] = {}
+
+
+def upload(arr: np.ndarray, device: str | None = None) -> Tensor:
+  """A host array as a new device tensor, copied straight into its buffer. Tensor(arr).realize() schedules a graph per
+  tensor, and the scheduler walks every live tensor: a model's thousands of weights loaded that way cost time quadratic in
+  their number. The device is synchronised after each GiB, which frees the pinned staging of the copies before it (a
+  device copies through it asynchronously) instead of holding the model's size in pinned host memory."""
+  arr = np.ascontiguousarray(arr)
+  buf = write(t := Tensor.empty(*arr.shape, dtype=_from_np_dtype(arr.dtype), device=device), arr)
+  if (pending := _unsynced.get(buf.device, 0) + arr.nbytes) >= SYNC_BYTES: Device[buf.device].synchronize()
+  _unsynced[buf.device] = 0 if pending >= SYNC_BYTES else pending
+  return t
 
 
 @dataclass
@@ -21,7 +46,7 @@ class QWeight:
   @classmethod
   def from_bytes(cls, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...], device: str | None = None) -> QWeight:
     """A weight from its GGUF bytes (rows, row_bytes): its planes split on the host, each copied to the device once."""
-    return cls({k: Tensor(v, device=device).realize() for k, v in planes(raw, ggml_type).items()}, ggml_type, shape)
+    return cls({k: upload(v, device) for k, v in planes(raw, ggml_type).items()}, ggml_type, shape)
 
   @classmethod
   def fp16(cls, w: Tensor) -> QWeight: return cls({}, 1, tuple(w.shape), w.cast(dtypes.float16).contiguous().realize(), "fp16_cache")

@@ -224,6 +224,13 @@ def cmd_show(args) -> None:
   emit(args.format, trial_view(doc), doc, console)
 
 
+def cmd_cost(args) -> None:
+  from search.cost import cost_view, study_cost
+  with session(open_db(args.storage, create=False)) as s: doc = study_cost(store.trials(s, _study(s, args.storage, args.study)), args.project)
+  sections, notes = cost_view(doc)
+  emit(args.format, sections, doc, console, notes)
+
+
 def cmd_compare(args) -> None:
   from search.leaderboard import compare_doc, compare_view, find_trial
   with session(open_db(args.storage, create=False)) as s:
@@ -363,6 +370,11 @@ def main(argv: list[str] | None = None) -> None:
   cp.add_argument("a", help="a trial number, or 'baseline'")
   cp.add_argument("b", help="a trial number, or 'baseline'")
   cp.set_defaults(fn=cmd_compare)
+
+  co = sub.add_parser("cost", parents=[store_arg, fmt_arg], help="what a study's trials cost, phase by phase, and the wall time of N trials")
+  co.add_argument("--study", required=True)
+  co.add_argument("--project", type=at_least(1), default=200, help="trials to project the wall time of (default 200)")
+  co.set_defaults(fn=cmd_cost)
 
   d = sub.add_parser("dashboard", parents=[store_arg], help="serve optuna-dashboard on the storage (with the trials' artifacts)")
   d.add_argument("--study", help="print the address of this study's page")

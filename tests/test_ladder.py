@@ -85,3 +85,60 @@ def test_replay_compares_samplers_only_on_a_dense_study(model, tmp_path, monkeyp
   assert "replay of dense (measured 6 of 6 configs)" in out and "unmeasured proposals" in out
   study = optuna.load_study(study_name="dense", storage=url)
   assert {tuple(sorted(t.params)) for t in study.trials} == {tuple(sorted(free))}
+
+
+def _trial(number: int, stage: str, phases: dict, start: float, end: float, search_s: float, worker: str = "h:1", state: str = "ok"):
+  from datetime import UTC, datetime
+
+  from db.models import Trial
+  at = lambda s: datetime.fromtimestamp(1.7e9 + s, UTC)
+  return Trial(number=number, state=state, stage=stage, phases=phases, metrics={"search_overhead_s": search_s, "ladder": "sample"},
+               config_json='{"beam": 2}', worker=worker, started_at=at(start), finished_at=at(end))
+
+
+def test_cost_adds_phases_setup_search_and_projects() -> None:
+  from search.cost import study_cost
+  ts = [_trial(0, "full", {"wall_s": 50.0, "setup_s": 100.0, "load_s": 20.0, "check_s": 5.0, "block_wall_s": 10.0}, 0, 161, 1.0),
+        _trial(1, "full", {"wall_s": 40.0, "load_s": 10.0, "check_s": 4.0, "block_wall_s": 8.0}, 163, 212, 1.0),  # 2 s after trial 0
+        _trial(2, "block", {"wall_s": 9.0}, 212.5, 222, 0.5, state="pruned"),
+        _trial(3, "full", {"wall_s": 30.0}, 0, 31, 1.0, worker="h:2", state="reused")]  # reused: costs nothing, not counted
+  doc = study_cost(ts, n=100)
+  walls = [r["wall_s"] for r in doc["trials"]]
+  assert doc["n"] == 3 and walls == [161.0, 40.0 + 8 + 1 + 2, 9.0 + 0.5 + 0.5] and doc["setup_s"] == 100.0
+  assert doc["mean_trial_s"] == pytest.approx((sum(walls) - 100) / 3) and doc["projected_s"] == pytest.approx(100 + 100 * doc["mean_trial_s"])
+  assert doc["search_share"] == pytest.approx((1 + 3 + 1) / sum(walls))
+  assert doc["median"]["load_s"] == 15.0 and doc["block_stage"] == 3 and doc["full_stage"] == 2 and doc["trials"][0]["beam"] == 2
+
+
+def test_search_cost_reads_a_study(model, tmp_path, monkeypatch, capsys) -> None:
+  import json
+  install_fake_trials(monkeypatch.setattr, seconds=0.05)
+  url = f"sqlite:///{tmp_path / 's.db'}"
+  assert search("start", "--model", model, "--study", "c", "--storage", url, "--trials", "4", "--block-layers", "2", *FAST) == 0
+  capsys.readouterr()
+  assert search("cost", "--study", "c", "--storage", url, "--format", "json", "--project", "50") == 0
+  doc = json.loads(capsys.readouterr().out)
+  assert doc["n"] == len([t for t in trials(url, "c") if t.state != "reused"]) and doc["projected_n"] == 50
+  assert all(r["wall_s"] >= r["full_s"] >= 0.05 for r in doc["trials"] if r["stage"] == "full") and 0 <= doc["search_share"] < 1
+  assert search("cost", "--study", "c", "--storage", url) == 0
+  assert "projected wall time of 200 trials" in capsys.readouterr().out
+  assert search("cost", "--study", "nope", "--storage", url) == 2
+
+
+def test_record_study_lines_have_their_fields(model, tmp_path, monkeypatch) -> None:
+  import subprocess
+  import sys
+
+  from benchmarks.record import study_lines
+  from benchmarks.render import missing
+  install_fake_trials(monkeypatch.setattr, seconds=0.02)
+  url = f"sqlite:///{tmp_path / 's.db'}"
+  assert search("start", "--model", model, "--study", "r", "--storage", url, "--trials", "3", "--block-layers", "2", *FAST) == 0
+  lines = study_lines(url, "r", "cpu", "tiny", "Q4_0", "test")
+  kinds = [x["kind"] for x in lines]
+  assert kinds.count("trial") == len([t for t in trials(url, "r") if t.state != "reused"]) and kinds[-1] == "study"
+  assert all(not missing(x) for x in lines), [missing(x) for x in lines]
+  assert lines[-1]["projected_n"] == 200 and lines[-1]["projected_s"] > 0
+  bad = subprocess.run([sys.executable, "benchmarks/record.py", "study", "--storage", url, "--study", "nope", "--device", "d", "--model-name", "m",
+                        "--quant", "Q4_0", "--command", "c"], capture_output=True, text=True)
+  assert bad.returncode != 0 and "no study 'nope'" in bad.stderr

@@ -13,10 +13,11 @@ import functools
 import numpy as np
 import pytest
 from reference import _weights, llamacpp_error_bound, llamacpp_logits, reference_logits, robust_tokens
+from tinygrad import Tensor
 
 from evaluator.gate import rel_err
 from model.deepseek2 import Transformer
-from model.generate import Generator
+from model.generate import Generator, argmax_first
 from model.gguf_file import GGUFFile
 from model.structure import StructureConfig
 
@@ -98,6 +99,26 @@ def test_generation_is_deterministic(gguf_file) -> None:
   assert a == b and len(a) == 8
   s1, s2 = list(gen.generate([1, 2, 3], 8, temperature=1.0, seed=7)), list(gen.generate([1, 2, 3], 8, temperature=1.0, seed=7))
   assert s1 == s2
+
+
+@pytest.mark.parametrize("n", [5, 128, 129, 1000, 154880])
+def test_argmax_first_is_numpys(n: int) -> None:
+  rng = np.random.default_rng(n)
+  for x in (rng.standard_normal(n).astype(np.float32), np.round(rng.standard_normal(n), 1).astype(np.float32)):  # the second: many ties
+    x[rng.integers(0, n, 3)] = x.max()  # the maximum three more times, in different groups
+    assert int(argmax_first(Tensor(x)).item()) == int(np.argmax(x))
+
+
+def test_a_decode_step_schedules_nothing(gguf_file, monkeypatch) -> None:
+  """After capture, a step copies its token in and its output out: no graph is scheduled, and the tokens are the greedy ones."""
+  gen = generator(gguf_file("tiny", "q4_0"), f32_kv=False)
+  gen.model.reset()
+  want = [int(np.argmax(gen.step_logits(t, i))) for i, t in enumerate([4, 9, 2, 7])]
+  got = [gen.step(t, i) for i, t in enumerate([4, 9, 2])]
+  scheduled = []
+  monkeypatch.setattr(Tensor, "linear_with_vars", lambda *a, **k: scheduled.append(a) or pytest.fail("a step scheduled a graph"))
+  got.append(gen.step(7, 3))
+  assert got == want and not scheduled
 
 
 def test_device_memory_within_file_plus_kv(gguf_file) -> None:

@@ -2,7 +2,10 @@
 
 - Faults of the trial process ($STRUCTSEARCH_FAULT): `crash`, `compile_error`, `hang`, `sigkill` (killed from outside),
   `device_oom_kill` (the device says it is out of memory, then the process is killed) act on the first decode step;
-  `broken_argmax_topk` makes the `argmax` top-k variant pick the wrong experts (a knob that computes the wrong output).
+  `broken_argmax_topk` makes the `argmax` top-k variant pick the wrong experts (a knob that computes the wrong output);
+  `scale_off_one_block` makes the routed down projection of the middle MoE block read each row's first block scale from its
+  second block (a dequantization bug in one layer, whatever backend computes it); `dropped_residual_one_block` drops the
+  attention residual of the middle block (per-op attention path).
   They patch model code as it is imported, so the trial process is the production one up to the fault.
 - Fake trials ($STRUCTSEARCH_FAKE_TRIALS, JSON: {"seconds": S, "proxy": "predicts" | "random", "status": STATUS}) replace the
   evaluator's trial process in a `search` process: no tinygrad, a tok/s that is a fixed function of the config (its
@@ -76,6 +79,37 @@ def _broken_argmax(m: ModuleType) -> None:
   m.topk_indices = lambda scores, k, variant: right(-scores if variant == "argmax" else scores, k, variant)
 
 
+def _middle(m: ModuleType, transformer) -> int:
+  hp = transformer.hp
+  return hp.n_dense_lead + (len(transformer.blocks) - hp.n_dense_lead) // 2
+
+
+def _scale_off(m: ModuleType) -> None:
+  init = m.Transformer.__init__
+  def faulty(self, *args, **kwargs) -> None:
+    init(self, *args, **kwargs)
+    w = self.blocks[_middle(m, self)].down_exps
+    d = w.planes["d"].numpy().copy()
+    d[:, 0] = d[:, 1]
+    w.planes["d"].assign(m.Tensor(d, device=w.planes["d"].device)).realize()
+  m.Transformer.__init__ = faulty
+
+
+def _dropped_residual(m: ModuleType) -> None:
+  call, attention = m.Block.__call__, m.Block.attention
+  def keep_x(self, x, *args, **kwargs):
+    self._x = x
+    return call(self, x, *args, **kwargs)
+  def faulty(self, xn, start_pos):
+    a = attention(self, xn, start_pos)
+    return a - self._x if getattr(self, "_faulty", False) else a
+  init = m.Transformer.__init__
+  def mark(self, *args, **kwargs) -> None:
+    init(self, *args, **kwargs)
+    self.blocks[_middle(m, self)]._faulty = True
+  m.Block.__call__, m.Block.attention, m.Transformer.__init__ = keep_x, faulty, mark
+
+
 FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
   "crash": ("model.generate", _on_first_step(_raise(RuntimeError("injected crash")))),
   "compile_error": ("model.generate", _on_first_step(_compile_error)),
@@ -83,6 +117,8 @@ FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
   "sigkill": ("model.generate", _on_first_step(_kill())),
   "device_oom_kill": ("model.generate", _on_first_step(_kill("CUDA error: out of memory (injected)"))),
   "broken_argmax_topk": ("model.deepseek2", _broken_argmax),
+  "scale_off_one_block": ("model.deepseek2", _scale_off),
+  "dropped_residual_one_block": ("model.deepseek2", _dropped_residual),
 }
 
 

@@ -93,7 +93,7 @@ for step in "$@"; do
            for m in glm47 ds; do
              timed timeout 60 /tmp/llama/build/bin/llama-bench -m /tmp/$m.gguf -p 0 -n 128 -r 5 -ngl 99 -fa 1 -o json > "$OUT/llama-$m.json" \
                2> "$OUT/llama-bench.err"; grep -o '"avg_ts": [0-9.]*' "$OUT/llama-$m.json"; done ;;
-    speed) (timeout 420 bash benchmarks/llama_cpp.sh build /tmp/llama -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
+    speed) [ -x /tmp/llama/build/bin/llama-bench ] || (timeout 420 bash benchmarks/llama_cpp.sh build /tmp/llama -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
               > "$OUT/llama-build.log" 2>&1; echo "llama build exit $?" >> "$OUT/llama-build.log") &
            LB=$!
            synth 47 /tmp/glm47.gguf

@@ -14,8 +14,9 @@ from model.quants import QUANT_TYPES, planes, to_float
 
 def write(t: Tensor, arr: np.ndarray) -> Buffer:
   """Copy a host array into the buffer of a buffer-backed tensor of its size (no graph is scheduled); returns the buffer."""
-  buf = t.uop.buffer.ensure_allocated()
-  buf.copy_from(Buffer("PYTHON", buf.size, buf.dtype, opaque=memoryview(np.ascontiguousarray(arr).reshape(-1)).cast("B")))
+  buf, arr = t.uop.buffer.ensure_allocated(), np.ascontiguousarray(arr)
+  if not arr.flags.writeable: arr = arr.copy()  # a view of the file's read-only mapping: device copies take the address of a writable buffer
+  buf.copy_from(Buffer("PYTHON", buf.size, buf.dtype, opaque=memoryview(arr.reshape(-1)).cast("B")))
   return buf
 
 

@@ -12,8 +12,9 @@ gate separates arithmetic from routing:
   at every check position, with no position excused.
 - Routing: the same run reports each block's own top-k (computed from its own scores); it must equal the reference's
   wherever the reference's margin (k-th minus (k+1)-th score) exceeds twice the tolerance (the two scores can each move by
-  it). Decisions inside that margin are near-ties: recorded and counted, never failures. The trial's scores must also stay
-  within the tolerance of the reference's.
+  it). Decisions inside that margin are near-ties: recorded and counted, never failures. The trial's router logits (what
+  the scores are computed from) must also stay within the tolerance of the reference's: a softmax over them turns a
+  rounding-size difference of the logits into a larger one of the scores, so the scores are compared only by their top-k.
 - The timed run: the tokens of the measured decode (the production graph, free routing) must equal the reference's
   greedy tokens at every position until the first one where the reference is not decisive (its top-two logit lead is
   within the tolerance, or any of its routing decisions at this or an earlier position is a near-tie); after that the two
@@ -82,6 +83,7 @@ class Reference:
   tokens: np.ndarray  # (prompt + positions + 1,) the prompt, then the greedy continuation
   sel: np.ndarray  # (prompt + positions, n_moe, K) selected experts per fed position
   scores: np.ndarray  # (prompt + positions, n_moe, E) selection scores per fed position
+  router: np.ndarray  # (prompt + positions, n_moe, E) the router logits the scores are computed from
   logits: np.ndarray  # (positions, vocab) after each check position (prompt_len + j)
   prompt_len: int
 
@@ -90,12 +92,12 @@ class Reference:
 
   def save(self, path: str) -> None:
     tmp = path + ".tmp.npz"
-    np.savez(tmp, tokens=self.tokens, sel=self.sel, scores=self.scores, logits=self.logits, prompt_len=self.prompt_len)
+    np.savez(tmp, tokens=self.tokens, sel=self.sel, scores=self.scores, router=self.router, logits=self.logits, prompt_len=self.prompt_len)
     os.replace(tmp, path)
 
   @classmethod
   def load(cls, path: str) -> Reference:
-    with np.load(path) as z: return cls(z["tokens"], z["sel"], z["scores"], z["logits"], int(z["prompt_len"]))
+    with np.load(path) as z: return cls(z["tokens"], z["sel"], z["scores"], z["router"], z["logits"], int(z["prompt_len"]))
 
   def margins(self) -> np.ndarray:
     """(fed positions, n_moe): the k-th minus the (k+1)-th score relative to the scores' std (inf where all are selected)."""
@@ -115,50 +117,50 @@ class Reference:
     return self.positions
 
 
-def _split(own: np.ndarray, scores: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-  """The check step's per-block arrays, without their one-token axis: (n_moe, K), (n_moe, E)."""
-  return own.reshape(n, -1) if n else own[:0], scores.reshape(n, -1) if n else scores[:0]
+def _split(n: int, *per_block: np.ndarray) -> tuple[np.ndarray, ...]:
+  """The check step's per-block arrays, without their one-token axis: (n_moe, K) or (n_moe, E)."""
+  return tuple(a.reshape(n, -1) if n else a[:0] for a in per_block)
 
 
 def make_reference(gen, prompt: list[int], positions: int) -> Reference:
   """The baseline's run: the prompt fed one token at a time, then `positions` greedy steps, through the check path."""
   n_moe = sum(b.moe for b in gen.model.blocks)
-  tokens, sel, scores, logits = list(prompt), [], [], []
+  tokens, sel, scores, router, logits = list(prompt), [], [], [], []
   for j in range(len(prompt) + positions):
-    lg, own, sc = gen.check_step(tokens[j], j)
-    o, s = _split(own, sc, n_moe)
-    sel.append(o), scores.append(s)
+    lg, *per_block = gen.check_step(tokens[j], j)
+    o, s, r = _split(n_moe, *per_block)
+    sel.append(o), scores.append(s), router.append(r)
     if j >= len(prompt) - 1:
       if j >= len(prompt): logits.append(lg)
       tokens.append(int(np.argmax(lg)))
   logits = logits[:positions]
   return Reference(np.array(tokens[:len(prompt) + positions + 1]), np.stack(sel), np.stack(scores).astype(np.float32),
-                   np.stack(logits).astype(np.float32), len(prompt))
+                   np.stack(router).astype(np.float32), np.stack(logits).astype(np.float32), len(prompt))
 
 
 def check(gen, ref: Reference, tol: float) -> dict:
   """The trial's arithmetic and routing against the reference (see the module docstring): figures and `ok`."""
   n_moe = ref.sel.shape[1]
-  logits, own, serr = [], [], []
+  logits, own, rerr = [], [], []
   for j in range(len(ref.sel)):
-    lg, o, sc = gen.check_step(int(ref.tokens[j]), j, ref.sel[j] if n_moe else None)
-    o, sc = _split(o, sc, n_moe)
+    lg, *per_block = gen.check_step(int(ref.tokens[j]), j, ref.sel[j] if n_moe else None)
+    o, _, r = _split(n_moe, *per_block)
     own.append(o)
-    if n_moe: serr.append(rel_err(sc, ref.scores[j]))
+    if n_moe: rerr.append(rel_err(r, ref.router[j]))
     if j >= ref.prompt_len: logits.append(lg)
   err = rel_err(np.stack(logits), ref.logits)
   margins = ref.margins()
   flipped = (np.sort(np.stack(own), -1) != np.sort(ref.sel, -1)).any(-1) if n_moe else np.zeros((len(ref.sel), 0), bool)
   near = margins <= 2 * tol
   wrong_route = flipped & ~near
-  score_err = float(np.max(serr)) if serr else 0.0
+  router_err = float(np.max(rerr)) if rerr else 0.0
   finite = bool(np.isfinite(err).all())
-  ok = finite and bool((err <= tol).all()) and not wrong_route.any() and score_err <= tol
+  ok = finite and bool((err <= tol).all()) and not wrong_route.any() and router_err <= tol
   return {"ok": ok, "tolerance": tol, "positions": int(len(err)), "failed_positions": int((~(err <= tol)).sum()),
           "failed_at": np.flatnonzero(~(err <= tol)).tolist(), "wrong_routing_at": np.flatnonzero(wrong_route.any(-1)).tolist(),
           "max_rel_err": float(np.nan_to_num(err.max(), nan=np.inf)), "median_rel_err": float(np.nan_to_num(np.median(err), nan=np.inf)),
           "routing_decisions": int(flipped.size), "near_ties": int(near.sum()), "near_tie_flips": int((flipped & near).sum()),
-          "wrong_routing": int(wrong_route.sum()), "max_score_err": score_err}
+          "wrong_routing": int(wrong_route.sum()), "max_router_err": router_err}
 
 
 def check_tokens(ref: Reference, tokens: list[int], tol: float) -> dict:
@@ -177,7 +179,7 @@ def verdict(check: dict) -> str:
     parts.append(f"logits under the reference's routing differ at {check['failed_positions']} of {check['positions']} positions (max error "
                  f"{check['max_rel_err']:.3g} std, tolerance {check['tolerance']:.0e})")
   if check["wrong_routing"]: parts.append(f"{check['wrong_routing']} routing decisions differ where the reference's margin is decisive")
-  if check["max_score_err"] > check["tolerance"]: parts.append(f"router scores differ by {check['max_score_err']:.3g} std")
+  if check["max_router_err"] > check["tolerance"]: parts.append(f"router logits differ by {check['max_router_err']:.3g} std")
   if check.get("tokens_differ"):
     parts.append(f"the timed run's token {check['first_differing']} differs where the reference is decisive "
                  f"({check['tokens_differ']} of {check['tokens_compared']} compared)")

@@ -308,7 +308,9 @@ class Block:
     else:
       logits = self.router_logits(norm())
       sel, w, own = self.route(logits, forced)
-    if check is not None: check.own.append(own.reshape(-1, hp.n_used)), check.scores.append(self.scores(logits.float()).reshape(-1, hp.n_experts))
+    if check is not None:
+      check.own.append(own.reshape(-1, hp.n_used))
+      check.scores.append(self.scores(logits.float()).reshape(-1, hp.n_experts)), check.logits.append(logits.float().reshape(-1, hp.n_experts))
     if (b := stage("moe")) is not None: return b.moe(self, h, sel, w).cast(act)
     return self.barrier(h + self.experts(norm(), sel, w).cast(act), "block_out")
 
@@ -316,10 +318,12 @@ class Block:
 @dataclass
 class Check:
   """The correctness check's view into one forward pass: routing forced per MoE block (ids (n_moe, K), or None: the model's
-  own), and what each MoE block's router computed: its own top-k ids (T, K) and its selection scores (T, E)."""
+  own), and what each MoE block's router computed: its own top-k ids (T, K), its selection scores (T, E) and the logits
+  they are computed from (T, E)."""
   forced: Tensor | None = None
   own: list[Tensor] = field(default_factory=list)
   scores: list[Tensor] = field(default_factory=list)
+  logits: list[Tensor] = field(default_factory=list)
 
 
 class Transformer:

@@ -31,15 +31,18 @@ class Slot:
 
 
 def argmax_first(x: Tensor, group: int = 128) -> Tensor:
-  """Index of the first maximum of a 1-D tensor, as np.argmax gives it, in two stages: the first maximum of each group of
-  `group` values, then the first group holding the overall maximum. A flat argmax over a vocabulary leaves a few hundred
-  threads to loop over it; the groups spread it over the device."""
+  """Index of the first maximum of a 1-D tensor, as np.argmax gives it: each group of `group` values finds its maximum and
+  the first index holding it, then the smallest such index among the groups holding the overall maximum. Every maximum is
+  a buffer before it is compared with (tinygrad's argmax fuses its max into the comparison, one serial loop inside another
+  over the whole input), and each reduction runs over one axis of rows in parallel or over the row results."""
   n = x.shape[0]
-  if n <= group: return x.argmax()
   rows = -(-n // group)
   g = x.pad((0, rows * group - n), value=float("-inf")).reshape(rows, group)
-  local = g.argmax(1) + Tensor.arange(rows) * group
-  return local[g.max(1).argmax()]
+  m = g.max(1, keepdim=True).contiguous()
+  idx = Tensor.arange(rows * group, dtype=dtypes.int32).reshape(rows, group)
+  first = (g == m).where(idx, rows * group).min(1).contiguous()
+  top = m.max().contiguous()
+  return (m.reshape(rows) == top).where(first, rows * group).min()
 
 
 def read(t: Tensor) -> np.ndarray:
@@ -69,11 +72,12 @@ class Generator:
   def _step_logits(self, token: Tensor, start_pos: UOp) -> Tensor:
     return self.model.forward(token, start_pos)[0, -1].contiguous()
 
-  def _check(self, token: Tensor, start_pos: UOp, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+  def _check(self, token: Tensor, start_pos: UOp, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     chk = Check(forced)
     logits = self.model.forward(token, start_pos, check=chk)[0, -1]
-    if not chk.own: return logits.contiguous(), Tensor.zeros(1, dtype=dtypes.int32).contiguous(), Tensor.zeros(1).contiguous()
-    return logits.contiguous(), Tensor.stack(*chk.own).cast(dtypes.int32).contiguous(), Tensor.stack(*chk.scores).float().contiguous()
+    if not chk.own: return logits.contiguous(), Tensor.zeros(1, dtype=dtypes.int32).contiguous(), *(Tensor.zeros(1).contiguous() for _ in range(2))
+    return (logits.contiguous(), Tensor.stack(*chk.own).cast(dtypes.int32).contiguous(), Tensor.stack(*chk.scores).float().contiguous(),
+            Tensor.stack(*chk.logits).contiguous())
 
   def _step(self, token: Tensor, start_pos: UOp) -> Tensor:
     return argmax_first(self.model.forward(token, start_pos)[0, -1]).cast(dtypes.int32).reshape(1, 1).contiguous()
@@ -106,15 +110,15 @@ class Generator:
     self._check_room(pos + 1)
     with Context(BEAM=self.beam): return read(self.step_logits_jit(self.token(token), self.pos.bind(pos)))
 
-  def check_step(self, token: int, pos: int, forced: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  def check_step(self, token: int, pos: int, forced: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
     """One decode step for the correctness check: (logits (vocab,), each MoE block's own top-k ids (n_moe, K), its selection
-    scores (n_moe, E)); forced (n_moe, K): the expert ids every MoE block uses instead of its own (the routing of a reference)."""
+    scores (n_moe, E), its router logits (n_moe, E)); forced (n_moe, K): the expert ids every MoE block uses instead of its
+    own (the routing of a reference)."""
     self._check_room(pos + 1)
     args = (self.token(token), self.pos.bind(pos))
     if forced is not None and self.forced is None: self.forced = Slot(forced.shape, dtypes.int32, self.model.device)  # (n_moe, K): known on first use
     with Context(BEAM=self.beam): out = self.check_jit(*args) if forced is None else self.forced_jit(*args, self.forced(forced))
-    logits, own, scores = (read(t) for t in out)
-    return logits, own, scores
+    return tuple(read(t) for t in out)
 
   def step(self, token: int, pos: int, temperature: float = 0.0, seed: float = 0.0) -> int:
     self._check_room(pos + 1)

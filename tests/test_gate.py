@@ -50,12 +50,12 @@ def test_legitimate_configs_pass_the_gate(deep, ref, cfg: str) -> None:
     assert (gate.rel_err(free_logits(m, ref.tokens), ref.logits) > tol).any(), "depth no longer breaks the free-running comparison here"
   c = gate.check(Generator(m), ref, tol)
   assert c["ok"] and c["failed_positions"] == 0 and c["wrong_routing"] == 0, c
-  assert c["max_rel_err"] <= tol and c["routing_decisions"] == (len(PROMPT) + POSITIONS) * 30
+  assert c["max_rel_err"] <= tol and c["max_router_err"] <= tol and c["routing_decisions"] == (len(PROMPT) + POSITIONS) * 30
 
 
 def test_the_reference_records_routing_and_margins(ref) -> None:
   n = len(PROMPT) + POSITIONS
-  assert ref.sel.shape == (n, 30, 4) and ref.scores.shape == (n, 30, 64) and ref.logits.shape == (POSITIONS, 1024)
+  assert ref.sel.shape == (n, 30, 4) and ref.scores.shape == ref.router.shape == (n, 30, 64) and ref.logits.shape == (POSITIONS, 1024)
   assert (np.sort(ref.sel, -1) == np.sort(np.argsort(-ref.scores, -1, kind="stable")[..., :4], -1)).all()
   m = ref.margins()
   assert m.shape == (n, 30) and (m >= 0).all() and (m < 0.01).any(), "a random-weight model of this depth has near-ties"
@@ -139,7 +139,7 @@ def test_the_timed_run_is_checked_where_the_reference_is_decisive() -> None:
   logits[np.arange(n), want] += 3  # clear leads
   scores = np.tile(np.linspace(0, 1, 8, dtype=np.float32), (P + n, 3, 1))  # margins of 1/7 over a std of 0.33: clear
   sel = np.argsort(-scores, -1)[..., :2]
-  ref = gate.Reference(np.array([1] * P + [7] + list(want)), sel, scores, logits, P)
+  ref = gate.Reference(np.array([1] * P + [7] + list(want)), sel, scores, scores, logits, P)
   assert ref.decisive_tokens(gate.FP32_TOL) == n
   timed = [7] + list(want)
   assert gate.check_tokens(ref, timed, gate.FP32_TOL) == {"tokens_compared": n, "tokens_differ": 0, "first_differing": None}

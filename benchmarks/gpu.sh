@@ -96,9 +96,9 @@ for step in "$@"; do
     speed) [ -x /tmp/llama/build/bin/llama-bench ] || (timeout 420 bash benchmarks/llama_cpp.sh build /tmp/llama -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
               > "$OUT/llama-build.log" 2>&1; echo "llama build exit $?" >> "$OUT/llama-build.log") &
            LB=$!
-           synth 47 /tmp/glm47.gguf
+           synth 47 /tmp/glm47.gguf & S1=$!
            [ -f /tmp/ds.gguf ] || timed python3 -m model synth --preset deepseek-v2-lite --quant q4_0 --out /tmp/ds.gguf
-           wait $LB; tail -2 "$OUT/llama-build.log"  # nothing is timed before the build has finished
+           wait $S1 $LB; tail -2 "$OUT/llama-build.log"  # nothing is timed before the build has finished
            for m in glm47 ds; do
              timed timeout 60 /tmp/llama/build/bin/llama-bench -m /tmp/$m.gguf -p 0 -n 128 -r 5 -ngl 99 -fa 1 -o json > "$OUT/llama-$m.json" \
                2> "$OUT/llama-bench.err"; grep -o '"avg_ts": [0-9.]*' "$OUT/llama-$m.json"; done

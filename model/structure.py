@@ -73,7 +73,7 @@ class StructureConfig:
     for p, m in self.barriers.items():
       _check("barriers point", p, BARRIER_POINTS)
       _check(f"barriers.{p}", m, BARRIER_MODES)
-    object.__setattr__(self, "barriers", {p: self.barriers.get(p, "none") for p in BARRIER_POINTS})
+    object.__setattr__(self, "barriers", {p: self.barriers.get(p, DEFAULT_BARRIERS[p]) for p in BARRIER_POINTS})  # unnamed points keep their default
     if isinstance(self.beam_min_progress, int) and not isinstance(self.beam_min_progress, bool):  # JSON/TOML may write 1.0 as 1
       object.__setattr__(self, "beam_min_progress", float(self.beam_min_progress))
     for k, b in self.backends.items():

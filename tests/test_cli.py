@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 
 from model.gguf_file import GGUFError, GGUFFile
 from model.registry import ModelNotFound, resolve
-from model.structure import ConfigError, StructureConfig
+from model.structure import DEFAULT_BARRIERS, ConfigError, StructureConfig
 
 
 def run_model(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -77,6 +77,7 @@ def test_config_validation(tmp_path) -> None:
   with pytest.raises(ConfigError, match="barriers point"): StructureConfig(barriers={"nowhere": "contiguous"})
   cfg = StructureConfig(topk="sort", backends={"Q4_0:expert": "fp16_cache"}, barriers={"kv_a": "realize"})
   assert StructureConfig.from_json(cfg.to_json()) == cfg == StructureConfig.from_toml(cfg.to_toml())
+  assert cfg.barriers == DEFAULT_BARRIERS | {"kv_a": "realize"}  # the points a config does not name keep their defaults
   bad = tmp_path / "bad.json"
   bad.write_text('{"beam": 3}')
   one_line_error(run_model("bench", "--model", "tiny", "--config", str(bad)), "beam=3 is not allowed")

@@ -19,7 +19,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 DB=sqlite:////tmp/structsearch.db
 [ -f /tmp/structsearch.db ] || [ ! -f .gpu/structsearch.db ] || cp .gpu/structsearch.db /tmp/  # a study carried from an earlier machine
 synth() { [ -f "$2" ] || python3 -m model synth --preset glm-4.7-flash --quant q4_0 --layers "$1" --out "$2"; }
-timed() { local t0=$SECONDS; "$@"; echo "[wall $((SECONDS - t0)) s: $*]"; }
+timed() { local t0=$SECONDS; "$@"; echo "[wall $((SECONDS - t0)) s: $*]" >&2; }  # on stderr: a step may send stdout to a file
 ev() { timed python3 -m evaluator "$@"; }
 LABEL="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) (CUDA)"
 rec() {  # RESULT.json COMMAND...: an evaluator result's lines into $OUT/results.jsonl

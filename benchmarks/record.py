@@ -125,6 +125,7 @@ def main() -> None:
   sub = p.add_subparsers(dest="cmd", required=True)
   base = argparse.ArgumentParser(add_help=False)
   for a in ("--device", "--model-name", "--quant", "--command"): base.add_argument(a, required=True)
+  base.add_argument("--note", help="what tables say about the run (on every line it writes)")
   t = sub.add_parser("trial", parents=[base])
   t.add_argument("result")
   t.add_argument("--config-name", help="what tables call the config (default: its knob values, or baseline)")
@@ -150,7 +151,7 @@ def main() -> None:
     lines = [llama_line(json.load(open(a.bench)), a.model, a.device, a.model_name, a.quant, a.command, a.layers)]
   elif a.cmd == "study": lines = study_lines(a.storage, a.study, a.device, a.model_name, a.quant, a.command)
   else: lines = [error_line(a.kind, a.model, a.device, a.model_name, a.quant, a.config_name, a.command, a.error)]
-  sys.stdout.write("".join(json.dumps(line) + "\n" for line in lines))
+  sys.stdout.write("".join(json.dumps(line | ({"note": a.note} if a.note else {})) + "\n" for line in lines))
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ def study_lines(url: str, name: str, device: str, model_name: str, quant: str, c
     st = store.get_study(s, name)
     if st is None: raise SystemExit(f"record.py: error: no study {name!r} in {url}")
     trials = {t.number: t for t in store.trials(s, st)}
-    doc, layers = study_cost(list(trials.values()), project), st.layers
+    doc, layers = study_cost(list(trials.values()), project, store.measurements(s, st, stage=None)), st.layers
   out = []
   for r in doc["trials"]:
     t = trials[r["number"]]
@@ -108,6 +108,7 @@ def study_lines(url: str, name: str, device: str, model_name: str, quant: str, c
   if doc["n"]:
     out.append(common("study", device, model_name, layers, quant, "") | {
       "study": name, "n": doc["n"], "full_stage": doc["full_stage"], "block_stage": doc["block_stage"], "setup_s": _round(doc["setup_s"], 1),
+      "repeat_s": _round(doc["repeat_s"], 1),
       "mean_trial_s": _round(doc["mean_trial_s"], 1), "search_share": _round(doc["search_share"], 5),
       "median_phases_s": {k: _round(v, 2) for k, v in doc["median"].items()}, "projected_n": project,
       "projected_s": _round(doc["projected_s"], 0), "projected_h": _round(doc["projected_s"] / 3600, 2), "command": command})

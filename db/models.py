@@ -156,6 +156,7 @@ class Measurement(Base):
   tok_s: Mapped[float]  # median over its rounds
   rounds: Mapped[list[float] | None] = mapped_column(JSON)  # tok/s of each measured round
   kind: Mapped[str]  # one of KINDS
+  wall_s: Mapped[float | None]  # seconds of the process that measured it (setup included); None before revision 0003
   created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

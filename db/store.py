@@ -133,10 +133,10 @@ def confirmations(s: Session, study: Study) -> list[Confirmation]:
 
 
 def add_measurement(s: Session, study_id: int, config_hash: str, stage: str, tok_s: float, kind: str, trial: Trial | None = None,
-                    rounds: list[float] | None = None) -> Measurement:
+                    rounds: list[float] | None = None, wall_s: float | None = None) -> Measurement:
   if kind not in Measurement.KINDS: raise ValueError(f"not a measurement kind: {kind!r}")
   s.add(m := Measurement(study_id=study_id, trial_id=trial and trial.id, config_hash=config_hash, stage=stage, tok_s=tok_s, rounds=rounds,
-                         kind=kind))
+                         kind=kind, wall_s=wall_s))
   s.flush()
   return m
 

@@ -226,7 +226,9 @@ def cmd_show(args) -> None:
 
 def cmd_cost(args) -> None:
   from search.cost import cost_view, study_cost
-  with session(open_db(args.storage, create=False)) as s: doc = study_cost(store.trials(s, _study(s, args.storage, args.study)), args.project)
+  with session(open_db(args.storage, create=False)) as s:
+    st = _study(s, args.storage, args.study)
+    doc = study_cost(store.trials(s, st), args.project, store.measurements(s, st, stage=None))
   sections, notes = cost_view(doc)
   emit(args.format, sections, doc, console, notes)
 

@@ -102,11 +102,16 @@ def test_cost_adds_phases_setup_search_and_projects() -> None:
         _trial(1, "full", {"wall_s": 40.0, "load_s": 10.0, "check_s": 4.0, "block_wall_s": 8.0}, 163, 212, 1.0),  # 2 s after trial 0
         _trial(2, "block", {"wall_s": 9.0}, 212.5, 222, 0.5, state="pruned"),
         _trial(3, "full", {"wall_s": 30.0}, 0, 31, 1.0, worker="h:2", state="reused")]  # reused: costs nothing, not counted
-  doc = study_cost(ts, n=100)
+  from datetime import UTC, datetime
+
+  from db.models import Measurement
+  repeat = Measurement(kind="repeat", wall_s=1.5, created_at=datetime.fromtimestamp(1.7e9 + 162, UTC))  # a baseline repeat between 0 and 1
+  doc = study_cost(ts, n=100, measurements=[repeat])
   walls = [r["wall_s"] for r in doc["trials"]]
-  assert doc["n"] == 3 and walls == [161.0, 40.0 + 8 + 1 + 2, 9.0 + 0.5 + 0.5] and doc["setup_s"] == 100.0
+  assert doc["n"] == 3 and walls == [161.0, 40.0 + 8 + 1 + 2, 9.0 + 0.5 + 0.5] and doc["setup_s"] == 100.0 and doc["repeat_s"] == 1.5
   assert doc["mean_trial_s"] == pytest.approx((sum(walls) - 100) / 3) and doc["projected_s"] == pytest.approx(100 + 100 * doc["mean_trial_s"])
-  assert doc["search_share"] == pytest.approx((1 + 3 + 1) / sum(walls))
+  assert doc["trials"][1]["search_s"] == pytest.approx(1 + 0.5)  # in the trial, and the gap's rest after the repeat's 1.5 s
+  assert doc["search_share"] == pytest.approx((1 + 1.5 + 1) / sum(walls))
   assert doc["median"]["load_s"] == 15.0 and doc["block_stage"] == 3 and doc["full_stage"] == 2 and doc["trials"][0]["beam"] == 2
 
 

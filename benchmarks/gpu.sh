@@ -27,6 +27,15 @@ rec() {  # RESULT.json COMMAND...: an evaluator result's lines into $OUT/results
   [ -f "$res" ] && python3 -m benchmarks.record trial "$res" --device "$LABEL" --model-name "glm-4.7-flash (synthetic, exact shapes)" \
     --quant Q4_0 --command "DEV=CUDA python -m evaluator $*  (via bash benchmarks/gpu.sh)" >> "$OUT/results.jsonl"
 }
+llama_build() {  # TIMEOUT: llama-bench from the carried llama-cpp-python source, CUDA sm_90, its log in $OUT/llama-build.log
+  timeout "$1" bash benchmarks/llama_cpp.sh build /tmp/llama -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
+    > "$OUT/llama-build.log" 2>&1; echo "llama build exit $?" >> "$OUT/llama-build.log"
+}
+llama_bench() {  # NAME...: llama-bench on /tmp/NAME.gguf, its JSON in $OUT/llama-NAME.json
+  for m in "$@"; do
+    timed timeout 60 /tmp/llama/build/bin/llama-bench -m /tmp/$m.gguf -p 0 -n 128 -r 5 -ngl 99 -fa 1 -o json > "$OUT/llama-$m.json" \
+      2> "$OUT/llama-bench.err"; grep -o '"avg_ts": [0-9.]*' "$OUT/llama-$m.json"; done
+}
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case $step in
@@ -61,8 +70,7 @@ for step in "$@"; do
                --config "best=benchmarks/configs/best.json" --config "fused-native=benchmarks/configs/fused-native.json" ${FUSED_EXTRA:-} \
                --timeout 280 --out "$OUT/fused47.jsonl" ;;
     side) # model bench of the named configs (no correctness gate) and llama-bench, on full-depth GLM-4.7-Flash and DeepSeek-V2-Lite Q4_0
-          (timeout 400 bash benchmarks/llama_cpp.sh build /tmp/llama -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
-             > "$OUT/llama-build.log" 2>&1; echo "llama build exit $?" >> "$OUT/llama-build.log") &
+          llama_build 400 &
           LB=$!
           synth 47 /tmp/glm47.gguf
           timed python3 benchmarks/run.py --model /tmp/glm47.gguf --device CUDA --set named --profile ${SIDE_CONFIGS:---config fused-native=benchmarks/configs/fused-native.json} \
@@ -77,8 +85,7 @@ for step in "$@"; do
     final) # one call: llama-bench built in the background; on full-depth GLM-4.7-Flash and DeepSeek-V2-Lite Q4_0, a gated evaluator
            # trial of the fused native config (its reference made first, profile after), model bench if the gate refuses it; llama-bench
            T0=$SECONDS; left() { echo $((${DEADLINE:-540} - (SECONDS - T0))); }
-           (timeout 420 bash benchmarks/llama_cpp.sh build /tmp/llama -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
-              > "$OUT/llama-build.log" 2>&1; echo "llama build exit $?" >> "$OUT/llama-build.log") &
+           llama_build 420 &
            LB=$!
            synth 47 /tmp/glm47.gguf
            [ -f /tmp/ds.gguf ] || timed python3 -m model synth --preset deepseek-v2-lite --quant q4_0 --out /tmp/ds.gguf
@@ -90,18 +97,13 @@ for step in "$@"; do
                --model /tmp/$m.gguf --device CUDA --set named --config "fused-native=$cfg" --timeout 150 --out "$OUT/$m-bench.jsonl"
            done
            wait $LB; tail -2 "$OUT/llama-build.log"
-           for m in glm47 ds; do
-             timed timeout 60 /tmp/llama/build/bin/llama-bench -m /tmp/$m.gguf -p 0 -n 128 -r 5 -ngl 99 -fa 1 -o json > "$OUT/llama-$m.json" \
-               2> "$OUT/llama-bench.err"; grep -o '"avg_ts": [0-9.]*' "$OUT/llama-$m.json"; done ;;
-    speed) [ -x /tmp/llama/build/bin/llama-bench ] || (timeout 420 bash benchmarks/llama_cpp.sh build /tmp/llama -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
-              > "$OUT/llama-build.log" 2>&1; echo "llama build exit $?" >> "$OUT/llama-build.log") &
+           llama_bench glm47 ds ;;
+    speed) [ -x /tmp/llama/build/bin/llama-bench ] || llama_build 420 &
            LB=$!
            synth 47 /tmp/glm47.gguf & S1=$!
            [ -f /tmp/ds.gguf ] || timed python3 -m model synth --preset deepseek-v2-lite --quant q4_0 --out /tmp/ds.gguf
            wait $S1 $LB; tail -2 "$OUT/llama-build.log"  # nothing is timed before the build has finished
-           for m in glm47 ds; do
-             timed timeout 60 /tmp/llama/build/bin/llama-bench -m /tmp/$m.gguf -p 0 -n 128 -r 5 -ngl 99 -fa 1 -o json > "$OUT/llama-$m.json" \
-               2> "$OUT/llama-bench.err"; grep -o '"avg_ts": [0-9.]*' "$OUT/llama-$m.json"; done
+           llama_bench glm47 ds
            for m in glm47 ds; do
              ev run --model /tmp/$m.gguf --device CUDA --no-prefill --config "${SPEED_CONFIG:-benchmarks/configs/fused-native.json}" --profile \
                --json "$OUT/$m-gated.json"; done ;;

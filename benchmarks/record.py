@@ -55,6 +55,11 @@ def llama_line(bench: list[dict], model_file: str | None, device: str, model_nam
   return common("llama_cpp", device, model_name, layers, quant, "llama.cpp") | llama_figures(bench) | {"command": command}
 
 
+def check_figures(check: dict[str, Any]) -> dict[str, Any]:
+  """The correctness check's scalar figures, as a gate line's `check_*` fields."""
+  return {f"check_{k}": _round(v, 6) for k, v in check.items() if isinstance(v, (bool, int, float, str))}
+
+
 def trial_lines(r: TrialResult, device: str, model_name: str, quant: str, config_name: str | None, command: str,
                 llama: list[dict] | None = None) -> list[dict[str, Any]]:
   """config_name: what tables call the config (default: its knob values, or "baseline")."""
@@ -73,9 +78,7 @@ def trial_lines(r: TrialResult, device: str, model_name: str, quant: str, config
                     compile_s=_round(r.phases.get("compile_s"), 2), **vs))
   out.append(line("trial", status=r.status, **{k: _round(v, 2) for k, v in r.phases.items()},
                   **({"phase": r.phase, "error": r.error[-400:]} if not r.ok else {})))
-  if r.check:
-    figures = {f"check_{k}": _round(v, 6) for k, v in r.check.items() if isinstance(v, (bool, int, float, str))}
-    out.append(line("gate", name=config_name, state=r.status, **figures, check_s=_round(r.phases.get("check_s"), 2)))
+  if r.check: out.append(line("gate", name=config_name, state=r.status, **check_figures(r.check), check_s=_round(r.phases.get("check_s"), 2)))
   for p in r.profile:
     out.append(line("profile", rank=p["rank"], name=p["name"], count=p["count"], us_per_token=_round(p["us_per_token"], 2),
                     us_per_launch=_round(p.get("us_per_launch"), 2), host_bound=p.get("host_bound"), share=_round(p["share"], 4),
@@ -102,8 +105,7 @@ def study_lines(url: str, name: str, device: str, model_name: str, quant: str, c
     out.append(head | {"kind": "trial", "status": t.state, "stage": t.stage, "ladder": r["ladder"]}
                | {k: _round(v, 2) for k, v in r.items() if k.endswith("_s")} | {"command": command})
     if t.stage == "full" and t.check:
-      figures = {f"check_{k}": _round(v, 6) for k, v in t.check.items() if isinstance(v, (bool, int, float, str))}
-      out.append(head | {"kind": "gate", "name": head["config"], "state": t.state, **figures,
+      out.append(head | {"kind": "gate", "name": head["config"], "state": t.state, **check_figures(t.check),
                          "check_s": _round((t.phases or {}).get("check_s"), 2), "command": command})
   if doc["n"]:
     out.append(common("study", device, model_name, layers, quant, "") | {

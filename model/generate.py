@@ -121,8 +121,8 @@ class Generator:
     return tuple(read(t) for t in out)
 
   def step(self, token: int, pos: int, temperature: float = 0.0, seed: float = 0.0) -> int:
-    self._check_room(pos + 1)
     """The next token after `token` at `pos`: greedy at temperature 0, else a Gumbel-max draw seeded by `seed`."""
+    self._check_room(pos + 1)
     args = (self.token(token), self.pos.bind(pos))
     with Context(BEAM=self.beam):
       out = self.step_jit(*args) if temperature <= 0 else self.sample_jit(*args, self.temperature(temperature), self.seed(seed))

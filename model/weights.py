@@ -29,10 +29,9 @@ def upload(arr: np.ndarray, device: str | None = None) -> Tensor:
   tensor, and the scheduler walks every live tensor: a model's thousands of weights loaded that way cost time quadratic in
   their number. The device is synchronised after each GiB, which frees the pinned staging of the copies before it (a
   device copies through it asynchronously) instead of holding the model's size in pinned host memory."""
-  arr = np.ascontiguousarray(arr)
   buf = write(t := Tensor.empty(*arr.shape, dtype=_from_np_dtype(arr.dtype), device=device), arr)
-  if (pending := _unsynced.get(buf.device, 0) + arr.nbytes) >= SYNC_BYTES: Device[buf.device].synchronize()
-  _unsynced[buf.device] = 0 if pending >= SYNC_BYTES else pending
+  _unsynced[buf.device] = _unsynced.get(buf.device, 0) + arr.nbytes
+  if _unsynced[buf.device] >= SYNC_BYTES: Device[buf.device].synchronize(); _unsynced[buf.device] = 0
   return t
 
 

@@ -79,7 +79,7 @@ def _broken_argmax(m: ModuleType) -> None:
   m.topk_indices = lambda scores, k, variant: right(-scores if variant == "argmax" else scores, k, variant)
 
 
-def _middle(m: ModuleType, transformer) -> int:
+def _middle(transformer) -> int:
   hp = transformer.hp
   return hp.n_dense_lead + (len(transformer.blocks) - hp.n_dense_lead) // 2
 
@@ -88,7 +88,7 @@ def _scale_off(m: ModuleType) -> None:
   init = m.Transformer.__init__
   def faulty(self, *args, **kwargs) -> None:
     init(self, *args, **kwargs)
-    w = self.blocks[_middle(m, self)].down_exps
+    w = self.blocks[_middle(self)].down_exps
     d = w.planes["d"].numpy().copy()
     d[:, 0] = d[:, 1]
     w.planes["d"].assign(m.Tensor(d, device=w.planes["d"].device)).realize()
@@ -106,7 +106,7 @@ def _dropped_residual(m: ModuleType) -> None:
   init = m.Transformer.__init__
   def mark(self, *args, **kwargs) -> None:
     init(self, *args, **kwargs)
-    self.blocks[_middle(m, self)]._faulty = True
+    self.blocks[_middle(self)]._faulty = True
   m.Block.__call__, m.Block.attention, m.Transformer.__init__ = keep_x, faulty, mark
 
 

@@ -131,6 +131,7 @@ def test_search_cost_reads_a_study(model, tmp_path, monkeypatch, capsys) -> None
 
 
 def test_record_study_lines_have_their_fields(model, tmp_path, monkeypatch) -> None:
+  import json
   import subprocess
   import sys
 
@@ -144,6 +145,10 @@ def test_record_study_lines_have_their_fields(model, tmp_path, monkeypatch) -> N
   assert kinds.count("trial") == len([t for t in trials(url, "r") if t.state != "reused"]) and kinds[-1] == "study"
   assert all(not missing(x) for x in lines), [missing(x) for x in lines]
   assert lines[-1]["projected_n"] == 200 and lines[-1]["projected_s"] > 0
-  bad = subprocess.run([sys.executable, "benchmarks/record.py", "study", "--storage", url, "--study", "nope", "--device", "d", "--model-name", "m",
-                        "--quant", "Q4_0", "--command", "c"], capture_output=True, text=True)
+  record = lambda study, *extra: subprocess.run([sys.executable, "benchmarks/record.py", "study", "--storage", url, "--study", study, "--device", "d",
+                                                 "--model-name", "m", "--quant", "Q4_0", "--command", "c", *extra], capture_output=True, text=True)
+  noted = [json.loads(x) for x in record("r", "--note", "a first study").stdout.splitlines()]
+  assert len(noted) == len(lines) and all(x["note"] == "a first study" for x in noted)
+  assert not any("note" in x for x in map(json.loads, record("r").stdout.splitlines()))
+  bad = record("nope")
   assert bad.returncode != 0 and "no study 'nope'" in bad.stderr

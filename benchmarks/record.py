@@ -72,7 +72,8 @@ def trial_lines(r: TrialResult, device: str, model_name: str, quant: str, config
   if r.ok:
     figures = {k: _round(m.get(k), n) for k, n in (("tok_s", 2), ("tok_s_min", 2), ("tok_s_max", 2), ("ms_per_token", 3), ("ms_p50", 3),
                ("ms_p90", 3), ("kernels_per_token", 0), ("graph_batches_per_token", 0), ("bytes_per_token", 0), ("gb_s", 2),
-               ("bandwidth_share", 4), ("prefill_tok_s", 1), ("peak_device_bytes", 0), ("host_peak_rss_bytes", 0)) if m.get(k) is not None}
+               ("bandwidth_share", 4), ("prefill_tok_s", 1), ("peak_device_bytes", 0), ("host_peak_rss_bytes", 0), ("kernel_us_per_token", 1))
+               if m.get(k) is not None}
     vs = {} if llama is None else {"llama_cpp_tok_s": (f := llama_figures(llama))["tok_s"], "llama_cpp_tok_s_stddev": f["tok_s_stddev"]}
     out.append(line("decode", knobs=describe(cfg) or "baseline", **figures, bandwidth_gb_s=_round(bw, 1),
                     compile_s=_round(r.phases.get("compile_s"), 2), **vs))
@@ -81,7 +82,7 @@ def trial_lines(r: TrialResult, device: str, model_name: str, quant: str, config
   if r.check: out.append(line("gate", name=config_name, state=r.status, **check_figures(r.check), check_s=_round(r.phases.get("check_s"), 2)))
   for p in r.profile:
     out.append(line("profile", rank=p["rank"], name=p["name"], count=p["count"], us_per_token=_round(p["us_per_token"], 2),
-                    us_per_launch=_round(p.get("us_per_launch"), 2), host_bound=p.get("host_bound"), share=_round(p["share"], 4),
+                    us_per_launch=_round(p.get("us_per_launch"), 2), share=_round(p["share"], 4),
                     gb_s=_round(p["gb_s"], 2),
                     bandwidth_share=_round(p["gb_s"] / bw, 4) if p["gb_s"] is not None and bw else None))
   return out

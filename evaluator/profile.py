@@ -1,19 +1,26 @@
 """Per-kernel profile of one decode step: the captured JIT's own kernels (the compiled programs and buffers the timed graph
-runs), each launched again outside the graph and timed on the device.
+runs), each launched again outside the graph and timed on the device, without the host's launch time.
 
-The launches of one kernel name run back to back, in the step's order over the layers, `reps` times, between two
-synchronisations: no launch waits for the host, and a kernel that reads a different weight in every layer reads it from
-memory as the step does, not from a cache warmed by repeating one launch. What a name costs per token is its mean launch
-time times its launches per step. The graph's own scheduling, the dependencies between kernels and the host's share are
-what the timed step costs beyond the sum of these (the evaluator reports both). A kernel shorter than the host's launch
-time (a few µs in Python) shows that launch time instead: those rows are marked `host_bound`.
+A kernel of a decode step runs for a few µs, less than a launch from Python takes, so timing launches from the host
+measures the host. Instead the device is kept busy first: a *sweep* (a reduction over a buffer as large as the bytes one
+step reads, up to 256 MiB) is launched m times, long enough on the device for the host to queue everything after it. Then,
+per repetition, one sweep (it also evicts the caches, as the rest of a step does between two uses of a weight) and the
+launches of one kernel name, in the step's order over the layers. The same sequence without the kernel's launches is timed
+too; the difference, divided by the launches, is the kernel's device time. The two are interleaved `rounds` times and the
+median difference is kept.
+
+What a name costs per token is its time per launch times its launches per step. The graph's own scheduling, the
+dependencies between kernels and the host's share are what the timed step costs beyond the sum of these (the evaluator
+reports both).
 """
 from __future__ import annotations
 
 import collections
+import math
+import statistics
 import time
 
-from tinygrad import Device
+from tinygrad import Device, Tensor, TinyJit, dtypes
 from tinygrad.engine.realize import get_graph_runtime, get_runtime, resolve_params, unwrap_multi
 from tinygrad.helpers import ansistrip
 from tinygrad.uop.ops import Ops, sym_infer
@@ -36,28 +43,64 @@ def _launches(jit) -> list[tuple]:
   return out
 
 
-def kernel_profile(jit, var_vals: dict[str, int], bandwidth_gbs: float | None = None, reps: int = 3, host_us: float = 6.0) -> list[dict]:
+def _calls(launches: list[tuple], var_vals: dict[str, int]) -> list:
+  """Each launch as a function that queues it on the device."""
+  def call(runtime, bufs: list, vals, gs, ls):
+    return lambda: runtime(*bufs, global_size=gs, local_size=ls, vals=vals)
+  out = []
+  for prg, runtime, bufs, dv in launches:
+    vv = {**var_vals, **dv}
+    out.append(call(runtime, [x.get_buf(x.device) for x in bufs], prg.arg.vals(vv), *prg.arg.launch_dims(vv)))
+  return out
+
+
+def _sweep(nbytes: int) -> tuple[list, TinyJit]:
+  """The sweep's launches (a sum over nbytes of float32) and the JIT holding its buffers."""
+  buf = Tensor.ones(max(1, nbytes // 4), dtype=dtypes.float32).contiguous().realize()
+  jit = TinyJit(lambda: buf.sum().contiguous())
+  for _ in range(2): jit()
+  return _calls(_launches(jit), {}), jit
+
+
+def _timed(dev, before: list, per_rep: list, reps: int) -> float:
+  dev.synchronize()
+  t0 = time.perf_counter()
+  for c in before: c()
+  for _ in range(reps):
+    for c in per_rep: c()
+  dev.synchronize()
+  return time.perf_counter() - t0
+
+
+def kernel_profile(jit, var_vals: dict[str, int], bandwidth_gbs: float | None = None, step_bytes: int = 256 << 20, launches: int = 64,
+                   rounds: int = 3) -> list[dict]:
   """Kernels of the step by device time per token: name, launches per step, µs per token, µs per launch, GB/s (tinygrad's
-  byte estimate over the time), share of the summed kernel time, and of the measured bandwidth where it is given."""
+  byte estimate over the time), share of the summed kernel time, and of the measured bandwidth where it is given.
+  step_bytes: what one step reads (the sweep reads as much, up to 256 MiB); launches: how many launches of a name are timed
+  together (its launches per step, repeated)."""
   groups: dict[str, list[tuple]] = collections.defaultdict(list)
   for launch in _launches(jit): groups[ansistrip(launch[0].arg.name)].append(launch)
   dev = Device[Device.DEFAULT]
+  sweep, _keep = _sweep(min(step_bytes, 256 << 20))
+  for c in sweep * 2: c()  # warm
+  dev.synchronize()
+  sweep_s = _timed(dev, [], sweep, 8) / 8  # the sweep's device time (its launches are far shorter than its run)
   rows = []
   for name, ls in groups.items():
-    args = [(runtime, [b.get_buf(b.device) for b in bufs], *prg.arg.launch_dims({**var_vals, **dv}), prg.arg.vals({**var_vals, **dv}))
-            for prg, runtime, bufs, dv in ls]
-    for runtime, bufs, gs, lsz, vals in args: runtime(*bufs, global_size=gs, local_size=lsz, vals=vals)  # warm: compiled, resident
-    dev.synchronize()
+    calls = _calls(ls, var_vals)
     t0 = time.perf_counter()
-    for _ in range(reps):
-      for runtime, bufs, gs, lsz, vals in args: runtime(*bufs, global_size=gs, local_size=lsz, vals=vals)
+    for c in calls: c()  # warm: compiled, resident; and the host's time to queue them
+    host_s = (time.perf_counter() - t0) / len(calls)
     dev.synchronize()
-    per_launch = (time.perf_counter() - t0) / (reps * len(ls)) * 1e6
+    reps = math.ceil(launches / len(calls))
+    busy = sweep * (math.ceil(1.5 * reps * (len(calls) * host_s + len(sweep) * 20e-6) / sweep_s) + 1)  # queue time covered twice over
+    diffs = [_timed(dev, busy, sweep + calls, reps) - _timed(dev, busy, sweep, reps) for _ in range(rounds)]
+    per_launch = max(statistics.median(diffs), 0.0) / (reps * len(calls)) * 1e6
     sink = ls[0][0].src[0]
     est = sink.arg.estimates if sink.op is Ops.SINK and sink.arg is not None else None
     mem = float(sym_infer(est.mem, {**var_vals, **ls[0][3]})) if est is not None else None
     rows.append({"name": name, "count": len(ls), "us_per_token": per_launch * len(ls), "us_per_launch": per_launch,
-                 "gb_s": mem / per_launch / 1e3 if mem else None, "host_bound": per_launch < host_us})
+                 "gb_s": mem / per_launch / 1e3 if mem and per_launch > 0 else None})
   total = sum(r["us_per_token"] for r in rows) or 1.0
   rows.sort(key=lambda r: -r["us_per_token"])
   for i, r in enumerate(rows):

@@ -76,7 +76,7 @@ def cmd_bench(args) -> None:
        "host_peak_rss_bytes": peak_rss_bytes(), **r, "config": cfg.to_dict()}
   if args.profile:
     from evaluator.profile import kernel_profile
-    d["profile"] = kernel_profile(gen.step_jit, {"start_pos": args.prompt_len})
+    d["profile"] = kernel_profile(gen.step_jit, {"start_pos": args.prompt_len}, step_bytes=r["bytes_per_token"])
   if args.json: print(json.dumps(d))
   else:
     print(f"{f.path.name}: {len(gen.model.blocks)} blocks, prompt {args.prompt_len}, {args.n} tokens x {args.rounds} rounds")
@@ -88,7 +88,9 @@ def cmd_bench(args) -> None:
           f"host peak {d['host_peak_rss_bytes'] / 1e9:.2f} GB")
     for k in d.get("profile", []):
       print(f"  {k['rank']:3d} {k['name'][:60]:60s} x{k['count']:<4d} {k['us_per_token']:9.1f} us/token {k['us_per_launch']:7.1f} us"
-            f" {k['share']:6.1%}" + (f" {k['gb_s']:8.1f} GB/s" if k["gb_s"] else "") + (" (host-bound)" if k["host_bound"] else ""))
+            f" {k['share']:6.1%}" + (f" {k['gb_s']:8.1f} GB/s" if k["gb_s"] else ""))
+    if d.get("profile"):
+      print(f"  kernels' device time {sum(k['us_per_token'] for k in d['profile']):.1f} us/token (a step takes {1e6 / r['tok_s']:.1f} us)")
 
 
 def main(argv: list[str] | None = None) -> None:

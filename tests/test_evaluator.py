@@ -38,7 +38,8 @@ def test_trial_reports_every_figure_and_repeats(baseline) -> None:
     assert m["tok_s_min"] <= m["tok_s"] <= m["tok_s_max"] and len(m["tok_s_rounds"]) == 2 and m["deterministic"]
     assert m["kernels_per_token"] > 10 and m["bytes_per_token"] > 1e5 and 0 < m["bandwidth_share"] < 1
     assert m["ms_p50"] <= m["ms_p90"] and m["peak_device_bytes"] > 0 and m["layers"] == 3
-    assert {"load_s", "compile_s", "prompt_s", "check_s", "warmup_s", "measure_s", "wall_s", "overhead_s"} <= set(r.phases)
+    assert {"load_s", "compile_s", "check_s", "warmup_s", "measure_s", "wall_s", "overhead_s"} <= set(r.phases)
+    assert "prompt_s" not in r.phases  # the check feeds the prompt through its own graph: no decode steps feed it first
     assert r.env["device"] == "CPU" and r.env["tinygrad_version"]
     assert m["beam"] == {"search_s": 0.0, "kernels": 0}  # BEAM=0: no BEAM search
   # the same config twice: the same tokens and the same work; the speed within the noise of a shared 2-core machine
@@ -53,7 +54,9 @@ def test_prefill_and_kernel_profile(ev) -> None:
   assert r.ok, r.error
   assert r.metrics["prefill_tok_s"] > 0 and "prefill_s" in r.phases and "profile_s" in r.phases
   assert r.profile and r.profile[0]["rank"] == 1 and 0 < sum(p["share"] for p in r.profile) <= 1.0001
-  assert all(p["us_per_token"] > 0 and p["count"] >= 1 for p in r.profile)
+  # device time without the host's launches: a kernel shorter than the timing noise of this shared CPU may read 0
+  assert all(p["us_per_token"] >= 0 and p["count"] >= 1 for p in r.profile) and r.profile[0]["us_per_token"] > 0
+  assert 0 < r.metrics["kernel_us_per_token"] == pytest.approx(sum(p["us_per_token"] for p in r.profile))
 
 
 def test_a_different_config_passes_the_gate_with_its_own_kernels(ev, baseline) -> None:

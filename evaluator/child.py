@@ -94,7 +94,7 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
     gate.make_reference(gen, bench_prompt(hp.vocab, spec.prompt_len), spec.check_positions).save(spec.write_reference)
     return
 
-  first, figures = prepare(gen, spec.prompt_len, spec.prefill, rec.phase)
+  first, figures = prepare(gen, spec.prompt_len, spec.prefill, rec.phase, feed=spec.reference is None)  # the check feeds the prompt
   res.metrics |= figures | {"peak_device_bytes": peak()}
 
   ref, tol = None, gate.tolerance(cfg)
@@ -119,7 +119,8 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
   if spec.profile:
     rec.phase("profile")
     from evaluator.profile import kernel_profile
-    res.profile = kernel_profile(gen.step_jit, {"start_pos": pos}, spec.bandwidth_gbs)
+    res.profile = kernel_profile(gen.step_jit, {"start_pos": pos}, spec.bandwidth_gbs, m["bytes_per_token"])
+    res.metrics["kernel_us_per_token"] = sum(p["us_per_token"] for p in res.profile)  # against ms_per_token: the graph's own cost
 
 
 def orphan_watch() -> None:

@@ -2,7 +2,7 @@
 `model bench` both run `prepare` then `measure` (the trial process checks the output between the two).
 
 prepare: the fixed prompt through the prefill graph (built, captured, then timed once) and the first decode steps, or, without
-prefill, through decode steps alone (the first two build and capture the decode graph). measure: warm-up steps, one step
+prefill, through decode steps alone (the first builds and captures the decode graph). measure: warm-up steps, one step
 counted for kernels and bytes, then `rounds` rounds of n greedy steps from the same start, each step timed."""
 from __future__ import annotations
 
@@ -38,22 +38,27 @@ def percentile(xs: list[float], q: float) -> float:
   return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1] if len(xs) > 1 else xs[0]
 
 
-def prepare(gen: Generator, prompt_len: int, prefill: bool, phase: Phase = lambda name: None) -> tuple[int, dict]:
-  """The prompt in the model's cache and the decode graph built: (the greedy token after the prompt, {prefill_tok_s})."""
+def prepare(gen: Generator, prompt_len: int, prefill: bool, phase: Phase = lambda name: None, feed: bool = True) -> tuple[int, dict]:
+  """The prompt in the model's cache and the decode graph built: (the greedy token after the prompt, {prefill_tok_s}).
+
+  feed=False (without prefill): only the decode graph is built; the caller puts the prompt into the cache itself (the
+  correctness check feeds it through the check graph, which writes the same cache), and the token returned is not the
+  prompt's."""
   prompt, out = bench_prompt(gen.model.hp.vocab, prompt_len), {}
   if prefill:
     phase("prefill")
-    for _ in range(2): gen.prefill(prompt)  # the JIT captures on its second call
+    gen.prefill(prompt)  # builds and captures the prefill graph
     t0 = time.perf_counter()
     first = int(gen.prefill(prompt)[-1].argmax())
     out["prefill_tok_s"] = len(prompt) / (time.perf_counter() - t0)
-    phase("compile")  # the first decode steps build the kernels (with the config's BEAM) and capture the JIT
+    phase("compile")  # the first decode step builds the kernels (with the config's BEAM) and captures the JIT
     _steps(gen, first, prompt_len, 2)
   else:
     phase("compile")
-    first = _feed(gen, prompt[:2])
-    phase("prompt")
-    first = _feed(gen, prompt[2:], start=2)
+    first = _feed(gen, prompt[:1])
+    if feed:
+      phase("prompt")
+      first = _feed(gen, prompt[1:], start=1)
   Device[Device.DEFAULT].synchronize()
   return first, out
 

@@ -30,6 +30,16 @@ class Slot:
     return self.tensor
 
 
+def capture_first(fn) -> TinyJit:
+  """A TinyJit that captures its graph on the first call. tinygrad's JIT runs a function's first call unjitted, for one-time
+  work such as realizing state made lazily; a Transformer's weights and caches, and every JIT input here (Slot), are
+  realized buffers before the first call, so that run would only schedule and lower the whole graph once more (on tinygrad's
+  NULL device, 8 GLM blocks of a per-op config: the decode graph's build 7.7 -> 6.5 s, the check graph's 3.3 -> 2.3 s)."""
+  jit = TinyJit(fn)
+  jit.cnt = 1
+  return jit
+
+
 def argmax_first(x: Tensor, group: int = 128) -> Tensor:
   """Index of the first maximum of a 1-D tensor, as np.argmax gives it: each group of `group` values finds its maximum and
   the first index holding it, then the smallest such index among the groups holding the overall maximum. Every maximum is
@@ -59,9 +69,9 @@ class Generator:
   def __init__(self, model: Transformer, chunk: int = 32):
     self.model, self.chunk, self.beam = model, min(chunk, model.max_context), model.cfg.beam
     self.pos = UOp.variable("start_pos", 0, model.max_context - 1)
-    self.prefill_jit, self.step_jit, self.step_logits_jit = TinyJit(self._prefill), TinyJit(self._step), TinyJit(self._step_logits)
-    self.sample_jit = TinyJit(self._sample)  # temperature > 0: the greedy graph computes no noise
-    self.check_jit, self.forced_jit = TinyJit(self._check), TinyJit(self._check)  # the correctness check's graphs: own / forced routing
+    self.prefill_jit, self.step_jit, self.step_logits_jit = capture_first(self._prefill), capture_first(self._step), capture_first(self._step_logits)
+    self.sample_jit = capture_first(self._sample)  # temperature > 0: the greedy graph computes no noise
+    self.check_jit, self.forced_jit = capture_first(self._check), capture_first(self._check)  # the correctness check's graphs: own / forced routing
     dev = model.device
     self.token, self.temperature, self.seed = Slot((1, 1), dtypes.int32, dev), Slot((1,), dtypes.float, dev), Slot((1,), dtypes.float, dev)
     self.chunk_tokens, self.forced = Slot((1, self.chunk), dtypes.int32, dev), None

@@ -152,3 +152,18 @@ def test_record_study_lines_have_their_fields(model, tmp_path, monkeypatch) -> N
   assert not any("note" in x for x in map(json.loads, record("r").stdout.splitlines()))
   bad = record("nope")
   assert bad.returncode != 0 and "no study 'nope'" in bad.stderr
+
+
+def test_a_re_measurement_runs_no_correctness_check() -> None:
+  """A config measured again (the baseline between trials, a near-best one before the end) passed the gate already."""
+  from types import SimpleNamespace
+
+  from evaluator.result import TrialResult
+  from model.structure import StructureConfig
+  from search import noise
+  calls = []
+  def run(config, stage, check=True, on_wait=None):
+    calls.append((stage, check))
+    return TrialResult("killed", {}, error="stopped")
+  runner = SimpleNamespace(ev=SimpleNamespace(stages=("block", "full"), run=run), on_event=lambda e: None)
+  assert noise._measure(runner, "h", StructureConfig(), None, "again") is False and calls == [("full", False)]

@@ -11,12 +11,13 @@
 #          speed (llama-bench built while the full-depth files are written, then llama-bench and a gated, profiled trial of
 #          $SPEED_CONFIG on each), broken (deliberately broken configs at full depth: faults of tests/inject, which the gate must
 #          reject), study47 (a full-depth GLM-4.7-Flash study, created with the issue configs enqueued or continued; BEAM
-#          pinned by $STUDY_FIX), cost47 (its cost table)
+#          pinned by $STUDY_FIX), cost47 (its cost table), truth (model bench of $SPEED_CONFIG on both full-depth files with the
+#          per-kernel profile of device time)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DEV=CUDA STRUCTSEARCH_CACHE=/tmp/sscache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-DB=sqlite:////tmp/structsearch.db
+DB=sqlite:////tmp/structsearch.db STUDY=${STUDY:-glm47-q4_0}
 [ -f /tmp/structsearch.db ] || [ ! -f .gpu/structsearch.db ] || cp .gpu/structsearch.db /tmp/  # a study carried from an earlier machine
 synth() { [ -f "$2" ] || python3 -m model synth --preset glm-4.7-flash --quant q4_0 --layers "$1" --out "$2"; }
 timed() { local t0=$SECONDS; "$@"; echo "[wall $((SECONDS - t0)) s: $*]" >&2; }  # on stderr: a step may send stdout to a file
@@ -107,19 +108,26 @@ for step in "$@"; do
            for m in glm47 ds; do
              ev run --model /tmp/$m.gguf --device CUDA --no-prefill --config "${SPEED_CONFIG:-benchmarks/configs/fused-native.json}" --profile \
                --json "$OUT/$m-gated.json"; done ;;
+    truth) synth 47 /tmp/glm47.gguf & S1=$!
+           [ -f /tmp/ds.gguf ] || timed python3 -m model synth --preset deepseek-v2-lite --quant q4_0 --out /tmp/ds.gguf
+           wait $S1
+           for m in glm47 ds; do
+             timed python3 -m model bench --model /tmp/$m.gguf --config "${SPEED_CONFIG:-benchmarks/configs/fused-native.json}" -n 32 --rounds 3 \
+               --profile | tee "$OUT/truth-$m.txt"; done ;;
     broken) echo '{"topk": "argmax"}' > /tmp/argmax.json
             for fc in broken_argmax_topk:/tmp/argmax.json scale_off_one_block:benchmarks/configs/fused-native.json \
                       dropped_residual_one_block:benchmarks/configs/baseline.json; do
               PYTHONPATH=$PYTHONPATH:$PWD/tests/inject STRUCTSEARCH_FAULT=${fc%%:*} ev run --model /tmp/glm47.gguf --device CUDA --no-prefill \
                 --config "${fc#*:}" --json "$OUT/broken-${fc%%:*}.json"; done ;;
-    study47) if python3 -m search status --study glm47-q4_0 --storage $DB > /dev/null 2>&1; then how=(--study glm47-q4_0)
-             else how=(--model /tmp/glm47.gguf --study glm47-q4_0 --device CUDA --no-prefill --seed 0 ${STUDY_FIX:---fix beam=0}
+    study47) if python3 -m search status --study "$STUDY" --storage $DB > /dev/null 2>&1; then how=(--study "$STUDY")
+             else how=(--model /tmp/glm47.gguf --study "$STUDY" --device CUDA --no-prefill --seed 0 ${STUDY_FIX---fix beam=0}
+                       --enqueue benchmarks/configs/fused-native.json --enqueue benchmarks/configs/best.json
                        --enqueue benchmarks/configs/moe-out-contiguous.json --enqueue benchmarks/configs/native-dense.json
-                       --enqueue benchmarks/configs/native-expert.json --enqueue benchmarks/configs/best.json
-                       --enqueue benchmarks/configs/fused-native.json); fi
-             timed python3 -m search start "${how[@]}" --storage $DB --trials "${STUDY_TRIALS:-12}" --timeout "${STUDY_TIMEOUT:-420}" --confirm 0
+                       --enqueue benchmarks/configs/native-expert.json); fi
+             timed python3 -m search start "${how[@]}" --storage $DB --trials "${STUDY_TRIALS:-12}" --timeout "${STUDY_TIMEOUT:-420}" \
+               --trial-timeout "${TRIAL_TIMEOUT:-300}" --confirm 0
              cp /tmp/structsearch.db "$OUT/" ;;
-    cost47) python3 -m search cost --study glm47-q4_0 --storage $DB
+    cost47) python3 -m search cost --study "$STUDY" --storage $DB
             python3 -m search status --study glm47-q4_0 --storage $DB ;;
     full) synth 47 /tmp/glm47.gguf && ev run --model /tmp/glm47.gguf --device CUDA --json "$OUT/trial_full.json"
           rec "$OUT/trial_full.json" run --model glm47.gguf --device CUDA ;;

@@ -11,7 +11,7 @@
 #          speed (llama-bench built while the full-depth files are written, then llama-bench and a gated, profiled trial of
 #          $SPEED_CONFIG on each), broken (deliberately broken configs at full depth: faults of tests/inject, which the gate must
 #          reject), study47 (a full-depth GLM-4.7-Flash study, created with the issue configs enqueued or continued; BEAM
-#          pinned by $STUDY_FIX), cost47 (its cost table), truth (model bench of $SPEED_CONFIG on both full-depth files with the
+#          pinned by $STUDY_FIX, the configs enqueued by $STUDY_ENQUEUE, its name $STUDY), cost47 (its cost table), truth (model bench of $SPEED_CONFIG on both full-depth files with the
 #          per-kernel profile of device time)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
@@ -119,11 +119,12 @@ for step in "$@"; do
                       dropped_residual_one_block:benchmarks/configs/baseline.json; do
               PYTHONPATH=$PYTHONPATH:$PWD/tests/inject STRUCTSEARCH_FAULT=${fc%%:*} ev run --model /tmp/glm47.gguf --device CUDA --no-prefill \
                 --config "${fc#*:}" --json "$OUT/broken-${fc%%:*}.json"; done ;;
-    study47) if python3 -m search status --study "$STUDY" --storage $DB > /dev/null 2>&1; then how=(--study "$STUDY")
+    study47) synth 47 /tmp/glm47.gguf
+             if python3 -m search status --study "$STUDY" --storage $DB > /dev/null 2>&1; then how=(--study "$STUDY")
              else how=(--model /tmp/glm47.gguf --study "$STUDY" --device CUDA --no-prefill --seed 0 ${STUDY_FIX---fix beam=0}
-                       --enqueue benchmarks/configs/fused-native.json --enqueue benchmarks/configs/best.json
+                       ${STUDY_ENQUEUE---enqueue benchmarks/configs/fused-native.json --enqueue benchmarks/configs/best.json
                        --enqueue benchmarks/configs/moe-out-contiguous.json --enqueue benchmarks/configs/native-dense.json
-                       --enqueue benchmarks/configs/native-expert.json); fi
+                       --enqueue benchmarks/configs/native-expert.json}); fi
              timed python3 -m search start "${how[@]}" --storage $DB --trials "${STUDY_TRIALS:-12}" --timeout "${STUDY_TIMEOUT:-420}" \
                --trial-timeout "${TRIAL_TIMEOUT:-300}" --confirm 0
              cp /tmp/structsearch.db "$OUT/" ;;

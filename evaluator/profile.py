@@ -25,6 +25,8 @@ from tinygrad.engine.realize import get_graph_runtime, get_runtime, resolve_para
 from tinygrad.helpers import ansistrip
 from tinygrad.uop.ops import Ops, sym_infer
 
+from model.generate import capture_first
+
 
 def _launches(jit) -> list[tuple]:
   """(program, runtime, buffers, device vars) of every kernel one replay of a captured JIT runs, in order. Kernels that read
@@ -57,8 +59,7 @@ def _calls(launches: list[tuple], var_vals: dict[str, int]) -> list:
 def _sweep(nbytes: int) -> tuple[list, TinyJit]:
   """The sweep's launches (a sum over nbytes of float32) and the JIT holding its buffers."""
   buf = Tensor.ones(max(1, nbytes // 4), dtype=dtypes.float32).contiguous().realize()
-  jit = TinyJit(lambda: buf.sum().contiguous())
-  for _ in range(2): jit()
+  (jit := capture_first(lambda: buf.sum().contiguous()))()
   return _calls(_launches(jit), {}), jit
 
 

@@ -57,6 +57,11 @@ class TrialResult:
   @property
   def tok_s(self) -> float | None: return self.metrics.get("tok_s") if self.ok else None
 
+  @property
+  def cost_s(self) -> float:
+    """What the run cost: its process's wall seconds plus the setup paid before it (reference, bandwidth figure)."""
+    return self.phases.get("wall_s", 0.0) + self.phases.get("setup_s", 0.0)
+
   def to_dict(self) -> dict[str, Any]: return dataclasses.asdict(self)
   def to_json(self) -> str: return json.dumps(self.to_dict())
 

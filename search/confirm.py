@@ -45,7 +45,7 @@ def confirm(url: str, name: str, top: int = 3, pairs: int = 3, rounds: int = 5, 
       for side, h, trial in (("a", BASELINE, None), ("b", t.config_hash, t)):
         for r in getattr(c, side):
           if r.ok: store.add_measurement(s, study.id, h, r.spec["stage"], r.tok_s, "confirm", trial=trial, rounds=r.metrics.get("tok_s_rounds"),
-                                         wall_s=r.phases.get("wall_s", 0.0) + r.phases.get("setup_s", 0.0))
+                                         wall_s=r.cost_s)
     verdict = ("failed" if fields["status"] != "ok" else "faster than the baseline in every pair" if fields["speedup_low"] > 1 else
                "not faster than the baseline" if fields["speedup"] <= 1 else "not faster in every pair: inconclusive")
     say(f"  {fields['status']}: speedup {fields['speedup']:.3f}x [{fields['speedup_low']:.3f}, {fields['speedup_high']:.3f}]: {verdict}")

@@ -39,7 +39,7 @@ def _measure(runner: Runner, h: str, cfg: StructureConfig, trial: store.Trial | 
     return False
   with session(runner.engine) as s:
     store.add_measurement(s, runner.row.id, h, runner.ev.stages[-1], res.tok_s, "repeat", trial=trial, rounds=res.metrics.get("tok_s_rounds"),
-                          wall_s=res.phases.get("wall_s", 0.0) + res.phases.get("setup_s", 0.0))
+                          wall_s=res.cost_s)
     e = store.estimates(s, runner.row)[h]
   say(f"{why}: {res.tok_s:.2f} tok/s; estimate {interval(e)} over {e.n} measurements")
   return True

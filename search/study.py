@@ -282,7 +282,7 @@ class Runner:
     stages, res = (["full"] if mode == "full" else self.ev.stages), None
     for stage in stages:
       res = self.ev.run(cfg.to_dict(), stage, on_phase=phase(stage), on_wait=wait)
-      spent += res.phases.get("wall_s", 0.0) + res.phases.get("setup_s", 0.0)
+      spent += res.cost_s
       if stage == "block" and len(stages) > 1:
         block = res
         if not res.ok: break

@@ -16,7 +16,7 @@ from model import backends as K
 from model import weights as W
 from model.errors import ConfigError
 from model.gguf_file import GGUFError, GGUFFile
-from model.quants import F32
+from model.quants import F32, QUANT_TYPES
 from model.structure import StructureConfig
 from model.weights import QWeight, upload
 
@@ -343,6 +343,9 @@ class Transformer:
       if name not in f.tensors: raise GGUFError(f"{f.path.name}: tensor {name} is missing")
       info = f.tensors[name]
       if norm and info.ggml_type == F32: return upload(f.read(name).view(np.float32).reshape(-1), device)
+      quant = QUANT_TYPES[info.ggml_type].name
+      if stage in ("moe", "ffn") and self.cfg.stage(stage) and self.cfg.ffn_act == "q8" and quant not in K.Q8_TYPES:
+        raise ConfigError(f"ffn_act=q8 needs the fused {stage} stage's weights in {' or '.join(K.Q8_TYPES)}; {name} is {quant}")
       w = QWeight.from_bytes(f.read(name), info.ggml_type, shape or info.shape, device)
       self.load_peak_bytes = max(self.load_peak_bytes, GlobalCounters.mem_used)
       if norm: return w.to_float().reshape(-1).contiguous().realize()

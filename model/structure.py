@@ -30,6 +30,7 @@ QUANT_NAMES = ("F32", "F16", "BF16", "Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 MLA_ABSORB = ("runtime", "load")
 DTYPES = ("float16", "float32")
 ATTENTION = ("explicit", "sdpa")
+FFN_ACTS = ("float32", "q8")  # the fused FFN stages' activations (model/backends: Q8_TYPES)
 BEAM_WIDTHS = (0, 1, 2, 4, 8)
 # tinygrad process settings that change generated code or its execution: StructureConfig field -> (environment variable, allowed values)
 PROCESS_SETTINGS: dict[str, tuple[str, tuple]] = {
@@ -60,6 +61,7 @@ class StructureConfig:
   kv_dtype: str = "float16"
   attention: str = "explicit"
   act_dtype: str = "float32"
+  ffn_act: str = "float32"  # the fused FFN stages' activations: float32, or q8 (rounded to 8 bits per 32, llama.cpp's mmvq)
   router_fp32: bool = True
   beam: int = 0
   beam_upcast_max: int = 256
@@ -88,6 +90,9 @@ class StructureConfig:
       raise ConfigError("fused.attention absorbs k_b per token: it needs mla_absorb=runtime")
     if "moe" in self.fused and (k := next((k for k in self.backends if k.endswith(":expert")), None)):
       raise ConfigError(f"backends.{k} does not apply with fused.moe: the fused stage reads the expert weights itself")
+    _check("ffn_act", self.ffn_act, FFN_ACTS)
+    if self.ffn_act != "float32" and not {"moe", "ffn"} & set(self.fused):
+      raise ConfigError(f"ffn_act={self.ffn_act} is read by the fused FFN stages only: set fused.moe or fused.ffn")
     for name, allowed in (("topk", TOPK_VARIANTS), ("mla_absorb", MLA_ABSORB), ("kv_dtype", DTYPES),
                           ("attention", ATTENTION), ("act_dtype", DTYPES), ("beam", BEAM_WIDTHS),
                           *((f, allowed) for f, (_, allowed) in PROCESS_SETTINGS.items())):

@@ -23,6 +23,7 @@ from model.structure import (
   BEAM_WIDTHS,
   DEFAULT_BARRIERS,
   DTYPES,
+  FFN_ACTS,
   MLA_ABSORB,
   PROCESS_SETTINGS,
   TOPK_VARIANTS,
@@ -30,7 +31,7 @@ from model.structure import (
   StructureConfig,
 )
 
-SPACE_VERSION = 4
+SPACE_VERSION = 5
 GPU_DEVICES = ("CUDA", "NV", "AMD", "METAL", "CL", "QCOM", "WEBGPU")  # renderers with local (workgroup) dims
 GRAPH_DEVICES = ("CUDA", "NV", "AMD", "METAL")  # devices whose JIT batches kernels into graphs
 
@@ -44,10 +45,13 @@ class ModelInfo:
   quants: dict[str, tuple[str, ...]]  # role -> quant types of that role's weight matrices
   mergeable: frozenset[str] = frozenset()  # FFN kinds whose gate and up share one type in every block (routed, shared, dense)
   split_kv_b: bool = True  # attn_k_b/attn_v_b tensors (False: the legacy attn_kv_b, which the fused attention does not read)
+  ffn_quants: tuple[str, ...] = ()  # quant types of the FFN matrices (gate, up, down: routed, shared and dense)
 
   @classmethod
   def from_gguf(cls, f: GGUFFile) -> ModelInfo:
     roles: dict[str, set[str]] = {"dense": set(), "expert": set()}
+    ffn = {QUANT_TYPES[t.ggml_type].name for t in f.tensors.values() if t.name.split(".")[-2].startswith(("ffn_gate", "ffn_up", "ffn_down"))
+           and t.name.split(".")[-2] != "ffn_gate_inp"}
     for t in f.tensors.values():
       if len(t.shape) < 2 or t.name.endswith(("norm.weight", "ffn_gate_inp.weight")): continue
       roles["expert" if "_exps." in t.name else "dense"].add(QUANT_TYPES[t.ggml_type].name)
@@ -59,7 +63,7 @@ class ModelInfo:
     return cls(moe=bool(roles["expert"]), dense_blocks=n_dense > 0, shared_experts=any("_shexp." in n for n in f.tensors),
                quants={r: tuple(sorted(q)) for r, q in roles.items() if q},
                mergeable=frozenset(k for k, (g, u) in pairs.items() if same_types(g, u)),
-               split_kv_b=not any(n.endswith("attn_kv_b.weight") for n in f.tensors))
+               split_kv_b=not any(n.endswith("attn_kv_b.weight") for n in f.tensors), ffn_quants=tuple(sorted(ffn)))
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,12 @@ def knobs(info: ModelInfo, device: str = "CPU") -> list[Knob]:
          Knob("attention", ATTENTION, "explicit", _always, "explicit matmul+softmax or scaled_dot_product_attention"),
          Knob("act_dtype", DTYPES, "float32", _always, "residual stream dtype"),
          Knob("router_fp32", (True, False), True, _moe, "router matmul input in float32")]
+  ffn_stages = [s for s in ("moe", "ffn") if _STAGE_APPLIES[s](info) and backends.stage_choices(s, device)]
+  if ffn_stages and info.ffn_quants and set(info.ffn_quants) <= set(backends.Q8_TYPES):
+    choices = backends.stage_choices(ffn_stages[0], device)
+    ks.append(Knob("ffn_act", FFN_ACTS, "float32", _always, "the fused FFN stages' activations: float32, or rounded to 8 bits per 32 "
+                   "with integer dot products (llama.cpp's mmvq)", lambda v: any(v.get(f"fused.{s}", "off") != "off" for s in ("moe", "ffn")),
+                   ((f"fused.{ffn_stages[0]}", "native" if "native" in choices else choices[0]),)))
   for role, quants in info.quants.items():
     ks += [Knob(f"backend.{q}.{role}", backends.choices(q, device), "tensor", _always, f"kernel backend for {q} {role} weights",
                 _stage_off("moe", "") if role == "expert" else None) for q in quants]

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 from tinygrad import Tensor, dtypes
 
-from model.backends import expert, linear, per_head
+from model.backends import cuda_src, expert, linear, per_head
 from model.quants import BF16, LAYOUTS, QUANT_TYPES
 from model.weights import QWeight
 
@@ -23,6 +25,15 @@ def random_blocks(rng: np.random.Generator, ggml_type: int, shape: tuple[int, ..
     else: continue
     blocks[..., a:b] = v.view(np.uint8)
   return blocks
+
+
+def kernel_weight(t: int, shape: tuple[int, ...], seed: int) -> tuple[list[np.ndarray], np.ndarray]:
+  """Random GGUF blocks of a weight as the native kernel's planes (model/quants.py's `planes`, in plane_types order), and
+  the weight dequantized by gguf, float64."""
+  blocks = random_blocks(np.random.default_rng(seed), t, shape)
+  planes = {k: blocks[..., a:b].copy().view(np.dtype(dt.fmt)) for k, (a, b, dt) in LAYOUTS[t].items()}
+  w = dequantize(blocks.reshape(blocks.shape[0], -1), GGMLQuantizationType(t)).astype(np.float64).reshape(shape)
+  return [planes[k] for k, _ in cuda_src.plane_types(t)], w
 
 
 def random_weight(rng: np.random.Generator, ggml_type: int, shape: tuple[int, ...], backend: str = "tensor") -> QWeight:

@@ -8,12 +8,9 @@ import os
 import cuda_cpu
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
-from products import TYPES, random_blocks
+from products import TYPES, kernel_weight
 
 from model.backends import cuda_src
-from model.quants import LAYOUTS
 
 
 @pytest.fixture(autouse=True)
@@ -258,15 +255,6 @@ def test_compile_errors_show_gxx_message() -> None:
 ROWS, IN, E, K = 10, 2304, 4, 3  # 10 rows: the last block's last two warps have none; 2304: 9 K-quant blocks, more units than lanes
 
 
-def _weight(t: int, shape: tuple[int, ...], seed: int) -> tuple[list[np.ndarray], np.ndarray]:
-  """Random GGUF blocks of a weight as the native kernel's planes (model/quants.py's `planes`, in plane_types order), and
-  the weight dequantized by gguf, float64."""
-  blocks = random_blocks(np.random.default_rng(seed), t, shape)
-  planes = {k: blocks[..., a:b].copy().view(np.dtype(dt.fmt)) for k, (a, b, dt) in LAYOUTS[t].items()}
-  w = dequantize(blocks.reshape(blocks.shape[0], -1), GGMLQuantizationType(t)).astype(np.float64).reshape(shape)
-  return [planes[k] for k, _ in cuda_src.plane_types(t)], w
-
-
 def _run(role: str, t: int, shape: tuple[int, ...], out: np.ndarray, args: list, **dims: int) -> np.ndarray:
   k = cuda_src.product(role, t, shape, **dims)
   cuda_cpu.launch(k.src, k.name, k.grid, (cuda_src.THREADS, 1, 1), [out, *args])
@@ -283,19 +271,19 @@ def test_native_kernels_equal_the_dequantized_product(quant: str) -> None:
   hit the last expert."""
   t, rng = TYPES[quant], np.random.default_rng(5)
   x = lambda *s: rng.standard_normal(s).astype(np.float32)
-  planes, w = _weight(t, (ROWS, IN), 6)
+  planes, w = kernel_weight(t, (ROWS, IN), 6)
   for n, tn in ((1, 1), (13, 8)):
     xi = x(n, IN)
     got = _run("dense", t, (ROWS, IN), np.zeros((n, ROWS), np.float32), [xi, *planes], tn=tn, n=n)
     assert rel_err(got, xi @ w.T) < 1e-5, (quant, n)
   H, n, inp = 3, 2, 512
-  planes, w = _weight(t, (H, ROWS, inp), 7)
+  planes, w = kernel_weight(t, (H, ROWS, inp), 7)
   xh = x(n, H, inp)
   got = _run("per_head", t, (H, ROWS, inp), np.zeros((n, H, ROWS), np.float32), [xh, *planes], tn=n, n=n, heads=H)
   assert rel_err(got, np.einsum("nhi,hoi->nho", xh, w)) < 1e-5, quant
   got = _run("per_head", t, (H, ROWS, inp), np.zeros((1, H, ROWS), np.float32), [xh[:1], *planes], tn=1, n=1, heads=H)
   assert rel_err(got, np.einsum("nhi,hoi->nho", xh[:1], w)) < 1e-5, quant
-  planes, w = _weight(t, (E, ROWS, IN), 8)
+  planes, w = kernel_weight(t, (E, ROWS, IN), 8)
   sel = np.array([E - 1, E - 1, 0, 1, E - 1, 2], np.int32)  # 2 tokens x K slots
   for xk in (1, K):
     xe = x(len(sel) // K * xk, IN)

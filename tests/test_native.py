@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 from knobcheck import assert_close, check_knob, check_process_setting, gguf, mix_info
 from native_cpu import native_on_cpu
-from products import check_products
+from products import TYPES, check_products, kernel_weight
 from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import Ops
 
+from evaluator.gate import FP16_TOL, rel_err
 from model.backends import STAGES, cuda_src, native
 from model.deepseek2 import Transformer
 from model.generate import Generator, jit_kernels
@@ -107,6 +108,59 @@ def test_fused_stages_in_the_cpu_emulator(gguf_file, monkeypatch, preset: str, m
   base = eager_logits(path, StructureConfig())
   with native_on_cpu(monkeypatch): got = eager_logits(path, StructureConfig.from_dict(ALL_NATIVE))
   assert_close("all stages native", got, base, 2e-2)
+
+
+@pytest.mark.parametrize("quant", ["Q4_0", "Q8_0"])
+def test_q8_kernels_compute_the_dsl_twins_rounding(quant: str) -> None:
+  """ffn_act=q8: the native glu and down kernels (in the emulator) equal float products of the activations rounded by the
+  dsl twin's q8_round. Down reads its input as given, so it matches to float rounding; glu normalises first, and a value
+  whose norm differs by an ulp may round to the neighbouring 8-bit step (one element of one row: ~1e-3 of the row)."""
+  from model.backends.dsl import q8_round
+  t, rng = TYPES[quant], np.random.default_rng(3)
+  dim, F, E, K, Fs = 256, 64, 8, 2, 128
+  W = lambda inp: cuda_src.W("", t, inp)
+  routed, plain = cuda_src.FFN(W(dim), W(dim), W(F), F, E, F, 0), cuda_src.FFN(W(dim), W(dim), W(Fs), Fs, 0, Fs, 0)
+  (g, gw), (u, uw), (sg, sgw), (su, suw) = (kernel_weight(t, s, i) for i, s in enumerate([(E, F, dim), (E, F, dim), (Fs, dim), (Fs, dim)]))
+  (d, dw), (sd, sdw) = kernel_weight(t, (E, dim, F), 5), kernel_weight(t, (dim, Fs), 6)
+  x, gamma = rng.standard_normal(dim).astype(np.float32), rng.standard_normal(dim).astype(np.float32)
+  sel, wts = np.array([3, 7], np.int32), np.array([0.6, 0.4], np.float32)
+  q8 = lambda v: q8_round(Tensor(v.astype(np.float32))).numpy().astype(np.float64)
+  k = cuda_src.glu(routed, plain, K, dim, 1e-5, 8, q8=True)
+  act = np.zeros(K * F + Fs, np.float32)
+  cuda_cpu.launch(k.src, k.name, k.grid, (cuda_src.THREADS, 1, 1), [act, x, gamma, sel, *g, *u, *sg, *su])
+  xn = q8(x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-5) * gamma)
+  silu = lambda a: a / (1 + np.exp(-a))
+  want = np.concatenate([silu(gw[e] @ xn) * (uw[e] @ xn) for e in sel] + [silu(sgw @ xn) * (suw @ xn)])
+  assert rel_err(act[None], want[None]).max() < 3e-3
+  k = cuda_src.down(routed, plain, K, dim, 8, q8=True)
+  out = np.zeros(dim, np.float32)
+  cuda_cpu.launch(k.src, k.name, k.grid, (cuda_src.THREADS, 1, 1), [out, x, act, sel, wts, *d, *sd])
+  want = x + sum(wk * (dw[e] @ q8(act[i * F:(i + 1) * F])) for i, (e, wk) in enumerate(zip(sel, wts, strict=True))) + sdw @ q8(act[K * F:])
+  assert rel_err(out[None], want[None]).max() < 1e-5
+  f32 = cuda_src.down(routed, plain, K, dim, 8)
+  cuda_cpu.launch(f32.src, f32.name, f32.grid, (cuda_src.THREADS, 1, 1), [out, x, act, sel, wts, *d, *sd])
+  assert rel_err(out[None], want[None]).max() > 1e-4, "q8 activations compute what float32 ones do"
+
+
+@pytest.mark.parametrize("mix", ["q4_0", "q8_0"])
+def test_q8_activations_in_the_cpu_emulator(gguf_file, monkeypatch, mix: str) -> None:
+  """ffn_act=q8 on the fused FFN stages, native (emulated) and dsl, in a model: decode logits near the baseline's and its
+  top token where decisive. 8-bit activations are llama.cpp's arithmetic, not a float reordering: on this 3-block file
+  they move the logits by up to 5.2e-2 of their std (free routing), so the bound is twice the gate's FP16_TOL; the exact
+  check of the arithmetic is the kernel test above."""
+  path = gguf_file("tiny", mix)
+  base = eager_logits(path, StructureConfig())
+  cfg = lambda b: StructureConfig(fused={"moe": b, "ffn": b}, ffn_act="q8")
+  with native_on_cpu(monkeypatch): assert_close("native, q8", eager_logits(path, cfg("native")), base, 2 * FP16_TOL)
+  assert_close("dsl, q8", eager_logits(path, cfg("dsl")), base, 2 * FP16_TOL)
+
+
+def test_q8_activations_need_a_fused_ffn_stage_and_integer_codes(gguf_file) -> None:
+  with pytest.raises(ConfigError, match="fused FFN stages only"): StructureConfig(ffn_act="q8")
+  with pytest.raises(ConfigError, match="ffn_act=q8 needs the fused moe stage's weights in Q4_0 or Q8_0; blk.1.ffn_gate_exps.weight is Q4_K"):
+    Transformer(GGUFFile(gguf_file("tiny", "q4_k")), StructureConfig(fused={"moe": "dsl"}, ffn_act="q8"), max_context=16)
+  names = lambda mix: {k.name for k in knobs(mix_info(mix), "CUDA")}
+  assert "ffn_act" in names("q4_0") and "ffn_act" in names("q8_0") and "ffn_act" not in names("q4_k_m")
 
 
 @pytest.mark.skipif(native.available(), reason="checks the refusal where native cannot run")

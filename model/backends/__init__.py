@@ -29,6 +29,9 @@ ROLES = ("dense", "expert")
 #              projections with the routing weights, the shared expert and the residual add
 #   ffn:       the same pair of kernels for a dense FFN block
 STAGES = ("attention", "router", "moe", "ffn")
+# weight types whose fused FFN stages (moe, ffn) can read 8-bit activations (StructureConfig.ffn_act = q8): one scale per
+# block and byte or nibble codes, so the native kernels dot them with the quantized activations in integers (dp4a)
+Q8_TYPES = ("Q4_0", "Q8_0")
 
 
 def device_kind(device: str) -> str:

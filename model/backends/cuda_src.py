@@ -40,75 +40,105 @@ PRELUDE = r"""
 #ifdef __CUDACC_RTC__
 __device__ __forceinline__ float h2f(unsigned short h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
 __device__ __forceinline__ unsigned short f2h(float f) { unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+#define PREFETCH(p) asm volatile("prefetch.global.L2 [%0];" :: "l"(p))
+#else
+#define PREFETCH(p) ((void)(p))
 #endif
 __device__ __forceinline__ float group_sum(float a, int g) { for (int m = g >> 1; m > 0; m >>= 1) a += __shfl_xor_sync(0xffffffffu, a, m); return a; }
 __device__ __forceinline__ float warp_max(float a) { for (int m = 16; m > 0; m >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, m)); return a; }
 """
 
 
-def _words(v: str, expr: str, n16: int) -> str:
-  """C: n16 16-byte loads from `expr` into the 32-bit words v[0..4*n16)."""
-  loads = " ".join(f"const uint4 {v}{i} = *(const uint4*)({expr} + {16 * i});" for i in range(n16))
-  return f"{loads} const unsigned {v}[{4 * n16}] = {{{', '.join(f'{v}{i}.{c}' for i in range(n16) for c in 'xyzw')}}};"
+def _words(v: str, expr: str, n16: int) -> tuple[tuple[tuple[str, str, str], ...], str]:
+  """n16 16-byte loads from the byte address `expr` (loads), and the 32-bit words v[0..4*n16) made of them (decode)."""
+  loads = tuple(("uint4", f"{v}{i}", f"{expr} + {16 * i}") for i in range(n16))
+  return loads, f"const unsigned {v}[{4 * n16}] = {{{', '.join(f'{v}{i}.{c}' for i in range(n16) for c in 'xyzw')}}};"
 
 
 @dataclass(frozen=True)
 class Unit:
-  """One type's unit: `elems` input elements, read from row `row` (a size_t) at unit index `u` by `setup` (C; `$` stands for
-  the weight's plane prefix, `$NB` for its blocks per row, `$IN` for its row length). Quantized types: `groups` of
-  (scale, min, ((element, code), ...)) with unsigned integer codes; float types: one group (None, None, ((element, value), ...))."""
+  """One type's unit: `elems` input elements of row `row` (a size_t) at unit index `u`. `index` (C) computes the indices the
+  unit's memory reads need (`$` stands for the weight's plane prefix, `$NB` for its blocks per row, `$IN` for its row
+  length); `loads` are those reads, (C type, name, byte address); `decode` (C) turns them into what the groups use.
+  Quantized types: `groups` of (scale, min, ((element, code), ...)) with unsigned integer codes; float types: one group
+  (None, None, ((element, value), ...)). Reads apart from decoding let a kernel issue every read of its rows at once."""
   elems: int
-  setup: str
+  index: str
+  loads: tuple[tuple[str, str, str], ...]
+  decode: str
   groups: tuple[tuple[str | None, str | None, tuple[tuple[int, str], ...]], ...]
   xbase: str  # C: the row offset of element 0 of unit {u}
   xoff: Callable[[int], int]  # element -> offset from xbase
+  # integer dot products with 8-bit activations (types whose codes are bytes or nibbles of one scale): (C int of 4 codes,
+  # the index of the 4 activations' word) per dp4a, the scale, and the codes' offset (the value of a code c is c + ioff)
+  idot: tuple[tuple[str, int], ...] = ()
+  iscale: str = ""
+  ioff: int = 0
 
   @property
   def quantized(self) -> bool: return self.groups[0][0] is not None
+
+
+def _b(plane: str) -> str: return f"(const unsigned char*)${plane}"
 
 
 def _k_quant(qh: bool) -> Unit:
   """Q4_K, or Q5_K with its fifth bits (bit g of qh byte e for element e of group g). Unit j of a block: qs bytes 32j..
   hold group 2j (low nibbles) and 2j+1 (high); 6-bit scales and mins as ggml's get_scale_min_k4."""
   fifth = lambda h: f" | (((BYTE(qh, {{e}}) >> (2 * j + {h})) & 1u) << 4)" if qh else ""
-  setup = ("const size_t b = row * $NB + (u >> 2); const int j = u & 3; const float d = h2f($d[b]), dmin = h2f($dmin[b]);"
-           " const unsigned char* s = $sc + b * 12; float sc[2], mn[2];"
-           " for (int h = 0; h < 2; h++) { const int g = 2 * j + h;"
-           " sc[h] = d * (float)(g < 4 ? s[g] & 63 : (s[g + 4] & 15) | ((s[g - 4] >> 6) << 4));"
-           " mn[h] = dmin * (float)(g < 4 ? s[g + 4] & 63 : (s[g + 4] >> 4) | ((s[g] >> 6) << 4)); } "
-           + _words("q", "$qs + b * 128 + j * 32", 2) + (" " + _words("qh", "$qh + b * 32", 2) if qh else ""))
+  ql, qd = _words("q", f"{_b('qs')} + b * 128 + j * 32", 2)
+  hl, hd = _words("qh", f"{_b('qh')} + b * 32", 2) if qh else ((), "")
+  loads = (("unsigned short", "dh", f"{_b('d')} + b * 2"), ("unsigned short", "mh", f"{_b('dmin')} + b * 2"),
+           *(("unsigned", f"sw{i}", f"{_b('sc')} + b * 12 + {4 * i}") for i in range(3)), *ql, *hl)
+  decode = ("const float d = h2f(dh), dmin = h2f(mh); const unsigned sw[3] = {sw0, sw1, sw2}; float sc[2], mn[2];"
+            " for (int h = 0; h < 2; h++) { const int g = 2 * j + h;"
+            " sc[h] = d * (float)(g < 4 ? BYTE(sw, g) & 63u : (BYTE(sw, g + 4) & 15u) | ((BYTE(sw, g - 4) >> 6) << 4));"
+            " mn[h] = dmin * (float)(g < 4 ? BYTE(sw, g + 4) & 63u : (BYTE(sw, g + 4) >> 4) | ((BYTE(sw, g) >> 6) << 4)); } " + qd + " " + hd)
   groups = tuple((f"sc[{h}]", f"-mn[{h}]", tuple((32 * h + e, f"((BYTE(q, {e}) {'& 15u' if h == 0 else '>> 4'}){fifth(h).format(e=e)})")
                                                for e in range(32))) for h in range(2))
-  return Unit(64, setup, groups, "{u} * 64", lambda e: e)
+  return Unit(64, "const size_t b = row * $NB + (u >> 2); const int j = u & 3;", loads, decode, groups, "{u} * 64", lambda e: e)
 
 
 def _q6_k() -> Unit:
   """Q6_K unit (half hh, j0) of a block: ql bytes 64hh+32j0.. hold quarters j0 (low nibbles) and 2+j0 (high) of half hh;
   their high 2 bits sit at bits 2j of qh bytes 32hh..; one int8 scale per 16 elements."""
-  setup = ("const size_t b = row * $NB + (u >> 2); const int hh = (u >> 1) & 1, j0 = u & 1; const float d = h2f($d[b]);"
-           " const signed char* s = $sc + b * 16 + hh * 8;"
-           " const float s0 = d * (float)s[j0 * 2], s1 = d * (float)s[j0 * 2 + 1], s2 = d * (float)s[j0 * 2 + 4], s3 = d * (float)s[j0 * 2 + 5]; "
-           + _words("l", "$ql + b * 128 + hh * 64 + j0 * 32", 2) + " " + _words("hb", "$qh + b * 64 + hh * 32", 2))
+  ll, ld = _words("l", f"{_b('ql')} + b * 128 + hh * 64 + j0 * 32", 2)
+  hl, hd = _words("hb", f"{_b('qh')} + b * 64 + hh * 32", 2)
+  loads = (("unsigned short", "dh", f"{_b('d')} + b * 2"), *(("unsigned", f"sw{i}", f"{_b('sc')} + b * 16 + hh * 8 + {4 * i}") for i in range(2)),
+           *ll, *hl)
+  sc = lambda i: f"d * (float)(signed char)BYTE(sw, {i})"
+  decode = (f"const float d = h2f(dh); const unsigned sw[2] = {{sw0, sw1}}; const float s0 = {sc('j0 * 2')}, s1 = {sc('j0 * 2 + 1')},"
+            f" s2 = {sc('j0 * 2 + 4')}, s3 = {sc('j0 * 2 + 5')}; {ld} {hd}")
   lo = lambda e: f"((BYTE(l, {e}) & 15u) | (((BYTE(hb, {e}) >> (2 * j0)) & 3u) << 4))"
   hi = lambda e: f"((BYTE(l, {e}) >> 4) | (((BYTE(hb, {e}) >> (2 * j0 + 4)) & 3u) << 4))"
   groups = (("s0", "-32.f * s0", tuple((e, lo(e)) for e in range(16))), ("s1", "-32.f * s1", tuple((e, lo(e)) for e in range(16, 32))),
             ("s2", "-32.f * s2", tuple((32 + e, hi(e)) for e in range(16))), ("s3", "-32.f * s3", tuple((32 + e, hi(e)) for e in range(16, 32))))
-  return Unit(64, setup, groups, "({u} >> 2) * 256 + (({u} >> 1) & 1) * 128 + ({u} & 1) * 32", lambda e: e if e < 32 else e + 32)
+  return Unit(64, "const size_t b = row * $NB + (u >> 2); const int hh = (u >> 1) & 1, j0 = u & 1;", loads, decode, groups,
+              "({u} >> 2) * 256 + (({u} >> 1) & 1) * 128 + ({u} & 1) * 32", lambda e: e if e < 32 else e + 32)
+
+
+def _q_0(bits: int) -> Unit:
+  """Q4_0 (two 4-bit codes per byte, 16 bytes a block) or Q8_0 (one 8-bit code, stored signed: bias 128 by xor)."""
+  ql, qd = _words("q", f"{_b('qs')} + b * {bits * 4}", bits // 4)
+  codes = (tuple((e, f"(BYTE(q, {e}) & 15u)") for e in range(16)) + tuple((16 + e, f"(BYTE(q, {e}) >> 4)") for e in range(16)) if bits == 4
+           else tuple((e, f"(BYTE(q, {e}) ^ 128u)") for e in range(32)))
+  idot = (tuple((f"(int)(q[{m}] & 0x0F0F0F0Fu)", m) for m in range(4)) + tuple((f"(int)((q[{m}] >> 4) & 0x0F0F0F0Fu)", 4 + m) for m in range(4))
+          if bits == 4 else tuple((f"(int)q[{m}]", m) for m in range(8)))
+  return Unit(32, "const size_t b = row * $NB + u;", (("unsigned short", "dh", f"{_b('d')} + b * 2"), *ql), "const float d = h2f(dh); " + qd,
+              (("d", f"-{1 << (bits - 1)}.f * d", codes),), "{u} * 32", lambda e: e, idot, "d", -8 if bits == 4 else 0)
+
+
+def _f16(bf: bool) -> Unit:
+  ql, qd = _words("q", f"{_b('w')} + (row * $IN + u * 8) * 2", 1)
+  half = lambda e: f"(q[{e >> 1}] >> {16 * (e & 1)})"
+  value = (lambda e: f"__uint_as_float({half(e)} << 16)") if bf else (lambda e: f"h2f((unsigned short){half(e)})")
+  return Unit(8, "", ql, qd, ((None, None, tuple((e, value(e)) for e in range(8))),), "{u} * 8", lambda e: e)
 
 
 UNITS: dict[int, Unit] = {
-  Q4_0: Unit(32, "const size_t b = row * $NB + u; const float d = h2f($d[b]); " + _words("q", "$qs + b * 16", 1),
-             (("d", "-8.f * d", tuple((e, f"(BYTE(q, {e}) & 15u)") for e in range(16))
-               + tuple((16 + e, f"(BYTE(q, {e}) >> 4)") for e in range(16))),), "{u} * 32", lambda e: e),
-  Q8_0: Unit(32, "const size_t b = row * $NB + u; const float d = h2f($d[b]); " + _words("q", "(const unsigned char*)$qs + b * 32", 2),
-             (("d", "-128.f * d", tuple((e, f"(BYTE(q, {e}) ^ 128u)") for e in range(32))),), "{u} * 32", lambda e: e),
-  Q4_K: _k_quant(qh=False), Q5_K: _k_quant(qh=True), Q6_K: _q6_k(),
-  F16: Unit(8, _words("q", "(const unsigned char*)($w + row * $IN + u * 8)", 1),
-            ((None, None, tuple((e, f"h2f((unsigned short)(q[{e >> 1}] >> {16 * (e & 1)}))") for e in range(8))),), "{u} * 8", lambda e: e),
-  BF16: Unit(8, _words("q", "(const unsigned char*)($w + row * $IN + u * 8)", 1),
-             ((None, None, tuple((e, f"__uint_as_float((q[{e >> 1}] >> {16 * (e & 1)}) << 16)") for e in range(8))),), "{u} * 8", lambda e: e),
-  F32: Unit(4, "const float4 q = *(const float4*)($w + row * $IN + u * 4);", ((None, None, tuple((e, f"q.{'xyzw'[e]}") for e in range(4))),),
-            "{u} * 4", lambda e: e),
+  Q4_0: _q_0(4), Q8_0: _q_0(8), Q4_K: _k_quant(qh=False), Q5_K: _k_quant(qh=True), Q6_K: _q6_k(), F16: _f16(False), BF16: _f16(True),
+  F32: Unit(4, "", (("float4", "q", f"{_b('w')} + (row * $IN + u * 4) * 4"),), "",
+            ((None, None, tuple((e, f"q.{'xyzw'[e]}") for e in range(4))),), "{u} * 4", lambda e: e),
 }
 
 
@@ -130,7 +160,7 @@ class W:
   @property
   def params(self) -> list[str]: return [f"const {ct}* __restrict__ {self.prefix}{n}" for n, ct in plane_types(self.ggml_type)]
 
-  def setup(self) -> str: return self.unit.setup.replace("$NB", str(self.nb)).replace("$IN", str(self.inp)).replace("$", self.prefix)
+  def fill(self, c: str) -> str: return c.replace("$NB", str(self.nb)).replace("$IN", str(self.inp)).replace("$", self.prefix)
 
 
 def plane_types(ggml_type: int) -> tuple[tuple[str, str], ...]:
@@ -141,9 +171,17 @@ def plane_types(ggml_type: int) -> tuple[tuple[str, str], ...]:
 def supported(ggml_type: int, inp: int) -> bool: return ggml_type in UNITS and inp % UNITS[ggml_type].elems == 0
 
 
-def unit_dot(w: W, row: str, u: str, X: Callable[[int], str], XS: Callable[[int], str] | None, acc: str) -> str:
-  """C: acc += (unit u of weight row `row`) . x, with X(e) the x value at element e of the unit and XS(g) the sum of x over
-  group g (None: summed here)."""
+def unit_loads(w: W, row: str, u: str, tag: str) -> str:
+  """C: the memory reads of unit u of weight row `row`, into registers named <load name><tag> (declared here)."""
+  un = w.unit
+  decl = " ".join(f"{t} {n}{tag};" for t, n, _ in un.loads)
+  reads = " ".join(f"{n}{tag} = *(const {t}*)({w.fill(a)});" for t, n, a in un.loads)
+  return f"{decl} {{ const int u = {u}; const size_t row = {row}; {w.fill(un.index)} {reads} }}"
+
+
+def unit_dot(w: W, row: str, u: str, X: Callable[[int], str], XS: Callable[[int], str] | None, acc: str, tag: str) -> str:
+  """C: acc += (unit u of weight row `row`) . x from the registers unit_loads(w, row, u, tag) filled, with X(e) the x value
+  at element e of the unit and XS(g) the sum of x over group g (None: summed here)."""
   un, lines = w.unit, []
   for g, (scale, mn, elems) in enumerate(un.groups):
     if not un.quantized:
@@ -152,7 +190,32 @@ def unit_dot(w: W, row: str, u: str, X: Callable[[int], str], XS: Callable[[int]
     body = " ".join(f"s = fmaf({X(e)}, MAG({c}), s);" for e, c in elems)
     xs = XS(g) if XS is not None else "(" + " + ".join(X(e) for e, _ in elems) + ")"
     lines.append(f"{{ float s = 0.f; {body} r = fmaf({scale}, s, r); r = fmaf({mn}, {xs}, r); }}")
-  return f"{{ const int u = {u}; const size_t row = {row}; {w.setup()} float r = 0.f; {' '.join(lines)} {acc} += r; }}"
+  regs = " ".join(f"const {t} {n} = {n}{tag};" for t, n, _ in un.loads)
+  return (f"{{ const int u = {u}; const size_t row = {row}; {w.fill(un.index)} {regs} {w.fill(un.decode)} float r = 0.f; {' '.join(lines)}"
+          f" {acc} += r; }}")
+
+
+def unit_idot(w: W, row: str, u: str, xq: Callable[[int], str], dx: str, sq: str, acc: str, tag: str) -> str:
+  """C: acc += (unit u of weight row `row`) . x with x quantized to 8 bits (xq(m): the int of activations 4m..4m+3, dx their
+  scale, sq the sum of their ints): the dot product in integers (codes with their offset), then the two scales."""
+  un = w.unit
+  regs = " ".join(f"const {t} {n} = {n}{tag};" for t, n, _ in un.loads)
+  dots = " ".join(f"isum = __dp4a({c}, {xq(m)}, isum);" for c, m in un.idot)
+  off = f" isum += {un.ioff} * {sq};" if un.ioff else ""
+  return (f"{{ const int u = {u}; const size_t row = {row}; {w.fill(un.index)} {regs} {w.fill(un.decode)} int isum = 0; {dots}{off}"
+          f" {acc} += ({un.iscale} * {dx}) * (float)isum; }}")
+
+
+def quantize_x(i: int, un: Unit) -> str:
+  """C: the registers x<i>_<e> of one unit as 8-bit integers xq<i>[8] (4 to a word, their sum sq<i>) with the scale
+  dx<i> = max|x| / 127, rounded to nearest even: llama.cpp's q8_1 activations, one scale per 32 (model/backends/dsl.py's
+  q8_round is the same rounding in tensor ops)."""
+  assert un.elems == 32
+  am = " ".join(f"am = fmaxf(am, fabsf(x{i}_{e}));" for e in range(32))
+  qs = " ".join(f"const int q{e} = (int)rintf(x{i}_{e} * iv);" for e in range(32))
+  words = " ".join(f"xq{i}[{m}] = " + " | ".join(f"((q{4 * m + j} & 255) << {8 * j})" for j in range(4)) + ";" for m in range(8))
+  return (f"float dx{i}; int xq{i}[8], sq{i}; {{ float am = 0.f; {am} dx{i} = am / 127.f; const float iv = am > 0.f ? 127.f / am : 0.f;"
+          f" {qs} {words} sq{i} = {' + '.join(f'q{e}' for e in range(32))}; }}")
 
 
 def _runs(un: Unit) -> list[tuple[int, int]]:
@@ -182,12 +245,29 @@ def rms_prologue(xp: str, n: int, eps: float) -> str:
           f" ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }} ss = group_sum(ss, 32); rs = 1.f / sqrtf(ss / {n}.f + {eps!r}f); }}")
 
 
+def prefetch_rows(comps: list[tuple[W, str, str]], first: str, last: str, lane: str, lanes: int) -> str:
+  """C: L2 prefetches of every plane of each component's rows `first` .. `last` (C expressions of output rows), 128 bytes a
+  lane, from lanes `lane` of `lanes`. Fire and forget: the bytes are on their way while the kernel does other work (an
+  RMSNorm prologue, another slot), and its loads then find them in L2 instead of waiting on memory one after another."""
+  out = []
+  for w, row, _ in comps:
+    layout = LAYOUTS[w.ggml_type]
+    for plane, (a, b, _) in layout.items():
+      rb = (w.inp if len(layout) == 1 else w.nb) * (b - a)
+      lo, hi = f"(({row.format(o=first)}) * {rb})", f"(({row.format(o=last)}) + 1) * {rb}"
+      out.append(f"{{ const unsigned char* pp = (const unsigned char*){w.prefix}{plane};"
+                 f" for (size_t k = ({lo} & ~(size_t)127) + {lane} * 128; k < {hi}; k += {lanes * 128}) PREFETCH(pp + k); }}")
+  return " ".join(out)
+
+
 def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, norm: str | None, epilogue: Callable[[str, list[str]], str] | None,
-         G: int | None = None) -> str:
+         G: int | None = None, prologue: str = "", prefetch: bool = False, q8: bool = False) -> str:
   """C body: the row group of this lane computes outputs o = obase .. obase+R-1 (< rows) of one or more components, each a
   weight with its row for output o (a C template with `{o}`) and an accumulator name; all components share the input at xp.
   `obase`, `gl` (lane in group) must be defined; epilogue(o, accs) is C run by lane 0 of the group for each valid o (None:
-  the reduced sums stay in every lane's accumulators). G: the row group width (default: the weights' own)."""
+  the reduced sums stay in every lane's accumulators). G: the row group width (default: the weights' own). prologue: C run
+  before the products (after the prefetch of the group's rows, with `prefetch`). q8: x quantized to 8 bits per unit and
+  integer dot products (types with `idot` only)."""
   w0 = comps[0][0]
   assert all((w.inp, w.unit.elems) == (w0.inp, w0.unit.elems) for w, _, _ in comps), "components of one gemv share the input layout"
   G, nw = G or w0.group_lanes, w0.unit.elems
@@ -197,16 +277,22 @@ def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, norm: str 
   accs = [f"{a}{r}" for _, _, a in comps for r in range(R)]
   # rows past the end and units past the row are clamped, not skipped (their x is zero, their sums are not stored), so no
   # weight load sits behind a branch and a lane issues all of its loads at once
-  body = [" ".join(f"float {a} = 0.f;" for a in accs) + " " + " ".join(f"const int o{r} = min(obase + {r}, {rows - 1});" for r in range(R)),
-          f"for (int c = 0; c < {nch}; c++) {{"]
+  body = [" ".join(f"float {a} = 0.f;" for a in accs) + " " + " ".join(f"const int o{r} = min(obase + {r}, {rows - 1});" for r in range(R))]
+  if prefetch: body.append(prefetch_rows(comps, "o0", f"o{R - 1}", "gl", G))
+  body += [prologue, f"for (int c = 0; c < {nch}; c++) {{"]
   us = [f"(c * {G * upl} + gl + {G * i})" for i in range(upl)]
   body += [load_x(w0, i, xp, us[i], norm) for i in range(upl)]
+  assert not q8 or all(w.unit.idot for w, _, _ in comps), "q8 needs integer codes"
+  if q8: body += [quantize_x(i, w0.unit) for i in range(upl)]
   uw = us if nch * upl * G == w0.units else [f"min({u}, {w0.units - 1})" for u in us]
-  for r in range(R):
-    for w, row, a in comps:
-      for i in range(upl):
-        xs = (lambda g, i=i: f"xs{i}_{g}") if w.unit.quantized else None
-        body.append(unit_dot(w, row.format(o=f"o{r}"), uw[i], lambda e, i=i: f"x{i}_{e}", xs, f"{a}{r}"))
+  work = [(w, row.format(o=f"o{r}"), f"{a}{r}", i) for r in range(R) for w, row, a in comps for i in range(upl)]
+  body += [unit_loads(w, row, uw[i], f"_{acc}_{i}") for w, row, acc, i in work]  # every read of the chunk before any use
+  for w, row, acc, i in work:
+    if q8:
+      body.append(unit_idot(w, row, uw[i], lambda m, i=i: f"xq{i}[{m}]", f"dx{i}", f"sq{i}", acc, f"_{acc}_{i}"))
+      continue
+    xs = (lambda g, i=i: f"xs{i}_{g}") if w.unit.quantized else None
+    body.append(unit_dot(w, row, uw[i], lambda e, i=i: f"x{i}_{e}", xs, acc, f"_{acc}_{i}"))
   body.append("}")
   body.append(" ".join(f"{a} = group_sum({a}, {G});" for a in accs))
   for r in range(R if epilogue is not None else 0):
@@ -215,10 +301,11 @@ def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, norm: str 
 
 
 def group_setup(G: int, R: int, cta_rows_dim: str = "blockIdx.x") -> str:
-  """C: gl (lane in row group) and obase (first output row of the group) for warps of 32/G groups of R rows each."""
+  """C: gl (lane in row group), obase (first output row of the group) and wbase (of the warp) for warps of 32/G groups of R
+  rows each."""
   per_warp = 32 // G
-  return (f"const int lane = threadIdx.x & 31, gl = lane & {G - 1};"
-          f" const int obase = (({cta_rows_dim} * {WARPS} + (threadIdx.x >> 5)) * {per_warp} + (lane >> {G.bit_length() - 1})) * {R};")
+  return (f"const int lane = threadIdx.x & 31, gl = lane & {G - 1}, wbase = ({cta_rows_dim} * {WARPS} + (threadIdx.x >> 5)) * {per_warp * R};"
+          f" const int obase = wbase + (lane >> {G.bit_length() - 1}) * {R};")
 
 
 def rows_per_block(G: int, R: int) -> int: return WARPS * (32 // G) * R
@@ -257,7 +344,7 @@ def _tile_body(w: W, role: str, out: int, dims: dict[str, int]) -> str:
              f" auto outidx = [&](int t) {{ return (size_t)y * {out} + o; }};")
   un = w.unit
   xidx = lambda e: f"xrow(t)[{un.xbase.format(u='uu')} + {un.xoff(e)}]"
-  dot = unit_dot(w, "wrow", "uu", xidx, None, "acc[t]")
+  dot = unit_loads(w, "wrow", "uu", "_") + " " + unit_dot(w, "wrow", "uu", xidx, None, "acc[t]", "_")
   return (f"const int lane = threadIdx.x & 31, o = blockIdx.x * {WARPS} + (threadIdx.x >> 5); if (o >= {out}) return; {setup}\n"
           f"  float acc[{tn}]; for (int t = 0; t < {tn}; t++) acc[t] = 0.f;\n"
           f"  for (int uu = lane; uu < {w.units}; uu += 32) {{ for (int t = 0; t < {tn}; t++) {{ if (t >= nt) break; {dot} }} }}\n"
@@ -297,9 +384,13 @@ def product(role: str, ggml_type: int, shape: tuple[int, ...], **dims: int) -> K
 
 # ------------------------------------------------------------------ fused decode stages (one token) ----------------------
 
-def _gemv_block(ws: list[tuple[W, str, str]], xp: str, rows: int, R: int, norm: str | None, epilogue) -> str:
-  """A braced gemv with its own row-group setup (its weights' group width), so kernels can branch between weight types."""
-  return "{ " + group_setup(ws[0][0].group_lanes, R) + "\n  " + gemv(ws, xp, rows, R, norm, epilogue) + " }"
+def _gemv_block(ws: list[tuple[W, str, str]], xp: str, rows: int, R: int, norm: str | None, epilogue, prologue: str = "",
+                prefetch: bool = False, q8: bool = False) -> str:
+  """A braced gemv with its own row-group setup (its weights' group width), so kernels can branch between weight types; with
+  `prefetch`, a warp whose groups have no rows leaves at once (the kernel must not synchronise its block after it)."""
+  G = ws[0][0].group_lanes
+  leave = f" if (wbase >= {rows}) return;" if prefetch else ""
+  return ("{ " + group_setup(G, R) + leave + "\n  " + gemv(ws, xp, rows, R, norm, epilogue, prologue=prologue, prefetch=prefetch, q8=q8) + " }")
 
 
 @functools.cache
@@ -312,10 +403,10 @@ def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, resid
   params += (["const float* __restrict__ gamma"] if eps is not None else []) + (["const float* __restrict__ res"] if residual else [])
   for w, _ in ws: params += w.params
   inp = ws[0][0].inp
-  body = [rms_prologue("x", inp, eps) if eps is not None else ""]
+  rms, body = rms_prologue("x", inp, eps) if eps is not None else "", []
   for j, (w, rows) in enumerate(ws):
     epi = lambda o, a, j=j: f"out{j}[{o}] = " + (f"res[{o}] + {a[0]};" if residual else f"{a[0]};")
-    body.append(f"if (blockIdx.y == {j}) " + _gemv_block([(w, "{o}", "a")], "x", rows, R, "gamma" if eps is not None else None, epi))
+    body.append(f"if (blockIdx.y == {j}) " + _gemv_block([(w, "{o}", "a")], "x", rows, R, "gamma" if eps is not None else None, epi, rms, True))
   blocks = max(-(-rows // rows_per_block(w.group_lanes, R)) for w, rows in ws)
   return Kernel(name, kernel(name, params, "\n  ".join(body)), (blocks, len(ws), 1), tuple(range(len(ws))))
 
@@ -534,48 +625,55 @@ def _ffn_tag(f: FFN | None) -> str:
 
 
 @functools.cache
-def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: int = 4) -> Kernel:
+def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: int = 4, q8: bool = False) -> Kernel:
   """SiLU(gate) * up of the normalised input (RMSNorm folded) for the k selected experts of a routed stack (blockIdx.y < k)
-  and a plain FFN (the shared expert, or a dense block's FFN; blockIdx.y == k), into act = [k x hidden, plain hidden]."""
-  name = f"native_glu_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}"
+  and a plain FFN (the shared expert, or a dense block's FFN; blockIdx.y == k), into act = [k x hidden, plain hidden].
+  q8: the normalised input quantized to 8 bits per 32 and integer dot products."""
+  name = f"native_glu_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{'_q8' if q8 else ''}"
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
   params = ["float* act", "const float* __restrict__ x", "const float* __restrict__ gamma"] + (["const int* __restrict__ sel"] if r else [])
   params += (r.params if r else []) + (p.params if p else [])
   silu = lambda a: f"({a[0]} * (1.f / (1.f + expf(-{a[0]})))) * {a[1]}"
-  body = [rms_prologue("x", dim, eps)]
+  rms, body = rms_prologue("x", dim, eps), []
   if r:
     body.append(f"if (blockIdx.y < {k}) {{ const int y = blockIdx.y, e = min(max(sel[y], 0), {r.experts - 1});\n  "
                 + _gemv_block([(r.gate, f"(size_t)e * {r.gate_rows} + {{o}}", "g"), (r.up, f"(size_t)e * {r.gate_rows} + {r.up_off} + {{o}}", "u")],
-                              "x", r.hidden, R, "gamma", lambda o, a: f"act[(size_t)y * {r.hidden} + {o}] = {silu(a)};") + " }")
+                              "x", r.hidden, R, "gamma", lambda o, a: f"act[(size_t)y * {r.hidden} + {o}] = {silu(a)};", rms, True, q8) + " }")
   if p:
     body.append(f"if (blockIdx.y == {k if r else 0}) "
                 + _gemv_block([(p.gate, "{o}", "g"), (p.up, f"{p.up_off} + {{o}}", "u")], "x", p.hidden, R, "gamma",
-                              lambda o, a: f"act[{(k * r.hidden if r else 0)} + {o}] = {silu(a)};"))
+                              lambda o, a: f"act[{(k * r.hidden if r else 0)} + {o}] = {silu(a)};", rms, True, q8))
   blocks = max(-(-f.hidden // rows_per_block(f.gate.group_lanes, R)) for f in (r, p) if f)
   return Kernel(name, kernel(name, params, "\n  ".join(body)), (blocks, (k if r else 0) + (1 if p else 0), 1), (0,))
 
 
 @functools.cache
-def down(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int = 4) -> Kernel:
+def down(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int = 4, q8: bool = False) -> Kernel:
   """out = res + sum over the k selected experts of weight_k * (down_e . act_k) + down_plain . act_plain: the routed experts'
   down projections, their weighted combine, the shared expert (or a dense block's down projection) and the residual add.
 
   A block computes R output rows; its warps take the slots (the k experts, then the plain FFN) in turn, so the slots'
   loads are in flight together rather than one slot after another, and the warps' sums meet in shared memory."""
-  name = f"native_down_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}"
+  name = f"native_down_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{'_q8' if q8 else ''}"
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
   params = ["float* out", "const float* __restrict__ res", "const float* __restrict__ act"]
   params += (["const int* __restrict__ sel", "const float* __restrict__ wts"] + r.down.params if r else []) + (p.down.params if p else [])
   slots = (k if r else 0) + (1 if p else 0)
+  first, last = "obase", f"min(obase + {R - 1}, {dim - 1})"
+  fetch = ([f"if (sl < {k}) {{ const int e = min(max(sel[sl], 0), {r.experts - 1}); "
+            + prefetch_rows([(r.down, f"(size_t)e * {dim} + {{o}}", "")], first, last, "lane", 32) + " }"] if r else [])
+  fetch += [f"{'else ' if r else ''}{{ " + prefetch_rows([(p.down, "{o}", "")], first, last, "lane", 32) + " }"] if p else []
   body = [f"const int lane = threadIdx.x & 31, gl = lane, warp = threadIdx.x >> 5, obase = blockIdx.x * {R};",
+          f"for (int sl = warp; sl < {slots}; sl += {WARPS}) {{ {' '.join(fetch)} }}",  # every slot's rows on their way first
           " ".join(f"float tot{i} = 0.f;" for i in range(R)), f"for (int sl = warp; sl < {slots}; sl += {WARPS}) {{"]
   if r:
     body.append(f"if (sl < {k}) {{ const int e = min(max(sel[sl], 0), {r.experts - 1}); const float wk = wts[sl];"
                 f" const float* xk = act + (size_t)sl * {r.hidden};\n  "
-                + gemv([(r.down, f"(size_t)e * {dim} + {{o}}", "a")], "xk", dim, R, None, None, 32) + "\n  "
+                + gemv([(r.down, f"(size_t)e * {dim} + {{o}}", "a")], "xk", dim, R, None, None, 32, q8=q8) + "\n  "
                 + " ".join(f"tot{i} += wk * a{i};" for i in range(R)) + " }")
   if p:
-    body.append(f"{'else ' if r else ''}{{ " + gemv([(p.down, "{o}", "b")], f"act + {k * r.hidden if r else 0}", dim, R, None, None, 32) + "\n  "
+    xp = f"act + {k * r.hidden if r else 0}"
+    body.append(f"{'else ' if r else ''}{{ " + gemv([(p.down, "{o}", "b")], xp, dim, R, None, None, 32, q8=q8) + "\n  "
                 + " ".join(f"tot{i} += b{i};" for i in range(R)) + " }")
   body += ["}", f"__shared__ float part[{WARPS}][{R}];", "if (lane == 0) { " + " ".join(f"part[warp][{i}] = tot{i};" for i in range(R)) + " }",
            "__syncthreads();",

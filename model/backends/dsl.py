@@ -171,18 +171,22 @@ def dense_norm_kernel(out: UOp, x: UOp, *srcs: UOp, w: QWeight, eps: float | Non
   return _sink(out[o].store(acc), (o,), "dense_norm" if eps is not None else "dense_res", w.ggml_type)
 
 
-def glu_kernel(out: UOp, x: UOp, gamma: UOp, *srcs: UOp, gate: QWeight, up: QWeight | None, eps: float, rows: int, up_off: int,
+def glu_kernel(out: UOp, x: UOp, *srcs: UOp, gate: QWeight, up: QWeight | None, eps: float | None, rows: int, up_off: int,
                experts: int) -> UOp:
-  """out (S, F) = SiLU(gate . xn) * (up . xn), xn = rmsnorm(x) * gamma, for S selected experts (srcs = sel, planes) or one
-  plain FFN (S = 1); up None: gate and up are one merged weight (up's rows at up_off)."""
+  """out (S, F) = SiLU(gate . xn) * (up . xn), xn = rmsnorm(x) * gamma (srcs = gamma, ...; eps None: x is xn already), for S
+  selected experts (srcs = ..., sel, planes) or one plain FFN (S = 1); up None: gate and up are one merged weight (up's rows
+  at up_off)."""
   y, o = UOp.range(out.shape[0], 0), UOp.range(out.shape[1], 1)
+  gamma, srcs = (srcs[0], srcs[1:]) if eps is not None else (None, srcs)
   sel, srcs = (srcs[0], srcs[1:]) if experts else (None, srcs)
   ps = _planes([(gate, "g")] + ([(up, "u")] if up is not None else []), srcs)
   base = _i(sel[y]).clip(0, experts - 1).cast(dtypes.weakint) * rows if sel is not None else UOp.const(0, dtypes.weakint)
-  xv = lambda k: _f(x[k]) * _f(gamma[k])
-  rs = _rs(x, x.shape[0], eps, 20)
-  g = _dot(xv, ps["g"], gate.ggml_type, base + o, 2) * rs
-  u = _dot(xv, ps["u" if up is not None else "g"], (up or gate).ggml_type, base + up_off + o, 10) * rs
+  xv = (lambda k: _f(x[k]) * _f(gamma[k])) if gamma is not None else (lambda k: _f(x[k]))
+  g = _dot(xv, ps["g"], gate.ggml_type, base + o, 2)
+  u = _dot(xv, ps["u" if up is not None else "g"], (up or gate).ggml_type, base + up_off + o, 10)
+  if eps is not None:
+    rs = _rs(x, x.shape[0], eps, 20)
+    g, u = g * rs, u * rs
   return _sink(out[y, o].store(_silu(g) * u), (y, o), "glu", gate.ggml_type)
 
 
@@ -237,11 +241,24 @@ def router(blk: Block, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor,
   return *blk.route(logits, forced), logits
 
 
-def _glu(x: Tensor, gamma: Tensor, eps: float, gate: QWeight, up: QWeight | None, hidden: int, rows: int, up_off: int, sel: Tensor | None = None,
-         experts: int = 0) -> Tensor:
+def q8_round(x: Tensor) -> Tensor:
+  """x rounded to 8 bits per 32 consecutive values (scale max|x| / 127, to nearest even), back in float32: what the native
+  kernels' integer dot products read with ffn_act=q8 (model/backends/cuda_src.py quantize_x), as tensor ops."""
+  b = x.float().reshape(-1, 32)
+  am = b.abs().max(-1, keepdim=True)
+  return ((b * (am > 0).where(127 / am, 0)).round() * (am / 127)).reshape(x.shape)
+
+
+def _glu(x: Tensor, gamma: Tensor, eps: float, gate: QWeight, up: QWeight | None, hidden: int, rows: int, up_off: int, q8: bool,
+         sel: Tensor | None = None, experts: int = 0) -> Tensor:
+  """With q8, the normalised input rounded to 8 bits goes in (the kernel's norm is left out)."""
   slots = sel.shape[-1] if sel is not None else 1
-  srcs = [x, gamma] + ([sel.reshape(slots).cast(dtypes.int32).contiguous()] if sel is not None else []) + _plane_srcs([gate] + ([up] if up else []))
-  return _custom(glu_kernel, (slots, hidden), srcs, gate=gate, up=up, eps=eps, rows=rows, up_off=up_off, experts=experts)
+  xin = [q8_round((x * (x.square().mean() + eps).rsqrt()) * gamma).contiguous()] if q8 else [x, gamma]
+  srcs = xin + ([sel.reshape(slots).cast(dtypes.int32).contiguous()] if sel is not None else []) + _plane_srcs([gate] + ([up] if up else []))
+  return _custom(glu_kernel, (slots, hidden), srcs, gate=gate, up=up, eps=None if q8 else eps, rows=rows, up_off=up_off, experts=experts)
+
+
+def _act(act: Tensor, q8: bool) -> Tensor: return q8_round(act).contiguous() if q8 else act
 
 
 def _ffn_args(gate: QWeight | None, up: QWeight | None, gate_up: QWeight | None, hidden: int) -> dict:
@@ -252,25 +269,26 @@ def _ffn_args(gate: QWeight | None, up: QWeight | None, gate_up: QWeight | None,
 def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor) -> Tensor:
   """h + MoE FFN(h) for one token: the selected experts' gate+up+SiLU (one kernel), the shared expert's (one kernel), the
   down projections with the routing weights, the shared expert and the residual add (one kernel)."""
-  hp = blk.hp
+  hp, q8 = blk.hp, blk.cfg.ffn_act == "q8"
   hf, K, F = h.reshape(hp.dim).float().contiguous(), hp.n_used, blk.n_ff_exp
-  act = _glu(hf, blk.ffn_norm, hp.eps, hidden=F, sel=sel, experts=hp.n_experts, **_ffn_args(blk.gate_exps, blk.up_exps, blk.gate_up_exps, F))
-  srcs = [hf, act, sel.reshape(K).cast(dtypes.int32).contiguous(), wts.reshape(K).float().contiguous()] + _plane_srcs([blk.down_exps])
+  act = _glu(hf, blk.ffn_norm, hp.eps, hidden=F, q8=q8, sel=sel, experts=hp.n_experts,
+             **_ffn_args(blk.gate_exps, blk.up_exps, blk.gate_up_exps, F))
+  srcs = [hf, _act(act, q8), sel.reshape(K).cast(dtypes.int32).contiguous(), wts.reshape(K).float().contiguous()] + _plane_srcs([blk.down_exps])
   plain = None
   if blk.shared:
     Fp = blk.down_sh.shape[-1]
-    act_p = _glu(hf, blk.ffn_norm, hp.eps, hidden=Fp, **_ffn_args(blk.gate_sh, blk.up_sh, blk.gate_up_sh, Fp)).reshape(Fp)
-    srcs += [act_p] + _plane_srcs([blk.down_sh])
+    act_p = _glu(hf, blk.ffn_norm, hp.eps, hidden=Fp, q8=q8, **_ffn_args(blk.gate_sh, blk.up_sh, blk.gate_up_sh, Fp)).reshape(Fp)
+    srcs += [_act(act_p, q8)] + _plane_srcs([blk.down_sh])
     plain = blk.down_sh
   return _custom(down_kernel, (hp.dim,), srcs, routed=blk.down_exps, plain=plain, k=K).reshape(1, 1, hp.dim)
 
 
 def ffn(blk: Block, h: Tensor) -> Tensor:
   """h + FFN(h) for one token of a dense block: gate+up+SiLU with the norm folded in, down with the residual add."""
-  hp = blk.hp
+  hp, q8 = blk.hp, blk.cfg.ffn_act == "q8"
   hf, F = h.reshape(hp.dim).float().contiguous(), blk.down.shape[-1]
-  act = _glu(hf, blk.ffn_norm, hp.eps, hidden=F, **_ffn_args(blk.gate, blk.up, blk.gate_up, F)).reshape(F)
-  return _custom(down_kernel, (hp.dim,), [hf, act] + _plane_srcs([blk.down]), routed=None, plain=blk.down, k=0).reshape(1, 1, hp.dim)
+  act = _glu(hf, blk.ffn_norm, hp.eps, hidden=F, q8=q8, **_ffn_args(blk.gate, blk.up, blk.gate_up, F)).reshape(F)
+  return _custom(down_kernel, (hp.dim,), [hf, _act(act, q8)] + _plane_srcs([blk.down]), routed=None, plain=blk.down, k=0).reshape(1, 1, hp.dim)
 
 
 class DslBackend(Backend):

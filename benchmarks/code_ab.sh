@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# End to end A/B of two versions of the code: `model bench` of configs under the working tree (new) and under an earlier
+# commit (old), interleaved, on full-depth synthetic files, with the fused MoE kernels of both versions timed alone first.
+#
+#   bash benchmarks/code_ab.sh pack REV     # here: REV's tracked code into .ab/old (ignored; carry it with .whl)
+#   bash benchmarks/code_ab.sh run          # on the device: one call, nothing else running
+#
+# Environment [default]:
+#   MODELS    presets written as full-depth synthetic files [glm-4.7-flash deepseek-v2-lite]    QUANT [q4_0]
+#   VARIANTS  TREE:NAME=CONFIG ..., TREE new or old; run in this order in each repetition
+#             [new:fused-native=benchmarks/configs/fused-native.json old:fused-native=benchmarks/configs/fused-native.json]
+#   REPS [2]  N ROUNDS: tokens per round and rounds of each model bench [32 3]   KERNELS [1]: time the MoE kernels alone first
+# Out: $OUT/ab.jsonl (one line per model bench run: model, tree, name, rep and its figures), $OUT/moe.jsonl, $OUT/ab.log
+set -uo pipefail
+cd "$(dirname "$0")/.."
+case ${1:-} in
+  pack) [ -n "${2:-}" ] || { echo "usage: code_ab.sh pack REV" >&2; exit 2; }
+        rm -rf .ab/old && mkdir -p .ab/old && git archive "$2" model evaluator space search db benchmarks | tar -x -C .ab/old
+        git rev-parse "$2" > .ab/old/REV; echo ".ab/old: $(cat .ab/old/REV)"; exit 0 ;;
+  run) ;;
+  *) echo "usage: code_ab.sh pack REV | run" >&2; exit 2 ;;
+esac
+[ -d .ab/old ] || { echo "no .ab/old: run 'bash benchmarks/code_ab.sh pack REV' here and carry .ab" >&2; exit 2; }
+MODELS=${MODELS:-glm-4.7-flash deepseek-v2-lite} QUANT=${QUANT:-q4_0} REPS=${REPS:-2} N=${N:-32} ROUNDS=${ROUNDS:-3}
+VARIANTS=${VARIANTS:-new:fused-native=benchmarks/configs/fused-native.json old:fused-native=benchmarks/configs/fused-native.json}
+OUT=${OUT:-/tmp/ab}; mkdir -p "$OUT"
+exec > >(tee -a "$OUT/ab.log") 2>&1
+python3 -c "import tinygrad" 2>/dev/null || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1; export PYTHONPATH=/tmp/site; }
+export PYTHONUNBUFFERED=1 DEV=${DEV:-CUDA}
+T0=$SECONDS; log() { echo "[+$((SECONDS - T0))s] $*"; }
+file() { echo "/tmp/$1-$QUANT.gguf"; }
+pids=()  # waited for by pid: a bare wait would also wait for the log's tee
+for m in $MODELS; do [ -f "$(file "$m")" ] || { PYTHONPATH=$PWD:${PYTHONPATH:-} python3 -m model synth --preset "$m" --quant "$QUANT" --out "$(file "$m")" & pids+=($!); }; done
+[ ${#pids[@]} = 0 ] || wait "${pids[@]}"; log "files written"
+if [ "${KERNELS:-1}" = 1 ]; then
+  PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 240 python3 benchmarks/moe_kernels.py --rows-per-group 4 8 --q8 --against .ab/old/model/backends/cuda_src.py \
+    --models $MODELS --json "$OUT/moe.jsonl"
+fi
+for rep in $(seq "$REPS"); do for m in $MODELS; do for v in $VARIANTS; do
+  tree=${v%%:*} rest=${v#*:}; name=${rest%%=*} cfg=${rest#*=}
+  dir=$PWD; [ "$tree" = old ] && dir=$PWD/.ab/old
+  res=$( (cd "$dir" && PYTHONPATH=$dir:${PYTHONPATH:-} timeout 200 python3 -m model bench --model "$(file "$m")" --config "$PWD/$cfg" -n "$N" \
+          --rounds "$ROUNDS" --json) 2> "$OUT/err-$m-$tree-$name-$rep.log" | tail -1)
+  python3 - "$m" "$tree" "$name" "$rep" "$res" "$OUT/ab.jsonl" <<'EOF'
+import json, sys
+m, tree, name, rep, res, out = sys.argv[1:]
+try: d = json.loads(res)
+except json.JSONDecodeError: d = {"error": "no result (see err-*.log)"}
+keep = ("tok_s", "tok_s_min", "tok_s_max", "ms_p50", "kernels_per_token", "bytes_per_token", "load_s", "compile_s", "error")
+row = {"model": m, "tree": tree, "name": name, "rep": int(rep), **{k: d[k] for k in keep if k in d}}
+open(out, "a").write(json.dumps(row) + "\n")
+print(f"{m:18s} {tree}:{name:16s} rep {rep}: " + (f"{d['tok_s']:.2f} tok/s ({d['tok_s_min']:.2f}-{d['tok_s_max']:.2f}), {d['kernels_per_token']} kernels"
+      if "tok_s" in d else d["error"]))
+EOF
+done; done; done
+log "done"

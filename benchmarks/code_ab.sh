@@ -10,7 +10,7 @@
 #   VARIANTS  TREE:NAME=CONFIG ..., TREE new or old; run in this order in each repetition
 #             [new:fused-native=benchmarks/configs/fused-native.json old:fused-native=benchmarks/configs/fused-native.json]
 #   REPS [2]  N ROUNDS: tokens per round and rounds of each model bench [32 3]   KERNELS [1]: time the MoE kernels alone first
-# Out: $OUT/ab.jsonl (one line per model bench run: model, tree, name, rep and its figures), $OUT/moe.jsonl, $OUT/ab.log
+# Out: $OUT/ab.jsonl (one benchmarks/results.jsonl `decode` line per model bench run, with its tree and repetition), $OUT/moe.jsonl, $OUT/ab.log
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case ${1:-} in
@@ -28,6 +28,7 @@ exec > >(tee -a "$OUT/ab.log") 2>&1
 python3 -c "import tinygrad" 2>/dev/null || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1; export PYTHONPATH=/tmp/site; }
 export PYTHONUNBUFFERED=1 DEV=${DEV:-CUDA}
+LABEL="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) ($DEV)" REV=$(cat .ab/old/REV)
 T0=$SECONDS; log() { echo "[+$((SECONDS - T0))s] $*"; }
 file() { echo "/tmp/$1-$QUANT.gguf"; }
 pids=()  # waited for by pid: a bare wait would also wait for the log's tee
@@ -42,16 +43,23 @@ for rep in $(seq "$REPS"); do for m in $MODELS; do for v in $VARIANTS; do
   dir=$PWD; [ "$tree" = old ] && dir=$PWD/.ab/old
   res=$( (cd "$dir" && PYTHONPATH=$dir:${PYTHONPATH:-} timeout 200 python3 -m model bench --model "$(file "$m")" --config "$PWD/$cfg" -n "$N" \
           --rounds "$ROUNDS" --json) 2> "$OUT/err-$m-$tree-$name-$rep.log" | tail -1)
-  python3 - "$m" "$tree" "$name" "$rep" "$res" "$OUT/ab.jsonl" <<'EOF'
-import json, sys
-m, tree, name, rep, res, out = sys.argv[1:]
+  PYTHONPATH=$PWD:${PYTHONPATH:-} python3 - "$m" "$tree" "$name" "$rep" "$res" "$cfg" "$OUT/ab.jsonl" "$LABEL" "$QUANT" "$REV" <<'EOF'
+import datetime, json, sys
+from model.structure import StructureConfig
+from search.study import config_hash
+m, tree, name, rep, res, cfg, out, device, quant, rev = sys.argv[1:]
+c = StructureConfig.load(cfg)
+row = {"date": datetime.datetime.now(datetime.UTC).date().isoformat(), "kind": "decode", "device": device, "model": f"{m} (synthetic, exact shapes)",
+       "quant": quant.upper(), "config": name if tree == "new" else f"{name} (old code {rev[:7]})", "config_hash": config_hash(c), "beam": c.beam,
+       "tree": tree, "rep": int(rep), "command": f"bash benchmarks/code_ab.sh run (model bench -n N --rounds R --config {cfg}, {tree} tree)"}
 try: d = json.loads(res)
 except json.JSONDecodeError: d = {"error": "no result (see err-*.log)"}
-keep = ("tok_s", "tok_s_min", "tok_s_max", "ms_p50", "kernels_per_token", "bytes_per_token", "load_s", "compile_s", "error")
-row = {"model": m, "tree": tree, "name": name, "rep": int(rep), **{k: d[k] for k in keep if k in d}}
+if "tok_s" in d:
+  row |= {"layers": d["layers"], "ms_per_token": d["ms_p50"]} | {k: d[k] for k in ("tok_s", "tok_s_min", "tok_s_max", "kernels_per_token", "bytes_per_token")}
+else: row["error"] = d.get("error", "no figures")
 open(out, "a").write(json.dumps(row) + "\n")
 print(f"{m:18s} {tree}:{name:16s} rep {rep}: " + (f"{d['tok_s']:.2f} tok/s ({d['tok_s_min']:.2f}-{d['tok_s_max']:.2f}), {d['kernels_per_token']} kernels"
-      if "tok_s" in d else d["error"]))
+      if "tok_s" in d else row["error"]))
 EOF
 done; done; done
 log "done"

@@ -49,6 +49,7 @@ REQUIRED = {
   "profile": ("layers", "config", "config_hash", "beam", "rank", "name", "us_per_token", "share"),
   "study": ("layers", "study", "n", "mean_trial_s", "setup_s", "search_share", "projected_n", "projected_s"),
   "expert_kernel": ("layers", "config", "backend", "beam", "bandwidth_gb_s", "bandwidth_share"),
+  "moe_kernel": ("layers", "kernel", "source", "rows_per_group", "us", "gb_s", "bandwidth_gb_s", "bandwidth_share"),
 }
 TABLE = re.compile(r"<!-- table\n(.*?)-->\n", re.S)
 TERM = re.compile(r"([\w.]+)(!=|!~|=|~|\?)(.*)", re.S)

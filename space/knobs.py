@@ -50,11 +50,12 @@ class ModelInfo:
   @classmethod
   def from_gguf(cls, f: GGUFFile) -> ModelInfo:
     roles: dict[str, set[str]] = {"dense": set(), "expert": set()}
-    ffn = {QUANT_TYPES[t.ggml_type].name for t in f.tensors.values() if t.name.split(".")[-2].startswith(("ffn_gate", "ffn_up", "ffn_down"))
-           and t.name.split(".")[-2] != "ffn_gate_inp"}
+    ffn: set[str] = set()
     for t in f.tensors.values():
       if len(t.shape) < 2 or t.name.endswith(("norm.weight", "ffn_gate_inp.weight")): continue
-      roles["expert" if "_exps." in t.name else "dense"].add(QUANT_TYPES[t.ggml_type].name)
+      quant = QUANT_TYPES[t.ggml_type].name
+      roles["expert" if "_exps." in t.name else "dense"].add(quant)
+      if t.name.split(".")[-2].startswith(("ffn_gate", "ffn_up", "ffn_down")): ffn.add(quant)
     n_dense = f.key("leading_dense_block_count", 0)
     pairs = {"routed": ("ffn_gate_exps", "ffn_up_exps"), "shared": ("ffn_gate_shexp", "ffn_up_shexp"), "dense": ("ffn_gate", "ffn_up")}
     def same_types(gate: str, up: str) -> bool:

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 
 from tinygrad import Device, Tensor
 
+from model.backends import cuda_src
 from model.errors import ConfigError
+from model.quants import QUANT_TYPES
 
 if TYPE_CHECKING:
   from model.weights import QWeight
@@ -31,7 +33,7 @@ ROLES = ("dense", "expert")
 STAGES = ("attention", "router", "moe", "ffn")
 # weight types whose fused FFN stages (moe, ffn) can read 8-bit activations (StructureConfig.ffn_act = q8): one scale per
 # block and byte or nibble codes, so the native kernels dot them with the quantized activations in integers (dp4a)
-Q8_TYPES = ("Q4_0", "Q8_0")
+Q8_TYPES = tuple(QUANT_TYPES[t].name for t, unit in cuda_src.UNITS.items() if unit.idot)
 
 
 def device_kind(device: str) -> str:

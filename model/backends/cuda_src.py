@@ -190,20 +190,22 @@ def unit_dot(w: W, row: str, u: str, X: Callable[[int], str], XS: Callable[[int]
     body = " ".join(f"s = fmaf({X(e)}, MAG({c}), s);" for e, c in elems)
     xs = XS(g) if XS is not None else "(" + " + ".join(X(e) for e, _ in elems) + ")"
     lines.append(f"{{ float s = 0.f; {body} r = fmaf({scale}, s, r); r = fmaf({mn}, {xs}, r); }}")
-  regs = " ".join(f"const {t} {n} = {n}{tag};" for t, n, _ in un.loads)
-  return (f"{{ const int u = {u}; const size_t row = {row}; {w.fill(un.index)} {regs} {w.fill(un.decode)} float r = 0.f; {' '.join(lines)}"
-          f" {acc} += r; }}")
+  return f"{{ {_unit_values(w, row, u, tag)} float r = 0.f; {' '.join(lines)} {acc} += r; }}"
 
 
 def unit_idot(w: W, row: str, u: str, xq: Callable[[int], str], dx: str, sq: str, acc: str, tag: str) -> str:
   """C: acc += (unit u of weight row `row`) . x with x quantized to 8 bits (xq(m): the int of activations 4m..4m+3, dx their
   scale, sq the sum of their ints): the dot product in integers (codes with their offset), then the two scales."""
   un = w.unit
-  regs = " ".join(f"const {t} {n} = {n}{tag};" for t, n, _ in un.loads)
   dots = " ".join(f"isum = __dp4a({c}, {xq(m)}, isum);" for c, m in un.idot)
   off = f" isum += {un.ioff} * {sq};" if un.ioff else ""
-  return (f"{{ const int u = {u}; const size_t row = {row}; {w.fill(un.index)} {regs} {w.fill(un.decode)} int isum = 0; {dots}{off}"
-          f" {acc} += ({un.iscale} * {dx}) * (float)isum; }}")
+  return f"{{ {_unit_values(w, row, u, tag)} int isum = 0; {dots}{off} {acc} += ({un.iscale} * {dx}) * (float)isum; }}"
+
+
+def _unit_values(w: W, row: str, u: str, tag: str) -> str:
+  """C: unit u of weight row `row` decoded from the registers unit_loads(w, row, u, tag) filled (its index, loads and decode)."""
+  regs = " ".join(f"const {t} {n} = {n}{tag};" for t, n, _ in w.unit.loads)
+  return f"const int u = {u}; const size_t row = {row}; {w.fill(w.unit.index)} {regs} {w.fill(w.unit.decode)}"
 
 
 def quantize_x(i: int, un: Unit) -> str:

@@ -87,7 +87,8 @@ R_SMALL, R_LARGE = 2, 4  # rows per row group: 2 where a matrix has few rows (mo
 
 
 R_Q8 = 8  # rows per row group of the FFN kernels with 8-bit activations: their fixed cost per warp (the input's norm and
-# quantization) is the larger share, so more rows share it (benchmarks/moe_kernels.py on an H100: 15.7 us against 17.9 at 4)
+# quantization) is the larger share, so more rows share it (benchmarks/moe_kernels.py, H100, 2026-11-25: GLM-4.7-Flash's
+# gate+up 15.3 us against 17.3 at 4, DeepSeek-V2-Lite's 21.9 against 28.2; results.jsonl moe_kernel lines)
 
 
 def _rows_r(rows: int) -> int: return R_LARGE if rows >= 4096 else R_SMALL

@@ -433,14 +433,15 @@ def measuring_setup(name: str, url: str, device: str | None = None, model: str |
 
 
 def info_to_json(info: ModelInfo) -> str:
-  return json.dumps({"moe": info.moe, "dense_blocks": info.dense_blocks, "shared_experts": info.shared_experts,
-                     "quants": {k: list(v) for k, v in info.quants.items()}, "mergeable": sorted(info.mergeable), "split_kv_b": info.split_kv_b})
+  """Every field of the model's ModelInfo: a worker that joins or continues the study sees the space its creator saw."""
+  return json.dumps({f.name: sorted(v) if isinstance(v := getattr(info, f.name), frozenset) else v for f in fields(ModelInfo)})
 
 
 def info_from_json(text: str) -> ModelInfo:
+  """A stored ModelInfo; a field an older study did not store keeps its default."""
   d = json.loads(text)
-  return ModelInfo(d["moe"], d["dense_blocks"], d["shared_experts"], {k: tuple(v) for k, v in d["quants"].items()}, frozenset(d["mergeable"]),
-                   d.get("split_kv_b", True))
+  tuples = lambda v: {k: tuple(x) for k, x in v.items()} if isinstance(v, dict) else tuple(v) if isinstance(v, list) else v
+  return ModelInfo(**{f.name: frozenset(d[f.name]) if f.name == "mergeable" else tuples(d[f.name]) for f in fields(ModelInfo) if f.name in d})
 
 
 def model_info(path: str) -> ModelInfo: return ModelInfo.from_gguf(GGUFFile(path))

@@ -144,3 +144,18 @@ def test_corrupt_sqlite_is_refused_and_kept(tmp_path, capsys) -> None:
 def test_worker_refuses_sqlite(capsys, tmp_path) -> None:
   assert search("worker", "--study", "x", "--storage", f"sqlite:///{tmp_path / 'a.db'}") == 2
   assert "postgresql+psycopg://" in capsys.readouterr().err
+
+
+def test_a_joining_worker_sees_the_creators_space() -> None:
+  """The ModelInfo stored with a study round-trips every field (a worker that lost ffn_quants saw no ffn_act knob, so a
+  killed trial's config came back from Optuna's retry queue with a knob sampled anew: another config)."""
+  from dataclasses import fields
+
+  from search.study import info_from_json, info_to_json
+  from space.knobs import ModelInfo
+  info = ModelInfo(moe=True, dense_blocks=True, shared_experts=True, quants={"dense": ("Q4_0", "Q8_0"), "expert": ("Q4_0",)},
+                   mergeable=frozenset({"routed", "dense"}), split_kv_b=False, ffn_quants=("Q4_0", "Q8_0"))
+  assert all(getattr(info, f.name) != f.default for f in fields(ModelInfo))  # no field at its default: each one is tested
+  assert info_from_json(info_to_json(info)) == info
+  old = '{"moe": true, "dense_blocks": false, "shared_experts": false, "quants": {"expert": ["Q4_0"]}, "mergeable": []}'
+  assert info_from_json(old) == ModelInfo(True, False, False, {"expert": ("Q4_0",)})

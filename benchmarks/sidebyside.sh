@@ -4,14 +4,16 @@
 #
 # Starts building llama-bench in the background first, meanwhile writes the synthetic files (`model synth`) and makes each
 # file's correctness reference (nothing is timed while the build runs), then per model: llama-bench and each config of
-# $CONFIGS through `evaluator run`. Every figure goes through benchmarks/record.py into $OUT/results.jsonl
+# $CONFIGS through `evaluator run` (then $FAULTS). Every figure goes through benchmarks/record.py into $OUT/results.jsonl
 # (append it to benchmarks/results.jsonl, then `python -m benchmarks.render`). A failed step is recorded and the rest goes on.
 #
 # Environment [default]:
 #   MODELS    presets, each written as a synthetic file with exact shapes [glm-4.7-flash deepseek-v2-lite]
 #   QUANT     [q4_0]   LAYERS  blocks to write [all of them]
-#   CONFIGS   `baseline` (the config {}) and NAME=FILE ..., in order; all but the baseline with --profile
-#             [baseline best=benchmarks/configs/best.json]
+#   CONFIGS   `baseline` (the config {}) and NAME=FILE ..., in order [baseline best=benchmarks/configs/best.json]
+#   PROFILED  the NAMEs of $CONFIGS run with --profile [all but the baseline]
+#   FAULTS    FAULT:NAME ...: on the last model, after the configs, config NAME again with a fault of tests/inject
+#             (STRUCTSEARCH_FAULT), which the correctness gate must reject [none]
 #   N ROUNDS  evaluator tokens per measured round and rounds [32 3]      LLAMA_N LLAMA_REPS  llama-bench -n and -r [128 5]
 #   DEVICE    [CUDA]   LLAMA_BENCH  a llama-bench binary to use instead of building one from .llama/llama.cpp.tar.gz
 #   WORK      files, references and the build [/tmp/sidebyside]; reused when the machine is still warm
@@ -23,7 +25,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 MODELS=${MODELS:-glm-4.7-flash deepseek-v2-lite} QUANT=${QUANT:-q4_0} LAYERS=${LAYERS:-} CONFIGS=${CONFIGS:-baseline best=benchmarks/configs/best.json}
 N=${N:-32} ROUNDS=${ROUNDS:-3} LLAMA_N=${LLAMA_N:-128} LLAMA_REPS=${LLAMA_REPS:-5} DEVICE=${DEVICE:-CUDA} WORK=${WORK:-/tmp/sidebyside}
-DEADLINE=${DEADLINE:-570} PY=${PYTHON:-python3} OUT=${OUT:-$WORK/out}
+DEADLINE=${DEADLINE:-570} PY=${PYTHON:-python3} OUT=${OUT:-$WORK/out} LAST=${MODELS##* }
+shopt -s extglob
 mkdir -p "$WORK" "$OUT"
 exec > >(tee -a "$OUT/sidebyside.log") 2>&1
 T0=$SECONDS
@@ -57,11 +60,16 @@ for m in $MODELS; do
   log "writing $(file "$m")"
   "$PY" -m model synth --preset "$m" --quant "$QUANT" ${LAYERS:+--layers "$LAYERS"} --out "$(file "$m")" || log "model synth failed for $m"
 done
-for m in $MODELS; do  # the baseline's reference for the correctness gate: made once per file, by the evaluator's own code
+echo '{}' > "$WORK/baseline.json"
+cfgfile() { [ "$1" = baseline ] && echo "$WORK/baseline.json" || echo "${1#*=}"; }
+for m in $MODELS; do  # the correctness gate's references (the baseline's, and each config's twin): once per file, by the evaluator's own code
   [ -f "$(file "$m")" ] || continue
-  log "reference for $m"
-  timeout "$(($(left) - 60))" "$PY" -c "import sys; from evaluator.runner import Evaluator
-Evaluator.for_model(sys.argv[1], sys.argv[2]).reference('full')" "$(file "$m")" "$DEVICE" || log "the reference for $m failed (its first trial makes it again)"
+  log "references for $m"
+  timeout "$(($(left) - 60))" "$PY" -c "import sys; from evaluator.runner import Evaluator; from evaluator.gate import arithmetic
+from model.structure import StructureConfig
+e = Evaluator.for_model(sys.argv[1], sys.argv[2])
+for c in sys.argv[3:]: e.reference('full', arithmetic(StructureConfig.from_json(open(c).read()))[0])" "$(file "$m")" "$DEVICE" \
+    $(for spec in $CONFIGS; do cfgfile "$spec"; done) || log "the references for $m failed (the first trial of each makes it again)"
 done
 if [ -n "$BUILD" ]; then
   log "waiting for the llama-bench build"
@@ -92,11 +100,14 @@ for m in $MODELS; do
         --error "llama-bench failed: $(tail -2 "$WORK/llama-bench.err" | tr '\n' ' ')"
     fi
   fi
-  echo '{}' > "$WORK/baseline.json"
-  for spec in $CONFIGS; do
+  for spec in $CONFIGS $( [ "$m" = "$LAST" ] && echo "${FAULTS:-}" ); do
+    fault=
+    case $spec in  # FAULT:NAME: config NAME of $CONFIGS with a fault of tests/inject, which the gate must reject
+      *:*) fault=${spec%%:*} spec=$(for c in $CONFIGS; do [ "${c%%=*}" = "${spec#*:}" ] && echo "$c"; done); [ -n "$spec" ] || continue ;;
+    esac
     [ "$spec" = baseline ] && spec=baseline=$WORK/baseline.json
-    cname=${spec%%=*} cfg=${spec#*=} res=$WORK/$m.${spec%%=*}.json
-    profile=$( [ "$cname" = baseline ] || echo --profile )
+    cname=${spec%%=*}${fault:+ + fault $fault} cfg=${spec#*=} res=$WORK/$m.${spec%%=*}${fault:+.$fault}.json
+    profile=$( [ -z "$fault" ] && case " ${PROFILED:-${CONFIGS//=*([^ ])/}} " in *" ${spec%%=*} "*) [ "$cname" = baseline ] || echo --profile ;; esac )
     cmd="python -m evaluator run --model $(basename "$f") --device $DEVICE --no-prefill -n $N --rounds $ROUNDS --config $( [ "$cname" = baseline ] && echo '{}' || echo "$cfg") $profile"
     cmd="$cmd  ($(basename "$f"): model synth --preset $m --quant $QUANT${LAYERS:+ --layers $LAYERS}; via bash benchmarks/sidebyside.sh)"
     rm -f "$res"
@@ -105,7 +116,8 @@ for m in $MODELS; do
       continue
     fi
     log "evaluator: $m $cname"
-    "$PY" -m evaluator run --model "$f" --device "$DEVICE" --no-prefill -n "$N" --rounds "$ROUNDS" --config "$cfg" $profile \
+    ${fault:+env STRUCTSEARCH_FAULT=$fault PYTHONPATH=$PYTHONPATH:$PWD/tests/inject} \
+      "$PY" -m evaluator run --model "$f" --device "$DEVICE" --no-prefill -n "$N" --rounds "$ROUNDS" --config "$cfg" $profile \
       --timeout "$(($(left) - 10))" --json "$res"
     if [ -f "$res" ]; then
       rec trial "$res" --model-name "$(name "$m")" --config-name "$cname" --command "$cmd" $( [ -f "$json" ] && echo --llama "$json" )

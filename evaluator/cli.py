@@ -36,10 +36,11 @@ def summary(r: TrialResult) -> Table:
     t.add_row("memory", f"peak device {m['peak_device_bytes'] / 1e9:.3f} GB, host RSS {m['host_peak_rss_bytes'] / 1e9:.2f} GB")
     t.add_row("determinism", "same tokens every round" if m["deterministic"] else "[red]tokens differ between rounds[/]")
   if c := r.check:
-    t.add_row("check", f"under the reference's routing: max error {c['max_rel_err']:.2g} std (tolerance {c['tolerance']:.0e}), failed positions "
-                       f"{c['failed_positions']}/{c['positions']}; routing: {c['wrong_routing']} wrong, {c['near_tie_flips']} near-tie flips of "
-                       f"{c['near_ties']} near-ties in {c['routing_decisions']} decisions; timed run: {c.get('tokens_compared', 0)} tokens compared, "
-                       f"{c.get('tokens_differ', 0)} differ")
+    drift = "-" if c["drift"] is None else format(c["drift"], ".2g")
+    t.add_row("check", f"stages on the reference's inputs: max error {c['max_rel_err']:.2g} std in {c['worst_stage']} (tolerance "
+                       f"{c['tolerance']:.0e}), failed positions {c['failed_positions']}/{c['positions']}; routing: {c['wrong_routing']} wrong, "
+                       f"{c['near_tie_flips']} near-tie flips of {c['near_ties']} near-ties in {c['routing_decisions']} decisions; chained: "
+                       f"drift {drift} std; timed run: {c.get('tokens_compared', 0)} tokens compared, {c.get('tokens_differ', 0)} differ")
   t.add_row("phases", "  ".join(f"{k[:-2]} {v:.1f}s" for k, v in r.phases.items()))
   return t
 

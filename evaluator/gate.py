@@ -1,32 +1,40 @@
-"""The correctness gate: a trial computes what the baseline computes, up to its arithmetic's rounding, at every position.
+"""The correctness gate: a trial computes what the baseline computes, up to its arithmetic's rounding, in every stage.
 
 Why not compare logits position by position: at depth, MoE routing sits close to ties at many positions, a legitimate
-float reordering flips one expert somewhere, attention carries it on, and tens of MoE blocks turn 1e-6 into O(1). So the
-gate separates arithmetic from routing:
+float reordering flips one expert somewhere, attention carries it on, and tens of MoE blocks turn 1e-6 into O(1). And an
+approximation that is legitimate in one block (8-bit activations, as llama.cpp's mmvq kernels compute) compounds over the
+blocks into logits as far from the baseline's as a real bug's. So the gate checks each stage on its own inputs:
 
 - The reference (the baseline config, once per model file, device, depth, model code and tinygrad version) records, for
-  the prompt and the greedy continuation after it, every MoE block's selected experts and selection scores, and the
-  logits of the check positions.
-- Arithmetic: the trial runs the same tokens with each MoE block's selection forced to the reference's (the model's check
-  path, model.deepseek2.Check), so only rounding differs; its logits must stay within the tolerance of its class (below)
-  at every check position, with no position excused.
-- Routing: the same run reports each block's own top-k (computed from its own scores); it must equal the reference's
-  wherever the reference's margin (k-th minus (k+1)-th score) exceeds twice the tolerance (the two scores can each move by
-  it). Decisions inside that margin are near-ties: recorded and counted, never failures. The trial's router logits (what
-  the scores are computed from) must also stay within the tolerance of the reference's: a softmax over them turns a
-  rounding-size difference of the logits into a larger one of the scores, so the scores are compared only by their top-k.
-- The timed run: the tokens of the measured decode (the production graph, free routing) must equal the reference's
-  greedy tokens at every position until the first one where the reference is not decisive (its top-two logit lead is
-  within the tolerance, or any of its routing decisions at this or an earlier position is a near-tie); after that the two
-  runs may legitimately part.
+  the prompt and the greedy continuation after it, the residual stream after every stage of each step (the embedding,
+  then each block's attention and FFN: model.deepseek2.Check), every MoE block's selected experts, selection scores and
+  router logits, and the logits of the check positions.
+- Arithmetic, stage by stage: the trial runs the same tokens through its check path with every stage reading the
+  reference's stream (its KV cache is filled from those inputs too) and every MoE block the reference's experts; each
+  stage's update (its output minus its input) must stay within the tolerance of its class (below) of the reference's
+  update, and the logits (the output head on the reference's last stream) within the tolerance of the reference's, at
+  every fed position, no stage or position excused. Errors cannot compound, so a fault in one block stands out against
+  an approximation's uniform rounding, and the verdict names the stage.
+- Routing: the same run reports each block's own top-k (computed from its own scores, on the reference's input); it must
+  equal the reference's wherever the reference's margin (k-th minus (k+1)-th score) exceeds twice the tolerance.
+  Decisions inside that margin are near-ties: recorded and counted, never failures. The trial's router logits (what the
+  scores are computed from) must also stay within the tolerance: a softmax over them enlarges a rounding-size difference,
+  so the scores are compared only by their top-k.
+- The timed run is the checked run: a second pass through the same check graph chains the stages (each reads the one
+  before it, as in the timed graph) under the reference's routing. Where its own routing is the reference's, with clear
+  margins, it is the trial's own free run of the reference's tokens, so the tokens of the measured decode (the production
+  graph) must equal its greedy tokens, position by position, until the timed run's input parts from the reference's or
+  the chained run's own lead or routing margin is within the tolerance (the pass stops at its first near-tie). Its logits'
+  distance from the reference's is reported as the trial's end-to-end drift: a figure, not a verdict.
 
-Tolerances are relative to the reference's standard deviation at each position (logits over the vocabulary, scores over
-the experts). FP32_TOL holds configs that reorder float32 work (fusion, kernels, barriers, BEAM): measured at 1e-3 or less
-on a 32-block model (tests/test_gate.py), the baseline's fp16 KV cache being what moves (a reordered sum that lands on the
-other side of an fp16 rounding boundary). FP16_TOL holds configs that round to fp16 where the baseline does not (fp16
-weight caches, activations, absorbed q projection, router input), round the FFN's activations to 8 bits (ffn_act=q8, as
-llama.cpp does), or keep the KV cache in float32 against the baseline's fp16: measured up to 1.3e-2. A wrong expert, a
-dropped residual or a dequantization scale off by one block moves the logits of the positions they touch by 1e-1 to O(1).
+Tolerances are of the reference's standard deviation at each position (a stage's update over the model width, logits
+over the vocabulary, router logits and scores over the experts), and errors are the maximum over those elements.
+FP32_TOL holds configs that reorder float32 work (fusion, kernels, barriers, BEAM): their stages agree to 1e-4 or less,
+the baseline's fp16 KV cache being what moves (a reordered sum that lands on the other side of an fp16 rounding
+boundary). FP16_TOL holds configs that round to fp16 or 8 bits where the baseline does not (fp16 weight caches,
+activations, absorbed q projection, router input, ffn_act=q8) or keep the KV cache in float32 against the baseline's fp16.
+A wrong expert, a dropped residual or a dequantization scale read from a neighbouring block moves the update of the stage
+they touch by 1e-1 to O(1) (tests/test_gate.py).
 """
 from __future__ import annotations
 
@@ -43,12 +51,16 @@ FP32_TOL, FP16_TOL = 5e-3, 5e-2
 CODE = pathlib.Path(__file__).resolve().parents[1] / "model"  # what a reference's logits depend on, besides the file and tinygrad
 
 
-def tolerance(cfg: StructureConfig) -> float:
-  """The tolerance class of a config: FP16_TOL where it rounds below float32 where the baseline does not, else FP32_TOL."""
+def arithmetic(cfg: StructureConfig) -> tuple[StructureConfig, float]:
+  """The config whose reference a trial is checked against, and the tolerance of its class. 8-bit FFN activations are
+  checked against their dsl twin (the baseline with the same fused FFN stages in dsl, rounding the same way): on the
+  reference's inputs the two round alike, where against float32 the rounding alone is as large as a subtle fault. The
+  tolerance is FP16_TOL where the trial rounds to fp16 where its reference does not, else FP32_TOL."""
   base = StructureConfig()
+  ref = base if cfg.ffn_act == base.ffn_act else StructureConfig(fused={s: "dsl" for s in ("moe", "ffn") if cfg.stage(s)}, ffn_act=cfg.ffn_act)
   fp16 = ("fp16_cache" in cfg.backends.values() or cfg.act_dtype != base.act_dtype or cfg.mla_absorb != base.mla_absorb
-          or cfg.router_fp32 != base.router_fp32 or cfg.kv_dtype != base.kv_dtype or cfg.ffn_act != base.ffn_act)
-  return FP16_TOL if fp16 else FP32_TOL
+          or cfg.router_fp32 != base.router_fp32 or cfg.kv_dtype != base.kv_dtype)
+  return ref, FP16_TOL if fp16 else FP32_TOL
 
 
 def rel_err(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
@@ -64,18 +76,37 @@ def code_hash() -> str:
   return h.hexdigest()
 
 
-def reference_key(file_sha: str, device: str, layers: int, prompt_len: int, positions: int) -> str:
-  """The cache key of a reference: everything its numbers depend on."""
+def reference_key(file_sha: str, device: str, layers: int, prompt_len: int, positions: int, config: StructureConfig | None = None) -> str:
+  """The cache key of a reference: everything its numbers depend on (the config where it is not the baseline)."""
   import tinygrad
   tg = getattr(tinygrad, "__version__", "") or _dist_version("tinygrad")
+  cfg = "" if config is None or config == StructureConfig() else f"-cfg{hashlib.sha256(config.to_json().encode()).hexdigest()[:12]}"
   return (f"{file_sha[:16]}-{device.replace(':', '_')}-L{layers}-p{prompt_len}-c{positions}-code{code_hash()[:12]}"
-          f"-tinygrad{tg}")
+          f"-tinygrad{tg}{cfg}")
 
 
 def _dist_version(name: str) -> str:
   from importlib.metadata import PackageNotFoundError, version
   try: return version(name)
   except PackageNotFoundError: return ""
+
+
+def margins(scores: np.ndarray, k: int) -> np.ndarray:
+  """(…): the k-th minus the (k+1)-th score of each row over its experts, relative to the scores' std (inf where all are selected)."""
+  if scores.size == 0 or scores.shape[-1] <= k: return np.full(scores.shape[:-1], np.inf)
+  top = np.sort(scores.astype(np.float64), -1)
+  return (top[..., -k] - top[..., -k - 1]) / scores.std(-1)
+
+
+def leads(logits: np.ndarray) -> np.ndarray:
+  """Per row: the top logit minus the second, relative to the row's std."""
+  top = np.sort(logits.astype(np.float64), -1)
+  return (top[:, -1] - top[:, -2]) / logits.std(-1)
+
+
+def stage_names(layers: int) -> list[str]:
+  """The stages of a step in the order Check.outs records them, then the output head."""
+  return ["embedding", *(f"block {i} {part}" for i in range(layers) for part in ("attention", "ffn")), "output"]
 
 
 @dataclass
@@ -85,6 +116,7 @@ class Reference:
   scores: np.ndarray  # (prompt + positions, n_moe, E) selection scores per fed position
   router: np.ndarray  # (prompt + positions, n_moe, E) the router logits the scores are computed from
   logits: np.ndarray  # (positions, vocab) after each check position (prompt_len + j)
+  states: np.ndarray  # (prompt + positions, 2 * blocks + 1, D) the residual stream after each stage, per fed position
   prompt_len: int
 
   @property
@@ -92,29 +124,17 @@ class Reference:
 
   def save(self, path: str) -> None:
     tmp = path + ".tmp.npz"
-    np.savez(tmp, tokens=self.tokens, sel=self.sel, scores=self.scores, router=self.router, logits=self.logits, prompt_len=self.prompt_len)
+    np.savez(tmp, tokens=self.tokens, sel=self.sel, scores=self.scores, router=self.router, logits=self.logits, states=self.states,
+             prompt_len=self.prompt_len)
     os.replace(tmp, path)
 
   @classmethod
   def load(cls, path: str) -> Reference:
-    with np.load(path) as z: return cls(z["tokens"], z["sel"], z["scores"], z["router"], z["logits"], int(z["prompt_len"]))
+    with np.load(path) as z: return cls(z["tokens"], z["sel"], z["scores"], z["router"], z["logits"], z["states"], int(z["prompt_len"]))
 
   def margins(self) -> np.ndarray:
-    """(fed positions, n_moe): the k-th minus the (k+1)-th score relative to the scores' std (inf where all are selected)."""
-    if self.scores.size == 0 or self.scores.shape[-1] <= self.sel.shape[-1]: return np.full(self.sel.shape[:2], np.inf)
-    top = np.sort(self.scores.astype(np.float64), -1)
-    k = self.sel.shape[-1]
-    return (top[..., -k] - top[..., -k - 1]) / self.scores.std(-1)
-
-  def decisive_tokens(self, tol: float) -> int:
-    """How many check positions, from the first, the reference decides clearly: its top-two logit lead exceeds tol and no
-    routing decision at this or an earlier fed position is within 2 tol."""
-    top = np.sort(self.logits.astype(np.float64), -1)
-    lead = (top[:, -1] - top[:, -2]) / self.logits.std(-1)
-    routing = self.margins().min(-1) if self.sel.size else np.full(len(self.tokens) - 1, np.inf)
-    for j in range(self.positions):
-      if lead[j] <= tol or routing[:self.prompt_len + j + 1].min() <= 2 * tol: return j
-    return self.positions
+    """(fed positions, n_moe): the reference's routing margins."""
+    return margins(self.scores, self.sel.shape[-1]) if self.sel.size else np.full(self.sel.shape[:2], np.inf)
 
 
 def _split(n: int, *per_block: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -125,62 +145,97 @@ def _split(n: int, *per_block: np.ndarray) -> tuple[np.ndarray, ...]:
 def make_reference(gen, prompt: list[int], positions: int) -> Reference:
   """The baseline's run: the prompt fed one token at a time, then `positions` greedy steps, through the check path."""
   n_moe = sum(b.moe for b in gen.model.blocks)
-  tokens, sel, scores, router, logits = list(prompt), [], [], [], []
+  tokens, sel, scores, router, logits, states = list(prompt), [], [], [], [], []
   for j in range(len(prompt) + positions):
-    lg, *per_block = gen.check_step(tokens[j], j)
+    lg, *per_block, outs = gen.check_step(tokens[j], j)
     o, s, r = _split(n_moe, *per_block)
-    sel.append(o), scores.append(s), router.append(r)
+    sel.append(o), scores.append(s), router.append(r), states.append(outs)
     if j >= len(prompt) - 1:
       if j >= len(prompt): logits.append(lg)
       tokens.append(int(np.argmax(lg)))
   logits = logits[:positions]
   return Reference(np.array(tokens[:len(prompt) + positions + 1]), np.stack(sel), np.stack(scores).astype(np.float32),
-                   np.stack(router).astype(np.float32), np.stack(logits).astype(np.float32), len(prompt))
+                   np.stack(router).astype(np.float32), np.stack(logits).astype(np.float32), np.stack(states).astype(np.float32), len(prompt))
+
+
+def stage_errors(outs: np.ndarray, states: np.ndarray) -> np.ndarray:
+  """(S,): each stage's update (its output minus the reference's input to it) against the reference's update, max |diff|
+  over std(reference update); the embedding against the reference's embedding."""
+  states, outs = states.astype(np.float64), outs.astype(np.float64)
+  update = np.concatenate([states[:1], states[1:] - states[:-1]])
+  diff = np.abs(outs - states).max(-1)
+  with np.errstate(divide="ignore", invalid="ignore"): err = diff / update.std(-1)
+  return np.where(diff == 0, 0.0, np.nan_to_num(err, nan=np.inf))
 
 
 def check(gen, ref: Reference, tol: float) -> dict:
-  """The trial's arithmetic and routing against the reference (see the module docstring): figures and `ok`."""
-  n_moe = ref.sel.shape[1]
-  logits, own, rerr = [], [], []
-  for j in range(len(ref.sel)):
-    lg, *per_block = gen.check_step(int(ref.tokens[j]), j, ref.sel[j] if n_moe else None)
+  """The trial's arithmetic stage by stage, its routing, and its own chained run (see the module docstring): figures, `ok`,
+  and what the timed run must produce (check_tokens)."""
+  n_moe, fed, P = ref.sel.shape[1], len(ref.sel), ref.prompt_len
+  forced = lambda j: ref.sel[j] if n_moe else None
+  errs, own, rerr = [], [], []
+  for j in range(fed):
+    lg, *per_block, outs = gen.check_step(int(ref.tokens[j]), j, forced(j), ref.states[j], per_stage=True)
     o, _, r = _split(n_moe, *per_block)
     own.append(o)
     if n_moe: rerr.append(rel_err(r, ref.router[j]))
-    if j >= ref.prompt_len: logits.append(lg)
-  err = rel_err(np.stack(logits), ref.logits)
-  margins = ref.margins()
-  flipped = (np.sort(np.stack(own), -1) != np.sort(ref.sel, -1)).any(-1) if n_moe else np.zeros((len(ref.sel), 0), bool)
-  near = margins <= 2 * tol
+    errs.append(np.append(stage_errors(outs, ref.states[j]), rel_err(lg[None], ref.logits[j - P][None])[0] if j >= P else 0.0))
+  err = np.stack(errs)  # (fed, S + 1): every stage and the output head
+  names = stage_names((err.shape[1] - 2) // 2)
+  flipped = (np.sort(np.stack(own), -1) != np.sort(ref.sel, -1)).any(-1) if n_moe else np.zeros((fed, 0), bool)
+  near = ref.margins() <= 2 * tol
   wrong_route = flipped & ~near
   router_err = float(np.max(rerr)) if rerr else 0.0
-  finite = bool(np.isfinite(err).all())
-  ok = finite and bool((err <= tol).all()) and not wrong_route.any() and router_err <= tol
-  return {"ok": ok, "tolerance": tol, "positions": int(len(err)), "failed_positions": int((~(err <= tol)).sum()),
-          "failed_at": np.flatnonzero(~(err <= tol)).tolist(), "wrong_routing_at": np.flatnonzero(wrong_route.any(-1)).tolist(),
-          "max_rel_err": float(np.nan_to_num(err.max(), nan=np.inf)), "median_rel_err": float(np.nan_to_num(np.median(err), nan=np.inf)),
-          "routing_decisions": int(flipped.size), "near_ties": int(near.sum()), "near_tie_flips": int((flipped & near).sum()),
-          "wrong_routing": int(wrong_route.sum()), "max_router_err": router_err}
+  bad = ~(err <= tol)
+  worst = np.unravel_index(int(np.argmax(np.nan_to_num(err, nan=np.inf))), err.shape)
+  ok = bool(np.isfinite(err).all()) and not bad.any() and not wrong_route.any() and router_err <= tol
+  figures = {"ok": ok, "tolerance": tol, "positions": fed, "stages": len(names), "failed_positions": int(bad.any(-1).sum()),
+             "failed_at": np.flatnonzero(bad.any(-1)).tolist(), "failed_stages": [names[s] for s in np.flatnonzero(bad.any(0))][:8],
+             "wrong_routing_at": np.flatnonzero(wrong_route.any(-1)).tolist(), "max_rel_err": float(err.max()),
+             "median_rel_err": float(np.median(err)), "worst_stage": f"{names[worst[1]]} at position {worst[0]}",
+             "routing_decisions": int(flipped.size), "near_ties": int(near.sum()), "near_tie_flips": int((flipped & near).sum()),
+             "wrong_routing": int(wrong_route.sum()), "max_router_err": router_err}
+  return figures | _chained(gen, ref, tol, forced)
 
 
-def check_tokens(ref: Reference, tokens: list[int], tol: float) -> dict:
-  """The timed run's tokens (from the reference's first generated token at prompt_len) against the reference's greedy
-  tokens, at every position the reference decides clearly."""
-  want = ref.tokens[ref.prompt_len:ref.prompt_len + ref.positions + 1]
-  n = min(ref.decisive_tokens(tol) + 1, len(tokens), len(want))  # the token after a decisive position is decided too
-  bad = [j for j in range(1, n) if int(tokens[j]) != int(want[j])]
-  return {"tokens_compared": max(0, n - 1), "tokens_differ": len(bad), "first_differing": bad[0] if bad else None}
+def _chained(gen, ref: Reference, tol: float, forced) -> dict:
+  """The second pass: stages chained under the reference's routing, until its own routing parts from the reference's or
+  comes within a near-tie (past that point the timed run may route otherwise, so nothing after it is compared, and the
+  pass stops). Its greedy tokens, how many of them, from the first, it decides clearly (what the timed run must
+  reproduce), and its end-to-end drift from the reference's logits where it got that far."""
+  n_moe, P, logits = ref.sel.shape[1], ref.prompt_len, []
+  for j in range(len(ref.sel)):
+    lg, *per_block, _ = gen.check_step(int(ref.tokens[j]), j, forced(j), ref.states[j], per_stage=False)
+    o, s, _ = _split(n_moe, *per_block)
+    if n_moe and not ((np.sort(o, -1) == np.sort(ref.sel[j], -1)).all() and (margins(s, o.shape[-1]) > 2 * tol).all()): break
+    if j >= P: logits.append(lg)
+  if not logits: return {"drift": None, "own_tokens": [], "own_decided": 0}
+  logits = np.stack(logits)
+  decided = [lead > tol for lead in leads(logits)] + [False]
+  return {"drift": float(np.nan_to_num(rel_err(logits, ref.logits[:len(logits)]).max(), nan=np.inf)), "own_tokens": logits.argmax(-1).tolist(),
+          "own_decided": decided.index(False)}
+
+
+def check_tokens(ref: Reference, chk: dict, tokens: list[int]) -> dict:
+  """The timed run's tokens (tokens[0] is the reference's token at prompt_len, fed first) against the chained check run's
+  greedy tokens, while the timed run's inputs are the reference's and the chained run decides clearly."""
+  want, given = chk["own_tokens"], ref.tokens[ref.prompt_len:]
+  n = 0
+  while n < min(chk["own_decided"], len(tokens) - 1) and (n == 0 or int(tokens[n]) == int(given[n])): n += 1
+  bad = [k for k in range(1, n + 1) if int(tokens[k]) != int(want[k - 1])]
+  return {"tokens_compared": n, "tokens_differ": len(bad), "first_differing": bad[0] if bad else None}
 
 
 def verdict(check: dict) -> str:
   """One line saying why a trial failed the gate."""
   parts = []
   if check["failed_positions"]:
-    parts.append(f"logits under the reference's routing differ at {check['failed_positions']} of {check['positions']} positions (max error "
-                 f"{check['max_rel_err']:.3g} std, tolerance {check['tolerance']:.0e})")
+    parts.append(f"stages on the reference's inputs differ at {check['failed_positions']} of {check['positions']} positions (max error "
+                 f"{check['max_rel_err']:.3g} std in {check['worst_stage']}, tolerance {check['tolerance']:.0e}; failing: "
+                 f"{', '.join(check['failed_stages'])})")
   if check["wrong_routing"]: parts.append(f"{check['wrong_routing']} routing decisions differ where the reference's margin is decisive")
   if check["max_router_err"] > check["tolerance"]: parts.append(f"router logits differ by {check['max_router_err']:.3g} std")
   if check.get("tokens_differ"):
-    parts.append(f"the timed run's token {check['first_differing']} differs where the reference is decisive "
+    parts.append(f"the timed run's token {check['first_differing']} differs from the checked run's "
                  f"({check['tokens_differ']} of {check['tokens_compared']} compared)")
   return "; ".join(parts) or "output not finite"

@@ -26,8 +26,8 @@ Phase = Callable[[str], None]
 class ReferenceFailed(RuntimeError):
   """The baseline config failed to make the correctness reference: no trial of this file, device and depth can be checked."""
 
-  def __init__(self, result: TrialResult):
-    super().__init__(f"the baseline config failed to make the reference ({result.status}): {result.error}")
+  def __init__(self, result: TrialResult, what: str = "the baseline config"):
+    super().__init__(f"{what} failed to make the reference ({result.status}): {result.error}")
     self.result = result
 
 
@@ -193,24 +193,35 @@ class Evaluator:
     return TrialSpec(self.model, config, self.device, stage, self.layers(stage), self.prompt_len, self.n, self.rounds, self.warmup,
                      prefill=self.prefill, tinygrad_cache=self.tinygrad_cache, **kw)
 
-  def reference(self, stage: str, on_phase: Phase | None = None, on_wait: Phase | None = None) -> str:
-    """The baseline's reference for this file, device and stage, made on first use (in its own trial process)."""
+  def reference(self, stage: str, config: StructureConfig | None = None, on_phase: Phase | None = None, on_wait: Phase | None = None) -> str:
+    """The reference of a config (evaluator/gate.py arithmetic: the baseline, or a twin) for this file, device and stage, made
+    on first use (in its own trial process)."""
     from evaluator.gate import reference_key
-    probe = self.spec(StructureConfig().to_dict(), stage)
-    key = reference_key(file_sha256(self.model), self.device, probe.layers or self.total_layers, probe.prompt_len, probe.check_positions)
+    config = config or StructureConfig()
+    probe = self.spec(config.to_dict(), stage)
+    key = reference_key(file_sha256(self.model), self.device, probe.layers or self.total_layers, probe.prompt_len, probe.check_positions, config)
     path = cache_dir() / "references" / f"{key}.npz"
     if not path.exists():
       path.parent.mkdir(parents=True, exist_ok=True)
       res = evaluate(replace(probe, write_reference=str(path)), self.timeout, on_phase, on_wait)
-      if not res.ok: raise ReferenceFailed(res)
+      if not res.ok: raise ReferenceFailed(res, "the baseline config" if config == StructureConfig() else f"the reference config {config.to_json()}")
     return str(path)
 
   def run(self, config: dict, stage: str = "full", profile: bool = False, check: bool = True, on_phase: Phase | None = None,
           on_wait: Phase | None = None) -> TrialResult:
-    t0 = time.perf_counter()
-    ref = self.reference(stage, on_phase, on_wait) if check else None
+    """One trial of `config` at `stage`, checked against its reference unless `check` is false. A failed baseline
+    reference raises ReferenceFailed (no trial can be checked); a failed twin reference fails this trial alone."""
+    from evaluator.gate import arithmetic
+    t0, ref = time.perf_counter(), None
+    if check:
+      try: ref_cfg = arithmetic(StructureConfig.from_dict(config))[0]
+      except (ValueError, TypeError, KeyError): ref_cfg = StructureConfig()  # the trial process reports the config as invalid
+      try: ref = self.reference(stage, ref_cfg, on_phase, on_wait)
+      except ReferenceFailed as e:
+        if ref_cfg == StructureConfig(): raise
+        return TrialResult(e.result.status, self.spec(config, stage).__dict__, phases={"setup_s": round(time.perf_counter() - t0, 3)}, error=str(e))
     bw = bandwidth(self.device, on_wait=on_wait)
     setup = time.perf_counter() - t0
     res = evaluate(self.spec(config, stage, reference=ref, bandwidth_gbs=bw, profile=profile), self.timeout, on_phase, on_wait)
-    res.phases["setup_s"] = round(setup, 3)  # the reference and bandwidth figures: made on first use, cached after
+    res.phases["setup_s"] = round(setup, 3)  # the references and bandwidth figures: made on first use, cached after
     return res

@@ -290,11 +290,13 @@ class Block:
 
   def __call__(self, x: Tensor, start_pos: int | UOp, pos: Tensor | None, act, check: Check | None = None) -> Tensor:
     """One block. A fused stage of the config replaces its part of the per-op path for a single token (decode); `pos`
-    holds the position for the native kernels. check: the correctness check's forced routing and records (MoE blocks)."""
+    holds the position for the native kernels. check: the correctness check's records and forced inputs (the attention's
+    output here, the block's in Transformer.forward; routing in MoE blocks)."""
     hp, fused = self.hp, self.cfg.fused if x.shape[1] == 1 else {}
     stage = lambda name: K.get(fused[name]) if name in fused else None
     if (b := stage("attention")) is not None: h = b.attention(self, x, start_pos, pos).cast(act)
     else: h = x + self.attention(rms_norm(x, self.attn_norm, hp.eps), start_pos).cast(act)
+    if check is not None: h = check.feed(h)
     xn = None
     def norm() -> Tensor:
       nonlocal xn
@@ -317,13 +319,28 @@ class Block:
 
 @dataclass
 class Check:
-  """The correctness check's view into one forward pass: routing forced per MoE block (ids (n_moe, K), or None: the model's
-  own), and what each MoE block's router computed: its own top-k ids (T, K), its selection scores (T, E) and the logits
-  they are computed from (T, E)."""
+  """The correctness check's view into one decode step (evaluator/gate.py).
+
+  Routing: forced per MoE block (ids (n_moe, K), or None: the model's own); each MoE block's router records its own top-k
+  ids (T, K), its selection scores (T, E) and the logits they are computed from (T, E).
+  Stages: the step is a chain of stages (the embedding, then each block's attention and FFN), each adding its update to
+  the residual stream; `outs` records the stream after each stage (S = 2 * blocks + 1 rows). With `states` (S, D), the
+  stream a reference recorded, and `per_stage` (1,) true, each stage reads the reference's stream instead of the one the
+  stage before it computed, and the output head reads the reference's last: every stage is checked on its own inputs, so
+  rounding does not compound over the depth. With `per_stage` false the stages chain as in the timed graph."""
   forced: Tensor | None = None
+  states: Tensor | None = None
+  per_stage: Tensor | None = None
   own: list[Tensor] = field(default_factory=list)
   scores: list[Tensor] = field(default_factory=list)
   logits: list[Tensor] = field(default_factory=list)
+  outs: list[Tensor] = field(default_factory=list)
+
+  def feed(self, x: Tensor) -> Tensor:
+    """Record a stage's output x (1, 1, D); return the next stage's input."""
+    self.outs.append(x.float().reshape(-1))
+    if self.states is None or self.per_stage is None: return x
+    return self.per_stage.reshape(1, 1, 1).where(self.states[len(self.outs) - 1].reshape(x.shape).cast(x.dtype), x)
 
 
 class Transformer:
@@ -372,7 +389,10 @@ class Transformer:
     T = tokens.shape[1]
     pos = (Tensor.zeros(1, dtype=dtypes.int32, device=self.device) + start_pos).contiguous() if T == 1 and self.cfg.fused else None
     x = self.token_embd.rows(tokens).cast(self.act)
-    for b in self.blocks: x = b(x, start_pos, pos, self.act, check)
+    if check is not None: x = check.feed(x)
+    for b in self.blocks:
+      x = b(x, start_pos, pos, self.act, check)
+      if check is not None: x = check.feed(x)
     if not all_logits: x = x[:, -1:]
     return K.linear(rms_norm(x, self.output_norm, self.hp.eps), self.output)
 

@@ -71,10 +71,10 @@ class Generator:
     self.pos = UOp.variable("start_pos", 0, model.max_context - 1)
     self.prefill_jit, self.step_jit, self.step_logits_jit = capture_first(self._prefill), capture_first(self._step), capture_first(self._step_logits)
     self.sample_jit = capture_first(self._sample)  # temperature > 0: the greedy graph computes no noise
-    self.check_jit, self.forced_jit = capture_first(self._check), capture_first(self._check)  # the correctness check's graphs: own / forced routing
+    self.check_jit, self.forced_jit = capture_first(self._check), capture_first(self._check)  # the check's graphs: a reference's / a trial's
     dev = model.device
     self.token, self.temperature, self.seed = Slot((1, 1), dtypes.int32, dev), Slot((1,), dtypes.float, dev), Slot((1,), dtypes.float, dev)
-    self.chunk_tokens, self.forced = Slot((1, self.chunk), dtypes.int32, dev), None
+    self.chunk_tokens, self.forced, self.states, self.per_stage = Slot((1, self.chunk), dtypes.int32, dev), None, None, None
 
   def _prefill(self, tokens: Tensor, start_pos: UOp) -> Tensor:
     return self.model.forward(tokens, start_pos, all_logits=True)[0].contiguous()
@@ -82,12 +82,14 @@ class Generator:
   def _step_logits(self, token: Tensor, start_pos: UOp) -> Tensor:
     return self.model.forward(token, start_pos)[0, -1].contiguous()
 
-  def _check(self, token: Tensor, start_pos: UOp, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    chk = Check(forced)
-    logits = self.model.forward(token, start_pos, check=chk)[0, -1]
-    if not chk.own: return logits.contiguous(), Tensor.zeros(1, dtype=dtypes.int32).contiguous(), *(Tensor.zeros(1).contiguous() for _ in range(2))
-    return (logits.contiguous(), Tensor.stack(*chk.own).cast(dtypes.int32).contiguous(), Tensor.stack(*chk.scores).float().contiguous(),
-            Tensor.stack(*chk.logits).contiguous())
+  def _check(self, token: Tensor, start_pos: UOp, states: Tensor | None = None, per_stage: Tensor | None = None,
+             forced: Tensor | None = None) -> tuple[Tensor, ...]:
+    chk = Check(forced, states, per_stage)
+    logits = self.model.forward(token, start_pos, check=chk)[0, -1].contiguous()
+    outs = Tensor.stack(*chk.outs).contiguous()
+    if not chk.own: return logits, Tensor.zeros(1, dtype=dtypes.int32).contiguous(), *(Tensor.zeros(1).contiguous() for _ in range(2)), outs
+    return (logits, Tensor.stack(*chk.own).cast(dtypes.int32).contiguous(), Tensor.stack(*chk.scores).float().contiguous(),
+            Tensor.stack(*chk.logits).contiguous(), outs)
 
   def _step(self, token: Tensor, start_pos: UOp) -> Tensor:
     return argmax_first(self.model.forward(token, start_pos)[0, -1]).cast(dtypes.int32).reshape(1, 1).contiguous()
@@ -120,14 +122,22 @@ class Generator:
     self._check_room(pos + 1)
     with Context(BEAM=self.beam): return read(self.step_logits_jit(self.token(token), self.pos.bind(pos)))
 
-  def check_step(self, token: int, pos: int, forced: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
-    """One decode step for the correctness check: (logits (vocab,), each MoE block's own top-k ids (n_moe, K), its selection
-    scores (n_moe, E), its router logits (n_moe, E)); forced (n_moe, K): the expert ids every MoE block uses instead of its
-    own (the routing of a reference)."""
+  def check_step(self, token: int, pos: int, forced: np.ndarray | None = None, states: np.ndarray | None = None,
+                 per_stage: bool = False) -> tuple[np.ndarray, ...]:
+    """One decode step for the correctness check (model.deepseek2.Check): (logits (vocab,), each MoE block's own top-k ids
+    (n_moe, K), its selection scores (n_moe, E), its router logits (n_moe, E), the residual stream after each stage
+    (S, D)). forced (n_moe, K): the expert ids every MoE block uses instead of its own; states (S, D): a reference's
+    stream, which each stage reads instead of its predecessor's output where per_stage is true. Without states: the
+    reference's own graph; with them, one graph for both ways of chaining."""
     self._check_room(pos + 1)
     args = (self.token(token), self.pos.bind(pos))
-    if forced is not None and self.forced is None: self.forced = Slot(forced.shape, dtypes.int32, self.model.device)  # (n_moe, K): known on first use
-    with Context(BEAM=self.beam): out = self.check_jit(*args) if forced is None else self.forced_jit(*args, self.forced(forced))
+    with Context(BEAM=self.beam):
+      if states is None: out = self.check_jit(*args)
+      else:
+        dev = self.model.device  # the slots' shapes are known on first use
+        if self.states is None: self.states, self.per_stage = Slot(states.shape, dtypes.float, dev), Slot((1,), dtypes.bool, dev)
+        if forced is not None and self.forced is None: self.forced = Slot(forced.shape, dtypes.int32, dev)
+        out = self.forced_jit(*args, self.states(states), self.per_stage(per_stage), *(() if forced is None else (self.forced(forced),)))
     return tuple(read(t) for t in out)
 
   def step(self, token: int, pos: int, temperature: float = 0.0, seed: float = 0.0) -> int:

@@ -33,7 +33,7 @@ def test_trial_reports_every_figure_and_repeats(baseline) -> None:
   a, b = baseline
   for r in (a, b):
     assert r.ok, r.error
-    assert r.check["ok"] and r.check["max_rel_err"] == 0.0 and r.check["positions"] == 16
+    assert r.check["ok"] and r.check["max_rel_err"] < 1e-4 and r.check["positions"] == 32 + 16 and r.check["tokens_compared"] >= 0
     m = r.metrics
     assert m["tok_s_min"] <= m["tok_s"] <= m["tok_s_max"] and len(m["tok_s_rounds"]) == 2 and m["deterministic"]
     assert m["kernels_per_token"] > 10 and m["bytes_per_token"] > 1e5 and 0 < m["bandwidth_share"] < 1
@@ -82,7 +82,7 @@ def test_failures_are_classified(ev, monkeypatch, inject, fault, config, status)
   if fault == "hang": monkeypatch.setattr(ev, "timeout", 20)
   t0 = time.perf_counter()
   r = ev.run(config)
-  assert r.status == status, (r.status, r.error)
+  assert r.status == status, (r.status, r.error, r.check)
   assert r.error and not r.ok and r.tok_s is None
   if status == "timeout": assert 20 <= time.perf_counter() - t0 < 60 and "compile" in r.error
   if fault == "broken_argmax_topk": assert r.check["wrong_routing"] > 0 and "routing decisions differ" in r.error  # it picks wrong experts

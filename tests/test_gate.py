@@ -1,7 +1,8 @@
 """The correctness gate at depth (evaluator/gate.py) on a deep narrow model (tiny-deep: 30 MoE blocks of 64 experts at the
 tiny widths): a position-by-position comparison of free-running logits fails legitimate configs there (a kernel-boundary
-knob among them: it flips routing near-ties), the gate passes them, and it fails deliberately broken ones (faults patched
-into the model by the test), each touching a single position."""
+knob among them: it flips routing near-ties), the gate passes them (8-bit FFN activations too, against their dsl twin),
+and it fails deliberately broken ones (faults patched into the model by the test), each touching a single position, and
+names the stage they touch."""
 from __future__ import annotations
 
 import functools
@@ -40,17 +41,37 @@ def free_logits(m: Transformer, tokens: np.ndarray) -> np.ndarray:
   return np.stack(out[len(PROMPT):])
 
 
-@pytest.mark.parametrize("cfg", ['{"barriers": {"moe_out": "contiguous"}}', '{"kv_dtype": "float32"}'])
+Q8 = '{"fused": {"moe": "dsl", "ffn": "dsl"}, "ffn_act": "q8"}'
+
+
+@functools.cache
+def reference(path: str, cfg_json: str = "{}") -> gate.Reference:
+  return gate.make_reference(Generator(model(path, cfg_json)), PROMPT, POSITIONS)
+
+
+@pytest.mark.parametrize("cfg", ['{"barriers": {"moe_out": "contiguous"}}', '{"kv_dtype": "float32"}', Q8])
 def test_legitimate_configs_pass_the_gate(deep, ref, cfg: str) -> None:
-  """A kernel boundary (float32 reorderings) and an fp32 KV cache against the baseline's fp16 one (the fp16 class); the
-  boundary also fails a position-by-position comparison of free-running logits, the gate of before."""
+  """A kernel boundary (float32 reorderings), an fp32 KV cache against the baseline's fp16 one (the fp16 class), and 8-bit
+  FFN activations against their dsl twin's reference; the boundary also fails a position-by-position comparison of
+  free-running logits, the gate of before."""
   m = model(deep, cfg)
-  tol = gate.tolerance(StructureConfig.from_json(cfg))
+  twin, tol = gate.arithmetic(StructureConfig.from_json(cfg))
+  if cfg == Q8: assert twin == StructureConfig(fused={"moe": "dsl", "ffn": "dsl"}, ffn_act="q8") and tol == gate.FP32_TOL
   if "barriers" in cfg:
     assert (gate.rel_err(free_logits(m, ref.tokens), ref.logits) > tol).any(), "depth no longer breaks the free-running comparison here"
-  c = gate.check(Generator(m), ref, tol)
+  c = gate.check(Generator(m), reference(deep, twin.to_json()) if twin != StructureConfig() else ref, tol)
   assert c["ok"] and c["failed_positions"] == 0 and c["wrong_routing"] == 0, c
   assert c["max_rel_err"] <= tol and c["max_router_err"] <= tol and c["routing_decisions"] == (len(PROMPT) + POSITIONS) * 30
+  assert c["positions"] == len(PROMPT) + POSITIONS and c["stages"] == 2 * 32 + 2
+
+
+def test_8bit_activations_are_as_far_from_float32_as_a_fault(deep, ref) -> None:
+  """Why 8-bit activations have a twin: against the float32 reference their FFN stages move by far more than float32
+  reorderings do, which is what a subtle fault does too; against the twin, no further than a reordering."""
+  m, twin = model(deep, Q8), gate.arithmetic(StructureConfig.from_json(Q8))[0]
+  far, near = gate.check(Generator(m), ref, gate.FP32_TOL), gate.check(Generator(m), reference(deep, twin.to_json()), gate.FP32_TOL)
+  assert not far["ok"] and far["max_rel_err"] > 10 * gate.FP32_TOL and all(s.endswith("ffn") for s in far["failed_stages"]), far
+  assert near["ok"] and near["max_rel_err"] < gate.FP32_TOL / 5, near
 
 
 def test_the_reference_records_routing_and_margins(ref) -> None:
@@ -97,19 +118,22 @@ def test_a_wrong_expert_at_one_position_fails(deep, ref, monkeypatch) -> None:
   assert "routing decisions differ" in gate.verdict(c)
 
 
-def test_a_scale_off_by_one_block_fails(deep, ref) -> None:
+@pytest.mark.parametrize("cfg", ["{}", Q8])
+def test_a_scale_off_by_one_block_fails(deep, cfg: str) -> None:
   """In one MoE block, one expert's down projection reads each row's first block scale from its second block: the one
-  check position that uses that expert fails."""
-  m = Transformer(GGUFFile(deep), StructureConfig(), max_context=32)
-  b = 10
-  e, p = _single_position(ref, b)
+  position that uses that expert fails, in that block's FFN stage alone; with 8-bit activations too."""
+  m = Transformer(GGUFFile(deep), StructureConfig.from_json(cfg), max_context=32)
+  twin, tol = gate.arithmetic(StructureConfig.from_json(cfg))
+  b, r = 10, reference(deep, twin.to_json())
+  e, p = _single_position(r, b)
   w = m.blocks[2 + b].down_exps
   d = w.planes["d"].numpy()
   rows = slice(e * w.shape[1], (e + 1) * w.shape[1])
   d[rows, 0] = d[rows, 1]
   w.planes["d"].assign(Tensor(d)).realize()
-  c = gate.check(Generator(m), ref, gate.FP32_TOL)
-  assert not c["ok"] and c["failed_at"][0] == p - ref.prompt_len, c
+  c = gate.check(Generator(m), r, tol)
+  assert not c["ok"] and c["failed_at"] == [p] and c["failed_stages"] == [f"block {2 + b} ffn"] and c["max_rel_err"] > 10 * tol, c
+  assert f"block {2 + b} ffn at position {p}" in gate.verdict(c)
 
 
 def test_a_dropped_residual_at_one_position_fails(deep, ref, monkeypatch) -> None:
@@ -126,28 +150,26 @@ def test_a_dropped_residual_at_one_position_fails(deep, ref, monkeypatch) -> Non
   monkeypatch.setattr(Block, "attention", attention)
   monkeypatch.setattr(Block, "__call__", keep_x)
   c = gate.check(Generator(m), ref, gate.FP32_TOL)
-  assert not c["ok"] and c["failed_at"][0] == p - ref.prompt_len and c["max_rel_err"] > 10 * gate.FP32_TOL, c
+  assert not c["ok"] and c["failed_at"] == [p] and c["failed_stages"] == ["block 15 attention"] and c["max_rel_err"] > 10 * gate.FP32_TOL, c
 
 
-def test_the_timed_run_is_checked_where_the_reference_is_decisive() -> None:
-  """A timed run that computes something else (every token one id off) fails the token check; the reference's own tokens
-  pass; the comparison stops at the first position with a near-tie (of the top two logits, or of a routing decision
-  there or before), after which two legitimate runs may part."""
-  rng, P, n = np.random.default_rng(0), 4, 6
-  logits = rng.standard_normal((n, 50)).astype(np.float32)
-  want = logits.argmax(-1)
-  logits[np.arange(n), want] += 3  # clear leads
-  scores = np.tile(np.linspace(0, 1, 8, dtype=np.float32), (P + n, 3, 1))  # margins of 1/7 over a std of 0.33: clear
-  sel = np.argsort(-scores, -1)[..., :2]
-  ref = gate.Reference(np.array([1] * P + [7] + list(want)), sel, scores, scores, logits, P)
-  assert ref.decisive_tokens(gate.FP32_TOL) == n
-  timed = [7] + list(want)
-  assert gate.check_tokens(ref, timed, gate.FP32_TOL) == {"tokens_compared": n, "tokens_differ": 0, "first_differing": None}
-  bad = gate.check_tokens(ref, [7] + [(t + 1) % 50 for t in want], gate.FP32_TOL)
-  assert bad["tokens_differ"] == n and bad["first_differing"] == 1
-  scores[P + 2, 1, 5] = scores[P + 2, 1, 6]  # a routing tie (2nd and 3rd) at check position 2: positions 2.. are not compared
-  assert ref.decisive_tokens(gate.FP32_TOL) == 2
-  assert gate.check_tokens(ref, timed[:3] + [0] * (n - 2), gate.FP32_TOL)["tokens_differ"] == 0
+def test_the_timed_run_is_checked_against_the_chained_run() -> None:
+  """The timed run's tokens are compared with the chained check run's greedy tokens: a timed run that computes something
+  else (every token one id off) fails; one that reproduces the chained run passes, also where the chained run itself parts
+  from the reference (legitimate drift), and the comparison stops once the timed run's input is no longer the
+  reference's, or where the chained run does not decide clearly."""
+  P, n = 4, 6
+  given = [7, 11, 12, 13, 14, 15, 16]
+  ref = gate.Reference(np.array([1] * P + given), *(np.zeros((P + n, 0, 0)) for _ in range(3)), np.zeros((n, 5)), np.zeros((P + n, 3, 2)), P)
+  own, none = given[1:], {"tokens_differ": 0, "first_differing": None}
+  check = lambda own_tokens, decided, timed: gate.check_tokens(ref, {"own_tokens": own_tokens, "own_decided": decided}, timed)
+  assert check(own, n, [7] + own) == {"tokens_compared": n} | none
+  bad = check(own, n, [7] + [t + 1 for t in own])
+  assert bad == {"tokens_compared": 1, "tokens_differ": 1, "first_differing": 1}  # its input parts from the reference's after it
+  drift = own[:2] + [99] + own[3:]  # the chained run predicts another token at check position 2: the timed run must too
+  assert check(drift, n, [7] + drift) == {"tokens_compared": 3} | none
+  assert check(drift, n, [7] + own)["first_differing"] == 3
+  assert check(own, 2, [7] + own[:2] + [0] * 4)["tokens_compared"] == 2
 
 
 def test_reference_key_follows_code_and_tinygrad(tmp_path, monkeypatch) -> None:
@@ -162,13 +184,14 @@ def test_decisive_synthetic_routing_has_clear_margins(tmp_path) -> None:
   """`model synth --routing decisive` makes each token's experts lead by a clear margin in every MoE block, where random
   router weights sit near ties (measured on tiny-deep by the gate's own reference: 1% quantile of the k-th minus (k+1)-th
   score, in std of the scores: 0.0003 random, 0.83 decisive), so the timed run's tokens are compared further (until the
-  first position where the top two logits themselves are close)."""
+  first position where the chained run's top two logits themselves are close)."""
   from model.synth import write_synthetic
   margins = {}
   for routing in ("random", "decisive"):
     path = write_synthetic(tmp_path / f"{routing}.gguf", "tiny-deep", quant="q4_0", routing=routing, layers=10)
-    ref = gate.make_reference(Generator(Transformer(GGUFFile(path), StructureConfig(), max_context=32)), PROMPT, POSITIONS)
-    margins[routing] = (ref.margins(), ref.decisive_tokens(gate.FP32_TOL))
+    m = Transformer(GGUFFile(path), StructureConfig(), max_context=32)
+    ref = gate.make_reference(Generator(m), PROMPT, POSITIONS)
+    margins[routing] = (ref.margins(), gate.check(Generator(m), ref, gate.FP32_TOL)["own_decided"])
   (rnd, rnd_tokens), (dec, dec_tokens) = margins["random"], margins["decisive"]
   assert np.quantile(dec, 0.01) > 0.3 > np.quantile(rnd, 0.5) and dec_tokens > rnd_tokens
   assert (rnd <= 2 * gate.FP16_TOL).mean() > 0.5 > (dec <= 2 * gate.FP16_TOL).mean() * 100

@@ -324,12 +324,14 @@ class Check:
   Routing: forced per MoE block (ids (n_moe, K), or None: the model's own); each MoE block's router records its own top-k
   ids (T, K), its selection scores (T, E) and the logits they are computed from (T, E).
   Stages: the step is a chain of stages (the embedding, then each block's attention and FFN), each adding its update to
-  the residual stream; `outs` records the stream after each stage (S = 2 * blocks + 1 rows). With `states` (S, D), the
-  stream a reference recorded, and `per_stage` (1,) true, each stage reads the reference's stream instead of the one the
-  stage before it computed, and the output head reads the reference's last: every stage is checked on its own inputs, so
-  rounding does not compound over the depth. With `per_stage` false the stages chain as in the timed graph."""
+  the residual stream; `outs` records the stream after each stage (S = 2 * blocks + 1 of them). With `states` (S tensors
+  (1, 1, D): the stream a reference recorded) and `per_stage` (1,) true, each stage reads the reference's stream instead of
+  the one the stage before it computed, and the output head reads the reference's last: every stage is checked on its own
+  inputs, so rounding does not compound over the depth. With `per_stage` false the stages chain as in the timed graph.
+  Each stage's state is a buffer of its own, so the blocks' kernels stay alike (one slice of a shared buffer per stage
+  would make every block's kernels distinct, each lowered and compiled again)."""
   forced: Tensor | None = None
-  states: Tensor | None = None
+  states: list[Tensor] | None = None
   per_stage: Tensor | None = None
   own: list[Tensor] = field(default_factory=list)
   scores: list[Tensor] = field(default_factory=list)
@@ -338,9 +340,9 @@ class Check:
 
   def feed(self, x: Tensor) -> Tensor:
     """Record a stage's output x (1, 1, D); return the next stage's input."""
-    self.outs.append(x.float().reshape(-1))
+    self.outs.append(x.float().contiguous())
     if self.states is None or self.per_stage is None: return x
-    return self.per_stage.reshape(1, 1, 1).where(self.states[len(self.outs) - 1].reshape(x.shape).cast(x.dtype), x)
+    return self.per_stage.reshape(1, 1, 1).where(self.states[len(self.outs) - 1].cast(x.dtype), x)
 
 
 class Transformer:

@@ -82,14 +82,13 @@ class Generator:
   def _step_logits(self, token: Tensor, start_pos: UOp) -> Tensor:
     return self.model.forward(token, start_pos)[0, -1].contiguous()
 
-  def _check(self, token: Tensor, start_pos: UOp, states: Tensor | None = None, per_stage: Tensor | None = None,
+  def _check(self, token: Tensor, start_pos: UOp, *states: Tensor, per_stage: Tensor | None = None,
              forced: Tensor | None = None) -> tuple[Tensor, ...]:
-    chk = Check(forced, states, per_stage)
+    chk = Check(forced, list(states) or None, per_stage)
     logits = self.model.forward(token, start_pos, check=chk)[0, -1].contiguous()
-    outs = Tensor.stack(*chk.outs).contiguous()
-    if not chk.own: return logits, Tensor.zeros(1, dtype=dtypes.int32).contiguous(), *(Tensor.zeros(1).contiguous() for _ in range(2)), outs
+    if not chk.own: return logits, Tensor.zeros(1, dtype=dtypes.int32).contiguous(), *(Tensor.zeros(1).contiguous() for _ in range(2)), *chk.outs
     return (logits, Tensor.stack(*chk.own).cast(dtypes.int32).contiguous(), Tensor.stack(*chk.scores).float().contiguous(),
-            Tensor.stack(*chk.logits).contiguous(), outs)
+            Tensor.stack(*chk.logits).contiguous(), *chk.outs)
 
   def _step(self, token: Tensor, start_pos: UOp) -> Tensor:
     return argmax_first(self.model.forward(token, start_pos)[0, -1]).cast(dtypes.int32).reshape(1, 1).contiguous()
@@ -135,10 +134,13 @@ class Generator:
       if states is None: out = self.check_jit(*args)
       else:
         dev = self.model.device  # the slots' shapes are known on first use
-        if self.states is None: self.states, self.per_stage = Slot(states.shape, dtypes.float, dev), Slot((1,), dtypes.bool, dev)
+        if self.states is None:
+          self.states, self.per_stage = [Slot((1, 1, states.shape[1]), dtypes.float, dev) for _ in states], Slot((1,), dtypes.bool, dev)
         if forced is not None and self.forced is None: self.forced = Slot(forced.shape, dtypes.int32, dev)
-        out = self.forced_jit(*args, self.states(states), self.per_stage(per_stage), *(() if forced is None else (self.forced(forced),)))
-    return tuple(read(t) for t in out)
+        out = self.forced_jit(*args, *(slot(s) for slot, s in zip(self.states, states, strict=True)), per_stage=self.per_stage(per_stage),
+                              forced=None if forced is None else self.forced(forced))
+    logits, *per_block = (read(t) for t in out[:4])
+    return logits, *per_block, np.stack([read(t).reshape(-1) for t in out[4:]])
 
   def step(self, token: int, pos: int, temperature: float = 0.0, seed: float = 0.0) -> int:
     """The next token after `token` at `pos`: greedy at temperature 0, else a Gumbel-max draw seeded by `seed`."""

@@ -305,7 +305,7 @@ class Block:
     if not self.moe:
       if (b := stage("ffn")) is not None: return b.ffn(self, h).cast(act)  # a kernel's output: block_out bounds nothing here
       return self.barrier(h + self._ffn(norm(), self.gate, self.up, self.down, self.gate_up, "dense_gate_up").cast(act), "block_out")
-    forced = check.forced[self.i - hp.n_dense_lead].reshape(1, 1, hp.n_used) if check is not None and check.forced is not None else None
+    forced = check.forced[self.i - hp.n_dense_lead] if check is not None and check.forced is not None else None
     if (b := stage("router")) is not None: sel, w, own, logits = b.router(self, h, forced)
     else:
       logits = self.router_logits(norm())
@@ -321,16 +321,16 @@ class Block:
 class Check:
   """The correctness check's view into one decode step (evaluator/gate.py).
 
-  Routing: forced per MoE block (ids (n_moe, K), or None: the model's own); each MoE block's router records its own top-k
+  Routing: forced per MoE block (n_moe tensors of ids (1, 1, K), or None: the model's own); each MoE block's router records its own top-k
   ids (T, K), its selection scores (T, E) and the logits they are computed from (T, E).
   Stages: the step is a chain of stages (the embedding, then each block's attention and FFN), each adding its update to
   the residual stream; `outs` records the stream after each stage (S = 2 * blocks + 1 of them). With `states` (S tensors
   (1, 1, D): the stream a reference recorded) and `per_stage` (1,) true, each stage reads the reference's stream instead of
   the one the stage before it computed, and the output head reads the reference's last: every stage is checked on its own
   inputs, so rounding does not compound over the depth. With `per_stage` false the stages chain as in the timed graph.
-  Each stage's state is a buffer of its own, so the blocks' kernels stay alike (one slice of a shared buffer per stage
-  would make every block's kernels distinct, each lowered and compiled again)."""
-  forced: Tensor | None = None
+  Each stage's state and each block's forced ids are a buffer of their own, so the blocks' kernels stay alike (a slice of
+  one shared buffer per block would make every block's kernels distinct, each lowered and compiled again)."""
+  forced: list[Tensor] | None = None
   states: list[Tensor] | None = None
   per_stage: Tensor | None = None
   own: list[Tensor] = field(default_factory=list)

@@ -82,9 +82,10 @@ class Generator:
   def _step_logits(self, token: Tensor, start_pos: UOp) -> Tensor:
     return self.model.forward(token, start_pos)[0, -1].contiguous()
 
-  def _check(self, token: Tensor, start_pos: UOp, *states: Tensor, per_stage: Tensor | None = None,
-             forced: Tensor | None = None) -> tuple[Tensor, ...]:
-    chk = Check(forced, list(states) or None, per_stage)
+  def _check(self, token: Tensor, start_pos: UOp, *inputs: Tensor, per_stage: Tensor | None = None) -> tuple[Tensor, ...]:
+    """inputs: the stages' states (S), then the MoE blocks' forced ids (n_moe) if routing is forced (check_step)."""
+    S = 2 * len(self.model.blocks) + 1
+    chk = Check(list(inputs[S:]) or None, list(inputs[:S]) or None, per_stage)
     logits = self.model.forward(token, start_pos, check=chk)[0, -1].contiguous()
     if not chk.own: return logits, Tensor.zeros(1, dtype=dtypes.int32).contiguous(), *(Tensor.zeros(1).contiguous() for _ in range(2)), *chk.outs
     return (logits, Tensor.stack(*chk.own).cast(dtypes.int32).contiguous(), Tensor.stack(*chk.scores).float().contiguous(),
@@ -133,12 +134,13 @@ class Generator:
     with Context(BEAM=self.beam):
       if states is None: out = self.check_jit(*args)
       else:
-        dev = self.model.device  # the slots' shapes are known on first use
+        dev = self.model.device  # the slots' shapes are known on first use; one buffer each (model.deepseek2.Check)
         if self.states is None:
           self.states, self.per_stage = [Slot((1, 1, states.shape[1]), dtypes.float, dev) for _ in states], Slot((1,), dtypes.bool, dev)
-        if forced is not None and self.forced is None: self.forced = Slot(forced.shape, dtypes.int32, dev)
-        out = self.forced_jit(*args, *(slot(s) for slot, s in zip(self.states, states, strict=True)), per_stage=self.per_stage(per_stage),
-                              forced=None if forced is None else self.forced(forced))
+        if forced is not None and self.forced is None: self.forced = [Slot((1, 1, forced.shape[1]), dtypes.int32, dev) for _ in forced]
+        inputs = [slot(v) for slot, v in zip(self.states, states, strict=True)]
+        if forced is not None: inputs += [slot(v) for slot, v in zip(self.forced, forced, strict=True)]
+        out = self.forced_jit(*args, *inputs, per_stage=self.per_stage(per_stage))
     logits, *per_block = (read(t) for t in out[:4])
     return logits, *per_block, np.stack([read(t).reshape(-1) for t in out[4:]])
 

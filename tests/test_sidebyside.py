@@ -1,7 +1,7 @@
 """benchmarks/sidebyside.sh end to end on the CPU: the tiny model, a stand-in for llama-bench (the real one is built on the
 device; `bash benchmarks/llama_cpp.sh pack --check` proves the packed source builds it), every figure turned into
-results.jsonl lines by benchmarks/record.py, a broken config recorded without stopping the rest, and the side-by-side tables
-of docs/benchmarks.template.md rendered from those lines."""
+results.jsonl lines by benchmarks/record.py, a broken config recorded without stopping the rest, a faulted config rejected by
+the correctness gate, and the side-by-side tables of docs/benchmarks.template.md rendered from those lines."""
 import collections
 import json
 import os
@@ -37,7 +37,8 @@ def out(tmp_path_factory) -> pathlib.Path:
   (tmp / "sorted.json").write_text('{"topk": "sort"}')
   (tmp / "broken.json").write_text('{"topk": "no-such-variant"}')
   env = os.environ | {"MODELS": "tiny", "DEVICE": "CPU", "CONFIGS": f"baseline sorted={tmp}/sorted.json broken={tmp}/broken.json",
-                      "N": "4", "ROUNDS": "1", "WORK": str(tmp), "OUT": str(tmp / "out"), "LLAMA_BENCH": str(bench), "PYTHON": sys.executable}
+                      "N": "4", "ROUNDS": "1", "WORK": str(tmp), "OUT": str(tmp / "out"), "LLAMA_BENCH": str(bench), "PYTHON": sys.executable,
+                      "FAULTS": "scale_off_one_block:sorted"}
   r = subprocess.run(["bash", "benchmarks/sidebyside.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
   return tmp / "out"
@@ -48,7 +49,8 @@ def test_every_figure_is_a_results_line(out):
   assert {i: m for i, x in enumerate(lines) if (m := render.missing(x))} == {}
   assert collections.Counter((x["kind"], x["config"]) for x in lines if x["kind"] != "profile") == collections.Counter({
     ("llama_cpp", "llama.cpp"): 1, ("decode", "baseline"): 1, ("trial", "baseline"): 1, ("gate", "baseline"): 1,
-    ("decode", "sorted"): 1, ("trial", "sorted"): 1, ("gate", "sorted"): 1, ("trial", "broken"): 1})
+    ("decode", "sorted"): 1, ("trial", "sorted"): 1, ("gate", "sorted"): 1, ("trial", "broken"): 1,
+    ("trial", "sorted + fault scale_off_one_block"): 1, ("gate", "sorted + fault scale_off_one_block"): 1})
   assert {x["device"] for x in lines} == {next(x for x in lines if x["kind"] == "decode")["device"]} and lines[0]["device"].endswith(" (CPU)")
   assert {x["model"] for x in lines} == {"tiny (synthetic, exact shapes)"} and {x["layers"] for x in lines} == {3}
   llama, base, fast = lines[0], *[x for x in lines if x["kind"] == "decode"]
@@ -56,7 +58,10 @@ def test_every_figure_is_a_results_line(out):
   assert base["config_hash"] == config_hash(StructureConfig()) and base["knobs"] == "baseline" and fast["knobs"] == "topk=sort"
   assert base["llama_cpp_tok_s"] == fast["llama_cpp_tok_s"] == 339.42 and base["llama_cpp_tok_s_stddev"] == 2.31
   assert all(x["tok_s_min"] <= x["tok_s"] <= x["tok_s_max"] and x["kernels_per_token"] > 0 for x in (base, fast))
-  assert all(x["state"] == "ok" and x["check_ok"] and x["check_s"] > 0 for x in lines if x["kind"] == "gate")
+  gates = {x["config"]: x for x in lines if x["kind"] == "gate"}
+  assert all(gates[c]["state"] == "ok" and gates[c]["check_ok"] and gates[c]["check_s"] > 0 for c in ("baseline", "sorted"))
+  faulted = gates.pop("sorted + fault scale_off_one_block")  # the middle MoE block's down projection reads a wrong scale
+  assert faulted["state"] == "wrong_output" and not faulted["check_ok"] and faulted["check_worst_stage"].startswith("block 2 ffn"), faulted
   trials = {x["config"]: x for x in lines if x["kind"] == "trial"}
   assert trials["sorted"]["status"] == "ok" and trials["sorted"]["wall_s"] > trials["sorted"]["compile_s"] > 0
   assert trials["broken"]["status"] == "error" and trials["broken"]["error"] == "the evaluator wrote no result"
@@ -67,7 +72,8 @@ def test_every_figure_is_a_results_line(out):
 def test_each_result_is_kept_whole(out):
   kept = [json.loads(x) for x in (out / "trials.jsonl").read_text().splitlines()]
   assert kept[0][0]["model_filename"].endswith("tiny-q4_0.gguf")  # llama-bench's own output
-  assert [r["spec"]["config"]["topk"] for r in kept[1:]] == ["pairwise", "sort"] and kept[2]["profile"] and kept[2]["phases"]
+  assert [r["spec"]["config"]["topk"] for r in kept[1:]] == ["pairwise", "sort", "sort"] and kept[2]["profile"] and kept[2]["phases"]
+  assert kept[3]["status"] == "wrong_output" and not kept[3]["profile"]  # the faulted run: rejected, not profiled
 
 
 def test_the_template_renders_the_run(out):

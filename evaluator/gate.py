@@ -29,12 +29,15 @@ blocks into logits as far from the baseline's as a real bug's. So the gate check
 
 Tolerances are of the reference's standard deviation at each position (a stage's update over the model width, logits
 over the vocabulary, router logits and scores over the experts), and errors are the maximum over those elements.
-FP32_TOL holds configs that reorder float32 work (fusion, kernels, barriers, BEAM): their stages agree to 1e-4 or less,
-the baseline's fp16 KV cache being what moves (a reordered sum that lands on the other side of an fp16 rounding
-boundary). FP16_TOL holds configs that round to fp16 or 8 bits where the baseline does not (fp16 weight caches,
-activations, absorbed q projection, router input, ffn_act=q8) or keep the KV cache in float32 against the baseline's fp16.
-A wrong expert, a dropped residual or a dequantization scale read from a neighbouring block moves the update of the stage
-they touch by 1e-1 to O(1) (tests/test_gate.py).
+FP32_TOL holds configs that reorder float32 work (fusion, kernels, barriers, BEAM), and 8-bit activations against their
+twin: their stages agree to 3e-4 or less (measured on tiny-deep, 32 blocks), the baseline's fp16 KV cache being what
+moves (a reordered sum that lands on the other side of an fp16 rounding boundary). FP16_TOL holds configs that round to
+fp16 where their reference does not (fp16 weight caches, activations, absorbed q projection, router input) or keep the KV
+cache in float32 against the baseline's fp16: up to 2e-2 measured (fp16 activations on tiny-deep; 5.5e-3 on two blocks
+of GLM-4.7-Flash's widths). A wrong expert, a dropped residual or a dequantization scale read from a neighbouring block
+moves the update of the stage they touch by 6e-2 (the scale, two blocks of GLM-4.7-Flash's widths: one 32-weight block of
+a 1536-wide row) to O(1); 8-bit activations against float32 move their FFN stages by 5e-2 there, which is why they have
+a twin.
 """
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ for m in $MODELS; do  # the correctness gate's references (the baseline's, and e
 from model.structure import StructureConfig
 e = Evaluator.for_model(sys.argv[1], sys.argv[2])
 for c in sys.argv[3:]:
-  try: cfg = StructureConfig.from_json(open(c).read())
+  try: cfg = StructureConfig.load(c)
   except ValueError as err: print(f'{c}: {err} (its trial reports it)'); continue
   e.reference('full', arithmetic(cfg)[0])" "$(file "$m")" "$DEVICE" \
     $(for spec in $CONFIGS; do cfgfile "$spec"; done) || log "the references for $m failed (the first trial of each makes it again)"

@@ -36,9 +36,11 @@ def out(tmp_path_factory) -> pathlib.Path:
   bench.chmod(bench.stat().st_mode | stat.S_IEXEC)
   (tmp / "sorted.json").write_text('{"topk": "sort"}')
   (tmp / "broken.json").write_text('{"topk": "no-such-variant"}')
-  env = os.environ | {"MODELS": "tiny", "DEVICE": "CPU", "CONFIGS": f"baseline sorted={tmp}/sorted.json broken={tmp}/broken.json",
+  (tmp / "argmax.toml").write_text('topk = "argmax"\n')  # TOML, as `evaluator run --config` takes it; not in PROFILED
+  configs = f"baseline sorted={tmp}/sorted.json broken={tmp}/broken.json argmax={tmp}/argmax.toml"
+  env = os.environ | {"MODELS": "tiny", "DEVICE": "CPU", "CONFIGS": configs,
                       "N": "4", "ROUNDS": "1", "WORK": str(tmp), "OUT": str(tmp / "out"), "LLAMA_BENCH": str(bench), "PYTHON": sys.executable,
-                      "FAULTS": "scale_off_one_block:sorted"}
+                      "FAULTS": "scale_off_one_block:sorted", "PROFILED": "sorted"}
   r = subprocess.run(["bash", "benchmarks/sidebyside.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
   return tmp / "out"
@@ -50,30 +52,32 @@ def test_every_figure_is_a_results_line(out):
   assert collections.Counter((x["kind"], x["config"]) for x in lines if x["kind"] != "profile") == collections.Counter({
     ("llama_cpp", "llama.cpp"): 1, ("decode", "baseline"): 1, ("trial", "baseline"): 1, ("gate", "baseline"): 1,
     ("decode", "sorted"): 1, ("trial", "sorted"): 1, ("gate", "sorted"): 1, ("trial", "broken"): 1,
+    ("decode", "argmax"): 1, ("trial", "argmax"): 1, ("gate", "argmax"): 1,
     ("trial", "sorted + fault scale_off_one_block"): 1, ("gate", "sorted + fault scale_off_one_block"): 1})
   assert {x["device"] for x in lines} == {next(x for x in lines if x["kind"] == "decode")["device"]} and lines[0]["device"].endswith(" (CPU)")
   assert {x["model"] for x in lines} == {"tiny (synthetic, exact shapes)"} and {x["layers"] for x in lines} == {3}
-  llama, base, fast = lines[0], *[x for x in lines if x["kind"] == "decode"]
+  llama, base, fast, _ = lines[0], *[x for x in lines if x["kind"] == "decode"]
   assert (llama["tok_s"], llama["tok_s_stddev"], llama["tok_s_min"], llama["tok_s_max"]) == (339.42, 2.31, 337.1, 341.5)
   assert base["config_hash"] == config_hash(StructureConfig()) and base["knobs"] == "baseline" and fast["knobs"] == "topk=sort"
   assert base["llama_cpp_tok_s"] == fast["llama_cpp_tok_s"] == 339.42 and base["llama_cpp_tok_s_stddev"] == 2.31
   assert all(x["tok_s_min"] <= x["tok_s"] <= x["tok_s_max"] and x["kernels_per_token"] > 0 for x in (base, fast))
   gates = {x["config"]: x for x in lines if x["kind"] == "gate"}
-  assert all(gates[c]["state"] == "ok" and gates[c]["check_ok"] and gates[c]["check_s"] > 0 for c in ("baseline", "sorted"))
+  assert all(gates[c]["state"] == "ok" and gates[c]["check_ok"] and gates[c]["check_s"] > 0 for c in ("baseline", "sorted", "argmax"))
   faulted = gates.pop("sorted + fault scale_off_one_block")  # the middle MoE block's down projection reads a wrong scale
   assert faulted["state"] == "wrong_output" and not faulted["check_ok"] and faulted["check_worst_stage"].startswith("block 2 ffn"), faulted
   trials = {x["config"]: x for x in lines if x["kind"] == "trial"}
   assert trials["sorted"]["status"] == "ok" and trials["sorted"]["wall_s"] > trials["sorted"]["compile_s"] > 0
   assert trials["broken"]["status"] == "error" and trials["broken"]["error"] == "the evaluator wrote no result"
-  profile = [x for x in lines if x["kind"] == "profile"]  # the configs other than the baseline are profiled
+  profile = [x for x in lines if x["kind"] == "profile"]  # the configs PROFILED names (by default, all but the baseline)
   assert profile and {x["config"] for x in profile} == {"sorted"} and [x["rank"] for x in profile] == list(range(1, len(profile) + 1))
 
 
 def test_each_result_is_kept_whole(out):
   kept = [json.loads(x) for x in (out / "trials.jsonl").read_text().splitlines()]
   assert kept[0][0]["model_filename"].endswith("tiny-q4_0.gguf")  # llama-bench's own output
-  assert [r["spec"]["config"]["topk"] for r in kept[1:]] == ["pairwise", "sort", "sort"] and kept[2]["profile"] and kept[2]["phases"]
-  assert kept[3]["status"] == "wrong_output" and not kept[3]["profile"]  # the faulted run: rejected, not profiled
+  assert [r["spec"]["config"]["topk"] for r in kept[1:]] == ["pairwise", "sort", "argmax", "sort"] and kept[2]["profile"] and kept[2]["phases"]
+  assert kept[3]["status"] == "ok" and not kept[3]["profile"]  # not in PROFILED
+  assert kept[4]["status"] == "wrong_output" and not kept[4]["profile"]  # the faulted run: rejected, not profiled
 
 
 def test_the_template_renders_the_run(out):

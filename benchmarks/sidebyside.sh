@@ -15,7 +15,8 @@
 #   FAULTS    FAULT:NAME ...: on the last model, after the configs, config NAME again with a fault of tests/inject
 #             (STRUCTSEARCH_FAULT), which the correctness gate must reject [none]
 #   N ROUNDS  evaluator tokens per measured round and rounds [32 3]      LLAMA_N LLAMA_REPS  llama-bench -n and -r [128 5]
-#   DEVICE    [CUDA]   LLAMA_BENCH  a llama-bench binary to use instead of building one from .llama/llama.cpp.tar.gz
+#   DEVICE    [CUDA]   LLAMA_BENCH  a llama-bench binary to use instead of building one from .llama/llama.cpp.tar.gz;
+#             none: no llama.cpp figures (the configs only)
 #   WORK      files, references and the build [/tmp/sidebyside]; reused when the machine is still warm
 #   DEADLINE  seconds after the start past which no step starts, and by which each step is stopped [570]
 #   PYTHON    [python3]
@@ -78,7 +79,7 @@ if [ -n "$BUILD" ]; then
   log "waiting for the llama-bench build"
   wait "$BUILD" || log "llama-bench build failed (exit $?; 124: stopped at the deadline): $(grep -i -m3 error "$OUT/llama-build.log")"
 fi
-log "llama-bench: $( [ -x "$BENCH" ] && echo "$BENCH" || echo missing)"
+log "llama-bench: $( [ -x "$BENCH" ] && echo "$BENCH" || echo "${LLAMA_BENCH:-missing}")"
 
 for m in $MODELS; do
   f=$(file "$m") json=$WORK/$m.llama.json
@@ -88,7 +89,8 @@ for m in $MODELS; do
   fi
   cmd="llama-bench -m $(basename "$f") -p 0 -n $LLAMA_N -r $LLAMA_REPS -ngl 99 -fa 1 -o json  ($(basename "$f"): model synth --preset $m --quant $QUANT${LAYERS:+ --layers $LAYERS})"
   rm -f "$json"
-  if [ ! -x "$BENCH" ]; then rec error --kind llama_cpp --model "$f" --model-name "$(name "$m")" --config-name llama.cpp --command "$cmd" \
+  if [ "${LLAMA_BENCH:-}" = none ]; then :
+  elif [ ! -x "$BENCH" ]; then rec error --kind llama_cpp --model "$f" --model-name "$(name "$m")" --config-name llama.cpp --command "$cmd" \
     --error "no llama-bench: its build failed (llama-build.log)"
   elif [ "$(left)" -lt 30 ]; then rec error --kind llama_cpp --model "$f" --model-name "$(name "$m")" --config-name llama.cpp --command "$cmd" \
     --error "skipped: deadline"

@@ -97,11 +97,11 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
   first, figures = prepare(gen, spec.prompt_len, spec.prefill, rec.phase, feed=spec.reference is None)  # the check feeds the prompt
   res.metrics |= figures | {"peak_device_bytes": peak()}
 
-  ref, tol = None, gate.arithmetic(cfg)[1]
+  ref, (_, tol, ffn_tol) = None, gate.arithmetic(cfg)
   if spec.reference:
     rec.phase("check")
     ref = gate.Reference.load(spec.reference)
-    res.check = gate.check(gen, ref, tol)
+    res.check = gate.check(gen, ref, tol, ffn_tol)
     if not res.check["ok"]:
       res.status, res.error = "wrong_output", gate.verdict(res.check)
       return

@@ -76,6 +76,7 @@ def test_a_different_config_passes_the_gate_with_its_own_kernels(ev, baseline) -
   ("broken_argmax_topk", {"topk": "argmax"}, "wrong_output"),
   ("scale_off_one_block", {}, "wrong_output"),
   ("dropped_residual_one_block", {}, "wrong_output"),
+  ("dropped_residual_one_block", {"fused": {"attention": "dsl"}}, "wrong_output"),  # the fused stage adds the residual itself
 ])
 def test_failures_are_classified(ev, monkeypatch, inject, fault, config, status) -> None:
   inject(fault)
@@ -87,6 +88,7 @@ def test_failures_are_classified(ev, monkeypatch, inject, fault, config, status)
   if status == "timeout": assert 20 <= time.perf_counter() - t0 < 60 and "compile" in r.error
   if fault == "broken_argmax_topk": assert r.check["wrong_routing"] > 0 and "routing decisions differ" in r.error  # it picks wrong experts
   if fault in ("scale_off_one_block", "dropped_residual_one_block"): assert r.check["failed_positions"] > 0, r.check
+  if fault == "dropped_residual_one_block": assert [s.split()[-1] for s in r.check["failed_stages"]] == ["attention"], r.check
   if status == "invalid_config": assert "topk='bogus'" in r.error
   if status == "killed": assert "from outside" in r.error and r.metrics["host_peak_rss_bytes"] > 1e7
   if status == "oom": assert "device ran out of memory" in r.error

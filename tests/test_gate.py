@@ -12,6 +12,7 @@ import pytest
 from tinygrad import Tensor, dtypes
 
 import evaluator.gate as gate
+import model.backends.dsl as dsl
 from model.deepseek2 import Block, Transformer, topk_indices
 from model.generate import Generator
 from model.gguf_file import GGUFFile
@@ -55,11 +56,12 @@ def test_legitimate_configs_pass_the_gate(deep, ref, cfg: str) -> None:
   FFN activations against their dsl twin's reference; the boundary also fails a position-by-position comparison of
   free-running logits, the gate of before."""
   m = model(deep, cfg)
-  twin, tol = gate.arithmetic(StructureConfig.from_json(cfg))
-  if cfg == Q8: assert twin == StructureConfig(fused={"moe": "dsl", "ffn": "dsl"}, ffn_act="q8") and tol == gate.FP32_TOL
+  twin, tol, ffn_tol = gate.arithmetic(StructureConfig.from_json(cfg))
+  if cfg == Q8: assert twin == StructureConfig(fused={"moe": "dsl", "ffn": "dsl"}, ffn_act="q8") and (tol, ffn_tol) == (gate.FP32_TOL, gate.Q8_TOL)
+  else: assert ffn_tol == tol
   if "barriers" in cfg:
     assert (gate.rel_err(free_logits(m, ref.tokens), ref.logits) > tol).any(), "depth no longer breaks the free-running comparison here"
-  c = gate.check(Generator(m), reference(deep, twin.to_json()) if twin != StructureConfig() else ref, tol)
+  c = gate.check(Generator(m), reference(deep, twin.to_json()) if twin != StructureConfig() else ref, tol, ffn_tol)
   assert c["ok"] and c["failed_positions"] == 0 and c["wrong_routing"] == 0, c
   assert c["max_rel_err"] <= tol and c["max_router_err"] <= tol and c["routing_decisions"] == (len(PROMPT) + POSITIONS) * 30
   assert c["positions"] == len(PROMPT) + POSITIONS and c["stages"] == 2 * 32 + 2
@@ -72,6 +74,25 @@ def test_8bit_activations_are_as_far_from_float32_as_a_fault(deep, ref) -> None:
   far, near = gate.check(Generator(m), ref, gate.FP32_TOL), gate.check(Generator(m), reference(deep, twin.to_json()), gate.FP32_TOL)
   assert not far["ok"] and far["max_rel_err"] > 10 * gate.FP32_TOL and all(s.endswith("ffn") for s in far["failed_stages"]), far
   assert near["ok"] and near["max_rel_err"] < gate.FP32_TOL / 5, near
+
+
+def test_8bit_rounding_one_step_apart_passes_only_in_the_ffn(deep, monkeypatch) -> None:
+  """Two implementations of the same 8-bit rounding (the native kernels and their dsl twin) differ where a value sits
+  within a float rounding of a rounding boundary: here the twin's input one float step off (a fixed pattern of signs),
+  which puts one value of block 9's FFN input one 8-bit step apart and moves that stage by 1.6e-2, the size measured
+  between the native CUDA kernels and the twin. FFN stages at Q8_TOL pass it; at FP32_TOL they would not."""
+  right = dsl.q8_round
+  def q8_round(x: Tensor) -> Tensor:
+    n = x.numel()
+    sign = (((np.arange(n, dtype=np.uint64) * 2654435761) >> 31) & 1).astype(np.float32) * 2 - 1
+    return right(x * (1 + Tensor(sign).reshape(x.shape) * 2.0**-23))
+  monkeypatch.setattr(dsl, "q8_round", q8_round)
+  twin, tol, ffn_tol = gate.arithmetic(StructureConfig.from_json(Q8))
+  r, m = reference(deep, twin.to_json()), Transformer(GGUFFile(deep), StructureConfig.from_json(Q8), max_context=32)
+  c = gate.check(Generator(m), r, tol, ffn_tol)
+  assert c["ok"] and gate.FP32_TOL < c["max_rel_err"] <= ffn_tol and c["worst_stage"].split(" at ")[0].endswith(" ffn"), c
+  strict = gate.check(Generator(m), r, tol)
+  assert not strict["ok"] and all(s.endswith(" ffn") for s in strict["failed_stages"]) and strict["failed_positions"] <= 2, strict
 
 
 def test_the_reference_records_routing_and_margins(ref) -> None:
@@ -123,7 +144,7 @@ def test_a_scale_off_by_one_block_fails(deep, cfg: str) -> None:
   """In one MoE block, one expert's down projection reads each row's first block scale from its second block: the one
   position that uses that expert fails, in that block's FFN stage alone; with 8-bit activations too."""
   m = Transformer(GGUFFile(deep), StructureConfig.from_json(cfg), max_context=32)
-  twin, tol = gate.arithmetic(StructureConfig.from_json(cfg))
+  twin, tol, ffn_tol = gate.arithmetic(StructureConfig.from_json(cfg))
   b, r = 10, reference(deep, twin.to_json())
   e, p = _single_position(r, b)
   w = m.blocks[2 + b].down_exps
@@ -131,9 +152,10 @@ def test_a_scale_off_by_one_block_fails(deep, cfg: str) -> None:
   rows = slice(e * w.shape[1], (e + 1) * w.shape[1])
   d[rows, 0] = d[rows, 1]
   w.planes["d"].assign(Tensor(d)).realize()
-  c = gate.check(Generator(m), r, tol)
-  assert not c["ok"] and c["failed_at"] == [p] and c["failed_stages"] == [f"block {2 + b} ffn"] and c["max_rel_err"] > 10 * tol, c
+  c = gate.check(Generator(m), r, tol, ffn_tol)
+  assert not c["ok"] and c["failed_at"] == [p] and c["failed_stages"] == [f"block {2 + b} ffn"] and c["max_rel_err"] > 5 * ffn_tol, c
   assert f"block {2 + b} ffn at position {p}" in gate.verdict(c)
+  assert ("tolerance 5e-03, FFN stages 3e-02;" if cfg == Q8 else "tolerance 5e-03;") in gate.verdict(c)
 
 
 def test_a_dropped_residual_at_one_position_fails(deep, ref, monkeypatch) -> None:

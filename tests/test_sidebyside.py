@@ -85,3 +85,14 @@ def test_the_template_renders_the_run(out):
   side = doc[doc.index("## Side by side"):doc.index("## Evaluator and search")]
   assert "recorded yet" not in side
   assert "| tiny (synthetic, exact shapes) | 3 | sorted |  |" in side and "± 2.3 (337.1-341.5)" in side
+
+
+def test_no_llama_cpp_when_told(tmp_path):
+  """LLAMA_BENCH=none: the configs alone, no llama.cpp line and no build."""
+  env = os.environ | {"MODELS": "tiny", "DEVICE": "CPU", "CONFIGS": "baseline", "N": "4", "ROUNDS": "1", "WORK": str(tmp_path),
+                      "OUT": str(tmp_path / "out"), "LLAMA_BENCH": "none", "PYTHON": sys.executable}
+  r = subprocess.run(["bash", "benchmarks/sidebyside.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+  lines = render.load(tmp_path / "out" / "results.jsonl")
+  assert [x["kind"] for x in lines] == ["decode", "trial", "gate"] and "llama_cpp_tok_s" not in lines[0]
+  assert not (tmp_path / "llama").exists() and not (tmp_path / "out" / "llama-build.log").exists()

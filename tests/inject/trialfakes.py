@@ -5,7 +5,7 @@
   `broken_argmax_topk` makes the `argmax` top-k variant pick the wrong experts (a knob that computes the wrong output);
   `scale_off_one_block` makes the routed down projection of the middle MoE block read each row's first block scale from its
   second block (a dequantization bug in one layer, whatever backend computes it); `dropped_residual_one_block` drops the
-  attention residual of the middle block (per-op attention path).
+  attention residual of the middle block (in the per-op attention path and in every fused attention stage).
   They patch model code as it is imported, so the trial process is the production one up to the fault.
 - Fake trials ($STRUCTSEARCH_FAKE_TRIALS, JSON: {"seconds": S, "proxy": "predicts" | "random", "status": STATUS}) replace the
   evaluator's trial process in a `search` process: no tinygrad, a tok/s that is a fixed function of the config (its
@@ -96,6 +96,8 @@ def _scale_off(m: ModuleType) -> None:
 
 
 def _dropped_residual(m: ModuleType) -> None:
+  """The middle block's attention stage returns its attention output without the residual x: in the per-op path
+  (Block.attention, whose output __call__ adds to x) and in every fused attention stage (which adds x itself)."""
   call, attention = m.Block.__call__, m.Block.attention
   def keep_x(self, x, *args, **kwargs):
     self._x = x
@@ -103,6 +105,12 @@ def _dropped_residual(m: ModuleType) -> None:
   def faulty(self, xn, start_pos):
     a = attention(self, xn, start_pos)
     return a - self._x if getattr(self, "_faulty", False) else a
+  def fused(stage):
+    def faulty_stage(blk, x, *args):
+      h = stage(blk, x, *args)
+      return h - x if getattr(blk, "_faulty", False) else h
+    return staticmethod(faulty_stage)
+  for b in {type(b) for b in m.K.REGISTRY.values() if "attention" in b.stages}: b.attention = fused(b.attention)
   init = m.Transformer.__init__
   def mark(self, *args, **kwargs) -> None:
     init(self, *args, **kwargs)

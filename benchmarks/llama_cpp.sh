@@ -5,12 +5,19 @@
 #                                                  # needs; --check also configures and builds llama-bench from it on this CPU
 #                                                  # (in $CHECK_DIR, default /tmp/structsearch-llama-cpu)
 #   bash benchmarks/llama_cpp.sh build DIR [CMAKE_ARG...]   # unpack the tarball into DIR and build DIR/build/bin/llama-bench
+#   bash benchmarks/llama_cpp.sh save DIR OUTDIR   # on the device, after a build: llama-bench and its libraries, with the
+#                                                  # source stamp, as OUTDIR/llama-bench.tar.xz.part-* (15 MiB pieces, what the
+#                                                  # device tool hands back); copied into .llama/, later device calls carry them
+#   bash benchmarks/llama_cpp.sh unpack DIR        # those pieces of .llama/ into DIR/build/bin, if they were built from the
+#                                                  # packed source and run here (exit 1 otherwise: build instead)
+# $LLAMA_CACHE: the folder of the packed source and of the pieces [.llama]
 #
 # The version is the venv's llama-cpp-python (the one the CPU conformance tests compare against), or $LLAMA_CPP_PYTHON.
 # On the device, benchmarks/sidebyside.sh runs `build` with -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-TARBALL=.llama/llama.cpp.tar.gz
+CACHE=${LLAMA_CACHE:-.llama}  # the packed source (and a carried build)
+TARBALL=$CACHE/llama.cpp.tar.gz
 # the parts of CMakeLists.txt's standalone build that llama-bench does not need (their folders are not packed)
 OPTS=(-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF)
 
@@ -47,6 +54,21 @@ pack() {
   echo "$TARBALL: llama.cpp of llama-cpp-python $version, $(du -h "$TARBALL" | cut -f1)"
 }
 
+save() {  # DIR OUTDIR
+  local bin=$1/build/bin
+  cp "$1/llama.cpp/SOURCE" "$bin/SOURCE"
+  tar -cf - -C "$bin" SOURCE llama-bench $(cd "$bin" && ls ./*.so* 2>/dev/null) | xz -T0 | split -b 15M - "$2/llama-bench.tar.xz.part-"
+  ls -la "$2"/llama-bench.tar.xz.part-*
+}
+
+unpack() {  # DIR
+  local bin=$1/build/bin parts=("$CACHE"/llama-bench.tar.xz.part-*)
+  [ -f "${parts[0]}" ] || return 1
+  mkdir -p "$bin" && cat "${parts[@]}" | tar -xJf - -C "$bin" || return 1
+  [ "$(cat "$bin/SOURCE")" = "$(tar -xzOf "$TARBALL" llama.cpp/SOURCE)" ] || { echo "the carried llama-bench is of $(cat "$bin/SOURCE")" >&2; return 1; }
+  LD_LIBRARY_PATH=$bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} "$bin/llama-bench" --help > /dev/null
+}
+
 case ${1:-} in
   pack) pack
         if [ "${2:-}" = --check ]; then
@@ -54,5 +76,7 @@ case ${1:-} in
           echo "built $CHECK_DIR/build/bin/llama-bench"
         fi ;;
   build) shift; build "$@" ;;
-  *) echo "usage: bash benchmarks/llama_cpp.sh pack [--check] | build DIR [CMAKE_ARG...]" >&2; exit 2 ;;
+  save) [ $# -eq 3 ] || { echo "usage: bash benchmarks/llama_cpp.sh save DIR OUTDIR" >&2; exit 2; }; save "$2" "$3" ;;
+  unpack) [ $# -eq 2 ] || { echo "usage: bash benchmarks/llama_cpp.sh unpack DIR" >&2; exit 2; }; unpack "$2" ;;
+  *) echo "usage: bash benchmarks/llama_cpp.sh pack [--check] | build DIR [CMAKE_ARG...] | save DIR OUTDIR | unpack DIR" >&2; exit 2 ;;
 esac

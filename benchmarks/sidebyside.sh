@@ -10,6 +10,7 @@
 # Environment [default]:
 #   MODELS    presets, each written as a synthetic file with exact shapes [glm-4.7-flash deepseek-v2-lite]
 #   QUANT     [q4_0]   LAYERS  blocks to write [all of them]
+#   ROUTING   model synth --routing: random (near-ties everywhere) or decisive (as trained routers) [random]
 #   CONFIGS   `baseline` (the config {}) and NAME=FILE ..., in order [baseline best=benchmarks/configs/best.json]
 #   PROFILED  the NAMEs of $CONFIGS run with --profile [all but the baseline]
 #   FAULTS    FAULT:NAME ...: on the last model, after the configs, config NAME again with a fault of tests/inject
@@ -21,10 +22,11 @@
 #   DEADLINE  seconds after the start past which no step starts, and by which each step is stopped [570]
 #   PYTHON    [python3]
 # Out: $OUT/results.jsonl, $OUT/trials.jsonl (each evaluator result and llama-bench output, whole: phases, check, profile),
-#      $OUT/sidebyside.log, $OUT/llama-build.log
+#      $OUT/sidebyside.log, $OUT/llama-build.log, and after a build $OUT/llama-bench.tar.xz.part-* (copied into .llama/, later
+#      calls unpack them instead of building: about 400 s of device time saved; a stale or unrunnable one is built again)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODELS=${MODELS:-glm-4.7-flash deepseek-v2-lite} QUANT=${QUANT:-q4_0} LAYERS=${LAYERS:-} CONFIGS=${CONFIGS:-baseline best=benchmarks/configs/best.json}
+MODELS=${MODELS:-glm-4.7-flash deepseek-v2-lite} QUANT=${QUANT:-q4_0} LAYERS=${LAYERS:-} ROUTING=${ROUTING:-random} CONFIGS=${CONFIGS:-baseline best=benchmarks/configs/best.json}
 N=${N:-32} ROUNDS=${ROUNDS:-3} LLAMA_N=${LLAMA_N:-128} LLAMA_REPS=${LLAMA_REPS:-5} DEVICE=${DEVICE:-CUDA} WORK=${WORK:-/tmp/sidebyside}
 DEADLINE=${DEADLINE:-570} PY=${PYTHON:-python3} OUT=${OUT:-$WORK/out} LAST=${MODELS##* }
 shopt -s extglob
@@ -36,6 +38,11 @@ left() { echo $((DEADLINE - (SECONDS - T0))); }
 log "models: $MODELS; configs: $CONFIGS; device $DEVICE"
 
 BENCH=${LLAMA_BENCH:-$WORK/llama/build/bin/llama-bench} BUILD=
+if [ ! -x "$BENCH" ] && [ -z "${LLAMA_BENCH:-}" ] && ls "${LLAMA_CACHE:-.llama}"/llama-bench.tar.xz.part-* > /dev/null 2>&1; then
+  if why=$(bash benchmarks/llama_cpp.sh unpack "$WORK/llama" 2>&1); then
+    log "llama-bench: the build carried in ${LLAMA_CACHE:-.llama} (benchmarks/llama_cpp.sh save), of $(cat "$WORK/llama/build/bin/SOURCE")"
+  else log "the carried llama-bench is not used (${why:-it does not run here}): building one"; rm -rf "$WORK/llama"; fi
+fi
 if [ ! -x "$BENCH" ] && [ -z "${LLAMA_BENCH:-}" ]; then  # first; stopped (with its compilers) if it would leave 2 minutes or less
   log "building llama-bench in the background (log: llama-build.log)"
   rm -rf "$WORK/llama"
@@ -52,14 +59,15 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
 if [ "$DEVICE" = CUDA ]; then LABEL="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) (CUDA)"
 else LABEL="$("$PY" -c 'import platform; print(platform.processor() or platform.machine())') ($DEVICE)"; fi
-file() { echo "$WORK/$1-$QUANT${LAYERS:+-L$LAYERS}.gguf"; }
-name() { echo "$1 (synthetic, exact shapes)"; }
+SYNTH="--quant $QUANT${LAYERS:+ --layers $LAYERS}$( [ "$ROUTING" = random ] || echo " --routing $ROUTING")"  # model synth's options
+file() { echo "$WORK/$1-$QUANT${LAYERS:+-L$LAYERS}$( [ "$ROUTING" = random ] || echo "-$ROUTING").gguf"; }
+name() { echo "$1 (synthetic, exact shapes$( [ "$ROUTING" = random ] || echo ", $ROUTING routing"))"; }
 rec() { "$PY" -m benchmarks.record "$@" --device "$LABEL" --quant "${QUANT^^}" >> "$OUT/results.jsonl" || log "record.py failed: $*"; }
 
 for m in $MODELS; do
   [ -f "$(file "$m")" ] && continue
   log "writing $(file "$m")"
-  "$PY" -m model synth --preset "$m" --quant "$QUANT" ${LAYERS:+--layers "$LAYERS"} --out "$(file "$m")" || log "model synth failed for $m"
+  "$PY" -m model synth --preset "$m" $SYNTH --out "$(file "$m")" || log "model synth failed for $m"
 done
 echo '{}' > "$WORK/baseline.json"
 cfgfile() { [ "$1" = baseline ] && echo "$WORK/baseline.json" || echo "${1#*=}"; }
@@ -87,7 +95,7 @@ for m in $MODELS; do
     rec error --kind llama_cpp --model-name "$(name "$m")" --config-name llama.cpp --command "model synth --preset $m" --error "no model file"
     continue
   fi
-  cmd="llama-bench -m $(basename "$f") -p 0 -n $LLAMA_N -r $LLAMA_REPS -ngl 99 -fa 1 -o json  ($(basename "$f"): model synth --preset $m --quant $QUANT${LAYERS:+ --layers $LAYERS})"
+  cmd="llama-bench -m $(basename "$f") -p 0 -n $LLAMA_N -r $LLAMA_REPS -ngl 99 -fa 1 -o json  ($(basename "$f"): model synth --preset $m $SYNTH)"
   rm -f "$json"
   if [ "${LLAMA_BENCH:-}" = none ]; then :
   elif [ ! -x "$BENCH" ]; then rec error --kind llama_cpp --model "$f" --model-name "$(name "$m")" --config-name llama.cpp --command "$cmd" \
@@ -96,7 +104,7 @@ for m in $MODELS; do
     --error "skipped: deadline"
   else
     log "llama-bench $m"
-    if timeout "$(($(left) - 10))" "$BENCH" -m "$f" -p 0 -n "$LLAMA_N" -r "$LLAMA_REPS" -ngl 99 -fa 1 -o json > "$json.tmp" 2> "$WORK/llama-bench.err"; then
+    if LD_LIBRARY_PATH=$(dirname "$BENCH")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} timeout "$(($(left) - 10))" "$BENCH" -m "$f" -p 0 -n "$LLAMA_N" -r "$LLAMA_REPS" -ngl 99 -fa 1 -o json > "$json.tmp" 2> "$WORK/llama-bench.err"; then
       mv "$json.tmp" "$json"
       rec llama "$json" --model "$f" --model-name "$(name "$m")" --command "$cmd"
       "$PY" -c "import json, sys; print(json.dumps(json.load(open(sys.argv[1]))))" "$json" >> "$OUT/trials.jsonl"
@@ -114,7 +122,7 @@ for m in $MODELS; do
     cname=${spec%%=*}${fault:+ + fault $fault} cfg=${spec#*=} res=$WORK/$m.${spec%%=*}${fault:+.$fault}.json
     profile=$( [ -z "$fault" ] && case " ${PROFILED:-${CONFIGS//=*([^ ])/}} " in *" ${spec%%=*} "*) [ "$cname" = baseline ] || echo --profile ;; esac )
     cmd="python -m evaluator run --model $(basename "$f") --device $DEVICE --no-prefill -n $N --rounds $ROUNDS --config $( [ "$cname" = baseline ] && echo '{}' || echo "$cfg") $profile"
-    cmd="$cmd  ($(basename "$f"): model synth --preset $m --quant $QUANT${LAYERS:+ --layers $LAYERS}; via bash benchmarks/sidebyside.sh)"
+    cmd="$cmd  ($(basename "$f"): model synth --preset $m $SYNTH; via bash benchmarks/sidebyside.sh)"
     rm -f "$res"
     if [ "$(left)" -lt 30 ]; then
       rec error --kind trial --model "$f" --model-name "$(name "$m")" --config-name "$cname" --command "$cmd" --error "skipped: deadline"
@@ -132,6 +140,9 @@ for m in $MODELS; do
     fi
   done
 done
+if [ -n "$BUILD" ] && [ -x "$BENCH" ]; then  # after every timing: the build, for later calls to carry (copy the pieces into .llama/)
+  bash benchmarks/llama_cpp.sh save "$WORK/llama" "$OUT" > /dev/null && log "saved the llama-bench build: $OUT/llama-bench.tar.xz.part-*"
+fi
 log "done: $(wc -l < "$OUT/results.jsonl") lines in results.jsonl"
 "$PY" -c "
 import json, sys

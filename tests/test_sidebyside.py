@@ -24,6 +24,7 @@ LLAMA = {"build_commit": "llama-cpp-python-0.3.36", "build_number": 0, "cpu_info
 STAND_IN = f"""#!{sys.executable}
 import json, sys
 a = sys.argv[1:]
+if a == ["--help"]: sys.exit(0)
 assert a[2:] == "-p 0 -n 128 -r 5 -ngl 99 -fa 1 -o json".split() and a[0] == "-m" and a[1].endswith(".gguf"), a
 print(json.dumps([{json.dumps(LLAMA)} | {{"model_filename": a[1]}}], indent=2))
 """
@@ -87,12 +88,41 @@ def test_the_template_renders_the_run(out):
   assert "| tiny (synthetic, exact shapes) | 3 | sorted |  |" in side and "± 2.3 (337.1-341.5)" in side
 
 
-def test_no_llama_cpp_when_told(tmp_path):
-  """LLAMA_BENCH=none: the configs alone, no llama.cpp line and no build."""
+def test_no_llama_cpp_when_told_and_decisive_routing(tmp_path):
+  """LLAMA_BENCH=none: the configs alone, no llama.cpp line and no build. ROUTING=decisive writes the file with decisive
+  routers, where the gate's chained pass decides the check positions, so the timed run's tokens are compared."""
   env = os.environ | {"MODELS": "tiny", "DEVICE": "CPU", "CONFIGS": "baseline", "N": "4", "ROUNDS": "1", "WORK": str(tmp_path),
-                      "OUT": str(tmp_path / "out"), "LLAMA_BENCH": "none", "PYTHON": sys.executable}
+                      "OUT": str(tmp_path / "out"), "LLAMA_BENCH": "none", "ROUTING": "decisive", "PYTHON": sys.executable}
   r = subprocess.run(["bash", "benchmarks/sidebyside.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
   lines = render.load(tmp_path / "out" / "results.jsonl")
   assert [x["kind"] for x in lines] == ["decode", "trial", "gate"] and "llama_cpp_tok_s" not in lines[0]
   assert not (tmp_path / "llama").exists() and not (tmp_path / "out" / "llama-build.log").exists()
+  assert {x["model"] for x in lines} == {"tiny (synthetic, exact shapes, decisive routing)"} and "--routing decisive" in lines[0]["command"]
+  assert lines[2]["check_ok"] and lines[2]["check_tokens_compared"] > 0, lines[2]
+
+
+def test_a_carried_llama_bench_is_unpacked_not_built(tmp_path):
+  """`llama_cpp.sh save` packs a build (on the device); sidebyside.sh unpacks pieces carried in $LLAMA_CACHE instead of
+  building, when they come from the packed source and run; pieces of another source are refused."""
+  built, cache, work = tmp_path / "built", tmp_path / "cache", tmp_path / "work"
+  (built / "build/bin").mkdir(parents=True), (built / "llama.cpp").mkdir(), cache.mkdir()
+  (built / "llama.cpp/SOURCE").write_text("llama-cpp-python 0.3.36 (PyPI sdist)\n")
+  (bench := built / "build/bin/llama-bench").write_text(STAND_IN)
+  bench.chmod(bench.stat().st_mode | stat.S_IEXEC)
+  (built / "build/bin/libggml.so.0").write_bytes(os.urandom(1 << 20)), (built / "build/bin/libggml.so").symlink_to("libggml.so.0")
+  sh = lambda *a, **env: subprocess.run(["bash", "benchmarks/llama_cpp.sh", *a], cwd=ROOT, env=os.environ | {"LLAMA_CACHE": str(cache)} | env,
+                                         capture_output=True, text=True, timeout=300)
+  assert sh("save", str(built), str(cache)).returncode == 0 and list(cache.glob("llama-bench.tar.xz.part-*"))
+  subprocess.run(["tar", "-czf", cache / "llama.cpp.tar.gz", "-C", built, "llama.cpp/SOURCE"], check=True)
+  env = os.environ | {"MODELS": "tiny", "DEVICE": "CPU", "CONFIGS": "baseline", "N": "4", "ROUNDS": "1", "WORK": str(work),
+                      "OUT": str(work / "out"), "LLAMA_CACHE": str(cache), "PYTHON": sys.executable}
+  r = subprocess.run(["bash", "benchmarks/sidebyside.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0 and "the build carried in" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
+  assert (work / "llama/build/bin/libggml.so").is_symlink() and not (work / "out/llama-build.log").exists()
+  lines = render.load(work / "out/results.jsonl")
+  assert [x["kind"] for x in lines] == ["llama_cpp", "decode", "trial", "gate"] and lines[1]["llama_cpp_tok_s"] == 339.42
+  (built / "llama.cpp/SOURCE").write_text("llama-cpp-python 0.3.1 (PyPI sdist)\n")
+  subprocess.run(["tar", "-czf", cache / "llama.cpp.tar.gz", "-C", built, "llama.cpp/SOURCE"], check=True)
+  stale = sh("unpack", str(tmp_path / "again"))
+  assert stale.returncode == 1 and "the carried llama-bench is of llama-cpp-python 0.3.36" in stale.stderr, stale.stderr

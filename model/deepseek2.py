@@ -252,7 +252,8 @@ class Block:
     return K.linear(self.barrier(g.silu() * u, point), down)
 
   def router_logits(self, xn: Tensor) -> Tensor:
-    return self.barrier(K.linear(xn.float() if self.cfg.router_fp32 else xn.cast(dtypes.float16), self.gate_inp), "router_logits")
+    """router_fp32=False rounds the input to fp16 in a buffer of its own: tinygrad folds cast(cast(x, half), float) into x."""
+    return self.barrier(K.linear(xn.float() if self.cfg.router_fp32 else xn.cast(dtypes.float16).contiguous(), self.gate_inp), "router_logits")
 
   def probs(self, logits: Tensor) -> Tensor:
     return {SOFTMAX: logits.softmax(-1), SIGMOID: logits.sigmoid(), SOFTMAX_WEIGHT: logits, SQRT_SOFTPLUS: logits.softplus().sqrt()}[self.hp.gating]

@@ -131,3 +131,14 @@ def test_device_memory_within_file_plus_kv(gguf_file) -> None:
   used = GlobalCounters.mem_used - before
   budget = GGUFFile(path).path.stat().st_size + m.kv_cache_bytes
   assert used <= 1.1 * budget, f"{used} bytes on the device for a {budget}-byte budget"
+
+
+def test_router_fp32_off_rounds_the_router_input_to_fp16(gguf_file) -> None:
+  """router_fp32=False: the router's matmul reads its input rounded to fp16 (tinygrad folds a bare cast there away)."""
+  path = gguf_file("tiny", "q4_0")
+  fp32, fp16 = (Transformer(GGUFFile(path), StructureConfig(router_fp32=r), max_context=16) for r in (True, False))
+  b32, b16 = (next(b for b in m.blocks if b.moe) for m in (fp32, fp16))
+  xn = np.random.default_rng(0).standard_normal((1, 1, fp32.hp.dim)).astype(np.float32)
+  got, exact = b16.router_logits(Tensor(xn)).numpy(), b32.router_logits(Tensor(xn)).numpy()
+  rounded = b32.router_logits(Tensor(xn.astype(np.float16).astype(np.float32))).numpy()
+  assert np.abs(got - rounded).max() <= 1e-5 * np.abs(rounded).max() < np.abs(got - exact).max(), (got, rounded, exact)

@@ -74,13 +74,13 @@ cfgfile() { [ "$1" = baseline ] && echo "$WORK/baseline.json" || echo "${1#*=}";
 for m in $MODELS; do  # the correctness gate's references (the baseline's, and each config's twin): once per file, by the evaluator's own code
   [ -f "$(file "$m")" ] || continue
   log "references for $m"
-  timeout "$(($(left) - 60))" "$PY" -c "import sys; from evaluator.runner import Evaluator; from evaluator.gate import arithmetic
+  timeout "$(($(left) - 60))" "$PY" -c "import sys; from evaluator.runner import Evaluator; from evaluator.gate import twin
 from model.structure import StructureConfig
 e = Evaluator.for_model(sys.argv[1], sys.argv[2])
 for c in sys.argv[3:]:
   try: cfg = StructureConfig.load(c)
   except ValueError as err: print(f'{c}: {err} (its trial reports it)'); continue
-  e.reference('full', arithmetic(cfg)[0])" "$(file "$m")" "$DEVICE" \
+  e.reference('full', twin(cfg))" "$(file "$m")" "$DEVICE" \
     $(for spec in $CONFIGS; do cfgfile "$spec"; done) || log "the references for $m failed (the first trial of each makes it again)"
 done
 if [ -n "$BUILD" ]; then

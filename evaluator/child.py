@@ -97,7 +97,7 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
   first, figures = prepare(gen, spec.prompt_len, spec.prefill, rec.phase, feed=spec.reference is None)  # the check feeds the prompt
   res.metrics |= figures | {"peak_device_bytes": peak()}
 
-  ref, (_, tol, ffn_tol) = None, gate.arithmetic(cfg)
+  ref, (tol, ffn_tol) = None, gate.tolerance(cfg, gen.model.hp.dim)
   if spec.reference:
     rec.phase("check")
     ref = gate.Reference.load(spec.reference)

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from evaluator.compare import compare
-from evaluator.gate import tolerances
+from evaluator.gate import tolerance_text
 from evaluator.result import STAGES, TrialResult
 from evaluator.runner import Evaluator, bandwidth, default_device
 from model.gguf_file import GGUFError
@@ -39,7 +39,7 @@ def summary(r: TrialResult) -> Table:
   if c := r.check:
     drift = "-" if c["drift"] is None else format(c["drift"], ".2g")
     t.add_row("check", f"stages on the reference's inputs: max error {c['max_rel_err']:.2g} std in {c['worst_stage']} (tolerance "
-                       f"{tolerances(c)}), failed positions {c['failed_positions']}/{c['positions']}; routing: {c['wrong_routing']} wrong, "
+                       f"{tolerance_text(c)}), failed positions {c['failed_positions']}/{c['positions']}; routing: {c['wrong_routing']} wrong, "
                        f"{c['near_tie_flips']} near-tie flips of {c['near_ties']} near-ties in {c['routing_decisions']} decisions; chained: "
                        f"drift {drift} std; timed run: {c.get('tokens_compared', 0)} tokens compared, {c.get('tokens_differ', 0)} differ")
   t.add_row("phases", "  ".join(f"{k[:-2]} {v:.1f}s" for k, v in r.phases.items()))

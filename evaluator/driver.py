@@ -42,7 +42,7 @@ def prepare(gen: Generator, prompt_len: int, prefill: bool, phase: Phase = lambd
   """The prompt in the model's cache and the decode graph built: (the greedy token after the prompt, {prefill_tok_s}).
 
   feed=False (without prefill): only the decode graph is built; the caller puts the prompt into the cache itself (the
-  correctness check feeds it through the check graph, which writes the same cache), and the token returned is not the
+  correctness check feeds it block by block, writing the same cache), and the token returned is not the
   prompt's."""
   prompt, out = bench_prompt(gen.model.hp.vocab, prompt_len), {}
   if prefill:

@@ -194,7 +194,7 @@ class Evaluator:
                      prefill=self.prefill, tinygrad_cache=self.tinygrad_cache, **kw)
 
   def reference(self, stage: str, config: StructureConfig | None = None, on_phase: Phase | None = None, on_wait: Phase | None = None) -> str:
-    """The reference of a config (evaluator/gate.py arithmetic: the baseline, or a twin) for this file, device and stage, made
+    """The reference of a config (evaluator/gate.py twin: the baseline, or a twin) for this file, device and stage, made
     on first use (in its own trial process)."""
     from evaluator.gate import reference_key
     config = config or StructureConfig()
@@ -211,10 +211,10 @@ class Evaluator:
           on_wait: Phase | None = None) -> TrialResult:
     """One trial of `config` at `stage`, checked against its reference unless `check` is false. A failed baseline
     reference raises ReferenceFailed (no trial can be checked); a failed twin reference fails this trial alone."""
-    from evaluator.gate import arithmetic
+    from evaluator.gate import twin
     t0, ref = time.perf_counter(), None
     if check:
-      try: ref_cfg = arithmetic(StructureConfig.from_dict(config))[0]
+      try: ref_cfg = twin(StructureConfig.from_dict(config))
       except (ValueError, TypeError, KeyError): ref_cfg = StructureConfig()  # the trial process reports the config as invalid
       try: ref = self.reference(stage, ref_cfg, on_phase, on_wait)
       except ReferenceFailed as e:

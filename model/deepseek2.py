@@ -6,7 +6,7 @@ dims), as llama.cpp does. Where a StructureConfig option applies, the code names
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from tinygrad import GlobalCounters, Tensor, UOp, dtypes
@@ -306,44 +306,37 @@ class Block:
     if not self.moe:
       if (b := stage("ffn")) is not None: return b.ffn(self, h).cast(act)  # a kernel's output: block_out bounds nothing here
       return self.barrier(h + self._ffn(norm(), self.gate, self.up, self.down, self.gate_up, "dense_gate_up").cast(act), "block_out")
-    forced = check.forced[self.i - hp.n_dense_lead] if check is not None and check.forced is not None else None
+    forced = check.forced if check is not None else None
     if (b := stage("router")) is not None: sel, w, own, logits = b.router(self, h, forced)
     else:
       logits = self.router_logits(norm())
       sel, w, own = self.route(logits, forced)
     if check is not None:
-      check.own.append(own.reshape(-1, hp.n_used))
-      check.scores.append(self.scores(logits.float()).reshape(-1, hp.n_experts)), check.logits.append(logits.float().reshape(-1, hp.n_experts))
+      check.own, check.logits = own.reshape(-1, hp.n_used), logits.float().reshape(-1, hp.n_experts)
+      check.scores = self.scores(logits.float()).reshape(-1, hp.n_experts)
     if (b := stage("moe")) is not None: return b.moe(self, h, sel, w).cast(act)
     return self.barrier(h + self.experts(norm(), sel, w).cast(act), "block_out")
 
 
 @dataclass
 class Check:
-  """The correctness check's view into one decode step (evaluator/gate.py).
-
-  Routing: forced per MoE block (n_moe tensors of ids (1, 1, K), or None: the model's own); each MoE block's router records its own top-k
-  ids (T, K), its selection scores (T, E) and the logits they are computed from (T, E).
-  Stages: the step is a chain of stages (the embedding, then each block's attention and FFN), each adding its update to
-  the residual stream; `outs` records the stream after each stage (S = 2 * blocks + 1 of them). With `states` (S tensors
-  (1, 1, D): the stream a reference recorded) and `per_stage` (1,) true, each stage reads the reference's stream instead of
-  the one the stage before it computed, and the output head reads the reference's last: every stage is checked on its own
-  inputs, so rounding does not compound over the depth. With `per_stage` false the stages chain as in the timed graph.
-  Each stage's state and each block's forced ids are a buffer of their own, so the blocks' kernels stay alike (a slice of
-  one shared buffer per block would make every block's kernels distinct, each lowered and compiled again)."""
-  forced: list[Tensor] | None = None
-  states: list[Tensor] | None = None
+  """The correctness check's view into one block of a decode step (evaluator/gate.py; model/generate.py check_step runs the
+  blocks one by one). forced (1, 1, K): the expert ids an MoE block uses instead of its own (None: its own). h (1, 1, D)
+  with per_stage (1,) true: the FFN reads h, the attention output a reference recorded, instead of the block's own, so
+  each stage is checked on its own inputs. Records the attention's output (att), and an MoE router's own top-k ids (T, K),
+  its selection scores (T, E) and the logits they are computed from (T, E)."""
+  forced: Tensor | None = None
+  h: Tensor | None = None
   per_stage: Tensor | None = None
-  own: list[Tensor] = field(default_factory=list)
-  scores: list[Tensor] = field(default_factory=list)
-  logits: list[Tensor] = field(default_factory=list)
-  outs: list[Tensor] = field(default_factory=list)
+  att: Tensor | None = None
+  own: Tensor | None = None
+  scores: Tensor | None = None
+  logits: Tensor | None = None
 
-  def feed(self, x: Tensor) -> Tensor:
-    """Record a stage's output x (1, 1, D); return the next stage's input."""
-    self.outs.append(x.float().contiguous())
-    if self.states is None or self.per_stage is None: return x
-    return self.per_stage.reshape(1, 1, 1).where(self.states[len(self.outs) - 1].cast(x.dtype), x)
+  def feed(self, h: Tensor) -> Tensor:
+    """Record the attention stage's output h (1, 1, D); return the FFN stage's input."""
+    self.att = h.float().contiguous()
+    return h if self.h is None else self.per_stage.reshape(1, 1, 1).where(self.h.cast(h.dtype), h)
 
 
 class Transformer:
@@ -387,17 +380,19 @@ class Transformer:
     self.output_norm = load("output_norm.weight", norm=True)
     self.output = load("output.weight") if "output.weight" in f.tensors else self.token_embd
 
-  def forward(self, tokens: Tensor, start_pos: int | UOp, all_logits: bool = False, check: Check | None = None) -> Tensor:
+  def forward(self, tokens: Tensor, start_pos: int | UOp, all_logits: bool = False) -> Tensor:
     """tokens (1, T) at positions start_pos.. -> float32 logits (1, T, vocab), or (1, 1, vocab) for the last token only."""
-    T = tokens.shape[1]
-    pos = (Tensor.zeros(1, dtype=dtypes.int32, device=self.device) + start_pos).contiguous() if T == 1 and self.cfg.fused else None
-    x = self.token_embd.rows(tokens).cast(self.act)
-    if check is not None: x = check.feed(x)
-    for b in self.blocks:
-      x = b(x, start_pos, pos, self.act, check)
-      if check is not None: x = check.feed(x)
-    if not all_logits: x = x[:, -1:]
-    return K.linear(rms_norm(x, self.output_norm, self.hp.eps), self.output)
+    pos, x = self.decode_pos(start_pos) if tokens.shape[1] == 1 else None, self.embed(tokens)
+    for b in self.blocks: x = b(x, start_pos, pos, self.act)
+    return self.head(x if all_logits else x[:, -1:])
+
+  def embed(self, tokens: Tensor) -> Tensor: return self.token_embd.rows(tokens).cast(self.act)
+
+  def head(self, x: Tensor) -> Tensor: return K.linear(rms_norm(x, self.output_norm, self.hp.eps), self.output)
+
+  def decode_pos(self, start_pos: int | UOp) -> Tensor | None:
+    """The position as a device tensor, for the fused stages' kernels (None when the config fuses none)."""
+    return (Tensor.zeros(1, dtype=dtypes.int32, device=self.device) + start_pos).contiguous() if self.cfg.fused else None
 
   @property
   def kv_cache_bytes(self) -> int: return sum(b.cache.nbytes() for b in self.blocks)

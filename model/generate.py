@@ -6,11 +6,12 @@ from collections.abc import Iterator
 import numpy as np
 from tinygrad import Tensor, TinyJit, UOp, dtypes
 from tinygrad.dtype import DType, _to_np_dtype
+from tinygrad.engine.jit import _prepare_jit_inputs
 from tinygrad.helpers import Context, ansistrip
 from tinygrad.uop.ops import Ops
 
-from model.deepseek2 import Check, Transformer
-from model.weights import write
+from model.deepseek2 import Block, Check, Transformer
+from model.weights import QWeight, write
 
 
 class Slot:
@@ -34,7 +35,7 @@ def capture_first(fn) -> TinyJit:
   """A TinyJit that captures its graph on the first call. tinygrad's JIT runs a function's first call unjitted, for one-time
   work such as realizing state made lazily; a Transformer's weights and caches, and every JIT input here (Slot), are
   realized buffers before the first call, so that run would only schedule and lower the whole graph once more (on tinygrad's
-  NULL device, 8 GLM blocks of a per-op config: the decode graph's build 7.7 -> 6.5 s, the check graph's 3.3 -> 2.3 s)."""
+  NULL device, 8 GLM blocks of a per-op config: the decode graph's build 7.7 -> 6.5 s)."""
   jit = TinyJit(fn)
   jit.cnt = 1
   return jit
@@ -60,6 +61,28 @@ def read(t: Tensor) -> np.ndarray:
   return t.uop.buffer.numpy().reshape(t.shape)
 
 
+def block_inputs(blk: Block) -> tuple[list[Tensor], tuple]:
+  """The device tensors a block reads (its weights' planes and caches, norms, KV cache, the shared scratch: each buffer
+  once) and its kind: what else decides its code (quant types, backends, flags, shapes). Blocks of one kind run the same
+  code on buffers of the same shapes, so one captured graph serves them all with these as its inputs."""
+  bufs, kind, seen = [], [], set()
+  def walk(path: str, v) -> None:
+    if isinstance(v, Tensor):
+      kind.append((path, v.shape, v.dtype))
+      if v.uop.base not in seen: seen.add(v.uop.base), bufs.append(v)
+    elif isinstance(v, QWeight):
+      kind.append((path, v.quant, v.backend, v.shape))
+      walk(path + ".planes", v.planes), walk(path + ".cache", v.cache)
+    elif isinstance(v, dict):
+      for k in sorted(v): walk(f"{path}.{k}", v[k])
+    elif isinstance(v, (list, tuple)):
+      for k, x in enumerate(v): walk(f"{path}.{k}", x)
+    elif v is None or isinstance(v, (bool, int, float, str)): kind.append((path, v))
+  for name, v in sorted(vars(blk).items()):
+    if name != "i": walk(name, v)  # hp, cfg and dtypes are the model's, the same in every block
+  return bufs, tuple(kind)
+
+
 class Generator:
   """Runs a Transformer over one sequence. One JIT graph serves every decode step and one every prefill chunk.
 
@@ -71,10 +94,16 @@ class Generator:
     self.pos = UOp.variable("start_pos", 0, model.max_context - 1)
     self.prefill_jit, self.step_jit, self.step_logits_jit = capture_first(self._prefill), capture_first(self._step), capture_first(self._step_logits)
     self.sample_jit = capture_first(self._sample)  # temperature > 0: the greedy graph computes no noise
-    self.check_jit, self.forced_jit = capture_first(self._check), capture_first(self._check)  # the check's graphs: a reference's / a trial's
-    dev = model.device
+    # the correctness check (check_step): the embedding, the head, and one graph per kind of block (block_inputs)
+    self.embed_jit, self.head_jit, self.block_jits = capture_first(self._embed), capture_first(self._head), {}
+    # each block's buffers, and the input UOps of its graph's calls (the same every step: the JIT's checks of its inputs, a
+    # graph rewrite per input, cost more than a block's kernels on the host, and a step runs every block)
+    self.block_inputs, self.block_uops = [block_inputs(b) for b in model.blocks], {}
+    dev, D = model.device, model.hp.dim
     self.token, self.temperature, self.seed = Slot((1, 1), dtypes.int32, dev), Slot((1,), dtypes.float, dev), Slot((1,), dtypes.float, dev)
-    self.chunk_tokens, self.forced, self.states, self.per_stage = Slot((1, self.chunk), dtypes.int32, dev), None, None, None
+    self.chunk_tokens = Slot((1, self.chunk), dtypes.int32, dev)
+    self.x, self.h, self.last = (Slot((1, 1, D), dtypes.float, dev) for _ in range(3))
+    self.per_stage, self.forced = Slot((1,), dtypes.bool, dev), Slot((1, 1, model.hp.n_used), dtypes.int32, dev)
 
   def _prefill(self, tokens: Tensor, start_pos: UOp) -> Tensor:
     return self.model.forward(tokens, start_pos, all_logits=True)[0].contiguous()
@@ -82,14 +111,19 @@ class Generator:
   def _step_logits(self, token: Tensor, start_pos: UOp) -> Tensor:
     return self.model.forward(token, start_pos)[0, -1].contiguous()
 
-  def _check(self, token: Tensor, start_pos: UOp, *inputs: Tensor, per_stage: Tensor | None = None) -> tuple[Tensor, ...]:
-    """inputs: the stages' states (S), then the MoE blocks' forced ids (n_moe) if routing is forced (check_step)."""
-    S = 2 * len(self.model.blocks) + 1
-    chk = Check(list(inputs[S:]) or None, list(inputs[:S]) or None, per_stage)
-    logits = self.model.forward(token, start_pos, check=chk)[0, -1].contiguous()
-    if not chk.own: return logits, Tensor.zeros(1, dtype=dtypes.int32).contiguous(), *(Tensor.zeros(1).contiguous() for _ in range(2)), *chk.outs
-    return (logits, Tensor.stack(*chk.own).cast(dtypes.int32).contiguous(), Tensor.stack(*chk.scores).float().contiguous(),
-            Tensor.stack(*chk.logits).contiguous(), *chk.outs)
+  def _embed(self, token: Tensor) -> Tensor: return self.model.embed(token).float().contiguous()
+
+  def _head(self, last: Tensor) -> Tensor: return self.model.head(last.cast(self.model.act))[0, -1].contiguous()
+
+  def _block(self, blk: Block, x: Tensor, h: Tensor, per_stage: Tensor, start_pos: UOp, forced: Tensor | None,
+             bufs: list[Tensor]) -> tuple[Tensor, ...]:
+    """One block of a trial's check: x its input; h the attention's output that a reference recorded, which the FFN reads
+    instead of the block's own where per_stage is true; forced: an MoE block's expert ids. Captured with the first block of
+    its kind: bufs (block_inputs) are the graph's inputs, so every other block of the kind runs it on its own buffers."""
+    chk = Check(forced, h, per_stage)
+    out = blk(x.cast(self.model.act), start_pos, self.model.decode_pos(start_pos), self.model.act, chk).float().contiguous()
+    if not blk.moe: return chk.att, out
+    return chk.att, out, chk.own.cast(dtypes.int32).contiguous(), chk.scores.float().contiguous(), chk.logits.contiguous()
 
   def _step(self, token: Tensor, start_pos: UOp) -> Tensor:
     return argmax_first(self.model.forward(token, start_pos)[0, -1]).cast(dtypes.int32).reshape(1, 1).contiguous()
@@ -124,25 +158,30 @@ class Generator:
 
   def check_step(self, token: int, pos: int, forced: np.ndarray | None = None, states: np.ndarray | None = None,
                  per_stage: bool = False) -> tuple[np.ndarray, ...]:
-    """One decode step for the correctness check (model.deepseek2.Check): (logits (vocab,), each MoE block's own top-k ids
+    """One decode step for the correctness check, block by block: (logits (vocab,), each MoE block's own top-k ids
     (n_moe, K), its selection scores (n_moe, E), its router logits (n_moe, E), the residual stream after each stage
-    (S, D)). forced (n_moe, K): the expert ids every MoE block uses instead of its own; states (S, D): a reference's
-    stream, which each stage reads instead of its predecessor's output where per_stage is true. Without states: the
-    reference's own graph; with them, one graph for both ways of chaining."""
+    (S = 2 * blocks + 1, D)). forced (n_moe, K): the expert ids every MoE block uses instead of its own. states (S, D): a
+    reference's stream, which each stage reads instead of its predecessor's output where per_stage is true, so that every
+    stage is checked on its own inputs (else the stages chain, as in the timed graph). The blocks run one graph per kind
+    (block_inputs), so the check builds two small graphs, not a second graph of the whole model."""
     self._check_room(pos + 1)
-    args = (self.token(token), self.pos.bind(pos))
+    per_stage = per_stage and states is not None
     with Context(BEAM=self.beam):
-      if states is None: out = self.check_jit(*args)
-      else:
-        dev = self.model.device  # the slots' shapes are known on first use; one buffer each (model.deepseek2.Check)
-        if self.states is None:
-          self.states, self.per_stage = [Slot((1, 1, states.shape[1]), dtypes.float, dev) for _ in states], Slot((1,), dtypes.bool, dev)
-        if forced is not None and self.forced is None: self.forced = [Slot((1, 1, forced.shape[1]), dtypes.int32, dev) for _ in forced]
-        inputs = [slot(v) for slot, v in zip(self.states, states, strict=True)]
-        if forced is not None: inputs += [slot(v) for slot, v in zip(self.forced, forced, strict=True)]
-        out = self.forced_jit(*args, *inputs, per_stage=self.per_stage(per_stage))
-    logits, *per_block = (read(t) for t in out[:4])
-    return logits, *per_block, np.stack([read(t).reshape(-1) for t in out[4:]])
+      start, flag, routed = self.pos.bind(pos), self.per_stage(per_stage), []
+      outs = [read(self.embed_jit(self.token(token))).reshape(-1)]
+      for i, (blk, (bufs, kind)) in enumerate(zip(self.model.blocks, self.block_inputs, strict=True)):
+        f = self.forced(forced[len(routed)]) if blk.moe and forced is not None else None
+        h = self.h(states[2 * i + 1] if states is not None else 0)  # read where per_stage is true only
+        jit = self.block_jits.setdefault((kind, f is None), capture_first(self._block))
+        args = (blk, self.x(states[2 * i] if per_stage else outs[-1]), h, flag, start, f, bufs)
+        if i in self.block_uops: res = jit.captured(self.block_uops[i], {self.pos.expr: pos})  # inputs known: skip the JIT's preparation
+        else: res, self.block_uops[i] = jit(*args), _prepare_jit_inputs(args, {})[0]
+        res = [read(t) for t in res]
+        outs += [res[0].reshape(-1), res[1].reshape(-1)]
+        if blk.moe: routed.append([r.reshape(-1) for r in res[2:]])
+      logits = read(self.head_jit(self.last(states[-1] if per_stage else outs[-1])))
+    own, scores, router = (np.stack(r) for r in zip(*routed, strict=True)) if routed else (np.zeros(1),) * 3
+    return logits, own, scores, router, np.stack(outs)
 
   def step(self, token: int, pos: int, temperature: float = 0.0, seed: float = 0.0) -> int:
     """The next token after `token` at `pos`: greedy at temperature 0, else a Gumbel-max draw seeded by `seed`."""

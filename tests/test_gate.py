@@ -56,8 +56,10 @@ def test_legitimate_configs_pass_the_gate(deep, ref, cfg: str) -> None:
   FFN activations against their dsl twin's reference; the boundary also fails a position-by-position comparison of
   free-running logits, the gate of before."""
   m = model(deep, cfg)
-  twin, tol, ffn_tol = gate.arithmetic(StructureConfig.from_json(cfg))
-  if cfg == Q8: assert twin == StructureConfig(fused={"moe": "dsl", "ffn": "dsl"}, ffn_act="q8") and (tol, ffn_tol) == (gate.FP32_TOL, gate.Q8_TOL)
+  twin, (tol, ffn_tol) = gate.twin(StructureConfig.from_json(cfg)), gate.tolerance(StructureConfig.from_json(cfg), 256)
+  if cfg == Q8:  # tiny-deep's width is 256: one 8-bit step moves a stage sqrt(2048 / 256) times more than at GLM-4.7-Flash's
+    assert twin == StructureConfig(fused={"moe": "dsl", "ffn": "dsl"}, ffn_act="q8")
+    assert (tol, ffn_tol) == (gate.FP32_TOL, pytest.approx(gate.Q8_TOL * 8**0.5))
   else: assert ffn_tol == tol
   if "barriers" in cfg:
     assert (gate.rel_err(free_logits(m, ref.tokens), ref.logits) > tol).any(), "depth no longer breaks the free-running comparison here"
@@ -70,7 +72,7 @@ def test_legitimate_configs_pass_the_gate(deep, ref, cfg: str) -> None:
 def test_8bit_activations_are_as_far_from_float32_as_a_fault(deep, ref) -> None:
   """Why 8-bit activations have a twin: against the float32 reference their FFN stages move by far more than float32
   reorderings do, which is what a subtle fault does too; against the twin, no further than a reordering."""
-  m, twin = model(deep, Q8), gate.arithmetic(StructureConfig.from_json(Q8))[0]
+  m, twin = model(deep, Q8), gate.twin(StructureConfig.from_json(Q8))
   far, near = gate.check(Generator(m), ref, gate.FP32_TOL), gate.check(Generator(m), reference(deep, twin.to_json()), gate.FP32_TOL)
   assert not far["ok"] and far["max_rel_err"] > 10 * gate.FP32_TOL and all(s.endswith("ffn") for s in far["failed_stages"]), far
   assert near["ok"] and near["max_rel_err"] < gate.FP32_TOL / 5, near
@@ -78,21 +80,21 @@ def test_8bit_activations_are_as_far_from_float32_as_a_fault(deep, ref) -> None:
 
 def test_8bit_rounding_one_step_apart_passes_only_in_the_ffn(deep, monkeypatch) -> None:
   """Two implementations of the same 8-bit rounding (the native kernels and their dsl twin) differ where a value sits
-  within a float rounding of a rounding boundary: here the twin's input one float step off (a fixed pattern of signs),
-  which puts one value of block 9's FFN input one 8-bit step apart and moves that stage by 1.6e-2, the size measured
-  between the native CUDA kernels and the twin. FFN stages at Q8_TOL pass it; at FP32_TOL they would not."""
+  within a float rounding of a rounding boundary: it lands one 8-bit step apart. Here every FFN input of the trial has
+  its first value one step up, in every block at every position: FFN stages at Q8_TOL pass it, at FP32_TOL they fail
+  (on the H100 at full depth, the native kernels against the twin: 1.1e-2 and 1.5e-2 at 2 and 6 of 48 positions)."""
   right = dsl.q8_round
   def q8_round(x: Tensor) -> Tensor:
-    n = x.numel()
-    sign = (((np.arange(n, dtype=np.uint64) * 2654435761) >> 31) & 1).astype(np.float32) * 2 - 1
-    return right(x * (1 + Tensor(sign).reshape(x.shape) * 2.0**-23))
+    step = x.float().reshape(-1)[:32].abs().max() / 127
+    return right(x) + (Tensor.arange(x.numel()) == 0).reshape(x.shape).where(step, 0)
+  twin, (tol, ffn_tol) = gate.twin(StructureConfig.from_json(Q8)), gate.tolerance(StructureConfig.from_json(Q8), 256)
+  r = reference(deep, twin.to_json())  # made before the patch
   monkeypatch.setattr(dsl, "q8_round", q8_round)
-  twin, tol, ffn_tol = gate.arithmetic(StructureConfig.from_json(Q8))
-  r, m = reference(deep, twin.to_json()), Transformer(GGUFFile(deep), StructureConfig.from_json(Q8), max_context=32)
+  m = Transformer(GGUFFile(deep), StructureConfig.from_json(Q8), max_context=32)
   c = gate.check(Generator(m), r, tol, ffn_tol)
   assert c["ok"] and gate.FP32_TOL < c["max_rel_err"] <= ffn_tol and c["worst_stage"].split(" at ")[0].endswith(" ffn"), c
   strict = gate.check(Generator(m), r, tol)
-  assert not strict["ok"] and all(s.endswith(" ffn") for s in strict["failed_stages"]) and strict["failed_positions"] <= 2, strict
+  assert not strict["ok"] and all(s.endswith(" ffn") for s in strict["failed_stages"]), strict
 
 
 def test_the_reference_records_routing_and_margins(ref) -> None:
@@ -104,6 +106,14 @@ def test_the_reference_records_routing_and_margins(ref) -> None:
 
 
 def _pos(start_pos) -> Tensor: return Tensor.zeros(1, dtype=dtypes.int32) + start_pos
+
+
+def _marked(deep: str, block: int) -> Transformer:
+  """A fresh model whose blocks carry a marker (1 in `block`, else 0). A fault patched into every block acts where the
+  marker is set: per-block data, as the check reads it (one graph per kind of block, on each block's own buffers)."""
+  m = Transformer(GGUFFile(deep), StructureConfig(), max_context=32)
+  for b in m.blocks: b.marker = Tensor([b.i == block]).realize()
+  return m
 
 
 def _single_position(ref: gate.Reference, block: int) -> tuple[int, int]:
@@ -118,16 +128,14 @@ def _single_position(ref: gate.Reference, block: int) -> tuple[int, int]:
 def test_a_wrong_expert_at_one_position_fails(deep, ref, monkeypatch) -> None:
   """One MoE block's router swaps its second choice for the fifth at one position where its choice is clear: the routing
   check sees it (the logits, under the reference's routing, do not)."""
-  m, b = model(deep), 20
+  m, b = _marked(deep, 2 + 20), 20
   p = ref.prompt_len + int(np.argmax(ref.margins()[ref.prompt_len:, b]))
-  blk = m.blocks[2 + b]
   right = Block.route
   def route(self, logits, forced=None):
     sel, w, own = right(self, logits, forced)
-    if self is not blk: return sel, w, own
     fifth = topk_indices(self.scores(logits), 5, "pairwise")[..., 4:5]
     wrong = own[..., :1].cat(fifth, own[..., 2:], dim=-1)
-    return sel, w, (_pos(self._pos) == p).reshape(1, 1, 1).where(wrong, own)
+    return sel, w, ((_pos(self._pos) == p) & self.marker).reshape(1, 1, 1).where(wrong, own)
   call = Block.__call__
   def tracked(self, x, start_pos, *a, **kw):
     self._pos = start_pos
@@ -144,7 +152,7 @@ def test_a_scale_off_by_one_block_fails(deep, cfg: str) -> None:
   """In one MoE block, one expert's down projection reads each row's first block scale from its second block: the one
   position that uses that expert fails, in that block's FFN stage alone; with 8-bit activations too."""
   m = Transformer(GGUFFile(deep), StructureConfig.from_json(cfg), max_context=32)
-  twin, tol, ffn_tol = gate.arithmetic(StructureConfig.from_json(cfg))
+  twin, (tol, ffn_tol) = gate.twin(StructureConfig.from_json(cfg)), gate.tolerance(StructureConfig.from_json(cfg), 256)
   b, r = 10, reference(deep, twin.to_json())
   e, p = _single_position(r, b)
   w = m.blocks[2 + b].down_exps
@@ -153,18 +161,16 @@ def test_a_scale_off_by_one_block_fails(deep, cfg: str) -> None:
   d[rows, 0] = d[rows, 1]
   w.planes["d"].assign(Tensor(d)).realize()
   c = gate.check(Generator(m), r, tol, ffn_tol)
-  assert not c["ok"] and c["failed_at"] == [p] and c["failed_stages"] == [f"block {2 + b} ffn"] and c["max_rel_err"] > 5 * ffn_tol, c
+  assert not c["ok"] and c["failed_at"] == [p] and c["failed_stages"] == [f"block {2 + b} ffn"] and c["max_rel_err"] > ffn_tol, c
   assert f"block {2 + b} ffn at position {p}" in gate.verdict(c)
-  assert ("tolerance 5e-03, FFN stages 3e-02;" if cfg == Q8 else "tolerance 5e-03;") in gate.verdict(c)
+  assert ("tolerance 5e-03, FFN stages 8.5e-02;" if cfg == Q8 else "tolerance 5e-03;") in gate.verdict(c)
 
 
 def test_a_dropped_residual_at_one_position_fails(deep, ref, monkeypatch) -> None:
-  m, p = model(deep), ref.prompt_len + 5
-  blk = m.blocks[15]
+  m, p = _marked(deep, 15), ref.prompt_len + 5
   right = Block.attention
   def attention(self, xn, start_pos):
-    a = right(self, xn, start_pos)
-    return a if self is not blk else a - (_pos(start_pos) == p).reshape(1, 1, 1).where(self._x, 0)
+    return right(self, xn, start_pos) - ((_pos(start_pos) == p) & self.marker).reshape(1, 1, 1).where(self._x, 0)
   call = Block.__call__
   def keep_x(self, x, *a, **kw):
     self._x = x
@@ -219,19 +225,33 @@ def test_decisive_synthetic_routing_has_clear_margins(tmp_path) -> None:
   assert (rnd <= 2 * gate.FP16_TOL).mean() > 0.5 > (dec <= 2 * gate.FP16_TOL).mean() * 100
 
 
-def test_the_check_graph_compiles_no_kernel_per_block(tmp_path) -> None:
-  """The check graph's distinct kernels do not grow with the depth: each stage's reference state and each block's forced
-  experts are a buffer of their own (a slice of one shared buffer per block made every block's kernels distinct, each
-  lowered and compiled again: 8 GLM-4.7-Flash blocks on tinygrad's NULL device, 91 distinct kernels and a 9.8 s build)."""
+def test_the_check_builds_one_graph_per_kind_of_block(tmp_path) -> None:
+  """The check runs the blocks one by one, one captured graph per kind of block (dense, MoE) replayed on each block's
+  own buffers: what it builds does not grow with the depth (on tinygrad's NULL device, the per-op baseline on
+  GLM-4.7-Flash blocks: 3.3 s at 2, 8 and 16 blocks, where the whole-step check graph took 4.8 s at 8 and 7.5 s at 16)."""
   from model.generate import jit_kernels
   from model.synth import write_synthetic
-  distinct = {}
+  built = {}
   for layers in (4, 8):
     path = write_synthetic(tmp_path / f"d{layers}.gguf", "tiny-deep", quant="q4_0", layers=layers)
     m = Transformer(GGUFFile(path), StructureConfig(), max_context=32)
-    n_moe = sum(b.moe for b in m.blocks)
-    g = Generator(m)
+    n_moe, g = sum(b.moe for b in m.blocks), Generator(m)
     g.check_step(1, 0, np.tile(np.arange(4, dtype=np.int32), (n_moe, 1)), np.zeros((2 * layers + 1, m.hp.dim), np.float32), per_stage=True)
-    kernels = jit_kernels(g.forced_jit)
-    distinct[layers] = (len(kernels), len({src for _, src in kernels}))
-  assert distinct[8][0] > distinct[4][0] and distinct[8][1] == distinct[4][1], distinct
+    built[layers] = sorted(len(jit_kernels(j)) for j in g.block_jits.values())
+  assert built[4] == built[8] and len(built[8]) == 2, built
+
+
+@pytest.mark.parametrize("cfg, legacy", [("{}", False), ("{}", True), ('{"merge_gate_up_routed": true, "merge_gate_up_shared": true}', False),
+                                         ('{"fused": {"attention": "dsl", "router": "dsl", "moe": "dsl", "ffn": "dsl"}}', False),
+                                         ('{"backends": {"Q4_0:expert": "fp16_cache"}, "mla_absorb": "load"}', False)])
+def test_each_block_of_the_check_reads_its_own_weights_and_cache(tmp_path, cfg: str, legacy: bool) -> None:
+  """The check's chained run (its own routing) computes what the decode graph computes, position after position: every
+  block of a kind runs the kind's graph on its own weights, views of them (merged gate+up, the legacy kv_b split) and its
+  own KV cache (two blocks of each kind here; decisive routing, so no near-tie flips between the two graphs)."""
+  from model.synth import write_synthetic
+  path = write_synthetic(tmp_path / "d.gguf", "tiny-deep", quant="q4_0", layers=4, legacy_kv_b=legacy, routing="decisive")
+  check, decode = (Generator(Transformer(GGUFFile(path), StructureConfig.from_json(cfg), max_context=32)) for _ in range(2))
+  for j, t in enumerate(PROMPT):
+    got, want = check.check_step(t, j)[0], decode.step_logits(t, j)
+    assert gate.rel_err(got[None], want[None])[0] < gate.FP32_TOL, (j, gate.rel_err(got[None], want[None]))
+  assert len(check.block_jits) == 2

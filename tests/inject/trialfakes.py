@@ -97,24 +97,21 @@ def _scale_off(m: ModuleType) -> None:
 
 def _dropped_residual(m: ModuleType) -> None:
   """The middle block's attention stage returns its attention output without the residual x: in the per-op path
-  (Block.attention, whose output __call__ adds to x) and in every fused attention stage (which adds x itself)."""
+  (Block.attention, whose output __call__ adds to x) and in every fused attention stage (which adds x itself). Patched
+  into every block, acting where a block's marker (per-block data, 1 in the middle block) is set."""
   call, attention = m.Block.__call__, m.Block.attention
   def keep_x(self, x, *args, **kwargs):
     self._x = x
     return call(self, x, *args, **kwargs)
-  def faulty(self, xn, start_pos):
-    a = attention(self, xn, start_pos)
-    return a - self._x if getattr(self, "_faulty", False) else a
+  def faulty(self, xn, start_pos): return attention(self, xn, start_pos) - self._x * self._faulty.reshape(1, 1, 1)
   def fused(stage):
-    def faulty_stage(blk, x, *args):
-      h = stage(blk, x, *args)
-      return h - x if getattr(blk, "_faulty", False) else h
+    def faulty_stage(blk, x, *args): return stage(blk, x, *args) - x * blk._faulty.reshape(1, 1, 1).cast(x.dtype)
     return staticmethod(faulty_stage)
   for b in {type(b) for b in m.K.REGISTRY.values() if "attention" in b.stages}: b.attention = fused(b.attention)
   init = m.Transformer.__init__
   def mark(self, *args, **kwargs) -> None:
     init(self, *args, **kwargs)
-    self.blocks[_middle(self)]._faulty = True
+    for b in self.blocks: b._faulty = m.Tensor([float(b.i == _middle(self))], device=b.cache.device).realize()
   m.Block.__call__, m.Block.attention, m.Transformer.__init__ = keep_x, faulty, mark
 
 

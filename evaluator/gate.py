@@ -128,7 +128,7 @@ def leads(logits: np.ndarray) -> np.ndarray:
 
 
 def stage_names(layers: int) -> list[str]:
-  """The stages of a step in the order Check.outs records them, then the output head."""
+  """The stages of a step in the order check_step returns their outputs, then the output head."""
   return ["embedding", *(f"block {i} {part}" for i in range(layers) for part in ("attention", "ffn")), "output"]
 
 
@@ -166,7 +166,7 @@ def _split(n: int, *per_block: np.ndarray) -> tuple[np.ndarray, ...]:
 
 
 def make_reference(gen, prompt: list[int], positions: int) -> Reference:
-  """The baseline's run: the prompt fed one token at a time, then `positions` greedy steps, through the check path."""
+  """The reference config's run: the prompt fed one token at a time, then `positions` greedy steps, through the check path."""
   n_moe = sum(b.moe for b in gen.model.blocks)
   tokens, sel, scores, router, logits, states = list(prompt), [], [], [], [], []
   for j in range(len(prompt) + positions):

@@ -291,8 +291,8 @@ class Block:
 
   def __call__(self, x: Tensor, start_pos: int | UOp, pos: Tensor | None, act, check: Check | None = None) -> Tensor:
     """One block. A fused stage of the config replaces its part of the per-op path for a single token (decode); `pos`
-    holds the position for the native kernels. check: the correctness check's records and forced inputs (the attention's
-    output here, the block's in Transformer.forward; routing in MoE blocks)."""
+    holds the position for the native kernels. check: the correctness check's records and inputs (model.deepseek2.Check:
+    the attention's output and the FFN's input; routing in MoE blocks)."""
     hp, fused = self.hp, self.cfg.fused if x.shape[1] == 1 else {}
     stage = lambda name: K.get(fused[name]) if name in fused else None
     if (b := stage("attention")) is not None: h = b.attention(self, x, start_pos, pos).cast(act)

@@ -1,6 +1,7 @@
 """Generation: chunked prefill and decode, each under one TinyJit with a symbolic position, and sampling."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import numpy as np
@@ -96,14 +97,19 @@ class Generator:
     self.sample_jit = capture_first(self._sample)  # temperature > 0: the greedy graph computes no noise
     # the correctness check (check_step): the embedding, the head, and one graph per kind of block (block_inputs)
     self.embed_jit, self.head_jit, self.block_jits = capture_first(self._embed), capture_first(self._head), {}
-    # each block's buffers, and the input UOps of its graph's calls (the same every step: the JIT's checks of its inputs, a
-    # graph rewrite per input, cost more than a block's kernels on the host, and a step runs every block)
-    self.block_inputs, self.block_uops = [block_inputs(b) for b in model.blocks], {}
+    # the input UOps of each block's graph calls (the same every step: the JIT's checks of its inputs, a graph rewrite per
+    # input, cost more than a block's kernels on the host, and a step runs every block)
+    self.block_uops: dict[int, list[UOp]] = {}
     dev, D = model.device, model.hp.dim
     self.token, self.temperature, self.seed = Slot((1, 1), dtypes.int32, dev), Slot((1,), dtypes.float, dev), Slot((1,), dtypes.float, dev)
     self.chunk_tokens = Slot((1, self.chunk), dtypes.int32, dev)
     self.x, self.h, self.last = (Slot((1, 1, D), dtypes.float, dev) for _ in range(3))
     self.per_stage, self.forced = Slot((1,), dtypes.bool, dev), Slot((1, 1, model.hp.n_used), dtypes.int32, dev)
+
+  @functools.cached_property
+  def block_inputs(self) -> list[tuple[list[Tensor], tuple]]:
+    """Each block's buffers and kind (block_inputs), found on the check's first step."""
+    return [block_inputs(b) for b in self.model.blocks]
 
   def _prefill(self, tokens: Tensor, start_pos: UOp) -> Tensor:
     return self.model.forward(tokens, start_pos, all_logits=True)[0].contiguous()
@@ -117,7 +123,7 @@ class Generator:
 
   def _block(self, blk: Block, x: Tensor, h: Tensor, per_stage: Tensor, start_pos: UOp, forced: Tensor | None,
              bufs: list[Tensor]) -> tuple[Tensor, ...]:
-    """One block of a trial's check: x its input; h the attention's output that a reference recorded, which the FFN reads
+    """One block of the check: x its input; h the attention's output that a reference recorded, which the FFN reads
     instead of the block's own where per_stage is true; forced: an MoE block's expert ids. Captured with the first block of
     its kind: bufs (block_inputs) are the graph's inputs, so every other block of the kind runs it on its own buffers."""
     chk = Check(forced, h, per_stage)
@@ -163,7 +169,7 @@ class Generator:
     (S = 2 * blocks + 1, D)). forced (n_moe, K): the expert ids every MoE block uses instead of its own. states (S, D): a
     reference's stream, which each stage reads instead of its predecessor's output where per_stage is true, so that every
     stage is checked on its own inputs (else the stages chain, as in the timed graph). The blocks run one graph per kind
-    (block_inputs), so the check builds two small graphs, not a second graph of the whole model."""
+    (block_inputs), beside the embedding's and the head's: the check builds no second graph of the whole model."""
     self._check_room(pos + 1)
     per_stage = per_stage and states is not None
     with Context(BEAM=self.beam):
@@ -171,7 +177,7 @@ class Generator:
       outs = [read(self.embed_jit(self.token(token))).reshape(-1)]
       for i, (blk, (bufs, kind)) in enumerate(zip(self.model.blocks, self.block_inputs, strict=True)):
         f = self.forced(forced[len(routed)]) if blk.moe and forced is not None else None
-        h = self.h(states[2 * i + 1] if states is not None else 0)  # read where per_stage is true only
+        h = self.h(states[2 * i + 1] if per_stage else 0)  # read where per_stage is true only (a constant is not copied again)
         jit = self.block_jits.setdefault((kind, f is None), capture_first(self._block))
         args = (blk, self.x(states[2 * i] if per_stage else outs[-1]), h, flag, start, f, bufs)
         if i in self.block_uops: res = jit.captured(self.block_uops[i], {self.pos.expr: pos})  # inputs known: skip the JIT's preparation

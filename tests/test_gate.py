@@ -56,7 +56,7 @@ def test_legitimate_configs_pass_the_gate(deep, ref, cfg: str) -> None:
   FFN activations against their dsl twin's reference; the boundary also fails a position-by-position comparison of
   free-running logits, the gate of before."""
   m = model(deep, cfg)
-  twin, (tol, ffn_tol) = gate.twin(StructureConfig.from_json(cfg)), gate.tolerance(StructureConfig.from_json(cfg), 256)
+  twin, (tol, ffn_tol) = gate.twin(m.cfg), gate.tolerance(m.cfg, m.hp.dim)
   if cfg == Q8:  # tiny-deep's width is 256: one 8-bit step moves a stage sqrt(2048 / 256) times more than at GLM-4.7-Flash's
     assert twin == StructureConfig(fused={"moe": "dsl", "ffn": "dsl"}, ffn_act="q8")
     assert (tol, ffn_tol) == (gate.FP32_TOL, pytest.approx(gate.Q8_TOL * 8**0.5))
@@ -87,10 +87,10 @@ def test_8bit_rounding_one_step_apart_passes_only_in_the_ffn(deep, monkeypatch) 
   def q8_round(x: Tensor) -> Tensor:
     step = x.float().reshape(-1)[:32].abs().max() / 127
     return right(x) + (Tensor.arange(x.numel()) == 0).reshape(x.shape).where(step, 0)
-  twin, (tol, ffn_tol) = gate.twin(StructureConfig.from_json(Q8)), gate.tolerance(StructureConfig.from_json(Q8), 256)
+  m = Transformer(GGUFFile(deep), StructureConfig.from_json(Q8), max_context=32)
+  twin, (tol, ffn_tol) = gate.twin(m.cfg), gate.tolerance(m.cfg, m.hp.dim)
   r = reference(deep, twin.to_json())  # made before the patch
   monkeypatch.setattr(dsl, "q8_round", q8_round)
-  m = Transformer(GGUFFile(deep), StructureConfig.from_json(Q8), max_context=32)
   c = gate.check(Generator(m), r, tol, ffn_tol)
   assert c["ok"] and gate.FP32_TOL < c["max_rel_err"] <= ffn_tol and c["worst_stage"].split(" at ")[0].endswith(" ffn"), c
   strict = gate.check(Generator(m), r, tol)
@@ -152,7 +152,7 @@ def test_a_scale_off_by_one_block_fails(deep, cfg: str) -> None:
   """In one MoE block, one expert's down projection reads each row's first block scale from its second block: the one
   position that uses that expert fails, in that block's FFN stage alone; with 8-bit activations too."""
   m = Transformer(GGUFFile(deep), StructureConfig.from_json(cfg), max_context=32)
-  twin, (tol, ffn_tol) = gate.twin(StructureConfig.from_json(cfg)), gate.tolerance(StructureConfig.from_json(cfg), 256)
+  twin, (tol, ffn_tol) = gate.twin(m.cfg), gate.tolerance(m.cfg, m.hp.dim)
   b, r = 10, reference(deep, twin.to_json())
   e, p = _single_position(r, b)
   w = m.blocks[2 + b].down_exps

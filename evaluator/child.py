@@ -82,7 +82,7 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
   from model.gguf_file import GGUFFile
   from model.settings import apply_process_settings, time_beam_search
   apply_process_settings(cfg, spec.device, spec.tinygrad_cache)
-  res.metrics["beam"] = time_beam_search()  # BEAM search seconds, apart from the rest of compiling (updated as kernels are built)
+  res.metrics["beam"] = time_beam_search(spec.beam_budget_s)  # BEAM search seconds, apart from the rest of compiling (updated as kernels are built)
   res.env = environment(spec.device)
   peak = lambda: max(res.metrics.get("peak_device_bytes", 0), GlobalCounters.mem_used)
   model = Transformer(GGUFFile(spec.model), cfg, max_context=spec.max_context, n_layers=spec.layers)

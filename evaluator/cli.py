@@ -42,6 +42,9 @@ def summary(r: TrialResult) -> Table:
                        f"{tolerance_text(c)}), failed positions {c['failed_positions']}/{c['positions']}; routing: {c['wrong_routing']} wrong, "
                        f"{c['near_tie_flips']} near-tie flips of {c['near_ties']} near-ties in {c['routing_decisions']} decisions; chained: "
                        f"drift {drift} std; timed run: {c.get('tokens_compared', 0)} tokens compared, {c.get('tokens_differ', 0)} differ")
+  if (b := m.get("beam")) and b["kernels"] + b.get("unsearched", 0):
+    past = f", {b['unsearched']} past the budget at BEAM=0's heuristics" if b.get("unsearched") else ""
+    t.add_row("BEAM", f"{b['search_s']:.1f}s searching {b['kernels']} kernels{past}")
   t.add_row("phases", "  ".join(f"{k[:-2]} {v:.1f}s" for k, v in r.phases.items()))
   return t
 
@@ -55,8 +58,16 @@ def profile_table(r: TrialResult) -> Table:
   return t
 
 
+def seconds(text: str) -> float:
+  """An argparse type: a number of seconds, 0 or more."""
+  try: v = float(text)
+  except ValueError: raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+  if not v >= 0: raise argparse.ArgumentTypeError(f"{text} is below 0")
+  return v
+
+
 def _evaluator(args) -> Evaluator:
-  kw = {k: getattr(args, k) for k in ("n", "rounds", "timeout") if getattr(args, k, None) is not None}
+  kw = {k: getattr(args, k) for k in ("n", "rounds", "timeout", "beam_budget") if getattr(args, k, None) is not None}
   return Evaluator.for_model(str(resolve(args.model)), args.device or default_device(), prefill=not args.no_prefill, **kw)
 
 
@@ -107,6 +118,9 @@ def main(argv: list[str] | None = None) -> None:
   common.add_argument("-n", type=int, help="tokens per measured round (default 32)")
   common.add_argument("--rounds", type=int, help="measured rounds (default 3)")
   common.add_argument("--timeout", type=float, help="wall-clock limit per trial process in seconds (default 900)")
+  common.add_argument("--beam-budget", type=seconds, metavar="SECONDS",
+                      help="BEAM search seconds per trial; past them, kernels whose BEAM choice is not cached get BEAM=0's heuristics "
+                           "(default: no limit)")
   common.add_argument("--json", help="write the result as JSON to this file")
   common.add_argument("--no-prefill", action="store_true", help="feed the prompt through decode steps (skips building the prefill graph)")
   r = sub.add_parser("run", parents=[common], help="measure one config")

@@ -32,6 +32,7 @@ class TrialSpec:
   prefill: bool = True  # build and time the prefill graph (prefill tok/s); without it the prompt goes through decode steps
   max_context: int = 256
   tinygrad_cache: str | None = None  # directory of tinygrad's cache (CACHEDB: BEAM choices, compiled programs); None: tinygrad's own
+  beam_budget_s: float = 0.0  # BEAM search seconds per trial, past which kernels not in the cache get BEAM=0's heuristics; 0: no limit
 
   def to_json(self) -> str: return json.dumps(dataclasses.asdict(self))
 

@@ -176,6 +176,7 @@ class Evaluator:
   timeout: float = 900
   prefill: bool = True  # time the prefill graph too (the prompt otherwise goes through decode steps: no prefill kernels to build)
   tinygrad_cache: str | None = None  # tinygrad's cache directory for these trials (a study's own); None: tinygrad's default
+  beam_budget: float = 0.0  # BEAM search seconds per trial (model.settings.time_beam_search); 0: no limit
 
   @classmethod
   def for_model(cls, model: str, device: str, **kw) -> Evaluator:
@@ -191,7 +192,8 @@ class Evaluator:
 
   def spec(self, config: dict, stage: str = "full", **kw) -> TrialSpec:
     return TrialSpec(self.model, config, self.device, stage, self.layers(stage), self.prompt_len, self.n, self.rounds, self.warmup,
-                     prefill=self.prefill, tinygrad_cache=self.tinygrad_cache, **kw)
+                     prefill=self.prefill, tinygrad_cache=self.tinygrad_cache,
+                     beam_budget_s=self.beam_budget, **kw)
 
   def reference(self, stage: str, config: StructureConfig | None = None, on_phase: Phase | None = None, on_wait: Phase | None = None) -> str:
     """The reference of a config (evaluator/gate.py twin: the baseline, or a twin) for this file, device and stage, made

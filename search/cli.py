@@ -81,7 +81,7 @@ def _protocol(args, info: ModelInfo, device: str) -> dict:
   """The measurement settings this command line gives (None: not given)."""
   fixed = parse_pins(args.fix, info, device) if args.fix is not None else None
   return {"n": args.n, "rounds": args.rounds, "prefill": False if args.no_prefill else None, "block_layers": args.block_layers,
-          "sampler": args.sampler, "seed": args.seed, "objectives": args.objectives, "fixed": fixed}
+          "sampler": args.sampler, "seed": args.seed, "objectives": args.objectives, "fixed": fixed, "beam_budget": args.beam_budget}
 
 
 def cmd_start(args) -> None:
@@ -318,6 +318,9 @@ def main(argv: list[str] | None = None) -> None:
   st.add_argument("--block-layers", type=at_least(1), help="blocks of the ladder's stage-1 proxy (default: the leading dense blocks + 2)")
   st.add_argument("--no-prefill", action="store_true", default=None,
                   help="feed the prompt through decode steps: no prefill graph to build per trial")
+  st.add_argument("--beam-budget", type=at_least(0, float), metavar="SECONDS",
+                  help="BEAM search seconds per trial; past them, kernels whose BEAM choice the study has not cached get BEAM=0's heuristics "
+                       "(default 0: no limit)")
   st.add_argument("--fix", action="append", metavar="KNOB=VALUE", help="pin a knob for the whole study (e.g. beam=0); repeatable")
   st.add_argument("--enqueue", action="append", help="a config file (.json/.toml) to measure first; repeatable")
   st.add_argument("--warm-start-from", help="enqueue the best configs of another study that apply to this model")

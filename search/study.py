@@ -49,7 +49,7 @@ PROJECT = pathlib.Path(__file__).resolve().parents[1]
 HEARTBEAT_S = 10  # a worker that stops beating for 6 heartbeats is dead: its trial fails and its config is enqueued again
 # the measurement protocol: Setup fields fixed when a study is created, and the `search start` option that sets each
 PROTOCOL = {"n": "-n", "rounds": "--rounds", "prefill": "--no-prefill", "block_layers": "--block-layers", "sampler": "--sampler",
-            "seed": "--seed", "objectives": "--objectives", "fixed": "--fix"}
+            "seed": "--seed", "objectives": "--objectives", "fixed": "--fix", "beam_budget": "--beam-budget"}
 
 
 class TrialFailed(Exception):
@@ -109,6 +109,7 @@ class Setup:
   rounds: int = 3
   prefill: bool = True
   block_layers: int | None = None  # the ladder's stage-1 proxy size (default: the leading dense blocks + 2)
+  beam_budget: float = 0.0  # BEAM search seconds per trial (past them, kernels not searched before get BEAM=0's heuristics); 0: no limit
   cache_key: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names the study's own tinygrad cache
 
   @property
@@ -119,7 +120,7 @@ class Setup:
 
   def evaluator(self, timeout: float = 900, rounds: int | None = None) -> Evaluator:
     ev = Evaluator.for_model(self.model, self.device, n=self.n, rounds=rounds or self.rounds, prefill=self.prefill, timeout=timeout,
-                             tinygrad_cache=self.tinygrad_cache)
+                             tinygrad_cache=self.tinygrad_cache, beam_budget=self.beam_budget)
     if self.block_layers: ev.block_layers = min(self.block_layers, ev.total_layers)
     if "," in self.objectives: ev.block_layers = ev.total_layers  # two objectives: no pruning, so no proxy stage to pay for
     return ev
@@ -416,7 +417,7 @@ def load_setup(name: str, url: str, device: str | None = None) -> tuple[Setup, M
   except KeyError: raise StudyMismatch(f"no study named {name!r} in {url}") from None
   attrs = study.user_attrs
   if "cache_key" not in attrs: study.set_user_attr("cache_key", attrs.setdefault("cache_key", uuid.uuid4().hex[:12]))  # a study made before
-  setup = Setup(name, **{f.name: attrs[f.name] for f in fields(Setup) if f.name != "name"})
+  setup = Setup(name, **{f.name: attrs[f.name] for f in fields(Setup) if f.name != "name" and f.name in attrs})  # a later field: its default
   if device is not None:
     if device_kind(device) != device_kind(setup.device): raise StudyMismatch(f"study {name!r} runs on {device_kind(setup.device)}, not {device}")
     setup.device = device

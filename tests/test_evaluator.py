@@ -41,7 +41,7 @@ def test_trial_reports_every_figure_and_repeats(baseline) -> None:
     assert {"load_s", "compile_s", "check_s", "warmup_s", "measure_s", "wall_s", "overhead_s"} <= set(r.phases)
     assert "prompt_s" not in r.phases  # the check feeds the prompt through its own graph: no decode steps feed it first
     assert r.env["device"] == "CPU" and r.env["tinygrad_version"]
-    assert m["beam"] == {"search_s": 0.0, "kernels": 0}  # BEAM=0: no BEAM search
+    assert m["beam"] == {"search_s": 0.0, "kernels": 0, "unsearched": 0}  # BEAM=0: no BEAM search
   # the same config twice: the same tokens and the same work; the speed within the noise of a shared 2-core machine
   assert a.metrics["tokens"] == b.metrics["tokens"]
   assert (a.metrics["kernels_per_token"], a.metrics["bytes_per_token"]) == (b.metrics["kernels_per_token"], b.metrics["bytes_per_token"])
@@ -165,6 +165,43 @@ def test_beam_search_time_is_recorded_and_cached_per_study(tmp_path) -> None:
   first, again = run(tmp_path / "study-a"), run(tmp_path / "study-a")
   assert first["kernels"] == again["kernels"] == 1 and first["search_s"] > 0.05 and again["search_s"] < first["search_s"] / 10
   assert (tmp_path / "study-a" / "cache.db").stat().st_size > 0 and not (tmp_path / "study-b").exists()
+
+
+BEAM_TWO_KERNELS = """
+import json, sys
+from model.settings import apply_process_settings, time_beam_search
+from model.structure import StructureConfig
+apply_process_settings(StructureConfig(), "CPU", sys.argv[1])
+beam = time_beam_search(float(sys.argv[2]))
+from tinygrad import Context, Tensor
+x = Tensor.ones(4, 4).contiguous().realize()
+with Context(BEAM=1): a, b = (x * 2).sum(1).tolist(), (x + 3).max(0).tolist()
+print(json.dumps(beam | {"a": a, "b": b}))
+"""
+
+
+def test_a_beam_budget_stops_searching_once_spent(tmp_path) -> None:
+  """Past the budget, a kernel not searched before is built with BEAM=0's heuristics (and counted); one searched before
+  comes from the cache; without a budget every kernel is searched."""
+  import json
+  import subprocess
+  import sys
+  run = lambda cache, budget: json.loads(subprocess.run([sys.executable, "-c", BEAM_TWO_KERNELS, str(cache), str(budget)], capture_output=True,
+                                                        text=True, check=True, env={**os.environ, "PARALLEL": "0"}).stdout)
+  spent, again, free = run(tmp_path / "a", 1e-9), run(tmp_path / "a", 1e-9), run(tmp_path / "b", 0)
+  for r in (spent, again, free): assert (r["a"], r["b"]) == ([8.0] * 4, [4.0] * 4)
+  assert (spent["kernels"], spent["unsearched"]) == (again["kernels"], again["unsearched"]) == (1, 1)
+  assert again["search_s"] < spent["search_s"] / 10  # the first kernel's choice from the cache; the second still unsearched
+  assert (free["kernels"], free["unsearched"]) == (2, 0)
+
+
+def test_a_trial_keeps_to_its_beam_budget(ev, tmp_path) -> None:
+  """The budget reaches the trial process: one kernel searched, every later one built at BEAM=0's heuristics, and the
+  trial's output still passes the gate."""
+  import dataclasses
+  r = dataclasses.replace(ev, beam_budget=1e-6, tinygrad_cache=str(tmp_path)).run({"beam": 1})
+  assert r.ok, r.error
+  assert r.metrics["beam"]["kernels"] == 1 and r.metrics["beam"]["unsearched"] > 5
 
 
 def test_bandwidth_is_measured_once_and_cached(monkeypatch) -> None:

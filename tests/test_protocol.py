@@ -62,6 +62,12 @@ def test_a_study_continues_from_its_name_with_its_stored_settings(study) -> None
   assert len(rows(url, "SELECT 1 FROM ss_trial")) == 3
   attrs = optuna.load_study(study_name="p", storage=url).user_attrs
   assert (attrs["n"], attrs["rounds"], attrs["prefill"], attrs["seed"], attrs["fixed"], attrs["trials"]) == (6, 1, False, 0, {"beam": 0}, 3)
+  # a study made before a setting existed continues with that setting's default
+  e = create_engine(url)
+  with e.begin() as c: c.execute(text("DELETE FROM study_user_attributes WHERE key = 'beam_budget'"))
+  e.dispose()
+  assert search("start", "--study", "p", "--storage", url, "--trials", "4") == 0
+  assert len(rows(url, "SELECT 1 FROM ss_trial")) == 4
 
 
 @pytest.mark.parametrize("change, message", [
@@ -72,6 +78,7 @@ def test_a_study_continues_from_its_name_with_its_stored_settings(study) -> None
   (["--seed", "1"], "measures with --seed 0, not --seed 1"),
   (["--objectives", "tok_s,peak_memory"], "measures with --objectives tok_s, not --objectives tok_s,peak_memory"),
   (["--fix", "topk=sort"], "measures with --fix beam=0, not --fix topk=sort"),
+  (["--beam-budget", "60"], "measures with --beam-budget 0.0, not --beam-budget 60.0"),
 ])
 def test_a_later_run_cannot_change_the_protocol(kept_study, capsys, change, message) -> None:
   url, _ = kept_study
@@ -112,6 +119,7 @@ def test_every_measuring_command_checks_the_model_file(study, tmp_path, capsys) 
   (["start", "--model", "tiny", "-n", "0"], "-n: 0 is below 2"),
   (["start", "--model", "tiny", "--rounds", "0"], "--rounds: 0 is below 1"),
   (["start", "--model", "tiny", "--trial-timeout", "-5"], "--trial-timeout: -5 is below 0"),
+  (["start", "--model", "tiny", "--beam-budget", "-1"], "--beam-budget: -1 is below 0"),
   (["start", "--model", "tiny", "--timeout", "0"], "--timeout: 0 is not a positive number of seconds"),
   (["worker", "--study", "x", "--heartbeat", "0"], "--heartbeat: 0 is not a positive number of seconds"),
   (["confirm", "--study", "x", "--pairs", "0"], "--pairs: 0 is below 1"),

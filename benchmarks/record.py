@@ -12,8 +12,9 @@ TrialResult, as `evaluator run --json` writes it) and llama.cpp's `llama-bench -
 A trial gives: a `decode` line (the figure, with `llama_cpp_tok_s` and its stddev from llama-bench on the same file when
 --llama is given), a `trial` line (status, wall and each phase's seconds), a `gate` line (the correctness check's verdict and
 figures) when the check ran, and one `profile` line per kernel of the per-kernel profile. A study gives a `trial` line per
-measured trial (its stages' and phases' seconds, search/cost.py), a `gate` line per full-model verdict, and one `study` line:
-what its trials cost and the projected wall time of 200. benchmarks/render.py holds the
+measured trial (its stages' and phases' seconds, search/cost.py; its tok/s), a `gate` line per full-model verdict, a
+`confirmation` line per A/B confirmation against the baseline (search confirm), and one `study` line: what its trials cost
+and the projected wall time of 200. benchmarks/render.py holds the
 fields every kind of line must have (REQUIRED).
 """
 from __future__ import annotations
@@ -97,17 +98,25 @@ def study_lines(url: str, name: str, device: str, model_name: str, quant: str, c
     if st is None: raise SystemExit(f"record.py: error: no study {name!r} in {url}")
     trials = {t.number: t for t in store.trials(s, st)}
     doc, layers = study_cost(list(trials.values()), project, store.measurements(s, st, stage=None)), st.layers
+    confirmed = [(c, c.trial.number) for c in store.confirmations(s, st)]
   out = []
   for r in doc["trials"]:
     t = trials[r["number"]]
     cfg = StructureConfig.from_json(t.config_json)
     head = common("", device, model_name, layers if t.stage == "full" else (t.metrics or {}).get("layers"), quant, describe(cfg) or "baseline")
     head |= {"config_hash": t.config_hash, "beam": cfg.beam, "study": name, "trial": t.number}
-    out.append(head | {"kind": "trial", "status": t.state, "stage": t.stage, "ladder": r["ladder"]}
+    tok_s = {"tok_s": _round(t.metrics["tok_s"], 2)} if t.state == "ok" and (t.metrics or {}).get("tok_s") else {}
+    out.append(head | {"kind": "trial", "status": t.state, "stage": t.stage, "ladder": r["ladder"]} | tok_s
                | {k: _round(v, 2) for k, v in r.items() if k.endswith("_s")} | {"command": command})
     if t.stage == "full" and t.check:
       out.append(head | {"kind": "gate", "name": head["config"], "state": t.state, **check_figures(t.check),
                          "check_s": _round((t.phases or {}).get("check_s"), 2), "command": command})
+  for c, number in confirmed:
+    cfg = StructureConfig.from_json(trials[number].config_json)
+    out.append(common("confirmation", device, model_name, layers, quant, describe(cfg) or "baseline") | {
+      "config_hash": c.config_hash, "study": name, "trial": number, "pairs": c.pairs, "rounds": c.rounds, "tok_s": _round(c.tok_s, 2),
+      "baseline_tok_s": _round(c.baseline_tok_s, 2), "speedup": _round(c.speedup, 4), "speedup_low": _round(c.speedup_low, 4),
+      "speedup_high": _round(c.speedup_high, 4), "status": c.status, "command": command})
   if doc["n"]:
     out.append(common("study", device, model_name, layers, quant, "") | {
       "study": name, "n": doc["n"], "full_stage": doc["full_stage"], "block_stage": doc["block_stage"], "setup_s": _round(doc["setup_s"], 1),

@@ -48,6 +48,8 @@ REQUIRED = {
   "gate": ("layers", "config", "name", "config_hash", "beam", "state", "check_ok", "check_s"),
   "profile": ("layers", "config", "config_hash", "beam", "rank", "name", "us_per_token", "share"),
   "study": ("layers", "study", "n", "mean_trial_s", "setup_s", "search_share", "projected_n", "projected_s"),
+  "confirmation": ("layers", "config", "config_hash", "study", "trial", "pairs", "tok_s", "baseline_tok_s", "speedup", "speedup_low",
+                   "speedup_high", "status"),
   "expert_kernel": ("layers", "config", "backend", "beam", "bandwidth_gb_s", "bandwidth_share"),
   "moe_kernel": ("layers", "kernel", "source", "rows_per_group", "us", "gb_s", "bandwidth_gb_s", "bandwidth_share"),
 }

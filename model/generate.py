@@ -12,7 +12,7 @@ from tinygrad.helpers import Context, ansistrip
 from tinygrad.uop.ops import Ops
 
 from model.deepseek2 import Block, Check, Transformer
-from model.weights import QWeight, write
+from model.weights import QWeight, read, write
 
 
 class Slot:
@@ -55,11 +55,6 @@ def argmax_first(x: Tensor, group: int = 128) -> Tensor:
   first = (g == m).where(idx, rows * group).min(1).contiguous()
   top = m.max().contiguous()
   return (m.reshape(rows) == top).where(first, rows * group).min()
-
-
-def read(t: Tensor) -> np.ndarray:
-  """A realized JIT output's values on the host, copied straight from its buffer (Tensor.numpy schedules a graph first)."""
-  return t.uop.buffer.numpy().reshape(t.shape)
 
 
 def block_inputs(blk: Block) -> tuple[list[Tensor], tuple]:

@@ -109,6 +109,16 @@ def test_argmax_first_is_numpys(n: int) -> None:
     assert int(argmax_first(Tensor(x)).item()) == int(np.argmax(x))
 
 
+def test_host_copies_round_trip_and_refuse_another_size() -> None:
+  from model.weights import read, write
+  t = Tensor.empty(2, 3)
+  x = np.arange(6, dtype=np.float32).reshape(2, 3)
+  write(t, x)
+  assert np.array_equal(read(t), x) and np.array_equal(t.numpy(), x)  # tinygrad's own copy-out sees the same bytes
+  with pytest.raises(ValueError, match="copy size mismatch"): write(t, np.zeros(5, np.float32))
+  assert np.array_equal(read(t), x)
+
+
 def test_a_decode_step_schedules_nothing(gguf_file, monkeypatch) -> None:
   """The first step captures the graph (capture_first); from the second on, a step copies its token in and its output out:
   no graph is scheduled, and the tokens are the greedy ones."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.table import Table
@@ -58,12 +59,14 @@ def profile_table(r: TrialResult) -> Table:
   return t
 
 
-def seconds(text: str) -> float:
-  """An argparse type: a number of seconds, 0 or more."""
-  try: v = float(text)
-  except ValueError: raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-  if not v >= 0: raise argparse.ArgumentTypeError(f"{text} is below 0")
-  return v
+def at_least(lo: float, kind: type = int) -> Callable[[str], float]:
+  """An argparse type: a number of `kind` no smaller than lo (checked when the command line is read, before anything runs)."""
+  def parse(text: str) -> float:
+    try: v = kind(text)
+    except ValueError: raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if not v >= lo: raise argparse.ArgumentTypeError(f"{text} is below {lo:g}")
+    return v
+  return parse
 
 
 def _evaluator(args) -> Evaluator:
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
   common.add_argument("-n", type=int, help="tokens per measured round (default 32)")
   common.add_argument("--rounds", type=int, help="measured rounds (default 3)")
   common.add_argument("--timeout", type=float, help="wall-clock limit per trial process in seconds (default 900)")
-  common.add_argument("--beam-budget", type=seconds, metavar="SECONDS",
+  common.add_argument("--beam-budget", type=at_least(0, float), metavar="SECONDS",
                       help="BEAM search seconds per trial; past them, kernels whose BEAM choice is not cached get BEAM=0's heuristics "
                            "(default: no limit)")
   common.add_argument("--json", help="write the result as JSON to this file")

@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
 
 import optuna
 from rich.console import Console
@@ -18,6 +17,7 @@ from rich.table import Table
 from db import store
 from db.engine import DBError, default_url, open_db, session
 from db.models import TRIAL_STATES
+from evaluator.cli import at_least
 from evaluator.runner import default_device
 from model.gguf_file import GGUFError, GGUFFile
 from model.registry import ModelNotFound, cache_dir, resolve
@@ -257,16 +257,6 @@ def cmd_dashboard(args) -> None:
 def cmd_report(args) -> None:
   from search.report import report
   console.print(f"report of {args.study}: {report(args.storage, args.study, pathlib.Path(args.out))}")
-
-
-def at_least(lo: float, kind: type = int) -> Callable[[str], float]:
-  """An argparse type: a number of `kind` no smaller than lo (checked when the command line is read, before anything runs)."""
-  def parse(text: str) -> float:
-    try: v = kind(text)
-    except ValueError: raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-    if not v >= lo: raise argparse.ArgumentTypeError(f"{text} is below {lo:g}")
-    return v
-  return parse
 
 
 def positive(text: str) -> float:

@@ -223,3 +223,17 @@ def test_cli(ev, tmp_path, capsys) -> None:
   assert e.value.code == 0
   import json
   assert json.loads(out.read_text())["status"] == "ok"
+
+
+def test_cli_beam_budget(ev, tmp_path, monkeypatch) -> None:
+  """`evaluator run --beam-budget` reaches the trial: one kernel searched, the rest at BEAM=0's heuristics."""
+  import json
+  monkeypatch.setenv("CACHEDB", str(tmp_path / "cache.db"))  # no BEAM choice cached from another run
+  cfg, out = tmp_path / "beam.json", tmp_path / "r.json"
+  cfg.write_text('{"beam": 1}')
+  with pytest.raises(SystemExit) as e:
+    evaluator_main(["run", "--model", ev.model, "--device", "CPU", "-n", "4", "--rounds", "1", "--no-prefill", "--config", str(cfg),
+                    "--beam-budget", "1e-6", "--json", str(out)])
+  r = json.loads(out.read_text())
+  assert e.value.code == 0 and r["status"] == "ok", r.get("error")
+  assert r["metrics"]["beam"]["kernels"] == 1 and r["metrics"]["beam"]["unsearched"] > 5

@@ -89,6 +89,15 @@ def test_a_later_run_cannot_change_the_protocol(kept_study, capsys, change, mess
   assert (optuna.load_study(study_name="p", storage=url).user_attrs, rows(url, "SELECT number, state FROM ss_trial")) == before
 
 
+def test_a_studys_beam_budget_reaches_its_trials(gguf_file, tmp_path, monkeypatch) -> None:
+  from search.study import load_setup
+  install_fake_trials(monkeypatch.setattr)
+  url = f"sqlite:///{tmp_path / 's.db'}"
+  assert search("start", "--model", gguf_file("tiny", "q4_0"), "--study", "b", "--storage", url, "--trials", "1", *FAST, "--beam-budget", "60") == 0
+  ev = load_setup("b", url)[0].evaluator()
+  assert ev.beam_budget == 60.0 and ev.spec({}).beam_budget_s == 60.0
+
+
 def test_prefill_is_part_of_the_protocol(gguf_file, tmp_path, monkeypatch, capsys) -> None:
   install_fake_trials(monkeypatch.setattr)
   url, model = f"sqlite:///{tmp_path / 's.db'}", gguf_file("tiny", "q4_0")

@@ -30,7 +30,8 @@ def summary(r: TrialResult) -> Table:
   if r.error: t.add_row("error", r.error)
   if "tok_s" in m:
     share = f", {100 * m['bandwidth_share']:.1f}% of the device's {spec['bandwidth_gbs']:.0f} GB/s" if m.get("bandwidth_share") else ""
-    t.add_row("decode", f"{m['tok_s']:.2f} tok/s (min {m['tok_s_min']:.2f}, max {m['tok_s_max']:.2f} over {spec['rounds']} rounds of {spec['n']})"
+    rounds = f"{spec['rounds']} rounds of {m.get('round_tokens', spec['n'])}"
+    t.add_row("decode", f"{m['tok_s']:.2f} tok/s (min {m['tok_s_min']:.2f}, max {m['tok_s_max']:.2f} over {rounds})"
                         f"   {m['ms_p50']:.2f} ms/token p50, {m['ms_p90']:.2f} p90")
     t.add_row("per token", f"{m['kernels_per_token']} kernels in {m['graph_batches_per_token']} graph batches, "
                            f"{m['bytes_per_token'] / 1e6:.1f} MB, {m['gb_s']:.1f} GB/s{share}")

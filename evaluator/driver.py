@@ -3,9 +3,11 @@
 
 prepare: the fixed prompt through the prefill graph (built, captured, then timed once) and the first decode steps, or, without
 prefill, through decode steps alone (the first builds and captures the decode graph). measure: warm-up steps, one step
-counted for kernels and bytes, then `rounds` rounds of n greedy steps from the same start, each step timed."""
+counted for kernels and bytes (and timed, for the round length), then `rounds` rounds of greedy steps from the same start,
+each step timed."""
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -15,6 +17,17 @@ from tinygrad import Device, GlobalCounters
 from model.generate import Generator, jit_stats
 
 Phase = Callable[[str], None]
+# A round lasts at least ROUND_S where n tokens would take longer, and has at least MIN_ROUND_TOKENS: host jitter (well
+# under a millisecond a step) stays under 0.5% of a round's time, and a slow config's rounds (the per-op baseline at
+# 5 tok/s: 31 steps, 6 s a round) do not cost a trial more than its figure needs (its steps are the GPU's own kernels,
+# whose rounds spread by well under 1% on the H100).
+ROUND_S, MIN_ROUND_TOKENS = 2.0, 8
+
+
+def round_tokens(step_s: float, n: int) -> int:
+  """Tokens per measured round for a config whose step takes step_s: n, or as many as make a round of ROUND_S when that
+  is fewer (at least MIN_ROUND_TOKENS)."""
+  return min(n, max(MIN_ROUND_TOKENS, math.ceil(ROUND_S / step_s) + 1)) if step_s > 0 else n
 
 
 def bench_prompt(vocab: int, n: int) -> list[int]:
@@ -65,12 +78,15 @@ def prepare(gen: Generator, prompt_len: int, prefill: bool, phase: Phase = lambd
 
 def measure(gen: Generator, first: int, pos: int, n: int, rounds: int, warmup: int, phase: Phase = lambda name: None) -> dict:
   """Decode figures from token `first` at position `pos`: tok/s (median round, min, max, each round), ms per step (p50, p90),
-  kernels, graph batches and bytes of one step, the tokens of the last round and whether every round made the same."""
+  kernels, graph batches and bytes of one step, the tokens of the last round and whether every round made the same.
+  Rounds of at most n tokens (round_tokens: fewer where a step is slow)."""
   phase("warmup")
   _steps(gen, first, pos, warmup)
   GlobalCounters.reset()
+  t = time.perf_counter()
   gen.step(first, pos)
-  nbytes, (kernels, batches) = int(GlobalCounters.global_mem), jit_stats(gen.step_jit)
+  step_s, nbytes, (kernels, batches) = time.perf_counter() - t, int(GlobalCounters.global_mem), jit_stats(gen.step_jit)
+  n = round_tokens(step_s, n)
   phase("measure")
   per_round, step_ms, tokens = [], [], []
   for _ in range(rounds):
@@ -86,4 +102,4 @@ def measure(gen: Generator, first: int, pos: int, n: int, rounds: int, warmup: i
   tok_s = statistics.median(per_round)
   return {"tok_s": tok_s, "tok_s_min": min(per_round), "tok_s_max": max(per_round), "tok_s_rounds": per_round, "ms_per_token": 1e3 / tok_s,
           "ms_p50": percentile(step_ms, 50), "ms_p90": percentile(step_ms, 90), "kernels_per_token": kernels, "graph_batches_per_token": batches,
-          "bytes_per_token": nbytes, "tokens": tokens[-1], "deterministic": all(t == tokens[0] for t in tokens)}
+          "bytes_per_token": nbytes, "round_tokens": n, "tokens": tokens[-1], "deterministic": all(t == tokens[0] for t in tokens)}

@@ -5,15 +5,21 @@ float reordering flips one expert somewhere, attention carries it on, and tens o
 approximation that is legitimate in one block (8-bit activations, as llama.cpp's mmvq kernels compute) compounds over the
 blocks into logits as far from the baseline's as a real bug's. So the gate checks each stage on its own inputs:
 
-- The reference (the baseline config, once per model file, device, depth, model code and tinygrad version) records, for
-  the prompt and the greedy continuation after it, the residual stream after every stage of each step (the embedding,
+- The reference (the baseline config, once per model file, device, depth, model and gate code and tinygrad version) feeds
+  the prompt and the greedy continuation after it through its check path and records, for the check positions (the
+  continuation), the residual stream after every stage of each step (the embedding,
   then each block's attention and FFN: model.deepseek2.Check), every MoE block's selected experts, selection scores and
-  router logits, and the logits of the check positions.
-- Arithmetic, stage by stage: the trial runs the same tokens through its check path (block by block, one graph per kind
-  of block: model/generate.py check_step) with every stage reading the reference's stream (its KV cache is filled from
-  those inputs too) and every MoE block the reference's experts; each stage's update (its output minus its input) must
-  stay within the tolerance of its class (below) of the reference's update, and the logits (the output head on the
-  reference's last stream) within the tolerance of the reference's, at every fed position, no stage or position excused.
+  router logits, and the logits.
+- The prompt's part of the KV cache comes from the reference: it records every block's cache rows of the prompt, and
+  the trial's check starts with them in its own cache (in its own cache dtype), at the first check position, where the
+  timed decode starts too. The positions the trial is timed at are the ones checked; feeding the prompt through the
+  check path as well cost three times the steps (32 + 16), the better part of the check of a slow config.
+- Arithmetic, stage by stage: the trial runs the check positions' tokens through its check path (block by block, one
+  graph per kind of block: model/generate.py check_step) with every stage reading the reference's stream (its KV cache
+  rows are written from those inputs too) and every MoE block the reference's experts; each stage's update (its output
+  minus its input) must stay within the tolerance of its class (below) of the reference's update, and the logits (the
+  output head on the reference's last stream) within the tolerance of the reference's, at every check position, no stage
+  or position excused.
   Errors cannot compound, so a fault in one block stands out against an approximation's uniform rounding, and the
   verdict names the stage.
 - Routing: the same run reports each block's own top-k (computed from its own scores, on the reference's input); it must
@@ -64,7 +70,7 @@ import numpy as np
 from model.structure import StructureConfig
 
 FP32_TOL, FP16_TOL, Q8_TOL = 5e-3, 5e-2, 3e-2
-CODE = pathlib.Path(__file__).resolve().parents[1] / "model"  # what a reference's logits depend on, besides the file and tinygrad
+CODE = pathlib.Path(__file__).resolve().parents[1] / "model"  # what a reference's numbers depend on, besides the file, tinygrad and this module
 
 
 def twin(cfg: StructureConfig) -> StructureConfig:
@@ -93,9 +99,11 @@ def rel_err(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
 
 
 def code_hash() -> str:
-  """SHA-256 of the model code (model/**/*.py): a reference made by other code is not used."""
+  """SHA-256 of the model code (model/**/*.py) and of this module (what a reference records, and how): a reference made by
+  other code is not used."""
   h = hashlib.sha256()
   for p in sorted(CODE.rglob("*.py")): h.update(p.relative_to(CODE).as_posix().encode() + b"\0" + p.read_bytes())
+  h.update(b"gate\0" + pathlib.Path(__file__).read_bytes())
   return h.hexdigest()
 
 
@@ -135,11 +143,12 @@ def stage_names(layers: int) -> list[str]:
 @dataclass
 class Reference:
   tokens: np.ndarray  # (prompt + positions + 1,) the prompt, then the greedy continuation
-  sel: np.ndarray  # (prompt + positions, n_moe, K) selected experts per fed position
-  scores: np.ndarray  # (prompt + positions, n_moe, E) selection scores per fed position
-  router: np.ndarray  # (prompt + positions, n_moe, E) the router logits the scores are computed from
-  logits: np.ndarray  # (positions, vocab) after each check position (prompt_len + j)
-  states: np.ndarray  # (prompt + positions, 2 * blocks + 1, D) the residual stream after each stage, per fed position
+  sel: np.ndarray  # (positions, n_moe, K) selected experts per check position (prompt_len + j)
+  scores: np.ndarray  # (positions, n_moe, E) selection scores
+  router: np.ndarray  # (positions, n_moe, E) the router logits the scores are computed from
+  logits: np.ndarray  # (positions, vocab) after each check position
+  states: np.ndarray  # (positions, 2 * blocks + 1, D) the residual stream after each stage
+  cache: np.ndarray  # (blocks, prompt, kv_lora + rope) every block's KV cache rows of the prompt
   prompt_len: int
 
   @property
@@ -148,15 +157,16 @@ class Reference:
   def save(self, path: str) -> None:
     tmp = path + ".tmp.npz"
     np.savez(tmp, tokens=self.tokens, sel=self.sel, scores=self.scores, router=self.router, logits=self.logits, states=self.states,
-             prompt_len=self.prompt_len)
+             cache=self.cache, prompt_len=self.prompt_len)
     os.replace(tmp, path)
 
   @classmethod
   def load(cls, path: str) -> Reference:
-    with np.load(path) as z: return cls(z["tokens"], z["sel"], z["scores"], z["router"], z["logits"], z["states"], int(z["prompt_len"]))
+    with np.load(path) as z:
+      return cls(z["tokens"], z["sel"], z["scores"], z["router"], z["logits"], z["states"], z["cache"], int(z["prompt_len"]))
 
   def margins(self) -> np.ndarray:
-    """(fed positions, n_moe): the reference's routing margins."""
+    """(positions, n_moe): the reference's routing margins."""
     return margins(self.scores, self.sel.shape[-1]) if self.sel.size else np.full(self.sel.shape[:2], np.inf)
 
 
@@ -167,18 +177,16 @@ def _split(n: int, *per_block: np.ndarray) -> tuple[np.ndarray, ...]:
 
 def make_reference(gen, prompt: list[int], positions: int) -> Reference:
   """The reference config's run: the prompt fed one token at a time, then `positions` greedy steps, through the check path."""
-  n_moe = sum(b.moe for b in gen.model.blocks)
+  n_moe, P = sum(b.moe for b in gen.model.blocks), len(prompt)
   tokens, sel, scores, router, logits, states = list(prompt), [], [], [], [], []
-  for j in range(len(prompt) + positions):
+  for j in range(P + positions):
     lg, *per_block, outs = gen.check_step(tokens[j], j)
+    if j == P - 1: tokens.append(int(np.argmax(lg)))
+    if j < P: continue
     o, s, r = _split(n_moe, *per_block)
-    sel.append(o), scores.append(s), router.append(r), states.append(outs)
-    if j >= len(prompt) - 1:
-      if j >= len(prompt): logits.append(lg)
-      tokens.append(int(np.argmax(lg)))
-  logits = logits[:positions]
-  return Reference(np.array(tokens[:len(prompt) + positions + 1]), np.stack(sel), np.stack(scores).astype(np.float32),
-                   np.stack(router).astype(np.float32), np.stack(logits).astype(np.float32), np.stack(states).astype(np.float32), len(prompt))
+    sel.append(o), scores.append(s), router.append(r), states.append(outs), logits.append(lg), tokens.append(int(np.argmax(lg)))
+  return Reference(np.array(tokens[:P + positions + 1]), np.stack(sel), np.stack(scores).astype(np.float32), np.stack(router).astype(np.float32),
+                   np.stack(logits).astype(np.float32), np.stack(states).astype(np.float32), gen.cache_rows(P), P)
 
 
 def stage_errors(outs: np.ndarray, states: np.ndarray) -> np.ndarray:
@@ -193,47 +201,51 @@ def stage_errors(outs: np.ndarray, states: np.ndarray) -> np.ndarray:
 
 def check(gen, ref: Reference, tol: float, ffn_tol: float | None = None) -> dict:
   """The trial's arithmetic stage by stage, its routing, and its own chained run (see the module docstring): figures, `ok`,
-  and what the timed run must produce (check_tokens). ffn_tol: the FFN stages' tolerance (default: tol)."""
+  and what the timed run must produce (check_tokens). ffn_tol: the FFN stages' tolerance (default: tol). Positions are
+  reported as positions in the sequence (prompt_len + j)."""
   ffn_tol = tol if ffn_tol is None else ffn_tol
-  n_moe, fed, P = ref.sel.shape[1], len(ref.sel), ref.prompt_len
+  n_moe, C, P = ref.sel.shape[1], ref.positions, ref.prompt_len
   forced = lambda j: ref.sel[j] if n_moe else None
   errs, own, rerr = [], [], []
-  for j in range(fed):
-    lg, *per_block, outs = gen.check_step(int(ref.tokens[j]), j, forced(j), ref.states[j], per_stage=True)
+  gen.set_cache(ref.cache)
+  for j in range(C):
+    lg, *per_block, outs = gen.check_step(int(ref.tokens[P + j]), P + j, forced(j), ref.states[j], per_stage=True)
     o, _, r = _split(n_moe, *per_block)
     own.append(o)
     if n_moe: rerr.append(rel_err(r, ref.router[j]))
-    errs.append(np.append(stage_errors(outs, ref.states[j]), rel_err(lg[None], ref.logits[j - P][None])[0] if j >= P else 0.0))
-  err = np.stack(errs)  # (fed, S + 1): every stage and the output head
+    errs.append(np.append(stage_errors(outs, ref.states[j]), rel_err(lg[None], ref.logits[j][None])[0]))
+  err = np.stack(errs)  # (C, S + 1): every stage and the output head
   names = stage_names((err.shape[1] - 2) // 2)
   tols = np.array([ffn_tol if n.endswith(" ffn") else tol for n in names])
-  flipped = (np.sort(np.stack(own), -1) != np.sort(ref.sel, -1)).any(-1) if n_moe else np.zeros((fed, 0), bool)
+  flipped = (np.sort(np.stack(own), -1) != np.sort(ref.sel, -1)).any(-1) if n_moe else np.zeros((C, 0), bool)
   near = ref.margins() <= 2 * tol
   wrong_route = flipped & ~near
   router_err = float(np.max(rerr)) if rerr else 0.0
   bad = ~(err <= tols)
   worst = np.unravel_index(int(np.argmax(np.nan_to_num(err / tols, nan=np.inf))), err.shape)
   ok = bool(np.isfinite(err).all()) and not bad.any() and not wrong_route.any() and router_err <= tol
-  figures = {"ok": ok, "tolerance": tol, "ffn_tolerance": ffn_tol, "positions": fed, "stages": len(names), "failed_positions": int(bad.any(-1).sum()),
-             "failed_at": np.flatnonzero(bad.any(-1)).tolist(), "failed_stages": [names[s] for s in np.flatnonzero(bad.any(0))][:8],
-             "wrong_routing_at": np.flatnonzero(wrong_route.any(-1)).tolist(), "max_rel_err": float(err[worst]),
-             "median_rel_err": float(np.median(err)), "worst_stage": f"{names[worst[1]]} at position {worst[0]}",
+  at = lambda mask: (P + np.flatnonzero(mask)).tolist()
+  figures = {"ok": ok, "tolerance": tol, "ffn_tolerance": ffn_tol, "positions": C, "stages": len(names), "failed_positions": int(bad.any(-1).sum()),
+             "failed_at": at(bad.any(-1)), "failed_stages": [names[s] for s in np.flatnonzero(bad.any(0))][:8],
+             "wrong_routing_at": at(wrong_route.any(-1)), "max_rel_err": float(err[worst]),
+             "median_rel_err": float(np.median(err)), "worst_stage": f"{names[worst[1]]} at position {P + worst[0]}",
              "routing_decisions": int(flipped.size), "near_ties": int(near.sum()), "near_tie_flips": int((flipped & near).sum()),
              "wrong_routing": int(wrong_route.sum()), "max_router_err": router_err}
   return figures | _chained(gen, ref, tol, forced)
 
 
 def _chained(gen, ref: Reference, tol: float, forced) -> dict:
-  """The second pass: stages chained under the reference's routing, until its own routing parts from the reference's or
-  comes within a near-tie (past that point the timed run may route otherwise, so nothing after it is compared, and the
-  pass stops). Its greedy tokens, how many of them, from the first, it decides clearly (what the timed run must
-  reproduce), and its end-to-end drift from the reference's logits where it got that far."""
+  """The second pass: stages chained under the reference's routing from the reference's prompt cache, until its own
+  routing parts from the reference's or comes within a near-tie (past that point the timed run may route otherwise, so
+  nothing after it is compared, and the pass stops). Its greedy tokens, how many of them, from the first, it decides
+  clearly (what the timed run must reproduce), and its end-to-end drift from the reference's logits where it got that far."""
   n_moe, P, logits = ref.sel.shape[1], ref.prompt_len, []
-  for j in range(len(ref.sel)):
-    lg, *per_block, _ = gen.check_step(int(ref.tokens[j]), j, forced(j), ref.states[j], per_stage=False)
+  gen.set_cache(ref.cache)
+  for j in range(ref.positions):
+    lg, *per_block, _ = gen.check_step(int(ref.tokens[P + j]), P + j, forced(j), ref.states[j], per_stage=False)
     o, s, _ = _split(n_moe, *per_block)
     if n_moe and not ((np.sort(o, -1) == np.sort(ref.sel[j], -1)).all() and (margins(s, o.shape[-1]) > 2 * tol).all()): break
-    if j >= P: logits.append(lg)
+    logits.append(lg)
   if not logits: return {"drift": None, "own_tokens": [], "own_decided": 0}
   logits = np.stack(logits)
   decided = [lead > tol for lead in leads(logits)] + [False]

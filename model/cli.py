@@ -79,7 +79,7 @@ def cmd_bench(args) -> None:
     d["profile"] = kernel_profile(gen.step_jit, {"start_pos": args.prompt_len}, step_bytes=r["bytes_per_token"])
   if args.json: print(json.dumps(d))
   else:
-    print(f"{f.path.name}: {len(gen.model.blocks)} blocks, prompt {args.prompt_len}, {args.n} tokens x {args.rounds} rounds")
+    print(f"{f.path.name}: {len(gen.model.blocks)} blocks, prompt {args.prompt_len}, {r['round_tokens']} tokens x {args.rounds} rounds")
     print(f"  decode   {r['tok_s']:8.2f} tok/s (min {r['tok_s_min']:.2f}, max {r['tok_s_max']:.2f})   {r['ms_p50']:.2f} ms/token p50, "
           f"{r['ms_p90']:.2f} p90")
     print(f"  kernels  {r['kernels_per_token']} per token, {r['bytes_per_token'] / 1e6:.1f} MB read+written per token")

@@ -184,6 +184,17 @@ class Generator:
     own, scores, router = (np.stack(r) for r in zip(*routed, strict=True)) if routed else (np.zeros(1),) * 3
     return logits, own, scores, router, np.stack(outs)
 
+  def cache_rows(self, n: int) -> np.ndarray:
+    """The KV cache rows of positions 0..n-1 of every block, as float32: (blocks, n, kv_lora + rope)."""
+    return np.stack([read(b.cache)[0, :n].astype(np.float32) for b in self.model.blocks])
+
+  def set_cache(self, rows: np.ndarray) -> None:
+    """Every block's KV cache holding `rows` (blocks, n, kv_lora + rope) at positions 0..n-1 (in its own dtype), zeros after."""
+    for b, r in zip(self.model.blocks, rows, strict=True):
+      full = np.zeros(b.cache.shape, _to_np_dtype(b.cache.dtype))
+      full[0, :len(r)] = r
+      write(b.cache, full)
+
   def step(self, token: int, pos: int, temperature: float = 0.0, seed: float = 0.0) -> int:
     """The next token after `token` at `pos`: greedy at temperature 0, else a Gumbel-max draw seeded by `seed`."""
     self._check_room(pos + 1)

@@ -105,7 +105,7 @@ def cmd_start(args) -> None:
     info = model_info(path)
     given = {k: v for k, v in _protocol(args, info, devices[0]).items() if v is not None}
     setup = Setup(name, path, args.model, devices[0], **given, **({"trials": args.trials} if args.trials else {}))
-    if setup.objectives != "tok_s" and setup.sampler == "tpe": setup.sampler = "nsga2"
+    if setup.objectives != "tok_s" and args.sampler in (None, "tpe"): setup.sampler = "nsga2"
     if args.warm_start_from: configs += warm_start(args.storage, args.warm_start_from, info, setup.device)
     check_configs(setup, info, configs)
     create(setup, args.storage, info, setup.evaluator())
@@ -300,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
   where.add_argument("--devices", type=device_list, help="several devices of this host (CUDA:0,CUDA:1): one worker process each (PostgreSQL)")
   st.add_argument("--trials", type=at_least(1), help="the study's target number of finished trials (default 200; may change later)")
   # the measurement protocol: fixed when the study is created (defaults in search.study.Setup); a later run may only repeat it
-  st.add_argument("--sampler", choices=SAMPLERS, help="default tpe (nsga2 with two objectives)")
+  st.add_argument("--sampler", choices=SAMPLERS, help="default coordinate: from the baseline one knob at a time, then tpe (search/coordinate.py); "
+                  "nsga2 with two objectives")
   st.add_argument("--objectives", choices=["tok_s", "tok_s,peak_memory"], help="default tok_s")
   st.add_argument("--seed", type=int)
   st.add_argument("-n", type=at_least(2), help="tokens per measured round (default 32)")
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
 
   r = sub.add_parser("replay", parents=[store_arg], help="re-run a study's search offline against its measurements, per sampler")
   r.add_argument("--study", required=True)
-  r.add_argument("--sampler", action="append", choices=SAMPLERS, help="repeatable (default: tpe and random)")
+  r.add_argument("--sampler", action="append", choices=SAMPLERS, help="repeatable (default: coordinate, tpe and random)")
   r.add_argument("--trials", type=at_least(1), default=30)
   r.add_argument("--repeats", type=at_least(1), default=10)
   r.set_defaults(fn=cmd_replay)
@@ -394,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
   e.set_defaults(fn=cmd_export)
 
   args = p.parse_args(argv)
-  if getattr(args, "sampler", None) is None and args.cmd == "replay": args.sampler = ["tpe", "random"]
+  if getattr(args, "sampler", None) is None and args.cmd == "replay": args.sampler = ["coordinate", "tpe", "random"]
   optuna.logging.set_verbosity(optuna.logging.ERROR)
   try: args.fn(args)
   except BaselineFailed as e:

@@ -66,7 +66,7 @@ def replay(url: str, name: str, samplers: list[str], trials: int, repeats: int, 
   for sname in samplers:
     reached, missing, asked = [], 0, 0
     for r in range(repeats):
-      study = optuna.create_study(direction="maximize", sampler=sampler(sname, r, min(8, trials // 3 or 1)))
+      study = optuna.create_study(direction="maximize", sampler=sampler(sname, r, min(8, trials // 3 or 1), info, setup.device, setup.fixed))
       study.enqueue_trial(setup.params(setup.baseline(info), info))  # as the live search starts from the baseline
       first: list[int] = []
       def objective(trial: optuna.Trial, first: list[int] = first) -> float:

@@ -41,10 +41,11 @@ from model.filehash import file_sha256
 from model.gguf_file import GGUFFile
 from model.registry import cache_dir
 from model.structure import ConfigError, StructureConfig
+from search.coordinate import CoordinateSampler
 from search.proxy import ladder, proxy_fit
 from space.knobs import SPACE_VERSION, ModelInfo, device_kind, knobs, suggest, to_params
 
-SAMPLERS = ("tpe", "random", "gp", "nsga2")
+SAMPLERS = ("coordinate", "tpe", "random", "gp", "nsga2")
 PROJECT = pathlib.Path(__file__).resolve().parents[1]
 HEARTBEAT_S = 10  # a worker that stops beating for 6 heartbeats is dead: its trial fails and its config is enqueued again
 # the measurement protocol: Setup fields fixed when a study is created, and the `search start` option that sets each
@@ -80,10 +81,12 @@ def storage(url: str, heartbeat: float = HEARTBEAT_S, create: bool = False) -> R
     raise DBError(f"Optuna cannot use the database: {str(e).splitlines()[0]}") from None
 
 
-def sampler(name: str, seed: int | None, n_startup: int) -> optuna.samplers.BaseSampler:
+def sampler(name: str, seed: int | None, n_startup: int, info: ModelInfo, device: str, fixed: dict[str, Any]) -> optuna.samplers.BaseSampler:
+  """The study's sampler over the space of this model, device kind and pins."""
   warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # TPE's group option
-  if name == "tpe":
-    return optuna.samplers.TPESampler(multivariate=True, group=True, constant_liar=True, seed=seed, n_startup_trials=n_startup)
+  tpe = lambda: optuna.samplers.TPESampler(multivariate=True, group=True, constant_liar=True, seed=seed, n_startup_trials=n_startup)
+  if name == "coordinate": return CoordinateSampler(knobs(info, device), fixed, tpe())
+  if name == "tpe": return tpe()
   if name == "random": return optuna.samplers.RandomSampler(seed=seed)
   if name == "nsga2": return optuna.samplers.NSGAIISampler(seed=seed)
   if name == "gp":
@@ -100,7 +103,7 @@ class Setup:
   model: str  # GGUF path (absolute)
   model_name: str
   device: str  # this worker's device (another worker may use another device of the same model)
-  sampler: str = "tpe"
+  sampler: str = "coordinate"
   objectives: str = "tok_s"  # or "tok_s,peak_memory" (NSGA-II)
   seed: int | None = None
   trials: int = 200  # the study's target number of finished trials
@@ -156,7 +159,7 @@ class Runner:
     self.study = optuna.load_study(study_name=setup.name, storage=storage(url, heartbeat))
     # a resumed or second worker must not replay the proposals of the first: its sampler's seed moves with the study's size
     seed = None if setup.seed is None else setup.seed + len(self.study.trials)
-    self.study.sampler = sampler(setup.sampler, seed, 8)
+    self.study.sampler = sampler(setup.sampler, seed, 8, info, setup.device, setup.fixed)
     if not self.multi: self.study.pruner = optuna.pruners.PercentilePruner(25.0, n_startup_trials=5, n_warmup_steps=0)
     self.baseline = setup.baseline(info)
     with session(self.engine) as s: self.row = bind_device(s, store.get_study(s, setup.name), setup.device)
@@ -366,7 +369,9 @@ def study_exists(url: str, name: str) -> bool:
 def create(setup: Setup, url: str, info: ModelInfo, ev: Evaluator) -> None:
   """Create the study, ours and Optuna's, with its measurement protocol (fixed from now on). Checks what can be checked
   before anything is written: the sampler can be built."""
-  sampler(setup.sampler, setup.seed, 8)
+  if setup.sampler == "coordinate" and "," in setup.objectives:
+    raise ConfigError("the coordinate sampler climbs one objective (tok/s): with two, use nsga2 (their default) or tpe")
+  sampler(setup.sampler, setup.seed, 8, info, setup.device, setup.fixed)
   sha = file_sha256(setup.model)
   with session(open_db(url)) as s:
     store.create_study(s, name=setup.name, model_name=setup.model_name, model_path=setup.model, model_sha256=sha,

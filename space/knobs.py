@@ -118,10 +118,17 @@ def _block_out(info: ModelInfo) -> Callable[[dict[str, Any]], bool]:
 
 
 def knobs(info: ModelInfo, device: str = "CPU") -> list[Knob]:
-  """The knobs that apply to this model on this device kind, in a fixed order: the fused stages first, then the per-op
-  knobs (each only while the stage it belongs to runs per op), BEAM and the knobs that need BEAM > 0 last."""
+  """The knobs that apply to this model on this device kind, in a fixed order: the fused stages first (with the fused FFN
+  stages' activations), then the per-op knobs (each only while the stage it belongs to runs per op), BEAM and the knobs
+  that need BEAM > 0 last."""
   ks = [Knob(f"fused.{st}", ("off", *backends.stage_choices(st, device)), "off", _STAGE_APPLIES[st],
              f"decode {st} as fused kernels of a backend (model/backends STAGES), or per op") for st in backends.STAGES]
+  ffn_stages = [s for s in ("moe", "ffn") if _STAGE_APPLIES[s](info) and backends.stage_choices(s, device)]
+  if ffn_stages and info.ffn_quants and set(info.ffn_quants) <= set(backends.Q8_TYPES):
+    choices = backends.stage_choices(ffn_stages[0], device)
+    ks.append(Knob("ffn_act", FFN_ACTS, "float32", _always, "the fused FFN stages' activations: float32, or rounded to 8 bits per 32 "
+                   "with integer dot products (llama.cpp's mmvq)", lambda v: any(v.get(f"fused.{s}", "off") != "off" for s in ("moe", "ffn")),
+                   ((f"fused.{ffn_stages[0]}", "native" if "native" in choices else choices[0]),)))
   ks += [Knob(f"barrier.{p}", BARRIER_CHOICES.get(p, BARRIER_MODES), DEFAULT_BARRIERS[p], _BARRIER_APPLIES.get(p, _always),
               f"kernel boundary (contiguous) or execution barrier (realize) at {p}") for p in DEFAULT_BARRIERS]
   ks += [Knob(f"merge_gate_up_{kind}", (False, True), False, lambda m, kind=kind: kind in m.mergeable, f"{kind} FFN gate and up as one matrix")
@@ -133,12 +140,6 @@ def knobs(info: ModelInfo, device: str = "CPU") -> list[Knob]:
          Knob("attention", ATTENTION, "explicit", _always, "explicit matmul+softmax or scaled_dot_product_attention"),
          Knob("act_dtype", DTYPES, "float32", _always, "residual stream dtype"),
          Knob("router_fp32", (True, False), True, _moe, "router matmul input in float32")]
-  ffn_stages = [s for s in ("moe", "ffn") if _STAGE_APPLIES[s](info) and backends.stage_choices(s, device)]
-  if ffn_stages and info.ffn_quants and set(info.ffn_quants) <= set(backends.Q8_TYPES):
-    choices = backends.stage_choices(ffn_stages[0], device)
-    ks.append(Knob("ffn_act", FFN_ACTS, "float32", _always, "the fused FFN stages' activations: float32, or rounded to 8 bits per 32 "
-                   "with integer dot products (llama.cpp's mmvq)", lambda v: any(v.get(f"fused.{s}", "off") != "off" for s in ("moe", "ffn")),
-                   ((f"fused.{ffn_stages[0]}", "native" if "native" in choices else choices[0]),)))
   for role, quants in info.quants.items():
     ks += [Knob(f"backend.{q}.{role}", backends.choices(q, device), "tensor", _always, f"kernel backend for {q} {role} weights",
                 _stage_off("moe", "") if role == "expert" else None) for q in quants]
@@ -233,6 +234,25 @@ def size(info: ModelInfo, device: str = "CPU", pins: dict[str, Any] | None = Non
   combos = itertools.product(*([pins[r.name]] if r.name in pins else r.choices for r in roots))
   values = (dict(zip([r.name for r in roots], c, strict=True)) for c in combos)
   return sum(math.prod(n(k) for k in rest if k.when is None or k.when(v)) for v in values)
+
+
+def defaults(ks: list[Knob], fixed: dict[str, Any] | None = None) -> dict[str, Any]:
+  """The baseline's knob values (the pinned ones at their pins), every knob that applies under them."""
+  fixed = fixed or {}
+  return _choose(ks, lambda k: fixed.get(k.name, k.default))
+
+
+def one_knob_away(values: dict[str, Any], ks: list[Knob], fixed: dict[str, Any] | None = None) -> list[tuple[str, dict[str, Any]]]:
+  """(knob, knob values) of every config one knob away from `values` (all the knobs that apply under them, pinned ones
+  included), in the space's order: each knob that applies and is not pinned, each of its other choices in order; the
+  knobs a change makes apply come at their defaults (or pins), the others keep their values."""
+  fixed, out = fixed or {}, []
+  for k in ks:
+    if k.name not in values or k.name in fixed: continue
+    for v in k.choices:
+      if v != values[k.name]:
+        out.append((k.name, _choose(ks, lambda j, k=k, v=v: v if j.name == k.name else fixed.get(j.name, values.get(j.name, j.default)))))
+  return out
 
 
 def single_knob_changes(info: ModelInfo, device: str = "CPU") -> list[tuple[str, StructureConfig]]:

@@ -65,8 +65,8 @@ def test_legitimate_configs_pass_the_gate(deep, ref, cfg: str) -> None:
     assert (gate.rel_err(free_logits(m, ref.tokens), ref.logits) > tol).any(), "depth no longer breaks the free-running comparison here"
   c = gate.check(Generator(m), reference(deep, twin.to_json()) if twin != StructureConfig() else ref, tol, ffn_tol)
   assert c["ok"] and c["failed_positions"] == 0 and c["wrong_routing"] == 0, c
-  assert c["max_rel_err"] <= tol and c["max_router_err"] <= tol and c["routing_decisions"] == (len(PROMPT) + POSITIONS) * 30
-  assert c["positions"] == len(PROMPT) + POSITIONS and c["stages"] == 2 * 32 + 2
+  assert c["max_rel_err"] <= tol and c["max_router_err"] <= tol and c["routing_decisions"] == POSITIONS * 30
+  assert c["positions"] == POSITIONS and c["stages"] == 2 * 32 + 2
 
 
 def test_8bit_activations_are_as_far_from_float32_as_a_fault(deep, ref) -> None:
@@ -98,8 +98,9 @@ def test_8bit_rounding_one_step_apart_passes_only_in_the_ffn(deep, monkeypatch) 
 
 
 def test_the_reference_records_routing_and_margins(ref) -> None:
-  n = len(PROMPT) + POSITIONS
+  n = POSITIONS
   assert ref.sel.shape == (n, 30, 4) and ref.scores.shape == ref.router.shape == (n, 30, 64) and ref.logits.shape == (POSITIONS, 1024)
+  assert ref.states.shape == (n, 2 * 32 + 1, 256) and ref.cache.shape == (32, len(PROMPT), 128 + 32) and np.abs(ref.cache).min(-1).max() > 0
   assert (np.sort(ref.sel, -1) == np.sort(np.argsort(-ref.scores, -1, kind="stable")[..., :4], -1)).all()
   m = ref.margins()
   assert m.shape == (n, 30) and (m >= 0).all() and (m < 0.01).any(), "a random-weight model of this depth has near-ties"
@@ -117,11 +118,11 @@ def _marked(deep: str, block: int) -> Transformer:
 
 
 def _single_position(ref: gate.Reference, block: int) -> tuple[int, int]:
-  """(expert, check position) such that the reference selects `expert` in MoE block `block` at that one fed position only."""
+  """(expert, position) such that the reference selects `expert` in MoE block `block` at that one check position only."""
   sel = ref.sel[:, block]
   for e in range(ref.scores.shape[-1]):
     where = np.flatnonzero((sel == e).any(-1))
-    if len(where) == 1 and where[0] >= ref.prompt_len: return e, int(where[0])
+    if len(where) == 1: return e, ref.prompt_len + int(where[0])
   pytest.skip("no expert of this block is used at exactly one check position")
 
 
@@ -129,7 +130,7 @@ def test_a_wrong_expert_at_one_position_fails(deep, ref, monkeypatch) -> None:
   """One MoE block's router swaps its second choice for the fifth at one position where its choice is clear: the routing
   check sees it (the logits, under the reference's routing, do not)."""
   m, b = _marked(deep, 2 + 20), 20
-  p = ref.prompt_len + int(np.argmax(ref.margins()[ref.prompt_len:, b]))
+  p = ref.prompt_len + int(np.argmax(ref.margins()[:, b]))
   right = Block.route
   def route(self, logits, forced=None):
     sel, w, own = right(self, logits, forced)
@@ -188,7 +189,8 @@ def test_the_timed_run_is_checked_against_the_chained_run() -> None:
   reference's, or where the chained run does not decide clearly."""
   P, n = 4, 6
   given = [7, 11, 12, 13, 14, 15, 16]
-  ref = gate.Reference(np.array([1] * P + given), *(np.zeros((P + n, 0, 0)) for _ in range(3)), np.zeros((n, 5)), np.zeros((P + n, 3, 2)), P)
+  ref = gate.Reference(np.array([1] * P + given), *(np.zeros((n, 0, 0)) for _ in range(3)), np.zeros((n, 5)), np.zeros((n, 3, 2)),
+                       np.zeros((1, P, 2)), P)
   own, none = given[1:], {"tokens_differ": 0, "first_differing": None}
   check = lambda own_tokens, decided, timed: gate.check_tokens(ref, {"own_tokens": own_tokens, "own_decided": decided}, timed)
   assert check(own, n, [7] + own) == {"tokens_compared": n} | none

@@ -74,7 +74,7 @@ def test_a_study_continues_from_its_name_with_its_stored_settings(study) -> None
   (["-n", "8"], "measures with -n 6, not -n 8"),
   (["--rounds", "3"], "measures with --rounds 1, not --rounds 3"),
   (["--block-layers", "2"], "measures with no --block-layers, not --block-layers 2"),
-  (["--sampler", "random"], "measures with --sampler tpe, not --sampler random"),
+  (["--sampler", "random"], "measures with --sampler coordinate, not --sampler random"),
   (["--seed", "1"], "measures with --seed 0, not --seed 1"),
   (["--objectives", "tok_s,peak_memory"], "measures with --objectives tok_s, not --objectives tok_s,peak_memory"),
   (["--fix", "topk=sort"], "measures with --fix beam=0, not --fix topk=sort"),

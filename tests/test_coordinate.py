@@ -1,0 +1,65 @@
+"""The coordinate sampler (search/coordinate.py): from the baseline one knob at a time, each trial the first untried
+one-knob change of the fastest config so far, then the fallback sampler."""
+from __future__ import annotations
+
+import hashlib
+
+import optuna
+from knobcheck import mix_info
+
+from search.coordinate import KNOB, CoordinateSampler
+from space.knobs import defaults, knobs, suggest
+
+INFO, DEVICE = mix_info("q4_0"), "CUDA"  # GLM-4.7-Flash's space on CUDA
+FAST = {"fused.attention": "native", "fused.router": "native", "fused.moe": "native", "fused.ffn": "native", "ffn_act": "q8"}
+
+
+def speed(trial: optuna.Trial, fixed: dict | None = None) -> float:
+  """A landscape where each fused stage pays on its own (native more than dsl), 8-bit activations pay once an FFN stage is
+  fused, BEAM costs, and every other knob moves the figure by noise alone (+-0.2%, a hash of the config)."""
+  cfg = suggest(trial, INFO, DEVICE, fixed)
+  v = 10.0
+  for stage in ("attention", "router", "moe", "ffn"): v *= {"off": 1.0, "dsl": 1.2, "native": 1.5}[cfg.fused.get(stage, "off")]
+  v *= 1.2 if cfg.ffn_act == "q8" else 1.0
+  v *= 0.9 if cfg.beam else 1.0
+  return v * (1 + 0.002 * (int(hashlib.sha256(cfg.to_json().encode()).hexdigest()[:4], 16) / 65535 - 0.5))
+
+
+def climb(n: int, fixed: dict | None = None) -> optuna.Study:
+  ks, fixed = knobs(INFO, DEVICE), fixed or {}
+  study = optuna.create_study(direction="maximize", sampler=CoordinateSampler(ks, fixed, optuna.samplers.RandomSampler(seed=0)))
+  study.enqueue_trial({k: v for k, v in defaults(ks, fixed).items() if k not in fixed})  # the study measures the baseline first
+  study.optimize(lambda t: speed(t, fixed), n_trials=n)
+  return study
+
+
+def test_the_climb_takes_each_paying_change_and_reaches_their_combination() -> None:
+  study = climb(16)
+  trials = study.trials
+  first = next(t.number for t in trials if all(t.params.get(k) == v for k, v in FAST.items()))
+  assert first <= 12, [t.params for t in trials[:first + 1]]  # four stages (dsl, then native) and q8: a dozen trials
+  params = [tuple(sorted(t.params.items())) for t in trials]
+  assert len(set(params)) == len(params), "a config was proposed twice"
+  best = trials[0]
+  for t in trials[1:]:  # every trial is the incumbent of its time with one knob changed (and what that change makes apply)
+    changed = {k for k in set(t.params) | set(best.params) if t.params.get(k) != best.params.get(k)}
+    roots = {k for k in changed if k.startswith("fused.") or k == "beam"}
+    assert len(changed) == 1 or (len(roots) == 1 and all(k in roots or k not in best.params or k not in t.params for k in changed)), \
+      (best.params, t.params)
+    if t.value > best.value: best = t
+
+
+def test_once_every_change_is_tried_the_fallback_samples() -> None:
+  """A space pinned down to the four stages' knobs: the climb takes them to native, tries every other change of that
+  incumbent once, then leaves the trials to the fallback (random here); the pinned knobs stay pinned."""
+  keep = {"fused.attention", "fused.router", "fused.moe", "fused.ffn"}
+  fixed = {k.name: k.default for k in knobs(INFO, DEVICE) if k.name not in keep}
+  study = climb(40, fixed)
+  assert all(set(t.params) <= keep for t in study.trials)
+  climbed = [t for t in study.trials if KNOB in t.system_attrs]
+  rest = [t for t in study.trials[1:] if KNOB not in t.system_attrs]
+  assert climbed and rest and max(t.number for t in climbed) < min(t.number for t in rest)
+  path = [tuple(sorted(t.params.items())) for t in [study.trials[0], *climbed]]
+  assert len(set(path)) == len(path) and max(t.value for t in climbed) >= 10 * 1.5**4 * 0.998
+  native = next(t for t in climbed if all(t.params[k] == "native" for k in keep))
+  assert len(climbed) - climbed.index(native) - 1 <= 8  # after it, only its own 8 one-knob changes not tried before

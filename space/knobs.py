@@ -144,12 +144,12 @@ def knobs(info: ModelInfo, device: str = "CPU") -> list[Knob]:
     ks += [Knob(f"backend.{q}.{role}", backends.choices(q, device), "tensor", _always, f"kernel backend for {q} {role} weights",
                 _stage_off("moe", "") if role == "expert" else None) for q in quants]
   ks.append(Knob("beam", BEAM_WIDTHS, 0, _always, "BEAM width for the decode kernels"))
-  kind, defaults = device_kind(device), StructureConfig()
+  kind, base = device_kind(device), StructureConfig()
   for f, (var, allowed) in PROCESS_SETTINGS.items():
     if f == "beam_local_max" and kind not in GPU_DEVICES: continue  # no local (workgroup) dims to limit
     if f.startswith("beam_"):
-      ks.append(Knob(f, allowed, getattr(defaults, f), _always, f"tinygrad {var} (when BEAM > 0)", lambda v: v["beam"] > 0, (("beam", 2),)))
-    elif f == "jit_batch_size" and kind in GRAPH_DEVICES: ks.append(Knob(f, allowed, getattr(defaults, f), _always, f"tinygrad {var}"))
+      ks.append(Knob(f, allowed, getattr(base, f), _always, f"tinygrad {var} (when BEAM > 0)", lambda v: v["beam"] > 0, (("beam", 2),)))
+    elif f == "jit_batch_size" and kind in GRAPH_DEVICES: ks.append(Knob(f, allowed, getattr(base, f), _always, f"tinygrad {var}"))
   out = []
   for k in ks:
     if not k.applies(info): continue

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # End to end A/B of two versions of the code: `model bench` of configs under the working tree (new) and under an earlier
-# commit (old), interleaved, on full-depth synthetic files, with the fused MoE kernels of both versions timed alone first.
+# commit (old), interleaved, on full-depth synthetic files, with the native decode kernels of both versions timed alone first.
 #
 #   bash benchmarks/code_ab.sh pack REV     # here: REV's tracked code into .ab/old (ignored; carry it with .whl)
 #   bash benchmarks/code_ab.sh run          # on the device: one call, nothing else running
@@ -9,8 +9,9 @@
 #   MODELS    presets written as full-depth synthetic files [glm-4.7-flash deepseek-v2-lite]    QUANT [q4_0]
 #   VARIANTS  TREE:NAME=CONFIG ..., TREE new or old; run in this order in each repetition
 #             [new:fused-native=benchmarks/configs/fused-native.json old:fused-native=benchmarks/configs/fused-native.json]
-#   REPS [2]  N ROUNDS: tokens per round and rounds of each model bench [32 3]   KERNELS [1]: time the MoE kernels alone first
-# Out: $OUT/ab.jsonl (one benchmarks/results.jsonl `decode` line per model bench run, with its tree and repetition), $OUT/moe.jsonl, $OUT/ab.log
+#   REPS [2]  N ROUNDS: tokens per round and rounds of each model bench [32 3]   KERNELS [1]: time the kernels alone first
+# Out: $OUT/ab.jsonl (one benchmarks/results.jsonl `decode` line per model bench run, with its tree and repetition), $OUT/kernels.jsonl
+# (benchmarks/kernel_lab.py), $OUT/ab.log
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case ${1:-} in
@@ -35,8 +36,8 @@ pids=()  # waited for by pid: a bare wait would also wait for the log's tee
 for m in $MODELS; do [ -f "$(file "$m")" ] || { PYTHONPATH=$PWD:${PYTHONPATH:-} python3 -m model synth --preset "$m" --quant "$QUANT" --out "$(file "$m")" & pids+=($!); }; done
 [ ${#pids[@]} = 0 ] || wait "${pids[@]}"; log "files written"
 if [ "${KERNELS:-1}" = 1 ]; then
-  PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 240 python3 benchmarks/moe_kernels.py --rows-per-group 4 8 --q8 --against .ab/old/model/backends/cuda_src.py \
-    --models $MODELS --json "$OUT/moe.jsonl"
+  PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 240 python3 benchmarks/kernel_lab.py --against .ab/old/model/backends/cuda_src.py \
+    --label "$(git rev-parse --short HEAD 2>/dev/null || echo new)" --models $MODELS --json "$OUT/kernels.jsonl"
 fi
 for rep in $(seq "$REPS"); do for m in $MODELS; do for v in $VARIANTS; do
   tree=${v%%:*} rest=${v#*:}; name=${rest%%=*} cfg=${rest#*=}

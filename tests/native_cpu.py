@@ -18,7 +18,7 @@ _VIEW = {np.dtype(np.float16): np.uint16}  # fp16 buffers are `unsigned short*` 
 def launch(k: cuda_src.Kernel, params: list[Tensor], mem: int, ops: int = 0) -> list[Tensor]:
   arrays = [np.ascontiguousarray(p.numpy()) for p in params]
   views = [a.view(_VIEW.get(a.dtype, a.dtype)) for a in arrays]
-  cuda_cpu.launch(k.src, k.name, k.grid, (cuda_src.THREADS, 1, 1), views)
+  cuda_cpu.launch(k.src, k.name, k.grid, (k.threads, 1, 1), views)
   out = []
   for i, (p, a) in enumerate(zip(params, arrays, strict=True)):
     if i in k.outs:

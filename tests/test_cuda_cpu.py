@@ -257,7 +257,7 @@ ROWS, IN, E, K = 10, 2304, 4, 3  # 10 rows: the last block's last two warps have
 
 def _run(role: str, t: int, shape: tuple[int, ...], out: np.ndarray, args: list, **dims: int) -> np.ndarray:
   k = cuda_src.product(role, t, shape, **dims)
-  cuda_cpu.launch(k.src, k.name, k.grid, (cuda_src.THREADS, 1, 1), [out, *args])
+  cuda_cpu.launch(k.src, k.name, k.grid, (k.threads, 1, 1), [out, *args])
   return out
 
 

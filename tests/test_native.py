@@ -87,7 +87,7 @@ def test_native_sources_compile_for_ampere_and_hopper(glm_file, gguf_file, monke
   names = {k.name.split("_")[1] for k in kernels}
   assert {"dense", "per", "expert", "mla", "router", "glu", "down"} <= names, names
   for k in kernels:
-    assert f"void __launch_bounds__({cuda_src.THREADS}) {k.name}(" in k.src
+    assert f"void __launch_bounds__({k.threads}) {k.name}(" in k.src
     for compiler in compilers: assert compiler.compile(k.src), (compiler.arch, k.name)
 
 
@@ -125,21 +125,67 @@ def test_q8_kernels_compute_the_dsl_twins_rounding(quant: str) -> None:
   x, gamma = rng.standard_normal(dim).astype(np.float32), rng.standard_normal(dim).astype(np.float32)
   sel, wts = np.array([3, 7], np.int32), np.array([0.6, 0.4], np.float32)
   q8 = lambda v: q8_round(Tensor(v.astype(np.float32))).numpy().astype(np.float64)
-  k = cuda_src.glu(routed, plain, K, dim, 1e-5, 8, q8=True)
+  k = cuda_src.glu(routed, plain, K, dim, 1e-5, act="q8")
   act = np.zeros(K * F + Fs, np.float32)
-  cuda_cpu.launch(k.src, k.name, k.grid, (cuda_src.THREADS, 1, 1), [act, x, gamma, sel, *g, *u, *sg, *su])
+  cuda_cpu.launch(k.src, k.name, k.grid, (k.threads, 1, 1), [act, x, gamma, sel, *g, *u, *sg, *su])
   xn = q8(x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-5) * gamma)
   silu = lambda a: a / (1 + np.exp(-a))
   want = np.concatenate([silu(gw[e] @ xn) * (uw[e] @ xn) for e in sel] + [silu(sgw @ xn) * (suw @ xn)])
   assert rel_err(act[None], want[None]).max() < 3e-3
-  k = cuda_src.down(routed, plain, K, dim, 8, q8=True)
+  k = cuda_src.down(routed, plain, K, dim, act="q8")
   out = np.zeros(dim, np.float32)
-  cuda_cpu.launch(k.src, k.name, k.grid, (cuda_src.THREADS, 1, 1), [out, x, act, sel, wts, *d, *sd])
+  cuda_cpu.launch(k.src, k.name, k.grid, (k.threads, 1, 1), [out, x, act, sel, wts, *d, *sd])
   want = x + sum(wk * (dw[e] @ q8(act[i * F:(i + 1) * F])) for i, (e, wk) in enumerate(zip(sel, wts, strict=True))) + sdw @ q8(act[K * F:])
   assert rel_err(out[None], want[None]).max() < 1e-5
-  f32 = cuda_src.down(routed, plain, K, dim, 8)
-  cuda_cpu.launch(f32.src, f32.name, f32.grid, (cuda_src.THREADS, 1, 1), [out, x, act, sel, wts, *d, *sd])
+  f32 = cuda_src.down(routed, plain, K, dim)
+  cuda_cpu.launch(f32.src, f32.name, f32.grid, (f32.threads, 1, 1), [out, x, act, sel, wts, *d, *sd])
   assert rel_err(out[None], want[None]).max() > 1e-4, "q8 activations compute what float32 ones do"
+
+
+@pytest.mark.parametrize("routed_t,plain_t,Fs,layout", [("Q4_0", "Q4_0", 64, "units"), ("Q8_0", "Q8_0", 128, "units"),
+                                                        ("Q4_0", "Q8_0", 64, "slots"), ("Q4_0", "Q4_0", 96, "slots"), (None, "Q4_0", 160, "units")])
+def test_down_layouts(routed_t: str | None, plain_t: str, Fs: int, layout: str) -> None:
+  """down splits its work over (slot, unit) pairs where the plain FFN's down weight has the routed one's type and a multiple
+  of its width (the shared experts of DeepSeek-V2-Lite: twice it), else a warp per slot; both compute res + the weighted
+  routed products + the plain one (a dense block's FFN alone too), float32 and 8-bit, in the emulator."""
+  from model.backends.dsl import q8_round
+  rng, dim, F, E, K = np.random.default_rng(5), 256, 64, 8, 3
+  rt, pt = routed_t and TYPES[routed_t], TYPES[plain_t]
+  routed = rt and cuda_src.FFN(cuda_src.W("", rt, dim), cuda_src.W("", rt, dim), cuda_src.W("", rt, F), F, E, F, 0)
+  plain = cuda_src.FFN(cuda_src.W("", pt, dim), cuda_src.W("", pt, dim), cuda_src.W("", pt, Fs), Fs, 0, Fs, 0)
+  (d, dw), (sd, sdw) = kernel_weight(rt or pt, (E, dim, F), 1), kernel_weight(pt, (dim, Fs), 2)
+  k_ = K if routed else 0
+  x, act = rng.standard_normal(dim).astype(np.float32), rng.standard_normal(k_ * F + Fs).astype(np.float32)
+  sel, wts = rng.choice(E, K, replace=False).astype(np.int32), rng.random(K).astype(np.float32)
+  for form in ("f32", "q8"):
+    q = (lambda v: q8_round(Tensor(v)).numpy().astype(np.float64)) if form == "q8" else (lambda v: v.astype(np.float64))
+    want = x + sdw @ q(act[k_ * F:]) + (sum(wk * (dw[e] @ q(act[i * F:(i + 1) * F])) for i, (e, wk) in enumerate(zip(sel, wts, strict=True)))
+                                       if routed else 0)
+    k = cuda_src.down(routed, plain, k_, dim, form)
+    assert k.name.endswith("_slots") == (layout == "slots"), k.name
+    out = np.zeros(dim, np.float32)
+    cuda_cpu.launch(k.src, k.name, k.grid, (k.threads, 1, 1), [out, x, act, *([sel, wts, *d] if routed else []), *sd])
+    assert rel_err(out[None], want[None]).max() < 1e-5, (form, k.name)
+
+
+@pytest.mark.parametrize("quant,form", [("Q4_0", "x16"), ("Q8_0", "x16"), ("Q6_K", "f32")])
+def test_wide_products_read_x_as_two_8bit_planes(quant: str, form: str) -> None:
+  """A single-token product of WIDE rows or more (the output head) reads x as two 8-bit planes per 32 where the type has
+  integer codes: x kept to 1/64516 of each unit's largest value, so its products stay within 1e-3 of the float product's
+  std (an outlier 40x the others included), where 8 bits alone are off by about 3e-2."""
+  t, rng, inp = TYPES[quant], np.random.default_rng(7), 256
+  assert cuda_src.single_token_form(t, cuda_src.WIDE - 1) == ("f32", cuda_src.R_PRODUCT)
+  assert cuda_src.single_token_form(t, cuda_src.WIDE) == (form, cuda_src.R_WIDE)
+  planes, w = kernel_weight(t, (cuda_src.WIDE, inp), 3)
+  x = rng.standard_normal(inp).astype(np.float32)
+  x[5] = 40.0
+  k = cuda_src.product("dense", t, (cuda_src.WIDE, inp), tn=1, n=1)
+  assert k.name.endswith("_x16") == (form == "x16"), k.name
+  out = np.zeros(cuda_src.WIDE, np.float32)
+  cuda_cpu.launch(k.src, k.name, k.grid, (k.threads, 1, 1), [out, x, *planes])
+  want = w @ x.astype(np.float64)
+  err = np.abs(out - want).max() / want.std()
+  assert err < (1e-3 if form == "x16" else 1e-5), err
 
 
 @pytest.mark.parametrize("mix", ["q4_0", "q8_0"])
@@ -228,7 +274,7 @@ def test_attention_kernel_splits_the_context(monkeypatch) -> None:
   ch, S = cuda_src.attention_splits(ctx)
   for p in (20, ch * 2 + 30):
     o, part, cnt = np.zeros((H, kvl), np.float32), np.zeros(H * S * (kvl + 2), np.float32), np.zeros(H, np.int32)
-    cuda_cpu.launch(k.src, k.name, k.grid, (cuda_src.THREADS, 1, 1), [o, part, cnt, qc, cache.view(np.uint16), np.array([p], np.int32)])
+    cuda_cpu.launch(k.src, k.name, k.grid, (k.threads, 1, 1), [o, part, cnt, qc, cache.view(np.uint16), np.array([p], np.int32)])
     c = cache[:p + 1].astype(np.float64)
     s = qc.astype(np.float64) @ c.T * scale
     w = np.exp(s - s.max(-1, keepdims=True))
@@ -259,7 +305,7 @@ def test_router_kernel(gating: int) -> None:
     wt = wt * scale
     sel, wts, logits, cnt = np.zeros(K, np.int32), np.zeros(K, np.float32), np.zeros(E, np.float32), np.zeros(1, np.int32)
     args = [sel, wts, logits, cnt] + ([np.zeros(K, np.int32), forced] if forced is not None else []) + [x, gamma] + ([bias] if use_bias else [])
-    cuda_cpu.launch(k.src, k.name, k.grid, (cuda_src.THREADS, 1, 1), args + [w.reshape(E, dim, 1)])
+    cuda_cpu.launch(k.src, k.name, k.grid, (k.threads, 1, 1), args + [w.reshape(E, dim, 1)])
     np.testing.assert_array_equal(sel, ids)
     if forced is not None: np.testing.assert_array_equal(args[4], own)
     np.testing.assert_allclose(logits, lg, rtol=1e-4, atol=1e-5)

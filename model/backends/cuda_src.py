@@ -8,14 +8,18 @@ with the codes turned into floats by the exponent trick (`MAG`, two full-rate in
 int->float conversion) and the group sums of x taken once per lane, not once per row.
 
 Matrix-vector products (one decode token) keep the input in registers: the lanes of a *row group* (G lanes, the smallest
-power of two covering a row's units, at most 32) own fixed units of the input, load their part of x once (normalised by
-an RMSNorm folded into the load where a kernel asks for it) and reuse it for the R output rows the group computes, so the
-weight bytes are the only memory traffic that grows with the matrix. Rows far longer than the register budget go in
-chunks. A shuffle reduction inside the group sums its lanes; lane 0 of the group applies the kernel's epilogue.
+power of two covering a row's units, at most 32) own fixed units of the input, load their part of x once and reuse it for
+the R output rows the group computes, so the weight bytes are the only memory traffic that grows with the matrix. Rows
+far longer than the register budget go in chunks. A shuffle reduction inside the group sums its lanes; lane 0 of the
+group applies the kernel's epilogue. A decode kernel runs for a few µs as one wave of blocks, so what it waits on in
+sequence is its cost: its weight reads are issued first (`early`), and where it normalises its input (an RMSNorm folded
+in) the block does so once into shared memory while they are in flight (`stage_x`), rather than each warp after them.
+The MoE down projection splits its work over (slot, unit) pairs, a thread each. Wide products (the output head: many
+waves) are bound by their instruction count instead, and read x as two 8-bit planes with integer dot products (`x16`).
 Multi-token products (prefill) read x from memory instead and share each weight read among up to TOKENS tokens.
 
-Kernels use no shared-memory arrays larger than a few KB, no dynamic shared memory and no cooperative launches, so
-tinygrad can batch them into its CUDA graphs like its own. Device-specific helpers (inline PTX) sit inside
+Kernels use static shared memory of at most the input's width in floats (8 KB at width 2048), no dynamic shared memory
+and no cooperative launches, so tinygrad can batch them into its CUDA graphs like its own. Device-specific helpers (inline PTX) sit inside
 `#ifdef __CUDACC_RTC__` (NVRTC defines it), so the same source also runs on the CPU emulator of the tests.
 """
 from __future__ import annotations
@@ -220,6 +224,79 @@ def quantize_x(i: int, un: Unit) -> str:
           f" {qs} {words} sq{i} = {' + '.join(f'q{e}' for e in range(32))}; }}")
 
 
+def quantize_x16(i: int, un: Unit) -> str:
+  """C: the registers x<i>_<e> of one unit as two 8-bit planes, x ~ dh<i> * xh<i> + dl<i> * xl<i> (4 to a word each): the
+  high plane as quantize_x's, the low plane the remainder at 1/254 of its step, so x is kept to 1/64516 of the unit's
+  largest value (16 bits) and the products stay integer dot products at twice q8's count. The codes' offset is applied
+  through the float sum of x, not the planes'."""
+  assert un.elems == 32
+  am = " ".join(f"am = fmaxf(am, fabsf(x{i}_{e}));" for e in range(32))
+  qs = " ".join(f"const float h{e} = rintf(x{i}_{e} * iv); const int a{e} = (int)h{e},"
+                f" b{e} = max(-127, min(127, (int)rintf(fmaf(-h{e}, dh{i}, x{i}_{e}) * il)));" for e in range(32))
+  words = " ".join(f"xh{i}[{m}] = " + " | ".join(f"((a{4 * m + j} & 255) << {8 * j})" for j in range(4)) + "; "
+                   + f"xl{i}[{m}] = " + " | ".join(f"((b{4 * m + j} & 255) << {8 * j})" for j in range(4)) + ";" for m in range(8))
+  return (f"float dh{i}, dl{i}; int xh{i}[8], xl{i}[8]; {{ float am = 0.f; {am} dh{i} = am / 127.f; dl{i} = dh{i} / 254.f;"
+          f" const float iv = am > 0.f ? 127.f / am : 0.f, il = am > 0.f ? 32258.f / am : 0.f; {qs} {words} }}")
+
+
+def unit_idot16(w: W, row: str, u: str, i: int, acc: str, tag: str) -> str:
+  """C: acc += (unit u of weight row `row`) . x with x in quantize_x16's two planes (group sum xs<i>_0 for the codes' offset)."""
+  un = w.unit
+  dots = " ".join(f"ih = __dp4a({c}, xh{i}[{m}], ih); il = __dp4a({c}, xl{i}[{m}], il);" for c, m in un.idot)
+  off = f" + {float(un.ioff)!r}f * xs{i}_0" if un.ioff else ""
+  return (f"{{ {_unit_values(w, row, u, tag)} int ih = 0, il = 0; {dots}"
+          f" {acc} = fmaf({un.iscale}, fmaf(dh{i}, (float)ih, fmaf(dl{i}, (float)il, 0.f){off}), {acc}); }}")
+
+
+def stage_x(xp: str, n: int, eps: float | None, act: str) -> str:
+  """C, run by the whole block (it synchronises): the input x[0..n) at xp, RMS-normalised and scaled by `gamma` where eps is
+  given, into shared memory once for all the block's warps: as floats `sx` (act f32), or as quantize_x's 8-bit form
+  (act q8): words `sxq`, scales `sdx` and sums `ssq` per unit of 32. Every read (x and gamma) is issued first, so the
+  prologue waits on memory once; each group of 8 lanes holds one unit (4 values a lane), so a unit's largest value and
+  its sum are 3 shuffles; the rounding is quantize_x's."""
+  assert act in ("f32", "q8") and n % 32 == 0
+  its, out = range(-(-n // (THREADS * 4))), []
+  for it in its:  # lane l of warp w holds x[k..k+4), k = it * 4 * THREADS + 128 w + 4 l
+    gm = f" stg{it} = *(const float4*)(gamma + stk{it});" if eps is not None else ""
+    out.append(f"const int stk{it} = {it * THREADS * 4} + (threadIdx.x >> 5) * 128 + (threadIdx.x & 31) * 4;"
+               f" float4 stv{it} = make_float4(0.f, 0.f, 0.f, 0.f), stg{it} = stv{it};"
+               f" if (stk{it} < {n}) {{ stv{it} = *(const float4*)({xp} + stk{it});{gm} }}")
+  if eps is not None:
+    ss = " ".join(f"ss += stv{it}.x * stv{it}.x + stv{it}.y * stv{it}.y + stv{it}.z * stv{it}.z + stv{it}.w * stv{it}.w;" for it in its)
+    out.append(f"float rs; {{ float ss = 0.f; {ss} ss = group_sum(ss, 32); if ((threadIdx.x & 31) == 0) sred[threadIdx.x >> 5] = ss;"
+               f" __syncthreads(); float t = 0.f; for (int w = 0; w < {WARPS}; w++) t += sred[w]; rs = 1.f / sqrtf(t / {n}.f + {eps!r}f); }}")
+  for it in its:
+    vals = " ".join(f"const float a{j} = " + (f"(stv{it}.{c} * rs) * stg{it}.{c};" if eps is not None else f"stv{it}.{c};")
+                    for j, c in enumerate("xyzw"))
+    k, inside = f"stk{it}", f"stk{it} < {n}"
+    if act == "f32":
+      out.append(f"if ({inside}) {{ {vals} *(float4*)(sx + {k}) = make_float4(a0, a1, a2, a3); }}")
+      continue
+    q = ", ".join(f"q{j} = (int)rintf(a{j} * iv)" for j in range(4))
+    out.append(f"{{ {vals} float am = fmaxf(fmaxf(fabsf(a0), fabsf(a1)), fmaxf(fabsf(a2), fabsf(a3)));"
+               " for (int m = 4; m > 0; m >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, m));"
+               f" const float iv = am > 0.f ? 127.f / am : 0.f; const int {q}; int sq = q0 + q1 + q2 + q3;"
+               " for (int m = 4; m > 0; m >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, m);"
+               f" if ({inside}) {{ sxq[{k} >> 2] = (q0 & 255) | ((q1 & 255) << 8) | ((q2 & 255) << 16) | ((q3 & 255) << 24);"
+               f" if (({k} & 31) == 0) {{ sdx[{k} >> 5] = am / 127.f; ssq[{k} >> 5] = sq; }} }} }}")
+  out.append("__syncthreads();")
+  return " ".join(out)
+
+
+def stage_decl(n: int, act: str) -> str:
+  """C: the shared memory stage_x fills (declared once at the top of a kernel whose branches stage)."""
+  arrays = f"float sx[{n}]" if act == "f32" else f"int sxq[{n // 4}], ssq[{n // 32}]; __shared__ float sdx[{n // 32}]"
+  return f"__shared__ {arrays}; __shared__ float sred[{WARPS}];"
+
+
+def load_xq(i: int, u: str, units: int) -> str:
+  """C: xq<i>[8], dx<i>, sq<i> of unit u from stage_x's shared memory (zero past the row)."""
+  return (f"int xq{i}[8] = {{0, 0, 0, 0, 0, 0, 0, 0}}; float dx{i} = 0.f; int sq{i} = 0; if ({u} < {units}) {{"
+          f" const int4 a = *(const int4*)(sxq + ({u}) * 8), b = *(const int4*)(sxq + ({u}) * 8 + 4);"
+          f" xq{i}[0] = a.x; xq{i}[1] = a.y; xq{i}[2] = a.z; xq{i}[3] = a.w; xq{i}[4] = b.x; xq{i}[5] = b.y; xq{i}[6] = b.z; xq{i}[7] = b.w;"
+          f" dx{i} = sdx[{u}]; sq{i} = ssq[{u}]; }}")
+
+
 def _runs(un: Unit) -> list[tuple[int, int]]:
   """(first element, offset) of each run of 4 consecutive input floats of a unit (float4 loads)."""
   return [(e, un.xoff(e)) for e in range(0, un.elems, 4)]
@@ -262,16 +339,22 @@ def prefetch_rows(comps: list[tuple[W, str, str]], first: str, last: str, lane: 
   return " ".join(out)
 
 
+ACTS = ("f32", "q8", "x16")  # a gemv's input: float32, 8 bits per 32 (llama.cpp's q8_1), or two 8-bit planes (16 bits)
+
+
 def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, norm: str | None, epilogue: Callable[[str, list[str]], str] | None,
-         G: int | None = None, prologue: str = "", prefetch: bool = False, q8: bool = False) -> str:
+         G: int | None = None, prologue: str = "", act: str = "f32", early: bool = False, staged: bool = False) -> str:
   """C body: the row group of this lane computes outputs o = obase .. obase+R-1 (< rows) of one or more components, each a
   weight with its row for output o (a C template with `{o}`) and an accumulator name; all components share the input at xp.
   `obase`, `gl` (lane in group) must be defined; epilogue(o, accs) is C run by lane 0 of the group for each valid o (None:
   the reduced sums stay in every lane's accumulators). G: the row group width (default: the weights' own). prologue: C run
-  before the products (after the prefetch of the group's rows, with `prefetch`). q8: x quantized to 8 bits per unit and
-  integer dot products (types with `idot` only)."""
+  before the products. act: the input's form in the products
+  (ACTS; q8 and x16 for types with integer codes, `idot`). early: each chunk's weight reads are issued before the work
+  that precedes its products (the first chunk's before the prologue, the next chunk's before this one's products). staged:
+  the prologue is stage_x's, and x comes from its shared memory (xp `sx` for f32)."""
   w0 = comps[0][0]
   assert all((w.inp, w.unit.elems) == (w0.inp, w0.unit.elems) for w, _, _ in comps), "components of one gemv share the input layout"
+  assert act in ACTS and (act == "f32" or all(w.unit.idot for w, _, _ in comps)), f"{act} activations need integer codes"
   G, nw = G or w0.group_lanes, w0.unit.elems
   per_lane = -(-w0.units // G)
   upl = max(1, min(per_lane, XREGS // nw))
@@ -280,22 +363,33 @@ def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, norm: str 
   # rows past the end and units past the row are clamped, not skipped (their x is zero, their sums are not stored), so no
   # weight load sits behind a branch and a lane issues all of its loads at once
   body = [" ".join(f"float {a} = 0.f;" for a in accs) + " " + " ".join(f"const int o{r} = min(obase + {r}, {rows - 1});" for r in range(R))]
-  if prefetch: body.append(prefetch_rows(comps, "o0", f"o{R - 1}", "gl", G))
-  body += [prologue, f"for (int c = 0; c < {nch}; c++) {{"]
-  us = [f"(c * {G * upl} + gl + {G * i})" for i in range(upl)]
-  body += [load_x(w0, i, xp, us[i], norm) for i in range(upl)]
-  assert not q8 or all(w.unit.idot for w, _, _ in comps), "q8 needs integer codes"
-  if q8: body += [quantize_x(i, w0.unit) for i in range(upl)]
-  uw = us if nch * upl * G == w0.units else [f"min({u}, {w0.units - 1})" for u in us]
-  work = [(w, row.format(o=f"o{r}"), f"{a}{r}", i) for r in range(R) for w, row, a in comps for i in range(upl)]
-  body += [unit_loads(w, row, uw[i], f"_{acc}_{i}") for w, row, acc, i in work]  # every read of the chunk before any use
-  for w, row, acc, i in work:
-    if q8:
-      body.append(unit_idot(w, row, uw[i], lambda m, i=i: f"xq{i}[{m}]", f"dx{i}", f"sq{i}", acc, f"_{acc}_{i}"))
-      continue
-    xs = (lambda g, i=i: f"xs{i}_{g}") if w.unit.quantized else None
-    body.append(unit_dot(w, row, uw[i], lambda e, i=i: f"x{i}_{e}", xs, acc, f"_{acc}_{i}"))
-  body.append("}")
+  work = [(w, row, a, r, i) for r in range(R) for w, row, a in comps for i in range(upl)]
+  def units(c: str) -> tuple[list[str], list[str]]:
+    us = [f"({c} * {G * upl} + gl + {G * i})" for i in range(upl)]
+    return us, us if nch * upl * G == w0.units else [f"min({u}, {w0.units - 1})" for u in us]
+  def loads(c: str, tag: str) -> list[str]:  # every read of a chunk before any use
+    uw = units(c)[1]
+    return [unit_loads(w, row.format(o=f"o{r}"), uw[i], f"_{a}{r}_{i}{tag}") for w, row, a, r, i in work]
+  def products(c: str, tag: str, reads: list[str]) -> list[str]:  # reads: C issued after the chunk's x is ready
+    us, uw = units(c)
+    if staged and act == "q8": out = [load_xq(i, us[i], w0.units) for i in range(upl)]
+    else: out = [load_x(w0, i, xp, us[i], norm) for i in range(upl)]
+    if act == "q8" and not staged: out += [quantize_x(i, w0.unit) for i in range(upl)]
+    if act == "x16": out += [quantize_x16(i, w0.unit) for i in range(upl)]
+    out += reads
+    for w, row, a, r, i in work:
+      row, acc, rt = row.format(o=f"o{r}"), f"{a}{r}", f"_{a}{r}_{i}{tag}"
+      if act == "q8": out.append(unit_idot(w, row, uw[i], lambda m, i=i: f"xq{i}[{m}]", f"dx{i}", f"sq{i}", acc, rt))
+      elif act == "x16": out.append(unit_idot16(w, row, uw[i], i, acc, rt))
+      else: out.append(unit_dot(w, row, uw[i], lambda e, i=i: f"x{i}_{e}", (lambda g, i=i: f"xs{i}_{g}") if w.unit.quantized else None, acc, rt))
+    return out
+  if early:  # chunks unrolled: chunk c + 1's reads go out before chunk c's products
+    body += loads("0", "_0") + [prologue]
+    for c in range(nch):
+      if c + 1 < nch: body += loads(str(c + 1), f"_{c + 1}")
+      body.append("{ " + " ".join(products(str(c), f"_{c}", [])) + " }")
+  else:
+    body += [prologue, f"for (int c = 0; c < {nch}; c++) {{", *products("c", "", loads("c", "")), "}"]
   body.append(" ".join(f"{a} = group_sum({a}, {G});" for a in accs))
   for r in range(R if epilogue is not None else 0):
     body.append(f"if (gl == 0 && obase + {r} < {rows}) {{ const int o = obase + {r}; {epilogue('o', [f'{a}{r}' for _, _, a in comps])} }}")
@@ -313,8 +407,8 @@ def group_setup(G: int, R: int, cta_rows_dim: str = "blockIdx.x") -> str:
 def rows_per_block(G: int, R: int) -> int: return WARPS * (32 // G) * R
 
 
-def kernel(name: str, params: list[str], body: str) -> str:
-  return f"{PRELUDE}\nextern \"C\" __global__ void __launch_bounds__({THREADS}) {name}({', '.join(params)}) {{\n  {body}\n}}\n"
+def kernel(name: str, params: list[str], body: str, threads: int = THREADS) -> str:
+  return f"{PRELUDE}\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}({', '.join(params)}) {{\n  {body}\n}}\n"
 
 
 @dataclass(frozen=True)
@@ -323,6 +417,7 @@ class Kernel:
   src: str
   grid: tuple[int, int, int]
   outs: tuple[int, ...]  # params written (the rest are read)
+  threads: int = THREADS  # per block
 
 
 # ------------------------------------------------------------------ products of the backend (tensor API) -----------------
@@ -353,62 +448,76 @@ def _tile_body(w: W, role: str, out: int, dims: dict[str, int]) -> str:
           f"  for (int t = 0; t < {tn}; t++) {{ const float a = group_sum(acc[t], 32); if (lane == 0 && t < nt) out[outidx(t)] = a; }}")
 
 
-R_PRODUCT = 4  # output rows per row group in the single-token products
+R_PRODUCT, R_WIDE, WIDE = 4, 8, 16384  # output rows per row group of single-token products; of wide ones (WIDE rows or more)
+
+
+def single_token_form(ggml_type: int, out: int) -> tuple[str, int]:
+  """(act, R) of a single-token product with `out` rows. A wide one (the output head: many waves of blocks) is bound by its
+  instruction count, not by latency: it reads x as two 8-bit planes (x16: integer dot products, 16 bits of x) where the
+  type has integer codes, and 8 rows per group (benchmarks/kernel_lab.py: GLM-4.7-Flash's head 117.6 -> 64.1 us on the
+  H100, 51% -> 94% of the streaming bandwidth)."""
+  if out < WIDE: return "f32", R_PRODUCT
+  return ("x16" if UNITS[ggml_type].idot else "f32"), R_WIDE
 
 
 @functools.cache
 def product(role: str, ggml_type: int, shape: tuple[int, ...], **dims: int) -> Kernel:
   """One product of the backend: role dense (out = x @ w.T), per_head or expert; shape: the weight's (..., out, in).
   dims: n (tokens) and tn (tokens per tile) for dense/per_head, heads; experts, k (slots per token), xk (inputs per token)
-  and slots (all tokens' slots) for expert."""
+  and slots (all tokens' slots) for expert. Single-token products issue their weight reads first (gemv's `early`)."""
   out, inp = shape[-2:]
   w = W("w_", ggml_type, inp)
-  name = f"native_{role}_{QUANT_TYPES[ggml_type].name.lower()}_{'_'.join(map(str, (*shape, *dims.values())))}"
-  params = ["float* out", "const float* __restrict__ x"] + (["const int* __restrict__ sel"] if role == "expert" else []) + w.params
   single = role == "expert" or dims.get("n") == 1
+  act, R = single_token_form(ggml_type, out) if single else ("f32", 0)
+  name = f"native_{role}_{QUANT_TYPES[ggml_type].name.lower()}_{'_'.join(map(str, (*shape, *dims.values())))}{_act_tag(act)}"
+  params = ["float* out", "const float* __restrict__ x"] + (["const int* __restrict__ sel"] if role == "expert" else []) + w.params
   if not single:
     grid = (-(-out // WARPS), -(-dims["n"] // dims["tn"]), 1) if role == "dense" else (-(-out // WARPS), dims["heads"], -(-dims["n"] // dims["tn"]))
     return Kernel(name, kernel(name, params, _tile_body(w, role, out, dims)), grid, (0,))
-  G, R = w.group_lanes, R_PRODUCT
+  G = w.group_lanes
   blocks = -(-out // rows_per_block(G, R))
   if role == "dense":
-    body = gemv([(w, "{o}", "a")], "x", out, R, None, lambda o, a: f"out[{o}] = {a[0]};")
+    body = gemv([(w, "{o}", "a")], "x", out, R, None, lambda o, a: f"out[{o}] = {a[0]};", act=act, early=True)
     return Kernel(name, kernel(name, params, group_setup(G, R) + "\n  " + body), (blocks, 1, 1), (0,))
   if role == "per_head":
     body = (f"const int h = blockIdx.y; const float* xh = x + (size_t)h * {inp};\n  "
-            + gemv([(w, f"(size_t)h * {out} + {{o}}", "a")], "xh", out, R, None, lambda o, a: f"out[(size_t)h * {out} + {o}] = {a[0]};"))
+            + gemv([(w, f"(size_t)h * {out} + {{o}}", "a")], "xh", out, R, None, lambda o, a: f"out[(size_t)h * {out} + {o}] = {a[0]};",
+                   act=act, early=True))
     return Kernel(name, kernel(name, params, group_setup(G, R) + "\n  " + body), (blocks, dims["heads"], 1), (0,))
   body = (f"const int y = blockIdx.y, e = min(max(sel[y], 0), {dims['experts'] - 1});"
           f" const float* xe = x + (size_t)({dims['xk']} > 1 ? y : y / {dims['k']}) * {inp};\n  "
-          + gemv([(w, f"(size_t)e * {out} + {{o}}", "a")], "xe", out, R, None, lambda o, a: f"out[(size_t)y * {out} + {o}] = {a[0]};"))
+          + gemv([(w, f"(size_t)e * {out} + {{o}}", "a")], "xe", out, R, None, lambda o, a: f"out[(size_t)y * {out} + {o}] = {a[0]};",
+                 act=act, early=True))
   return Kernel(name, kernel(name, params, group_setup(G, R) + "\n  " + body), (blocks, dims["slots"], 1), (0,))
 
 
 # ------------------------------------------------------------------ fused decode stages (one token) ----------------------
 
 def _gemv_block(ws: list[tuple[W, str, str]], xp: str, rows: int, R: int, norm: str | None, epilogue, prologue: str = "",
-                prefetch: bool = False, q8: bool = False) -> str:
+                act: str = "f32", early: bool = False, staged: bool = False) -> str:
   """A braced gemv with its own row-group setup (its weights' group width), so kernels can branch between weight types; with
-  `prefetch`, a warp whose groups have no rows leaves at once (the kernel must not synchronise its block after it)."""
+  `staged` (the prologue is stage_x's and synchronises the block), a block with no rows leaves before it."""
   G = ws[0][0].group_lanes
-  leave = f" if (wbase >= {rows}) return;" if prefetch else ""
-  return ("{ " + group_setup(G, R) + leave + "\n  " + gemv(ws, xp, rows, R, norm, epilogue, prologue=prologue, prefetch=prefetch, q8=q8) + " }")
+  leave = f" if (blockIdx.x * {rows_per_block(G, R)} >= {rows}) return;" if staged else ""
+  return ("{ " + group_setup(G, R) + leave + "\n  " + gemv(ws, xp, rows, R, norm, epilogue, prologue=prologue, act=act, early=early, staged=staged)
+          + " }")
 
 
 @functools.cache
 def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, residual: bool = False) -> Kernel:
   """out_j = [res +] W_j . [rmsnorm(x) * gamma] for each weight j (blockIdx.y picks it): a norm folded into one or two products
-  of one input (q_a and kv_a), or a residual add folded into one (the attention output)."""
+  of one input (q_a and kv_a), or a residual add folded into one (the attention output). Each warp issues its weight reads
+  first; with a norm, the block normalises x once into shared memory while they are in flight (stage_x)."""
   tag = "_".join(f"{QUANT_TYPES[w.ggml_type].name.lower()}x{rows}x{w.inp}" for w, rows in ws)
   name = f"native_dense_{'norm_' if eps is not None else ''}{'res_' if residual else ''}{tag}"
   params = [f"float* out{j}" for j in range(len(ws))] + ["const float* __restrict__ x"]
   params += (["const float* __restrict__ gamma"] if eps is not None else []) + (["const float* __restrict__ res"] if residual else [])
   for w, _ in ws: params += w.params
-  inp = ws[0][0].inp
-  rms, body = rms_prologue("x", inp, eps) if eps is not None else "", []
+  inp, staged = ws[0][0].inp, eps is not None
+  pro, xp, body = (stage_x("x", inp, eps, "f32"), "sx", [stage_decl(inp, "f32")]) if staged else ("", "x", [])
   for j, (w, rows) in enumerate(ws):
     epi = lambda o, a, j=j: f"out{j}[{o}] = " + (f"res[{o}] + {a[0]};" if residual else f"{a[0]};")
-    body.append(f"if (blockIdx.y == {j}) " + _gemv_block([(w, "{o}", "a")], "x", rows, R, "gamma" if eps is not None else None, epi, rms, True))
+    body.append(f"if (blockIdx.y == {j}) " + _gemv_block([(w, "{o}", "a")], xp, rows, R, None, epi, pro, "f32", True, staged))
   blocks = max(-(-rows // rows_per_block(w.group_lanes, R)) for w, rows in ws)
   return Kernel(name, kernel(name, params, "\n  ".join(body)), (blocks, len(ws), 1), tuple(range(len(ws))))
 
@@ -425,7 +534,8 @@ def absorb_rope_kv(kb: W, heads: int, nope: int, rope: int, kvl: int, max_ctx: i
   params = ["float* qc", f"{ct}* cache", "const float* __restrict__ q", "const float* __restrict__ kv", "const float* __restrict__ gamma",
             "const float* __restrict__ cosv", "const float* __restrict__ sinv", "const int* __restrict__ pos"] + kb.params
   head = (f"const int h = blockIdx.y; const float* xh = q + (size_t)h * {nope + rope};\n  "
-          + _gemv_block([(kb, f"(size_t)h * {kvl} + {{o}}", "a")], "xh", kvl, R, None, lambda o, a: f"qc[(size_t)h * {D} + {o}] = {a[0]};"))
+          + _gemv_block([(kb, f"(size_t)h * {kvl} + {{o}}", "a")], "xh", kvl, R, None, lambda o, a: f"qc[(size_t)h * {D} + {o}] = {a[0]};",
+                        early=True))
   tail = (f"const int p = pos[0];\n"
           f"  for (int i = threadIdx.x; i < {heads * half}; i += {THREADS}) {{ const int h = i / {half}, k = i % {half};"
           f" const float x0 = q[h * {nope + rope} + {nope} + 2 * k], x1 = q[h * {nope + rope} + {nope} + 2 * k + 1];"
@@ -543,8 +653,8 @@ def router(w: W, experts: int, k: int, eps: float, gating: int, bias: bool, norm
   scale = f" wv *= {w_scale!r}f;" if w_scale not in (0.0, 1.0) else ""
   softmax_k = (f"float ws = -INFINITY; for (int t = 0; t < {k}; t++) ws = fmaxf(ws, wsel[t]); float se = 0.f;"
                f" for (int t = 0; t < {k}; t++) {{ wsel[t] = expf(wsel[t] - ws); se += wsel[t]; }} for (int t = 0; t < {k}; t++) wsel[t] /= se;")
-  body = f"""{rms_prologue('x', w.inp, eps)}
-  {_gemv_block([(w, "{o}", "a")], "x", experts, R, "gamma", lambda o, a: f"logits[{o}] = {a[0]};")}
+  body = f"""{stage_decl(w.inp, "f32")}
+  {_gemv_block([(w, "{o}", "a")], "sx", experts, R, None, lambda o, a: f"logits[{o}] = {a[0]};", stage_x("x", w.inp, eps, "f32"), "f32", True, True)}
   __shared__ int last;
   __threadfence();
   __syncthreads();
@@ -620,6 +730,9 @@ def _ffn_w(f: FFN, tag: str) -> FFN:
   return FFN(gate, up, W(f"{tag}d_", f.down.ggml_type, f.down.inp), f.hidden, f.experts, f.gate_rows, f.up_off)
 
 
+def _act_tag(act: str) -> str: return "" if act == "f32" else f"_{act}"
+
+
 def _ffn_tag(f: FFN | None) -> str:
   if f is None: return "none"
   t = lambda w: QUANT_TYPES[w.ggml_type].name.lower()
@@ -627,36 +740,46 @@ def _ffn_tag(f: FFN | None) -> str:
 
 
 @functools.cache
-def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: int = 4, q8: bool = False) -> Kernel:
+def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: int = 4, act: str = "f32") -> Kernel:
   """SiLU(gate) * up of the normalised input (RMSNorm folded) for the k selected experts of a routed stack (blockIdx.y < k)
   and a plain FFN (the shared expert, or a dense block's FFN; blockIdx.y == k), into act = [k x hidden, plain hidden].
-  q8: the normalised input quantized to 8 bits per 32 and integer dot products."""
-  name = f"native_glu_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{'_q8' if q8 else ''}"
+  Each warp issues its weight reads first; the block normalises the input once into shared memory (quantized to 8 bits per
+  32 with act q8) while they are in flight (stage_x)."""
+  name = f"native_glu_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}"
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
   params = ["float* act", "const float* __restrict__ x", "const float* __restrict__ gamma"] + (["const int* __restrict__ sel"] if r else [])
   params += (r.params if r else []) + (p.params if p else [])
   silu = lambda a: f"({a[0]} * (1.f / (1.f + expf(-{a[0]})))) * {a[1]}"
-  rms, body = rms_prologue("x", dim, eps), []
+  pro, body = stage_x("x", dim, eps, act), [stage_decl(dim, act)]
+  block = lambda ws, rows, epi: _gemv_block(ws, "sx", rows, R, None, epi, pro, act, True, True)
   if r:
     body.append(f"if (blockIdx.y < {k}) {{ const int y = blockIdx.y, e = min(max(sel[y], 0), {r.experts - 1});\n  "
-                + _gemv_block([(r.gate, f"(size_t)e * {r.gate_rows} + {{o}}", "g"), (r.up, f"(size_t)e * {r.gate_rows} + {r.up_off} + {{o}}", "u")],
-                              "x", r.hidden, R, "gamma", lambda o, a: f"act[(size_t)y * {r.hidden} + {o}] = {silu(a)};", rms, True, q8) + " }")
+                + block([(r.gate, f"(size_t)e * {r.gate_rows} + {{o}}", "g"), (r.up, f"(size_t)e * {r.gate_rows} + {r.up_off} + {{o}}", "u")],
+                        r.hidden, lambda o, a: f"act[(size_t)y * {r.hidden} + {o}] = {silu(a)};") + " }")
   if p:
     body.append(f"if (blockIdx.y == {k if r else 0}) "
-                + _gemv_block([(p.gate, "{o}", "g"), (p.up, f"{p.up_off} + {{o}}", "u")], "x", p.hidden, R, "gamma",
-                              lambda o, a: f"act[{(k * r.hidden if r else 0)} + {o}] = {silu(a)};", rms, True, q8))
+                + block([(p.gate, "{o}", "g"), (p.up, f"{p.up_off} + {{o}}", "u")], p.hidden,
+                        lambda o, a: f"act[{(k * r.hidden if r else 0)} + {o}] = {silu(a)};"))
   blocks = max(-(-f.hidden // rows_per_block(f.gate.group_lanes, R)) for f in (r, p) if f)
   return Kernel(name, kernel(name, params, "\n  ".join(body)), (blocks, (k if r else 0) + (1 if p else 0), 1), (0,))
 
 
 @functools.cache
-def down(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int = 4, q8: bool = False) -> Kernel:
+def down(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str = "f32") -> Kernel:
   """out = res + sum over the k selected experts of weight_k * (down_e . act_k) + down_plain . act_plain: the routed experts'
   down projections, their weighted combine, the shared expert (or a dense block's down projection) and the residual add.
+  Split over units (_down_units) where the plain FFN's down weight has the routed one's type and a multiple of its width,
+  else a warp per slot (_down_slots)."""
+  base = routed or plain
+  if not (routed and plain) or (plain.down.ggml_type == base.down.ggml_type and plain.hidden % base.hidden == 0):
+    return _down_units(routed, plain, k, dim, act)
+  return _down_slots(routed, plain, k, dim, 8 if act == "q8" else 4, act)
 
-  A block computes R output rows; its warps take the slots (the k experts, then the plain FFN) in turn, so the slots'
-  loads are in flight together rather than one slot after another, and the warps' sums meet in shared memory."""
-  name = f"native_down_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{'_q8' if q8 else ''}"
+
+def _down_slots(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int, act: str) -> Kernel:
+  """down with a warp per slot: a block computes R output rows; its warps take the slots (the k experts, then the plain FFN)
+  in turn, each its slot's rows in full, and the warps' sums meet in shared memory. For FFNs the unit layout cannot take."""
+  name = f"native_down_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}_slots"
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
   params = ["float* out", "const float* __restrict__ res", "const float* __restrict__ act"]
   params += (["const int* __restrict__ sel", "const float* __restrict__ wts"] + r.down.params if r else []) + (p.down.params if p else [])
@@ -671,14 +794,68 @@ def down(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int = 4, q8
   if r:
     body.append(f"if (sl < {k}) {{ const int e = min(max(sel[sl], 0), {r.experts - 1}); const float wk = wts[sl];"
                 f" const float* xk = act + (size_t)sl * {r.hidden};\n  "
-                + gemv([(r.down, f"(size_t)e * {dim} + {{o}}", "a")], "xk", dim, R, None, None, 32, q8=q8) + "\n  "
+                + gemv([(r.down, f"(size_t)e * {dim} + {{o}}", "a")], "xk", dim, R, None, None, 32, act=act) + "\n  "
                 + " ".join(f"tot{i} += wk * a{i};" for i in range(R)) + " }")
   if p:
     xp = f"act + {k * r.hidden if r else 0}"
-    body.append(f"{'else ' if r else ''}{{ " + gemv([(p.down, "{o}", "b")], xp, dim, R, None, None, 32, q8=q8) + "\n  "
+    body.append(f"{'else ' if r else ''}{{ " + gemv([(p.down, "{o}", "b")], xp, dim, R, None, None, 32, act=act) + "\n  "
                 + " ".join(f"tot{i} += b{i};" for i in range(R)) + " }")
   body += ["}", f"__shared__ float part[{WARPS}][{R}];", "if (lane == 0) { " + " ".join(f"part[warp][{i}] = tot{i};" for i in range(R)) + " }",
            "__syncthreads();",
            f"if (threadIdx.x < {R} && obase + threadIdx.x < {dim}) {{ float t = 0.f;"
            f" for (int w = 0; w < {WARPS}; w++) t += part[w][threadIdx.x]; out[obase + threadIdx.x] = res[obase + threadIdx.x] + t; }}"]
   return Kernel(name, kernel(name, params, "\n  ".join(body)), (-(-dim // R), 1, 1), (0,))
+
+
+
+def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str) -> Kernel:
+  """down with the work split over (slot, unit) pairs: the k routed slots and the plain FFN's rows cut into slots of the
+  routed hidden width are one list of units; each thread of a block (as many threads as units, in warps, up to 512) takes
+  one or more, issues the reads of its units for the block's R rows at once and adds their weighted products into R sums,
+  which meet through shuffles and shared memory. R = 8 rows a block, 16 above 256 threads, so a block's registers leave
+  the grid one wave (benchmarks/kernel_lab.py, H100: GLM-4.7-Flash 9.2 -> 6.5 us, DeepSeek-V2-Lite 12.8 -> 8.5 us)."""
+  base = routed or plain
+  Fv, ty = base.hidden, base.down.ggml_type
+  r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
+  name = f"native_down_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}"
+  params = ["float* out", "const float* __restrict__ res", "const float* __restrict__ act"]
+  params += (["const int* __restrict__ sel", "const float* __restrict__ wts"] + r.down.params if r else []) + (p.down.params if p else [])
+  kr = k if r else 0
+  m = plain.hidden // Fv if p else 0  # virtual slots of the plain FFN
+  U = Fv // UNITS[ty].elems
+  P = (kr + m) * U
+  threads = min(512, 128 * -(-P // 128))
+  R, J = 8 if threads <= 256 else 16, -(-P // threads)
+  body = [f"const int obase = blockIdx.x * {R}, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;",
+          " ".join(f"float acc{i} = 0.f; const int o{i} = min(obase + {i}, {dim - 1});" for i in range(R))]
+  loads, work = [], []
+  for j in range(J):
+    w = W(f"j{j}_", ty, Fv)
+    sel_planes = " ".join(f"const {ct}* __restrict__ j{j}_{n} = " + (f"isr{j} ? rd_{n} : pd_{n};" if r and p else f"{'rd_' if r else 'pd_'}{n};")
+                          for n, ct in plane_types(ty))
+    loads.append(f"const int p{j} = min((int)threadIdx.x + {threads * j}, {P - 1}); const bool live{j} = (int)threadIdx.x + {threads * j} < {P};"
+                 f" const int s{j} = p{j} / {U}, u{j} = p{j} % {U}; const bool isr{j} = s{j} < {kr};"
+                 f" const int e{j} = {f'isr{j} ? min(max(sel[s{j}], 0), {r.experts - 1}) : 0' if r else '0'}; {sel_planes}")
+    for i in range(R):
+      row = f"(isr{j} ? (size_t)e{j} * {dim} + o{i} : (size_t)o{i} * {max(m, 1)} + (s{j} - {kr}))" if r and p else (
+        f"((size_t)e{j} * {dim} + o{i})" if r else f"((size_t)o{i} * {m} + s{j})")
+      loads.append(unit_loads(w, row, f"u{j}", f"_{j}_{i}"))
+      work.append((w, row, j, i))
+  body += loads
+  for j in range(J):
+    w = W(f"j{j}_", ty, Fv)
+    xs = [load_x(w, j, f"(act + (size_t)s{j} * {Fv})", f"u{j}", None)] + ([quantize_x(j, w.unit)] if act == "q8" else [])
+    wk = f"(live{j} ? {f'(isr{j} ? wts[s{j}] : 1.f)' if r else '1.f'} : 0.f)"
+    dots = []
+    for w_, row, jj, i in work:
+      if jj != j: continue
+      t = f"t{j}_{i}"
+      if act == "q8": d = unit_idot(w_, row, f"u{j}", lambda mm, j=j: f"xq{j}[{mm}]", f"dx{j}", f"sq{j}", t, f"_{j}_{i}")
+      else: d = unit_dot(w_, row, f"u{j}", lambda e, j=j: f"x{j}_{e}", (lambda g, j=j: f"xs{j}_{g}") if w_.unit.quantized else None, t, f"_{j}_{i}")
+      dots.append(f"{{ float {t} = 0.f; {d} acc{i} = fmaf(wk{j}, {t}, acc{i}); }}")
+    body.append("{ " + " ".join(xs) + f" const float wk{j} = {wk}; " + " ".join(dots) + " }")
+  body += [" ".join(f"acc{i} = group_sum(acc{i}, 32);" for i in range(R)), f"__shared__ float part[{threads // 32}][{R}];",
+           "if (lane == 0) { " + " ".join(f"part[warp][{i}] = acc{i};" for i in range(R)) + " }", "__syncthreads();",
+           f"if (threadIdx.x < {R} && obase + threadIdx.x < {dim}) {{ float t = 0.f;"
+           f" for (int w = 0; w < {threads // 32}; w++) t += part[w][threadIdx.x]; out[obase + threadIdx.x] = res[obase + threadIdx.x] + t; }}"]
+  return Kernel(name, kernel(name, params, "\n  ".join(body), threads), (-(-dim // R), 1, 1), (0,), threads)

@@ -29,7 +29,7 @@ def launch(k: C.Kernel, params: list[Tensor], mem: int, ops: int = 0) -> list[Te
   """Run kernel k over params (its C parameters in order: outputs first); returns every param after the kernel."""
   target = Device[params[0].device].renderer.target
   def fxn(*ps: UOp) -> UOp:
-    info = ProgramInfo(name=k.name, global_size=k.grid, local_size=(C.THREADS, 1, 1), globals=tuple(range(len(ps))), outs=k.outs,
+    info = ProgramInfo(name=k.name, global_size=k.grid, local_size=(k.threads, 1, 1), globals=tuple(range(len(ps))), outs=k.outs,
                        ins=tuple(i for i in range(len(ps)) if i not in k.outs), target=target)
     sink = UOp.sink(arg=KernelInfo(name=k.name, estimates=Estimates(ops=ops, lds=mem, mem=mem)))
     return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=ps), UOp(Ops.SOURCE, arg=k.src)), arg=info)
@@ -83,12 +83,7 @@ def expert(x: Tensor, sel: Tensor, w: QWeight) -> Tensor:
 # ------------------------------------------------------------------ fused decode stages ---------------------------------
 
 R_SMALL, R_LARGE = 2, 4  # rows per row group: 2 where a matrix has few rows (more blocks in flight), 4 otherwise and
-# wherever a kernel normalises its input (each warp computes the norm: more rows share it)
-
-
-R_Q8 = 8  # rows per row group of the FFN kernels with 8-bit activations: their fixed cost per warp (the input's norm and
-# quantization) is the larger share, so more rows share it (benchmarks/moe_kernels.py, H100, 2026-11-25: GLM-4.7-Flash's
-# gate+up 15.3 us against 17.3 at 4, DeepSeek-V2-Lite's 21.9 against 28.2; results.jsonl moe_kernel lines)
+# wherever a kernel normalises its input (more rows share the block's staged input)
 
 
 def _rows_r(rows: int) -> int: return R_LARGE if rows >= 4096 else R_SMALL
@@ -170,11 +165,10 @@ def _glu_down(blk: Block, h: Tensor, routed: C.FFN | None, plain: C.FFN | None, 
   hp, K = blk.hp, blk.hp.n_used if routed else 0
   hf = f32(h)
   gu_bytes = n_act * 2 * (hp.dim // QUANT_TYPES[(routed or plain).gate.ggml_type].block) * QUANT_TYPES[(routed or plain).gate.ggml_type].nbytes
-  q8 = blk.cfg.ffn_act == "q8"
-  R = R_Q8 if q8 else R_LARGE
-  kg = C.glu(routed, plain, K, hp.dim, hp.eps, R, q8)
+  form = "q8" if blk.cfg.ffn_act == "q8" else "f32"
+  kg = C.glu(routed, plain, K, hp.dim, hp.eps, R_LARGE, form)
   act = launch(kg, [empty(n_act, device=dev), hf, blk.ffn_norm, *([route[0]] if route else []), *rp, *pp], gu_bytes)[0]
-  kd = C.down(routed, plain, K, hp.dim, R, q8)
+  kd = C.down(routed, plain, K, hp.dim, form)
   routed_down = [route[0], route[1], *planes(blk.down_exps)] if routed else []
   plain_down = planes(blk.down_sh if routed else blk.down) if plain else []
   return launch(kd, [empty(1, 1, hp.dim, device=dev), hf, act, *routed_down, *plain_down], down_bytes)[0]

@@ -1,0 +1,222 @@
+"""The native backend's decode kernels alone, at the real shapes of GLM-4.7-Flash and DeepSeek-V2-Lite Q4_0, beside a plain
+read of as many bytes (what one launch of that size reaches) and the device's streaming bandwidth, all measured in one
+process; with --against, the same kernels built by another version of model/backends/cuda_src.py, timed interleaved.
+
+  python benchmarks/kernel_lab.py [--models ...] [--kinds ...] [--against OLD/model/backends/cuda_src.py] [--json out.jsonl]
+
+Kinds: the output head; the attention's norm-folded products (q_a and kv_a, q_b), the MLA absorption (k_b per head), v_b
+per head and the output projection with its residual; the router; the fused MoE kernels (gate+up+SiLU over the selected
+experts and the shared expert; down with the weighted combine), with float32 and 8-bit activations. Launches run back to
+back in one CUDA graph (cupy), as tinygrad's graph runs them, over enough copies of the weights (and, for the MoE kernels,
+other experts each launch) that L2 holds none of a launch's weight bytes when it starts. `us`: median device time per
+launch (3 timings of 5 graph replays); GB/s: the weight bytes a launch must read over that time; `err`: max |out - the
+first source's out| over the std of the latter.
+"""
+import argparse
+import datetime
+import importlib.machinery
+import importlib.util
+import inspect
+import json
+import statistics
+import sys
+
+import cupy as cp
+import numpy as np
+
+from model.backends import cuda_src
+from model.presets import PRESETS
+from model.quants import Q4_0, QUANT_TYPES
+
+Q = QUANT_TYPES[Q4_0]
+KINDS = ["head", "norm_qa_kva", "norm_qb", "absorb", "v_b", "dense_res", "router", "glu", "down"]
+FLOOR = r"""
+extern "C" __global__ void __launch_bounds__(256) floor_read(const uint4* __restrict__ p, unsigned long long n16, unsigned* out) {
+  const unsigned long long i = (unsigned long long)blockIdx.x * 1024 + threadIdx.x;
+  unsigned acc = 0;
+  uint4 v[4];
+  for (int j = 0; j < 4; j++) v[j] = i + 256 * j < n16 ? p[i + 256 * j] : make_uint4(0, 0, 0, 0);
+  for (int j = 0; j < 4; j++) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+  if (acc == 0x9e3779b9u) out[0] = acc;
+}
+"""
+
+
+def load_src(path: str):
+  spec = importlib.util.spec_from_file_location("other_cuda_src", path, loader=importlib.machinery.SourceFileLoader("other_cuda_src", path))
+  mod = sys.modules["other_cuda_src"] = importlib.util.module_from_spec(spec)  # dataclasses look their module up there
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def weight(rows: int, inp: int) -> list:
+  """Random Q4_0 planes (d: float16 scales as uint16, qs: codes) of a (rows, inp) weight, on the device."""
+  nb = inp // Q.block
+  d = (cp.random.standard_normal((rows, nb), dtype=cp.float32) * 0.01).astype(cp.float16).view(cp.uint16)
+  return [d, cp.random.randint(0, 256, (rows, nb * 16), dtype=cp.uint8)]
+
+
+def rb(inp: int) -> int: return inp // Q.block * Q.nbytes
+
+
+def bandwidth() -> float:
+  """GB/s of a float32 sum over 1 GiB (read once), median of 5."""
+  a = cp.ones(1 << 28, dtype=cp.float32)
+  a.sum()
+  times = []
+  for _ in range(5):
+    s, e = cp.cuda.Event(), cp.cuda.Event()
+    s.record(); a.sum(); e.record(); e.synchronize()
+    times.append(cp.cuda.get_elapsed_time(s, e) / 1e3)
+  return a.nbytes / statistics.median(times) / 1e9
+
+
+def timed(call, launches: list) -> float:
+  """Median device seconds per launch of `launches` (arg tuples of call) replayed in one CUDA graph."""
+  stream = cp.cuda.Stream(non_blocking=True)
+  with stream:
+    for a in launches[:4]: call(*a)
+    stream.begin_capture()
+    for a in launches: call(*a)
+    graph = stream.end_capture()
+    graph.launch(stream)
+    out = []
+    for _ in range(5):
+      s, e = cp.cuda.Event(), cp.cuda.Event()
+      s.record(stream); graph.launch(stream); e.record(stream); e.synchronize()
+      out.append(cp.cuda.get_elapsed_time(s, e) / 1e3 / len(launches))
+  return statistics.median(out)
+
+
+def floor(nbytes: int, copies: int) -> float:
+  """Device seconds per launch of a plain read of nbytes (4 independent 16-byte loads a thread, one pass)."""
+  fn, sink = cp.RawKernel(FLOOR, "floor_read"), cp.zeros(1, dtype=cp.uint32)
+  bufs = [cp.random.randint(0, 256, nbytes, dtype=cp.uint8) for _ in range(copies)]
+  return timed(lambda b: fn((-(-nbytes // 16384),), (256,), (b, np.uint64(nbytes // 16), sink)), [(b,) for b in bufs] * max(1, 80 // copies))
+
+
+def kernels(mod, kind: str, preset: str) -> list[tuple[str, object]]:
+  """(activation form, kernel) of one kind built by a cuda_src module (this tree's API, or the one before staged inputs)."""
+  hp = PRESETS[preset]
+  dim, F, E, K, Fs, V, H = hp.dim, hp.expert_ffn, hp.n_experts, hp.n_used, hp.expert_ffn * hp.n_shared, hp.vocab, hp.n_heads
+  W = lambda inp, prefix="": mod.W(prefix, Q4_0, inp)
+  old = "q8" in inspect.signature(mod.glu).parameters
+  routed, plain = mod.FFN(W(dim), W(dim), W(F), F, E, F, 0), mod.FFN(W(dim), W(dim), W(Fs), Fs, 0, Fs, 0)
+  first, nq = hp.q_lora or H * (hp.qk_nope + hp.qk_rope), H * (hp.qk_nope + hp.qk_rope)
+  if kind == "head": return [("f32", mod.product("dense", Q4_0, (V, dim), tn=1, n=1))]
+  if kind == "norm_qa_kva": return [("f32", mod.dense(((W(dim, "a_"), first), (W(dim, "b_"), hp.kv_lora + hp.qk_rope)), 4, hp.rms_eps))]
+  if kind == "norm_qb": return [("f32", mod.dense(((W(hp.q_lora, "a_"), nq),), 4, hp.rms_eps))] if hp.q_lora else []
+  if kind == "absorb": return [("f32", mod.absorb_rope_kv(W(hp.qk_nope, "k_"), H, hp.qk_nope, hp.qk_rope, hp.kv_lora, 4096, hp.rms_eps, False))]
+  if kind == "v_b": return [("f32", mod.product("per_head", Q4_0, (H, hp.v_head, hp.kv_lora), tn=1, n=1, heads=H))]
+  if kind == "dense_res": return [("f32", mod.dense(((W(H * hp.v_head, "a_"), dim),), 2, None, residual=True))]
+  if kind == "router":
+    return [("f32", mod.router(W(dim, "g_"), E, K, hp.rms_eps, 2 if hp.gating == "sigmoid" else 1, hp.exp_probs_bias, hp.norm_topk, hp.routed_scale))]
+  out = []
+  for act in ("q8", "f32"):
+    R = 8 if act == "q8" else 4  # the sources before staged inputs: their rows per group
+    if kind == "glu": k = mod.glu(routed, plain, K, dim, hp.rms_eps, R, q8=act == "q8") if old else mod.glu(routed, plain, K, dim, hp.rms_eps, 4, act)
+    else: k = mod.down(routed, plain, K, dim, R, q8=act == "q8") if old else mod.down(routed, plain, K, dim, act)
+    out.append((act, k))
+  return out
+
+
+def launches(kind: str, preset: str) -> tuple[int, object, object]:
+  """(weight bytes per launch, output array, args(k) -> launch arg tuples) of one kind: weights over copies (and experts)."""
+  hp = PRESETS[preset]
+  dim, F, E, K, Fs, V, H = hp.dim, hp.expert_ffn, hp.n_experts, hp.n_used, hp.expert_ffn * hp.n_shared, hp.vocab, hp.n_heads
+  rng = np.random.default_rng(0)
+  x = cp.random.standard_normal(max(dim, H * hp.v_head, K * F + Fs, H * hp.kv_lora, H * (hp.qk_nope + hp.qk_rope)), dtype=cp.float32)
+  gamma = cp.random.standard_normal(max(dim, hp.kv_lora, hp.q_lora), dtype=cp.float32)
+  f = lambda n: cp.zeros(n, dtype=cp.float32)
+  if kind == "head":
+    cs = [weight(V, dim) for _ in range(2)]
+    o = f(V)
+    return V * rb(dim), o, lambda k: [(o, x, *c) for c in cs * 8]
+  if kind in ("norm_qa_kva", "norm_qb"):
+    first, kv, nq = hp.q_lora or H * (hp.qk_nope + hp.qk_rope), hp.kv_lora + hp.qk_rope, H * (hp.qk_nope + hp.qk_rope)
+    shapes = [(first, dim), (kv, dim)] if kind == "norm_qa_kva" else [(nq, hp.q_lora)]
+    cs = [[p for rows, inp in shapes for p in weight(rows, inp)] for _ in range(8)]
+    outs = [f(rows) for rows, _ in shapes]
+    return sum(rows * rb(inp) for rows, inp in shapes), outs[0], lambda k: [(*outs, x, gamma, *c) for c in cs * 10]
+  if kind == "absorb":
+    cs = [weight(H * hp.kv_lora, hp.qk_nope) for _ in range(8)]
+    D = hp.kv_lora + hp.qk_rope
+    qc, cache, half = f(H * D), f(4096 * D), hp.qk_rope // 2
+    cos, sin, pos = f(4096 * half) + 1, f(4096 * half), cp.array([100], dtype=cp.int32)
+    return H * hp.kv_lora * rb(hp.qk_nope), qc, lambda k: [(qc, cache, x, x, gamma, cos, sin, pos, *c) for c in cs * 10]
+  if kind == "v_b":
+    cs = [weight(H * hp.v_head, hp.kv_lora) for _ in range(8)]
+    o = f(H * hp.v_head)
+    return H * hp.v_head * rb(hp.kv_lora), o, lambda k: [(o, x, *c) for c in cs * 10]
+  if kind == "dense_res":
+    cs = [weight(dim, H * hp.v_head) for _ in range(8)]
+    o, res = f(dim), cp.random.standard_normal(dim, dtype=cp.float32)
+    return dim * rb(H * hp.v_head), o, lambda k: [(o, x, res, *c) for c in cs * 10]
+  if kind == "router":
+    cs = [weight(E, dim) for _ in range(8)]
+    sel, wts, logits, cnt = cp.zeros(K, dtype=cp.int32), f(K), f(E), cp.zeros(1, dtype=cp.int32)
+    bias = [f(E)] if hp.exp_probs_bias else []
+    return E * rb(dim), logits, lambda k: [(sel, wts, logits, cnt, x, gamma, *bias, *c) for c in cs * 10]
+  layers = [dict(g=weight(E * F, dim), u=weight(E * F, dim), d=weight(E * dim, F), sg=weight(Fs, dim), su=weight(Fs, dim), sd=weight(dim, Fs))
+            for _ in range(8)]
+  sels = [cp.asarray(rng.choice(E, K, replace=False).astype(np.int32)) for _ in range(80)]
+  wts = cp.asarray(rng.random(K).astype(np.float32))
+  Ls = [layers[i % 8] for i in range(80)]
+  if kind == "glu":
+    o = f(K * F + Fs)
+    args = [(o, x, gamma, s, *L["g"], *L["u"], *L["sg"], *L["su"]) for L, s in zip(Ls, sels, strict=True)]
+    return (2 * K * F + 2 * Fs) * rb(dim), o, lambda k: args
+  o = f(dim)
+  return (K * F + Fs) * rb(dim), o, lambda k: [(o, gamma, x, s, wts, *L["d"], *L["sd"]) for L, s in zip(Ls, sels, strict=True)]
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--models", nargs="+", default=["glm-4.7-flash", "deepseek-v2-lite"], choices=["glm-4.7-flash", "deepseek-v2-lite"])
+  p.add_argument("--kinds", nargs="+", default=KINDS, choices=KINDS)
+  p.add_argument("--against", help="another model/backends/cuda_src.py whose kernels are timed interleaved with this tree's")
+  p.add_argument("--label", default="this tree", help="the name of this tree's kernels in the output")
+  p.add_argument("--json", help="append one JSON line per kernel")
+  args = p.parse_args()
+  srcs = {args.label: cuda_src} | ({f"against {args.against}": load_src(args.against)} if args.against else {})
+  bw = bandwidth()
+  dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+  print(f"{dev}: streaming bandwidth {bw:.0f} GB/s", flush=True)
+  for preset in args.models:
+    for kind in args.kinds:
+      built = {name: kernels(mod, kind, preset) for name, mod in srcs.items()}
+      if not built[args.label]: continue
+      nbytes, out, make = launches(kind, preset)
+      fl = floor(nbytes, 2 if nbytes > 64 << 20 else 8)
+      print(f"{preset:17s} {kind:11s} {'plain read':34s} {fl * 1e6:8.2f} us {nbytes / fl / 1e9:6.0f} GB/s ({nbytes / fl / 1e9 / bw:5.1%})  "
+            f"{nbytes / 1e6:.2f} MB", flush=True)
+      calls, first = {}, {}
+      for name, ks in built.items():
+        for act, k in ks:
+          fn = cp.RawKernel(k.src, k.name, options=("--std=c++17",))
+          call = lambda *a, fn=fn, k=k: fn(k.grid, (getattr(k, "threads", cuda_src.THREADS), 1, 1), a)
+          ls = make(k)
+          call(*ls[0]); cp.cuda.Device().synchronize()
+          o = cp.asnumpy(out).astype(np.float64)
+          ref = first.setdefault(act, o)
+          calls[(name, act)] = (call, ls, fn, k, float(np.abs(o - ref).max() / (ref.std() or 1.0)))
+      times: dict[tuple[str, str], list[float]] = {}
+      for _ in range(3):  # the sources interleaved
+        for key, (call, ls, *_) in calls.items(): times.setdefault(key, []).append(timed(call, ls))
+      for (name, act), ts in times.items():
+        t, (_, _, fn, k, err) = statistics.median(ts), calls[(name, act)]
+        print(f"{preset:17s} {kind:11s} {act + ' ' + name[:30]:34s} {t * 1e6:8.2f} us {nbytes / t / 1e9:6.0f} GB/s ({nbytes / t / 1e9 / bw:5.1%}) "
+              f"[{min(ts) * 1e6:.2f}-{max(ts) * 1e6:.2f}] regs {fn.num_regs} grid {k.grid} err {err:.1e}  {k.name}", flush=True)
+        if args.json:
+          with open(args.json, "a") as fh:
+            fh.write(json.dumps({"date": datetime.date.today().isoformat(), "kind": "kernel_lab", "device": f"{dev} (CUDA, cupy graph)",
+                                 "model": f"{preset} (synthetic, exact shapes)", "layers": 0, "quant": "Q4_0", "kernel": kind, "act": act,
+                                 "source": name, "name": k.name, "us": round(t * 1e6, 2), "us_min": round(min(ts) * 1e6, 2),
+                                 "us_max": round(max(ts) * 1e6, 2), "gb_s": round(nbytes / t / 1e9), "bandwidth_gb_s": round(bw),
+                                 "bandwidth_share": round(nbytes / t / 1e9 / bw, 4), "floor_us": round(fl * 1e6, 2), "regs": fn.num_regs,
+                                 "err": err, "command": "python benchmarks/kernel_lab.py " + " ".join(sys.argv[1:])}) + "\n")
+      cp.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+  main()

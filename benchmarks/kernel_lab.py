@@ -120,8 +120,18 @@ def kernels(mod, kind: str, preset: str) -> list[tuple[str, object]]:
   return out
 
 
-def launches(kind: str, preset: str) -> tuple[int, object, object]:
-  """(weight bytes per launch, output array, args(k) -> launch arg tuples) of one kind: weights over copies (and experts)."""
+def weight_bytes(kind: str, preset: str) -> int:
+  """The weight bytes one launch of a kind must read."""
+  hp = PRESETS[preset]
+  dim, F, K, Fs, H = hp.dim, hp.expert_ffn, hp.n_used, hp.expert_ffn * hp.n_shared, hp.n_heads
+  first, kv, nq = hp.q_lora or H * (hp.qk_nope + hp.qk_rope), hp.kv_lora + hp.qk_rope, H * (hp.qk_nope + hp.qk_rope)
+  return {"head": hp.vocab * rb(dim), "norm_qa_kva": (first + kv) * rb(dim), "norm_qb": nq * rb(hp.q_lora) if hp.q_lora else 0,
+          "absorb": H * hp.kv_lora * rb(hp.qk_nope), "v_b": H * hp.v_head * rb(hp.kv_lora), "dense_res": dim * rb(H * hp.v_head),
+          "router": hp.n_experts * rb(dim), "glu": (2 * K * F + 2 * Fs) * rb(dim), "down": (K * F + Fs) * rb(dim)}[kind]
+
+
+def launches(kind: str, preset: str) -> tuple[object, object]:
+  """(output array, args(k) -> launch arg tuples) of one kind: its weights over copies (and experts), allocated here."""
   hp = PRESETS[preset]
   dim, F, E, K, Fs, V, H = hp.dim, hp.expert_ffn, hp.n_experts, hp.n_used, hp.expert_ffn * hp.n_shared, hp.vocab, hp.n_heads
   rng = np.random.default_rng(0)
@@ -131,32 +141,32 @@ def launches(kind: str, preset: str) -> tuple[int, object, object]:
   if kind == "head":
     cs = [weight(V, dim) for _ in range(2)]
     o = f(V)
-    return V * rb(dim), o, lambda k: [(o, x, *c) for c in cs * 8]
+    return o, lambda k: [(o, x, *c) for c in cs * 8]
   if kind in ("norm_qa_kva", "norm_qb"):
     first, kv, nq = hp.q_lora or H * (hp.qk_nope + hp.qk_rope), hp.kv_lora + hp.qk_rope, H * (hp.qk_nope + hp.qk_rope)
     shapes = [(first, dim), (kv, dim)] if kind == "norm_qa_kva" else [(nq, hp.q_lora)]
     cs = [[p for rows, inp in shapes for p in weight(rows, inp)] for _ in range(8)]
     outs = [f(rows) for rows, _ in shapes]
-    return sum(rows * rb(inp) for rows, inp in shapes), outs[0], lambda k: [(*outs, x, gamma, *c) for c in cs * 10]
+    return outs[0], lambda k: [(*outs, x, gamma, *c) for c in cs * 10]
   if kind == "absorb":
     cs = [weight(H * hp.kv_lora, hp.qk_nope) for _ in range(8)]
     D = hp.kv_lora + hp.qk_rope
     qc, cache, half = f(H * D), f(4096 * D), hp.qk_rope // 2
     cos, sin, pos = f(4096 * half) + 1, f(4096 * half), cp.array([100], dtype=cp.int32)
-    return H * hp.kv_lora * rb(hp.qk_nope), qc, lambda k: [(qc, cache, x, x, gamma, cos, sin, pos, *c) for c in cs * 10]
+    return qc, lambda k: [(qc, cache, x, x, gamma, cos, sin, pos, *c) for c in cs * 10]
   if kind == "v_b":
     cs = [weight(H * hp.v_head, hp.kv_lora) for _ in range(8)]
     o = f(H * hp.v_head)
-    return H * hp.v_head * rb(hp.kv_lora), o, lambda k: [(o, x, *c) for c in cs * 10]
+    return o, lambda k: [(o, x, *c) for c in cs * 10]
   if kind == "dense_res":
     cs = [weight(dim, H * hp.v_head) for _ in range(8)]
     o, res = f(dim), cp.random.standard_normal(dim, dtype=cp.float32)
-    return dim * rb(H * hp.v_head), o, lambda k: [(o, x, res, *c) for c in cs * 10]
+    return o, lambda k: [(o, x, res, *c) for c in cs * 10]
   if kind == "router":
     cs = [weight(E, dim) for _ in range(8)]
     sel, wts, logits, cnt = cp.zeros(K, dtype=cp.int32), f(K), f(E), cp.zeros(1, dtype=cp.int32)
     bias = [f(E)] if hp.exp_probs_bias else []
-    return E * rb(dim), logits, lambda k: [(sel, wts, logits, cnt, x, gamma, *bias, *c) for c in cs * 10]
+    return logits, lambda k: [(sel, wts, logits, cnt, x, gamma, *bias, *c) for c in cs * 10]
   layers = [dict(g=weight(E * F, dim), u=weight(E * F, dim), d=weight(E * dim, F), sg=weight(Fs, dim), su=weight(Fs, dim), sd=weight(dim, Fs))
             for _ in range(8)]
   sels = [cp.asarray(rng.choice(E, K, replace=False).astype(np.int32)) for _ in range(80)]
@@ -165,9 +175,9 @@ def launches(kind: str, preset: str) -> tuple[int, object, object]:
   if kind == "glu":
     o = f(K * F + Fs)
     args = [(o, x, gamma, s, *L["g"], *L["u"], *L["sg"], *L["su"]) for L, s in zip(Ls, sels, strict=True)]
-    return (2 * K * F + 2 * Fs) * rb(dim), o, lambda k: args
+    return o, lambda k: args
   o = f(dim)
-  return (K * F + Fs) * rb(dim), o, lambda k: [(o, gamma, x, s, wts, *L["d"], *L["sd"]) for L, s in zip(Ls, sels, strict=True)]
+  return o, lambda k: [(o, gamma, x, s, wts, *L["d"], *L["sd"]) for L, s in zip(Ls, sels, strict=True)]
 
 
 def main() -> None:
@@ -186,8 +196,9 @@ def main() -> None:
     for kind in args.kinds:
       built = {name: kernels(mod, kind, preset) for name, mod in srcs.items()}
       if not built[args.label]: continue
-      nbytes, out, make = launches(kind, preset)
-      fl = floor(nbytes, 2 if nbytes > 64 << 20 else 8)
+      nbytes = weight_bytes(kind, preset)
+      fl = floor(nbytes, 2 if nbytes > 64 << 20 else 8)  # before the kind's own buffers exist
+      out, make = launches(kind, preset)
       print(f"{preset:17s} {kind:11s} {'plain read':34s} {fl * 1e6:8.2f} us {nbytes / fl / 1e9:6.0f} GB/s ({nbytes / fl / 1e9 / bw:5.1%})  "
             f"{nbytes / 1e6:.2f} MB", flush=True)
       calls, first = {}, {}

@@ -37,7 +37,7 @@ for m in $MODELS; do [ -f "$(file "$m")" ] || { PYTHONPATH=$PWD:${PYTHONPATH:-} 
 [ ${#pids[@]} = 0 ] || wait "${pids[@]}"; log "files written"
 if [ "${KERNELS:-1}" = 1 ]; then
   PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 240 python3 benchmarks/kernel_lab.py --against .ab/old/model/backends/cuda_src.py \
-    --label "$(git rev-parse --short HEAD 2>/dev/null || echo new)" --models $MODELS --json "$OUT/kernels.jsonl"
+    --label "new (working tree)" --models $MODELS --json "$OUT/kernels.jsonl"
 fi
 for rep in $(seq "$REPS"); do for m in $MODELS; do for v in $VARIANTS; do
   tree=${v%%:*} rest=${v#*:}; name=${rest%%=*} cfg=${rest#*=}

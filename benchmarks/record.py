@@ -83,7 +83,7 @@ def trial_lines(r: TrialResult, device: str, model_name: str, quant: str, config
   if r.check: out.append(line("gate", name=config_name, state=r.status, **check_figures(r.check), check_s=_round(r.phases.get("check_s"), 2)))
   for p in r.profile:
     out.append(line("profile", rank=p["rank"], name=p["name"], count=p["count"], us_per_token=_round(p["us_per_token"], 2),
-                    us_per_launch=_round(p.get("us_per_launch"), 2), share=_round(p["share"], 4),
+                    us_per_launch=_round(p.get("us_per_launch"), 2), share=_round(p["share"], 4), timing=p.get("timing"),
                     gb_s=_round(p["gb_s"], 2),
                     bandwidth_share=_round(p["gb_s"] / bw, 4) if p["gb_s"] is not None and bw else None))
   return out

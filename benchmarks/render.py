@@ -52,6 +52,7 @@ REQUIRED = {
                    "speedup_high", "status"),
   "expert_kernel": ("layers", "config", "backend", "beam", "bandwidth_gb_s", "bandwidth_share"),
   "moe_kernel": ("layers", "kernel", "source", "rows_per_group", "us", "gb_s", "bandwidth_gb_s", "bandwidth_share"),
+  "kernel_lab": ("layers", "kernel", "act", "source", "name", "us", "gb_s", "bandwidth_gb_s", "bandwidth_share", "floor_us"),
 }
 TABLE = re.compile(r"<!-- table\n(.*?)-->\n", re.S)
 TERM = re.compile(r"([\w.]+)(!=|!~|=|~|\?)(.*)", re.S)

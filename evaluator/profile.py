@@ -1,5 +1,5 @@
 """Per-kernel profile of one decode step: the captured JIT's own kernels (the compiled programs and buffers the timed graph
-runs), each launched again outside the graph and timed on the device, without the host's launch time.
+runs), each launched again and timed on the device, without the host's launch time.
 
 A kernel of a decode step runs for a few µs, less than a launch from Python takes, so timing launches from the host
 measures the host. Instead the device is kept busy first: a *sweep* (a reduction over a buffer as large as the bytes one
@@ -9,6 +9,11 @@ launches of one kernel name, in the step's order over the layers. The same seque
 too; the difference, divided by the launches, is the kernel's device time. The two are interleaved `rounds` times and the
 median difference is kept.
 
+On CUDA the sequence is one CUDA graph, as the decode step runs its kernels: launched one by one from the host, each
+kernel costs about 1.3 µs more on the device than as a graph node (benchmarks/kernel_lab.py's graphs against the same
+launches from the host, H100), which for kernels of 3-12 µs is a tenth to a third of what they cost in the step. Elsewhere
+the kernels are launched one by one (`timing` says which).
+
 What a name costs per token is its time per launch times its launches per step. The graph's own scheduling, the
 dependencies between kernels and the host's share are what the timed step costs beyond the sum of these (the evaluator
 reports both).
@@ -16,9 +21,11 @@ reports both).
 from __future__ import annotations
 
 import collections
+import ctypes
 import math
 import statistics
 import time
+from collections.abc import Callable
 
 from tinygrad import Device, Tensor, TinyJit, dtypes
 from tinygrad.engine.realize import get_graph_runtime, get_runtime, resolve_params, unwrap_multi
@@ -56,6 +63,30 @@ def _calls(launches: list[tuple], var_vals: dict[str, int]) -> list:
   return out
 
 
+def _cuda_graph(launches: list[tuple], var_vals: dict[str, int]) -> Callable[[], None] | None:
+  """A function that runs the launches as one CUDA graph, each after the one before; None off CUDA."""
+  if not launches or any(type(runtime).__module__ != "tinygrad.runtime.ops_cuda" for _, runtime, _, _ in launches): return None
+  import tinygrad.runtime.autogen.cuda as cuda
+  from tinygrad.runtime.ops_cuda import check, encode_args
+  from tinygrad.runtime.support.c import init_c_var
+  graph = init_c_var(cuda.CUgraph, lambda x: check(cuda.cuGraphCreate(ctypes.byref(x), 0)))
+  keep, prev = [], None
+  for prg, runtime, bufs, dv in launches:
+    vv = {**var_vals, **dv}
+    gs, ls = prg.arg.launch_dims(vv)
+    c_args, vargs = encode_args([x.get_buf(x.device) for x in bufs], prg.arg.vals(vv), runtime.signature)
+    params = cuda.CUDA_KERNEL_NODE_PARAMS_v1(runtime.prg, *gs, *ls, runtime.smem, ctypes.cast(0, ctypes.POINTER(ctypes.c_void_p)), vargs)
+    node, deps = cuda.CUgraphNode(), (cuda.CUgraphNode * 1)(prev) if prev is not None else None
+    check(cuda.cuGraphAddKernelNode(ctypes.byref(node), graph, deps, 0 if deps is None else 1, ctypes.byref(params)))
+    keep += [c_args, vargs, params]
+    prev = node
+  instance = init_c_var(cuda.CUgraphExec, lambda x: check(cuda.cuGraphInstantiate_v2(ctypes.byref(x), graph, None, None, 0)))
+  check(cuda.cuGraphDestroy(graph))
+  def run(keep=keep) -> None: check(cuda.cuGraphLaunch(instance, None))
+  run.instance = instance  # type: ignore[attr-defined]
+  return run
+
+
 def _sweep(nbytes: int) -> tuple[list, TinyJit]:
   """The sweep's launches (a sum over nbytes of float32) and the JIT holding its buffers."""
   buf = Tensor.ones(max(1, nbytes // 4), dtype=dtypes.float32).contiguous().realize()
@@ -82,7 +113,8 @@ def kernel_profile(jit, var_vals: dict[str, int], bandwidth_gbs: float | None = 
   groups: dict[str, list[tuple]] = collections.defaultdict(list)
   for launch in _launches(jit): groups[ansistrip(launch[0].arg.name)].append(launch)
   dev = Device[Device.DEFAULT]
-  sweep, _keep = _sweep(min(step_bytes, 256 << 20))
+  sweep, sweep_jit = _sweep(min(step_bytes, 256 << 20))
+  sweep_launches = _launches(sweep_jit)
   for c in sweep * 2: c()  # warm
   dev.synchronize()
   sweep_s = _timed(dev, [], sweep, 8) / 8  # the sweep's device time (its launches are far shorter than its run)
@@ -95,16 +127,27 @@ def kernel_profile(jit, var_vals: dict[str, int], bandwidth_gbs: float | None = 
     dev.synchronize()
     reps = math.ceil(launches / len(calls))
     busy = sweep * (math.ceil(1.5 * reps * (len(calls) * host_s + len(sweep) * 20e-6) / sweep_s) + 1)  # queue time covered twice over
-    diffs = [_timed(dev, busy, sweep + calls, reps) - _timed(dev, busy, sweep, reps) for _ in range(rounds)]
+    with_k, without = _cuda_graph((sweep_launches + ls) * reps, var_vals), _cuda_graph(sweep_launches * reps, var_vals)
+    if with_k is not None and without is not None:
+      diffs = [_timed(dev, busy, [with_k], 1) - _timed(dev, busy, [without], 1) for _ in range(rounds)]
+      _destroy(with_k, without)
+    else: diffs = [_timed(dev, busy, sweep + calls, reps) - _timed(dev, busy, sweep, reps) for _ in range(rounds)]
+    timing = "cuda graph" if with_k is not None else "host launches"
     per_launch = max(statistics.median(diffs), 0.0) / (reps * len(calls)) * 1e6
     sink = ls[0][0].src[0]
     est = sink.arg.estimates if sink.op is Ops.SINK and sink.arg is not None else None
     mem = float(sym_infer(est.mem, {**var_vals, **ls[0][3]})) if est is not None else None
     rows.append({"name": name, "count": len(ls), "us_per_token": per_launch * len(ls), "us_per_launch": per_launch,
-                 "gb_s": mem / per_launch / 1e3 if mem and per_launch > 0 else None})
+                 "gb_s": mem / per_launch / 1e3 if mem and per_launch > 0 else None, "timing": timing})
   total = sum(r["us_per_token"] for r in rows) or 1.0
   rows.sort(key=lambda r: -r["us_per_token"])
   for i, r in enumerate(rows):
     r |= {"rank": i + 1, "share": r["us_per_token"] / total,
           "bandwidth_share": r["gb_s"] / bandwidth_gbs if r["gb_s"] and bandwidth_gbs else None}
   return rows
+
+
+def _destroy(*graphs: Callable[[], None]) -> None:
+  import tinygrad.runtime.autogen.cuda as cuda
+  from tinygrad.runtime.ops_cuda import check
+  for g in graphs: check(cuda.cuGraphExecDestroy(g.instance))  # type: ignore[attr-defined]

@@ -56,6 +56,7 @@ def test_prefill_and_kernel_profile(ev) -> None:
   assert r.profile and r.profile[0]["rank"] == 1 and 0 < sum(p["share"] for p in r.profile) <= 1.0001
   # device time without the host's launches: a kernel shorter than the timing noise of this shared CPU may read 0
   assert all(p["us_per_token"] >= 0 and p["count"] >= 1 for p in r.profile) and r.profile[0]["us_per_token"] > 0
+  assert {p["timing"] for p in r.profile} == {"host launches"}, "off CUDA the kernels are launched one by one"
   assert 0 < r.metrics["kernel_us_per_token"] == pytest.approx(sum(p["us_per_token"] for p in r.profile))
 
 

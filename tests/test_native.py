@@ -168,6 +168,20 @@ def test_down_layouts(routed_t: str | None, plain_t: str, Fs: int, layout: str) 
     assert rel_err(out[None], want[None]).max() < 1e-5, (form, k.name)
 
 
+def test_decode_kernels_issue_their_weight_reads_before_staging_their_input() -> None:
+  """The kernels that fold an RMSNorm (gate+up, q_a/kv_a, the router) read their weights before the block's first barrier
+  (the input's staging into shared memory, which waits on x and gamma), and read x from shared memory after it."""
+  t, dim, F = TYPES["Q4_0"], 256, 64
+  W = lambda inp, p="": cuda_src.W(p, t, inp)
+  ks = [cuda_src.glu(cuda_src.FFN(W(dim), W(dim), W(F), F, 8, F, 0), None, 2, dim, 1e-5, act=act) for act in ("f32", "q8")]
+  ks += [cuda_src.dense(((W(dim, "a_"), 96), (W(dim, "b_"), 40)), 4, 1e-5), cuda_src.router(W(dim, "g_"), 8, 2, 1e-5, 2, True, True, 1.0)]
+  for k in ks:
+    body = k.src[k.src.index(k.name):]
+    first_read, barrier = body.index("*(const uint4*)"), body.index("__syncthreads")
+    assert first_read < barrier, k.name
+    assert ("sxq" if k.name.endswith("_q8") else "sx") in body[barrier:], k.name
+
+
 @pytest.mark.parametrize("quant,form", [("Q4_0", "x16"), ("Q8_0", "x16"), ("Q6_K", "f32")])
 def test_wide_products_read_x_as_two_8bit_planes(quant: str, form: str) -> None:
   """A single-token product of WIDE rows or more (the output head) reads x as two 8-bit planes per 32 where the type has

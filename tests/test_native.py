@@ -142,6 +142,36 @@ def test_q8_kernels_compute_the_dsl_twins_rounding(quant: str) -> None:
   assert rel_err(out[None], want[None]).max() > 1e-4, "q8 activations compute what float32 ones do"
 
 
+@pytest.mark.parametrize("quant,Fs", [("Q4_0", 128), ("Q8_0", 64), ("Q4_0", 0)])
+def test_glu_hands_down_its_8bit_output(quant: str, Fs: int) -> None:
+  """With 8-bit activations, glu writes its output as down reads it (words of codes, scales and sums per 32, out_q8): the
+  codes and scales are q8_round's of the float output, and down computes from them what it computes from the floats."""
+  from model.backends.dsl import q8_round
+  t, rng, dim, F, E, K = TYPES[quant], np.random.default_rng(9), 256, 64, 8, 2
+  W = lambda inp: cuda_src.W("", t, inp)
+  routed, plain = cuda_src.FFN(W(dim), W(dim), W(F), F, E, F, 0), Fs and cuda_src.FFN(W(dim), W(dim), W(Fs), Fs, 0, Fs, 0) or None
+  (g, _), (u, _), (d, dw) = kernel_weight(t, (E, F, dim), 1), kernel_weight(t, (E, F, dim), 2), kernel_weight(t, (E, dim, F), 3)
+  (sg, _), (su, _), (sd, sdw) = (kernel_weight(t, s, i) for i, s in ((4, (Fs, dim)), (5, (Fs, dim)), (6, (dim, Fs)))) if Fs else (([], None),) * 3
+  x, gamma = rng.standard_normal(dim).astype(np.float32), rng.standard_normal(dim).astype(np.float32)
+  sel, wts = rng.choice(E, K, replace=False).astype(np.int32), rng.random(K).astype(np.float32)
+  assert cuda_src.down_reads_q8(routed, plain)
+  floats, units = np.zeros(K * F + Fs, np.float32), (K * F + Fs) // 32
+  k = cuda_src.glu(routed, plain, K, dim, 1e-5, act="q8")
+  cuda_cpu.launch(k.src, k.name, k.grid, (k.threads, 1, 1), [floats, x, gamma, sel, *g, *u, *sg, *su])
+  packed = np.zeros(units * cuda_src.Q8_ACT, np.float32)
+  k = cuda_src.glu(routed, plain, K, dim, 1e-5, act="q8", out_q8=True)
+  cuda_cpu.launch(k.src, k.name, k.grid, (k.threads, 1, 1), [packed, x, gamma, sel, *g, *u, *sg, *su])
+  codes, scales = packed[:units * 8].view(np.int8).reshape(units, 32).astype(np.float64), packed[units * 8:units * 9].astype(np.float64)
+  assert (codes.sum(1) == packed[units * 9:].view(np.int32)).all()
+  act = (codes * scales[:, None]).reshape(-1)
+  assert rel_err(act[None], q8_round(Tensor(floats)).numpy()[None]).max() < 1e-5
+  out = np.zeros(dim, np.float32)
+  k = cuda_src.down(routed, plain, K, dim, "q8", "q8")
+  cuda_cpu.launch(k.src, k.name, k.grid, (k.threads, 1, 1), [out, x, packed, sel, wts, *d, *sd])
+  want = x + sum(wk * (dw[e] @ act[i * F:(i + 1) * F]) for i, (e, wk) in enumerate(zip(sel, wts, strict=True))) + (sdw @ act[K * F:] if Fs else 0)
+  assert rel_err(out[None], want[None]).max() < 1e-5
+
+
 @pytest.mark.parametrize("routed_t,plain_t,Fs,layout", [("Q4_0", "Q4_0", 64, "units"), ("Q8_0", "Q8_0", 128, "units"),
                                                         ("Q4_0", "Q8_0", 64, "slots"), ("Q4_0", "Q4_0", 96, "slots"), (None, "Q4_0", 160, "units")])
 def test_down_layouts(routed_t: str | None, plain_t: str, Fs: int, layout: str) -> None:

@@ -248,23 +248,23 @@ def unit_idot16(w: W, row: str, u: str, i: int, acc: str, tag: str) -> str:
           f" {acc} = fmaf({un.iscale}, fmaf(dh{i}, (float)ih, fmaf(dl{i}, (float)il, 0.f){off}), {acc}); }}")
 
 
-def stage_x(xp: str, n: int, eps: float | None, act: str) -> str:
+def stage_x(xp: str, n: int, eps: float | None, act: str, warps: int = WARPS) -> str:
   """C, run by the whole block (it synchronises): the input x[0..n) at xp, RMS-normalised and scaled by `gamma` where eps is
   given, into shared memory once for all the block's warps: as floats `sx` (act f32), or as quantize_x's 8-bit form
   (act q8): words `sxq`, scales `sdx` and sums `ssq` per unit of 32. Every read (x and gamma) is issued first, so the
   prologue waits on memory once; each group of 8 lanes holds one unit (4 values a lane), so a unit's largest value and
   its sum are 3 shuffles; the rounding is quantize_x's."""
   assert act in ("f32", "q8") and n % 32 == 0
-  its, out = range(-(-n // (THREADS * 4))), []
-  for it in its:  # lane l of warp w holds x[k..k+4), k = it * 4 * THREADS + 128 w + 4 l
+  its, out = range(-(-n // (warps * 128))), []
+  for it in its:  # lane l of warp w holds x[k..k+4), k = it * 128 * warps + 128 w + 4 l
     gm = f" stg{it} = *(const float4*)(gamma + stk{it});" if eps is not None else ""
-    out.append(f"const int stk{it} = {it * THREADS * 4} + (threadIdx.x >> 5) * 128 + (threadIdx.x & 31) * 4;"
+    out.append(f"const int stk{it} = {it * warps * 128} + (threadIdx.x >> 5) * 128 + (threadIdx.x & 31) * 4;"
                f" float4 stv{it} = make_float4(0.f, 0.f, 0.f, 0.f), stg{it} = stv{it};"
                f" if (stk{it} < {n}) {{ stv{it} = *(const float4*)({xp} + stk{it});{gm} }}")
   if eps is not None:
     ss = " ".join(f"ss += stv{it}.x * stv{it}.x + stv{it}.y * stv{it}.y + stv{it}.z * stv{it}.z + stv{it}.w * stv{it}.w;" for it in its)
     out.append(f"float rs; {{ float ss = 0.f; {ss} ss = group_sum(ss, 32); if ((threadIdx.x & 31) == 0) sred[threadIdx.x >> 5] = ss;"
-               f" __syncthreads(); float t = 0.f; for (int w = 0; w < {WARPS}; w++) t += sred[w]; rs = 1.f / sqrtf(t / {n}.f + {eps!r}f); }}")
+               f" __syncthreads(); float t = 0.f; for (int w = 0; w < {warps}; w++) t += sred[w]; rs = 1.f / sqrtf(t / {n}.f + {eps!r}f); }}")
   for it in its:
     vals = " ".join(f"const float a{j} = " + (f"(stv{it}.{c} * rs) * stg{it}.{c};" if eps is not None else f"stv{it}.{c};")
                     for j, c in enumerate("xyzw"))
@@ -283,10 +283,10 @@ def stage_x(xp: str, n: int, eps: float | None, act: str) -> str:
   return " ".join(out)
 
 
-def stage_decl(n: int, act: str) -> str:
+def stage_decl(n: int, act: str, warps: int = WARPS) -> str:
   """C: the shared memory stage_x fills (declared once at the top of a kernel whose branches stage)."""
   arrays = f"float sx[{n}]" if act == "f32" else f"int sxq[{n // 4}], ssq[{n // 32}]; __shared__ float sdx[{n // 32}]"
-  return f"__shared__ {arrays}; __shared__ float sred[{WARPS}];"
+  return f"__shared__ {arrays}; __shared__ float sred[{warps}];"
 
 
 def load_xq(i: int, u: str, units: int) -> str:
@@ -396,15 +396,15 @@ def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, norm: str 
   return "\n  ".join(body)
 
 
-def group_setup(G: int, R: int, cta_rows_dim: str = "blockIdx.x") -> str:
+def group_setup(G: int, R: int, cta_rows_dim: str = "blockIdx.x", warps: int = WARPS) -> str:
   """C: gl (lane in row group), obase (first output row of the group) and wbase (of the warp) for warps of 32/G groups of R
   rows each."""
   per_warp = 32 // G
-  return (f"const int lane = threadIdx.x & 31, gl = lane & {G - 1}, wbase = ({cta_rows_dim} * {WARPS} + (threadIdx.x >> 5)) * {per_warp * R};"
+  return (f"const int lane = threadIdx.x & 31, gl = lane & {G - 1}, wbase = ({cta_rows_dim} * {warps} + (threadIdx.x >> 5)) * {per_warp * R};"
           f" const int obase = wbase + (lane >> {G.bit_length() - 1}) * {R};")
 
 
-def rows_per_block(G: int, R: int) -> int: return WARPS * (32 // G) * R
+def rows_per_block(G: int, R: int, warps: int = WARPS) -> int: return warps * (32 // G) * R
 
 
 def kernel(name: str, params: list[str], body: str, threads: int = THREADS) -> str:
@@ -494,13 +494,13 @@ def product(role: str, ggml_type: int, shape: tuple[int, ...], **dims: int) -> K
 # ------------------------------------------------------------------ fused decode stages (one token) ----------------------
 
 def _gemv_block(ws: list[tuple[W, str, str]], xp: str, rows: int, R: int, norm: str | None, epilogue, prologue: str = "",
-                act: str = "f32", early: bool = False, staged: bool = False) -> str:
+                act: str = "f32", early: bool = False, staged: bool = False, warps: int = WARPS) -> str:
   """A braced gemv with its own row-group setup (its weights' group width), so kernels can branch between weight types; with
   `staged` (the prologue is stage_x's and synchronises the block), a block with no rows leaves before it."""
   G = ws[0][0].group_lanes
-  leave = f" if (blockIdx.x * {rows_per_block(G, R)} >= {rows}) return;" if staged else ""
-  return ("{ " + group_setup(G, R) + leave + "\n  " + gemv(ws, xp, rows, R, norm, epilogue, prologue=prologue, act=act, early=early, staged=staged)
-          + " }")
+  leave = f" if (blockIdx.x * {rows_per_block(G, R, warps)} >= {rows}) return;" if staged else ""
+  body = gemv(ws, xp, rows, R, norm, epilogue, prologue=prologue, act=act, early=early, staged=staged)
+  return "{ " + group_setup(G, R, warps=warps) + leave + "\n  " + body + " }"
 
 
 @functools.cache
@@ -740,39 +740,65 @@ def _ffn_tag(f: FFN | None) -> str:
 
 
 @functools.cache
-def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: int = 4, act: str = "f32") -> Kernel:
+def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: int = 4, act: str = "f32", out_q8: bool = False) -> Kernel:
   """SiLU(gate) * up of the normalised input (RMSNorm folded) for the k selected experts of a routed stack (blockIdx.y < k)
   and a plain FFN (the shared expert, or a dense block's FFN; blockIdx.y == k), into act = [k x hidden, plain hidden].
   Each warp issues its weight reads first; the block normalises the input once into shared memory (quantized to 8 bits per
-  32 with act q8) while they are in flight (stage_x)."""
-  name = f"native_glu_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}"
+  32 with act q8) while they are in flight (stage_x). out_q8: a block computes 32 consecutive outputs (as many warps as
+  that takes) and writes them in quantize_x's 8-bit form for down (act_in q8): every unit's 8 words, then every unit's
+  scale, then every unit's sum (Q8_ACT floats a unit)."""
+  name = f"native_glu_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}{'_outq8' if out_q8 else ''}"
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
   params = ["float* act", "const float* __restrict__ x", "const float* __restrict__ gamma"] + (["const int* __restrict__ sel"] if r else [])
   params += (r.params if r else []) + (p.params if p else [])
+  G = (r or p).gate.group_lanes
+  warps = 32 // ((32 // G) * R) if out_q8 else WARPS
+  assert not out_q8 or (warps >= 1 and rows_per_block(G, R, warps) == 32 and all(f.hidden % 32 == 0 for f in (r, p) if f)), "32 outputs a block"
   silu = lambda a: f"({a[0]} * (1.f / (1.f + expf(-{a[0]})))) * {a[1]}"
-  pro, body = stage_x("x", dim, eps, act), [stage_decl(dim, act)]
-  block = lambda ws, rows, epi: _gemv_block(ws, "sx", rows, R, None, epi, pro, act, True, True)
+  units = ((k * r.hidden if r else 0) + (p.hidden if p else 0)) // 32
+  pro, body = stage_x("x", dim, eps, act, warps), [stage_decl(dim, act, warps)] + (["__shared__ float sact[32];"] if out_q8 else [])
+  block = lambda ws, rows, epi: _gemv_block(ws, "sx", rows, R, None, epi, pro, act, True, True, warps)
+  def store(base: str):  # the output of row o, at act[base + o], or its block's 8-bit form
+    if not out_q8: return lambda o, a: f"act[{base} + {o}] = {silu(a)};"
+    return lambda o, a: f"sact[{o} - blockIdx.x * 32] = {silu(a)};"
+  def quantize(base: str) -> str:  # warp 0: the block's 32 outputs as one unit (quantize_x's rounding)
+    if not out_q8: return ""
+    return (f" __syncthreads(); if (threadIdx.x < 32) {{ const int l = threadIdx.x, g = ({base} + blockIdx.x * 32) / 32; const float v = sact[l];"
+            f" const float am = warp_max(fabsf(v)), iv = am > 0.f ? 127.f / am : 0.f; const int q = (int)rintf(v * iv); int sq = q;"
+            f" for (int m = 16; m > 0; m >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, m);"
+            " const int b1 = __shfl_down_sync(0xffffffffu, q, 1), b2 = __shfl_down_sync(0xffffffffu, q, 2),"
+            " b3 = __shfl_down_sync(0xffffffffu, q, 3);"
+            f" if ((l & 3) == 0) ((int*)act)[g * 8 + (l >> 2)] = (q & 255) | ((b1 & 255) << 8) | ((b2 & 255) << 16) | ((b3 & 255) << 24);"
+            f" if (l == 0) {{ act[{units * 8} + g] = am / 127.f; ((int*)act)[{units * 9} + g] = sq; }} }}")
   if r:
     body.append(f"if (blockIdx.y < {k}) {{ const int y = blockIdx.y, e = min(max(sel[y], 0), {r.experts - 1});\n  "
                 + block([(r.gate, f"(size_t)e * {r.gate_rows} + {{o}}", "g"), (r.up, f"(size_t)e * {r.gate_rows} + {r.up_off} + {{o}}", "u")],
-                        r.hidden, lambda o, a: f"act[(size_t)y * {r.hidden} + {o}] = {silu(a)};") + " }")
+                        r.hidden, store(f"(size_t)y * {r.hidden}")) + quantize(f"y * {r.hidden}") + " }")
   if p:
-    body.append(f"if (blockIdx.y == {k if r else 0}) "
-                + block([(p.gate, "{o}", "g"), (p.up, f"{p.up_off} + {{o}}", "u")], p.hidden,
-                        lambda o, a: f"act[{(k * r.hidden if r else 0)} + {o}] = {silu(a)};"))
-  blocks = max(-(-f.hidden // rows_per_block(f.gate.group_lanes, R)) for f in (r, p) if f)
-  return Kernel(name, kernel(name, params, "\n  ".join(body)), (blocks, (k if r else 0) + (1 if p else 0), 1), (0,))
+    base = k * r.hidden if r else 0
+    body.append(f"if (blockIdx.y == {k if r else 0}) {{ "
+                + block([(p.gate, "{o}", "g"), (p.up, f"{p.up_off} + {{o}}", "u")], p.hidden, store(str(base))) + quantize(str(base)) + " }")
+  blocks = max(-(-f.hidden // rows_per_block(f.gate.group_lanes, R, warps)) for f in (r, p) if f)
+  return Kernel(name, kernel(name, params, "\n  ".join(body), 32 * warps), (blocks, (k if r else 0) + (1 if p else 0), 1), (0,), 32 * warps)
+
+
+Q8_ACT = 10  # floats a unit of 32 activations takes in glu's 8-bit output: 8 words of codes, a scale, a sum
+
+
+def down_reads_q8(routed: FFN | None, plain: FFN | None) -> bool:
+  """Whether down splits over units for these FFNs (and so can read glu's 8-bit output)."""
+  base = routed or plain
+  return not (routed and plain) or (plain.down.ggml_type == base.down.ggml_type and plain.hidden % base.hidden == 0)
 
 
 @functools.cache
-def down(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str = "f32") -> Kernel:
+def down(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str = "f32", act_in: str = "f32") -> Kernel:
   """out = res + sum over the k selected experts of weight_k * (down_e . act_k) + down_plain . act_plain: the routed experts'
   down projections, their weighted combine, the shared expert (or a dense block's down projection) and the residual add.
-  Split over units (_down_units) where the plain FFN's down weight has the routed one's type and a multiple of its width,
-  else a warp per slot (_down_slots)."""
-  base = routed or plain
-  if not (routed and plain) or (plain.down.ggml_type == base.down.ggml_type and plain.hidden % base.hidden == 0):
-    return _down_units(routed, plain, k, dim, act)
+  Split over units (_down_units) where down_reads_q8, else a warp per slot (_down_slots). act_in q8: act is glu's 8-bit
+  output (out_q8)."""
+  if down_reads_q8(routed, plain): return _down_units(routed, plain, k, dim, act, act_in)
+  assert act_in == "f32", "a warp per slot reads float activations"
   return _down_slots(routed, plain, k, dim, 8 if act == "q8" else 4, act)
 
 
@@ -808,7 +834,7 @@ def _down_slots(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int,
 
 
 
-def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str) -> Kernel:
+def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str, act_in: str = "f32") -> Kernel:
   """down with the work split over (slot, unit) pairs: the k routed slots and the plain FFN's rows cut into slots of the
   routed hidden width are one list of units; each thread of a block (as many threads as units, in warps, up to 512) takes
   one or more, issues the reads of its units for the block's R rows at once and adds their weighted products into R sums,
@@ -817,7 +843,8 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
   base = routed or plain
   Fv, ty = base.hidden, base.down.ggml_type
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
-  name = f"native_down_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}"
+  assert act_in == "f32" or act == "q8", "8-bit input for 8-bit products"
+  name = f"native_down_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}{'_inq8' if act_in == 'q8' else ''}"
   params = ["float* out", "const float* __restrict__ res", "const float* __restrict__ act"]
   params += (["const int* __restrict__ sel", "const float* __restrict__ wts"] + r.down.params if r else []) + (p.down.params if p else [])
   kr = k if r else 0
@@ -844,7 +871,12 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
   body += loads
   for j in range(J):
     w = W(f"j{j}_", ty, Fv)
-    xs = [load_x(w, j, f"(act + (size_t)s{j} * {Fv})", f"u{j}", None)] + ([quantize_x(j, w.unit)] if act == "q8" else [])
+    if act_in == "q8":  # glu's 8-bit output: unit g's words at 8 g, its scale and sum after all the words
+      g = f"(s{j} * {U} + u{j})"
+      xs = [f"int xq{j}[8]; {{ const int4 a = *(const int4*)((const int*)act + {g} * 8), b = *(const int4*)((const int*)act + {g} * 8 + 4);"
+            f" xq{j}[0] = a.x; xq{j}[1] = a.y; xq{j}[2] = a.z; xq{j}[3] = a.w; xq{j}[4] = b.x; xq{j}[5] = b.y; xq{j}[6] = b.z; xq{j}[7] = b.w; }}"
+            f" const float dx{j} = act[{P * 8} + {g}]; const int sq{j} = ((const int*)act)[{P * 9} + {g}];"]
+    else: xs = [load_x(w, j, f"(act + (size_t)s{j} * {Fv})", f"u{j}", None)] + ([quantize_x(j, w.unit)] if act == "q8" else [])
     wk = f"(live{j} ? {f'(isr{j} ? wts[s{j}] : 1.f)' if r else '1.f'} : 0.f)"
     dots = []
     for w_, row, jj, i in work:

@@ -32,6 +32,7 @@ def native_on_cpu(monkeypatch) -> Iterator[None]:
   """Within: the native backend accepts the CPU device and runs its kernels in the emulator."""
   monkeypatch.setattr(native, "launch", launch)
   monkeypatch.setattr(native.NativeBackend, "check", lambda self, device: None)
+  monkeypatch.setattr(native, "sm_count", lambda device: 132)  # an H100's: the emulator runs the kernels a GPU of that size would
   yield
 
 

@@ -67,6 +67,7 @@ def model_kernels(path: str, cfg: StructureConfig, monkeypatch, positions: int =
     return params
   monkeypatch.setattr(native, "launch", record)
   monkeypatch.setattr(native.NativeBackend, "check", lambda self, device: None)
+  monkeypatch.setattr(native, "sm_count", lambda device: 132)
   m = Transformer(gguf(path), cfg, max_context=64)
   for i in range(positions): m.forward(Tensor([[1]], dtype=dtypes.int32), i)
   return list({k.name: k for k in seen}.values())
@@ -367,6 +368,7 @@ def test_fused_stages_leave_no_per_op_kernel_in_a_block(gguf_file, tmp_path, mon
   from model.synth import write_synthetic
   monkeypatch.setattr(native, "launch", launch_nothing)
   monkeypatch.setattr(native.NativeBackend, "check", lambda self, device: None)
+  monkeypatch.setattr(native, "sm_count", lambda device: 132)
   cfg = StructureConfig.from_dict({**ALL_NATIVE, "backends": {"Q4_0:dense": "native"}})
   counts = {}
   for path, dense, moe in ((gguf_file("tiny", "q4_0"), 1, 2), (write_synthetic(tmp_path / "deep5.gguf", "tiny-deep", layers=5), 2, 3)):

@@ -8,6 +8,8 @@ it elsewhere. The tests run every kernel on the CPU through an emulator (tests/c
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 from math import prod
 from typing import TYPE_CHECKING
 
@@ -160,13 +162,32 @@ def ffn(blk: Block, h: Tensor) -> Tensor:
   return _glu_down(blk, h, None, plain, [], _ffn_planes(blk.gate, blk.up, blk.gate_up), F, None, row_bytes(blk.down) * blk.hp.dim, h.device)
 
 
+@functools.cache
+def sm_count(device: str) -> int:
+  """The CUDA device's streaming multiprocessors."""
+  import tinygrad.runtime.autogen.cuda as cuda
+  from tinygrad.runtime.ops_cuda import check
+  v = ctypes.c_int()
+  check(cuda.cuDeviceGetAttribute(ctypes.byref(v), cuda.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, Device[device].cu_device))
+  return v.value
+
+
+def q8_handoff(routed: C.FFN | None, plain: C.FFN | None, k: int, device: str) -> bool:
+  """Whether glu writes its 8-bit output for down to read (8-bit activations): where down splits over units and glu's
+  blocks of 32 outputs (256 threads, about 125 registers: two to a multiprocessor) run as one wave. On the H100 it takes
+  GLM-4.7-Flash's down from 6.90 to 6.19 us with gate+up unchanged (240 blocks); DeepSeek-V2-Lite's 352 blocks take two
+  waves, and its gate+up 12.8 -> 14.5 us would cost more than down's 8.6 -> 7.3 saves (benchmarks/kernel_lab.py)."""
+  blocks = (k * -(-routed.hidden // 32) if routed else 0) + (-(-plain.hidden // 32) if plain else 0)
+  return C.down_reads_q8(routed, plain) and blocks <= 2 * sm_count(device)
+
+
 def _glu_down(blk: Block, h: Tensor, routed: C.FFN | None, plain: C.FFN | None, rp: list[Tensor], pp: list[Tensor], n_act: int,
               route: tuple[Tensor, Tensor] | None, down_bytes: int, dev: str) -> Tensor:
   hp, K = blk.hp, blk.hp.n_used if routed else 0
   hf = f32(h)
   gu_bytes = n_act * 2 * (hp.dim // QUANT_TYPES[(routed or plain).gate.ggml_type].block) * QUANT_TYPES[(routed or plain).gate.ggml_type].nbytes
   form = "q8" if blk.cfg.ffn_act == "q8" else "f32"
-  handoff = form == "q8" and C.down_reads_q8(routed, plain)  # glu writes the 8-bit activations down reads
+  handoff = form == "q8" and q8_handoff(routed, plain, K, dev)
   kg = C.glu(routed, plain, K, hp.dim, hp.eps, R_LARGE, form, handoff)
   act = launch(kg, [empty(n_act // 32 * C.Q8_ACT if handoff else n_act, device=dev), hf, blk.ffn_norm, *([route[0]] if route else []), *rp, *pp],
                gu_bytes)[0]

@@ -12,7 +12,7 @@ other experts each launch) that L2 holds none of a launch's weight bytes when it
 launch (3 timings of 5 graph replays); GB/s: the weight bytes a launch must read over that time; `err`: max |out - the
 first source's out| over the std of the latter, where both write the same format (gate+up's 8-bit output for down is not
 the float output of the code before it). The 8-bit MoE kernels are built as native.py builds them: gate+up writes its
-8-bit output and down reads it, where down splits over units.
+8-bit output and down reads it where native.q8_handoff says so (down splits over units; gate+up's blocks fit one wave).
 """
 import argparse
 import datetime
@@ -116,7 +116,8 @@ def kernels(mod, kind: str, preset: str) -> list[tuple[str, object]]:
   out = []
   for act in ("q8", "f32"):
     R = 8 if act == "q8" else 4  # the sources before staged inputs: their rows per group
-    handoff = not old and act == "q8" and hasattr(mod, "down_reads_q8") and mod.down_reads_q8(routed, plain)  # as native.py builds them
+    handoff = (not old and act == "q8" and hasattr(mod, "glu_q8_blocks") and mod.down_reads_q8(routed, plain)  # native.q8_handoff's rule
+               and mod.glu_q8_blocks(routed, plain, K) <= 2 * cp.cuda.Device().attributes["MultiProcessorCount"])
     if old: k = mod.glu(routed, plain, K, dim, hp.rms_eps, R, q8=act == "q8") if kind == "glu" else mod.down(routed, plain, K, dim, R, q8=act == "q8")
     elif handoff: k = mod.glu(routed, plain, K, dim, hp.rms_eps, 4, act, True) if kind == "glu" else mod.down(routed, plain, K, dim, act, "q8")
     else: k = mod.glu(routed, plain, K, dim, hp.rms_eps, 4, act) if kind == "glu" else mod.down(routed, plain, K, dim, act)

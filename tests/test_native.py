@@ -173,6 +173,24 @@ def test_glu_hands_down_its_8bit_output(quant: str, Fs: int) -> None:
   assert rel_err(out[None], want[None]).max() < 1e-5
 
 
+def test_q8_handoff_where_gate_up_runs_one_wave(monkeypatch) -> None:
+  """glu hands down its 8-bit output where down splits over units and glu's 32-output blocks fit two to a multiprocessor:
+  GLM-4.7-Flash's 240 on a 132-multiprocessor card, not DeepSeek-V2-Lite's 352 (6 experts of 1408 and 2816 shared
+  outputs), nor a plain FFN of another type than the experts'."""
+  from model.presets import PRESETS
+  monkeypatch.setattr(native, "sm_count", lambda device: 132)
+  def ffns(preset: str, plain_t: int = TYPES["Q4_0"]) -> tuple:
+    hp, W = PRESETS[preset], lambda t, inp: cuda_src.W("", t, inp)
+    F, Fs, q = hp.expert_ffn, hp.expert_ffn * hp.n_shared, TYPES["Q4_0"]
+    return (cuda_src.FFN(W(q, hp.dim), W(q, hp.dim), W(q, F), F, hp.n_experts, F, 0),
+            cuda_src.FFN(W(plain_t, hp.dim), W(plain_t, hp.dim), W(plain_t, Fs), Fs, 0, Fs, 0), hp.n_used)
+  assert native.q8_handoff(*ffns("glm-4.7-flash"), "CUDA")
+  assert not native.q8_handoff(*ffns("deepseek-v2-lite"), "CUDA")
+  assert not native.q8_handoff(*ffns("glm-4.7-flash", TYPES["Q8_0"]), "CUDA")
+  monkeypatch.setattr(native, "sm_count", lambda device: 200)
+  assert native.q8_handoff(*ffns("deepseek-v2-lite"), "CUDA")
+
+
 @pytest.mark.parametrize("routed_t,plain_t,Fs,layout", [("Q4_0", "Q4_0", 64, "units"), ("Q8_0", "Q8_0", 128, "units"),
                                                         ("Q4_0", "Q8_0", 64, "slots"), ("Q4_0", "Q4_0", 96, "slots"), (None, "Q4_0", 160, "units")])
 def test_down_layouts(routed_t: str | None, plain_t: str, Fs: int, layout: str) -> None:

@@ -785,6 +785,11 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
 Q8_ACT = 10  # floats a unit of 32 activations takes in glu's 8-bit output: 8 words of codes, a scale, a sum
 
 
+def glu_q8_blocks(routed: FFN | None, plain: FFN | None, k: int) -> int:
+  """The blocks glu runs with out_q8 (one per 32 outputs of each slot)."""
+  return (k * -(-routed.hidden // 32) if routed else 0) + (-(-plain.hidden // 32) if plain else 0)
+
+
 def down_reads_q8(routed: FFN | None, plain: FFN | None) -> bool:
   """Whether down splits over units for these FFNs (and so can read glu's 8-bit output)."""
   base = routed or plain

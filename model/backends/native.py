@@ -177,8 +177,7 @@ def q8_handoff(routed: C.FFN | None, plain: C.FFN | None, k: int, device: str) -
   blocks of 32 outputs (256 threads, about 125 registers: two to a multiprocessor) run as one wave. On the H100 it takes
   GLM-4.7-Flash's down from 6.90 to 6.19 us with gate+up unchanged (240 blocks); DeepSeek-V2-Lite's 352 blocks take two
   waves, and its gate+up 12.8 -> 14.5 us would cost more than down's 8.6 -> 7.3 saves (benchmarks/kernel_lab.py)."""
-  blocks = (k * -(-routed.hidden // 32) if routed else 0) + (-(-plain.hidden // 32) if plain else 0)
-  return C.down_reads_q8(routed, plain) and blocks <= 2 * sm_count(device)
+  return C.down_reads_q8(routed, plain) and C.glu_q8_blocks(routed, plain, k) <= 2 * sm_count(device)
 
 
 def _glu_down(blk: Block, h: Tensor, routed: C.FFN | None, plain: C.FFN | None, rp: list[Tensor], pp: list[Tensor], n_act: int,

@@ -289,12 +289,15 @@ def stage_decl(n: int, act: str, warps: int = WARPS) -> str:
   return f"__shared__ {arrays}; __shared__ float sred[{warps}];"
 
 
-def load_xq(i: int, u: str, units: int) -> str:
-  """C: xq<i>[8], dx<i>, sq<i> of unit u from stage_x's shared memory (zero past the row)."""
-  return (f"int xq{i}[8] = {{0, 0, 0, 0, 0, 0, 0, 0}}; float dx{i} = 0.f; int sq{i} = 0; if ({u} < {units}) {{"
-          f" const int4 a = *(const int4*)(sxq + ({u}) * 8), b = *(const int4*)(sxq + ({u}) * 8 + 4);"
+def load_xq(i: int, words: str, scales: str, sums: str, u: str, units: int | None = None) -> str:
+  """C: xq<i>[8], dx<i>, sq<i> of unit u of an input in quantize_x's 8-bit form (C arrays of its words, 8 a unit, of its
+  scales and of its sums; stage_x's shared memory or glu's out_q8 output), zero where u is past `units` (None: u is
+  always a unit of the input)."""
+  guard = f"if ({u} < {units}) " if units is not None else ""
+  return (f"int xq{i}[8] = {{0, 0, 0, 0, 0, 0, 0, 0}}; float dx{i} = 0.f; int sq{i} = 0; {guard}{{"
+          f" const int4 a = *(const int4*)({words} + ({u}) * 8), b = *(const int4*)({words} + ({u}) * 8 + 4);"
           f" xq{i}[0] = a.x; xq{i}[1] = a.y; xq{i}[2] = a.z; xq{i}[3] = a.w; xq{i}[4] = b.x; xq{i}[5] = b.y; xq{i}[6] = b.z; xq{i}[7] = b.w;"
-          f" dx{i} = sdx[{u}]; sq{i} = ssq[{u}]; }}")
+          f" dx{i} = {scales}[{u}]; sq{i} = {sums}[{u}]; }}")
 
 
 def _runs(un: Unit) -> list[tuple[int, int]]:
@@ -302,16 +305,15 @@ def _runs(un: Unit) -> list[tuple[int, int]]:
   return [(e, un.xoff(e)) for e in range(0, un.elems, 4)]
 
 
-def load_x(w: W, i: int, xp: str, u: str, norm: str | None) -> str:
-  """C: registers x<i>_<e> (and group sums xs<i>_<g>) for unit u of an input at xp, zero where u is past the row;
-  norm: the C name of a gamma pointer, whose row-wide RMS factor `rs` (see rms_prologue) scales x as it is loaded."""
+def load_x(w: W, i: int, xp: str, u: str) -> str:
+  """C: registers x<i>_<e> (and group sums xs<i>_<g>) for unit u of an input at xp, zero where u is past the row."""
   un, out = w.unit, []
   out.append(" ".join(f"float x{i}_{e} = 0.f;" for e in range(un.elems)))
   loads = []
   for e, off in _runs(un):
     idx = f"{un.xbase.format(u=f'({u})')} + {off}"
-    loads.append(f"{{ const float4 v = *(const float4*)({xp} + {idx});" + (f" const float4 gm = *(const float4*)({norm} + {idx});" if norm else ""))
-    loads.append(" ".join(f"x{i}_{e + k} = " + (f"(v.{c} * rs) * gm.{c};" if norm else f"v.{c};") for k, c in enumerate("xyzw")) + " }")
+    loads.append(f"{{ const float4 v = *(const float4*)({xp} + {idx});")
+    loads.append(" ".join(f"x{i}_{e + k} = v.{c};" for k, c in enumerate("xyzw")) + " }")
   out.append(f"if ({u} < {w.units}) {{ {' '.join(loads)} }}")
   if un.quantized:
     out += [f"const float xs{i}_{g} = " + " + ".join(f"x{i}_{e}" for e, _ in elems) + ";" for g, (_, _, elems) in enumerate(un.groups)]
@@ -342,7 +344,7 @@ def prefetch_rows(comps: list[tuple[W, str, str]], first: str, last: str, lane: 
 ACTS = ("f32", "q8", "x16")  # a gemv's input: float32, 8 bits per 32 (llama.cpp's q8_1), or two 8-bit planes (16 bits)
 
 
-def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, norm: str | None, epilogue: Callable[[str, list[str]], str] | None,
+def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue: Callable[[str, list[str]], str] | None,
          G: int | None = None, prologue: str = "", act: str = "f32", early: bool = False, staged: bool = False) -> str:
   """C body: the row group of this lane computes outputs o = obase .. obase+R-1 (< rows) of one or more components, each a
   weight with its row for output o (a C template with `{o}`) and an accumulator name; all components share the input at xp.
@@ -372,8 +374,8 @@ def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, norm: str 
     return [unit_loads(w, row.format(o=f"o{r}"), uw[i], f"_{a}{r}_{i}{tag}") for w, row, a, r, i in work]
   def products(c: str, tag: str, reads: list[str]) -> list[str]:  # reads: C issued after the chunk's x is ready
     us, uw = units(c)
-    if staged and act == "q8": out = [load_xq(i, us[i], w0.units) for i in range(upl)]
-    else: out = [load_x(w0, i, xp, us[i], norm) for i in range(upl)]
+    if staged and act == "q8": out = [load_xq(i, "sxq", "sdx", "ssq", us[i], w0.units) for i in range(upl)]
+    else: out = [load_x(w0, i, xp, us[i]) for i in range(upl)]
     if act == "q8" and not staged: out += [quantize_x(i, w0.unit) for i in range(upl)]
     if act == "x16": out += [quantize_x16(i, w0.unit) for i in range(upl)]
     out += reads
@@ -477,29 +479,29 @@ def product(role: str, ggml_type: int, shape: tuple[int, ...], **dims: int) -> K
   G = w.group_lanes
   blocks = -(-out // rows_per_block(G, R))
   if role == "dense":
-    body = gemv([(w, "{o}", "a")], "x", out, R, None, lambda o, a: f"out[{o}] = {a[0]};", act=act, early=True)
+    body = gemv([(w, "{o}", "a")], "x", out, R, lambda o, a: f"out[{o}] = {a[0]};", act=act, early=True)
     return Kernel(name, kernel(name, params, group_setup(G, R) + "\n  " + body), (blocks, 1, 1), (0,))
   if role == "per_head":
     body = (f"const int h = blockIdx.y; const float* xh = x + (size_t)h * {inp};\n  "
-            + gemv([(w, f"(size_t)h * {out} + {{o}}", "a")], "xh", out, R, None, lambda o, a: f"out[(size_t)h * {out} + {o}] = {a[0]};",
+            + gemv([(w, f"(size_t)h * {out} + {{o}}", "a")], "xh", out, R, lambda o, a: f"out[(size_t)h * {out} + {o}] = {a[0]};",
                    act=act, early=True))
     return Kernel(name, kernel(name, params, group_setup(G, R) + "\n  " + body), (blocks, dims["heads"], 1), (0,))
   body = (f"const int y = blockIdx.y, e = min(max(sel[y], 0), {dims['experts'] - 1});"
           f" const float* xe = x + (size_t)({dims['xk']} > 1 ? y : y / {dims['k']}) * {inp};\n  "
-          + gemv([(w, f"(size_t)e * {out} + {{o}}", "a")], "xe", out, R, None, lambda o, a: f"out[(size_t)y * {out} + {o}] = {a[0]};",
+          + gemv([(w, f"(size_t)e * {out} + {{o}}", "a")], "xe", out, R, lambda o, a: f"out[(size_t)y * {out} + {o}] = {a[0]};",
                  act=act, early=True))
   return Kernel(name, kernel(name, params, group_setup(G, R) + "\n  " + body), (blocks, dims["slots"], 1), (0,))
 
 
 # ------------------------------------------------------------------ fused decode stages (one token) ----------------------
 
-def _gemv_block(ws: list[tuple[W, str, str]], xp: str, rows: int, R: int, norm: str | None, epilogue, prologue: str = "",
+def _gemv_block(ws: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue, prologue: str = "",
                 act: str = "f32", early: bool = False, staged: bool = False, warps: int = WARPS) -> str:
   """A braced gemv with its own row-group setup (its weights' group width), so kernels can branch between weight types; with
   `staged` (the prologue is stage_x's and synchronises the block), a block with no rows leaves before it."""
   G = ws[0][0].group_lanes
   leave = f" if (blockIdx.x * {rows_per_block(G, R, warps)} >= {rows}) return;" if staged else ""
-  body = gemv(ws, xp, rows, R, norm, epilogue, prologue=prologue, act=act, early=early, staged=staged)
+  body = gemv(ws, xp, rows, R, epilogue, prologue=prologue, act=act, early=early, staged=staged)
   return "{ " + group_setup(G, R, warps=warps) + leave + "\n  " + body + " }"
 
 
@@ -517,7 +519,7 @@ def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, resid
   pro, xp, body = (stage_x("x", inp, eps, "f32"), "sx", [stage_decl(inp, "f32")]) if staged else ("", "x", [])
   for j, (w, rows) in enumerate(ws):
     epi = lambda o, a, j=j: f"out{j}[{o}] = " + (f"res[{o}] + {a[0]};" if residual else f"{a[0]};")
-    body.append(f"if (blockIdx.y == {j}) " + _gemv_block([(w, "{o}", "a")], xp, rows, R, None, epi, pro, "f32", True, staged))
+    body.append(f"if (blockIdx.y == {j}) " + _gemv_block([(w, "{o}", "a")], xp, rows, R, epi, pro, "f32", True, staged))
   blocks = max(-(-rows // rows_per_block(w.group_lanes, R)) for w, rows in ws)
   return Kernel(name, kernel(name, params, "\n  ".join(body)), (blocks, len(ws), 1), tuple(range(len(ws))))
 
@@ -534,7 +536,7 @@ def absorb_rope_kv(kb: W, heads: int, nope: int, rope: int, kvl: int, max_ctx: i
   params = ["float* qc", f"{ct}* cache", "const float* __restrict__ q", "const float* __restrict__ kv", "const float* __restrict__ gamma",
             "const float* __restrict__ cosv", "const float* __restrict__ sinv", "const int* __restrict__ pos"] + kb.params
   head = (f"const int h = blockIdx.y; const float* xh = q + (size_t)h * {nope + rope};\n  "
-          + _gemv_block([(kb, f"(size_t)h * {kvl} + {{o}}", "a")], "xh", kvl, R, None, lambda o, a: f"qc[(size_t)h * {D} + {o}] = {a[0]};",
+          + _gemv_block([(kb, f"(size_t)h * {kvl} + {{o}}", "a")], "xh", kvl, R, lambda o, a: f"qc[(size_t)h * {D} + {o}] = {a[0]};",
                         early=True))
   tail = (f"const int p = pos[0];\n"
           f"  for (int i = threadIdx.x; i < {heads * half}; i += {THREADS}) {{ const int h = i / {half}, k = i % {half};"
@@ -654,7 +656,7 @@ def router(w: W, experts: int, k: int, eps: float, gating: int, bias: bool, norm
   softmax_k = (f"float ws = -INFINITY; for (int t = 0; t < {k}; t++) ws = fmaxf(ws, wsel[t]); float se = 0.f;"
                f" for (int t = 0; t < {k}; t++) {{ wsel[t] = expf(wsel[t] - ws); se += wsel[t]; }} for (int t = 0; t < {k}; t++) wsel[t] /= se;")
   body = f"""{stage_decl(w.inp, "f32")}
-  {_gemv_block([(w, "{o}", "a")], "sx", experts, R, None, lambda o, a: f"logits[{o}] = {a[0]};", stage_x("x", w.inp, eps, "f32"), "f32", True, True)}
+  {_gemv_block([(w, "{o}", "a")], "sx", experts, R, lambda o, a: f"logits[{o}] = {a[0]};", stage_x("x", w.inp, eps, "f32"), "f32", True, True)}
   __shared__ int last;
   __threadfence();
   __syncthreads();
@@ -757,7 +759,7 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
   silu = lambda a: f"({a[0]} * (1.f / (1.f + expf(-{a[0]})))) * {a[1]}"
   units = ((k * r.hidden if r else 0) + (p.hidden if p else 0)) // 32
   pro, body = stage_x("x", dim, eps, act, warps), [stage_decl(dim, act, warps)] + (["__shared__ float sact[32];"] if out_q8 else [])
-  block = lambda ws, rows, epi: _gemv_block(ws, "sx", rows, R, None, epi, pro, act, True, True, warps)
+  block = lambda ws, rows, epi: _gemv_block(ws, "sx", rows, R, epi, pro, act, True, True, warps)
   def store(base: str):  # the output of row o, at act[base + o], or its block's 8-bit form
     if not out_q8: return lambda o, a: f"act[{base} + {o}] = {silu(a)};"
     return lambda o, a: f"sact[{o} - blockIdx.x * 32] = {silu(a)};"
@@ -807,6 +809,14 @@ def down(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str = "f3
   return _down_slots(routed, plain, k, dim, 8 if act == "q8" else 4, act)
 
 
+def _down_combine(accs: list[str], R: int, dim: int, warps: int) -> list[str]:
+  """C: the block's per-lane sums accs (one per output row obase..obase+R-1, each lane 0's) added up over its warps, plus
+  the residual, into out."""
+  return [f"__shared__ float part[{warps}][{R}];", "if (lane == 0) { " + " ".join(f"part[warp][{i}] = {a};" for i, a in enumerate(accs)) + " }",
+          "__syncthreads();", f"if (threadIdx.x < {R} && obase + threadIdx.x < {dim}) {{ float t = 0.f;"
+          f" for (int w = 0; w < {warps}; w++) t += part[w][threadIdx.x]; out[obase + threadIdx.x] = res[obase + threadIdx.x] + t; }}"]
+
+
 def _down_slots(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int, act: str) -> Kernel:
   """down with a warp per slot: a block computes R output rows; its warps take the slots (the k experts, then the plain FFN)
   in turn, each its slot's rows in full, and the warps' sums meet in shared memory. For FFNs the unit layout cannot take."""
@@ -825,18 +835,14 @@ def _down_slots(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int,
   if r:
     body.append(f"if (sl < {k}) {{ const int e = min(max(sel[sl], 0), {r.experts - 1}); const float wk = wts[sl];"
                 f" const float* xk = act + (size_t)sl * {r.hidden};\n  "
-                + gemv([(r.down, f"(size_t)e * {dim} + {{o}}", "a")], "xk", dim, R, None, None, 32, act=act) + "\n  "
+                + gemv([(r.down, f"(size_t)e * {dim} + {{o}}", "a")], "xk", dim, R, None, 32, act=act) + "\n  "
                 + " ".join(f"tot{i} += wk * a{i};" for i in range(R)) + " }")
   if p:
     xp = f"act + {k * r.hidden if r else 0}"
-    body.append(f"{'else ' if r else ''}{{ " + gemv([(p.down, "{o}", "b")], xp, dim, R, None, None, 32, act=act) + "\n  "
+    body.append(f"{'else ' if r else ''}{{ " + gemv([(p.down, "{o}", "b")], xp, dim, R, None, 32, act=act) + "\n  "
                 + " ".join(f"tot{i} += b{i};" for i in range(R)) + " }")
-  body += ["}", f"__shared__ float part[{WARPS}][{R}];", "if (lane == 0) { " + " ".join(f"part[warp][{i}] = tot{i};" for i in range(R)) + " }",
-           "__syncthreads();",
-           f"if (threadIdx.x < {R} && obase + threadIdx.x < {dim}) {{ float t = 0.f;"
-           f" for (int w = 0; w < {WARPS}; w++) t += part[w][threadIdx.x]; out[obase + threadIdx.x] = res[obase + threadIdx.x] + t; }}"]
+  body += ["}", *_down_combine([f"tot{i}" for i in range(R)], R, dim, WARPS)]
   return Kernel(name, kernel(name, params, "\n  ".join(body)), (-(-dim // R), 1, 1), (0,))
-
 
 
 def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str, act_in: str = "f32") -> Kernel:
@@ -860,39 +866,28 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
   R, J = 8 if threads <= 256 else 16, -(-P // threads)
   body = [f"const int obase = blockIdx.x * {R}, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;",
           " ".join(f"float acc{i} = 0.f; const int o{i} = min(obase + {i}, {dim - 1});" for i in range(R))]
-  loads, work = [], []
-  for j in range(J):
-    w = W(f"j{j}_", ty, Fv)
+  loads, ws, rows = [], [W(f"j{j}_", ty, Fv) for j in range(J)], []
+  for j, w in enumerate(ws):
     sel_planes = " ".join(f"const {ct}* __restrict__ j{j}_{n} = " + (f"isr{j} ? rd_{n} : pd_{n};" if r and p else f"{'rd_' if r else 'pd_'}{n};")
                           for n, ct in plane_types(ty))
     loads.append(f"const int p{j} = min((int)threadIdx.x + {threads * j}, {P - 1}); const bool live{j} = (int)threadIdx.x + {threads * j} < {P};"
                  f" const int s{j} = p{j} / {U}, u{j} = p{j} % {U}; const bool isr{j} = s{j} < {kr};"
                  f" const int e{j} = {f'isr{j} ? min(max(sel[s{j}], 0), {r.experts - 1}) : 0' if r else '0'}; {sel_planes}")
-    for i in range(R):
-      row = f"(isr{j} ? (size_t)e{j} * {dim} + o{i} : (size_t)o{i} * {max(m, 1)} + (s{j} - {kr}))" if r and p else (
-        f"((size_t)e{j} * {dim} + o{i})" if r else f"((size_t)o{i} * {m} + s{j})")
-      loads.append(unit_loads(w, row, f"u{j}", f"_{j}_{i}"))
-      work.append((w, row, j, i))
+    rows.append([f"(isr{j} ? (size_t)e{j} * {dim} + o{i} : (size_t)o{i} * {max(m, 1)} + (s{j} - {kr}))" if r and p else (
+                 f"((size_t)e{j} * {dim} + o{i})" if r else f"((size_t)o{i} * {m} + s{j})") for i in range(R)])
+    loads += [unit_loads(w, row, f"u{j}", f"_{j}_{i}") for i, row in enumerate(rows[j])]
   body += loads
-  for j in range(J):
-    w = W(f"j{j}_", ty, Fv)
-    if act_in == "q8":  # glu's 8-bit output: unit g's words at 8 g, its scale and sum after all the words
-      g = f"(s{j} * {U} + u{j})"
-      xs = [f"int xq{j}[8]; {{ const int4 a = *(const int4*)((const int*)act + {g} * 8), b = *(const int4*)((const int*)act + {g} * 8 + 4);"
-            f" xq{j}[0] = a.x; xq{j}[1] = a.y; xq{j}[2] = a.z; xq{j}[3] = a.w; xq{j}[4] = b.x; xq{j}[5] = b.y; xq{j}[6] = b.z; xq{j}[7] = b.w; }}"
-            f" const float dx{j} = act[{P * 8} + {g}]; const int sq{j} = ((const int*)act)[{P * 9} + {g}];"]
-    else: xs = [load_x(w, j, f"(act + (size_t)s{j} * {Fv})", f"u{j}", None)] + ([quantize_x(j, w.unit)] if act == "q8" else [])
+  for j, w in enumerate(ws):
+    if act_in == "q8":  # glu's 8-bit output: every unit's words, then every unit's scale, then every unit's sum
+      xs = [load_xq(j, "((const int*)act)", f"(act + {P * 8})", f"((const int*)act + {P * 9})", f"(s{j} * {U} + u{j})")]  # p{j} < P
+    else: xs = [load_x(w, j, f"(act + (size_t)s{j} * {Fv})", f"u{j}")] + ([quantize_x(j, w.unit)] if act == "q8" else [])
     wk = f"(live{j} ? {f'(isr{j} ? wts[s{j}] : 1.f)' if r else '1.f'} : 0.f)"
     dots = []
-    for w_, row, jj, i in work:
-      if jj != j: continue
+    for i, row in enumerate(rows[j]):
       t = f"t{j}_{i}"
-      if act == "q8": d = unit_idot(w_, row, f"u{j}", lambda mm, j=j: f"xq{j}[{mm}]", f"dx{j}", f"sq{j}", t, f"_{j}_{i}")
-      else: d = unit_dot(w_, row, f"u{j}", lambda e, j=j: f"x{j}_{e}", (lambda g, j=j: f"xs{j}_{g}") if w_.unit.quantized else None, t, f"_{j}_{i}")
+      if act == "q8": d = unit_idot(w, row, f"u{j}", lambda mm, j=j: f"xq{j}[{mm}]", f"dx{j}", f"sq{j}", t, f"_{j}_{i}")
+      else: d = unit_dot(w, row, f"u{j}", lambda e, j=j: f"x{j}_{e}", (lambda g, j=j: f"xs{j}_{g}") if w.unit.quantized else None, t, f"_{j}_{i}")
       dots.append(f"{{ float {t} = 0.f; {d} acc{i} = fmaf(wk{j}, {t}, acc{i}); }}")
     body.append("{ " + " ".join(xs) + f" const float wk{j} = {wk}; " + " ".join(dots) + " }")
-  body += [" ".join(f"acc{i} = group_sum(acc{i}, 32);" for i in range(R)), f"__shared__ float part[{threads // 32}][{R}];",
-           "if (lane == 0) { " + " ".join(f"part[warp][{i}] = acc{i};" for i in range(R)) + " }", "__syncthreads();",
-           f"if (threadIdx.x < {R} && obase + threadIdx.x < {dim}) {{ float t = 0.f;"
-           f" for (int w = 0; w < {threads // 32}; w++) t += part[w][threadIdx.x]; out[obase + threadIdx.x] = res[obase + threadIdx.x] + t; }}"]
+  body += [" ".join(f"acc{i} = group_sum(acc{i}, 32);" for i in range(R)), *_down_combine([f"acc{i}" for i in range(R)], R, dim, threads // 32)]
   return Kernel(name, kernel(name, params, "\n  ".join(body), threads), (-(-dim // R), 1, 1), (0,), threads)

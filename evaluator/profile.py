@@ -25,6 +25,7 @@ import ctypes
 import math
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 
 from tinygrad import Device, Tensor, TinyJit, dtypes
@@ -83,7 +84,7 @@ def _cuda_graph(launches: list[tuple], var_vals: dict[str, int]) -> Callable[[],
   instance = init_c_var(cuda.CUgraphExec, lambda x: check(cuda.cuGraphInstantiate_v2(ctypes.byref(x), graph, None, None, 0)))
   check(cuda.cuGraphDestroy(graph))
   def run(keep=keep) -> None: check(cuda.cuGraphLaunch(instance, None))
-  run.instance = instance  # type: ignore[attr-defined]
+  weakref.finalize(run, lambda: check(cuda.cuGraphExecDestroy(instance)))  # with the function, the graph's device resources go
   return run
 
 
@@ -130,7 +131,6 @@ def kernel_profile(jit, var_vals: dict[str, int], bandwidth_gbs: float | None = 
     with_k, without = _cuda_graph((sweep_launches + ls) * reps, var_vals), _cuda_graph(sweep_launches * reps, var_vals)
     if with_k is not None and without is not None:
       diffs = [_timed(dev, busy, [with_k], 1) - _timed(dev, busy, [without], 1) for _ in range(rounds)]
-      _destroy(with_k, without)
     else: diffs = [_timed(dev, busy, sweep + calls, reps) - _timed(dev, busy, sweep, reps) for _ in range(rounds)]
     timing = "cuda graph" if with_k is not None else "host launches"
     per_launch = max(statistics.median(diffs), 0.0) / (reps * len(calls)) * 1e6
@@ -145,9 +145,3 @@ def kernel_profile(jit, var_vals: dict[str, int], bandwidth_gbs: float | None = 
     r |= {"rank": i + 1, "share": r["us_per_token"] / total,
           "bandwidth_share": r["gb_s"] / bandwidth_gbs if r["gb_s"] and bandwidth_gbs else None}
   return rows
-
-
-def _destroy(*graphs: Callable[[], None]) -> None:
-  import tinygrad.runtime.autogen.cuda as cuda
-  from tinygrad.runtime.ops_cuda import check
-  for g in graphs: check(cuda.cuGraphExecDestroy(g.instance))  # type: ignore[attr-defined]

@@ -10,6 +10,7 @@
 #   VARIANTS  TREE:NAME=CONFIG ..., TREE new or old; run in this order in each repetition
 #             [new:fused-native=benchmarks/configs/fused-native.json old:fused-native=benchmarks/configs/fused-native.json]
 #   REPS [2]  N ROUNDS: tokens per round and rounds of each model bench [32 3]   KERNELS [1]: time the kernels alone first
+#   KINDS     the kernel kinds to time (benchmarks/kernel_lab.py --kinds) [all]
 # Out: $OUT/ab.jsonl (one benchmarks/results.jsonl `decode` line per model bench run, with its tree and repetition), $OUT/kernels.jsonl
 # (benchmarks/kernel_lab.py), $OUT/ab.log
 set -uo pipefail
@@ -37,7 +38,7 @@ for m in $MODELS; do [ -f "$(file "$m")" ] || { PYTHONPATH=$PWD:${PYTHONPATH:-} 
 [ ${#pids[@]} = 0 ] || wait "${pids[@]}"; log "files written"
 if [ "${KERNELS:-1}" = 1 ]; then
   PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 240 python3 benchmarks/kernel_lab.py --against .ab/old/model/backends/cuda_src.py \
-    --label "new (working tree)" --models $MODELS --json "$OUT/kernels.jsonl"
+    --label "new (working tree)" --models $MODELS ${KINDS:+--kinds $KINDS} --json "$OUT/kernels.jsonl"
 fi
 for rep in $(seq "$REPS"); do for m in $MODELS; do for v in $VARIANTS; do
   tree=${v%%:*} rest=${v#*:}; name=${rest%%=*} cfg=${rest#*=}

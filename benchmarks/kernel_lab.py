@@ -97,8 +97,9 @@ def floor(nbytes: int, copies: int) -> float:
   return timed(lambda b: fn((-(-nbytes // 16384),), (256,), (b, np.uint64(nbytes // 16), sink)), [(b,) for b in bufs] * max(1, 80 // copies))
 
 
-def kernels(mod, kind: str, preset: str) -> list[tuple[str, object]]:
-  """(activation form, kernel) of one kind built by a cuda_src module (this tree's API, or the one before staged inputs)."""
+def kernels(mod, kind: str, preset: str, handoff: str = "rule") -> list[tuple[str, object]]:
+  """(activation form, kernel) of one kind built by a cuda_src module (this tree's API, or the one before staged inputs);
+  handoff: the 8-bit MoE kernels' hand-off as native.q8_handoff decides (rule), or wherever down can read it (on), or off."""
   hp = PRESETS[preset]
   dim, F, E, K, Fs, V, H = hp.dim, hp.expert_ffn, hp.n_experts, hp.n_used, hp.expert_ffn * hp.n_shared, hp.vocab, hp.n_heads
   W = lambda inp, prefix="": mod.W(prefix, Q4_0, inp)
@@ -116,10 +117,10 @@ def kernels(mod, kind: str, preset: str) -> list[tuple[str, object]]:
   out = []
   for act in ("q8", "f32"):
     R = 8 if act == "q8" else 4  # the sources before staged inputs: their rows per group
-    handoff = (not old and act == "q8" and hasattr(mod, "glu_q8_blocks") and mod.down_reads_q8(routed, plain)  # native.q8_handoff's rule
-               and mod.glu_q8_blocks(routed, plain, K) <= 2 * cp.cuda.Device().attributes["MultiProcessorCount"])
+    ho = (not old and act == "q8" and hasattr(mod, "glu_q8_blocks") and mod.down_reads_q8(routed, plain) and handoff != "off"
+          and (handoff == "on" or mod.glu_q8_blocks(routed, plain, K) <= 2 * cp.cuda.Device().attributes["MultiProcessorCount"]))  # q8_handoff
     if old: k = mod.glu(routed, plain, K, dim, hp.rms_eps, R, q8=act == "q8") if kind == "glu" else mod.down(routed, plain, K, dim, R, q8=act == "q8")
-    elif handoff: k = mod.glu(routed, plain, K, dim, hp.rms_eps, 4, act, True) if kind == "glu" else mod.down(routed, plain, K, dim, act, "q8")
+    elif ho: k = mod.glu(routed, plain, K, dim, hp.rms_eps, 4, act, True) if kind == "glu" else mod.down(routed, plain, K, dim, act, "q8")
     else: k = mod.glu(routed, plain, K, dim, hp.rms_eps, 4, act) if kind == "glu" else mod.down(routed, plain, K, dim, act)
     out.append((act, k))
   return out
@@ -194,6 +195,8 @@ def main() -> None:
   p.add_argument("--against", help="another model/backends/cuda_src.py whose kernels are timed interleaved with this tree's")
   p.add_argument("--label", default="this tree", help="the name of this tree's kernels in the output")
   p.add_argument("--json", help="append one JSON line per kernel")
+  p.add_argument("--handoff", choices=["rule", "on", "off"], default="rule",
+                 help="the 8-bit hand-off from gate+up to down: where native.q8_handoff puts it, wherever down can read it, or nowhere")
   args = p.parse_args()
   srcs = {args.label: cuda_src} | ({f"against {args.against}": load_src(args.against)} if args.against else {})
   bw = bandwidth()
@@ -201,7 +204,7 @@ def main() -> None:
   print(f"{dev}: streaming bandwidth {bw:.0f} GB/s", flush=True)
   for preset in args.models:
     for kind in args.kinds:
-      built = {name: kernels(mod, kind, preset) for name, mod in srcs.items()}
+      built = {name: kernels(mod, kind, preset, args.handoff) for name, mod in srcs.items()}
       if not built[args.label]: continue
       nbytes = weight_bytes(kind, preset)
       fl = floor(nbytes, 2 if nbytes > 64 << 20 else 8)  # before the kind's own buffers exist

@@ -12,8 +12,12 @@ power of two covering a row's units, at most 32) own fixed units of the input, l
 the R output rows the group computes, so the weight bytes are the only memory traffic that grows with the matrix. Rows
 far longer than the register budget go in chunks. A shuffle reduction inside the group sums its lanes; lane 0 of the
 group applies the kernel's epilogue. A decode kernel runs for a few µs as one wave of blocks, so what it waits on in
-sequence is its cost: its weight reads are issued first (`early`), and where it normalises its input (an RMSNorm folded
-in) the block does so once into shared memory while they are in flight (`stage_x`), rather than each warp after them.
+sequence is its cost: its weight reads are issued first (`early`), and the block stages its input once into shared memory
+while they are in flight (`stage_x`: normalised where an RMSNorm is folded in), rather than each warp after them. Those
+reads are weak streaming loads (`__ldcs`) before the staging's barrier and the products read shared memory after it:
+ptxas moves read-only (`.nc`) loads freely, and left to itself it interleaves them with the products to save registers,
+so a lane would wait on memory several times in turn; it moves neither a weak load below a barrier nor a shared read
+above one. Sums over a warp's lanes are scattered by a butterfly (`lane_sums`): n sums in n - 1 + log2(32/n) shuffles.
 The MoE down projection splits its work over (slot, unit) pairs, a thread each. Wide products (the output head: many
 waves) are bound by their instruction count instead, and read x as two 8-bit planes with integer dot products (`x16`).
 Multi-token products (prefill) read x from memory instead and share each weight read among up to TOKENS tokens.
@@ -31,6 +35,8 @@ from dataclasses import dataclass
 from model.quants import BF16, F16, F32, LAYOUTS, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, QUANT_TYPES
 
 WARPS, TOKENS, XREGS = 4, 8, 64  # warps per block, tokens per prefill tile, input floats a lane keeps in registers
+STAGE_MAX = 8192  # the widest input a single-token product stages in shared memory (32 KB of floats)
+STAGED_READS = 16  # unit reads a lane keeps in flight at once where x is staged in shared memory (5 registers each for Q4_0)
 THREADS = 32 * WARPS
 CTYPES = {"half": "unsigned short", "unsigned short": "unsigned short", "unsigned char": "unsigned char", "signed char": "signed char",
           "float": "float"}  # tinygrad dtype name -> the C type a kernel reads it as
@@ -175,11 +181,12 @@ def plane_types(ggml_type: int) -> tuple[tuple[str, str], ...]:
 def supported(ggml_type: int, inp: int) -> bool: return ggml_type in UNITS and inp % UNITS[ggml_type].elems == 0
 
 
-def unit_loads(w: W, row: str, u: str, tag: str) -> str:
+def unit_loads(w: W, row: str, u: str, tag: str, stream: bool = False) -> str:
   """C: the memory reads of unit u of weight row `row`, into registers named <load name><tag> (declared here)."""
   un = w.unit
   decl = " ".join(f"{t} {n}{tag};" for t, n, _ in un.loads)
-  reads = " ".join(f"{n}{tag} = *(const {t}*)({w.fill(a)});" for t, n, a in un.loads)
+  read = (lambda t, a: f"__ldcs((const {t}*)({a}))") if stream else (lambda t, a: f"*(const {t}*)({a})")
+  reads = " ".join(f"{n}{tag} = {read(t, w.fill(a))};" for t, n, a in un.loads)
   return f"{decl} {{ const int u = {u}; const size_t row = {row}; {w.fill(un.index)} {reads} }}"
 
 
@@ -353,13 +360,16 @@ def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue: 
   before the products. act: the input's form in the products
   (ACTS; q8 and x16 for types with integer codes, `idot`). early: each chunk's weight reads are issued before the work
   that precedes its products (the first chunk's before the prologue, the next chunk's before this one's products). staged:
-  the prologue is stage_x's, and x comes from its shared memory (xp `sx` for f32)."""
+  the prologue is stage_x's, and x comes from its shared memory (xp `sx` for f32): x takes no registers, so the row
+  group's reads go out in one chunk (up to STAGED_READS a lane), as weak loads the prologue's barrier holds before the
+  products."""
   w0 = comps[0][0]
   assert all((w.inp, w.unit.elems) == (w0.inp, w0.unit.elems) for w, _, _ in comps), "components of one gemv share the input layout"
   assert act in ACTS and (act == "f32" or all(w.unit.idot for w, _, _ in comps)), f"{act} activations need integer codes"
   G, nw = G or w0.group_lanes, w0.unit.elems
   per_lane = -(-w0.units // G)
-  upl = max(1, min(per_lane, XREGS // nw))
+  # x in registers bounds a chunk (XREGS); staged, x is in shared memory and every read of the row group goes out at once
+  upl = per_lane if staged and per_lane * R * len(comps) <= STAGED_READS else max(1, min(per_lane, XREGS // nw))
   nch = -(-per_lane // upl)
   accs = [f"{a}{r}" for _, _, a in comps for r in range(R)]
   # rows past the end and units past the row are clamped, not skipped (their x is zero, their sums are not stored), so no
@@ -371,7 +381,7 @@ def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue: 
     return us, us if nch * upl * G == w0.units else [f"min({u}, {w0.units - 1})" for u in us]
   def loads(c: str, tag: str) -> list[str]:  # every read of a chunk before any use
     uw = units(c)[1]
-    return [unit_loads(w, row.format(o=f"o{r}"), uw[i], f"_{a}{r}_{i}{tag}") for w, row, a, r, i in work]
+    return [unit_loads(w, row.format(o=f"o{r}"), uw[i], f"_{a}{r}_{i}{tag}", staged) for w, row, a, r, i in work]
   def products(c: str, tag: str, reads: list[str]) -> list[str]:  # reads: C issued after the chunk's x is ready
     us, uw = units(c)
     if staged and act == "q8": out = [load_xq(i, "sxq", "sdx", "ssq", us[i], w0.units) for i in range(upl)]
@@ -478,19 +488,20 @@ def product(role: str, ggml_type: int, shape: tuple[int, ...], **dims: int) -> K
     return Kernel(name, kernel(name, params, _tile_body(w, role, out, dims)), grid, (0,))
   G = w.group_lanes
   blocks = -(-out // rows_per_block(G, R))
-  if role == "dense":
-    body = gemv([(w, "{o}", "a")], "x", out, R, lambda o, a: f"out[{o}] = {a[0]};", act=act, early=True)
-    return Kernel(name, kernel(name, params, group_setup(G, R) + "\n  " + body), (blocks, 1, 1), (0,))
+  staged = act == "f32" and inp <= STAGE_MAX  # x into shared memory once per block (the wide x16 products quantize it per lane)
+  def body(xp: str, row: str, store: str) -> str:
+    return (group_setup(G, R) + (" " + stage_decl(inp, "f32") if staged else "") + "\n  "
+            + gemv([(w, row, "a")], "sx" if staged else xp, out, R, lambda o, a: f"{store.format(o=o)} = {a[0]};",
+                   prologue=stage_x(xp, inp, None, "f32") if staged else "", act=act, early=True, staged=staged))
+  if role == "dense": return Kernel(name, kernel(name, params, body("x", "{o}", "out[{o}]")), (blocks, 1, 1), (0,))
   if role == "per_head":
-    body = (f"const int h = blockIdx.y; const float* xh = x + (size_t)h * {inp};\n  "
-            + gemv([(w, f"(size_t)h * {out} + {{o}}", "a")], "xh", out, R, lambda o, a: f"out[(size_t)h * {out} + {o}] = {a[0]};",
-                   act=act, early=True))
-    return Kernel(name, kernel(name, params, group_setup(G, R) + "\n  " + body), (blocks, dims["heads"], 1), (0,))
-  body = (f"const int y = blockIdx.y, e = min(max(sel[y], 0), {dims['experts'] - 1});"
-          f" const float* xe = x + (size_t)({dims['xk']} > 1 ? y : y / {dims['k']}) * {inp};\n  "
-          + gemv([(w, f"(size_t)e * {out} + {{o}}", "a")], "xe", out, R, lambda o, a: f"out[(size_t)y * {out} + {o}] = {a[0]};",
-                 act=act, early=True))
-  return Kernel(name, kernel(name, params, group_setup(G, R) + "\n  " + body), (blocks, dims["slots"], 1), (0,))
+    src = (f"const int h = blockIdx.y; const float* xh = x + (size_t)h * {inp};\n  "
+           + body("xh", f"(size_t)h * {out} + {{o}}", f"out[(size_t)h * {out} + {{o}}]"))
+    return Kernel(name, kernel(name, params, src), (blocks, dims["heads"], 1), (0,))
+  src = (f"const int y = blockIdx.y, e = min(max(sel[y], 0), {dims['experts'] - 1});"
+         f" const float* xe = x + (size_t)({dims['xk']} > 1 ? y : y / {dims['k']}) * {inp};\n  "
+         + body("xe", f"(size_t)e * {out} + {{o}}", f"out[(size_t)y * {out} + {{o}}]"))
+  return Kernel(name, kernel(name, params, src), (blocks, dims["slots"], 1), (0,))
 
 
 # ------------------------------------------------------------------ fused decode stages (one token) ----------------------
@@ -509,13 +520,15 @@ def _gemv_block(ws: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilog
 def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, residual: bool = False) -> Kernel:
   """out_j = [res +] W_j . [rmsnorm(x) * gamma] for each weight j (blockIdx.y picks it): a norm folded into one or two products
   of one input (q_a and kv_a), or a residual add folded into one (the attention output). Each warp issues its weight reads
-  first; with a norm, the block normalises x once into shared memory while they are in flight (stage_x)."""
+  first; the block stages x (normalised, with a norm) once into shared memory while they are in flight (stage_x), up to
+  STAGE_MAX inputs (GLM-4.7-Flash's output projection with residual on the H100: 8.61 -> 7.94 us)."""
   tag = "_".join(f"{QUANT_TYPES[w.ggml_type].name.lower()}x{rows}x{w.inp}" for w, rows in ws)
   name = f"native_dense_{'norm_' if eps is not None else ''}{'res_' if residual else ''}{tag}"
   params = [f"float* out{j}" for j in range(len(ws))] + ["const float* __restrict__ x"]
   params += (["const float* __restrict__ gamma"] if eps is not None else []) + (["const float* __restrict__ res"] if residual else [])
   for w, _ in ws: params += w.params
-  inp, staged = ws[0][0].inp, eps is not None
+  inp = ws[0][0].inp
+  staged = eps is not None or inp <= STAGE_MAX
   pro, xp, body = (stage_x("x", inp, eps, "f32"), "sx", [stage_decl(inp, "f32")]) if staged else ("", "x", [])
   for j, (w, rows) in enumerate(ws):
     epi = lambda o, a, j=j: f"out{j}[{o}] = " + (f"res[{o}] + {a[0]};" if residual else f"{a[0]};")
@@ -809,12 +822,32 @@ def down(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str = "f3
   return _down_slots(routed, plain, k, dim, 8 if act == "q8" else 4, act)
 
 
-def _down_combine(accs: list[str], R: int, dim: int, warps: int) -> list[str]:
-  """C: the block's per-lane sums accs (one per output row obase..obase+R-1, each lane 0's) added up over its warps, plus
-  the residual, into out."""
-  return [f"__shared__ float part[{warps}][{R}];", "if (lane == 0) { " + " ".join(f"part[warp][{i}] = {a};" for i, a in enumerate(accs)) + " }",
-          "__syncthreads();", f"if (threadIdx.x < {R} && obase + threadIdx.x < {dim}) {{ float t = 0.f;"
-          f" for (int w = 0; w < {warps}; w++) t += part[w][threadIdx.x]; out[obase + threadIdx.x] = res[obase + threadIdx.x] + t; }}"]
+def lane_sums(accs: list[str], lane: str = "lane", G: int = 32) -> tuple[str, str]:
+  """C: the sums of accs over each group of G lanes, scattered over its lanes: afterwards `lsum` in lane l holds the sum of
+  accs[k], k the returned C expression of l (lanes l and l + len(accs) hold the same). A butterfly: each level sends half of
+  a lane's remaining sums to its partner and keeps the other half, so n sums take n - 1 + log2(G / n) shuffles, not
+  n log2(G); len(accs) is a power of two up to G."""
+  n, cur, out, d = len(accs), list(accs), [], 1
+  assert n & (n - 1) == 0 and n <= G
+  while len(cur) > 1:
+    h, nxt = len(cur) // 2, []
+    for i in range(h):
+      out.append(f"const float bf{d}_{i} = (({lane} & {d}) ? {cur[i + h]} : {cur[i]})"
+                 f" + __shfl_xor_sync(0xffffffffu, ({lane} & {d}) ? {cur[i]} : {cur[i + h]}, {d});")
+      nxt.append(f"bf{d}_{i}")
+    cur, d = nxt, d * 2
+  rest = (1 << b for b in range(d.bit_length() - 1, G.bit_length() - 1))  # the levels left: each lane's one sum, plainly
+  out.append(f"float lsum = {cur[0]};" + "".join(f" lsum += __shfl_xor_sync(0xffffffffu, lsum, {m});" for m in rest))
+  bits = n.bit_length() - 1
+  return " ".join(out), " | ".join(f"((({lane} >> {b}) & 1) << {bits - 1 - b})" for b in range(bits)) or "0"
+
+
+def _down_combine(store: str, R: int, dim: int, warps: int) -> list[str]:
+  """C: the block's per-warp sums of output rows obase..obase+R-1 (`store` puts them into part[warp][row]) added up over
+  its warps, plus the residual, into out."""
+  return [f"__shared__ float part[{warps}][{R}];", store, "__syncthreads();",
+          f"if (threadIdx.x < {R} && obase + threadIdx.x < {dim}) {{ float t = 0.f; for (int w = 0; w < {warps}; w++) t += part[w][threadIdx.x];"
+          " out[obase + threadIdx.x] = res[obase + threadIdx.x] + t; }"]
 
 
 def _down_slots(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int, act: str) -> Kernel:
@@ -841,7 +874,7 @@ def _down_slots(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int,
     xp = f"act + {k * r.hidden if r else 0}"
     body.append(f"{'else ' if r else ''}{{ " + gemv([(p.down, "{o}", "b")], xp, dim, R, None, 32, act=act) + "\n  "
                 + " ".join(f"tot{i} += b{i};" for i in range(R)) + " }")
-  body += ["}", *_down_combine([f"tot{i}" for i in range(R)], R, dim, WARPS)]
+  body += ["}", *_down_combine("if (lane == 0) { " + " ".join(f"part[warp][{i}] = tot{i};" for i in range(R)) + " }", R, dim, WARPS)]
   return Kernel(name, kernel(name, params, "\n  ".join(body)), (-(-dim // R), 1, 1), (0,))
 
 
@@ -849,8 +882,10 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
   """down with the work split over (slot, unit) pairs: the k routed slots and the plain FFN's rows cut into slots of the
   routed hidden width are one list of units; each thread of a block (as many threads as units, in warps, up to 512) takes
   one or more, issues the reads of its units for the block's R rows at once and adds their weighted products into R sums,
-  which meet through shuffles and shared memory. R = 8 rows a block, 16 above 256 threads, so a block's registers leave
-  the grid one wave (benchmarks/kernel_lab.py, H100: GLM-4.7-Flash 9.2 -> 6.5 us, DeepSeek-V2-Lite 12.8 -> 8.5 us)."""
+  which meet through a butterfly (lane_sums) and shared memory. R = 8 rows a block, 16 above 256 threads, so a block's
+  registers leave the grid one wave (benchmarks/kernel_lab.py, H100: GLM-4.7-Flash 9.2 -> 6.5 us, DeepSeek-V2-Lite 12.8 ->
+  8.5 us). The weight reads are weak loads before a barrier; glu's 8-bit output (act_in q8) crosses it through shared
+  memory, so no product can start before every read is out (GLM-4.7-Flash 6.20 -> 5.16 us)."""
   base = routed or plain
   Fv, ty = base.hidden, base.down.ggml_type
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
@@ -875,11 +910,18 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
                  f" const int e{j} = {f'isr{j} ? min(max(sel[s{j}], 0), {r.experts - 1}) : 0' if r else '0'}; {sel_planes}")
     rows.append([f"(isr{j} ? (size_t)e{j} * {dim} + o{i} : (size_t)o{i} * {max(m, 1)} + (s{j} - {kr}))" if r and p else (
                  f"((size_t)e{j} * {dim} + o{i})" if r else f"((size_t)o{i} * {m} + s{j})") for i in range(R)])
-    loads += [unit_loads(w, row, f"u{j}", f"_{j}_{i}") for i, row in enumerate(rows[j])]
+    loads += [unit_loads(w, row, f"u{j}", f"_{j}_{i}", True) for i, row in enumerate(rows[j])]
   body += loads
+  if act_in == "q8":  # each thread's units of glu's 8-bit output into shared memory, read back after the barrier
+    body.append(f"__shared__ __align__(16) int sxq[{threads * J * 8}], ssq[{threads * J}]; __shared__ float sdx[{threads * J}];")
+    for j in range(J):
+      t = f"(threadIdx.x + {threads * j})"
+      body.append(f"{{ const int4* a = (const int4*)act + p{j} * 2; ((int4*)sxq)[{t} * 2] = a[0]; ((int4*)sxq)[{t} * 2 + 1] = a[1];"
+                  f" sdx[{t}] = act[{P * 8} + p{j}]; ssq[{t}] = ((const int*)act)[{P * 9} + p{j}]; }}")
+  body.append("__syncthreads();")
   for j, w in enumerate(ws):
-    if act_in == "q8":  # glu's 8-bit output: every unit's words, then every unit's scale, then every unit's sum
-      xs = [load_xq(j, "((const int*)act)", f"(act + {P * 8})", f"((const int*)act + {P * 9})", f"(s{j} * {U} + u{j})")]  # p{j} < P
+    if act_in == "q8":
+      xs = [load_xq(j, "sxq", "sdx", "ssq", f"(threadIdx.x + {threads * j})")]
     else: xs = [load_x(w, j, f"(act + (size_t)s{j} * {Fv})", f"u{j}")] + ([quantize_x(j, w.unit)] if act == "q8" else [])
     wk = f"(live{j} ? {f'(isr{j} ? wts[s{j}] : 1.f)' if r else '1.f'} : 0.f)"
     dots = []
@@ -889,5 +931,6 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
       else: d = unit_dot(w, row, f"u{j}", lambda e, j=j: f"x{j}_{e}", (lambda g, j=j: f"xs{j}_{g}") if w.unit.quantized else None, t, f"_{j}_{i}")
       dots.append(f"{{ float {t} = 0.f; {d} acc{i} = fmaf(wk{j}, {t}, acc{i}); }}")
     body.append("{ " + " ".join(xs) + f" const float wk{j} = {wk}; " + " ".join(dots) + " }")
-  body += [" ".join(f"acc{i} = group_sum(acc{i}, 32);" for i in range(R)), *_down_combine([f"acc{i}" for i in range(R)], R, dim, threads // 32)]
+  sums, k = lane_sums([f"acc{i}" for i in range(R)])
+  body += [sums, *_down_combine(f"if (lane < {R}) part[warp][{k}] = lsum;", R, dim, threads // 32)]
   return Kernel(name, kernel(name, params, "\n  ".join(body), threads), (-(-dim // R), 1, 1), (0,), threads)

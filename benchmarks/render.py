@@ -53,6 +53,7 @@ REQUIRED = {
   "expert_kernel": ("layers", "config", "backend", "beam", "bandwidth_gb_s", "bandwidth_share"),
   "moe_kernel": ("layers", "kernel", "source", "rows_per_group", "us", "gb_s", "bandwidth_gb_s", "bandwidth_share"),
   "kernel_lab": ("layers", "kernel", "act", "source", "name", "us", "gb_s", "bandwidth_gb_s", "bandwidth_share", "floor_us"),
+  "ncu_kernel": ("layers", "where", "name", "launches", "us", "dram_mb"),
 }
 TABLE = re.compile(r"<!-- table\n(.*?)-->\n", re.S)
 TERM = re.compile(r"([\w.]+)(!=|!~|=|~|\?)(.*)", re.S)

@@ -17,7 +17,7 @@ while they are in flight (`stage_x`: normalised where an RMSNorm is folded in), 
 reads are weak streaming loads (`__ldcs`) before the staging's barrier and the products read shared memory after it:
 ptxas moves read-only (`.nc`) loads freely, and left to itself it interleaves them with the products to save registers,
 so a lane would wait on memory several times in turn; it moves neither a weak load below a barrier nor a shared read
-above one. Sums over a warp's lanes are scattered by a butterfly (`lane_sums`): n sums in n - 1 + log2(32/n) shuffles.
+above one. Down's row sums over a warp are scattered by a butterfly (`lane_sums`): n sums in n - 1 + log2(32/n) shuffles.
 The MoE down projection splits its work over (slot, unit) pairs, a thread each. Wide products (the output head: many
 waves) are bound by their instruction count instead, and read x as two 8-bit planes with integer dot products (`x16`).
 Multi-token products (prefill) read x from memory instead and share each weight read among up to TOKENS tokens.

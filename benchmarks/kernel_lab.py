@@ -12,7 +12,8 @@ other experts each launch) that L2 holds none of a launch's weight bytes when it
 launch (3 timings of 5 graph replays); GB/s: the weight bytes a launch must read over that time; `err`: max |out - the
 first source's out| over the std of the latter, where both write the same format (gate+up's 8-bit output for down is not
 the float output of the code before it). The 8-bit MoE kernels are built as native.py builds them: gate+up writes its
-8-bit output and down reads it where native.q8_handoff says so (down splits over units; gate+up's blocks fit one wave).
+8-bit output and down reads it where native.q8_handoff says so (down splits over units; gate+up's blocks fit one wave),
+or as --handoff says.
 """
 import argparse
 import datetime
@@ -97,9 +98,10 @@ def floor(nbytes: int, copies: int) -> float:
   return timed(lambda b: fn((-(-nbytes // 16384),), (256,), (b, np.uint64(nbytes // 16), sink)), [(b,) for b in bufs] * max(1, 80 // copies))
 
 
-def kernels(mod, kind: str, preset: str, handoff: str = "rule") -> list[tuple[str, object]]:
+def kernels(mod, kind: str, preset: str, handoff: str, sms: int) -> list[tuple[str, object]]:
   """(activation form, kernel) of one kind built by a cuda_src module (this tree's API, or the one before staged inputs);
-  handoff: the 8-bit MoE kernels' hand-off as native.q8_handoff decides (rule), or wherever down can read it (on), or off."""
+  handoff: the 8-bit MoE kernels' hand-off where this tree's cuda_src.handoff_fits puts it on a device of `sms`
+  multiprocessors (rule), wherever down can read it (on), or nowhere (off)."""
   hp = PRESETS[preset]
   dim, F, E, K, Fs, V, H = hp.dim, hp.expert_ffn, hp.n_experts, hp.n_used, hp.expert_ffn * hp.n_shared, hp.vocab, hp.n_heads
   W = lambda inp, prefix="": mod.W(prefix, Q4_0, inp)
@@ -117,8 +119,8 @@ def kernels(mod, kind: str, preset: str, handoff: str = "rule") -> list[tuple[st
   out = []
   for act in ("q8", "f32"):
     R = 8 if act == "q8" else 4  # the sources before staged inputs: their rows per group
-    ho = (not old and act == "q8" and hasattr(mod, "glu_q8_blocks") and mod.down_reads_q8(routed, plain) and handoff != "off"
-          and (handoff == "on" or mod.glu_q8_blocks(routed, plain, K) <= 2 * cp.cuda.Device().attributes["MultiProcessorCount"]))  # q8_handoff
+    ho = (not old and act == "q8" and hasattr(mod, "glu_q8_blocks") and handoff != "off"
+          and (cuda_src.handoff_fits(routed, plain, K, sms) if handoff == "rule" else mod.down_reads_q8(routed, plain)))
     if old: k = mod.glu(routed, plain, K, dim, hp.rms_eps, R, q8=act == "q8") if kind == "glu" else mod.down(routed, plain, K, dim, R, q8=act == "q8")
     elif ho: k = mod.glu(routed, plain, K, dim, hp.rms_eps, 4, act, True) if kind == "glu" else mod.down(routed, plain, K, dim, act, "q8")
     else: k = mod.glu(routed, plain, K, dim, hp.rms_eps, 4, act) if kind == "glu" else mod.down(routed, plain, K, dim, act)
@@ -196,15 +198,15 @@ def main() -> None:
   p.add_argument("--label", default="this tree", help="the name of this tree's kernels in the output")
   p.add_argument("--json", help="append one JSON line per kernel")
   p.add_argument("--handoff", choices=["rule", "on", "off"], default="rule",
-                 help="the 8-bit hand-off from gate+up to down: where native.q8_handoff puts it, wherever down can read it, or nowhere")
+                 help="the 8-bit hand-off from gate+up to down: where native.q8_handoff would put it, wherever down can read it, or nowhere")
   args = p.parse_args()
   srcs = {args.label: cuda_src} | ({f"against {args.against}": load_src(args.against)} if args.against else {})
-  bw = bandwidth()
+  bw, sms = bandwidth(), cp.cuda.Device().attributes["MultiProcessorCount"]
   dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
   print(f"{dev}: streaming bandwidth {bw:.0f} GB/s", flush=True)
   for preset in args.models:
     for kind in args.kinds:
-      built = {name: kernels(mod, kind, preset, args.handoff) for name, mod in srcs.items()}
+      built = {name: kernels(mod, kind, preset, args.handoff, sms) for name, mod in srcs.items()}
       if not built[args.label]: continue
       nbytes = weight_bytes(kind, preset)
       fl = floor(nbytes, 2 if nbytes > 64 << 20 else 8)  # before the kind's own buffers exist

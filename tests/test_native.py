@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import types
 
 import cuda_cpu
 import numpy as np
@@ -189,6 +190,19 @@ def test_q8_handoff_where_gate_up_runs_one_wave(monkeypatch) -> None:
   assert not native.q8_handoff(*ffns("glm-4.7-flash", TYPES["Q8_0"]), "CUDA")
   monkeypatch.setattr(native, "sm_count", lambda device: 200)
   assert native.q8_handoff(*ffns("deepseek-v2-lite"), "CUDA")
+
+
+@pytest.mark.parametrize("handoff,glm,deepseek", [("rule", True, False), ("on", True, True), ("off", False, False)])
+def test_kernel_lab_builds_the_handoff_as_asked(monkeypatch, handoff: str, glm: bool, deepseek: bool) -> None:
+  """benchmarks/kernel_lab.py --handoff: its 8-bit MoE kernels hand off where this tree's rule puts it on a 132-multiprocessor
+  card (rule), wherever down can read it (on), or nowhere (off); its float kernels never. cupy is not imported here: the
+  lab only builds sources."""
+  monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+  from benchmarks import kernel_lab
+  for preset, want in (("glm-4.7-flash", glm), ("deepseek-v2-lite", deepseek)):
+    glu, down = (dict(kernel_lab.kernels(cuda_src, kind, preset, handoff, 132)) for kind in ("glu", "down"))
+    assert (glu["q8"].name.endswith("_outq8"), down["q8"].name.endswith("_inq8")) == (want, want), (preset, handoff)
+    assert "q8" not in glu["f32"].name and "q8" not in down["f32"].name
 
 
 @pytest.mark.parametrize("n,G", [(1, 32), (2, 32), (8, 32), (16, 32), (32, 32), (4, 8), (8, 8)])

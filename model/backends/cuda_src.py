@@ -811,6 +811,12 @@ def down_reads_q8(routed: FFN | None, plain: FFN | None) -> bool:
   return not (routed and plain) or (plain.down.ggml_type == base.down.ggml_type and plain.hidden % base.hidden == 0)
 
 
+def handoff_fits(routed: FFN | None, plain: FFN | None, k: int, sms: int) -> bool:
+  """Whether glu hands down its 8-bit output on a device of `sms` multiprocessors: where down splits over units and glu's
+  blocks of 32 outputs (256 threads, about 125 registers: two to a multiprocessor) run as one wave."""
+  return down_reads_q8(routed, plain) and glu_q8_blocks(routed, plain, k) <= 2 * sms
+
+
 @functools.cache
 def down(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str = "f32", act_in: str = "f32") -> Kernel:
   """out = res + sum over the k selected experts of weight_k * (down_e . act_k) + down_plain . act_plain: the routed experts'

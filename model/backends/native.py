@@ -173,11 +173,11 @@ def sm_count(device: str) -> int:
 
 
 def q8_handoff(routed: C.FFN | None, plain: C.FFN | None, k: int, device: str) -> bool:
-  """Whether glu writes its 8-bit output for down to read (8-bit activations): where down splits over units and glu's
-  blocks of 32 outputs (256 threads, about 125 registers: two to a multiprocessor) run as one wave. On the H100 it takes
-  GLM-4.7-Flash's down from 6.90 to 6.19 us with gate+up unchanged (240 blocks); DeepSeek-V2-Lite's 352 blocks take two
-  waves, and its gate+up 12.8 -> 14.5 us would cost more than down's 8.6 -> 7.3 saves (benchmarks/kernel_lab.py)."""
-  return C.down_reads_q8(routed, plain) and C.glu_q8_blocks(routed, plain, k) <= 2 * sm_count(device)
+  """Whether glu writes its 8-bit output for down to read (8-bit activations), by cuda_src.handoff_fits on this device. On
+  the H100 it takes GLM-4.7-Flash's down from 6.90 to 6.19 us with gate+up unchanged (240 blocks); DeepSeek-V2-Lite's 352
+  blocks take two waves, and its gate+up 12.8 -> 14.5 us would cost more than down's 8.6 -> 7.3 saves
+  (benchmarks/kernel_lab.py)."""
+  return C.handoff_fits(routed, plain, k, sm_count(device))
 
 
 def _glu_down(blk: Block, h: Tensor, routed: C.FFN | None, plain: C.FFN | None, rp: list[Tensor], pp: list[Tensor], n_act: int,

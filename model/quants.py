@@ -90,8 +90,20 @@ def _k_scales(s: Tensor) -> tuple[Tensor, Tensor]:
   return sc.cast(dtypes.float32), mn.cast(dtypes.float32)
 
 
+def byte_planes(p: dict[str, Tensor], ggml_type: int) -> dict[str, Tensor]:
+  """Planes whose integer fields are kept as 32-bit words (model/backends/dsl.py to_words) -> the fields' own dtypes."""
+  def unpack(k: str, v: Tensor) -> Tensor:
+    dt = LAYOUTS[ggml_type][k][2]
+    if v.dtype != dtypes.uint32 or dt == dtypes.uint32: return v
+    shifts = Tensor([0, 8, 16, 24], dtype=dtypes.uint32, device=v.device)
+    b = ((v.unsqueeze(-1) >> shifts) & 255).cast(dtypes.uint8).reshape(*v.shape[:-1], v.shape[-1] * 4)
+    return b.bitcast(dtypes.int8) if dt == dtypes.int8 else b
+  return {k: unpack(k, v) for k, v in p.items()}
+
+
 def factors(p: dict[str, Tensor], ggml_type: int) -> tuple[Tensor, Tensor, Tensor | None]:
   """Planes (..., nblocks, k) -> scale (..., G), code (..., G, group), bias (..., G) or None; G = nblocks * groups per block."""
+  p = byte_planes(p, ggml_type)
   d = p["d"].float() if "d" in p else None
   lead = p["d"].shape[:-2]
   if ggml_type == Q4_0:

@@ -1,0 +1,117 @@
+"""The portable kernels (model/backends/dsl.py) are portable by construction: each renders for tinygrad's CUDA, METAL and AMD
+renderers with its workgroup schedule, runs correctly under tinygrad's Python emulator of Metal (workgroups, shared
+memory), and nothing in them reads the device's name. No Metal or AMD hardware is involved: rendering proves the source
+is produced, the emulator that it computes the right numbers with Metal's features."""
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from products import TYPES, random_weight
+from tinygrad import Tensor
+from tinygrad.codegen import full_rewrite_to_sink, line_rewrite, linearize, pm_linearize_cleanups
+from tinygrad.helpers import Target
+from tinygrad.renderer.cstyle import CStyleLanguage, CUDARenderer, HIPRenderer, MetalRenderer
+from tinygrad.uop.ops import Ops
+
+import model.backends.dsl as dsl
+
+RENDERERS = {"CUDA": (CUDARenderer, Target("CUDA", "CUDA", "sm_90")), "METAL": (MetalRenderer, Target("METAL", "METAL", "Apple9")),
+             "AMD": (HIPRenderer, Target("AMD", "HIP", "gfx1100"))}
+
+
+def renderer(kind: str) -> CStyleLanguage:
+  """The renderer of a device kind, without its compiler (which needs the device's toolchain)."""
+  cls, target = RENDERERS[kind]
+  r = cls.__new__(cls)
+  CStyleLanguage.__init__(r, target)
+  r.compiler, r.tensor_cores = None, []
+  return r
+
+
+def render_source(kernel, ren: CStyleLanguage) -> str:
+  """The source tinygrad renders for a kernel AST, its schedule applied, as its compile step would receive it."""
+  return ren.render(line_rewrite(linearize(full_rewrite_to_sink(kernel, ren)), pm_linearize_cleanups))
+
+
+def kernels(*outs: Tensor) -> list:
+  """The kernel ASTs that realizing `outs` would run."""
+  lin, _ = Tensor.linear_with_vars(*outs)
+  return [c.src[0] for c in lin.toposort() if c.op is Ops.CALL and c.src[0].op is Ops.SINK]
+
+
+def portable_outputs(quant: str) -> list[Tensor]:
+  """Every portable kernel kind at small shapes, built with workgroups (as on a GPU): dense (prefill rows), per head, the
+  selected experts' products, the one-token product with a residual, and down over the selected experts."""
+  rng, t = np.random.default_rng(TYPES[quant]), TYPES[quant]
+  x = lambda *s: Tensor(rng.standard_normal(s).astype(np.float32))
+  w = lambda shape: dsl.to_words(random_weight(rng, t, shape, "dsl"))
+  dense, heads, exps = w((64, 512)), w((4, 32, 512)), w((5, 64, 512))
+  sel, wts = Tensor(np.array([[[4, 0, 2]]], dtype=np.int32)), x(3)
+  return [dsl.linear(x(1, 5, 512), dense), dsl.per_head(x(1, 1, 4, 512), heads), dsl.expert(x(1, 1, 1, 512), sel, exps),
+          dsl._vec(x(512), dense, res=x(64)), dsl._down(x(64), x(3, 1024), w((5, 64, 512)), False, sel, wts)]
+
+
+@pytest.mark.parametrize("quant", sorted(dsl.BACKEND.quants))
+def test_every_portable_kernel_renders_for_cuda_metal_and_amd(quant: str, monkeypatch) -> None:
+  monkeypatch.setattr(dsl, "_local", lambda device: True)
+  asts = [a for a in kernels(*portable_outputs(quant)) if a.arg.name.startswith("dsl_")]
+  assert {a.arg.name.split("_")[1] for a in asts} == {"dense", "per", "expert", "res", "down"}
+  for kind in RENDERERS:
+    for a in asts:
+      src = render_source(a, renderer(kind))
+      assert a.arg.name in src
+      shared = {"CUDA": "__shared__", "METAL": "threadgroup", "AMD": "__attribute__((shared"}[kind]
+      assert shared in src, f"{a.arg.name} on {kind}: no workgroup reduction"  # every block count here splits over a group
+
+
+EMULATED = """
+import sys
+sys.path[:0] = ["tests", "."]
+import numpy as np
+from tinygrad import Device, Tensor
+from products import TYPES, random_weight, rel_err
+import model.backends.dsl as dsl
+from model.backends import tensor
+from model.weights import QWeight
+assert dsl._local(Device.DEFAULT), Device.DEFAULT
+for quant in sys.argv[1:]:
+  rng, t = np.random.default_rng(0), TYPES[quant]
+  x = lambda *s: Tensor(rng.standard_normal(s).astype(np.float32))
+  ref = random_weight(rng, t, (5, 16, 512))
+  port = dsl.to_words(QWeight(dict(ref.planes), t, ref.shape, backend="dsl"))
+  sel, xe = Tensor(np.array([[[4, 0]]], dtype=np.int32)), x(1, 1, 1, 512)
+  print(quant, "expert", rel_err(dsl.expert(xe, sel, port), tensor.BACKEND.expert(xe, sel, ref)))
+  act, wts, res = x(2, 512), Tensor(np.array([0.25, 2.0], dtype=np.float32)), x(16)
+  want = res + (tensor.BACKEND.expert(act.reshape(1, 1, 2, 512), sel, ref)[0, 0] * wts.unsqueeze(-1)).sum(0)
+  got = dsl._custom(dsl.down_kernel, (16,), [res, act, sel.reshape(2), wts, *port.planes.values()], w=port, slots=2)
+  print(quant, "down", rel_err(got, want))
+"""
+
+
+def test_portable_kernels_compute_the_reference_under_the_metal_emulator() -> None:
+  """tinygrad's Python emulator with Metal's features (workgroups, shared memory): the experts' product and down over the
+  selected experts equal the tensor backend's, for the types of the Q4_0 seed files and a K-quant."""
+  quants = ["Q4_0", "Q8_0", "Q6_K", "Q4_K"]
+  env = {**os.environ, "DEV": "PYTHON::METAL"}
+  out = subprocess.run([sys.executable, "-c", EMULATED, *quants], env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  errs = {tuple(line.split()[:2]): float(line.split()[2]) for line in out.stdout.splitlines()}
+  assert set(errs) == {(q, k) for q in quants for k in ("expert", "down")}
+  assert all(e < 1e-5 for e in errs.values()), errs
+
+
+def test_nothing_portable_reads_the_device_name() -> None:
+  """The arithmetic of the portable kernels is the same everywhere: dsl.py names no device, and its only look at the
+  device is whether it has workgroups (the renderer's has_local and has_shared)."""
+  src = inspect.getsource(dsl)
+  names = {"CUDA", "METAL", "AMD", "HIP", "NV", "CPU", "CL", "WEBGPU", "PYTHON"}
+  literals = {n.value for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+  assert not {s for s in literals if s.upper() in names or s.split(":")[0].upper() in names}
+  local = inspect.getsource(dsl._local)
+  assert "has_local" in local and "has_shared" in local and "device_kind" not in src

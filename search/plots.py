@@ -32,7 +32,7 @@ class StudyData:
 
 def load(url: str, name: str) -> StudyData:
   from search.study import StudyMismatch, storage
-  with session(open_db(url)) as s:
+  with session(open_db(url, create=False)) as s:
     st = store.get_study(s, name)
     if st is None: raise StudyMismatch(f"no study named {name!r} in {url}")
     board = leaderboard(s, st, states=("ok",))

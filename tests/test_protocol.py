@@ -141,13 +141,15 @@ def test_numbers_are_checked_when_the_command_line_is_read(argv, message, tmp_pa
 
 
 @pytest.mark.parametrize("argv", [["status"], ["status", "--study", "x"], ["list"], ["export", "--study", "x"], ["replay", "--study", "x"],
-                                  ["confirm", "--study", "x"], ["start", "--study", "x"]])
-def test_reading_commands_never_create_a_database(argv, tmp_path, capsys) -> None:
+                                  ["confirm", "--study", "x"], ["start", "--study", "x"], ["report", "--study", "x", "--out", "rep"],
+                                  ["dashboard"], ["leaderboard", "--study", "x"], ["show", "--study", "x", "0"], ["cost", "--study", "x"]])
+def test_reading_commands_never_create_a_database(argv, tmp_path, capsys, monkeypatch) -> None:
+  monkeypatch.chdir(tmp_path)
   path = tmp_path / "typo.db"
   assert search(*argv, "--storage", f"sqlite:///{path}") == 2
   err = capsys.readouterr().err.strip()
   assert err in (f"search: error: no database at {path}", f"search: error: no study named 'x' in sqlite:///{path}: pass --model to create it")
-  assert not path.exists()
+  assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="PyTorch is installed: the gp sampler can run")

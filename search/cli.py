@@ -15,7 +15,7 @@ from rich.live import Live
 from rich.table import Table
 
 from db import store
-from db.engine import DBError, default_url, open_db, session
+from db.engine import DBError, default_url, hide_password, open_db, session
 from db.models import TRIAL_STATES
 from evaluator.cli import at_least
 from evaluator.runner import default_device
@@ -66,13 +66,14 @@ def _run(setup: Setup, url: str, info: ModelInfo, args) -> None:
   runner = Runner(setup, url, ev, info, remeasure=getattr(args, "remeasure", False), on_event=view.handle, heartbeat=args.heartbeat,
                   artifacts=artifact_store(url, args.artifacts))
   console.print(f"study {setup.name}: {setup.model_name} on {setup.device}, {len(finished)} trials so far, target {setup.trials}"
-                f" ({setup.sampler} sampler, stages: {' then '.join(ev.stages)}; storage {url}; artifacts {artifact_dir(url, args.artifacts)})")
+                f" ({setup.sampler} sampler, stages: {' then '.join(ev.stages)}; storage {hide_password(url)}; "
+                f"artifacts {artifact_dir(url, args.artifacts)})")
   try:
     if console.is_terminal:
       with Live(view, console=console, refresh_per_second=4): runner.optimize(args.timeout)
     else: runner.optimize(args.timeout)
   except KeyboardInterrupt:
-    console.print(f"stopped: the running trial is marked interrupted; `search start --study {setup.name} --storage {url}` continues")
+    console.print(f"stopped: the running trial is marked interrupted; `search start --study {setup.name} --storage {hide_password(url)}` continues")
     sys.exit(130)
   show_leaderboard(url, setup.name, top=15)
 
@@ -93,22 +94,23 @@ def cmd_start(args) -> None:
   path = str(resolve(args.model).resolve()) if args.model else None
   stem = args.model and (pathlib.Path(args.model).stem if args.model.endswith(".gguf") or os.sep in args.model else args.model)
   name = args.study or f"{stem}-{device_kind(devices[0])}"
-  configs = [StructureConfig.load(f) for f in args.enqueue or ()]
-  if study_exists(args.storage, name):
+  given = [StructureConfig.load(f) for f in args.enqueue or ()]
+  setup = None
+  if not study_exists(args.storage, name):
+    if path is None: raise StudyMismatch(f"no study named {name!r} in {hide_password(args.storage)}: pass --model to create it")
+    info = model_info(path)
+    protocol = {k: v for k, v in _protocol(args, info, devices[0]).items() if v is not None}
+    setup = Setup(name, path, args.model, devices[0], **protocol, **({"trials": args.trials} if args.trials else {}))
+    if setup.objectives != "tok_s" and args.sampler in (None, "tpe"): setup.sampler = "nsga2"
+    configs = given + (warm_start(args.storage, args.warm_start_from, info, setup.device) if args.warm_start_from else [])
+    check_configs(setup, info, configs)
+    if not create(setup, args.storage, info, setup.evaluator()): setup = None  # another `search start` created it at the same moment: join it
+  if setup is None:
     setup, info = measuring_setup(name, args.storage, devices[0], path)
     check_protocol(setup, _protocol(args, info, setup.device))
-    if args.warm_start_from: configs += warm_start(args.storage, args.warm_start_from, info, setup.device)
+    configs = given + (warm_start(args.storage, args.warm_start_from, info, setup.device) if args.warm_start_from else [])
     check_configs(setup, info, configs)
     if args.trials is not None and args.trials != setup.trials: set_target(setup, args.storage, args.trials)
-  else:
-    if path is None: raise StudyMismatch(f"no study named {name!r} in {args.storage}: pass --model to create it")
-    info = model_info(path)
-    given = {k: v for k, v in _protocol(args, info, devices[0]).items() if v is not None}
-    setup = Setup(name, path, args.model, devices[0], **given, **({"trials": args.trials} if args.trials else {}))
-    if setup.objectives != "tok_s" and args.sampler in (None, "tpe"): setup.sampler = "nsga2"
-    if args.warm_start_from: configs += warm_start(args.storage, args.warm_start_from, info, setup.device)
-    check_configs(setup, info, configs)
-    create(setup, args.storage, info, setup.evaluator())
   enqueue(setup, args.storage, info, configs)
   workers = [_spawn_worker(setup, args, d) for d in devices[1:]]
   try: _run(setup, args.storage, info, args)
@@ -123,7 +125,7 @@ def cmd_start(args) -> None:
     from search.confirm import confirm
     confirm(args.storage, name, top=args.confirm, pairs=args.pairs, device=setup.device, say=console.print, model=setup.model)
     show_leaderboard(args.storage, name, top=15)
-  where = "" if args.storage == default_url() else f" --storage {args.storage}"
+  where = "" if args.storage == default_url() else f" --storage {hide_password(args.storage)}"
   console.print(f"review: `search leaderboard --study {name}{where}`; `search report --study {name}{where} --out report-{name}` "
                 f"(Markdown, HTML, plots); `search dashboard --study {name}{where}` (web dashboard on 127.0.0.1:8080)")
 
@@ -186,7 +188,7 @@ def cmd_replay(args) -> None:
 
 
 def _study(s, url: str, name: str):
-  if (st := store.get_study(s, name)) is None: raise StudyMismatch(f"no study named {name!r} in {url}")
+  if (st := store.get_study(s, name)) is None: raise StudyMismatch(f"no study named {name!r} in {hide_password(url)}")
   return st
 
 

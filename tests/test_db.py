@@ -98,6 +98,16 @@ def test_concurrent_open_db(url):
   e.dispose()
 
 
+def test_concurrent_optuna_storage(url):
+  """Processes that open Optuna's storage on a database without its tables at once all get it: one makes the tables."""
+  from search.study import storage
+  open_db(url).dispose()
+  with ThreadPoolExecutor(6) as pool: storages = list(pool.map(lambda _: storage(url), range(6)))
+  for st in storages: st.engine.dispose()
+  assert {"studies", "study_directions", "version_info"} < set(inspect(e := create_engine(url)).get_table_names())
+  e.dispose()
+
+
 @pytest.mark.parametrize("optuna_first", [False, True])
 def test_optuna_tables_beside_ours(url, optuna_first):
   optuna.logging.set_verbosity(optuna.logging.WARNING)

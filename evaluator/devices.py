@@ -24,6 +24,16 @@ class PhysicalDevice:
 def kind(device: str) -> str: return device.split(":")[0].upper()
 
 
+def check_device(device: str) -> str:
+  """device, if tinygrad has a compute device of its kind (KIND or KIND:INDEX); else ValueError naming those it has."""
+  from tinygrad.device import Device  # the names of its runtimes: no device is opened
+  kinds = sorted(set(Device._devices) - {"DISK", "NPY", "TINYFS"})
+  _, colon, i = device.partition(":")
+  if kind(device) not in kinds or (colon and not i.isdigit()):
+    raise ValueError(f"{device!r} is not a tinygrad device: KIND or KIND:INDEX, KIND one of {', '.join(kinds)}")
+  return device
+
+
 def index(device: str) -> int:
   """"CUDA:1" -> 1; a name without an index is the driver's default device, 0."""
   _, _, i = device.partition(":")

@@ -21,6 +21,7 @@ from model.registry import cache_dir
 from model.structure import StructureConfig
 
 Phase = Callable[[str], None]
+OUTSIDE = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # signals only something outside the trial process sends: `killed`, transient
 
 
 class ReferenceFailed(RuntimeError):
@@ -74,6 +75,7 @@ def run_process(spec: TrialSpec, timeout: float, on_phase: Phase | None = None) 
   elif res.status == "running":
     rc = proc.returncode
     if rc == -signal.SIGKILL: res.status, res.error = sigkill_verdict(proc.pid, peak_rss, oom_kills() > ooms, tail)
+    elif -rc in OUTSIDE: res.status, res.error = "killed", f"killed by {_signal_name(rc)} from outside: says nothing about the config"
     else:
       res.status = "runtime_error"
       res.error = f"trial process died ({_signal_name(rc) if rc < 0 else f'exit code {rc}'}): " + (tail.splitlines() or [""])[-1][-500:]

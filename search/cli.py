@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import pathlib
 import re
@@ -15,14 +16,16 @@ from rich.live import Live
 from rich.table import Table
 
 from db import store
-from db.engine import DBError, default_url, open_db, session
+from db.engine import DBError, default_url, hide_password, open_db, session
 from db.models import TRIAL_STATES
 from evaluator.cli import at_least
+from evaluator.devices import check_device
 from evaluator.runner import default_device
 from model.gguf_file import GGUFError, GGUFFile
 from model.registry import ModelNotFound, cache_dir, resolve
 from model.structure import ConfigError, StructureConfig
 from search.formats import FORMATS, emit
+from search.leaderboard import MIN_PAIRS
 from search.study import (
   SAMPLERS,
   BaselineFailed,
@@ -40,7 +43,16 @@ from search.study import (
 )
 from space.knobs import ModelInfo, device_kind, knobs, parse_pins, sample, size, to_params
 
-console = Console() if sys.stdout.isatty() else Console(width=200)
+
+class Out(Console):
+  """rich's console, but a reader that stops early (`| head`) ends the command quietly with exit code 0 (main), not 1."""
+
+  def on_broken_pipe(self) -> None:
+    self.quiet = True
+    raise BrokenPipeError
+
+
+console = Out(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit() else 200)  # piped: COLUMNS, else 200
 errors = Console(stderr=True)
 
 
@@ -66,13 +78,14 @@ def _run(setup: Setup, url: str, info: ModelInfo, args) -> None:
   runner = Runner(setup, url, ev, info, remeasure=getattr(args, "remeasure", False), on_event=view.handle, heartbeat=args.heartbeat,
                   artifacts=artifact_store(url, args.artifacts))
   console.print(f"study {setup.name}: {setup.model_name} on {setup.device}, {len(finished)} trials so far, target {setup.trials}"
-                f" ({setup.sampler} sampler, stages: {' then '.join(ev.stages)}; storage {url}; artifacts {artifact_dir(url, args.artifacts)})")
+                f" ({setup.sampler} sampler, stages: {' then '.join(ev.stages)}; storage {hide_password(url)}; "
+                f"artifacts {artifact_dir(url, args.artifacts)})")
   try:
     if console.is_terminal:
       with Live(view, console=console, refresh_per_second=4): runner.optimize(args.timeout)
     else: runner.optimize(args.timeout)
   except KeyboardInterrupt:
-    console.print(f"stopped: the running trial is marked interrupted; `search start --study {setup.name} --storage {url}` continues")
+    console.print(f"stopped: the running trial is marked interrupted; `search start --study {setup.name} --storage {hide_password(url)}` continues")
     sys.exit(130)
   show_leaderboard(url, setup.name, top=15)
 
@@ -93,22 +106,23 @@ def cmd_start(args) -> None:
   path = str(resolve(args.model).resolve()) if args.model else None
   stem = args.model and (pathlib.Path(args.model).stem if args.model.endswith(".gguf") or os.sep in args.model else args.model)
   name = args.study or f"{stem}-{device_kind(devices[0])}"
-  configs = [StructureConfig.load(f) for f in args.enqueue or ()]
-  if study_exists(args.storage, name):
+  given = [StructureConfig.load(f) for f in args.enqueue or ()]
+  setup = None
+  if not study_exists(args.storage, name):
+    if path is None: raise StudyMismatch(f"no study named {name!r} in {hide_password(args.storage)}: pass --model to create it")
+    info = model_info(path)
+    protocol = {k: v for k, v in _protocol(args, info, devices[0]).items() if v is not None}
+    setup = Setup(name, path, args.model, devices[0], **protocol, **({"trials": args.trials} if args.trials else {}))
+    if setup.objectives != "tok_s" and args.sampler in (None, "tpe"): setup.sampler = "nsga2"
+    configs = given + (warm_start(args.storage, args.warm_start_from, info, setup.device) if args.warm_start_from else [])
+    check_configs(setup, info, configs)
+    if not create(setup, args.storage, info, setup.evaluator()): setup = None  # another `search start` created it at the same moment: join it
+  if setup is None:
     setup, info = measuring_setup(name, args.storage, devices[0], path)
     check_protocol(setup, _protocol(args, info, setup.device))
-    if args.warm_start_from: configs += warm_start(args.storage, args.warm_start_from, info, setup.device)
+    configs = given + (warm_start(args.storage, args.warm_start_from, info, setup.device) if args.warm_start_from else [])
     check_configs(setup, info, configs)
     if args.trials is not None and args.trials != setup.trials: set_target(setup, args.storage, args.trials)
-  else:
-    if path is None: raise StudyMismatch(f"no study named {name!r} in {args.storage}: pass --model to create it")
-    info = model_info(path)
-    given = {k: v for k, v in _protocol(args, info, devices[0]).items() if v is not None}
-    setup = Setup(name, path, args.model, devices[0], **given, **({"trials": args.trials} if args.trials else {}))
-    if setup.objectives != "tok_s" and args.sampler in (None, "tpe"): setup.sampler = "nsga2"
-    if args.warm_start_from: configs += warm_start(args.storage, args.warm_start_from, info, setup.device)
-    check_configs(setup, info, configs)
-    create(setup, args.storage, info, setup.evaluator())
   enqueue(setup, args.storage, info, configs)
   workers = [_spawn_worker(setup, args, d) for d in devices[1:]]
   try: _run(setup, args.storage, info, args)
@@ -123,7 +137,7 @@ def cmd_start(args) -> None:
     from search.confirm import confirm
     confirm(args.storage, name, top=args.confirm, pairs=args.pairs, device=setup.device, say=console.print, model=setup.model)
     show_leaderboard(args.storage, name, top=15)
-  where = "" if args.storage == default_url() else f" --storage {args.storage}"
+  where = "" if args.storage == default_url() else f" --storage {hide_password(args.storage)}"
   console.print(f"review: `search leaderboard --study {name}{where}`; `search report --study {name}{where} --out report-{name}` "
                 f"(Markdown, HTML, plots); `search dashboard --study {name}{where}` (web dashboard on 127.0.0.1:8080)")
 
@@ -186,16 +200,29 @@ def cmd_replay(args) -> None:
 
 
 def _study(s, url: str, name: str):
-  if (st := store.get_study(s, name)) is None: raise StudyMismatch(f"no study named {name!r} in {url}")
+  if (st := store.get_study(s, name)) is None: raise StudyMismatch(f"no study named {name!r} in {hide_password(url)}")
   return st
 
 
 def show_leaderboard(url: str, name: str, fmt: str = "table", top: int | None = None, states: tuple[str, ...] = ("ok",),
                      where: dict[str, str] | None = None) -> None:
   from search.leaderboard import leaderboard, leaderboard_view
-  with session(open_db(url, create=False)) as s: doc = leaderboard(s, _study(s, url, name), states, where, top)
+  with session(open_db(url, create=False)) as s:
+    st = _study(s, url, name)
+    _check_where(store.trials(s, st), where or {})
+    doc = leaderboard(s, st, states, where, top)
   secs, notes = leaderboard_view(doc)
   emit(fmt, secs, doc, console, notes)
+
+
+def _check_where(trials: list, where: dict[str, str]) -> None:
+  """Each --where value must be one that some trial of the study has (ValueError naming those it has): a typo would list nothing."""
+  from search.leaderboard import flat
+  values = [flat(StructureConfig.from_json(t.config_json)) for t in trials]
+  for k, v in where.items():
+    if not any(str(f[k]).lower() == v.lower() for f in values):
+      have = " or ".join(sorted({str(f[k]) for f in values}))
+      raise ValueError(f"--where {k}={v}: no trial of this study has it" + (f"; its trials have {k}={have}" if have else ""))
 
 
 def cmd_leaderboard(args) -> None:
@@ -245,7 +272,8 @@ def cmd_compare(args) -> None:
 def cmd_export(args) -> None:
   from search.export import export
   with session(open_db(args.storage, create=False)) as s:
-    _, line = export(s, _study(s, args.storage, args.study), args.storage, None if args.best else args.trial, args.unconfirmed, args.to, args.commit)
+    _, line = export(s, _study(s, args.storage, args.study), args.storage, None if args.best else args.trial, args.unconfirmed, args.to, args.commit,
+                     args.force)
   console.print(line)
 
 
@@ -259,6 +287,23 @@ def cmd_report(args) -> None:
   console.print(f"report of {args.study}: {report(args.storage, args.study, pathlib.Path(args.out))}")
 
 
+def port_number(text: str) -> int:
+  v = at_least(0)(text)
+  if v > 65535: raise argparse.ArgumentTypeError(f"{v} is not a port number (0 to 65535)")
+  return v
+
+
+def device_name(text: str) -> str:
+  try: return check_device(text)
+  except ValueError as e: raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def version() -> str:
+  """This package's version, as installed."""
+  try: return importlib.metadata.version("structsearch")
+  except importlib.metadata.PackageNotFoundError: return "(not installed)"
+
+
 def positive(text: str) -> float:
   v = at_least(0, float)(text)
   if v == 0: raise argparse.ArgumentTypeError("0 is not a positive number of seconds")
@@ -266,44 +311,49 @@ def positive(text: str) -> float:
 
 
 def device_list(text: str) -> list[str]:
-  devices = [d.strip() for d in text.split(",") if d.strip()]
+  devices = [device_name(d.strip()) for d in text.split(",") if d.strip()]
   if len(set(devices)) != len(devices) or not devices: raise argparse.ArgumentTypeError(f"{text!r}: name each device once, comma-separated")
   return devices
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
+  """The command line of `search`: its subcommands and their options."""
   p = argparse.ArgumentParser(prog="search", description="structural optimization search for tinygrad MLA/MoE inference")
+  p.add_argument("--version", action="version", version=f"structsearch {version()}")
   sub = p.add_subparsers(dest="cmd", required=True)
   store_arg = argparse.ArgumentParser(add_help=False)
   store_arg.add_argument("--storage", default=default_url(), help="database URL (default: sqlite file structsearch.db here; "
                                                                   "postgresql+psycopg://... for several workers)")
   run_arg = argparse.ArgumentParser(add_help=False)
-  run_arg.add_argument("--timeout", type=positive, help="stop starting trials after this many seconds")
-  run_arg.add_argument("--trial-timeout", type=positive, default=900, help="wall-clock limit of one trial process (s)")
-  run_arg.add_argument("--heartbeat", type=positive, default=10, help="seconds between worker heartbeats; a worker silent for 6 is dead")
+  run_arg.add_argument("--timeout", type=positive, metavar="SECONDS", help="stop starting trials after this many seconds (default: no limit)")
+  run_arg.add_argument("--trial-timeout", type=positive, default=900, metavar="SECONDS",
+                       help="wall-clock limit of one trial process, in seconds (default 900)")
+  run_arg.add_argument("--heartbeat", type=positive, default=10, metavar="SECONDS",
+                       help="seconds between a worker's heartbeats (default 10); a worker silent for 6 heartbeats is dead")
   run_arg.add_argument("--artifacts", help="directory of the trials' dashboard artifacts (default: beside a SQLite database)")
   fmt_arg = argparse.ArgumentParser(add_help=False)
   fmt_arg.add_argument("--format", choices=FORMATS, default="table", help="table (default), json (see search/leaderboard.py), csv, markdown")
 
   s = sub.add_parser("space", help="print the search space of a model (or a random valid config with --sample)")
   s.add_argument("--model", required=True, help="a model name or a .gguf path")
-  s.add_argument("--device", help="device kind whose knobs to list (default CPU)")
+  s.add_argument("--device", type=device_name, help="device kind whose knobs to list (default CPU)")
   s.add_argument("--sample", action="store_true", help="print one random valid StructureConfig as JSON")
-  s.add_argument("--seed", type=int, default=0)
+  s.add_argument("--seed", type=int, default=0, help="the random seed of --sample (default 0)")
   s.set_defaults(fn=cmd_space)
 
   st = sub.add_parser("start", parents=[store_arg, run_arg], help="create a study and run it, or continue one (--study NAME alone)")
   st.add_argument("--model", help="a model name or a .gguf path (to create a study; a study continued knows its own)")
   st.add_argument("--study", help="study name (default: <model>-<device kind>)")
   where = st.add_mutually_exclusive_group()
-  where.add_argument("--device", help="tinygrad device (default: tinygrad's default)")
+  where.add_argument("--device", type=device_name, help="tinygrad device, e.g. CUDA or CUDA:1 (default: tinygrad's default)")
   where.add_argument("--devices", type=device_list, help="several devices of this host (CUDA:0,CUDA:1): one worker process each (PostgreSQL)")
   st.add_argument("--trials", type=at_least(1), help="the study's target number of finished trials (default 200; may change later)")
   # the measurement protocol: fixed when the study is created (defaults in search.study.Setup); a later run may only repeat it
   st.add_argument("--sampler", choices=SAMPLERS, help="default coordinate: from the baseline one knob at a time, then tpe (search/coordinate.py); "
                   "nsga2 with two objectives")
-  st.add_argument("--objectives", choices=["tok_s", "tok_s,peak_memory"], help="default tok_s")
-  st.add_argument("--seed", type=int)
+  st.add_argument("--objectives", choices=["tok_s", "tok_s,peak_memory"], metavar="OBJECTIVES",
+                  help="tok_s (the default: one objective) or tok_s,peak_memory (two: the Pareto front, nsga2)")
+  st.add_argument("--seed", type=int, help="the sampler's random seed (default: none, a different search each run)")
   st.add_argument("-n", type=at_least(2), help="tokens per measured round (default 32)")
   st.add_argument("--rounds", type=at_least(1), help="measured rounds per trial (default 3)")
   st.add_argument("--block-layers", type=at_least(1), help="blocks of the ladder's stage-1 proxy (default: the leading dense blocks + 2)")
@@ -316,85 +366,91 @@ def main(argv: list[str] | None = None) -> None:
   st.add_argument("--enqueue", action="append", help="a config file (.json/.toml) to measure first; repeatable")
   st.add_argument("--warm-start-from", help="enqueue the best configs of another study that apply to this model")
   st.add_argument("--remeasure", action="store_true", help="measure a config again even when this study has measured it")
-  st.add_argument("--confirm", type=at_least(0), default=3, help="A/B-confirm the top K configs at the end (0: skip)")
-  st.add_argument("--pairs", type=at_least(1), default=3, help="A/B pairs per confirmed config")
+  st.add_argument("--confirm", type=at_least(0), default=3, metavar="K", help="A/B-confirm the top K configs at the end (default 3; 0: skip)")
+  st.add_argument("--pairs", type=at_least(MIN_PAIRS), default=3, help=f"A/B pairs per confirmed config (default 3, at least {MIN_PAIRS})")
   st.set_defaults(fn=cmd_start)
 
   w = sub.add_parser("worker", parents=[store_arg, run_arg], help="join an existing study (PostgreSQL storage)")
-  w.add_argument("--study", required=True)
-  w.add_argument("--device", help="tinygrad device (default: the study's)")
+  w.add_argument("--study", required=True, help="the study to join")
+  w.add_argument("--device", type=device_name, help="tinygrad device (default: the study's)")
   w.add_argument("--model", help="where the study's model file is on this host (default: the study's path; checked by SHA-256)")
   w.set_defaults(fn=cmd_worker)
 
   c = sub.add_parser("confirm", parents=[store_arg, fmt_arg], help="A/B-confirm a study's top configs against the baseline")
-  c.add_argument("--study", required=True)
-  c.add_argument("--top", type=at_least(1), default=3)
-  c.add_argument("--pairs", type=at_least(1), default=3)
-  c.add_argument("--rounds", type=at_least(1), default=5)
-  c.add_argument("--device")
+  c.add_argument("--study", required=True, help="the study whose leaderboard to confirm")
+  c.add_argument("--top", type=at_least(1), default=3, help="how many configs from the top of the leaderboard (default 3)")
+  c.add_argument("--pairs", type=at_least(MIN_PAIRS), default=3,
+                 help=f"A/B pairs per config, baseline and config alternating in fresh processes (default 3, at least {MIN_PAIRS})")
+  c.add_argument("--rounds", type=at_least(1), default=5, help="measured rounds per A/B run (default 5)")
+  c.add_argument("--device", type=device_name, help="tinygrad device (default: the study's)")
   c.add_argument("--model", help="where the study's model file is on this host (default: the study's path; checked by SHA-256)")
   c.add_argument("--again", action="store_true", help="re-measure configs confirmed before")
   c.set_defaults(fn=cmd_confirm)
 
   r = sub.add_parser("replay", parents=[store_arg], help="re-run a study's search offline against its measurements, per sampler")
-  r.add_argument("--study", required=True)
-  r.add_argument("--sampler", action="append", choices=SAMPLERS, help="repeatable (default: coordinate, tpe and random)")
-  r.add_argument("--trials", type=at_least(1), default=30)
-  r.add_argument("--repeats", type=at_least(1), default=10)
+  r.add_argument("--study", required=True, help="the study whose measurements to replay")
+  r.add_argument("--sampler", action="append", choices=SAMPLERS, help="a sampler to replay; repeatable (default: coordinate, tpe and random)")
+  r.add_argument("--trials", type=at_least(1), default=30, help="trials per replayed search (default 30)")
+  r.add_argument("--repeats", type=at_least(1), default=10, help="replayed searches per sampler, each with its own seed (default 10)")
   r.set_defaults(fn=cmd_replay)
 
   for name, hlp in (("status", "the studies in a storage (with --study: its leaderboard)"), ("list", "the studies in a storage")):
     x = sub.add_parser(name, parents=[store_arg, fmt_arg], help=hlp)
-    x.add_argument("--study", help=None if name == "status" else argparse.SUPPRESS)
-    x.add_argument("--top", type=at_least(1), default=15, help=None if name == "status" else argparse.SUPPRESS)
+    x.add_argument("--study", help="this study's leaderboard instead of the list of studies" if name == "status" else argparse.SUPPRESS)
+    x.add_argument("--top", type=at_least(1), default=15,
+                   help="rows of the study's leaderboard (default 15)" if name == "status" else argparse.SUPPRESS)
     x.set_defaults(fn=cmd_status)
 
   lb = sub.add_parser("leaderboard", parents=[store_arg, fmt_arg], help="a study's configs ranked (confirmed speedup, else estimated)")
-  lb.add_argument("--study", required=True)
-  lb.add_argument("--top", type=int, help="the first N rows")
+  lb.add_argument("--study", required=True, help="the study to rank")
+  lb.add_argument("--top", type=at_least(1), metavar="N", help="the first N rows (default: all)")
   lb.add_argument("--state", action="append", choices=(*TRIAL_STATES, "all"), help="trial states to list (default ok); repeatable")
   lb.add_argument("--where", action="append", metavar="KNOB=VALUE", help="only configs with this knob value (e.g. topk=sort); repeatable")
   lb.set_defaults(fn=cmd_leaderboard)
 
   sh = sub.add_parser("show", parents=[store_arg, fmt_arg], help="everything about one trial")
-  sh.add_argument("--study", required=True)
+  sh.add_argument("--study", required=True, help="the study of the trial")
   sh.add_argument("trial", help="a trial number, or 'baseline'")
   sh.set_defaults(fn=cmd_show)
 
   cp = sub.add_parser("compare", parents=[store_arg, fmt_arg], help="two trials side by side, knob by knob and metric by metric")
-  cp.add_argument("--study", required=True)
+  cp.add_argument("--study", required=True, help="the study of the two trials")
   cp.add_argument("a", help="a trial number, or 'baseline'")
   cp.add_argument("b", help="a trial number, or 'baseline'")
   cp.set_defaults(fn=cmd_compare)
 
   co = sub.add_parser("cost", parents=[store_arg, fmt_arg], help="what a study's trials cost, phase by phase, and the wall time of N trials")
-  co.add_argument("--study", required=True)
+  co.add_argument("--study", required=True, help="the study whose trials to account for")
   co.add_argument("--project", type=at_least(1), default=200, help="trials to project the wall time of (default 200)")
   co.set_defaults(fn=cmd_cost)
 
   d = sub.add_parser("dashboard", parents=[store_arg], help="serve optuna-dashboard on the storage (with the trials' artifacts)")
   d.add_argument("--study", help="print the address of this study's page")
   d.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-  d.add_argument("--port", type=int, default=8080)
+  d.add_argument("--port", type=port_number, default=8080, help="port to serve on (default 8080; 0: any free port)")
   d.add_argument("--artifacts", help="the artifact directory the workers wrote (default: beside a SQLite database)")
   d.set_defaults(fn=cmd_dashboard)
 
   rp = sub.add_parser("report", parents=[store_arg], help="a study's report: Markdown and HTML with PNG plots, in one directory")
-  rp.add_argument("--study", required=True)
+  rp.add_argument("--study", required=True, help="the study to report")
   rp.add_argument("--out", required=True, help="directory to write report.md, report.html and the plots into")
   rp.set_defaults(fn=cmd_report)
 
   e = sub.add_parser("export", parents=[store_arg], help="write a study's config to the model's production config (TOML)")
-  e.add_argument("--study", required=True)
+  e.add_argument("--study", required=True, help="the study whose config to export")
   which = e.add_mutually_exclusive_group()
   which.add_argument("--trial", help="this trial's config (a number)")
   which.add_argument("--best", action="store_true", help="the confirmed winner (the default)")
   e.add_argument("--to", "--out", dest="to", help="default: $STRUCTSEARCH_HOME/production/<model>.toml, where `model run`/`model bench` look")
   e.add_argument("--unconfirmed", action="store_true", help="allow a config that no A/B confirmation has shown faster than the baseline")
+  e.add_argument("--force", action="store_true", help="with --unconfirmed: export a config whose estimate is not above the baseline's interval")
   e.add_argument("--commit", action="store_true", help="commit the file on a new branch of the git repository it lives in")
   e.set_defaults(fn=cmd_export)
+  return p
 
-  args = p.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> None:
+  args = parser().parse_args(argv)
   if getattr(args, "sampler", None) is None and args.cmd == "replay": args.sampler = ["coordinate", "tpe", "random"]
   optuna.logging.set_verbosity(optuna.logging.ERROR)
   try: args.fn(args)
@@ -404,6 +460,6 @@ def main(argv: list[str] | None = None) -> None:
   except (GGUFError, ModelNotFound, ConfigError, DBError, StudyMismatch, ValueError, RuntimeError) as e:
     print(f"search: error: {e}", file=sys.stderr)
     sys.exit(2)
-  except BrokenPipeError:  # the reader (`| head`) stopped reading: no traceback, none when Python flushes stdout at exit (exit 1, as rich does)
+  except BrokenPipeError:  # the reader (`| head`) stopped reading, as it may: no traceback, none when Python flushes stdout at exit
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    sys.exit(1)
+    sys.exit(0)

@@ -84,4 +84,6 @@ def cost_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
            f"{doc['mean_trial_s']:.1f} s per trial without setup, setup {doc['setup_s']:.1f} s once, {doc['repeat_s']:.1f} s of "
            f"re-measurements; the search's own share (outside every trial process) {100 * doc['search_share']:.2f}%.",
            f"projected wall time of {doc['projected_n']} trials on one device: {h:.2f} h (setup once + the mean trial as measured)."]
-  return [Section("trial cost (s)", cols, rows, records=doc["trials"])], notes
+  drop = ("profile", "overhead", "prompt", "prefill", "warmup", "check", "load", "measure", "compile", "repeats", "setup", "search", "ladder",
+          "beam", "stage", "block stage", "full stage")
+  return [Section("trial cost (s)", cols, rows, records=doc["trials"], drop=drop)], notes

@@ -11,6 +11,7 @@ import csv
 import io
 import json
 import pathlib
+import socket
 import tempfile
 import warnings
 
@@ -19,12 +20,10 @@ from optuna.artifacts import FileSystemArtifactStore, upload_artifact
 from sqlalchemy import Engine, make_url
 
 from db import store
-from db.engine import session
+from db.engine import hide_password, session
 from db.models import Study, Trial
 from model.production import home
 from search.leaderboard import trial_doc
-
-OBJECTIVES = ("tok/s", "peak device bytes")  # the objectives of a study, in Optuna's order
 
 
 def artifact_dir(url: str, given: str | None = None) -> pathlib.Path:
@@ -63,16 +62,23 @@ def attach(artifacts: FileSystemArtifactStore, trial: optuna.Trial, engine: Engi
 
 
 def serve(url: str, study: str | None, host: str, port: int, artifacts: str | None, say=print) -> None:
-  """Serve optuna-dashboard on url until interrupted, printing the address (of the study's page when one is named)."""
-  from optuna_dashboard import run_server, set_objective_names
+  """Serve optuna-dashboard on url until interrupted, printing the address (of the study's page when one is named) once the
+  address is bound; a port in use or a host that does not resolve is one line (RuntimeError). It writes nothing into the studies."""
+  from wsgiref.simple_server import WSGIServer, make_server
+
+  from optuna_dashboard import wsgi
 
   from search.study import StudyMismatch, storage
   st = storage(url)
-  for summary in optuna.get_all_study_summaries(st, include_best_trial=False):  # the dashboard's axis titles
-    set_objective_names(optuna.load_study(study_name=summary.study_name, storage=st), list(OBJECTIVES[: len(summary.directions)]))
   path = ""
   if study is not None:
     try: path = f"dashboard/studies/{st.get_study_id_from_name(study)}"
-    except KeyError: raise StudyMismatch(f"no study named {study!r} in {url}") from None
-  say(f"dashboard of {url} at http://{host}:{port}/{path} (artifacts in {artifact_dir(url, artifacts)}); Ctrl-C stops it")
-  run_server(st, host=host, port=port, artifact_store=artifact_store(url, artifacts))
+    except KeyError: raise StudyMismatch(f"no study named {study!r} in {hide_password(url)}") from None
+  server_class = type("Server6", (WSGIServer,), {"address_family": socket.AF_INET6}) if ":" in host else WSGIServer
+  try: server = make_server(host, port, wsgi(st, artifact_store=artifact_store(url, artifacts)), server_class=server_class)
+  except OSError as e: raise RuntimeError(f"cannot serve the dashboard on {host}:{port}: {e.strerror or e}") from None
+  say(f"dashboard of {hide_password(url)} at http://{host}:{server.server_port}/{path} (artifacts in {artifact_dir(url, artifacts)}); "
+      "Ctrl-C stops it")
+  with server:
+    try: server.serve_forever()
+    except KeyboardInterrupt: pass

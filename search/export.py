@@ -19,25 +19,27 @@ from db.store import interval
 from model.production import model_key as production_key
 from model.production import production_dir, sha_line
 from model.structure import StructureConfig
-from search.leaderboard import find_trial, winner
+from search.leaderboard import MIN_PAIRS, find_trial, winner
 from search.view import BASELINE
 
 
-def choose(s: Session, study: Study, which: str | None, unconfirmed: bool) -> tuple[Trial, str]:
+def choose(s: Session, study: Study, which: str | None, unconfirmed: bool, force: bool = False) -> tuple[Trial, str]:
   """The trial to export (`which`: a number or "baseline"; None: the confirmed winner, or with `unconfirmed` the best measured
-  config) and a line saying why it is trusted. Refused (ValueError): a study with no finished trial; a trial that did not
-  measure ok (wrong output, failed, pruned, interrupted); the baseline itself; a config whose confirmation says it is not
-  faster than the baseline (whatever `unconfirmed` says); an unconfirmed one without `unconfirmed`."""
+  config) and a label saying what it is. Refused (ValueError): a study with no finished trial; a trial that did not measure
+  ok (wrong output, failed, pruned, interrupted); the baseline itself; a config whose confirmation says it is not faster
+  than the baseline (whatever `unconfirmed` says); an unconfirmed one without `unconfirmed`, and with it one whose estimate
+  is not above the baseline's interval, unless `force`. A confirmation counts with at least MIN_PAIRS A/B pairs."""
   trials = store.trials(s, study)
   if not any(t.state not in ("running", "interrupted") for t in trials): raise ValueError(f"study {study.name!r} has no finished trial")
   conf = {c.config_hash: c for c in store.confirmations(s, study)}
+  win = winner(list(conf.values()))
   if which is not None:
     t = find_trial(s, study, which)
     src = t.reused_from or t
     if src.state != "ok":
       raise ValueError(f"trial {t.number} is {src.state}{f' ({src.failure_class})' if src.failure_class and src.failure_class != src.state else ''}: "
                        "only a config measured ok can go to production")
-  elif (win := winner(list(conf.values()))) is not None: t = s.get(Trial, win.trial_id)
+  elif win is not None: t = s.get(Trial, win.trial_id)
   elif not unconfirmed:
     raise ValueError(f"study {study.name!r} has no confirmed winner (`search confirm --study {study.name}`; --unconfirmed exports the best "
                      "measured config)")
@@ -50,11 +52,30 @@ def choose(s: Session, study: Study, which: str | None, unconfirmed: bool) -> tu
   if _slower(c):
     raise ValueError(f"trial {t.number} was confirmed {'not faster than' if c.status == 'ok' else 'failing against'} the baseline "
                      f"({c.status}: {_ci(c)} over {c.pairs} A/B pairs); not exported")
-  if c is not None and c.speedup_low > 1.0: return t, f"confirmed speedup {_ci(c)} over {c.pairs} A/B pairs"
+  if c is not None and c.pairs >= MIN_PAIRS and c.speedup_low > 1.0:
+    return t, f"{'confirmed winner' if c is win else 'confirmed faster than the baseline'}: speedup {_ci(c)} over {c.pairs} A/B pairs"
   if not unconfirmed:
-    state = "not confirmed" if c is None else f"confirmed at {_ci(c)}, not above 1 in every pair"
+    state = "not confirmed" if c is None else f"confirmed at {_ci(c)} over {c.pairs} A/B pairs, which does not show it faster"
     raise ValueError(f"trial {t.number} is {state} (`search confirm --study {study.name}`, or export it with --unconfirmed)")
-  return t, "UNCONFIRMED: " + ("best measured config" if c is None else f"inconclusive confirmation {_ci(c)}")
+  return t, _unconfirmed(s, study, t, c, force)
+
+
+def _unconfirmed(s: Session, study: Study, t: Trial, c: Confirmation | None, force: bool) -> str:
+  """The label of a config exported without a confirmation that shows it faster: its estimate against the baseline's.
+  Refused (ValueError) where that estimate is not above the baseline's interval (its median where the study has no noise
+  figure yet), unless `force`."""
+  est = store.estimates(s, study)
+  e, base = est.get(t.config_hash), est.get(BASELINE)
+  weak = f"inconclusive confirmation {_ci(c)} over {c.pairs} A/B pair{'s' * (c.pairs != 1)}; " if c is not None else ""
+  if e is None or base is None: figures, above = "the baseline has no measurement to compare with", False
+  else:
+    figures = (f"estimated {e.median / base.median:.3f}x the baseline ({interval(e)} tok/s over {e.n} measurements, "
+               f"the baseline {interval(base)} over {base.n})")
+    above = e.median > (base.high if base.high is not None else base.median)
+  if not above and not force:
+    raise ValueError(f"trial {t.number} is not confirmed and its estimate is not above the baseline's interval ({weak}{figures}): it may "
+                     f"be slower; `search confirm --study {study.name}` measures it, --force exports it anyway")
+  return f"UNCONFIRMED{'' if above else ', FORCED'}: {weak}{figures}{', above its interval' if above else ', NOT above its interval'}"
 
 
 def _slower(c: Confirmation | None) -> bool: return c is not None and (c.status != "ok" or c.speedup <= 1.0)
@@ -81,20 +102,30 @@ def render(s: Session, study: Study, t: Trial, why: str, url: str) -> str:
   return head + StructureConfig.from_json(t.config_json).to_toml()
 
 
-def commit(path: pathlib.Path, message: str, branch: str) -> tuple[str, str, str]:
-  """Commit the file at path on a new branch (from HEAD) of the repository holding it, through a private index so the user's
-  index, working tree and current branch stay as they are; returns (commit, branch, diff)."""
-  try: repo = git.Repo(path.parent, search_parent_directories=True)
-  except (git.InvalidGitRepositoryError, git.NoSuchPathError): raise ValueError(f"--commit: {path} is not inside a git repository") from None
-  with repo, tempfile.TemporaryDirectory() as tmp:
-    rel = path.resolve().relative_to(pathlib.Path(repo.working_tree_dir).resolve())
+def repository(path: pathlib.Path) -> pathlib.Path:
+  """The working tree of the git repository that holds path (which need not exist yet); ValueError outside every one."""
+  start = next(p for p in path.absolute().parents if p.is_dir())
+  try:
+    with git.Repo(start, search_parent_directories=True) as repo: root = repo.working_tree_dir
+  except (git.InvalidGitRepositoryError, git.NoSuchPathError): root = None
+  if root is None or not path.resolve().is_relative_to(pathlib.Path(root).resolve()):
+    raise ValueError(f"--commit: {path} is not inside a git repository")
+  return pathlib.Path(root).resolve()
+
+
+def commit(root: pathlib.Path, rel: pathlib.Path, source: pathlib.Path, message: str, branch: str) -> tuple[str, str, str]:
+  """Commit the content of `source` as the file `rel` on a new branch (from HEAD) of the repository at root, through a
+  private index, touching no file: the user's index, working tree and current branch stay as they are; returns (commit,
+  branch, diff)."""
+  with git.Repo(root) as repo, tempfile.TemporaryDirectory() as tmp:
     names = {h.name for h in repo.heads}
     name = next(n for i in range(1, 1000) if (n := branch if i == 1 else f"{branch}-{i}") not in names)
     env = {**os.environ, "GIT_INDEX_FILE": os.path.join(tmp, "index")}
     try:
       parent = ["-p", repo.head.commit.hexsha] if repo.head.is_valid() else []
       if parent: repo.git.read_tree(parent[1], env=env)
-      repo.git.add("--force", str(rel), env=env)
+      blob = repo.git.hash_object("-w", f"--path={rel.as_posix()}", str(source))
+      repo.git.update_index("--add", "--cacheinfo", f"100644,{blob},{rel.as_posix()}", env=env)
       sha = repo.git.commit_tree(repo.git.write_tree(env=env), *parent, "-m", message, env=env)
       repo.git.branch(name, sha)
       diff = repo.git.show("--format=", "--no-color", sha)
@@ -102,18 +133,42 @@ def commit(path: pathlib.Path, message: str, branch: str) -> tuple[str, str, str
   return sha, name, diff
 
 
-def export(s: Session, study: Study, url: str, which: str | None, unconfirmed: bool, to: str | None, do_commit: bool) -> tuple[pathlib.Path, str]:
-  """Write (and with do_commit commit) the chosen config; returns its path and a line saying what was written."""
-  t, why = choose(s, study, which, unconfirmed)
+def _staged(path: pathlib.Path, text: str) -> pathlib.Path:
+  """text in a new temporary file beside path (its directories made), to be renamed onto path: every reason path cannot be
+  written (a directory, a directory that is a file, no permission, a read-only or special file system) is one line here."""
+  if path.is_dir(): raise ValueError(f"cannot write {path}: it is a directory (name the .toml file to write)")
+  if (up := next((p for p in path.parents if p.exists()), None)) is not None and not up.is_dir():
+    raise ValueError(f"cannot write {path}: {up} is a file, not a directory")
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False) as f:
+      tmp = pathlib.Path(f.name)
+      try: f.write(text)
+      except OSError:
+        tmp.unlink()
+        raise
+  except OSError as e: raise ValueError(f"cannot write {path}: {e.strerror or e}") from None
+  return tmp
+
+
+def export(s: Session, study: Study, url: str, which: str | None, unconfirmed: bool, to: str | None, do_commit: bool,
+           force: bool = False) -> tuple[pathlib.Path, str]:
+  """Write (and with do_commit commit) the chosen config; returns its path and a line saying what was written. Nothing is
+  written where anything fails: the file appears once it is committed."""
+  t, why = choose(s, study, which, unconfirmed, force)
   path = pathlib.Path(to).expanduser() if to else default_path(study)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(render(s, study, t, why, url))
+  text, root = render(s, study, t, why, url), repository(path) if do_commit else None
+  tmp = _staged(path, text)
   sha = branch = diff = None
-  if do_commit:
-    est = store.estimates(s, study)
-    e, base = est.get(t.config_hash), est.get(BASELINE)
-    measured = f"; measured {e.median / base.median:.3f}x the baseline" if e and base else ""
-    message = f"structsearch: export study {study.name}, trial {t.number}: {why}{measured}, on {study.device_name or study.device}"
-    sha, branch, diff = commit(path, message, "structsearch/" + re.sub(r"[^A-Za-z0-9._-]+", "-", study.name) + f"-trial{t.number}")
+  try:
+    if root is not None:
+      est = store.estimates(s, study)
+      e, base = est.get(t.config_hash), est.get(BASELINE)
+      measured = f"; measured {e.median / base.median:.3f}x the baseline" if e and base else ""
+      message = f"structsearch: export study {study.name}, trial {t.number}: {why}{measured}, on {study.device_name or study.device}"
+      branch_name = "structsearch/" + re.sub(r"[^A-Za-z0-9._-]+", "-", study.name) + f"-trial{t.number}"
+      sha, branch, diff = commit(root, path.resolve().relative_to(root), tmp, message, branch_name)
+    os.replace(tmp, path)
+  finally: tmp.unlink(missing_ok=True)
   store.add_export(s, study, t, str(path.resolve()), sha, branch, diff)
   return path, f"wrote {path}: trial {t.number} of {study.name}, {why}" + (f"; committed {sha[:12]} on branch {branch}" if sha else "")

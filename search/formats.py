@@ -8,11 +8,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.syntax import Syntax
 from rich.table import Table
 
 FORMATS = ("table", "json", "csv", "markdown")
+WRAP_MIN = 24  # a wrapping column of the rich table is at least this wide (or its longest word); longer words fold
 
 
 @dataclass
@@ -23,10 +25,24 @@ class Section:
   code: str | None = None  # a code block instead of a table (e.g. a git diff)
   lang: str = "diff"
   records: list[dict[str, Any]] | None = None  # CSV rows with machine values (default: the display rows)
-  wrap: tuple[str, ...] = ()  # columns that may fold in the rich table
+  wrap: tuple[str, ...] = ()  # columns that may wrap in the rich table
+  drop: tuple[str, ...] = ()  # columns the rich table may leave out where the console is too narrow, the first first
 
 
 def _cell(v: Any) -> str: return "" if v is None else str(v)
+
+
+def fitting(sec: Section, width: int) -> list[int]:
+  """The indices of the columns the rich table shows at this console width: all of them where every value fits whole (a
+  wrapping column at its longest word, folded past WRAP_MIN), else without the `drop` columns, in their order, until it does."""
+  def need(i: int) -> int:  # the column's width with its padding and border
+    cells = [sec.columns[i], *(_cell(r[i]) for r in sec.rows)]
+    if sec.columns[i] in sec.wrap: return 3 + min(WRAP_MIN, max((cell_len(w) for c in cells for w in c.split()), default=0))
+    return 3 + max((cell_len(line) for c in cells for line in c.splitlines()), default=0)
+  cols, gone = list(range(len(sec.columns))), iter(sec.drop)
+  while 1 + sum(map(need, cols)) > width and (c := next(gone, None)) is not None:
+    if c in sec.columns: cols.remove(sec.columns.index(c))
+  return cols
 
 
 def markdown(sections: list[Section], notes: list[str] = (), level: int = 3) -> str:
@@ -66,9 +82,11 @@ def emit(fmt: str, sections: list[Section], data: Any, console: Console, notes: 
         console.print(f"[bold]{sec.title}[/]")
         console.print(Syntax(sec.code, sec.lang, word_wrap=True) if sec.code else "(empty)")
         continue
-      t = Table(title=sec.title)
-      for c in sec.columns: t.add_column(c, overflow="fold", no_wrap=c not in sec.wrap, max_width=90 if c in sec.wrap else None)
-      for r in sec.rows: t.add_row(*map(_cell, r))
+      t, cols = Table(title=sec.title), fitting(sec, console.width)
+      for c in (sec.columns[i] for i in cols): t.add_column(c, overflow="fold", no_wrap=c not in sec.wrap, max_width=90 if c in sec.wrap else None)
+      for r in sec.rows: t.add_row(*(_cell(r[i]) for i in cols))
       console.print(t)
+      if left := [c for i, c in enumerate(sec.columns) if i not in cols]:
+        console.print(f"left out at {console.width} columns: {', '.join(left)} (a wider terminal, COLUMNS=N or --format csv shows them)")
     for n in notes: console.print(n)
   else: raise ValueError(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")

@@ -32,11 +32,13 @@ from search.formats import Section
 from search.view import BASELINE
 
 SCHEMA = 1
+MIN_PAIRS = 2  # a confirmation needs this many A/B pairs: one pair has no spread
 
 
 def winner(confirmed: list[Confirmation]) -> Confirmation | None:
-  """The confirmed config with the best lower bound of its speedup over the baseline, if that bound is above 1."""
-  best = max((c for c in confirmed if c.status == "ok"), key=lambda c: c.speedup_low, default=None)
+  """The confirmed config (over at least MIN_PAIRS A/B pairs) with the best lower bound of its speedup over the baseline,
+  if that bound is above 1."""
+  best = max((c for c in confirmed if c.status == "ok" and c.pairs >= MIN_PAIRS), key=lambda c: c.speedup_low, default=None)
   return best if best is not None and best.speedup_low > 1.0 else None
 
 
@@ -161,7 +163,8 @@ def leaderboard_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
               "changes": " ".join(f"{k}={v}" for k, v in r["changes"].items())} for r in doc["rows"]]
   title = (f"{doc['study']}: {doc['model']} ({doc['layers']} blocks) on {doc['device_name'] or doc['device']}  "
            f"[{', '.join(f'{k} {v}' for k, v in doc['states'].items())}]")
-  return [Section(title, cols, rows, records=records, wrap=("changes from the baseline",))], [doc["verdict"]]
+  return [Section(title, cols, rows, records=records, wrap=("state", "changes from the baseline"),
+                  drop=("peak MB", "BW share", "MB/token", "kernels/token", "ms/token", "tok/s [90%] n", "confirmed [low, high]"))], [doc["verdict"]]
 
 
 def studies(s: Session) -> dict[str, Any]:
@@ -181,7 +184,8 @@ def studies_view(doc: dict[str, Any]) -> list[Section]:
   cols = ["study", "model", "device", "trials", "ok", "failed", "best tok/s", "speedup", "created", "finished"]
   rows = [[d["study"], d["model"], d["device"], d["trials"], d["ok"], d["failed"], _f(d["best_tok_s"]), _f(d["speedup"], ".3f", "x"),
            d["created"], d["finished"]] for d in doc["studies"]]
-  return [Section("studies", cols, rows, records=[{k: v for k, v in d.items()} for d in doc["studies"]])]
+  return [Section("studies", cols, rows, records=[{k: v for k, v in d.items()} for d in doc["studies"]], wrap=("model",),
+                  drop=("finished", "created", "failed", "ok", "best tok/s"))]
 
 
 def _day(d: datetime.datetime | None) -> str: return d.strftime("%Y-%m-%d %H:%M") if d else ""

@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 from scipy.stats import spearmanr
 
 from db import store
-from db.engine import open_db, session
+from db.engine import hide_password, open_db, session
 from model.structure import StructureConfig
 from search.leaderboard import flat, leaderboard
 
@@ -32,9 +32,9 @@ class StudyData:
 
 def load(url: str, name: str) -> StudyData:
   from search.study import StudyMismatch, storage
-  with session(open_db(url)) as s:
+  with session(open_db(url, create=False)) as s:
     st = store.get_study(s, name)
-    if st is None: raise StudyMismatch(f"no study named {name!r} in {url}")
+    if st is None: raise StudyMismatch(f"no study named {name!r} in {hide_password(url)}")
     board = leaderboard(s, st, states=("ok",))
     ok = [{"number": t.number, "tok_s": t.tok_s, "block_tok_s": t.block_tok_s, "kernels": (t.metrics or {}).get("kernels_per_token"),
            "knobs": flat(StructureConfig.from_json(t.config_json))} for t in store.trials(s, st) if t.state == "ok"]

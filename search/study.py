@@ -32,7 +32,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from db import store
 from db.capture import git_state
-from db.engine import DBError, NoDatabase, engine_kwargs, open_db, session
+from db.engine import DBError, NoDatabase, engine_kwargs, hide_password, open_db, session
 from db.models import GitState, Study, Trial
 from evaluator.devices import physical
 from evaluator.result import TrialResult
@@ -47,6 +47,7 @@ from space.knobs import SPACE_VERSION, ModelInfo, device_kind, knobs, suggest, t
 
 SAMPLERS = ("coordinate", "tpe", "random", "gp", "nsga2")
 PROJECT = pathlib.Path(__file__).resolve().parents[1]
+METRICS = ("tok/s", "peak device bytes")  # the objectives of a study, in Optuna's order
 HEARTBEAT_S = 10  # a worker that stops beating for 6 heartbeats is dead: its trial fails and its config is enqueued again
 # the measurement protocol: Setup fields fixed when a study is created, and the `search start` option that sets each
 PROTOCOL = {"n": "-n", "rounds": "--rounds", "prefill": "--no-prefill", "block_layers": "--block-layers", "sampler": "--sampler",
@@ -72,13 +73,16 @@ def storage(url: str, heartbeat: float = HEARTBEAT_S, create: bool = False) -> R
   """Optuna's storage on our database (our schema migrated first, so an unreachable or foreign database fails with one line;
   without `create`, a database that does not exist is an error)."""
   open_db(url, create).dispose()
-  try:
-    with warnings.catch_warnings():
-      warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-      return RDBStorage(url, heartbeat_interval=max(1, round(heartbeat)), grace_period=max(3, round(6 * heartbeat)),
-                        heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=store.RETRIES), engine_kwargs=engine_kwargs(url))
-  except Exception as e:  # noqa: BLE001 - Optuna raises bare SQLAlchemy or RuntimeErrors here
-    raise DBError(f"Optuna cannot use the database: {str(e).splitlines()[0]}") from None
+  for attempt in range(3):  # two processes creating Optuna's tables at once: the one that finds them made tries again
+    try:
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return RDBStorage(url, heartbeat_interval=max(1, round(heartbeat)), grace_period=max(3, round(6 * heartbeat)),
+                          heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=store.RETRIES), engine_kwargs=engine_kwargs(url))
+    except Exception as e:  # noqa: BLE001 - Optuna raises bare SQLAlchemy or RuntimeErrors here
+      raced = isinstance(e, sqlalchemy.exc.IntegrityError) or isinstance(e, sqlalchemy.exc.SQLAlchemyError) and "already exists" in str(e)
+      if attempt == 2 or not raced: raise DBError(f"Optuna cannot use the database: {str(e).splitlines()[0]}") from None
+    time.sleep(0.2)
 
 
 def sampler(name: str, seed: int | None, n_startup: int, info: ModelInfo, device: str, fixed: dict[str, Any]) -> optuna.samplers.BaseSampler:
@@ -358,30 +362,53 @@ def check_model(row: Study, path: str) -> None:
 
 
 def study_exists(url: str, name: str) -> bool:
-  """Whether the storage holds a study of this name (a storage that does not exist yet holds none; nothing is created)."""
+  """Whether the storage holds a study of this name (a storage that does not exist yet holds none; nothing is created); one
+  that another process is creating at this moment is waited for."""
   try: engine = open_db(url, create=False)
   except NoDatabase: return False
   with session(engine) as s: found = store.get_study(s, name) is not None
   engine.dispose()
+  if found: _wait_created(url, name)
   return found
 
 
-def create(setup: Setup, url: str, info: ModelInfo, ev: Evaluator) -> None:
-  """Create the study, ours and Optuna's, with its measurement protocol (fixed from now on). Checks what can be checked
-  before anything is written: the sampler can be built."""
+def _wait_created(url: str, name: str, wait_s: float = 60) -> None:
+  """Wait, up to wait_s, until the study has its last setting (create writes our row first, Optuna's study and its settings after)."""
+  st, deadline = storage(url), time.monotonic() + wait_s
+  while True:
+    try:
+      if "model_info" in st.get_study_user_attrs(st.get_study_id_from_name(name)): return
+    except KeyError: pass
+    if time.monotonic() > deadline:
+      raise StudyMismatch(f"study {name!r} in {hide_password(url)} is incomplete: the process creating it stopped before it set up Optuna's study")
+    time.sleep(0.2)
+
+
+def create(setup: Setup, url: str, info: ModelInfo, ev: Evaluator) -> bool:
+  """Create the study, ours and Optuna's, with its measurement protocol (fixed from now on); False when another process
+  created it first (once that one has finished: the caller joins it). Checks what can be checked before anything is
+  written: the sampler can be built."""
   if setup.sampler == "coordinate" and "," in setup.objectives:
     raise ConfigError("the coordinate sampler climbs one objective (tok/s): with two, use nsga2 (their default) or tpe")
   sampler(setup.sampler, setup.seed, 8, info, setup.device, setup.fixed)
   sha = file_sha256(setup.model)
-  with session(open_db(url)) as s:
-    store.create_study(s, name=setup.name, model_name=setup.model_name, model_path=setup.model, model_sha256=sha,
-                       model_bytes=os.path.getsize(setup.model), layers=ev.total_layers, device=setup.device, device_name="",
-                       space_version=SPACE_VERSION, objectives=setup.objectives, sampler=setup.sampler)
+  try:
+    with session(open_db(url)) as s:
+      store.create_study(s, name=setup.name, model_name=setup.model_name, model_path=setup.model, model_sha256=sha,
+                         model_bytes=os.path.getsize(setup.model), layers=ev.total_layers, device=setup.device, device_name="",
+                         space_version=SPACE_VERSION, objectives=setup.objectives, sampler=setup.sampler)
+  except sqlalchemy.exc.IntegrityError:  # our row is the claim: another `search start` made it first
+    _wait_created(url, setup.name)
+    return False
   directions = ["maximize", "minimize"] if "," in setup.objectives else ["maximize"]
   study = optuna.create_study(study_name=setup.name, storage=storage(url), directions=directions)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+    study.set_metric_names(list(METRICS[: len(directions)]))  # the dashboard's axis titles
   for f in fields(setup):
     if f.name != "name": study.set_user_attr(f.name, getattr(setup, f.name))
-  study.set_user_attr("model_info", info_to_json(info))
+  study.set_user_attr("model_info", info_to_json(info))  # the last: a study with it is complete (study_exists)
+  return True
 
 
 def check_protocol(setup: Setup, given: dict[str, Any]) -> None:
@@ -419,7 +446,7 @@ def enqueue(setup: Setup, url: str, info: ModelInfo, configs: list[StructureConf
 def load_setup(name: str, url: str, device: str | None = None) -> tuple[Setup, ModelInfo]:
   """A study's setup as its creator stored it; the device may be another of the same kind (a worker checks its model)."""
   try: study = optuna.load_study(study_name=name, storage=storage(url))
-  except KeyError: raise StudyMismatch(f"no study named {name!r} in {url}") from None
+  except KeyError: raise StudyMismatch(f"no study named {name!r} in {hide_password(url)}") from None
   attrs = study.user_attrs
   if "cache_key" not in attrs: study.set_user_attr("cache_key", attrs.setdefault("cache_key", uuid.uuid4().hex[:12]))  # a study made before
   setup = Setup(name, **{f.name: attrs[f.name] for f in fields(Setup) if f.name != "name" and f.name in attrs})  # a later field: its default

@@ -98,6 +98,16 @@ def test_concurrent_open_db(url):
   e.dispose()
 
 
+def test_concurrent_optuna_storage(url):
+  """Processes that open Optuna's storage on a database without its tables at once all get it: one makes the tables."""
+  from search.study import storage
+  open_db(url).dispose()
+  with ThreadPoolExecutor(6) as pool: storages = list(pool.map(lambda _: storage(url), range(6)))
+  for st in storages: st.engine.dispose()
+  assert {"studies", "study_directions", "version_info"} < set(inspect(e := create_engine(url)).get_table_names())
+  e.dispose()
+
+
 @pytest.mark.parametrize("optuna_first", [False, True])
 def test_optuna_tables_beside_ours(url, optuna_first):
   optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -155,6 +165,51 @@ def test_stored_diffs_leave_out_ignored_files_and_secrets(tmp_path):
   assert "+x = 2" in d and "# untracked: notes.txt" in d and "SECRET-VALUE" not in d and "build.log" not in d
   left_out = {line.removeprefix("# left out: ") for line in d.splitlines() if line.startswith("# left out: ")}
   assert left_out == {".env", "conf/db_password.txt", "keys/server.pem", "run.log", "API_TOKEN.txt"}
+
+
+CREDENTIAL_FILES = (".netrc", "netrc", ".pgpass", "home/.ssh/config", "id_rsa", "id_dsa", "id_ecdsa", "id_ecdsa_sk", "id_ed25519",
+                    "id_ed25519.pub", "deploy/ci_rsa", "keys/client.p12", "keys/client.pfx", ".npmrc", ".pypirc", "cfg/.aws/credentials",
+                    ".docker/config.json", ".config/gcloud/application_default_credentials.json", ".config/gcloud/credentials.db",
+                    "infra/prod.tfvars", "prod.env", "Secrets.yaml")
+# (fake) secrets of the forms a scanner finds in any file, one per line of a hunk
+SECRET_LINES = ("-----BEGIN OPENSSH " + "PRIVATE KEY-----", "-----BEGIN EC " + "PRIVATE KEY-----", "gh_token = 'ghp_" + "a1B2" * 9 + "'",
+                "url = 'https://x-access-token:" + "Zz9" * 7 + "@github.com/o/r'", "aws_key = 'AKIA" + "ABCDEFGH23456789" + "'",
+                "slack = 'xoxb-" + "1234567890-abcdefghij" + "'", "headers = {'Authorization': 'Bearer " + "eyAbC.dEf-" * 4 + "'}",
+                "PASSWORD = 'hunter22-" + "secret'", "github_pat_" + "11ABCDEFG" * 4)
+
+
+def test_stored_diffs_leave_out_credential_files_and_secret_hunks(tmp_path):
+  """Every file a credential scanner flags by name (tracked and modified, newly staged, untracked) and every hunk that holds
+  a private key block or a token is left out of the stored diff; the rest of the change stays."""
+  root = tmp_path / "repo"
+  repo = git.Repo.init(root, initial_branch="main")
+  tracked = CREDENTIAL_FILES[:12]
+  code = "".join(f"line {i}\n" for i in range(40))
+  for name in (*tracked, "code.py", "other.py"):
+    (root / name).parent.mkdir(parents=True, exist_ok=True)
+    (root / name).write_text(code if name.endswith(".py") else "old\n")
+  repo.git.add("-f", "--", *tracked, "code.py", "other.py")
+  who = git.Actor("t", "t@example.com")
+  repo.index.commit("init", author=who, committer=who)
+  for name in tracked: (root / name).write_text("SECRET-VALUE\n")
+  staged = CREDENTIAL_FILES[12:17]
+  for name in (*staged, *CREDENTIAL_FILES[17:]):
+    (root / name).parent.mkdir(parents=True, exist_ok=True)
+    (root / name).write_text("SECRET-VALUE\n")
+  repo.git.add("-f", "--", *staged)
+  lines = code.splitlines()
+  lines[2], lines[30] = "x = 2  # kept", SECRET_LINES[0]  # two hunks of one file: the plain one stays
+  (root / "code.py").write_text("\n".join(lines) + "\n")
+  (root / "other.py").write_text(code + "".join(f"{s}\n" for s in SECRET_LINES[1:]))
+  d = git_state(root)["diff"]
+  assert "+x = 2  # kept" in d and "SECRET-VALUE" not in d and "line 30" not in d, d
+  for s in SECRET_LINES: assert s not in d, s
+  left_out = {line.removeprefix("# left out: ") for line in d.splitlines() if line.startswith("# left out: ")}
+  assert {n for n in left_out if not n.startswith("a hunk")} == set(CREDENTIAL_FILES)
+  assert sorted(n.split(" (")[0] for n in left_out if n.startswith("a hunk")) == ["a hunk of code.py", "a hunk of other.py"]
+  for s in SECRET_LINES[1:]:  # each pattern alone is enough
+    (root / "other.py").write_text(code + s + "\n")
+    assert s not in git_state(root)["diff"], s
 
 
 def test_environment_dedupe(engine):

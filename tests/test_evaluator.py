@@ -72,6 +72,7 @@ def test_a_different_config_passes_the_gate_with_its_own_kernels(ev, baseline) -
   ("crash", {}, "runtime_error"),
   ("compile_error", {}, "compile_error"),
   ("sigkill", {}, "killed"),
+  ("sigterm", {}, "killed"),
   ("device_oom_kill", {}, "oom"),
   ("hang", {}, "timeout"),
   ("broken_argmax_topk", {"topk": "argmax"}, "wrong_output"),
@@ -91,7 +92,7 @@ def test_failures_are_classified(ev, monkeypatch, inject, fault, config, status)
   if fault in ("scale_off_one_block", "dropped_residual_one_block"): assert r.check["failed_positions"] > 0, r.check
   if fault == "dropped_residual_one_block": assert [s.split()[-1] for s in r.check["failed_stages"]] == ["attention"], r.check
   if status == "invalid_config": assert "topk='bogus'" in r.error
-  if status == "killed": assert "from outside" in r.error and r.metrics["host_peak_rss_bytes"] > 1e7
+  if status == "killed": assert "from outside" in r.error and fault.upper() in r.error and r.metrics["host_peak_rss_bytes"] > 1e7
   if status == "oom": assert "device ran out of memory" in r.error
 
 

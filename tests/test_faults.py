@@ -119,6 +119,20 @@ def test_killed_worker_while_another_finishes_first(model, pg_url, inject) -> No
   assert_nothing_stuck(pg_url, "pg", killed, 3)
 
 
+def test_two_starts_creating_one_study_at_once(model, url, inject) -> None:
+  """Two `search start` that both find no study and set out to create it: one creates it, the other joins it (before: on
+  SQLite KeyError 'model_info' or "table study_directions already exists", on PostgreSQL an IntegrityError on uq_ss_study_name)."""
+  env = inject("slow_study_creation", seconds=0.2)
+  argv = [sys.executable, "-m", "search", "start", "--model", model, "--study", "two", "--storage", url, "--trials", "3", *FAST]
+  procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for _ in range(2)]
+  outs = [p.communicate(timeout=300)[0] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0] and "Traceback" not in "".join(outs), outs
+  assert rows(url, "SELECT name FROM ss_study") == [("two",)] and [s.study_name for s in optuna.get_all_study_summaries(url)] == ["two"]
+  trials = optuna.load_study(study_name="two", storage=url).trials
+  assert len([t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]) >= 3 and "model_info" in optuna.load_study(
+    study_name="two", storage=url).user_attrs
+
+
 def test_failing_baseline_stops_the_study(model, tmp_path, monkeypatch, capsys) -> None:
   url = f"sqlite:///{tmp_path / 's.db'}"
   monkeypatch.setenv("STRUCTSEARCH_CACHE", str(tmp_path / "cache"))  # no reference of this file yet: the baseline's run makes it

@@ -140,7 +140,7 @@ def test_record_study_lines_have_their_fields(model, tmp_path, monkeypatch) -> N
   install_fake_trials(monkeypatch.setattr, seconds=0.02)
   url = f"sqlite:///{tmp_path / 's.db'}"
   assert search("start", "--model", model, "--study", "r", "--storage", url, "--trials", "3", "--block-layers", "2", *FAST) == 0
-  assert search("confirm", "--study", "r", "--storage", url, "--top", "1", "--pairs", "1") == 0
+  assert search("confirm", "--study", "r", "--storage", url, "--top", "1", "--pairs", "2") == 0
   lines = study_lines(url, "r", "cpu", "tiny", "Q4_0", "test")
   kinds = [x["kind"] for x in lines]
   assert kinds.count("trial") == len([t for t in trials(url, "r") if t.state != "reused"]) and kinds[-1] == "study"

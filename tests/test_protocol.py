@@ -110,7 +110,7 @@ def test_every_measuring_command_checks_the_model_file(study, tmp_path, capsys) 
   url, model = study
   copy = shutil.copy(model, tmp_path / "copy.gguf")
   with open(model, "ab") as f: f.write(b"\0" * 64)  # the same path, another file
-  for cmd in (["start", "--study", "p"], ["confirm", "--study", "p", "--top", "1", "--pairs", "1"]):
+  for cmd in (["start", "--study", "p"], ["confirm", "--study", "p", "--top", "1", "--pairs", "2"]):
     assert search(*cmd, "--storage", url) == 2
     err = capsys.readouterr().err
     assert f"{model} (sha256 " in err and "is not the model file of study 'p'" in err, err
@@ -131,7 +131,13 @@ def test_every_measuring_command_checks_the_model_file(study, tmp_path, capsys) 
   (["start", "--model", "tiny", "--beam-budget", "-1"], "--beam-budget: -1 is below 0"),
   (["start", "--model", "tiny", "--timeout", "0"], "--timeout: 0 is not a positive number of seconds"),
   (["worker", "--study", "x", "--heartbeat", "0"], "--heartbeat: 0 is not a positive number of seconds"),
-  (["confirm", "--study", "x", "--pairs", "0"], "--pairs: 0 is below 1"),
+  (["confirm", "--study", "x", "--pairs", "1"], "--pairs: 1 is below 2"),  # one A/B pair has no spread: its interval is a point
+  (["start", "--model", "tiny", "--pairs", "1"], "--pairs: 1 is below 2"),
+  (["leaderboard", "--study", "x", "--top", "0"], "--top: 0 is below 1"),
+  (["leaderboard", "--study", "x", "--top", "-1"], "--top: -1 is below 1"),
+  (["dashboard", "--port", "99999"], "--port: 99999 is not a port number"),
+  (["start", "--model", "tiny", "--device", "BOGUS"], "--device: 'BOGUS' is not a tinygrad device"),
+  (["start", "--model", "tiny", "--devices", "CPU,CUDA:x"], "--devices: 'CUDA:x' is not a tinygrad device"),
   (["replay", "--study", "x", "--trials", "2.5"], "--trials: '2.5' is not an integer"),
 ])
 def test_numbers_are_checked_when_the_command_line_is_read(argv, message, tmp_path, monkeypatch, capsys) -> None:
@@ -141,13 +147,15 @@ def test_numbers_are_checked_when_the_command_line_is_read(argv, message, tmp_pa
 
 
 @pytest.mark.parametrize("argv", [["status"], ["status", "--study", "x"], ["list"], ["export", "--study", "x"], ["replay", "--study", "x"],
-                                  ["confirm", "--study", "x"], ["start", "--study", "x"]])
-def test_reading_commands_never_create_a_database(argv, tmp_path, capsys) -> None:
+                                  ["confirm", "--study", "x"], ["start", "--study", "x"], ["report", "--study", "x", "--out", "rep"],
+                                  ["dashboard"], ["leaderboard", "--study", "x"], ["show", "--study", "x", "0"], ["cost", "--study", "x"]])
+def test_reading_commands_never_create_a_database(argv, tmp_path, capsys, monkeypatch) -> None:
+  monkeypatch.chdir(tmp_path)
   path = tmp_path / "typo.db"
   assert search(*argv, "--storage", f"sqlite:///{path}") == 2
   err = capsys.readouterr().err.strip()
   assert err in (f"search: error: no database at {path}", f"search: error: no study named 'x' in sqlite:///{path}: pass --model to create it")
-  assert not path.exists()
+  assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="PyTorch is installed: the gp sampler can run")

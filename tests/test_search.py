@@ -78,10 +78,10 @@ def test_sqlite_study_end_to_end(model, tmp_path, capsys) -> None:
   assert "no confirmed winner" in capsys.readouterr().err
 
   # confirmation: A/B against the baseline, recorded and shown
-  assert search("confirm", "--study", "t", "--storage", url, "--top", "1", "--pairs", "1", "--rounds", "1") == 0
+  assert search("confirm", "--study", "t", "--storage", url, "--top", "1", "--pairs", "2", "--rounds", "1") == 0
   conf = rows(url, "SELECT status, pairs, speedup, speedup_low FROM ss_confirmation")
   assert len(conf) == 1 and conf[0][0] == "ok" and conf[0][2] > 0
-  assert search("export", "--study", "t", "--storage", url, "--out", str(tmp_path / "x.toml"), "--unconfirmed") == 0
+  assert search("export", "--study", "t", "--storage", url, "--out", str(tmp_path / "x.toml"), "--unconfirmed", "--force") == 0
   measured = [StructureConfig.from_json(c) for (c,) in rows(url, "SELECT config_json FROM ss_trial WHERE state='ok'")]
   assert StructureConfig.load(str(tmp_path / "x.toml")) in measured
 

@@ -1,12 +1,13 @@
 """Test-only faults and fakes, injected from the outside: production code carries no hook for them.
 
-- Faults of the trial process ($STRUCTSEARCH_FAULT): `crash`, `compile_error`, `hang`, `sigkill` (killed from outside),
+- Faults of the trial process ($STRUCTSEARCH_FAULT): `crash`, `compile_error`, `hang`, `sigkill` and `sigterm` (killed from outside),
   `device_oom_kill` (the device says it is out of memory, then the process is killed) act on the first decode step;
   `broken_argmax_topk` makes the `argmax` top-k variant pick the wrong experts (a knob that computes the wrong output);
   `scale_off_one_block` makes the routed down projection of the middle MoE block read each row's first block scale from its
   second block (a dequantization bug in one layer, whatever backend computes it); `dropped_residual_one_block` drops the
   attention residual of the middle block (in the per-op attention path and in every fused attention stage).
-  They patch model code as it is imported, so the trial process is the production one up to the fault.
+  They patch model code as it is imported, so the trial process is the production one up to the fault. A fault of a
+  `search` process: `slow_study_creation` (2 s between finding no study and creating it).
 - Fake trials ($STRUCTSEARCH_FAKE_TRIALS, JSON: {"seconds": S, "proxy": "predicts" | "random", "status": STATUS}) replace the
   evaluator's trial process in a `search` process: no tinygrad, a tok/s that is a fixed function of the config (its
   block-proxy figure three times that, or unrelated to it), under the real device lock. Search-level behaviour (workers,
@@ -67,11 +68,20 @@ def _compile_error() -> None:
   raise CompileError("injected compile error")
 
 
-def _kill(message: str = "") -> Callable[[], None]:
+def _kill(message: str = "", sig: int = signal.SIGKILL) -> Callable[[], None]:
   def act() -> None:
     if message: print(message, flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), sig)
   return act
+
+
+def _slow_study_creation(m: ModuleType) -> None:
+  """`search start` takes 2 s from finding no study to creating it: two started together both set out to create it."""
+  sha = m.file_sha256
+  def slow(path):
+    time.sleep(2)
+    return sha(path)
+  m.file_sha256 = slow
 
 
 def _broken_argmax(m: ModuleType) -> None:
@@ -120,10 +130,12 @@ FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
   "compile_error": ("model.generate", _on_first_step(_compile_error)),
   "hang": ("model.generate", _on_first_step(lambda: time.sleep(3600))),
   "sigkill": ("model.generate", _on_first_step(_kill())),
+  "sigterm": ("model.generate", _on_first_step(_kill(sig=signal.SIGTERM))),
   "device_oom_kill": ("model.generate", _on_first_step(_kill("CUDA error: out of memory (injected)"))),
   "broken_argmax_topk": ("model.deepseek2", _broken_argmax),
   "scale_off_one_block": ("model.deepseek2", _scale_off),
   "dropped_residual_one_block": ("model.deepseek2", _dropped_residual),
+  "slow_study_creation": ("search.study", _slow_study_creation),
 }
 
 

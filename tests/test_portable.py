@@ -53,15 +53,17 @@ def portable_outputs(quant: str) -> list[Tensor]:
   w = lambda shape: dsl.to_words(random_weight(rng, t, shape, "dsl"))
   dense, heads, exps = w((64, 512)), w((4, 32, 512)), w((5, 64, 512))
   sel, wts = Tensor(np.array([[[4, 0, 2]]], dtype=np.int32)), x(3)
+  norm = (x(512), x(1))
   return [dsl.linear(x(1, 5, 512), dense), dsl.per_head(x(1, 1, 4, 512), heads), dsl.expert(x(1, 1, 1, 512), sel, exps),
-          dsl._vec(x(512), dense, res=x(64)), dsl._down(x(64), x(3, 1024), w((5, 64, 512)), False, sel, wts)]
+          dsl._vec(x(512), dense, res=x(64)), dsl._vec(x(512), dense, norm), dsl._glu(x(512), norm, None, None, exps, sel),
+          dsl._glu(x(512), None, dense, dense, None), dsl._down(x(64), x(3, 512), w((5, 64, 512)), sel, wts)]
 
 
 @pytest.mark.parametrize("quant", sorted(dsl.BACKEND.quants))
 def test_every_portable_kernel_renders_for_cuda_metal_and_amd(quant: str, monkeypatch) -> None:
   monkeypatch.setattr(dsl, "_local", lambda device: True)
   asts = [a for a in kernels(*portable_outputs(quant)) if a.arg.name.startswith("dsl_")]
-  assert {a.arg.name.split("_")[1] for a in asts} == {"dense", "per", "expert", "res", "down"}
+  assert {a.arg.name.split("_")[1] for a in asts} == {"dense", "per", "expert", "res", "vec", "gate", "down"}
   for kind in RENDERERS:
     for a in asts:
       src = render_source(a, renderer(kind))
@@ -89,20 +91,26 @@ for quant in sys.argv[1:]:
   print(quant, "expert", rel_err(dsl.expert(xe, sel, port), tensor.BACKEND.expert(xe, sel, ref)))
   act, wts, res = x(2, 512), Tensor(np.array([0.25, 2.0], dtype=np.float32)), x(16)
   want = res + (tensor.BACKEND.expert(act.reshape(1, 1, 2, 512), sel, ref)[0, 0] * wts.unsqueeze(-1)).sum(0)
-  got = dsl._custom(dsl.down_kernel, (16,), [res, act, sel.reshape(2), wts, *port.planes.values()], w=port, slots=2)
+  got = dsl._down(res, act, port, sel, wts)
   print(quant, "down", rel_err(got, want))
+  gamma, xg = x(512), x(512)
+  xn = xg * (xg.square().mean() + 1e-5).rsqrt() * gamma
+  g, u = (tensor.BACKEND.expert(xn.reshape(1, 1, 1, 512), sel, r)[0, 0] for r in (ref, ref))
+  got = dsl._glu(xg, (gamma, dsl._rs(xg, 1e-5)), port, port, None, sel)
+  print(quant, "glu", rel_err(got, g.silu() * u))
 """
 
 
 def test_portable_kernels_compute_the_reference_under_the_metal_emulator() -> None:
-  """tinygrad's Python emulator with Metal's features (workgroups, shared memory): the experts' product and down over the
-  selected experts equal the tensor backend's, for the types of the Q4_0 seed files and a K-quant."""
+  """tinygrad's Python emulator with Metal's features (workgroups, shared memory): the experts' product, SiLU(gate) * up
+  with the norm folded into the products and down over the selected experts equal the tensor backend's, for the types of
+  the Q4_0 seed files and a K-quant."""
   quants = ["Q4_0", "Q8_0", "Q6_K", "Q4_K"]
   env = {**os.environ, "DEV": "PYTHON::METAL"}
   out = subprocess.run([sys.executable, "-c", EMULATED, *quants], env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   errs = {tuple(line.split()[:2]): float(line.split()[2]) for line in out.stdout.splitlines()}
-  assert set(errs) == {(q, k) for q in quants for k in ("expert", "down")}
+  assert set(errs) == {(q, k) for q in quants for k in ("expert", "down", "glu")}
   assert all(e < 1e-5 for e in errs.values()), errs
 
 

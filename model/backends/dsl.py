@@ -259,7 +259,7 @@ def _run(kernel: Callable[..., UOp], out_shape: tuple[int, ...], x: Tensor, srcs
   names = tuple(w.planes)
   out = Tensor.empty(*out_shape, dtype=dtypes.float32, device=x.device)
   fxn = partial(kernel, names=names, ggml_type=w.ggml_type, local=_local(x.device), **kw)
-  return out.custom_kernel(x.contiguous(), *srcs, *(w.planes[k] for k in names), fxn=fxn)[0]
+  return out.custom_kernel(x, *srcs, *(w.planes[k] for k in names), fxn=fxn)[0]
 
 
 # ------------------------------------------------------------------ fused decode stages (one token) ----------------------
@@ -268,15 +268,42 @@ def _run(kernel: Callable[..., UOp], out_shape: tuple[int, ...], x: Tensor, srcs
 # residual add sit in down's kernel (the residual in the output projection's). Attention's softmax and the router's top-k
 # stay tinygrad ops (a UOp kernel cannot rank the outputs of its own reduce).
 
-def vector_kernel(out: UOp, x: UOp, *srcs: UOp, w: QWeight, residual: bool, local: bool) -> UOp:
-  """out (O,) = [res +] w . x for one token: srcs = [res], planes."""
+def _normed(x: UOp, norm: tuple[UOp, UOp] | None) -> Callable[[UOp], UOp]:
+  """x's value at i, times gamma[i] where an RMSNorm is folded in (its 1/rms scales the dot product afterwards)."""
+  return (lambda i: _f(x[i]) * _f(norm[0][i])) if norm is not None else (lambda i: x[i])
+
+
+def _norm_srcs(srcs: tuple[UOp, ...], norm: bool) -> tuple[tuple[UOp, UOp] | None, tuple[UOp, ...]]:
+  """(gamma, rs) from the front of srcs where a norm is folded in, and the rest."""
+  return ((srcs[0], srcs[1]), srcs[2:]) if norm else (None, srcs)
+
+
+def vector_kernel(out: UOp, x: UOp, *srcs: UOp, w: QWeight, norm: bool, residual: bool, local: bool) -> UOp:
+  """out (O,) = [res +] w . [rmsnorm(x) * gamma] for one token: srcs = [gamma, rs], [res], planes; rs (1,) is 1/rms(x)."""
+  nrm, srcs = _norm_srcs(srcs, norm)
   res, srcs = (srcs[0], srcs[1:]) if residual else (None, srcs)
   ids, p = count(), dict(zip(w.planes, srcs, strict=True))
   group = _group(_blocks(p), local)
   o, rows = _rows(out.shape[0], ids, local, group)
-  acc = _dot(lambda i: x[i], p, w.ggml_type, o, ids, group)
+  acc = _dot(_normed(x, nrm), p, w.ggml_type, o, ids, group)
+  if nrm is not None: acc = acc * _f(nrm[1][0])
   if res is not None: acc = _f(res[o]) + acc
   return _sink(out[o].store(acc), rows, "res" if residual else "vec", w.ggml_type)
+
+
+def gate_up_kernel(out: UOp, x: UOp, *srcs: UOp, w: QWeight, norm: bool, experts: int, local: bool) -> UOp:
+  """out (S, R) = w[sel[s]] . xn for S selected experts (srcs = [gamma, rs], sel, planes; R rows per expert) or one plain
+  FFN (S = 1, no sel); xn = rmsnorm(x) * gamma where the norm is folded in, else x."""
+  nrm, srcs = _norm_srcs(srcs, norm)
+  sel, srcs = (srcs[0], srcs[1:]) if experts else (None, srcs)
+  ids, p = count(), dict(zip(w.planes, srcs, strict=True))
+  group = _group(_blocks(p), local)
+  y = _lead(out.shape[0], ids)
+  o, rows = _rows(out.shape[1], ids, local, group, out.shape[0])
+  base = _expert_id(sel, experts, y) * out.shape[1] if sel is not None else UOp.const(0, dtypes.weakint)
+  acc = _dot(_normed(x, nrm), p, w.ggml_type, base + o, ids, group)
+  if nrm is not None: acc = acc * _f(nrm[1][0])
+  return _sink(out[y, o].store(acc), (*_ranges(y), *rows), "gate_up", w.ggml_type)
 
 
 def down_kernel(out: UOp, res: UOp, act: UOp, *srcs: UOp, w: QWeight, slots: int, local: bool) -> UOp:
@@ -300,35 +327,48 @@ def _custom(kernel: Callable[..., UOp], shape: tuple[int, ...], srcs: list[Tenso
   return out.custom_kernel(*srcs, fxn=partial(kernel, local=_local(srcs[0].device), **kw))[0]
 
 
-def _vec(x: Tensor, w: QWeight, res: Tensor | None = None) -> Tensor:
-  """[res +] w . x for one token: x (in,) -> (out,) float32."""
-  srcs = [x.float().contiguous()] + ([res.float().contiguous()] if res is not None else []) + list(w.planes.values())
-  return _custom(vector_kernel, (w.shape[0],), srcs, w=w, residual=res is not None)
+Norm = tuple[Tensor, Tensor]  # an RMSNorm folded into a product: gamma, and 1/rms of the product's input (1,)
+
+
+def _rs(x: Tensor, eps: float) -> Tensor:
+  """1 / rms(x): one small kernel; the products that read the normalised x fold the rest of the norm in."""
+  xf = x.float()
+  return (xf.square().mean() + eps).rsqrt().reshape(1)
 
 
 def _norm(x: Tensor, gamma: Tensor, eps: float) -> Tensor:
-  xf = x.float()
-  return (xf * (xf.square().mean(-1, keepdim=True) + eps).rsqrt() * gamma).contiguous()
+  return (x.float() * _rs(x, eps) * gamma).contiguous()
+
+
+def _vec(x: Tensor, w: QWeight, norm: Norm | None = None, res: Tensor | None = None) -> Tensor:
+  """[res +] w . [rmsnorm(x) * gamma] for one token: x (in,) -> (out,) float32."""
+  srcs = [x.float(), *(norm or ())] + ([res.float()] if res is not None else []) + list(w.planes.values())
+  return _custom(vector_kernel, (w.shape[0],), srcs, w=w, norm=norm is not None, residual=res is not None)
 
 
 def attention(blk: Block, x: Tensor, start_pos, pos: Tensor | None) -> Tensor:
-  """h = x + attention(x) for one token: the projections of the normalised input, the per-op RoPE, cache write,
+  """h = x + attention(x) for one token: the projections with the norm folded in, the per-op RoPE, cache write,
   attention and the per-head products, the output projection with the residual add folded in."""
   hp = blk.hp
   H, nope, rope, dim = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.dim
-  xf = x.reshape(dim)
-  xn = _norm(xf, blk.attn_norm, hp.eps)
-  q = _vec(_norm(_vec(xn, blk.q_a), blk.q_a_norm, hp.eps), blk.q_b) if hp.q_lora else _vec(xn, blk.q_b)
-  kv = _vec(xn, blk.kv_a).reshape(1, 1, -1)
+  xf = x.reshape(dim).float()
+  norm = (blk.attn_norm, _rs(xf, hp.eps))
+  if hp.q_lora:
+    qa = _vec(xf, blk.q_a, norm)
+    q = _vec(qa, blk.q_b, (blk.q_a_norm, _rs(qa, hp.eps)))
+  else: q = _vec(xf, blk.q_b, norm)
+  kv = _vec(xf, blk.kv_a, norm).reshape(1, 1, -1)
   q = q.reshape(1, 1, H, nope + rope)
-  out = blk.attend(blk.absorb(q[..., :nope]), q[..., nope:], kv, start_pos)
+  q_abs = per_head(q, blk.k_b) if blk.k_b_t is None else blk.absorb(q[..., :nope])  # k_b reads q's nope part in place
+  out = blk.attend(q_abs, q[..., nope:], kv, start_pos)
   return _vec(out.reshape(-1), blk.wo, res=xf).reshape(1, 1, dim)
 
 
 def router(blk: Block, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-  """The router logits of the normalised input (a UOp kernel); gating, bias, top-k and weights as the per-op path."""
+  """The router logits with the norm folded in (a UOp kernel); gating, bias, top-k and weights as the per-op path."""
   hp = blk.hp
-  logits = _vec(_norm(h.reshape(hp.dim), blk.ffn_norm, hp.eps), blk.gate_inp).reshape(1, 1, hp.n_experts)
+  hf = h.reshape(hp.dim).float()
+  logits = _vec(hf, blk.gate_inp, (blk.ffn_norm, _rs(hf, hp.eps))).reshape(1, 1, hp.n_experts)
   return *blk.route(logits, forced), logits
 
 
@@ -340,45 +380,55 @@ def q8_round(x: Tensor) -> Tensor:
   return ((b * (am > 0).where(127 / am, 0)).round() * (am / 127)).reshape(x.shape)
 
 
-def _gate_up(xn: Tensor, gate: QWeight | None, up: QWeight | None, gate_up: QWeight | None, sel: Tensor | None) -> Tensor:
-  """(S, 2 * hidden): gate's outputs then up's, for the S selected experts (sel) or one plain FFN (S = 1)."""
+def _glu(x: Tensor, norm: Norm | None, gate: QWeight | None, up: QWeight | None, gate_up: QWeight | None,
+         sel: Tensor | None = None) -> Tensor:
+  """SiLU(gate . xn) * (up . xn): (S, hidden) for the S selected experts (sel), or (1, hidden) for one plain FFN. The
+  products are one kernel per weight (merged gate+up: one), SiLU(gate) * up one elementwise kernel after them."""
+  slots = sel.numel() if sel is not None else 1
+  srcs = [x, *(norm or ())] + ([sel.reshape(-1).cast(dtypes.int32)] if sel is not None else [])
   def prod_(w: QWeight) -> Tensor:
-    return expert(xn.reshape(1, 1, 1, -1), sel, w).reshape(sel.shape[-1], -1) if sel is not None else linear(xn.reshape(1, -1), w)
-  if gate_up is not None: return prod_(gate_up)
-  return prod_(gate).cat(prod_(up), dim=-1)
+    return _custom(gate_up_kernel, (slots, w.shape[-2]), srcs + list(w.planes.values()), w=w, norm=norm is not None,
+                   experts=w.shape[0] if sel is not None else 0)
+  if gate_up is not None:
+    gu, hidden = prod_(gate_up), gate_up.shape[-2] // 2
+    return gu[:, :hidden].silu() * gu[:, hidden:]
+  return prod_(gate).silu() * prod_(up)
 
 
-def _down(res: Tensor, gu: Tensor, w: QWeight, q8: bool, sel: Tensor | None = None, wts: Tensor | None = None) -> Tensor:
-  """res + down(SiLU(gate) * up) [weighted by wts over the selected experts sel]. SiLU(gate) * up is one elementwise
-  kernel: computed where down reads it, every thread of a row would compute it again. With q8 the product reads it rounded
-  to 8 bits (the native kernels' ffn_act=q8)."""
-  hidden = gu.shape[-1] // 2
-  act = gu[:, :hidden].silu() * gu[:, hidden:]
-  srcs = [res.float().contiguous(), (q8_round(act) if q8 else act).contiguous()]
-  if sel is not None: srcs += [sel.reshape(-1).cast(dtypes.int32).contiguous(), wts.reshape(-1).float().contiguous()]
+def _down(res: Tensor, act: Tensor, w: QWeight, sel: Tensor | None = None, wts: Tensor | None = None) -> Tensor:
+  """res + down . act [weighted by wts over the selected experts sel]."""
+  srcs = [res.float(), act]
+  if sel is not None: srcs += [sel.reshape(-1).cast(dtypes.int32), wts.reshape(-1).float()]
   return _custom(down_kernel, (res.shape[0],), srcs + list(w.planes.values()), w=w, slots=0 if sel is None else sel.numel())
 
 
+def _ffn_input(hf: Tensor, gamma: Tensor, eps: float, q8: bool) -> tuple[Tensor, Norm | None]:
+  """What the gate and up products read: h with the norm folded in, or with q8 the normalised h rounded to 8 bits (the
+  native kernels' ffn_act=q8), which their output is rounded like before down reads it."""
+  if q8: return q8_round(_norm(hf, gamma, eps)).contiguous(), None
+  return hf, (gamma, _rs(hf, eps))
+
+
 def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor) -> Tensor:
-  """h + MoE FFN(h) for one token: the selected experts' gate and up products (one kernel with merged weights), the
-  shared expert's, the shared expert's down with the residual add, then the experts' down with their routing weights."""
+  """h + MoE FFN(h) for one token: SiLU(gate) * up of the selected experts (one kernel), the shared expert's (one kernel),
+  the shared expert's down with the residual add, then the experts' down with their routing weights."""
   hp, q8 = blk.hp, blk.cfg.ffn_act == "q8"
   hf = h.reshape(hp.dim).float()
-  xn = _norm(hf, blk.ffn_norm, hp.eps)
-  xin = q8_round(xn).contiguous() if q8 else xn
+  x, norm = _ffn_input(hf, blk.ffn_norm, hp.eps, q8)
+  rnd = (lambda a: q8_round(a)) if q8 else (lambda a: a)
   res = hf
-  if blk.shared: res = _down(hf, _gate_up(xin, blk.gate_sh, blk.up_sh, blk.gate_up_sh, None), blk.down_sh, q8)
-  gu = _gate_up(xin, blk.gate_exps, blk.up_exps, blk.gate_up_exps, sel.reshape(1, 1, -1))
-  return _down(res, gu, blk.down_exps, q8, sel, wts).reshape(1, 1, hp.dim)
+  if blk.shared: res = _down(hf, rnd(_glu(x, norm, blk.gate_sh, blk.up_sh, blk.gate_up_sh)), blk.down_sh)
+  act = rnd(_glu(x, norm, blk.gate_exps, blk.up_exps, blk.gate_up_exps, sel))
+  return _down(res, act, blk.down_exps, sel, wts).reshape(1, 1, hp.dim)
 
 
 def ffn(blk: Block, h: Tensor) -> Tensor:
-  """h + FFN(h) for one token of a dense block: gate and up of the normalised input, down with the residual add."""
+  """h + FFN(h) for one token of a dense block: SiLU(gate) * up with the norm folded in, down with the residual add."""
   hp, q8 = blk.hp, blk.cfg.ffn_act == "q8"
   hf = h.reshape(hp.dim).float()
-  xn = _norm(hf, blk.ffn_norm, hp.eps)
-  gu = _gate_up(q8_round(xn).contiguous() if q8 else xn, blk.gate, blk.up, blk.gate_up, None)
-  return _down(hf, gu, blk.down, q8).reshape(1, 1, hp.dim)
+  x, norm = _ffn_input(hf, blk.ffn_norm, hp.eps, q8)
+  act = _glu(x, norm, blk.gate, blk.up, blk.gate_up)
+  return _down(hf, q8_round(act) if q8 else act, blk.down).reshape(1, 1, hp.dim)
 
 
 class DslBackend(Backend):
@@ -400,16 +450,16 @@ def linear(x: Tensor, w: QWeight) -> Tensor:
 
 
 def per_head(x: Tensor, w: QWeight) -> Tensor:
-  """x (..., H, in) with w (H, out, in) -> (..., H, out)."""
-  lead, (H, out, inp) = x.shape[:-2], w.shape
-  return _run(per_head_kernel, (prod(lead), H, out), x.reshape(-1, H, inp), (), w).reshape(*lead, H, out)
+  """x (..., H, in or wider: its first `in` values per head are read) with w (H, out, in) -> (..., H, out)."""
+  lead, (H, out, _) = x.shape[:-2], w.shape
+  return _run(per_head_kernel, (prod(lead), H, out), x.reshape(-1, H, x.shape[-1]), (), w).reshape(*lead, H, out)
 
 
 def expert(x: Tensor, sel: Tensor, w: QWeight) -> Tensor:
   """x (B, T, K or 1, in), selected experts sel (B, T, K), w (E, out, in) -> (B, T, K, out)."""
   (B, T, K), (E, out, inp) = sel.shape, w.shape
   xs = x.reshape(B * T, x.shape[2], inp)
-  return _run(expert_kernel, (B * T, K, out), xs, (sel.reshape(B * T, K).cast(dtypes.int32).contiguous(),), w,
+  return _run(expert_kernel, (B * T, K, out), xs, (sel.reshape(B * T, K).cast(dtypes.int32),), w,
               n_experts=E).reshape(B, T, K, out)
 
 

@@ -67,29 +67,30 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from model.structure import StructureConfig
+from model.backends import catalog
+from model.structure import KNOBS, StructureConfig
 
 FP32_TOL, FP16_TOL, Q8_TOL = 5e-3, 5e-2, 3e-2
 CODE = pathlib.Path(__file__).resolve().parents[1] / "model"  # what a reference's numbers depend on, besides the file, tinygrad and this module
 
 
 def twin(cfg: StructureConfig) -> StructureConfig:
-  """The config whose reference a trial is checked against: the baseline, or for 8-bit FFN activations their dsl twin
-  (the baseline with the same fused FFN stages in dsl, rounding the same way), since against float32 the rounding alone
-  moves a stage as much as a subtle fault does."""
-  if cfg.ffn_act == StructureConfig().ffn_act: return StructureConfig()
-  return StructureConfig(fused={s: "dsl" for s in ("moe", "ffn") if cfg.stage(s)}, ffn_act=cfg.ffn_act)
+  """The config whose reference a trial is checked against: the baseline, or for 8-bit activations (precision class q8)
+  their twin: the baseline with those knob values and the stages they are read in fused on the portable backends that
+  round alike (catalog twin), since against float32 the rounding alone moves a stage as much as a subtle fault does."""
+  q8 = [k for k in KNOBS.values() if k.precision_of(k.value(cfg)) == "q8"]
+  if not q8: return StructureConfig()
+  fused = {s: catalog.twin(cfg.fused[s]) for k in q8 for s in k.fused_in if s in cfg.fused}
+  return StructureConfig(fused=fused, **{k.field: k.value(cfg) for k in q8})
 
 
 def tolerance(cfg: StructureConfig, dim: int) -> tuple[float, float]:
-  """(the tolerance of the config's class, that of its FFN stages) for a model of width dim. FP16_TOL where the config
-  rounds to fp16 where its reference does not, else FP32_TOL; 8-bit activations' FFN stages Q8_TOL at GLM-4.7-Flash's
-  width (2048), scaled by sqrt(2048 / dim): one value one 8-bit step apart moves a stage by about step / sqrt(width)."""
-  base = StructureConfig()
-  fp16 = ("fp16_cache" in cfg.backends.values() or cfg.act_dtype != base.act_dtype or cfg.mla_absorb != base.mla_absorb
-          or cfg.router_fp32 != base.router_fp32 or cfg.kv_dtype != base.kv_dtype)
-  tol = FP16_TOL if fp16 else FP32_TOL
-  return tol, max(tol, Q8_TOL * math.sqrt(2048 / dim)) if cfg.ffn_act == "q8" else tol
+  """(the tolerance of the config's precision class, that of its FFN stages) for a model of width dim: FP16_TOL where it
+  rounds to fp16 where its reference does not, else FP32_TOL; with 8-bit activations the FFN stages Q8_TOL at width 2048,
+  scaled by sqrt(2048 / dim): one value one 8-bit step apart moves a stage by about step / sqrt(width)."""
+  classes = cfg.precision()
+  tol = FP16_TOL if "fp16" in classes else FP32_TOL
+  return tol, max(tol, Q8_TOL * math.sqrt(2048 / dim)) if "q8" in classes else tol
 
 
 def rel_err(got: np.ndarray, ref: np.ndarray) -> np.ndarray:

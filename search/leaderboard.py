@@ -26,10 +26,10 @@ from sqlalchemy.orm import Session
 from db import store
 from db.models import Confirmation, Study, Trial
 from db.store import interval
-from model.backends import ROLES, STAGES
-from model.structure import QUANT_NAMES, StructureConfig
+from model.structure import StructureConfig
 from search.formats import Section
 from search.view import BASELINE
+from space.knobs import flat
 
 SCHEMA = 1
 
@@ -40,31 +40,20 @@ def winner(confirmed: list[Confirmation]) -> Confirmation | None:
   return best if best is not None and best.speedup_low > 1.0 else None
 
 
-def flat(cfg: StructureConfig) -> dict[str, Any]:
-  """Every knob value of a config, named as `describe` names them: barrier.<point>, backend.<QUANT>:<role>, fused.<stage>,
-  the plain fields."""
-  out: dict[str, Any] = {}
-  for k, v in cfg.to_dict().items():
-    if k == "barriers": out |= {f"barrier.{p}": m for p, m in v.items()}
-    elif k == "backends": out |= {f"backend.{q}:{r}": cfg.backend(q, r) for q in QUANT_NAMES for r in ROLES}
-    elif k == "fused": out |= {f"fused.{st}": cfg.fused.get(st, "off") for st in STAGES}
-    elif k != "schema_version": out[k] = v
-  return out
-
-
 def changes(cfg: StructureConfig) -> dict[str, Any]:
   base = flat(StructureConfig())
   return {k: v for k, v in flat(cfg).items() if base[k] != v}
 
 
 def parse_where(pins: list[str]) -> dict[str, str]:
-  """--where knob=value filters (knob names as in the leaderboard's changes)."""
+  """--where knob=value filters (knob names as in the leaderboard's changes; `backend.Q4_0:expert` is read as
+  `backend.Q4_0.expert`)."""
   known, out = flat(StructureConfig()), {}
   for p in pins:
     k, eq, v = p.partition("=")
     if not eq: raise ValueError(f"--where {p!r}: expected KNOB=VALUE")
-    if k not in known: raise ValueError(f"--where: unknown knob {k!r}; knobs: {', '.join(known)}")
-    out[k] = v
+    if (name := k.replace(":", ".")) not in known: raise ValueError(f"--where: unknown knob {k!r}; knobs: {', '.join(known)}")
+    out[name] = v
   return out
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from tinygrad import Tensor, UOp, dtypes
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
-from model.backends import STAGES, Backend
+from model.backends.registry import Backend, register
 from model.quants import BF16, F16, F32, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, QUANT_TYPES
 
 if TYPE_CHECKING:
@@ -293,8 +293,6 @@ def ffn(blk: Block, h: Tensor) -> Tensor:
 
 class DslBackend(Backend):
   name = "dsl"
-  quants = frozenset(QUANT_TYPES[t].name for t in _ELEMENTS)
-  stages = frozenset(STAGES)
   attention, router, moe, ffn = staticmethod(attention), staticmethod(router), staticmethod(moe), staticmethod(ffn)
 
   def linear(self, x: Tensor, w: QWeight) -> Tensor: return linear(x, w)
@@ -321,4 +319,4 @@ def expert(x: Tensor, sel: Tensor, w: QWeight) -> Tensor:
   return _run(expert_kernel, (B * T, K, out), xs, (sel.reshape(B * T, K),), w, n_experts=E).reshape(B, T, K, out)
 
 
-BACKEND = DslBackend()
+BACKEND = register(DslBackend())

@@ -20,7 +20,6 @@ from model.production import model_key as production_key
 from model.production import production_dir, sha_line
 from model.structure import StructureConfig
 from search.leaderboard import find_trial, winner
-from search.view import BASELINE
 
 
 def choose(s: Session, study: Study, which: str | None, unconfirmed: bool) -> tuple[Trial, str]:
@@ -42,10 +41,11 @@ def choose(s: Session, study: Study, which: str | None, unconfirmed: bool) -> tu
     raise ValueError(f"study {study.name!r} has no confirmed winner (`search confirm --study {study.name}`; --unconfirmed exports the best "
                      "measured config)")
   else:
-    cands = [t for t in store.leaderboard(s, study, None) if t.config_hash != BASELINE and not _slower(conf.get(t.config_hash))]
+    cands = [t for t in store.leaderboard(s, study, None) if t.config_hash != study.baseline_hash and not _slower(conf.get(t.config_hash))]
     if not cands: raise ValueError(f"study {study.name!r} has no measured config but the baseline and those confirmed slower than it")
     t = cands[0]
-  if t.config_hash == BASELINE: raise ValueError(f"trial {t.number} is the baseline config: production without a config is the baseline already")
+  if t.config_hash == study.baseline_hash:
+    raise ValueError(f"trial {t.number} is the baseline config: production without a config is the baseline already")
   c = conf.get(t.config_hash)
   if _slower(c):
     raise ValueError(f"trial {t.number} was confirmed {'not faster than' if c.status == 'ok' else 'failing against'} the baseline "
@@ -66,7 +66,7 @@ def default_path(study: Study) -> pathlib.Path: return production_dir() / f"{pro
 
 def render(s: Session, study: Study, t: Trial, why: str, url: str) -> str:
   """The production file: a header (study, trial, figures, device, environment, code) and the config as TOML."""
-  e, base = store.estimates(s, study).get(t.config_hash), store.estimates(s, study).get(BASELINE)
+  e, base = store.estimates(s, study).get(t.config_hash), store.estimates(s, study).get(study.baseline_hash)
   m, env, code = t.metrics or {}, t.environment, t.git_state
   fig = f"{interval(e)} tok/s over {e.n} measurements" if e else f"{t.tok_s:.2f} tok/s"
   lines = [f"structsearch production config: study {study.name!r}, trial {t.number}, {why}",
@@ -111,7 +111,7 @@ def export(s: Session, study: Study, url: str, which: str | None, unconfirmed: b
   sha = branch = diff = None
   if do_commit:
     est = store.estimates(s, study)
-    e, base = est.get(t.config_hash), est.get(BASELINE)
+    e, base = est.get(t.config_hash), est.get(study.baseline_hash)
     measured = f"; measured {e.median / base.median:.3f}x the baseline" if e and base else ""
     message = f"structsearch: export study {study.name}, trial {t.number}: {why}{measured}, on {study.device_name or study.device}"
     sha, branch, diff = commit(path, message, "structsearch/" + re.sub(r"[^A-Za-z0-9._-]+", "-", study.name) + f"-trial{t.number}")

@@ -173,10 +173,8 @@ def sm_count(device: str) -> int:
 
 
 def q8_handoff(routed: C.FFN | None, plain: C.FFN | None, k: int, device: str) -> bool:
-  """Whether glu writes its 8-bit output for down to read (8-bit activations), by cuda_src.handoff_fits on this device. On
-  the H100 it takes GLM-4.7-Flash's down from 6.90 to 6.19 us with gate+up unchanged (240 blocks); DeepSeek-V2-Lite's 352
-  blocks take two waves, and its gate+up 12.8 -> 14.5 us would cost more than down's 8.6 -> 7.3 saves
-  (benchmarks/kernel_lab.py)."""
+  """Whether glu writes its 8-bit output for down to read (8-bit activations), by cuda_src.handoff_fits on this device:
+  where glu's blocks fit one wave, the hand-off saves down more than it costs gate+up (benchmarks/kernel_lab.py)."""
   return C.handoff_fits(routed, plain, k, sm_count(device))
 
 

@@ -21,13 +21,14 @@ from tinygrad.helpers import Context
 
 from evaluator.bandwidth import measure
 from evaluator.child import environment
-from model import backends as K_
+from model.backends import catalog, native
+from model.backends import registry as K_
 from model.quants import QUANT_TYPES
 from model.weights import QWeight
 
 p = argparse.ArgumentParser()
 p.add_argument("--beam", type=int, default=0)
-p.add_argument("--quant", default="Q4_0", choices=sorted(K_.native.BACKEND.quants))
+p.add_argument("--quant", default="Q4_0", choices=sorted(catalog.get("native").quants))
 p.add_argument("--json", help="append one JSON line per backend")
 args = p.parse_args()
 E, OUT, IN, K, REPS = 64, 1536, 2048, 4, 20
@@ -37,11 +38,11 @@ bw = measure(dev)["gb_s"]
 label = f"{environment(dev)['device_name']} ({dev})"
 rng = np.random.default_rng(0)
 base = random_weight(rng, qtype, (E, OUT, IN))
-backends = ["tensor", "fp16_cache", "dsl"] + (["native"] if K_.native.available() else [])
+backends = [n for n in catalog.names() if catalog.get(n).portable or native.available()]
 print(f"{dev} BEAM={args.beam} {args.quant}: streaming bandwidth {bw:.0f} GB/s")
 for backend in backends:
   w = K_.get(backend).attach(QWeight(base.planes, qtype, base.shape), dev)
-  read = K * OUT * IN * (2 if backend == "fp16_cache" else qt.nbytes / qt.block)
+  read = K * OUT * IN * (2 if catalog.get(backend).precision == "fp16" else qt.nbytes / qt.block)
   one = TinyJit(lambda x, sel, w=w: K_.expert(x, sel, w).contiguous())
   times: dict[str, list[float]] = {"kernel": [], "call": []}
   with Context(BEAM=args.beam):

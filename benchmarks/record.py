@@ -28,7 +28,6 @@ from typing import Any
 from evaluator.result import TrialResult
 from model.gguf_file import GGUFFile
 from model.structure import StructureConfig
-from search.study import config_hash
 from space.knobs import describe
 
 
@@ -67,7 +66,7 @@ def trial_lines(r: TrialResult, device: str, model_name: str, quant: str, config
   cfg = StructureConfig.from_dict(r.spec["config"])
   config_name = config_name or describe(cfg) or "baseline"
   layers = r.metrics.get("layers") or int(GGUFFile(r.spec["model"]).key("block_count"))
-  head = common("", device, model_name, layers, quant, config_name) | {"config_hash": config_hash(cfg), "beam": cfg.beam}
+  head = common("", device, model_name, layers, quant, config_name) | {"config_hash": cfg.hash, "beam": cfg.beam}
   line = lambda kind, **kw: head | {"kind": kind} | kw | {"command": command}
   m, bw, out = r.metrics, r.spec.get("bandwidth_gbs"), []
   if r.ok:

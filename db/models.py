@@ -79,6 +79,8 @@ class Study(Base):
   space_version: Mapped[int]
   objectives: Mapped[str]  # "tok_s" or "tok_s,peak_memory"
   sampler: Mapped[str]
+  baseline_config: Mapped[str | None] = mapped_column(Text)  # the study's one baseline (JSON): the defaults and its pinned knobs
+  baseline_hash: Mapped[str | None] = mapped_column(String(16))
   created_at: Mapped[datetime] = mapped_column(default=utcnow)
   finished_at: Mapped[datetime | None]
 

@@ -88,7 +88,7 @@ def finish_trial(s: Session, trial: Trial, *, state: str, stage: str | None = No
 
 
 def profile_rows(profile: list[dict]) -> list[KernelProfile]:
-  """A trial's per-kernel profile (evaluator/profile.py rows) as ss_kernel_profile rows."""
+  """A trial's per-kernel profile (model/profile.py rows) as ss_kernel_profile rows."""
   return [KernelProfile(**{k: row[k] for k in PROFILE_COLUMNS}) for row in profile]
 
 

@@ -76,7 +76,7 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
   from tinygrad import GlobalCounters
 
   from evaluator import gate
-  from evaluator.driver import bench_prompt, measure, prepare
+  from model.bench import bench_prompt, measure, prepare
   from model.deepseek2 import Transformer
   from model.generate import Generator
   from model.gguf_file import GGUFFile
@@ -118,7 +118,7 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
       return
   if spec.profile:
     rec.phase("profile")
-    from evaluator.profile import kernel_profile
+    from model.profile import kernel_profile
     res.profile = kernel_profile(gen.step_jit, {"start_pos": pos}, spec.bandwidth_gbs, m["bytes_per_token"])
     res.metrics["kernel_us_per_token"] = sum(p["us_per_token"] for p in res.profile)  # against ms_per_token: the graph's own cost
 

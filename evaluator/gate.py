@@ -1,61 +1,26 @@
 """The correctness gate: a trial computes what the baseline computes, up to its arithmetic's rounding, in every stage.
 
-Why not compare logits position by position: at depth, MoE routing sits close to ties at many positions, a legitimate
-float reordering flips one expert somewhere, attention carries it on, and tens of MoE blocks turn 1e-6 into O(1). And an
-approximation that is legitimate in one block (8-bit activations, as llama.cpp's mmvq kernels compute) compounds over the
-blocks into logits as far from the baseline's as a real bug's. So the gate checks each stage on its own inputs:
+Logits compared position by position fail legitimate configs at depth (a reordered float sum flips a near-tied expert and
+the blocks carry it on; 8-bit activations compound over the blocks), so each stage is checked on its own inputs:
 
-- The reference (the baseline config, once per model file, device, depth, model and gate code and tinygrad version) feeds
-  the prompt and the greedy continuation after it through its check path and records, for the check positions (the
-  continuation), the residual stream after every stage of each step (the embedding,
-  then each block's attention and FFN: model.deepseek2.Check), every MoE block's selected experts, selection scores and
-  router logits, and the logits.
-- The prompt's part of the KV cache comes from the reference: it records every block's cache rows of the prompt, and
-  the trial's check starts with them in its own cache (in its own cache dtype), at the first check position, where the
-  timed decode starts too. The positions the trial is timed at are the ones checked; feeding the prompt through the
-  check path as well cost three times the steps (32 + 16), the better part of the check of a slow config.
-- Arithmetic, stage by stage: the trial runs the check positions' tokens through its check path (block by block, one
-  graph per kind of block: model/generate.py check_step) with every stage reading the reference's stream (its KV cache
-  rows are written from those inputs too) and every MoE block the reference's experts; each stage's update (its output
-  minus its input) must stay within the tolerance of its class (below) of the reference's update, and the logits (the
-  output head on the reference's last stream) within the tolerance of the reference's, at every check position, no stage
-  or position excused.
-  Errors cannot compound, so a fault in one block stands out against an approximation's uniform rounding, and the
-  verdict names the stage.
-- Routing: the same run reports each block's own top-k (computed from its own scores, on the reference's input); it must
-  equal the reference's wherever the reference's margin (k-th minus (k+1)-th score) exceeds twice the tolerance.
-  Decisions inside that margin are near-ties: recorded and counted, never failures. The trial's router logits (what the
-  scores are computed from) must also stay within the tolerance: a softmax over them enlarges a rounding-size difference,
-  so the scores are compared only by their top-k.
-- The timed run is the checked run: a second pass through the same check path chains the stages (each reads the one
-  before it, as in the timed graph) under the reference's routing. Where its own routing is the reference's, with clear
-  margins, it is the trial's own free run of the reference's tokens, so the tokens of the measured decode (the production
-  graph) must equal its greedy tokens, position by position, until the timed run's input parts from the reference's or
-  the chained run's own lead or routing margin is within the tolerance (the pass stops at its first near-tie). Its logits'
-  distance from the reference's is reported as the trial's end-to-end drift: a figure, not a verdict.
+- The reference (the baseline config, or an 8-bit config's twin: `twin`) feeds the prompt and its greedy continuation
+  through the check path (model.deepseek2.Check) and records every block's KV cache rows of the prompt and, at each check
+  position, the residual stream after every stage, each MoE block's selected experts, scores and router logits, and the
+  logits (`make_reference`; cached under `reference_key`).
+- `check`: the trial starts from the reference's cache rows and runs each check position with every stage reading the
+  reference's stream and every MoE block the reference's experts. Each stage's update (output minus input) and the logits
+  must stay within the tolerance of the reference's; its own top-k must equal the reference's where the reference's margin
+  exceeds twice the tolerance (nearer ones are near-ties, counted); its router logits must stay within the tolerance.
+- `_chained`: a second pass chains the stages under the reference's routing; while its routing is the reference's with
+  clear margins, its greedy tokens are what the timed run must produce (`check_tokens`), and its distance from the
+  reference's logits is the trial's drift, a figure.
 
-Tolerances are of the reference's standard deviation at each position (a stage's update over the model width, logits
-over the vocabulary, router logits and scores over the experts), and errors are the maximum over those elements.
-FP32_TOL holds configs that reorder float32 work (fusion, kernels, barriers, BEAM): their stages agree to 3e-4 or less
-(measured on tiny-deep, 32 blocks, and on the H100 at full depth), the baseline's fp16 KV cache being what moves (a
-reordered sum that lands on the other side of an fp16 rounding boundary). FP16_TOL holds configs that round to fp16 where
-their reference does not (fp16 weight caches, activations, absorbed q projection, router input) or keep the KV cache in
-float32 against the baseline's fp16: up to 2e-2 measured (fp16 activations on tiny-deep; 5.5e-3 on two blocks of
-GLM-4.7-Flash's widths). 8-bit FFN activations are checked against their twin, FFN stages at Q8_TOL (scaled by
-sqrt(2048 / width)) and every other stage at FP32_TOL: two implementations of the same 8-bit rounding agree except where
-a value sits within a float rounding of a rounding boundary and lands one 8-bit step apart, and one such step moves its
-stage by about step / sqrt(width): 1.1e-2 and 1.5e-2 on the H100 (the native CUDA kernels against their dsl twin,
-GLM-4.7-Flash and DeepSeek-V2-Lite at full depth, width 2048: at 2 and 6 of 48 positions, 3e-5 the median), at most
-4.1e-2 on tiny-deep (width 256, the first value of every 8-bit-rounded FFN input one step up: tests/test_gate.py). A wrong
-expert, a dropped residual or a dequantization scale read from a neighbouring block moves the update of the stage they
-touch by 6e-2 (the scale, two blocks of GLM-4.7-Flash's widths: one 32-weight block of a 1536-wide row; 0.13 on the H100
-at full depth, and on tiny-deep with 8-bit activations) to O(1); 8-bit activations against float32 move their FFN
-stages by 5e-2 there, which is why they have a twin.
-
-The check runs the blocks one by one, one captured graph per kind of block replayed on each block's own buffers
-(model/generate.py block_inputs): a block's code is a function of the config and its kind (its weights' quant types and
-backends, its flags), so a fault in one block's data (a wrong scale) is checked in that block, and nothing in the model
-makes a block's code depend on its index.
+Tolerances are of the reference's standard deviation at each position, errors the maximum over the elements. The config's
+precision class (StructureConfig.precision) picks them: FP32_TOL where it reorders float32 work, FP16_TOL where it rounds
+to fp16 where its reference does not; with 8-bit activations the FFN stages get Q8_TOL at width 2048, scaled by
+sqrt(2048 / width), as one value one 8-bit step apart moves a stage by about step / sqrt(width). The blocks run one by one,
+one captured graph per kind of block (model/generate.py), so a fault in one block's data is checked in that block. The
+figures behind the constants: docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -67,29 +32,30 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from model.structure import StructureConfig
+from model.backends import catalog
+from model.structure import KNOBS, StructureConfig
 
 FP32_TOL, FP16_TOL, Q8_TOL = 5e-3, 5e-2, 3e-2
 CODE = pathlib.Path(__file__).resolve().parents[1] / "model"  # what a reference's numbers depend on, besides the file, tinygrad and this module
 
 
 def twin(cfg: StructureConfig) -> StructureConfig:
-  """The config whose reference a trial is checked against: the baseline, or for 8-bit FFN activations their dsl twin
-  (the baseline with the same fused FFN stages in dsl, rounding the same way), since against float32 the rounding alone
-  moves a stage as much as a subtle fault does."""
-  if cfg.ffn_act == StructureConfig().ffn_act: return StructureConfig()
-  return StructureConfig(fused={s: "dsl" for s in ("moe", "ffn") if cfg.stage(s)}, ffn_act=cfg.ffn_act)
+  """The config whose reference a trial is checked against: the baseline, or for 8-bit activations (precision class q8)
+  their twin: the baseline with those knob values and the stages they are read in fused on the portable backends that
+  round alike (catalog twin), since against float32 the rounding alone moves a stage as much as a subtle fault does."""
+  q8 = [k for k in KNOBS.values() if k.precision_of(k.value(cfg)) == "q8"]
+  if not q8: return StructureConfig()
+  fused = {s: catalog.twin(cfg.fused[s]) for k in q8 for s in k.fused_in if s in cfg.fused}
+  return StructureConfig(fused=fused, **{k.field: k.value(cfg) for k in q8})
 
 
 def tolerance(cfg: StructureConfig, dim: int) -> tuple[float, float]:
-  """(the tolerance of the config's class, that of its FFN stages) for a model of width dim. FP16_TOL where the config
-  rounds to fp16 where its reference does not, else FP32_TOL; 8-bit activations' FFN stages Q8_TOL at GLM-4.7-Flash's
-  width (2048), scaled by sqrt(2048 / dim): one value one 8-bit step apart moves a stage by about step / sqrt(width)."""
-  base = StructureConfig()
-  fp16 = ("fp16_cache" in cfg.backends.values() or cfg.act_dtype != base.act_dtype or cfg.mla_absorb != base.mla_absorb
-          or cfg.router_fp32 != base.router_fp32 or cfg.kv_dtype != base.kv_dtype)
-  tol = FP16_TOL if fp16 else FP32_TOL
-  return tol, max(tol, Q8_TOL * math.sqrt(2048 / dim)) if cfg.ffn_act == "q8" else tol
+  """(the tolerance of the config's precision class, that of its FFN stages) for a model of width dim: FP16_TOL where it
+  rounds to fp16 where its reference does not, else FP32_TOL; with 8-bit activations the FFN stages Q8_TOL at width 2048,
+  scaled by sqrt(2048 / dim): one value one 8-bit step apart moves a stage by about step / sqrt(width)."""
+  classes = cfg.precision()
+  tol = FP16_TOL if "fp16" in classes else FP32_TOL
+  return tol, max(tol, Q8_TOL * math.sqrt(2048 / dim)) if "q8" in classes else tol
 
 
 def rel_err(got: np.ndarray, ref: np.ndarray) -> np.ndarray:

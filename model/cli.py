@@ -64,7 +64,7 @@ def cmd_run(args) -> None:
 def cmd_bench(args) -> None:
   from tinygrad import Device, GlobalCounters
 
-  from evaluator.driver import measure, prepare  # the evaluator's own decode benchmark: the same steps as a trial's
+  from model.bench import measure, prepare  # the one decode benchmark: the same steps as a trial's
   f, gen, load_s, cfg = _load(args)
   t0 = time.perf_counter()
   first, figures = prepare(gen, args.prompt_len, prefill=True)
@@ -75,7 +75,7 @@ def cmd_bench(args) -> None:
        "kv_cache_bytes": m.kv_cache_bytes, "device_bytes": GlobalCounters.mem_used, "load_peak_device_bytes": m.load_peak_bytes,
        "host_peak_rss_bytes": peak_rss_bytes(), **r, "config": cfg.to_dict()}
   if args.profile:
-    from evaluator.profile import kernel_profile
+    from model.profile import kernel_profile
     d["profile"] = kernel_profile(gen.step_jit, {"start_pos": args.prompt_len}, step_bytes=r["bytes_per_token"])
   if args.json: print(json.dumps(d))
   else:

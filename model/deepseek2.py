@@ -12,8 +12,9 @@ import numpy as np
 from tinygrad import GlobalCounters, Tensor, UOp, dtypes
 from tinygrad.uop.ops import resolve
 
-from model import backends as K
 from model import weights as W
+from model.backends import catalog
+from model.backends import registry as K
 from model.errors import ConfigError
 from model.gguf_file import GGUFError, GGUFFile
 from model.quants import F32, QUANT_TYPES
@@ -357,8 +358,8 @@ class Transformer:
       info = f.tensors[name]
       if norm and info.ggml_type == F32: return upload(f.read(name).view(np.float32).reshape(-1), device)
       quant = QUANT_TYPES[info.ggml_type].name
-      if stage in ("moe", "ffn") and self.cfg.stage(stage) and self.cfg.ffn_act == "q8" and quant not in K.Q8_TYPES:
-        raise ConfigError(f"ffn_act=q8 needs the fused {stage} stage's weights in {' or '.join(K.Q8_TYPES)}; {name} is {quant}")
+      if stage in ("moe", "ffn") and self.cfg.stage(stage) and self.cfg.ffn_act == "q8" and quant not in catalog.Q8_QUANTS:
+        raise ConfigError(f"ffn_act=q8 needs the fused {stage} stage's weights in {' or '.join(catalog.Q8_QUANTS)}; {name} is {quant}")
       w = QWeight.from_bytes(f.read(name), info.ggml_type, shape or info.shape, device)
       self.load_peak_bytes = max(self.load_peak_bytes, GlobalCounters.mem_used)
       if norm: return w.to_float().reshape(-1).contiguous().realize()
@@ -369,12 +370,8 @@ class Transformer:
     cos, sin = rope_table(hp, self.max_context)
     self.cos, self.sin = upload(cos, device), upload(sin, device)
     # shared by the blocks: the RoPE tables and the native kernels' scratch (split-attention partials, arrival counters)
-    splits = K.cuda_src.attention_splits(self.max_context)[1]
     shared = {"cos": self.cos, "sin": self.sin}
-    if "native" in self.cfg.fused.values():
-      shared |= {"part": Tensor.zeros(hp.n_heads * splits * (hp.kv_lora + 2), device=device).contiguous().realize(),
-                 "cnt": Tensor.zeros(hp.n_heads, dtype=dtypes.int32, device=device).contiguous().realize(),
-                 "router_cnt": Tensor.zeros(1, dtype=dtypes.int32, device=device).contiguous().realize()}
+    for b in sorted({b for b in self.cfg.fused.values() if catalog.get(b).scratch}): shared |= K.get(b).scratch(hp, self.max_context, device)
     self.token_embd = load("token_embd.weight")
     self.blocks = [Block(f, i, hp, self.cfg, load, self.max_context, device, shared) for i in range(n)]
     self.output_norm = load("output_norm.weight", norm=True)

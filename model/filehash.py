@@ -1,4 +1,6 @@
-"""The SHA-256 of a model file, the identity a study and the reference cache hold it by."""
+"""The SHA-256 of a model file, the identity a study and the reference cache hold it by. A reference's cache key also
+holds a hash of every model/**/*.py (evaluator.gate.code_hash): editing any of them invalidates every cached correctness
+reference, and the next trial of each study makes its reference again."""
 from __future__ import annotations
 
 import hashlib

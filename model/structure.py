@@ -1,107 +1,213 @@
-"""StructureConfig: the structural build options of the model, as data.
+"""StructureConfig: the structural build options of the model, as data, each declared once as a knob beside its field.
 
-The default is the baseline. Every field changes real code paths in `model/`; `space/` describes the domains the search
-explores and turns an Optuna trial into one of these.
+The default is the baseline. Every field changes real code paths in `model/`. A field's declaration (`knob(...)`, or a
+`Table` of knobs for a dict field) holds everything else derives from: the space's knob rows and Optuna names
+(space/knobs.py), the CLI's `--fix`/`--where` spellings, the views' columns and the gate's precision class. Adding a knob
+is its field here and the model code that reads it.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import tomli_w
 
-from model import backends
+from model.backends import catalog
+from model.backends.catalog import QUANT_NAMES, ROLES, STAGES
 from model.errors import ConfigError
 
 SCHEMA_VERSION = 3
-# fields removed since an earlier schema version, dropped when a stored config of that version is read: tinygrad's BEAM=0
-# matvec heuristic (MV_*) takes no kernel of this model, so those settings built identical kernels (docs/benchmarks.md)
+# fields removed since an earlier schema version, dropped when a stored config of that version is read
 REMOVED_FIELDS = {1: ("mv_blocksize", "mv_threads_per_row", "mv_rows_per_thread")}
-
-# split points where the model may place a kernel boundary (.contiguous()) or an execution barrier (.realize())
-BARRIER_POINTS = ("q_proj", "kv_a", "attn_out", "router_logits", "moe_gate_up", "expert_down", "moe_out",
-                  "shexp_gate_up", "dense_gate_up", "block_out", "kv_write")
-BARRIER_MODES = ("none", "contiguous", "realize")
-TOPK_VARIANTS = ("pairwise", "sort", "argmax")
-QUANT_NAMES = ("F32", "F16", "BF16", "Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-MLA_ABSORB = ("runtime", "load")
-DTYPES = ("float16", "float32")
-ATTENTION = ("explicit", "sdpa")
-FFN_ACTS = ("float32", "q8")  # the fused FFN stages' activations (model/backends: Q8_TYPES)
-BEAM_WIDTHS = (0, 1, 2, 4, 8)
-# tinygrad process settings that change generated code or its execution: StructureConfig field -> (environment variable, allowed values)
-PROCESS_SETTINGS: dict[str, tuple[str, tuple]] = {
-  "beam_upcast_max": ("BEAM_UPCAST_MAX", (64, 128, 256)),  # BEAM: largest upcast a candidate may apply
-  "beam_local_max": ("BEAM_LOCAL_MAX", (256, 512, 1024)),  # BEAM: largest local (workgroup) size
-  "beam_min_progress": ("BEAM_MIN_PROGRESS", (0.01, 1.0, 5.0)),  # BEAM: stop when the best candidate gains less (µs)
-  "jit_batch_size": ("JIT_BATCH_SIZE", (0, 8, 32, 128)),  # kernels in the first JIT graph batch, doubling after (0: one graph)
-}
-
-DEFAULT_BARRIERS = {p: "none" for p in BARRIER_POINTS} | {"moe_gate_up": "contiguous", "dense_gate_up": "contiguous",
-                                                          "shexp_gate_up": "contiguous", "block_out": "contiguous"}
+GPU_DEVICES = ("CUDA", "NV", "AMD", "METAL", "CL", "QCOM", "WEBGPU")  # renderers with local (workgroup) dims
+GRAPH_DEVICES = ("CUDA", "NV", "AMD", "METAL")  # devices whose JIT batches kernels into graphs
+Info = Any  # what `applies` reads of a model file: space.knobs.ModelInfo
 
 
-def _check(name: str, value: Any, allowed: tuple) -> None:
-  if value not in allowed: raise ConfigError(f"{name}={value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
+@dataclass(frozen=True)
+class Knob:
+  """One knob: its default, the values the search tries (`choices`: a tuple, or a function of the device and the backend
+  family), what it changes (`doc`), when it applies, and the precision class of its values other than the default
+  (`fp32`: float32 work reordered; `fp16`: rounded to fp16 where the baseline is not; `q8`: 8-bit activations, checked
+  against their twin; or a function of the value). When it applies: `applies(info)` on the model file; `stages`: the fused
+  stages that replace the per-op code it changes (it applies while one of them runs per op, or on a backend that `keeps`
+  it); `fused_in`: it applies only while one of these stages is fused; `needs`: (knob, condition on its value, a value that
+  meets it); `devices`: the device kinds it applies on. `allowed`: what a config may hold where that is more than the
+  choices; `env`: the tinygrad variable it sets in a trial process. `name`, `field` and `key` come from where it is declared."""
+  default: Any
+  choices: tuple | Callable[[str, str], tuple]
+  doc: str
+  applies: Callable[[Info], bool] = lambda m: True
+  stages: tuple[str, ...] = ()
+  fused_in: tuple[str, ...] = ()
+  needs: tuple[str, Callable[[Any], bool], Any] | None = None
+  devices: tuple[str, ...] | None = None
+  precision: str | Callable[[Any], str] = "fp32"
+  allowed: tuple | Callable[[], tuple] | None = None
+  env: str | None = None
+  name: str = ""
+  field: str = ""
+  key: str | None = None
+
+  def domain(self, device: str = "CPU", family: str = "all") -> tuple:
+    """The values the search tries on this device with this backend family."""
+    return self.choices(device, family) if callable(self.choices) else self.choices
+
+  def valid(self) -> tuple:
+    """The values a config may hold."""
+    allowed = self.allowed if self.allowed is not None else self.choices
+    return allowed() if callable(allowed) else allowed
+
+  def value(self, cfg: StructureConfig) -> Any:
+    v = getattr(cfg, self.field)
+    return v if self.key is None else v.get(self.key, self.default)
+
+  def precision_of(self, value: Any) -> str:
+    if value == self.default: return "fp32"
+    return self.precision(value) if callable(self.precision) else self.precision
+
+
+@dataclass(frozen=True)
+class Table:
+  """The knobs of a dict field, one per key, named `<prefix>.<key>` (a `:` in the key written `.`). `sparse`: the dict holds
+  only the keys off their default (else every key, the unnamed ones at their defaults); `what` names a key in errors."""
+  prefix: str
+  knobs: dict[str, Knob]
+  what: str
+  sparse: bool = True
+
+
+def knob(default: Any, choices: tuple | Callable[[str, str], tuple], doc: str, **kw) -> Any:
+  """A field declared as a knob (see Knob)."""
+  return field(default=default, metadata={"knob": Knob(default, choices, doc, **kw)})
+
+
+def table(t: Table) -> Any:
+  """A dict field declared as a table of knobs."""
+  full = {k: v.default for k, v in t.knobs.items()}
+  return field(default_factory=lambda: {} if t.sparse else dict(full), metadata={"table": t})
+
+
+def _backend_precision(name: str) -> str: return catalog.get(name).precision
+
+
+_moe = lambda m: m.moe
+_dense_ffn = lambda m: m.dense_blocks or not m.moe
+BARRIER_MODES = ("none", "contiguous", "realize")  # a split point: nothing, a kernel boundary (.contiguous()), an execution barrier (.realize())
+
+
+def _point(p: str, default: str, stages: tuple[str, ...], applies: Callable[[Info], bool] = lambda m: True,
+           choices: tuple[str, ...] = BARRIER_MODES) -> tuple[str, Knob]:
+  return p, Knob(default, choices, f"kernel boundary (contiguous) or execution barrier (realize) at {p}", applies, stages, allowed=BARRIER_MODES)
+
+
+# split points where the model may place a kernel boundary or an execution barrier; where tinygrad's scheduler already ends
+# a kernel, "none" and "contiguous" build identical kernels (tests/test_space.py compares kernel sources), so those points
+# offer one of the two
+BARRIERS = dict((
+  _point("q_proj", "none", ("attention",), choices=("none", "realize")),
+  _point("kv_a", "none", ("attention",), choices=("none", "realize")),
+  _point("attn_out", "none", ("attention",)),
+  _point("router_logits", "none", ("router",), _moe),
+  _point("moe_gate_up", "contiguous", ("moe",), _moe),
+  _point("expert_down", "none", ("moe",), _moe),
+  _point("moe_out", "none", ("moe",), _moe),
+  _point("shexp_gate_up", "contiguous", ("moe",), lambda m: m.shared_experts),
+  _point("dense_gate_up", "contiguous", ("ffn",), _dense_ffn, ("contiguous", "realize")),
+  _point("block_out", "contiguous", ("moe", "ffn"), choices=("contiguous", "realize")),  # bounds the per-op FFN's output
+  _point("kv_write", "none", ("attention",), choices=("none", "realize")),
+))
+BARRIER_POINTS = tuple(BARRIERS)
+DEFAULT_BARRIERS = {p: k.default for p, k in BARRIERS.items()}
+# the fused stages a model has, and what each needs of the file: attention the split k_b/v_b tensors, moe and ffn one type
+# for gate and up (their kernels read both rows in one pass)
+FUSED_APPLIES: dict[str, Callable[[Info], bool]] = {
+  "attention": lambda m: m.split_kv_b, "router": _moe,
+  "moe": lambda m: m.moe and "routed" in m.mergeable and (not m.shared_experts or "shared" in m.mergeable),
+  "ffn": lambda m: _dense_ffn(m) and "dense" in m.mergeable}
+FUSED = {st: Knob("off", lambda d, f, st=st: ("off", *catalog.stage_choices(st, d, f)),
+                  f"decode {st} as fused kernels of a backend (model/backends/catalog.py STAGES), or per op", FUSED_APPLIES[st],
+                  precision=_backend_precision, allowed=lambda st=st: tuple(n for n in catalog.names() if st in catalog.get(n).stages))
+         for st in STAGES}
+# per-weight kernel backends, keyed "<QUANT>:<role>"; the expert weights are read by the fused moe stage itself where it runs
+BACKENDS = {f"{q}:{r}": Knob(catalog.DEFAULT, lambda d, f, q=q, r=r: catalog.choices(q, r, d, f), f"kernel backend for {q} {r} weights",
+                             lambda m, q=q, r=r: q in m.quants.get(r, ()), stages=("moe",) if r == "expert" else (),
+                             precision=_backend_precision, allowed=lambda r=r: tuple(n for n in catalog.names() if r in catalog.get(n).roles))
+            for r in ROLES for q in sorted(QUANT_NAMES)}
+_beam = ("beam", lambda b: b > 0, 2)  # BEAM's settings apply when BEAM searches (a width of 2 shows them)
 
 
 @dataclass(frozen=True)
 class StructureConfig:
-  barriers: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_BARRIERS))
-  merge_gate_up_routed: bool = False
-  merge_gate_up_shared: bool = False
-  merge_gate_up_dense: bool = False
-  topk: str = "pairwise"
-  backends: dict[str, str] = field(default_factory=dict)  # "<QUANT>:<role>" -> backend (model/backends); absent means "tensor"
-  fused: dict[str, str] = field(default_factory=dict)  # decode stage (model/backends.STAGES) -> backend; absent: the per-op path
-  mla_absorb: str = "runtime"
-  kv_dtype: str = "float16"
-  attention: str = "explicit"
-  act_dtype: str = "float32"
-  ffn_act: str = "float32"  # the fused FFN stages' activations: float32, or q8 (rounded to 8 bits per 32, llama.cpp's mmvq)
-  router_fp32: bool = True
-  beam: int = 0
-  beam_upcast_max: int = 256
-  beam_local_max: int = 1024
-  beam_min_progress: float = 0.01
-  jit_batch_size: int = 32
+  fused: dict[str, str] = table(Table("fused", FUSED, "stage"))  # decode stage -> backend; absent: the per-op path
+  ffn_act: str = knob("float32", ("float32", "q8"), "the fused FFN stages' activations: float32, or rounded to 8 bits per 32 with "
+                      "integer dot products (llama.cpp's mmvq)", applies=lambda m: bool(m.ffn_quants) and set(m.ffn_quants) <= set(catalog.Q8_QUANTS),
+                      fused_in=("moe", "ffn"), precision="q8")
+  barriers: dict[str, str] = table(Table("barrier", BARRIERS, "point", sparse=False))
+  merge_gate_up_routed: bool = knob(False, (False, True), "routed FFN gate and up as one matrix", applies=lambda m: "routed" in m.mergeable,
+                                    stages=("moe",))
+  merge_gate_up_shared: bool = knob(False, (False, True), "shared FFN gate and up as one matrix", applies=lambda m: "shared" in m.mergeable,
+                                    stages=("moe",))
+  merge_gate_up_dense: bool = knob(False, (False, True), "dense FFN gate and up as one matrix", applies=lambda m: "dense" in m.mergeable,
+                                   stages=("ffn",))
+  topk: str = knob("pairwise", ("pairwise", "sort", "argmax"), "top-k routing: pairwise comparison matrix, sort-based, or k argmax passes",
+                   applies=_moe, stages=("router",))
+  mla_absorb: str = knob("runtime", ("runtime", "load"), "apply k_b per token, or absorb it into the q projection at load (fp16)",
+                         stages=("attention",), precision="fp16")
+  kv_dtype: str = knob("float16", ("float16", "float32"), "KV cache dtype", precision="fp16")
+  attention: str = knob("explicit", ("explicit", "sdpa"), "explicit matmul+softmax or scaled_dot_product_attention", stages=("attention",))
+  act_dtype: str = knob("float32", ("float16", "float32"), "residual stream dtype", precision="fp16")
+  router_fp32: bool = knob(True, (True, False), "router matmul input in float32", applies=_moe, stages=("router",), precision="fp16")
+  backends: dict[str, str] = table(Table("backend", BACKENDS, "<QUANT>:<role>"))  # absent: catalog.DEFAULT
+  beam: int = knob(0, (0, 1, 2, 4, 8), "BEAM width for the decode kernels")
+  beam_upcast_max: int = knob(256, (64, 128, 256), "tinygrad BEAM_UPCAST_MAX: largest upcast a BEAM candidate may apply", needs=_beam,
+                              env="BEAM_UPCAST_MAX")
+  beam_local_max: int = knob(1024, (256, 512, 1024), "tinygrad BEAM_LOCAL_MAX: largest local (workgroup) size", needs=_beam,
+                             devices=GPU_DEVICES, env="BEAM_LOCAL_MAX")
+  beam_min_progress: float = knob(0.01, (0.01, 1.0, 5.0), "tinygrad BEAM_MIN_PROGRESS: BEAM stops when the best candidate gains less (µs)",
+                                  needs=_beam, env="BEAM_MIN_PROGRESS")
+  jit_batch_size: int = knob(32, (0, 8, 32, 128), "tinygrad JIT_BATCH_SIZE: kernels in the first JIT graph batch, doubling after (0: one graph)",
+                             devices=GRAPH_DEVICES, env="JIT_BATCH_SIZE")
   schema_version: int = SCHEMA_VERSION
 
   def __post_init__(self):
     if self.schema_version != SCHEMA_VERSION: raise ConfigError(f"schema_version={self.schema_version} is not supported (expected {SCHEMA_VERSION})")
-    for p, m in self.barriers.items():
-      _check("barriers point", p, BARRIER_POINTS)
-      _check(f"barriers.{p}", m, BARRIER_MODES)
-    object.__setattr__(self, "barriers", {p: self.barriers.get(p, DEFAULT_BARRIERS[p]) for p in BARRIER_POINTS})  # unnamed points keep their default
     if isinstance(self.beam_min_progress, int) and not isinstance(self.beam_min_progress, bool):  # JSON/TOML may write 1.0 as 1
       object.__setattr__(self, "beam_min_progress", float(self.beam_min_progress))
-    for k, b in self.backends.items():
-      quant, _, role = k.partition(":")
-      _check("backends quant type", quant, QUANT_NAMES)
-      _check("backends role", role, backends.ROLES)
-      _check(f"backends.{k}", b, backends.NAMES)
-    for stage, b in self.fused.items():
-      _check("fused stage", stage, backends.STAGES)
-      _check(f"fused.{stage}", b, tuple(n for n in backends.NAMES if stage in backends.REGISTRY[n].stages))
+    for f in dataclasses.fields(self):
+      if "table" in f.metadata: self._check_table(f.name, f.metadata["table"])
+    for k in KNOBS.values():
+      if k.key is None: _check(k.name, getattr(self, k.name), k.valid())
     if "attention" in self.fused and self.mla_absorb != "runtime":
       raise ConfigError("fused.attention absorbs k_b per token: it needs mla_absorb=runtime")
     if "moe" in self.fused and (k := next((k for k in self.backends if k.endswith(":expert")), None)):
       raise ConfigError(f"backends.{k} does not apply with fused.moe: the fused stage reads the expert weights itself")
-    _check("ffn_act", self.ffn_act, FFN_ACTS)
     if self.ffn_act != "float32" and not {"moe", "ffn"} & set(self.fused):
       raise ConfigError(f"ffn_act={self.ffn_act} is read by the fused FFN stages only: set fused.moe or fused.ffn")
-    for name, allowed in (("topk", TOPK_VARIANTS), ("mla_absorb", MLA_ABSORB), ("kv_dtype", DTYPES),
-                          ("attention", ATTENTION), ("act_dtype", DTYPES), ("beam", BEAM_WIDTHS),
-                          *((f, allowed) for f, (_, allowed) in PROCESS_SETTINGS.items())):
-      _check(name, getattr(self, name), allowed)
-    for name in ("merge_gate_up_routed", "merge_gate_up_shared", "merge_gate_up_dense", "router_fp32"):
-      if not isinstance(getattr(self, name), bool): raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
-  def backend(self, quant: str, role: str) -> str: return self.backends.get(f"{quant}:{role}", "tensor")
+  def _check_table(self, name: str, t: Table) -> None:
+    d = getattr(self, name)
+    for key, v in d.items():
+      _check(f"{name} {t.what}", key, tuple(t.knobs))
+      _check(f"{name}.{key}", v, t.knobs[key].valid())
+    if not t.sparse: object.__setattr__(self, name, {k: d.get(k, knob.default) for k, knob in t.knobs.items()})  # unnamed keys keep their default
+
+  def backend(self, quant: str, role: str) -> str: return self.backends.get(f"{quant}:{role}", catalog.DEFAULT)
   def stage(self, name: str) -> str | None: return self.fused.get(name)
+
+  @property
+  def hash(self) -> str:
+    """The config's identity in a study: the first 16 hex digits of the SHA-256 of its JSON."""
+    return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+  def precision(self) -> set[str]:
+    """The precision classes of its knob values (see Knob): {"fp32"} where it only reorders float32 work."""
+    return {k.precision_of(k.value(self)) for k in KNOBS.values()}
 
   def process_env(self) -> dict[str, str]:
     """The tinygrad environment variables of a trial process (BEAM itself is scoped to decode by model.generate)."""
@@ -137,3 +243,32 @@ class StructureConfig:
     try: text = open(path).read()
     except OSError as e: raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
     return cls.from_toml(text) if path.endswith(".toml") else cls.from_json(text)
+
+
+def _check(name: str, value: Any, allowed: tuple) -> None:
+  ok = value in allowed and (isinstance(value, bool) or not any(isinstance(a, bool) for a in allowed))
+  if not ok: raise ConfigError(f"{name}={value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
+
+
+def _declared() -> dict[str, Knob]:
+  """Every knob of StructureConfig by its name, in the order of the fields (a table's knobs in its keys' order)."""
+  out = {}
+  for f in dataclasses.fields(StructureConfig):
+    if "knob" in f.metadata: out[f.name] = dataclasses.replace(f.metadata["knob"], name=f.name, field=f.name)
+    elif "table" in f.metadata:
+      t = f.metadata["table"]
+      for key, k in t.knobs.items():
+        name = f"{t.prefix}.{key.replace(':', '.')}"
+        out[name] = dataclasses.replace(k, name=name, field=f.name, key=key)
+  return out
+
+
+KNOBS = _declared()
+PROCESS_SETTINGS = {k.field: (k.env, k.valid()) for k in KNOBS.values() if k.env}  # field -> (tinygrad variable, allowed values)
+
+
+def knob_named(text: str) -> Knob:
+  """The knob a user names (`--fix`, `--where`): its name, with `backend.Q4_0:expert` read as `backend.Q4_0.expert`."""
+  name = text.replace(":", ".")
+  if name not in KNOBS: raise ConfigError(f"no knob {text!r}; knobs: {', '.join(KNOBS)}")
+  return KNOBS[name]

@@ -9,6 +9,7 @@ from tinygrad import Device, Tensor, dtypes
 from tinygrad.device import Buffer
 from tinygrad.dtype import _from_np_dtype, _to_np_dtype
 
+from model.backends import catalog
 from model.quants import QUANT_TYPES, planes, to_float
 
 
@@ -53,7 +54,7 @@ class QWeight:
   ggml_type: int
   shape: tuple[int, ...]  # numpy order: (out, in), (experts, out, in) or (heads, out, in)
   cache: Tensor | None = None  # the fp16_cache backend's matrix, with `shape`
-  backend: str = "tensor"  # the name of the model/backends backend that computes its products
+  backend: str = catalog.DEFAULT  # the catalog name of the backend that computes its products
 
   @classmethod
   def from_bytes(cls, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...], device: str | None = None) -> QWeight:
@@ -61,7 +62,7 @@ class QWeight:
     return cls({k: upload(v, device) for k, v in planes(raw, ggml_type).items()}, ggml_type, shape)
 
   @classmethod
-  def fp16(cls, w: Tensor) -> QWeight: return cls({}, 1, tuple(w.shape), w.cast(dtypes.float16).contiguous().realize(), "fp16_cache")
+  def fp16(cls, w: Tensor) -> QWeight: return cls({}, 1, tuple(w.shape), w.cast(dtypes.float16).contiguous().realize(), catalog.FP16)
 
   @property
   def quant(self) -> str: return QUANT_TYPES[self.ggml_type].name
@@ -74,7 +75,7 @@ class QWeight:
   def to_float(self) -> Tensor: return self.cache.float() if self.cache is not None else to_float(self.view(self.shape), self.ggml_type, self.shape)
 
   def use_fp16_cache(self) -> None:
-    self.cache, self.planes, self.backend = self.to_float().cast(dtypes.float16).contiguous().realize(), {}, "fp16_cache"
+    self.cache, self.planes, self.backend = self.to_float().cast(dtypes.float16).contiguous().realize(), {}, catalog.FP16
 
   def rows(self, idx: Tensor) -> Tensor:
     """Float rows selected by an integer tensor (embedding lookup): (*idx.shape, in)."""

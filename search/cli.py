@@ -21,6 +21,7 @@ from db.models import TRIAL_STATES
 from evaluator.cli import at_least
 from evaluator.devices import check_device
 from evaluator.runner import default_device
+from model.backends.catalog import FAMILIES
 from model.gguf_file import GGUFError, GGUFFile
 from model.registry import ModelNotFound, cache_dir, resolve
 from model.structure import ConfigError, StructureConfig
@@ -28,8 +29,6 @@ from search.formats import FORMATS, emit
 from search.leaderboard import MIN_PAIRS
 from search.study import (
   SAMPLERS,
-  BaselineFailed,
-  Runner,
   Setup,
   StudyMismatch,
   check_configs,
@@ -39,8 +38,10 @@ from search.study import (
   measuring_setup,
   model_info,
   set_target,
+  stored_baseline,
   study_exists,
 )
+from search.worker import BaselineFailed, Runner
 from space.knobs import ModelInfo, device_kind, knobs, parse_pins, sample, size, to_params
 
 
@@ -58,25 +59,26 @@ errors = Console(stderr=True)
 
 def cmd_space(args) -> None:
   f = GGUFFile(resolve(args.model))
-  info, device = ModelInfo.from_gguf(f), args.device or "CPU"
+  info, device, family = ModelInfo.from_gguf(f), args.device or "CPU", args.family or "all"
   if args.sample:
-    print(sample(info, args.seed, device).to_json())
+    print(sample(info, args.seed, device, family).to_json())
     return
-  t = Table(title=f"search space of {f.path.name} on {device_kind(device)}: {size(info, device):,} distinct configurations")
+  backends = "" if family == "all" else f" ({family} backends)"
+  t = Table(title=f"search space of {f.path.name} on {device_kind(device)}{backends}: {size(info, device, family=family):,} distinct configurations")
   for col in ("knob", "domain", "default", "what it changes"): t.add_column(col)
-  for k in knobs(info, device): t.add_row(k.name, " | ".join(map(str, k.choices)), str(k.default), k.doc)
+  for k in knobs(info, device, family): t.add_row(k.name, " | ".join(map(str, k.choices)), str(k.default), k.doc)
   console.print(t)
 
 
 def _run(setup: Setup, url: str, info: ModelInfo, args) -> None:
   """Run this worker's share of the study under the live view; the leaderboard at the end."""
-  from search.dashboard import artifact_dir, artifact_store
+  from search.dashboard import Uploader, artifact_dir, artifact_store
   from search.view import LiveView
   ev = setup.evaluator(args.trial_timeout)
   with session(open_db(url, create=False)) as s: finished = store.trials(s, store.get_study(s, setup.name))
-  view = LiveView(console, setup.name, setup.trials, finished)
-  runner = Runner(setup, url, ev, info, remeasure=getattr(args, "remeasure", False), on_event=view.handle, heartbeat=args.heartbeat,
-                  artifacts=artifact_store(url, args.artifacts))
+  view = LiveView(console, setup.name, setup.trials, finished, stored_baseline(url, setup, info))
+  listeners = [view.handle, Uploader(url, setup.name, artifact_store(url, args.artifacts))]
+  runner = Runner(setup, url, ev, info, remeasure=getattr(args, "remeasure", False), listeners=listeners, heartbeat=args.heartbeat)
   console.print(f"study {setup.name}: {setup.model_name} on {setup.device}, {len(finished)} trials so far, target {setup.trials}"
                 f" ({setup.sampler} sampler, stages: {' then '.join(ev.stages)}; storage {hide_password(url)}; "
                 f"artifacts {artifact_dir(url, args.artifacts)})")
@@ -90,11 +92,12 @@ def _run(setup: Setup, url: str, info: ModelInfo, args) -> None:
   show_leaderboard(url, setup.name, top=15)
 
 
-def _protocol(args, info: ModelInfo, device: str) -> dict:
-  """The measurement settings this command line gives (None: not given)."""
-  fixed = parse_pins(args.fix, info, device) if args.fix is not None else None
+def _protocol(args, info: ModelInfo, device: str, family: str) -> dict:
+  """The measurement settings this command line gives (None: not given); pins are read in the space of `family`."""
+  fixed = parse_pins(args.fix, info, device, family) if args.fix is not None else None
   return {"n": args.n, "rounds": args.rounds, "prefill": False if args.no_prefill else None, "block_layers": args.block_layers,
-          "sampler": args.sampler, "seed": args.seed, "objectives": args.objectives, "fixed": fixed, "beam_budget": args.beam_budget}
+          "sampler": args.sampler, "seed": args.seed, "objectives": args.objectives, "fixed": fixed, "beam_budget": args.beam_budget,
+          "family": args.family}
 
 
 def cmd_start(args) -> None:
@@ -111,16 +114,16 @@ def cmd_start(args) -> None:
   if not study_exists(args.storage, name):
     if path is None: raise StudyMismatch(f"no study named {name!r} in {hide_password(args.storage)}: pass --model to create it")
     info = model_info(path)
-    protocol = {k: v for k, v in _protocol(args, info, devices[0]).items() if v is not None}
+    protocol = {k: v for k, v in _protocol(args, info, devices[0], args.family or "all").items() if v is not None}
     setup = Setup(name, path, args.model, devices[0], **protocol, **({"trials": args.trials} if args.trials else {}))
     if setup.objectives != "tok_s" and args.sampler in (None, "tpe"): setup.sampler = "nsga2"
-    configs = given + (warm_start(args.storage, args.warm_start_from, info, setup.device) if args.warm_start_from else [])
+    configs = given + (warm_start(args.storage, args.warm_start_from, info, setup) if args.warm_start_from else [])
     check_configs(setup, info, configs)
     if not create(setup, args.storage, info, setup.evaluator()): setup = None  # another `search start` created it at the same moment: join it
   if setup is None:
     setup, info = measuring_setup(name, args.storage, devices[0], path)
-    check_protocol(setup, _protocol(args, info, setup.device))
-    configs = given + (warm_start(args.storage, args.warm_start_from, info, setup.device) if args.warm_start_from else [])
+    check_protocol(setup, _protocol(args, info, setup.device, args.family or setup.family))
+    configs = given + (warm_start(args.storage, args.warm_start_from, info, setup) if args.warm_start_from else [])
     check_configs(setup, info, configs)
     if args.trials is not None and args.trials != setup.trials: set_target(setup, args.storage, args.trials)
   enqueue(setup, args.storage, info, configs)
@@ -153,7 +156,7 @@ def _spawn_worker(setup: Setup, args, device: str) -> tuple[str, subprocess.Pope
   return device, p, log
 
 
-def warm_start(url: str, other: str, info: ModelInfo, device: str, top: int = 5) -> list[StructureConfig]:
+def warm_start(url: str, other: str, info: ModelInfo, setup: Setup, top: int = 5) -> list[StructureConfig]:
   """The best configs of another study that are valid in this space (a knob this model lacks makes a config invalid here)."""
   with session(open_db(url, create=False)) as s:
     st = store.get_study(s, other)
@@ -162,7 +165,7 @@ def warm_start(url: str, other: str, info: ModelInfo, device: str, top: int = 5)
   out = []
   for r in rows:
     cfg = StructureConfig.from_json(r.config_json)
-    try: to_params(cfg, info, device)
+    try: to_params(cfg, info, setup.device, setup.family)
     except ConfigError as e:
       console.print(f"warm start: trial {r.number} of {other} does not apply here ({e})", style="dim")
       continue
@@ -336,7 +339,8 @@ def parser() -> argparse.ArgumentParser:
 
   s = sub.add_parser("space", help="print the search space of a model (or a random valid config with --sample)")
   s.add_argument("--model", required=True, help="a model name or a .gguf path")
-  s.add_argument("--device", type=device_name, help="device kind whose knobs to list (default CPU)")
+  s.add_argument("--device", type=device_name, help="device kind whose knobs to list (default CPU): only the values that run there")
+  s.add_argument("--family", choices=FAMILIES, help="the backends to list: all that run on the device (default), or portable ones")
   s.add_argument("--sample", action="store_true", help="print one random valid StructureConfig as JSON")
   s.add_argument("--seed", type=int, default=0, help="the random seed of --sample (default 0)")
   s.set_defaults(fn=cmd_space)
@@ -363,6 +367,8 @@ def parser() -> argparse.ArgumentParser:
                   help="BEAM search seconds per trial; past them, kernels whose BEAM choice the study has not cached get BEAM=0's heuristics "
                        "(default 0: no limit)")
   st.add_argument("--fix", action="append", metavar="KNOB=VALUE", help="pin a knob for the whole study (e.g. beam=0); repeatable")
+  st.add_argument("--family", choices=FAMILIES, help="the kernel backends the study searches: all that run on its device (default), or "
+                  "portable: only those that render for every device (tensor, fp16_cache, dsl), whatever the device")
   st.add_argument("--enqueue", action="append", help="a config file (.json/.toml) to measure first; repeatable")
   st.add_argument("--warm-start-from", help="enqueue the best configs of another study that apply to this model")
   st.add_argument("--remeasure", action="store_true", help="measure a config again even when this study has measured it")

@@ -1,5 +1,5 @@
-"""Confirmation: the top configs of a study re-measured against the baseline in the evaluator's A/B mode (fresh processes,
-alternating, more rounds). The winner is the config with the best lower bound of its speedup, not one lucky run."""
+"""Confirmation: the top configs of a study re-measured against the study's baseline in the evaluator's A/B mode (fresh
+processes, alternating, more rounds). The winner is the config with the best lower bound of its speedup, not one lucky run."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -9,21 +9,21 @@ from db.engine import open_db, session
 from db.models import Confirmation, Study, Trial, utcnow
 from evaluator.compare import compare
 from model.structure import StructureConfig
-from search.leaderboard import winner
-from search.view import BASELINE, label
+from search.leaderboard import baseline, winner
+from search.study import measuring_setup
+from search.view import label
 
 
 def confirm(url: str, name: str, top: int = 3, pairs: int = 3, rounds: int = 5, device: str | None = None,
             say: Callable[[str], None] = print, again: bool = False, model: str | None = None) -> list[Confirmation]:
   """A/B-confirm the study's top configs; a config confirmed before keeps its figures unless `again`. `model`: this host's
   copy of the study's file (checked by SHA-256, as the stored path is)."""
-  from search.study import measuring_setup
   setup, _ = measuring_setup(name, url, device, model)
   ev = setup.evaluator(rounds=rounds)
   engine = open_db(url, create=False)
   with session(engine) as s:
     study = store.get_study(s, name)
-    seen, todo = {BASELINE}, []
+    base, seen, todo = baseline(study), {study.baseline_hash}, []
     for t in store.leaderboard(s, study, limit=10 * top):
       if t.config_hash not in seen and len(todo) < top: todo.append(t)
       seen.add(t.config_hash)
@@ -33,8 +33,8 @@ def confirm(url: str, name: str, top: int = 3, pairs: int = 3, rounds: int = 5, 
     todo = [t for t in todo if t.config_hash not in done]
   out = []
   for i, t in enumerate(todo):
-    say(f"confirming {i + 1}/{len(todo)}: trial {t.number} ({label(t.config_json)}), {pairs} A/B pairs against the baseline")
-    c = compare(ev, StructureConfig().to_dict(), StructureConfig.from_json(t.config_json).to_dict(), pairs,
+    say(f"confirming {i + 1}/{len(todo)}: trial {t.number} ({label(t.config_json, base)}), {pairs} A/B pairs against the baseline")
+    c = compare(ev, base.to_dict(), StructureConfig.from_json(t.config_json).to_dict(), pairs,
                 on_run=lambda side, j: say(f"  pair {j + 1}/{pairs}: {'baseline' if side == 'a' else 'candidate'}"))
     fields = {"pairs": pairs, "rounds": rounds, "status": "ok"}
     if c.failed is not None: fields |= {"status": c.failed.status, "tok_s": 0.0, "baseline_tok_s": 0.0, "speedup": 0.0, "speedup_low": 0.0,
@@ -42,7 +42,7 @@ def confirm(url: str, name: str, top: int = 3, pairs: int = 3, rounds: int = 5, 
     else: fields |= {"tok_s": c.tok_s("b"), "baseline_tok_s": c.tok_s("a"), "speedup": c.speedup, "speedup_low": c.low, "speedup_high": c.high}
     with session(engine) as s:
       out.append(store.add_confirmation(s, study, t, **fields))
-      for side, h, trial in (("a", BASELINE, None), ("b", t.config_hash, t)):
+      for side, h, trial in (("a", study.baseline_hash, None), ("b", t.config_hash, t)):
         for r in getattr(c, side):
           if r.ok: store.add_measurement(s, study.id, h, r.spec["stage"], r.tok_s, "confirm", trial=trial, rounds=r.metrics.get("tok_s_rounds"),
                                          wall_s=r.cost_s)

@@ -8,10 +8,9 @@ the knobs that apply under it. Once every single change of the incumbent has bee
 fallback sampler (TPE), which has the study's measurements to learn from by then.
 
 Why: what pays in this space comes mostly one knob at a time (each fused stage pays on its own, 8-bit activations once
-an FFN stage is fused), and only together do those changes make the fast config: on GLM-4.7-Flash on CUDA the fastest
-known one (four stages native, 8-bit activations) is one of 3^4 x 2 choices of those knobs alone, so a random
-configuration has it with probability 1/162 and TPE's 8 random starting trials meet it 5% of the time, where the climb
-reaches it in about a dozen trials on a landscape that pays that way (tests/test_coordinate.py).
+an FFN stage is fused), and only together do those changes make the fast config, one combination of several knobs that
+random starting trials rarely meet, where the climb reaches it in about a dozen trials on a landscape that pays that way
+(tests/test_coordinate.py).
 """
 from __future__ import annotations
 

@@ -17,13 +17,15 @@ import warnings
 
 import optuna
 from optuna.artifacts import FileSystemArtifactStore, upload_artifact
-from sqlalchemy import Engine, make_url
+from sqlalchemy import make_url
 
 from db import store
-from db.engine import hide_password, session
-from db.models import Study, Trial
+from db.engine import hide_password, open_db, session
+from db.models import Trial
 from model.production import home
+from search.events import Event
 from search.leaderboard import trial_doc
+from search.study import StudyMismatch, storage
 
 
 def artifact_dir(url: str, given: str | None = None) -> pathlib.Path:
@@ -38,27 +40,36 @@ def artifact_store(url: str, given: str | None = None) -> FileSystemArtifactStor
   return FileSystemArtifactStore(str(d))
 
 
-def attach(artifacts: FileSystemArtifactStore, trial: optuna.Trial, engine: Engine, study: Study, row: Trial) -> None:
-  """Upload a finished trial's metrics, git diff and profile to the artifact store, while Optuna still lets the trial change."""
-  with session(engine) as s:
-    t = s.get(Trial, row.id)
-    if t.state in ("running", "interrupted"): return
-    doc = trial_doc(s, store.get_study(s, study.name), t)
-  git = doc.pop("git")
-  files = {f"trial-{t.number}-metrics.json": json.dumps(doc, indent=1, default=str)}
-  if git:
-    head = f"# commit {git['commit']} ({git['branch'] or 'detached'}{', dirty' if git['dirty'] else ''})"
-    files[f"trial-{t.number}-git.diff"] = f"{head}\n{git['diff']}"
-  if doc["profile"]:
-    buf = io.StringIO()
-    (w := csv.DictWriter(buf, list(doc["profile"][0]))).writeheader()
-    w.writerows(doc["profile"])
-    files[f"trial-{t.number}-profile.csv"] = buf.getvalue()
-  with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-    for name, text in files.items():
-      (p := pathlib.Path(tmp) / name).write_text(text)
-      upload_artifact(artifact_store=artifacts, file_path=str(p), study_or_trial=trial)
+class Uploader:
+  """Listens to a worker (search/events.py): each finished trial's metrics (the `search show` document), git diff and
+  profile uploaded to the artifact store, while Optuna still lets the trial change (a worker tells of a trial's end before
+  it returns the trial's value)."""
+
+  def __init__(self, url: str, study: str, artifacts: FileSystemArtifactStore):
+    self.engine, self.storage, self.study, self.artifacts = open_db(url, create=False), storage(url), study, artifacts
+    self.study_id = self.storage.get_study_id_from_name(study)
+
+  def __call__(self, e: Event) -> None:
+    if e.kind != "end" or e.row is None or e.row.state in ("running", "interrupted"): return
+    with session(self.engine) as s:
+      t = s.get(Trial, e.row.id)
+      doc = trial_doc(s, store.get_study(s, self.study), t)
+    trial = self.storage.get_trial(self.storage.get_trial_id_from_study_id_trial_number(self.study_id, t.number))
+    git = doc.pop("git")
+    files = {f"trial-{t.number}-metrics.json": json.dumps(doc, indent=1, default=str)}
+    if git:
+      head = f"# commit {git['commit']} ({git['branch'] or 'detached'}{', dirty' if git['dirty'] else ''})"
+      files[f"trial-{t.number}-git.diff"] = f"{head}\n{git['diff']}"
+    if doc["profile"]:
+      buf = io.StringIO()
+      (w := csv.DictWriter(buf, list(doc["profile"][0]))).writeheader()
+      w.writerows(doc["profile"])
+      files[f"trial-{t.number}-profile.csv"] = buf.getvalue()
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+      warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+      for name, text in files.items():
+        (p := pathlib.Path(tmp) / name).write_text(text)
+        upload_artifact(artifact_store=self.artifacts, file_path=str(p), study_or_trial=trial, storage=self.storage)
 
 
 def serve(url: str, study: str | None, host: str, port: int, artifacts: str | None, say=print) -> None:
@@ -67,8 +78,6 @@ def serve(url: str, study: str | None, host: str, port: int, artifacts: str | No
   from wsgiref.simple_server import WSGIServer, make_server
 
   from optuna_dashboard import wsgi
-
-  from search.study import StudyMismatch, storage
   st = storage(url)
   path = ""
   if study is not None:

@@ -20,7 +20,6 @@ from model.production import model_key as production_key
 from model.production import production_dir, sha_line
 from model.structure import StructureConfig
 from search.leaderboard import MIN_PAIRS, find_trial, winner
-from search.view import BASELINE
 
 
 def choose(s: Session, study: Study, which: str | None, unconfirmed: bool, force: bool = False) -> tuple[Trial, str]:
@@ -44,10 +43,11 @@ def choose(s: Session, study: Study, which: str | None, unconfirmed: bool, force
     raise ValueError(f"study {study.name!r} has no confirmed winner (`search confirm --study {study.name}`; --unconfirmed exports the best "
                      "measured config)")
   else:
-    cands = [t for t in store.leaderboard(s, study, None) if t.config_hash != BASELINE and not _slower(conf.get(t.config_hash))]
+    cands = [t for t in store.leaderboard(s, study, None) if t.config_hash != study.baseline_hash and not _slower(conf.get(t.config_hash))]
     if not cands: raise ValueError(f"study {study.name!r} has no measured config but the baseline and those confirmed slower than it")
     t = cands[0]
-  if t.config_hash == BASELINE: raise ValueError(f"trial {t.number} is the baseline config: production without a config is the baseline already")
+  if t.config_hash == study.baseline_hash:
+    raise ValueError(f"trial {t.number} is the baseline config: production without a config is the baseline already")
   c = conf.get(t.config_hash)
   if _slower(c):
     raise ValueError(f"trial {t.number} was confirmed {'not faster than' if c.status == 'ok' else 'failing against'} the baseline "
@@ -65,7 +65,7 @@ def _unconfirmed(s: Session, study: Study, t: Trial, c: Confirmation | None, for
   Refused (ValueError) where that estimate is not above the baseline's interval (its median where the study has no noise
   figure yet), unless `force`."""
   est = store.estimates(s, study)
-  e, base = est.get(t.config_hash), est.get(BASELINE)
+  e, base = est.get(t.config_hash), est.get(study.baseline_hash)
   weak = f"inconclusive confirmation {_ci(c)} over {c.pairs} A/B pair{'s' * (c.pairs != 1)}; " if c is not None else ""
   if e is None or base is None: figures, above = "the baseline has no measurement to compare with", False
   else:
@@ -87,7 +87,7 @@ def default_path(study: Study) -> pathlib.Path: return production_dir() / f"{pro
 
 def render(s: Session, study: Study, t: Trial, why: str, url: str) -> str:
   """The production file: a header (study, trial, figures, device, environment, code) and the config as TOML."""
-  e, base = store.estimates(s, study).get(t.config_hash), store.estimates(s, study).get(BASELINE)
+  e, base = store.estimates(s, study).get(t.config_hash), store.estimates(s, study).get(study.baseline_hash)
   m, env, code = t.metrics or {}, t.environment, t.git_state
   fig = f"{interval(e)} tok/s over {e.n} measurements" if e else f"{t.tok_s:.2f} tok/s"
   lines = [f"structsearch production config: study {study.name!r}, trial {t.number}, {why}",
@@ -163,7 +163,7 @@ def export(s: Session, study: Study, url: str, which: str | None, unconfirmed: b
   try:
     if root is not None:
       est = store.estimates(s, study)
-      e, base = est.get(t.config_hash), est.get(BASELINE)
+      e, base = est.get(t.config_hash), est.get(study.baseline_hash)
       measured = f"; measured {e.median / base.median:.3f}x the baseline" if e and base else ""
       message = f"structsearch: export study {study.name}, trial {t.number}: {why}{measured}, on {study.device_name or study.device}"
       branch_name = "structsearch/" + re.sub(r"[^A-Za-z0-9._-]+", "-", study.name) + f"-trial{t.number}"

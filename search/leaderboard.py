@@ -3,7 +3,8 @@ list of studies, one trial in full, two trials side by side. Every figure comes 
 config, its confirmations), so all views agree.
 
 The leaderboard document (`search leaderboard --format json`, schema 1):
-  {"schema": 1, "study", "model", "model_sha256", "device", "device_name", "layers", "objectives",
+  {"schema": 1, "study", "model", "model_sha256", "device", "device_name", "layers", "objectives", "baseline_hash" (the config
+   hash of the study's baseline: the defaults and its pinned knobs),
    "states": {state: trials}, "baseline": {"trial", "tok_s", "tok_s_low", "tok_s_high", "measurements"} | null,
    "winner": trial number | null, "verdict": one sentence,
    "rows": [{"rank" (null for configs that did not finish ok), "trial" (the config's first trial), "trials" (all its ok trials),
@@ -11,7 +12,7 @@ The leaderboard document (`search leaderboard --format json`, schema 1):
              before any config was measured twice), "measurements",
              "speedup" (tok_s over the baseline's), "confirmed": {"speedup", "low", "high", "pairs", "status"} | null, "winner",
              "block_tok_s", "ms_per_token", "kernels_per_token", "mb_per_token", "bandwidth_share", "peak_memory_mb", "failure",
-             "changes": {knob: value} (where it differs from the baseline)}]}
+             "changes": {knob: value} (where it differs from the study's baseline)}]}
 Rows are ranked by confirmed speedup where a confirmation exists, else by the estimated speedup (tok/s where the study has
 no pure baseline); other states follow unranked, by trial number.
 """
@@ -26,13 +27,17 @@ from sqlalchemy.orm import Session
 from db import store
 from db.models import Confirmation, Study, Trial
 from db.store import interval
-from model.backends import ROLES, STAGES
-from model.structure import QUANT_NAMES, StructureConfig
+from model.structure import StructureConfig
 from search.formats import Section
-from search.view import BASELINE
+from space.knobs import changes, flat
 
 SCHEMA = 1
 MIN_PAIRS = 2  # a confirmation needs this many A/B pairs: one pair has no spread
+
+
+def baseline(study: Study) -> StructureConfig:
+  """The study's one baseline config (stored when it was created)."""
+  return StructureConfig.from_json(study.baseline_config) if study.baseline_config else StructureConfig()
 
 
 def winner(confirmed: list[Confirmation]) -> Confirmation | None:
@@ -42,31 +47,15 @@ def winner(confirmed: list[Confirmation]) -> Confirmation | None:
   return best if best is not None and best.speedup_low > 1.0 else None
 
 
-def flat(cfg: StructureConfig) -> dict[str, Any]:
-  """Every knob value of a config, named as `describe` names them: barrier.<point>, backend.<QUANT>:<role>, fused.<stage>,
-  the plain fields."""
-  out: dict[str, Any] = {}
-  for k, v in cfg.to_dict().items():
-    if k == "barriers": out |= {f"barrier.{p}": m for p, m in v.items()}
-    elif k == "backends": out |= {f"backend.{q}:{r}": cfg.backend(q, r) for q in QUANT_NAMES for r in ROLES}
-    elif k == "fused": out |= {f"fused.{st}": cfg.fused.get(st, "off") for st in STAGES}
-    elif k != "schema_version": out[k] = v
-  return out
-
-
-def changes(cfg: StructureConfig) -> dict[str, Any]:
-  base = flat(StructureConfig())
-  return {k: v for k, v in flat(cfg).items() if base[k] != v}
-
-
 def parse_where(pins: list[str]) -> dict[str, str]:
-  """--where knob=value filters (knob names as in the leaderboard's changes)."""
+  """--where knob=value filters (knob names as in the leaderboard's changes; `backend.Q4_0:expert` is read as
+  `backend.Q4_0.expert`)."""
   known, out = flat(StructureConfig()), {}
   for p in pins:
     k, eq, v = p.partition("=")
     if not eq: raise ValueError(f"--where {p!r}: expected KNOB=VALUE")
-    if k not in known: raise ValueError(f"--where: unknown knob {k!r}; knobs: {', '.join(known)}")
-    out[k] = v
+    if (name := k.replace(":", ".")) not in known: raise ValueError(f"--where: unknown knob {k!r}; knobs: {', '.join(known)}")
+    out[name] = v
   return out
 
 
@@ -80,15 +69,15 @@ def verdict(s: Session, study: Study) -> str:
   if (win := winner(list(conf.values()))) is not None:
     return (f"trial {trials[win.trial_id].number} beats the baseline: confirmed speedup {win.speedup:.3f}x "
             f"[{win.speedup_low:.3f}, {win.speedup_high:.3f}] over {win.pairs} A/B pairs")
-  ok = [c for c in conf.values() if c.status == "ok" and c.config_hash != BASELINE]
+  ok = [c for c in conf.values() if c.status == "ok" and c.config_hash != study.baseline_hash]
   if ok:
     best = max(ok, key=lambda c: c.speedup_low)
     return (f"no config beats the baseline: the best confirmed, trial {trials[best.trial_id].number}, runs at {best.speedup:.3f}x "
             f"[{best.speedup_low:.3f}, {best.speedup_high:.3f}] of it; keep the baseline")
-  cand = next((t for t in store.leaderboard(s, study, 2) if t.config_hash != BASELINE), None)
+  cand = next((t for t in store.leaderboard(s, study, 2) if t.config_hash != study.baseline_hash), None)
   if cand is None: return "no config beats the baseline: no other config finished ok"
   est = store.estimates(s, study)
-  e, base = est[cand.config_hash], est.get(BASELINE)
+  e, base = est[cand.config_hash], est.get(study.baseline_hash)
   if base is not None and e.median <= base.median:
     return f"no config beats the baseline: the best other config, trial {cand.number}, measures {e.median / base.median:.3f}x of it (unconfirmed)"
   return (f"nothing confirmed yet: the best measured config, trial {cand.number}, "
@@ -96,7 +85,8 @@ def verdict(s: Session, study: Study) -> str:
           f"(`search confirm --study {study.name}`)")
 
 
-def _row(t: Trial, est: store.Estimate | None, base: store.Estimate | None, c: Confirmation | None, win: Confirmation | None) -> dict[str, Any]:
+def _row(t: Trial, est: store.Estimate | None, base: store.Estimate | None, c: Confirmation | None, win: Confirmation | None,
+         base_cfg: StructureConfig) -> dict[str, Any]:
   m = t.metrics or {}
   tok = est.median if est is not None and t.state == "ok" else None
   return {"rank": None, "trial": t.number, "trials": [t.number], "config_hash": t.config_hash, "state": t.state,
@@ -107,7 +97,7 @@ def _row(t: Trial, est: store.Estimate | None, base: store.Estimate | None, c: C
           "kernels_per_token": m.get("kernels_per_token"), "mb_per_token": m["bytes_per_token"] / 1e6 if m.get("bytes_per_token") else None,
           "bandwidth_share": m.get("bandwidth_share"), "peak_memory_mb": m["peak_device_bytes"] / 1e6 if m.get("peak_device_bytes") else None,
           "failure": (t.error_text or t.failure_class or "").strip().splitlines()[0][:200] if t.failure_class else None,
-          "changes": changes(StructureConfig.from_json(t.config_json))}
+          "changes": changes(StructureConfig.from_json(t.config_json), base_cfg)}
 
 
 def leaderboard(s: Session, study: Study, states: tuple[str, ...] = ("ok",), where: dict[str, str] | None = None,
@@ -115,14 +105,14 @@ def leaderboard(s: Session, study: Study, states: tuple[str, ...] = ("ok",), whe
   """The leaderboard document (see the module's docstring)."""
   trials = store.trials(s, study)
   est, conf = store.estimates(s, study), _latest(s, study)
-  base, win = est.get(BASELINE), winner(list(conf.values()))
+  base, win, base_cfg = est.get(study.baseline_hash), winner(list(conf.values())), baseline(study)
   ok: dict[str, dict] = {}
   rest = []
   for t in trials:
     if t.state == "reused": continue
     if t.state == "ok" and t.config_hash in ok: ok[t.config_hash]["trials"].append(t.number)
-    elif t.state == "ok": ok[t.config_hash] = _row(t, est.get(t.config_hash), base, conf.get(t.config_hash), win)
-    else: rest.append(_row(t, None, base, None, None))
+    elif t.state == "ok": ok[t.config_hash] = _row(t, est.get(t.config_hash), base, conf.get(t.config_hash), win, base_cfg)
+    else: rest.append(_row(t, None, base, None, None, base_cfg))
   def key(r: dict) -> float:
     c = r["confirmed"]
     if base is None: return r["tok_s"] or 0.0
@@ -131,9 +121,9 @@ def leaderboard(s: Session, study: Study, states: tuple[str, ...] = ("ok",), whe
   for i, r in enumerate(ranked): r["rank"] = i + 1
   flats = {t.number: flat(StructureConfig.from_json(t.config_json)) for t in trials}
   rows = [r for r in ranked + rest if r["state"] in states and all(str(flats[r["trial"]][k]).lower() == v.lower() for k, v in (where or {}).items())]
-  bt = next((t for t in trials if t.config_hash == BASELINE and t.state == "ok"), None)
+  bt = next((t for t in trials if t.config_hash == study.baseline_hash and t.state == "ok"), None)
   return {"schema": SCHEMA, "study": study.name, "model": study.model_name, "model_sha256": study.model_sha256, "device": study.device,
-          "device_name": study.device_name, "layers": study.layers, "objectives": study.objectives,
+          "device_name": study.device_name, "layers": study.layers, "objectives": study.objectives, "baseline_hash": study.baseline_hash,
           "states": dict(collections.Counter(t.state for t in trials).most_common()),
           "baseline": {"trial": bt.number if bt else None, "tok_s": base.median, "tok_s_low": base.low, "tok_s_high": base.high,
                        "measurements": base.n} if base else None,
@@ -171,7 +161,7 @@ def studies(s: Session) -> dict[str, Any]:
   out = []
   for st in store.studies(s):
     trials, est = store.trials(s, st), store.estimates(s, st)
-    base = est.get(BASELINE)
+    base = est.get(st.baseline_hash)
     best = max((e for h, e in est.items() if any(t.config_hash == h and t.state == "ok" for t in trials)), key=lambda e: e.median, default=None)
     out.append({"study": st.name, "model": st.model_name, "device": st.device_name or st.device, "trials": len(trials),
                 "ok": sum(t.state == "ok" for t in trials), "failed": sum(bool(t.failure_class) for t in trials),
@@ -195,7 +185,7 @@ def find_trial(s: Session, study: Study, which: str) -> Trial:
   """A trial by number, or "baseline": the baseline config's first ok trial."""
   trials = store.trials(s, study)
   if which == "baseline":
-    t = next((t for t in trials if t.config_hash == BASELINE and t.state == "ok"), None)
+    t = next((t for t in trials if t.config_hash == study.baseline_hash and t.state == "ok"), None)
     if t is None: raise ValueError(f"study {study.name!r} has no ok trial of the baseline config")
     return t
   try: n = int(which)
@@ -209,12 +199,13 @@ def trial_doc(s: Session, study: Study, t: Trial) -> dict[str, Any]:
   """Everything about one trial (`search show --format json`)."""
   src = t.reused_from or t
   est, conf = store.estimates(s, study), _latest(s, study)
-  e, base, c = est.get(t.config_hash), est.get(BASELINE), conf.get(t.config_hash)
+  e, base, c = est.get(t.config_hash), est.get(study.baseline_hash), conf.get(t.config_hash)
   cfg = StructureConfig.from_json(t.config_json)
   env, git = src.environment, src.git_state
   numbers = {x.id: x.number for x in store.trials(s, study)}
   return {"schema": SCHEMA, "study": study.name, "trial": t.number, "state": t.state, "stage": t.stage, "config_hash": t.config_hash,
-          "config": cfg.to_dict(), "changes": changes(cfg), "reused_from": t.reused_from.number if t.reused_from else None,
+          "config": cfg.to_dict(), "changes": changes(cfg, baseline(study)), "baseline": baseline(study).to_dict(),
+          "reused_from": t.reused_from.number if t.reused_from else None,
           "estimate": {"tok_s": e.median, "low": e.low, "high": e.high, "measurements": e.n} if e else None,
           "speedup": e.median / base.median if e and base and t.state in ("ok", "reused") and src.state == "ok" else None,
           "confirmed": {"speedup": c.speedup, "low": c.speedup_low, "high": c.speedup_high, "pairs": c.pairs, "status": c.status} if c else None,
@@ -247,7 +238,7 @@ def trial_view(doc: dict[str, Any]) -> list[Section]:
           ["speedup", _f(doc["speedup"], ".3f", "x")],
           ["confirmed", f"{c['speedup']:.3f}x [{c['low']:.3f}, {c['high']:.3f}] over {c['pairs']} A/B pairs ({c['status']})" if c else ""],
           ["failure", doc["failure_class"] or ""], ["worker", doc["worker"]], ["started", doc["started_at"]], ["finished", doc["finished_at"]]]
-  base = flat(StructureConfig())
+  base = flat(StructureConfig.from_dict(doc["baseline"]))
   secs = [Section(f"trial {doc['trial']} of {doc['study']}", ["", ""], head),
           Section("config: changes from the baseline", ["knob", "value", "baseline"], [[k, v, base[k]] for k, v in doc["changes"].items()]),
           Section("config (TOML)", code=StructureConfig.from_dict(doc["config"]).to_toml(), lang="toml"),

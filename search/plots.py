@@ -17,7 +17,8 @@ from scipy.stats import spearmanr
 from db import store
 from db.engine import hide_password, open_db, session
 from model.structure import StructureConfig
-from search.leaderboard import flat, leaderboard
+from search.leaderboard import leaderboard
+from space.knobs import flat
 
 
 @dataclass

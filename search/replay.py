@@ -16,10 +16,14 @@ import optuna
 
 from db import store
 from db.engine import open_db, session
-from search.study import TrialFailed, config_hash, load_setup, sampler
+from search.study import load_setup, sampler, stored_baseline
 from space.knobs import size, suggest
 
 MIN_COVERAGE = 0.9  # share of the study's space it must have measured for a sampler comparison
+
+
+class Unmeasured(Exception):
+  """A replayed trial whose config the study has no figure of (Optuna marks it FAIL; the replay goes on)."""
 
 
 @dataclass
@@ -48,7 +52,7 @@ def recorded(url: str, name: str) -> dict[str, float | None]:
 def coverage(url: str, name: str) -> tuple[int, int]:
   """(distinct configs the study measured, configs in its space)."""
   setup, info = load_setup(name, url)
-  return len(recorded(url, name)), size(info, setup.device, setup.fixed)
+  return len(recorded(url, name)), size(info, setup.device, setup.fixed, setup.family)
 
 
 def replay(url: str, name: str, samplers: list[str], trials: int, repeats: int, share: float = 0.95) -> list[ReplayResult]:
@@ -59,27 +63,27 @@ def replay(url: str, name: str, samplers: list[str], trials: int, repeats: int, 
                      f"samplers only on a study that measured at least {100 * MIN_COVERAGE:.0f}% of its space, or the configs its own sampler "
                      "never proposed count against the others; make one of a small sub-space, e.g. `search start --sampler random` "
                      "with --fix on all but a few knobs and --trials about three times the sub-space's size")
-  values = recorded(url, name)
+  values, base = recorded(url, name), stored_baseline(url, setup, info)
   best = max((v for v in values.values() if v), default=None)
   if best is None: raise ValueError(f"study {name!r} has no successful trial to replay against")
   out = []
   for sname in samplers:
     reached, missing, asked = [], 0, 0
     for r in range(repeats):
-      study = optuna.create_study(direction="maximize", sampler=sampler(sname, r, min(8, trials // 3 or 1), info, setup.device, setup.fixed))
-      study.enqueue_trial(setup.params(setup.baseline(info), info))  # as the live search starts from the baseline
+      study = optuna.create_study(direction="maximize", sampler=sampler(sname, r, min(8, trials // 3 or 1), setup.knobs(info), setup.fixed))
+      study.enqueue_trial(setup.params(base, info))  # as the live search starts from the baseline
       first: list[int] = []
       def objective(trial: optuna.Trial, first: list[int] = first) -> float:
         nonlocal missing, asked
-        h = config_hash(suggest(trial, info, setup.device, setup.fixed))
+        h = suggest(trial, info, setup.device, setup.fixed, setup.family).hash
         asked += 1
         if h not in values:
           missing += 1
-          raise TrialFailed("unavailable")
-        if (v := values[h]) is None: raise TrialFailed("failed")
+          raise Unmeasured("unavailable")
+        if (v := values[h]) is None: raise Unmeasured("failed")
         if v >= share * best and not first: first.append(trial.number + 1)
         return v
-      study.optimize(objective, n_trials=trials, catch=(TrialFailed,))
+      study.optimize(objective, n_trials=trials, catch=(Unmeasured,))
       reached.append(first[0] if first else None)
     out.append(ReplayResult(sname, trials, share * best, reached, missing / max(asked, 1)))
   return out

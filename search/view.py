@@ -13,17 +13,13 @@ from rich.text import Text
 
 from db.models import Trial
 from model.structure import StructureConfig
-from search.study import Event, config_hash
+from search.events import Event
 from space.knobs import describe
 
-BASELINE = config_hash(StructureConfig())
 
-
-def label(config_json: str) -> str: return describe(StructureConfig.from_json(config_json)) or "baseline"
-
-
-def baseline_tok_s(trials: list[Trial]) -> float | None:
-  return next((t.tok_s for t in trials if t.state == "ok" and t.config_hash == BASELINE), None)
+def label(config_json: str, base: StructureConfig) -> str:
+  """A config as its knob values that differ from the study's baseline, or "baseline"."""
+  return describe(StructureConfig.from_json(config_json), base) or "baseline"
 
 
 def wall(t: Trial) -> float | None:
@@ -32,19 +28,21 @@ def wall(t: Trial) -> float | None:
 
 
 class LiveView:
-  def __init__(self, console: Console, study: str, total: int, finished: list[Trial]):
-    self.console, self.study, self.total = console, study, total
+  """Listens to a worker's events (search/events.py); starts from the study's trials so far and its baseline."""
+
+  def __init__(self, console: Console, study: str, total: int, finished: list[Trial], baseline: StructureConfig):
+    self.console, self.study, self.total, self.base = console, study, total, baseline
     self.done = len([t for t in finished if t.state not in ("running", "interrupted")])
     self.recent: collections.deque[Trial] = collections.deque(maxlen=6)
     self.failures: collections.Counter[str] = collections.Counter(t.failure_class for t in finished if t.failure_class)
     self.walls = [w for t in finished if (w := wall(t)) is not None]
     self.best: Trial | None = max((t for t in finished if t.state == "ok"), key=lambda t: t.tok_s, default=None)
-    self.baseline = baseline_tok_s(finished)
+    self.baseline = next((t.tok_s for t in finished if t.state == "ok" and t.config_hash == baseline.hash), None)
     self.current: tuple[int, str, str, float] | None = None  # number, label, phase, start
     self.notes: collections.deque[str] = collections.deque(maxlen=3)
 
   def handle(self, e: Event) -> None:
-    if e.kind == "start": self.current = (e.number, label(e.text), "starting", time.perf_counter())
+    if e.kind == "start": self.current = (e.number, label(e.text, self.base), "starting", time.perf_counter())
     elif e.kind == "phase" and self.current: self.current = (*self.current[:2], e.text, self.current[3])
     elif e.kind in ("wait", "note"):
       self.notes.append(e.text)
@@ -55,7 +53,7 @@ class LiveView:
       self.recent.appendleft(t)
       if t.failure_class and t.state != "reused": self.failures[t.failure_class] += 1
       if (w := wall(t)) is not None: self.walls.append(w)
-      if t.state == "ok" and t.config_hash == BASELINE: self.baseline = t.tok_s
+      if t.state == "ok" and t.config_hash == self.base.hash: self.baseline = t.tok_s
       if t.tok_s is not None and (self.best is None or t.tok_s > self.best.tok_s): self.best = t
       if e.text.startswith("config already measured"): self.notes.append(f"trial {t.number}: {e.text}")
       if not self.console.is_terminal: self.console.print(self.line(t, e.text))
@@ -63,7 +61,7 @@ class LiveView:
   def line(self, t: Trial, text: str) -> str:
     fig = f"{t.tok_s:8.2f} tok/s" if t.tok_s is not None else f"{t.state:>14s}"
     extra = f" ({text})" if t.state == "reused" else ""
-    return f"[{self.done}/{self.total}] trial {t.number:3d} {fig}  {label(t.config_json)}{extra}"
+    return f"[{self.done}/{self.total}] trial {t.number:3d} {fig}  {label(t.config_json, self.base)}{extra}"
 
   def speedup(self, tok_s: float | None) -> str:
     return f" ({tok_s / self.baseline:.2f}x baseline)" if tok_s and self.baseline else ""
@@ -87,7 +85,7 @@ class LiveView:
     for col in ("#", "state", "tok/s", "block", "config"): t.add_column(col)
     for r in self.recent:
       t.add_row(str(r.number), r.state, f"{r.tok_s:.2f}{self.speedup(r.tok_s)}" if r.tok_s else "",
-                f"{r.block_tok_s:.2f}" if r.block_tok_s else "", label(r.config_json)[:80])
+                f"{r.block_tok_s:.2f}" if r.block_tok_s else "", label(r.config_json, self.base)[:80])
     parts.append(t)
     if self.failures: parts.append(Text("failures: " + ", ".join(f"{k} {v}" for k, v in self.failures.most_common())))
     parts += [Text(n, style="dim") for n in self.notes]

@@ -6,7 +6,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from tinygrad import Tensor, dtypes
 
-from model.backends import cuda_src, expert, linear, per_head
+from model.backends import cuda_src
+from model.backends.registry import expert, linear, per_head
 from model.quants import BF16, LAYOUTS, QUANT_TYPES
 from model.weights import QWeight
 

@@ -25,7 +25,6 @@ from db import store
 from db.engine import open_db, session
 from search.cli import main as search_main
 from search.cli import parser
-from search.view import BASELINE
 
 FAST = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--fix", "beam=0", "--confirm", "0", "--seed", "0"]
 
@@ -122,8 +121,8 @@ def test_what_an_export_says_it_ships(url, tmp_path, capsys) -> None:
                    r"NOT above its interval$", head()), head()
   with session(open_db(url)) as s:  # the baseline measured again, and trial 2, clearly faster than it
     st = store.get_study(s, "x")
-    t2, base = next(t for t in store.trials(s, st) if t.number == 2), store.estimates(s, st)[BASELINE]
-    for _ in range(6): store.add_measurement(s, st.id, BASELINE, "full", base.median, "repeat")
+    t2, base = next(t for t in store.trials(s, st) if t.number == 2), store.estimates(s, st)[st.baseline_hash]
+    for _ in range(6): store.add_measurement(s, st.id, st.baseline_hash, "full", base.median, "repeat")
     for _ in range(4): store.add_measurement(s, st.id, t2.config_hash, "full", 1.5 * base.median, "repeat", trial=t2)
   assert search("export", "--study", "x", "--storage", url, "--to", to, "--unconfirmed") == 0  # the best measured config
   assert re.search(r"trial 2, UNCONFIRMED: estimated \d\.\d{3}x the baseline .* above its interval$", head()), head()

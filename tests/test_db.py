@@ -72,6 +72,26 @@ def test_upgrade_from_the_first_schema_keeps_the_data(url):
   e.dispose()
 
 
+def test_a_study_made_before_its_baseline_was_stored_takes_its_first_trial(url):
+  from alembic import command
+  e = create_engine(url)
+  with e.begin() as c:
+    cfg = alembic_config(url)
+    cfg.attributes["connection"] = c
+    command.upgrade(cfg, "0003_cost")
+    for name in ("ran", "new"):
+      c.execute(text("INSERT INTO ss_study (name, model_name, model_path, model_sha256, model_bytes, layers, device, device_name, "
+                     f"space_version, objectives, sampler, created_at) VALUES ('{name}', 'tiny', '/m', 'ab', 1, 2, 'CPU', 'cpu', 3, "
+                     "'tok_s', 'tpe', '2026-01-01')"))
+    for n, cfg_json, h in ((0, '{"beam": 0}', "b0"), (1, '{"topk": "sort"}', "c1")):
+      c.execute(text("INSERT INTO ss_trial (study_id, number, config_json, config_hash, state, worker, started_at) "
+                     f"VALUES (1, {n}, '{cfg_json}', '{h}', 'ok', 'h:1', '2026-01-01')"))
+  e.dispose()
+  with session(e := open_db(url)) as s:
+    assert [(st.name, st.baseline_config, st.baseline_hash) for st in store.studies(s)] == [("ran", '{"beam": 0}', "b0"), ("new", None, None)]
+  e.dispose()
+
+
 def test_reading_commands_never_create_a_database(url, tmp_path):
   if url.startswith("sqlite"):
     with pytest.raises(NoDatabase, match=f"^no database at {tmp_path}/ss.db$"): open_db(url, create=False)

@@ -7,6 +7,7 @@ float32 sums that feed the cache (the kv_a projection) moves some entries across
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -15,7 +16,7 @@ import pytest
 from knobcheck import assert_close
 from products import check_products
 
-from model import backends
+from model.backends import catalog
 from model.deepseek2 import Transformer
 from model.generate import Generator, jit_kernels
 from model.gguf_file import GGUFFile
@@ -25,17 +26,17 @@ from space.knobs import ModelInfo, knobs
 TOKENS = [(7919 * i + 17) % 1000 for i in range(16)]
 
 
-@pytest.mark.parametrize("quant", sorted(backends.dsl.BACKEND.quants))
+@pytest.mark.parametrize("quant", sorted(catalog.get("dsl").quants))
 def test_products_equal_the_tensor_backend(quant: str) -> None:
   check_products("dsl", quant)
 
 
 def test_space_offers_dsl_exactly_for_supported_types(gguf_file, monkeypatch) -> None:
-  assert backends.dsl.BACKEND.quants == set(QUANT_NAMES) and "dsl" in backends.NAMES
+  assert catalog.get("dsl").quants == set(QUANT_NAMES) and "dsl" in catalog.names()
   info = ModelInfo.from_gguf(GGUFFile(gguf_file("tiny", "q4_k_m")))
   domains = {k.name: k.choices for k in knobs(info) if k.name.startswith("backend.")}
   assert domains and all(c == ("tensor", "fp16_cache", "dsl") for c in domains.values())  # native: CUDA only (tests/test_native.py)
-  monkeypatch.setattr(backends.dsl.BACKEND, "quants", frozenset({"Q4_K"}))
+  monkeypatch.setitem(catalog.CATALOG, "dsl", dataclasses.replace(catalog.get("dsl"), quants=frozenset({"Q4_K"})))
   domains = {k.name: k.choices for k in knobs(info) if k.name.startswith("backend.")}
   assert domains["backend.Q4_K.expert"] == domains["backend.Q4_K.dense"] == ("tensor", "fp16_cache", "dsl")
   assert domains["backend.Q6_K.expert"] == domains["backend.Q5_K.dense"] == ("tensor", "fp16_cache")

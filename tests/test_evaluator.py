@@ -245,7 +245,7 @@ def test_slow_configs_measure_shorter_rounds(gguf_file, monkeypatch) -> None:
   """A round has n tokens, or as many as last driver.ROUND_S where n would take longer (at least MIN_ROUND_TOKENS): the
   per-op baseline at 5 tok/s on the H100 measured 3 rounds of 31 steps, 17 s of a 63 s trial, for a figure its first
   steps already settle."""
-  from evaluator import driver
+  from model import bench as driver
   from model.deepseek2 import Transformer
   from model.generate import Generator
   from model.gguf_file import GGUFFile

@@ -167,5 +167,5 @@ def test_a_re_measurement_runs_no_correctness_check() -> None:
   def run(config, stage, check=True, on_wait=None):
     calls.append((stage, check))
     return TrialResult("killed", {}, error="stopped")
-  runner = SimpleNamespace(ev=SimpleNamespace(stages=("block", "full"), run=run), on_event=lambda e: None)
-  assert noise._measure(runner, "h", StructureConfig(), None, "again") is False and calls == [("full", False)]
+  ev = SimpleNamespace(stages=("block", "full"), run=run)
+  assert noise.measure(ev, None, None, StructureConfig(), "h", None, "again", lambda text: None) is False and calls == [("full", False)]

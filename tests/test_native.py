@@ -22,7 +22,8 @@ from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import Ops
 
 from evaluator.gate import FP16_TOL, rel_err
-from model.backends import STAGES, cuda_src, native
+from model.backends import catalog, cuda_src, native
+from model.backends.catalog import STAGES
 from model.deepseek2 import Transformer
 from model.generate import Generator, jit_kernels
 from model.gguf_file import GGUFFile
@@ -43,7 +44,7 @@ def test_space_offers_native_only_on_cuda() -> None:
   for device, offered in (("CPU", False), ("METAL", False), ("CUDA", True), ("CUDA:1", True)):
     domains = [k.choices for k in knobs(info, device) if k.name.startswith("backend.")]
     assert domains and all(("native" in c) == offered for c in domains), device
-  assert native.BACKEND.quants >= {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16"}
+  assert catalog.get("native").quants >= {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16"}
 
 
 def nvrtc(arch: str):
@@ -319,7 +320,7 @@ def test_model_refuses_native_where_it_cannot_run(gguf_file) -> None:
 
 
 @needs_cuda
-@pytest.mark.parametrize("quant", sorted(native.BACKEND.quants))
+@pytest.mark.parametrize("quant", sorted(catalog.get("native").quants))
 @pytest.mark.parametrize("shape", ["small", "glm"])
 def test_products_equal_the_tensor_backend(quant: str, shape: str) -> None:
   check_products("native", quant, shape)

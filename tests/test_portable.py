@@ -20,6 +20,7 @@ from tinygrad.renderer.cstyle import CStyleLanguage, CUDARenderer, HIPRenderer, 
 from tinygrad.uop.ops import Ops
 
 import model.backends.dsl as dsl
+from model.backends import catalog
 
 RENDERERS = {"CUDA": (CUDARenderer, Target("CUDA", "CUDA", "sm_90")), "METAL": (MetalRenderer, Target("METAL", "METAL", "Apple9")),
              "AMD": (HIPRenderer, Target("AMD", "HIP", "gfx1100"))}
@@ -59,7 +60,7 @@ def portable_outputs(quant: str) -> list[Tensor]:
           dsl._glu(x(512), None, dense, dense, None), dsl._down(x(64), x(3, 512), w((5, 64, 512)), sel, wts)]
 
 
-@pytest.mark.parametrize("quant", sorted(dsl.BACKEND.quants))
+@pytest.mark.parametrize("quant", sorted(catalog.get("dsl").quants))
 def test_every_portable_kernel_renders_for_cuda_metal_and_amd(quant: str, monkeypatch) -> None:
   monkeypatch.setattr(dsl, "_local", lambda device: True)
   asts = [a for a in kernels(*portable_outputs(quant)) if a.arg.name.startswith("dsl_")]
@@ -79,6 +80,7 @@ import numpy as np
 from tinygrad import Device, Tensor
 from products import TYPES, random_weight, rel_err
 import model.backends.dsl as dsl
+from model.backends import catalog
 from model.backends import tensor
 from model.weights import QWeight
 assert dsl._local(Device.DEFAULT), Device.DEFAULT

@@ -4,6 +4,7 @@ create a database; a sampler that cannot run is refused before anything is made.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 
@@ -12,6 +13,8 @@ import pytest
 from inject.trialfakes import install_fake_trials
 from sqlalchemy import create_engine, text
 
+from model.backends import catalog
+from model.structure import StructureConfig
 from search.cli import main as search_main
 
 FAST = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--fix", "beam=0", "--confirm", "0", "--seed", "0"]
@@ -64,10 +67,13 @@ def test_a_study_continues_from_its_name_with_its_stored_settings(study) -> None
   assert (attrs["n"], attrs["rounds"], attrs["prefill"], attrs["seed"], attrs["fixed"], attrs["trials"]) == (6, 1, False, 0, {"beam": 0}, 3)
   # a study made before a setting existed continues with that setting's default
   e = create_engine(url)
-  with e.begin() as c: c.execute(text("DELETE FROM study_user_attributes WHERE key = 'beam_budget'"))
+  with e.begin() as c:
+    c.execute(text("DELETE FROM study_user_attributes WHERE key = 'beam_budget'"))
+    c.execute(text("UPDATE ss_study SET baseline_config = NULL, baseline_hash = NULL"))  # and before its baseline was stored
   e.dispose()
   assert search("start", "--study", "p", "--storage", url, "--trials", "4") == 0
   assert len(rows(url, "SELECT 1 FROM ss_trial")) == 4
+  assert rows(url, "SELECT baseline_hash FROM ss_study") == [(StructureConfig().hash,)]  # the defaults and its pin beam=0
 
 
 @pytest.mark.parametrize("change, message", [
@@ -79,6 +85,7 @@ def test_a_study_continues_from_its_name_with_its_stored_settings(study) -> None
   (["--objectives", "tok_s,peak_memory"], "measures with --objectives tok_s, not --objectives tok_s,peak_memory"),
   (["--fix", "topk=sort"], "measures with --fix beam=0, not --fix topk=sort"),
   (["--beam-budget", "60"], "measures with --beam-budget 0.0, not --beam-budget 60.0"),
+  (["--family", "portable"], "measures with --family all, not --family portable"),
 ])
 def test_a_later_run_cannot_change_the_protocol(kept_study, capsys, change, message) -> None:
   url, _ = kept_study
@@ -96,6 +103,45 @@ def test_a_studys_beam_budget_reaches_its_trials(gguf_file, tmp_path, monkeypatc
   assert search("start", "--model", gguf_file("tiny", "q4_0"), "--study", "b", "--storage", url, "--trials", "1", *FAST, "--beam-budget", "60") == 0
   ev = load_setup("b", url)[0].evaluator()
   assert ev.beam_budget == 60.0 and ev.spec({}).beam_budget_s == 60.0
+
+
+def test_one_baseline_with_the_pins_and_a_portable_study_on_cuda(gguf_file, tmp_path, monkeypatch, capsys) -> None:
+  """The study stores one baseline, the defaults with its pins (topk=sort here, not the default): the worker measures it
+  first and again between trials, the confirmation A/B-tests against it, and the views compare with it. --family
+  portable holds a CUDA study to the portable backends (the coordinate sampler's first changes would be native)."""
+  install_fake_trials(monkeypatch.setattr)
+  url, model = f"sqlite:///{tmp_path / 's.db'}", gguf_file("tiny", "q4_0")
+  argv = ["--device", "CUDA", "--no-prefill", "-n", "6", "--rounds", "1", "--fix", "beam=0", "--fix", "topk=sort", "--seed", "0",
+          "--family", "portable", "--confirm", "1", "--pairs", "1"]
+  assert search("start", "--model", model, "--study", "b", "--storage", url, "--trials", "6", *argv) == 0
+  capsys.readouterr()
+  base = StructureConfig(topk="sort")
+  assert rows(url, "SELECT baseline_hash, baseline_config FROM ss_study") == [(base.hash, base.to_json())]
+  trials = rows(url, "SELECT number, config_json, config_hash FROM ss_trial ORDER BY number")
+  assert trials[0][2] == base.hash and len({h for _, _, h in trials}) == len(trials) >= 6
+  used = {b for _, c, _ in trials for b in (*StructureConfig.from_json(c).fused.values(), *StructureConfig.from_json(c).backends.values())}
+  assert "dsl" in used and all(catalog.get(b).portable for b in used)
+  untried = {kind: {h for k, h, t in rows(url, "SELECT kind, config_hash, trial_id FROM ss_measurement") if k == kind and t is None}
+             for kind in ("repeat", "confirm")}
+  assert untried == {"repeat": {base.hash}, "confirm": {base.hash}}  # the baseline's repeats and A/B runs
+  assert search("leaderboard", "--study", "b", "--storage", url, "--state", "all", "--format", "json") == 0
+  doc = json.loads(capsys.readouterr().out)
+  assert doc["baseline_hash"] == base.hash and doc["baseline"]["trial"] == 0
+  assert all((r["changes"] == {}) == (r["config_hash"] == base.hash) and "topk" not in r["changes"] for r in doc["rows"])
+  assert search("show", "--study", "b", "--storage", url, "baseline", "--format", "json") == 0
+  assert json.loads(capsys.readouterr().out)["trial"] == 0
+  assert search("start", "--study", "b", "--storage", url, "--device", "CUDA", "--family", "all") == 2
+  assert "measures with --family portable, not --family all" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device, native", [("CPU", False), ("METAL", False), ("AMD", False), ("CUDA", True)])
+def test_search_space_lists_what_runs_on_the_device(gguf_file, capsys, device: str, native: bool) -> None:
+  assert search("space", "--model", gguf_file("tiny", "q4_0"), "--device", device) == 0
+  out = capsys.readouterr().out
+  assert ("native" in out) == native and "dsl" in out
+  assert search("space", "--model", gguf_file("tiny", "q4_0"), "--device", device, "--family", "portable") == 0
+  out = capsys.readouterr().out
+  assert "native" not in out and "dsl" in out and "portable backends" in out
 
 
 def test_prefill_is_part_of_the_protocol(gguf_file, tmp_path, monkeypatch, capsys) -> None:

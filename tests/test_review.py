@@ -31,9 +31,9 @@ from model.production import production_dir, select, sha_line
 from model.structure import StructureConfig
 from search.cli import main as search_main
 from search.noise import near_best
-from search.view import BASELINE
 
 PROJECT = pathlib.Path(__file__).resolve().parents[1]
+BASELINE = StructureConfig().hash  # the study's baseline: it pins beam=0, the default
 FAST = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--fix", "beam=0", "--seed", "0"]
 CHROMIUM = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
             "--disable-component-update", "--disable-sync", "--virtual-time-budget=15000"]

@@ -14,7 +14,6 @@ import pytest
 
 from benchmarks import render
 from model.structure import StructureConfig
-from search.study import config_hash
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # llama-bench -o json of this llama.cpp (llama-cpp-python 0.3.36's), the fields record.py reads and a few beside them
@@ -59,7 +58,7 @@ def test_every_figure_is_a_results_line(out):
   assert {x["model"] for x in lines} == {"tiny (synthetic, exact shapes)"} and {x["layers"] for x in lines} == {3}
   llama, base, fast, _ = lines[0], *[x for x in lines if x["kind"] == "decode"]
   assert (llama["tok_s"], llama["tok_s_stddev"], llama["tok_s_min"], llama["tok_s_max"]) == (339.42, 2.31, 337.1, 341.5)
-  assert base["config_hash"] == config_hash(StructureConfig()) and base["knobs"] == "baseline" and fast["knobs"] == "topk=sort"
+  assert base["config_hash"] == StructureConfig().hash and base["knobs"] == "baseline" and fast["knobs"] == "topk=sort"
   assert base["llama_cpp_tok_s"] == fast["llama_cpp_tok_s"] == 339.42 and base["llama_cpp_tok_s_stddev"] == 2.31
   assert all(x["tok_s_min"] <= x["tok_s"] <= x["tok_s_max"] and x["kernels_per_token"] > 0 for x in (base, fast))
   gates = {x["config"]: x for x in lines if x["kind"] == "gate"}

@@ -466,8 +466,7 @@ R_PRODUCT, R_WIDE, WIDE = 4, 8, 16384  # output rows per row group of single-tok
 def single_token_form(ggml_type: int, out: int) -> tuple[str, int]:
   """(act, R) of a single-token product with `out` rows. A wide one (the output head: many waves of blocks) is bound by its
   instruction count, not by latency: it reads x as two 8-bit planes (x16: integer dot products, 16 bits of x) where the
-  type has integer codes, and 8 rows per group (benchmarks/kernel_lab.py: GLM-4.7-Flash's head 117.6 -> 64.1 us on the
-  H100, 51% -> 94% of the streaming bandwidth)."""
+  type has integer codes, and 8 rows per group (benchmarks/kernel_lab.py times both forms)."""
   if out < WIDE: return "f32", R_PRODUCT
   return ("x16" if UNITS[ggml_type].idot else "f32"), R_WIDE
 
@@ -521,7 +520,7 @@ def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, resid
   """out_j = [res +] W_j . [rmsnorm(x) * gamma] for each weight j (blockIdx.y picks it): a norm folded into one or two products
   of one input (q_a and kv_a), or a residual add folded into one (the attention output). Each warp issues its weight reads
   first; the block stages x (normalised, with a norm) once into shared memory while they are in flight (stage_x), up to
-  STAGE_MAX inputs (GLM-4.7-Flash's output projection with residual on the H100: 8.61 -> 7.94 us)."""
+  STAGE_MAX inputs."""
   tag = "_".join(f"{QUANT_TYPES[w.ggml_type].name.lower()}x{rows}x{w.inp}" for w, rows in ws)
   name = f"native_dense_{'norm_' if eps is not None else ''}{'res_' if residual else ''}{tag}"
   params = [f"float* out{j}" for j in range(len(ws))] + ["const float* __restrict__ x"]
@@ -889,9 +888,8 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
   routed hidden width are one list of units; each thread of a block (as many threads as units, in warps, up to 512) takes
   one or more, issues the reads of its units for the block's R rows at once and adds their weighted products into R sums,
   which meet through a butterfly (lane_sums) and shared memory. R = 8 rows a block, 16 above 256 threads, so a block's
-  registers leave the grid one wave (benchmarks/kernel_lab.py, H100: GLM-4.7-Flash 9.2 -> 6.5 us, DeepSeek-V2-Lite 12.8 ->
-  8.5 us). The weight reads are weak loads before a barrier; glu's 8-bit output (act_in q8) crosses it through shared
-  memory, so no product can start before every read is out (GLM-4.7-Flash 6.20 -> 5.16 us)."""
+  registers leave the grid one wave. The weight reads are weak loads before a barrier; glu's 8-bit output (act_in q8)
+  crosses it through shared memory, so no product can start before every read is out."""
   base = routed or plain
   Fv, ty = base.hidden, base.down.ggml_type
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
-from model.backends import STAGES, Backend
+from model.backends.registry import Backend, register
 from model.quants import BF16, F16, F32, LAYOUTS, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, QUANT_TYPES
 
 if TYPE_CHECKING:
@@ -433,8 +433,6 @@ def ffn(blk: Block, h: Tensor) -> Tensor:
 
 class DslBackend(Backend):
   name = "dsl"
-  quants = frozenset(QUANT_TYPES[t].name for t in _SPECS)
-  stages = frozenset(STAGES)
   attention, router, moe, ffn = staticmethod(attention), staticmethod(router), staticmethod(moe), staticmethod(ffn)
 
   def attach(self, w: QWeight, device: str | None) -> QWeight: return to_words(super().attach(w, device))
@@ -463,4 +461,4 @@ def expert(x: Tensor, sel: Tensor, w: QWeight) -> Tensor:
               n_experts=E).reshape(B, T, K, out)
 
 
-BACKEND = DslBackend()
+BACKEND = register(DslBackend())

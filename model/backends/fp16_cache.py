@@ -6,8 +6,7 @@ from typing import TYPE_CHECKING
 
 from tinygrad import Tensor
 
-from model.backends import Backend
-from model.quants import QUANT_TYPES
+from model.backends.registry import Backend, register
 
 if TYPE_CHECKING:
   from model.weights import QWeight
@@ -15,7 +14,6 @@ if TYPE_CHECKING:
 
 class Fp16CacheBackend(Backend):
   name = "fp16_cache"
-  quants = frozenset(t.name for t in QUANT_TYPES.values())
 
   def attach(self, w: QWeight, device: str | None) -> QWeight:
     super().attach(w, device)
@@ -27,4 +25,4 @@ class Fp16CacheBackend(Backend):
   def expert(self, x: Tensor, sel: Tensor, w: QWeight) -> Tensor: return (x.float().unsqueeze(-2) * w.cache[sel].float()).sum(-1)
 
 
-BACKEND = Fp16CacheBackend()
+BACKEND = register(Fp16CacheBackend())

@@ -17,8 +17,8 @@ from tinygrad import Device, Tensor, dtypes
 from tinygrad.renderer import Estimates
 from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
 
-from model.backends import STAGES, Backend
 from model.backends import cuda_src as C
+from model.backends.registry import Backend, register
 from model.errors import ConfigError
 from model.quants import QUANT_TYPES
 
@@ -173,10 +173,8 @@ def sm_count(device: str) -> int:
 
 
 def q8_handoff(routed: C.FFN | None, plain: C.FFN | None, k: int, device: str) -> bool:
-  """Whether glu writes its 8-bit output for down to read (8-bit activations), by cuda_src.handoff_fits on this device. On
-  the H100 it takes GLM-4.7-Flash's down from 6.90 to 6.19 us with gate+up unchanged (240 blocks); DeepSeek-V2-Lite's 352
-  blocks take two waves, and its gate+up 12.8 -> 14.5 us would cost more than down's 8.6 -> 7.3 saves
-  (benchmarks/kernel_lab.py)."""
+  """Whether glu writes its 8-bit output for down to read (8-bit activations), by cuda_src.handoff_fits on this device:
+  where glu's blocks fit one wave, the hand-off saves down more than it costs gate+up (benchmarks/kernel_lab.py)."""
   return C.handoff_fits(routed, plain, k, sm_count(device))
 
 
@@ -198,15 +196,12 @@ def _glu_down(blk: Block, h: Tensor, routed: C.FFN | None, plain: C.FFN | None, 
 
 class NativeBackend(Backend):
   name = "native"
-  quants = frozenset(QUANT_TYPES[t].name for t in C.UNITS)
-  device_kinds = ("CUDA",)
-  stages = frozenset(STAGES)
 
   def check(self, device: str | None) -> None:
     """Only tinygrad's CUDA device rendering CUDA C (not PTX=1) compiles this source."""
     from tinygrad.renderer.cstyle import CUDARenderer
     dev = Device.canonicalize(device)
-    if not (self.runs_on(dev) and type(Device[dev].renderer) is CUDARenderer):
+    if not (self.row.runs_on(dev) and type(Device[dev].renderer) is CUDARenderer):
       raise ConfigError(f"backend native needs tinygrad's CUDA device rendering CUDA C; this process runs on {dev}")
 
   def attach(self, w: QWeight, device: str | None) -> QWeight:
@@ -214,6 +209,13 @@ class NativeBackend(Backend):
     if not C.supported(w.ggml_type, w.shape[-1]):
       raise ConfigError(f"backend native needs {w.quant} rows of a multiple of {C.UNITS[w.ggml_type].elems} elements")
     return w
+
+  def scratch(self, hp, max_context: int, device: str | None) -> dict[str, Tensor]:
+    """Split attention's partials and arrival counters, and the router's counter, shared by the blocks."""
+    splits = C.attention_splits(max_context)[1]
+    return {"part": Tensor.zeros(hp.n_heads * splits * (hp.kv_lora + 2), device=device).contiguous().realize(),
+            "cnt": Tensor.zeros(hp.n_heads, dtype=dtypes.int32, device=device).contiguous().realize(),
+            "router_cnt": Tensor.zeros(1, dtype=dtypes.int32, device=device).contiguous().realize()}
 
   def linear(self, x: Tensor, w: QWeight) -> Tensor: return linear(x, w)
   def per_head(self, x: Tensor, w: QWeight) -> Tensor: return per_head(x, w)
@@ -228,4 +230,4 @@ def available(device: str | None = None) -> bool:
   return True
 
 
-BACKEND = NativeBackend()
+BACKEND = register(NativeBackend())

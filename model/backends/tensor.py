@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 from tinygrad import Tensor
 
-from model.backends import Backend
-from model.quants import FLOAT_TYPES, QUANT_TYPES, factors, float_weight
+from model.backends.registry import Backend, register
+from model.quants import FLOAT_TYPES, factors, float_weight
 
 if TYPE_CHECKING:
   from model.weights import QWeight
@@ -26,11 +26,10 @@ def _dot(x: Tensor, p: dict[str, Tensor], ggml_type: int) -> Tensor:
 
 class TensorBackend(Backend):
   name = "tensor"
-  quants = frozenset(t.name for t in QUANT_TYPES.values())
 
   def linear(self, x: Tensor, w: QWeight) -> Tensor: return _dot(x.unsqueeze(-2), w.planes, w.ggml_type)
   def per_head(self, x: Tensor, w: QWeight) -> Tensor: return _dot(x.unsqueeze(-2), w.view(w.shape), w.ggml_type)
   def expert(self, x: Tensor, sel: Tensor, w: QWeight) -> Tensor: return _dot(x.unsqueeze(-2), w.view(w.shape, sel), w.ggml_type)
 
 
-BACKEND = TensorBackend()
+BACKEND = register(TensorBackend())

@@ -117,7 +117,7 @@ def _dropped_residual(m: ModuleType) -> None:
   def fused(stage):
     def faulty_stage(blk, x, *args): return stage(blk, x, *args) - x * blk._faulty.reshape(1, 1, 1).cast(x.dtype)
     return staticmethod(faulty_stage)
-  for b in {type(b) for b in m.K.REGISTRY.values() if "attention" in b.stages}: b.attention = fused(b.attention)
+  for b in {type(m.K.get(n)) for n in m.catalog.names() if "attention" in m.catalog.get(n).stages}: b.attention = fused(b.attention)
   init = m.Transformer.__init__
   def mark(self, *args, **kwargs) -> None:
     init(self, *args, **kwargs)

@@ -17,10 +17,8 @@ from tinygrad import Device, GlobalCounters
 from model.generate import Generator, jit_stats
 
 Phase = Callable[[str], None]
-# A round lasts at least ROUND_S where n tokens would take longer, and has at least MIN_ROUND_TOKENS: host jitter (well
-# under a millisecond a step) stays under 0.5% of a round's time, and a slow config's rounds (the per-op baseline at
-# 5 tok/s: 31 steps, 6 s a round) do not cost a trial more than its figure needs (its steps are the GPU's own kernels,
-# whose rounds spread by well under 1% on the H100).
+# A round lasts at least ROUND_S where n tokens would take longer, and has at least MIN_ROUND_TOKENS: host jitter per step
+# stays a small share of a round's time, and a slow config's rounds do not cost a trial more than its figure needs.
 ROUND_S, MIN_ROUND_TOKENS = 2.0, 8
 
 

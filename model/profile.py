@@ -9,10 +9,9 @@ launches of one kernel name, in the step's order over the layers. The same seque
 too; the difference, divided by the launches, is the kernel's device time. The two are interleaved `rounds` times and the
 median difference is kept.
 
-On CUDA the sequence is one CUDA graph, as the decode step runs its kernels: launched one by one from the host, each
-kernel costs about 1.3 µs more on the device than as a graph node (benchmarks/kernel_lab.py's graphs against the same
-launches from the host, H100), which for kernels of 3-12 µs is a tenth to a third of what they cost in the step. Elsewhere
-the kernels are launched one by one (`timing` says which).
+On CUDA the sequence is one CUDA graph, as the decode step runs its kernels: launched one by one from the host, a kernel
+costs more on the device than as a graph node, a large share of a few-µs kernel. Elsewhere the kernels are launched one
+by one (`timing` says which).
 
 What a name costs per token is its time per launch times its launches per step. The graph's own scheduling, the
 dependencies between kernels and the host's share are what the timed step costs beyond the sum of these (the evaluator

@@ -112,7 +112,7 @@ def test_one_baseline_with_the_pins_and_a_portable_study_on_cuda(gguf_file, tmp_
   install_fake_trials(monkeypatch.setattr)
   url, model = f"sqlite:///{tmp_path / 's.db'}", gguf_file("tiny", "q4_0")
   argv = ["--device", "CUDA", "--no-prefill", "-n", "6", "--rounds", "1", "--fix", "beam=0", "--fix", "topk=sort", "--seed", "0",
-          "--family", "portable", "--confirm", "1", "--pairs", "1"]
+          "--family", "portable", "--confirm", "1", "--pairs", "2"]
   assert search("start", "--model", model, "--study", "b", "--storage", url, "--trials", "6", *argv) == 0
   capsys.readouterr()
   base = StructureConfig(topk="sort")

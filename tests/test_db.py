@@ -57,36 +57,35 @@ def test_migrations_create_our_tables(engine):
     assert compare_metadata(ctx, Base.metadata) == []  # the migrations make exactly the models' tables
 
 
-def test_upgrade_from_the_first_schema_keeps_the_data(url):
+def _old_schema(url: str, revision: str, *statements: str) -> None:
+  """A database migrated up to `revision` only, with `statements` run on it (data written by that schema)."""
   from alembic import command
   e = create_engine(url)
   with e.begin() as c:
     cfg = alembic_config(url)
     cfg.attributes["connection"] = c
-    command.upgrade(cfg, "0001")
-    c.execute(text("INSERT INTO ss_study (name, model_name, model_path, model_sha256, model_bytes, layers, device, device_name, space_version, "
-                   "objectives, sampler, created_at) VALUES ('old', 'tiny', '/m', 'ab', 1, 2, 'CPU', 'cpu', 3, 'tok_s', 'tpe', '2026-01-01')"))
+    command.upgrade(cfg, revision)
+    for sql in statements: c.execute(text(sql))
   e.dispose()
+
+
+def _old_study(name: str) -> str:
+  return ("INSERT INTO ss_study (name, model_name, model_path, model_sha256, model_bytes, layers, device, device_name, space_version, "
+          f"objectives, sampler, created_at) VALUES ('{name}', 'tiny', '/m', 'ab', 1, 2, 'CPU', 'cpu', 3, 'tok_s', 'tpe', '2026-01-01')")
+
+
+def test_upgrade_from_the_first_schema_keeps_the_data(url):
+  _old_schema(url, "0001", _old_study("old"))
   with session(e := open_db(url)) as s: assert [(st.name, st.model_sha256) for st in store.studies(s)] == [("old", "ab")]
   assert "environment_id" not in {c["name"] for c in inspect(e).get_columns("ss_study")}
   e.dispose()
 
 
 def test_a_study_made_before_its_baseline_was_stored_takes_its_first_trial(url):
-  from alembic import command
-  e = create_engine(url)
-  with e.begin() as c:
-    cfg = alembic_config(url)
-    cfg.attributes["connection"] = c
-    command.upgrade(cfg, "0003_cost")
-    for name in ("ran", "new"):
-      c.execute(text("INSERT INTO ss_study (name, model_name, model_path, model_sha256, model_bytes, layers, device, device_name, "
-                     f"space_version, objectives, sampler, created_at) VALUES ('{name}', 'tiny', '/m', 'ab', 1, 2, 'CPU', 'cpu', 3, "
-                     "'tok_s', 'tpe', '2026-01-01')"))
-    for n, cfg_json, h in ((0, '{"beam": 0}', "b0"), (1, '{"topk": "sort"}', "c1")):
-      c.execute(text("INSERT INTO ss_trial (study_id, number, config_json, config_hash, state, worker, started_at) "
-                     f"VALUES (1, {n}, '{cfg_json}', '{h}', 'ok', 'h:1', '2026-01-01')"))
-  e.dispose()
+  trials = [("INSERT INTO ss_trial (study_id, number, config_json, config_hash, state, worker, started_at) "
+             f"VALUES (1, {n}, '{cfg_json}', '{h}', 'ok', 'h:1', '2026-01-01')")
+            for n, cfg_json, h in ((0, '{"beam": 0}', "b0"), (1, '{"topk": "sort"}', "c1"))]
+  _old_schema(url, "0003_cost", _old_study("ran"), _old_study("new"), *trials)
   with session(e := open_db(url)) as s:
     assert [(st.name, st.baseline_config, st.baseline_hash) for st in store.studies(s)] == [("ran", '{"beam": 0}', "b0"), ("new", None, None)]
   e.dispose()

@@ -9,11 +9,12 @@ import inspect
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from products import TYPES, random_weight
-from tinygrad import Tensor
+from tinygrad import Tensor, dtypes
 from tinygrad.codegen import full_rewrite_to_sink, line_rewrite, linearize, pm_linearize_cleanups
 from tinygrad.helpers import Target
 from tinygrad.renderer.cstyle import CStyleLanguage, CUDARenderer, HIPRenderer, MetalRenderer
@@ -21,6 +22,7 @@ from tinygrad.uop.ops import Ops
 
 import model.backends.dsl as dsl
 from model.backends import catalog
+from model.deepseek2 import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, SQRT_SOFTPLUS, Block
 
 RENDERERS = {"CUDA": (CUDARenderer, Target("CUDA", "CUDA", "sm_90")), "METAL": (MetalRenderer, Target("METAL", "METAL", "Apple9")),
              "AMD": (HIPRenderer, Target("AMD", "HIP", "gfx1100"))}
@@ -64,7 +66,7 @@ def portable_outputs(quant: str) -> list[Tensor]:
 def test_every_portable_kernel_renders_for_cuda_metal_and_amd(quant: str, monkeypatch) -> None:
   monkeypatch.setattr(dsl, "_local", lambda device: True)
   asts = [a for a in kernels(*portable_outputs(quant)) if a.arg.name.startswith("dsl_")]
-  assert {a.arg.name.split("_")[1] for a in asts} == {"dense", "per", "expert", "res", "vec", "gate", "down"}
+  assert {a.arg.name.split("_")[1] for a in asts} == {"dense", "per", "expert", "res", "vec", "gate", "glu", "down"}
   for kind in RENDERERS:
     for a in asts:
       src = render_source(a, renderer(kind))
@@ -82,7 +84,7 @@ from products import TYPES, random_weight, rel_err
 import model.backends.dsl as dsl
 from model.backends import catalog
 from model.backends import tensor
-from model.weights import QWeight
+from model.weights import QWeight, concat_rows
 assert dsl._local(Device.DEFAULT), Device.DEFAULT
 for quant in sys.argv[1:]:
   rng, t = np.random.default_rng(0), TYPES[quant]
@@ -95,17 +97,18 @@ for quant in sys.argv[1:]:
   want = res + (tensor.BACKEND.expert(act.reshape(1, 1, 2, 512), sel, ref)[0, 0] * wts.unsqueeze(-1)).sum(0)
   got = dsl._down(res, act, port, sel, wts)
   print(quant, "down", rel_err(got, want))
-  gamma, xg = x(512), x(512)
+  gamma, xg, up = x(512), x(512), random_weight(rng, t, (5, 16, 512))
   xn = xg * (xg.square().mean() + 1e-5).rsqrt() * gamma
-  g, u = (tensor.BACKEND.expert(xn.reshape(1, 1, 1, 512), sel, r)[0, 0] for r in (ref, ref))
-  got = dsl._glu(xg, (gamma, dsl._rs(xg, 1e-5)), port, port, None, sel)
+  g, u = (tensor.BACKEND.expert(xn.reshape(1, 1, 1, 512), sel, r)[0, 0] for r in (ref, up))
+  merged = dsl.to_words(concat_rows(QWeight(dict(ref.planes), t, ref.shape, backend="dsl"), QWeight(dict(up.planes), t, up.shape, backend="dsl")))
+  got = dsl._glu(xg, (gamma, dsl._rs(xg, 1e-5)), None, None, merged, sel)
   print(quant, "glu", rel_err(got, g.silu() * u))
 """
 
 
 def test_portable_kernels_compute_the_reference_under_the_metal_emulator() -> None:
   """tinygrad's Python emulator with Metal's features (workgroups, shared memory): the experts' product, SiLU(gate) * up
-  with the norm folded into the products and down over the selected experts equal the tensor backend's, for the types of
+  of merged gate+up weights (one kernel) with the norm folded in and down over the selected experts equal the tensor backend's, for the types of
   the Q4_0 seed files and a K-quant."""
   quants = ["Q4_0", "Q8_0", "Q6_K", "Q4_K"]
   env = {**os.environ, "DEV": "PYTHON::METAL"}
@@ -125,3 +128,24 @@ def test_nothing_portable_reads_the_device_name() -> None:
   assert not {s for s in literals if s.upper() in names or s.split(":")[0].upper() in names}
   local = inspect.getsource(dsl._local)
   assert "has_local" in local and "has_shared" in local and "device_kind" not in src
+
+
+@pytest.mark.parametrize("gating", [SOFTMAX, SIGMOID, SOFTMAX_WEIGHT, SQRT_SOFTPLUS])
+def test_routing_kernels_select_and_weigh_as_the_per_op_path(gating: int) -> None:
+  """The top-k kernel's ids and the weights kernel's weights (of its own ids and of forced ones) equal the per-op path's
+  pairwise top-k and weights, ties included (equal scores rank by index), for every gating function the model reads."""
+  rng, (E, K) = np.random.default_rng(gating), (16, 4)
+  logits = rng.standard_normal(E).astype(np.float32)
+  logits[[3, 9, 12]] = logits.max() + 0.5  # a three-way tie at the top
+  for bias, norm_w, scale in ((None, True, 1.8), (rng.standard_normal(E).astype(np.float32), False, 1.0)):
+    hp = SimpleNamespace(gating=gating, n_used=K, norm_w=norm_w, w_scale=scale)
+    blk = Block.__new__(Block)
+    blk.hp, blk.probs_b, blk.cfg = hp, None if bias is None else Tensor(bias), SimpleNamespace(topk="pairwise")
+    lt, b = Tensor(logits), [] if bias is None else [Tensor(bias)]
+    forced = Tensor(np.array([1, 7, 3, 15], dtype=np.int32))
+    for f in (None, forced):
+      sel, w, own = blk.route(lt.reshape(1, 1, E), None if f is None else f.reshape(1, 1, K))
+      got_own = dsl._custom(dsl.topk_kernel, (K,), [lt, *b], dtype=dtypes.int32, gating=gating)
+      got_w = dsl._custom(dsl.weights_kernel, (K,), [lt, got_own if f is None else f], gating=gating, norm=norm_w, scale=scale)
+      assert got_own.tolist() == own.reshape(-1).tolist()
+      np.testing.assert_allclose(got_w.numpy(), w.reshape(-1).numpy(), rtol=1e-6, atol=1e-7)

@@ -28,6 +28,7 @@ from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
 from model.backends.registry import Backend, register
+from model.deepseek2 import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, SQRT_SOFTPLUS
 from model.quants import BF16, F16, F32, LAYOUTS, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, QUANT_TYPES
 
 if TYPE_CHECKING:
@@ -291,19 +292,25 @@ def vector_kernel(out: UOp, x: UOp, *srcs: UOp, w: QWeight, norm: bool, residual
   return _sink(out[o].store(acc), rows, "res" if residual else "vec", w.ggml_type)
 
 
-def gate_up_kernel(out: UOp, x: UOp, *srcs: UOp, w: QWeight, norm: bool, experts: int, local: bool) -> UOp:
+def gate_up_kernel(out: UOp, x: UOp, *srcs: UOp, w: QWeight, norm: bool, experts: int, glu: bool, local: bool) -> UOp:
   """out (S, R) = w[sel[s]] . xn for S selected experts (srcs = [gamma, rs], sel, planes; R rows per expert) or one plain
-  FFN (S = 1, no sel); xn = rmsnorm(x) * gamma where the norm is folded in, else x."""
+  FFN (S = 1, no sel); xn = rmsnorm(x) * gamma where the norm is folded in, else x. glu: w is merged gate+up (2R rows per
+  expert) and out = SiLU(gate . xn) * (up . xn): a thread computes a gate row and its up row in one pass over the input
+  (an unrolled pair of rows), and their product is a multiplying reduction over the pair."""
   nrm, srcs = _norm_srcs(srcs, norm)
   sel, srcs = (srcs[0], srcs[1:]) if experts else (None, srcs)
   ids, p = count(), dict(zip(w.planes, srcs, strict=True))
   group = _group(_blocks(p), local)
-  y = _lead(out.shape[0], ids)
-  o, rows = _rows(out.shape[1], ids, local, group, out.shape[0])
-  base = _expert_id(sel, experts, y) * out.shape[1] if sel is not None else UOp.const(0, dtypes.weakint)
+  y, R = _lead(out.shape[0], ids), out.shape[1]
+  o, rows = _rows(R, ids, local, group, out.shape[0] * (2 if glu else 1))
+  base = _expert_id(sel, experts, y) * (2 * R if glu else R) if sel is not None else UOp.const(0, dtypes.weakint)
+  if glu:
+    half = UOp.range(2, next(ids), AxisType.UNROLL)
+    base = base + half * R
   acc = _dot(_normed(x, nrm), p, w.ggml_type, base + o, ids, group)
   if nrm is not None: acc = acc * _f(nrm[1][0])
-  return _sink(out[y, o].store(acc), (*_ranges(y), *rows), "gate_up", w.ggml_type)
+  if glu: acc = half.eq(0).where(acc.silu(), acc).reduce(half, arg=Ops.MUL)
+  return _sink(out[y, o].store(acc), (*_ranges(y), *rows), "glu" if glu else "gate_up", w.ggml_type)
 
 
 def down_kernel(out: UOp, res: UOp, act: UOp, *srcs: UOp, w: QWeight, slots: int, local: bool) -> UOp:
@@ -322,8 +329,8 @@ def down_kernel(out: UOp, res: UOp, act: UOp, *srcs: UOp, w: QWeight, slots: int
   return _sink(out[o].store(_f(res[o]) + acc), rows, "down", w.ggml_type)
 
 
-def _custom(kernel: Callable[..., UOp], shape: tuple[int, ...], srcs: list[Tensor], **kw) -> Tensor:
-  out = Tensor.empty(*shape, dtype=dtypes.float32, device=srcs[0].device)
+def _custom(kernel: Callable[..., UOp], shape: tuple[int, ...], srcs: list[Tensor], dtype=dtypes.float32, **kw) -> Tensor:
+  out = Tensor.empty(*shape, dtype=dtype, device=srcs[0].device)
   return out.custom_kernel(*srcs, fxn=partial(kernel, local=_local(srcs[0].device), **kw))[0]
 
 
@@ -364,12 +371,67 @@ def attention(blk: Block, x: Tensor, start_pos, pos: Tensor | None) -> Tensor:
   return _vec(out.reshape(-1), blk.wo, res=xf).reshape(1, 1, dim)
 
 
+def _gating(logits: UOp, gating: int, ids: Iterator[int]) -> Callable[[UOp], UOp]:
+  """The gating function's value at expert i, with the per-op path's arithmetic; softmax's max and sum over the experts are
+  reductions of the kernel (each thread computes them)."""
+  n, l = logits.shape[0], lambda i: _f(logits[i])
+  if gating == SOFTMAX:
+    r = UOp.range(n, next(ids), AxisType.REDUCE)
+    m = l(r).reduce(r, arg=Ops.MAX)
+    r = UOp.range(n, next(ids), AxisType.REDUCE)
+    z = (l(r) - m).exp().reduce(r, arg=Ops.ADD)
+    return lambda i: (l(i) - m).exp() / z
+  return {SIGMOID: lambda i: l(i).sigmoid(), SOFTMAX_WEIGHT: l, SQRT_SOFTPLUS: lambda i: l(i).softplus().sqrt()}[gating]
+
+
+def topk_kernel(own: UOp, logits: UOp, *bias: UOp, gating: int, local: bool) -> UOp:
+  """own (K,): the K experts of highest score (the gating function of the logits plus the selection bias), in rank order. A
+  thread per expert counts the experts that beat its score (higher, or equal at a lower index: the per-op pairwise rule)
+  and writes its id at that rank when the rank is below K."""
+  ids, n, k = count(), logits.shape[0], own.shape[0]
+  e, *er = _axis(n, ids, AxisType.LOCAL if local else AxisType.WEAK)
+  p = _gating(logits, gating, ids)
+  score = (lambda i: p(i) + _f(bias[0][i])) if bias else p
+  j = UOp.range(n, next(ids), AxisType.REDUCE)
+  beats = (score(e) < score(j)) | (score(j).eq(score(e)) & (j < e))
+  rank = beats.where(UOp.const(1, dtypes.int32), UOp.const(0, dtypes.int32)).reduce(j, arg=Ops.ADD)
+  store = own[rank.cast(dtypes.weakint).valid(rank < k)].store(_i(e))
+  return store.end(*er).sink(arg=KernelInfo(name="dsl_topk", opts_to_apply=()))
+
+
+def weights_kernel(w: UOp, logits: UOp, sel: UOp, *, gating: int, norm: bool, scale: float, local: bool) -> UOp:
+  """w (K,): the routing weights of the selected experts sel (K,): the gating function's values (softmax over the K
+  selected logits where gating says so), normalised to sum 1 where `norm`, times `scale`; as the per-op path computes them."""
+  ids, n, k = count(), logits.shape[0], w.shape[0]
+  s, *sr = _axis(k, ids, AxisType.LOCAL if local else AxisType.WEAK)
+  p = _gating(logits, gating, ids)
+  val = lambda i: p(_expert_id(sel, n, i))
+  if gating == SOFTMAX_WEIGHT:
+    r = UOp.range(k, next(ids), AxisType.REDUCE)
+    m = val(r).reduce(r, arg=Ops.MAX)
+    r = UOp.range(k, next(ids), AxisType.REDUCE)
+    z, plain = (val(r) - m).exp().reduce(r, arg=Ops.ADD), val
+    val = lambda i: (plain(i) - m).exp() / z
+  v = val(s)
+  if norm:
+    r = UOp.range(k, next(ids), AxisType.REDUCE)
+    v = v / val(r).reduce(r, arg=Ops.ADD).maximum(6.103515625e-5)
+  if scale not in (0.0, 1.0): v = v * scale
+  return w[s].store(v).end(*sr).sink(arg=KernelInfo(name="dsl_weights", opts_to_apply=()))
+
+
 def router(blk: Block, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-  """The router logits with the norm folded in (a UOp kernel); gating, bias, top-k and weights as the per-op path."""
+  """The router logits with the norm folded in, the top-k (its own ids) and the routing weights of the ids used (its own,
+  or `forced`): three UOp kernels."""
   hp = blk.hp
   hf = h.reshape(hp.dim).float()
-  logits = _vec(hf, blk.gate_inp, (blk.ffn_norm, _rs(hf, hp.eps))).reshape(1, 1, hp.n_experts)
-  return *blk.route(logits, forced), logits
+  logits = _vec(hf, blk.gate_inp, (blk.ffn_norm, _rs(hf, hp.eps)))
+  bias = [blk.probs_b] if blk.probs_b is not None else []
+  own = _custom(topk_kernel, (hp.n_used,), [logits, *bias], dtype=dtypes.int32, gating=hp.gating)
+  sel = own if forced is None else forced.reshape(-1).cast(dtypes.int32)
+  w = _custom(weights_kernel, (hp.n_used,), [logits, sel], gating=hp.gating, norm=hp.norm_w, scale=hp.w_scale)
+  K = lambda t: t.reshape(1, 1, hp.n_used)
+  return K(sel), K(w), K(own), logits.reshape(1, 1, hp.n_experts)
 
 
 def q8_round(x: Tensor) -> Tensor:
@@ -382,17 +444,15 @@ def q8_round(x: Tensor) -> Tensor:
 
 def _glu(x: Tensor, norm: Norm | None, gate: QWeight | None, up: QWeight | None, gate_up: QWeight | None,
          sel: Tensor | None = None) -> Tensor:
-  """SiLU(gate . xn) * (up . xn): (S, hidden) for the S selected experts (sel), or (1, hidden) for one plain FFN. The
-  products are one kernel per weight (merged gate+up: one), SiLU(gate) * up one elementwise kernel after them."""
+  """SiLU(gate . xn) * (up . xn): (S, hidden) for the S selected experts (sel), or (1, hidden) for one plain FFN. Merged
+  gate+up is one kernel with SiLU(gate) * up inside; separate gate and up are a kernel each and an elementwise one."""
   slots = sel.numel() if sel is not None else 1
   srcs = [x, *(norm or ())] + ([sel.reshape(-1).cast(dtypes.int32)] if sel is not None else [])
-  def prod_(w: QWeight) -> Tensor:
-    return _custom(gate_up_kernel, (slots, w.shape[-2]), srcs + list(w.planes.values()), w=w, norm=norm is not None,
-                   experts=w.shape[0] if sel is not None else 0)
-  if gate_up is not None:
-    gu, hidden = prod_(gate_up), gate_up.shape[-2] // 2
-    return gu[:, :hidden].silu() * gu[:, hidden:]
-  return prod_(gate).silu() * prod_(up)
+  def prod_(w: QWeight, glu: bool) -> Tensor:
+    return _custom(gate_up_kernel, (slots, w.shape[-2] // (2 if glu else 1)), srcs + list(w.planes.values()), w=w,
+                   norm=norm is not None, experts=w.shape[0] if sel is not None else 0, glu=glu)
+  if gate_up is not None: return prod_(gate_up, True)
+  return prod_(gate, False).silu() * prod_(up, False)
 
 
 def _down(res: Tensor, act: Tensor, w: QWeight, sel: Tensor | None = None, wts: Tensor | None = None) -> Tensor:

@@ -57,8 +57,7 @@ class Row:
 CATALOG: dict[str, Row] = {r.name: r for r in (
   Row("tensor", "model.backends.tensor", "tinygrad ops over the GGUF block planes (each group's scale after the group's sum)"),
   Row("fp16_cache", "model.backends.fp16_cache", "the weight dequantized once at load into an fp16 matrix", precision="fp16"),
-  Row("dsl", "model.backends.dsl", "tinygrad UOp custom kernels that read the planes", stages=frozenset(STAGES),
-      keeps=frozenset({"barrier.kv_write", "attention", "topk"})),
+  Row("dsl", "model.backends.dsl", "tinygrad UOp custom kernels that read the planes", stages=frozenset(STAGES)),
   Row("native", "model.backends.native", "CUDA C generated per GGUF type, run inside tinygrad's CUDA graphs", stages=frozenset(STAGES),
       devices=("CUDA",), twin="dsl", scratch=True),
 )}

@@ -354,20 +354,25 @@ def _vec(x: Tensor, w: QWeight, norm: Norm | None = None, res: Tensor | None = N
 
 
 def attention(blk: Block, x: Tensor, start_pos, pos: Tensor | None) -> Tensor:
-  """h = x + attention(x) for one token: the projections with the norm folded in, the per-op RoPE, cache write,
-  attention and the per-head products, the output projection with the residual add folded in."""
+  """h = x + attention(x) for one token, in UOp kernels: the projections with the norms folded in, the KV cache write (with
+  q_a's 1/rms), k_b reading q in place, the scores (q_pe rotated as they are read), softmax(scores) @ c_kv, v_b, and the
+  output projection with the residual add folded in."""
   hp = blk.hp
   H, nope, rope, dim = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.dim
   xf = x.reshape(dim).float()
   norm = (blk.attn_norm, _rs(xf, hp.eps))
-  if hp.q_lora:
-    qa = _vec(xf, blk.q_a, norm)
-    q = _vec(qa, blk.q_b, (blk.q_a_norm, _rs(qa, hp.eps)))
-  else: q = _vec(xf, blk.q_b, norm)
-  kv = _vec(xf, blk.kv_a, norm).reshape(1, 1, -1)
-  q = q.reshape(1, 1, H, nope + rope)
-  q_abs = per_head(q, blk.k_b) if blk.k_b_t is None else blk.absorb(q[..., :nope])  # k_b reads q's nope part in place
-  out = blk.attend(q_abs, q[..., nope:], kv, start_pos)
+  qa = _vec(xf, blk.q_a, norm) if hp.q_lora else None
+  kv = _vec(xf, blk.kv_a, norm)
+  pos, bind = _position(start_pos)
+  extra = [Tensor.empty(1, dtype=dtypes.float32, device=kv.device), qa] if hp.q_lora else []
+  cache, *rs = blk.cache.custom_kernel(kv, blk.kv_a_norm, blk.cos, blk.sin, *extra, *bind, fxn=partial(
+    kv_write_kernel, pos=pos, eps=hp.eps, q_lora=bool(hp.q_lora), local=_local(kv.device)))
+  q = _vec(qa, blk.q_b, (blk.q_a_norm, rs[4])) if hp.q_lora else _vec(xf, blk.q_b, norm)
+  q_abs = per_head(q.reshape(1, 1, H, nope + rope), blk.k_b).reshape(H, hp.kv_lora)  # k_b reads q's nope part in place
+  ctx = blk.cache.shape[1]
+  s = _custom(scores_kernel, (H, ctx), [q, q_abs, cache, blk.cos, blk.sin, *bind], pos=pos, scale=hp.kq_scale, nope=nope)
+  o = _custom(pv_kernel, (H, hp.kv_lora), [s, cache, *bind], pos=pos)
+  out = per_head(o.reshape(1, H, hp.kv_lora), blk.v_b)
   return _vec(out.reshape(-1), blk.wo, res=xf).reshape(1, 1, dim)
 
 
@@ -418,6 +423,68 @@ def weights_kernel(w: UOp, logits: UOp, sel: UOp, *, gating: int, norm: bool, sc
     v = v / val(r).reduce(r, arg=Ops.ADD).maximum(6.103515625e-5)
   if scale not in (0.0, 1.0): v = v * scale
   return w[s].store(v).end(*sr).sink(arg=KernelInfo(name="dsl_weights", opts_to_apply=()))
+
+
+def _position(start_pos: int | UOp) -> tuple[int | UOp, list[Tensor]]:
+  """The decode position as a kernel reads it, and the sources that bind it: a JIT's position is a bound variable, which
+  a kernel reads as a parameter and its call takes as a source (after the buffers: the kernels take it as `*_var`)."""
+  if isinstance(start_pos, int): return start_pos, []
+  return start_pos.src[0].replace(op=Ops.PARAM), [Tensor(start_pos)]
+
+
+def _roped(x: Callable[[UOp], UOp], cos: UOp, sin: UOp, pos: UOp | int, i: UOp, j: UOp) -> UOp:
+  """Element 2i + j of x (its values x(0..)) rotated by RoPE at position pos (adjacent pairs, as apply_rope)."""
+  x0, x1, c, s = x(i * 2), x(i * 2 + 1), _f(cos[pos, i]), _f(sin[pos, i])
+  return j.eq(0).where(x0 * c - x1 * s, x0 * s + x1 * c) if isinstance(j, UOp) else (x0 * c - x1 * s if j == 0 else x0 * s + x1 * c)
+
+
+def kv_write_kernel(cache: UOp, kv: UOp, gamma: UOp, cos: UOp, sin: UOp, *srcs: UOp, pos: UOp | int, eps: float,
+                    q_lora: bool, local: bool) -> UOp:
+  """The KV cache's row at `pos` from kv_a's output kv (kv_lora + rope,): the first kv_lora values RMS-normalised times
+  gamma, the last rope values rotated, stored in the cache's dtype; and, with q_lora, rs (1,) = 1/rms of q_a's output qa
+  (srcs = [rs, qa]), which q_b's product folds in. A thread per value of the row; each reduces the sums of squares itself."""
+  ids, kvl, width = count(), gamma.shape[0], cache.shape[-1]
+  c, *cr = _axis(width, ids, AxisType.LOCAL if local else AxisType.WEAK)
+  def rms(v: UOp) -> UOp:
+    r = UOp.range(v.shape[0], next(ids), AxisType.REDUCE)
+    return ((_f(v[r]) * _f(v[r])).reduce(r, arg=Ops.ADD) * (1 / v.shape[0]) + eps).rsqrt()
+  rope = kv.shape[0] - kvl
+  i = ((c - kvl) // 2).maximum(0).minimum(rope // 2 - 1)
+  rot = _roped(lambda k: _f(kv[kvl + k]), cos, sin, pos, i, (c - kvl) % 2)
+  normed = _f(kv[c.minimum(kvl - 1)]) * rms(kv.shrink(((0, kvl),))) * _f(gamma[c.minimum(kvl - 1)])
+  stores = [cache[0, pos, c].store((c < kvl).where(normed, rot).cast(cache.dtype))]
+  if q_lora: stores.append(srcs[0][UOp.const(0, dtypes.weakint).valid(c.eq(0))].store(rms(srcs[1])))
+  return UOp.group(*stores).end(*cr).sink(arg=KernelInfo(name="dsl_kv_write", opts_to_apply=()))
+
+
+def scores_kernel(out: UOp, q: UOp, q_abs: UOp, cache: UOp, cos: UOp, sin: UOp, *_var: UOp, pos: UOp | int, scale: float,
+                  nope: int, local: bool) -> UOp:
+  """out (H, context): the attention scores of the positions 0..pos, scale * (q_abs[h] . c_kv[t] + rope(q_pe[h]) . k_pe[t]),
+  a thread per head and position; q (H * (nope + rope),) is q_b's output, whose rope part is rotated here."""
+  ids, (H, kvl), rope = count(), q_abs.shape, cache.shape[-1] - q_abs.shape[1]
+  h, *hr = _axis(H, ids, AxisType.GLOBAL if local else AxisType.WEAK)
+  t = UOp.range(pos + 1, next(ids), AxisType.GLOBAL if local else AxisType.WEAK)
+  r = UOp.range(kvl, next(ids), AxisType.REDUCE)
+  dot = (_f(q_abs[h, r]) * _f(cache[0, t, r])).reduce(r, arg=Ops.ADD)
+  i, j = UOp.range(rope // 2, next(ids), AxisType.REDUCE), UOp.range(2, next(ids), AxisType.UNROLL)
+  qpe = _roped(lambda k: _f(q[h * (nope + rope) + nope + k]), cos, sin, pos, i, j)
+  dot = dot + (qpe * _f(cache[0, t, kvl + i * 2 + j])).reduce(i, j, arg=Ops.ADD)
+  return out[h, t].store(dot * scale).end(*hr, t).sink(arg=KernelInfo(name="dsl_scores", opts_to_apply=()))
+
+
+def pv_kernel(out: UOp, s: UOp, cache: UOp, *_var: UOp, pos: UOp | int, local: bool) -> UOp:
+  """out (H, kv_lora) = softmax(s[h, 0..pos]) @ c_kv[0..pos]: a thread per head and value; each thread reduces the
+  scores' max and sum of exponentials itself, then the weighted sum of the cache's column."""
+  ids, (H, kvl) = count(), out.shape
+  h, *hr = _axis(H, ids, AxisType.GLOBAL if local else AxisType.WEAK)
+  c, rows = _rows(kvl, ids, local, 1)
+  t = UOp.range(pos + 1, next(ids), AxisType.REDUCE)
+  m = _f(s[h, t]).reduce(t, arg=Ops.MAX)
+  t = UOp.range(pos + 1, next(ids), AxisType.REDUCE)
+  z = (_f(s[h, t]) - m).exp().reduce(t, arg=Ops.ADD)
+  t = UOp.range(pos + 1, next(ids), AxisType.REDUCE)
+  o = ((_f(s[h, t]) - m).exp() * _f(cache[0, t, c])).reduce(t, arg=Ops.ADD) / z
+  return out[h, c].store(o).end(*hr, *rows).sink(arg=KernelInfo(name="dsl_pv", opts_to_apply=()))
 
 
 def router(blk: Block, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -131,9 +131,8 @@ class Tokenizer:
     self.tok2id = {t: i for i, t in enumerate(tokens)}
     # "left right" -> rank, first occurrence wins like llama.cpp
     self.ranks = {m: i for i, m in reversed(list(enumerate(merges)))}
-    self.stop_ids = {i for i in (stop_ids
-                                 or set()) | {eos_id} if i is not None} | {self.tok2id[
-                                   t] for t in _EOG_TEXTS if t in self.tok2id}
+    self.stop_ids = {i for i in (stop_ids or set()) | {eos_id}
+                     if i is not None} | {self.tok2id[t] for t in _EOG_TEXTS if t in self.tok2id}
     # dropped by decode(special=False)
     self.hidden = frozenset(i for i, t in enumerate(types) if t in (CONTROL, UNKNOWN)) | self.stop_ids
     # special tokens matched literally in text, longest first (llama.cpp tokenizer_st_partition)

@@ -1,7 +1,8 @@
-"""The routed-expert product (llama.cpp's mul_mat_id) alone, per kernel backend: GB/s of expert weights read, against the
-device's streaming bandwidth measured through tinygrad in the same process (evaluator/bandwidth.py).
+"""The routed-expert product (llama.cpp's mul_mat_id) alone, per kernel backend: GB/s of expert weights read, against
+the device's streaming bandwidth measured through tinygrad in the same process (evaluator/bandwidth.py).
 
-  python benchmarks/expert_kernel.py --beam 0 [--quant Q4_0] [--json out.jsonl]   # GLM-4.7-Flash ffn_gate_exps: 64 x 1536 x 2048, 4 selected
+  python benchmarks/expert_kernel.py --beam 0 [--quant Q4_0] [--json out.jsonl]   # GLM-4.7-Flash ffn_gate_exps: 64 x
+  1536 x 2048, 4 selected
 
 One decode token, 4 experts chosen by a tensor (the gather happens inside the product). `kernel`: the product's kernels
 timed on the device (tinygrad's DEBUG=2 event timing, median of 20 runs after 5 warm-ups); `call`: one TinyJit call,
@@ -58,16 +59,18 @@ for backend in backends:
       if i >= 5: times["call"].append(call); times["kernel"].append(GlobalCounters.time_sum_s - k0)
   times = {k: float(np.median(v)) for k, v in times.items()}
   gb_s = {k: read / t / 1e9 for k, t in times.items()}
-  print(f"{backend:10s} kernel {times['kernel'] * 1e6:8.1f} us {gb_s['kernel']:7.1f} GB/s ({gb_s['kernel'] / bw:6.1%})   "
-        f"call {times['call'] * 1e6:8.1f} us {gb_s['call']:7.1f} GB/s", flush=True)
+  print(f"{backend:10s} kernel {times['kernel'] * 1e6:8.1f} us {gb_s['kernel']:7.1f} GB/s "
+        f"({gb_s['kernel'] / bw:6.1%})   call {times['call'] * 1e6:8.1f} us {gb_s['call']:7.1f} GB/s", flush=True)
   if args.json:  # a benchmarks/results.jsonl line
     with open(args.json, "a") as f:
       f.write(json.dumps({"date": datetime.date.today().isoformat(), "kind": "expert_kernel", "device": label,
-                          "model": f"glm-4.7-flash ffn_gate_exps ({E} x {OUT} x {IN}, {K} selected)", "layers": 0, "quant": args.quant,
-                          "config": f"expert product, backend {backend}", "backend": backend, "beam": args.beam,
-                          "us_kernel": round(times["kernel"] * 1e6, 1), "us_call": round(times["call"] * 1e6, 1),
-                          "gb_s_kernel": round(gb_s["kernel"], 1), "gb_s_call": round(gb_s["call"], 1), "bandwidth_gb_s": round(bw),
+                          "model": f"glm-4.7-flash ffn_gate_exps ({E} x {OUT} x {IN}, {K} selected)", "layers": 0,
+                          "quant": args.quant, "config": f"expert product, backend {backend}", "backend": backend,
+                          "beam": args.beam, "us_kernel": round(times["kernel"] * 1e6, 1),
+                          "us_call": round(times["call"] * 1e6, 1), "gb_s_kernel": round(gb_s["kernel"], 1),
+                          "gb_s_call": round(gb_s["call"], 1), "bandwidth_gb_s": round(bw),
                           "bandwidth_share": round(gb_s["kernel"] / bw, 5),
-                          "command": f"DEV={dev} PYTHONPATH=tests python benchmarks/expert_kernel.py --beam {args.beam} --quant {args.quant}"})
+                          "command": f"DEV={dev} PYTHONPATH=tests python benchmarks/expert_kernel.py --beam "
+                          f"{args.beam} --quant {args.quant}"})
               + "\n")
   del w, one

@@ -1,19 +1,20 @@
-"""The native backend's decode kernels alone, at the real shapes of GLM-4.7-Flash and DeepSeek-V2-Lite Q4_0, beside a plain
-read of as many bytes (what one launch of that size reaches) and the device's streaming bandwidth, all measured in one
-process; with --against, the same kernels built by another version of model/backends/cuda_src.py, timed interleaved.
+"""The native backend's decode kernels alone, at the real shapes of GLM-4.7-Flash and DeepSeek-V2-Lite Q4_0, beside a
+plain read of as many bytes (what one launch of that size reaches) and the device's streaming bandwidth, all measured in
+one process; with --against, the same kernels built by another version of model/backends/cuda_src.py, timed interleaved.
 
-  python benchmarks/kernel_lab.py [--models ...] [--kinds ...] [--against OLD/model/backends/cuda_src.py] [--json out.jsonl]
+  python benchmarks/kernel_lab.py [--models ...] [--kinds ...] [--against OLD/model/backends/cuda_src.py] [--json
+  out.jsonl]
 
 Kinds: the output head; the attention's norm-folded products (q_a and kv_a, q_b), the MLA absorption (k_b per head), v_b
 per head and the output projection with its residual; the router; the fused MoE kernels (gate+up+SiLU over the selected
 experts and the shared expert; down with the weighted combine), with float32 and 8-bit activations. Launches run back to
-back in one CUDA graph (cupy), as tinygrad's graph runs them, over enough copies of the weights (and, for the MoE kernels,
-other experts each launch) that L2 holds none of a launch's weight bytes when it starts. `us`: median device time per
-launch (3 timings of 5 graph replays); GB/s: the weight bytes a launch must read over that time; `err`: max |out - the
-first source's out| over the std of the latter, where both write the same format (gate+up's 8-bit output for down is not
-the float output of the code before it). The 8-bit MoE kernels are built as native.py builds them: gate+up writes its
-8-bit output and down reads it where native.q8_handoff says so (down splits over units; gate+up's blocks fit one wave),
-or as --handoff says.
+back in one CUDA graph (cupy), as tinygrad's graph runs them, over enough copies of the weights (and, for the MoE
+kernels, other experts each launch) that L2 holds none of a launch's weight bytes when it starts. `us`: median device
+time per launch (3 timings of 5 graph replays); GB/s: the weight bytes a launch must read over that time; `err`: max
+|out - the first source's out| over the std of the latter, where both write the same format (gate+up's 8-bit output for
+down is not the float output of the code before it). The 8-bit MoE kernels are built as native.py builds them: gate+up
+writes its 8-bit output and down reads it where native.q8_handoff says so (down splits over units; gate+up's blocks fit
+one wave), or as --handoff says.
 """
 import argparse
 import datetime
@@ -34,7 +35,8 @@ from model.quants import Q4_0, QUANT_TYPES
 Q = QUANT_TYPES[Q4_0]
 KINDS = ["head", "norm_qa_kva", "norm_qb", "absorb", "v_b", "dense_res", "router", "glu", "down"]
 FLOOR = r"""
-extern "C" __global__ void __launch_bounds__(256) floor_read(const uint4* __restrict__ p, unsigned long long n16, unsigned* out) {
+extern "C" __global__ void __launch_bounds__(256) floor_read(const uint4* __restrict__ p, unsigned long long n16,
+                                                              unsigned* out) {
   const unsigned long long i = (unsigned long long)blockIdx.x * 1024 + threadIdx.x;
   unsigned acc = 0;
   uint4 v[4];
@@ -46,7 +48,8 @@ extern "C" __global__ void __launch_bounds__(256) floor_read(const uint4* __rest
 
 
 def load_src(path: str):
-  spec = importlib.util.spec_from_file_location("other_cuda_src", path, loader=importlib.machinery.SourceFileLoader("other_cuda_src", path))
+  spec = importlib.util.spec_from_file_location("other_cuda_src", path,
+                                                loader=importlib.machinery.SourceFileLoader("other_cuda_src", path))
   mod = sys.modules["other_cuda_src"] = importlib.util.module_from_spec(spec)  # dataclasses look their module up there
   spec.loader.exec_module(mod)
   return mod
@@ -95,35 +98,47 @@ def floor(nbytes: int, copies: int) -> float:
   """Device seconds per launch of a plain read of nbytes (4 independent 16-byte loads a thread, one pass)."""
   fn, sink = cp.RawKernel(FLOOR, "floor_read"), cp.zeros(1, dtype=cp.uint32)
   bufs = [cp.random.randint(0, 256, nbytes, dtype=cp.uint8) for _ in range(copies)]
-  return timed(lambda b: fn((-(-nbytes // 16384),), (256,), (b, np.uint64(nbytes // 16), sink)), [(b,) for b in bufs] * max(1, 80 // copies))
+  return timed(lambda b: fn((-(-nbytes // 16384),), (256,), (b, np.uint64(nbytes // 16), sink)),
+               [(b,) for b in bufs] * max(1, 80 // copies))
 
 
 def kernels(mod, kind: str, preset: str, handoff: str, sms: int) -> list[tuple[str, object]]:
-  """(activation form, kernel) of one kind built by a cuda_src module (this tree's API, or the one before staged inputs);
-  handoff: the 8-bit MoE kernels' hand-off where this tree's cuda_src.handoff_fits puts it on a device of `sms`
+  """(activation form, kernel) of one kind built by a cuda_src module (this tree's API, or the one before staged
+  inputs); handoff: the 8-bit MoE kernels' hand-off where this tree's cuda_src.handoff_fits puts it on a device of `sms`
   multiprocessors (rule), wherever down can read it (on), or nowhere (off)."""
   hp = PRESETS[preset]
-  dim, F, E, K, Fs, V, H = hp.dim, hp.expert_ffn, hp.n_experts, hp.n_used, hp.expert_ffn * hp.n_shared, hp.vocab, hp.n_heads
+  dim, F, E, K, V, H = hp.dim, hp.expert_ffn, hp.n_experts, hp.n_used, hp.vocab, hp.n_heads
+  Fs = hp.expert_ffn * hp.n_shared
   W = lambda inp, prefix="": mod.W(prefix, Q4_0, inp)
   old = "q8" in inspect.signature(mod.glu).parameters
   routed, plain = mod.FFN(W(dim), W(dim), W(F), F, E, F, 0), mod.FFN(W(dim), W(dim), W(Fs), Fs, 0, Fs, 0)
   first, nq = hp.q_lora or H * (hp.qk_nope + hp.qk_rope), H * (hp.qk_nope + hp.qk_rope)
   if kind == "head": return [("f32", mod.product("dense", Q4_0, (V, dim), tn=1, n=1))]
-  if kind == "norm_qa_kva": return [("f32", mod.dense(((W(dim, "a_"), first), (W(dim, "b_"), hp.kv_lora + hp.qk_rope)), 4, hp.rms_eps))]
+  if kind == "norm_qa_kva":
+    return [("f32", mod.dense(((W(dim, "a_"), first), (W(dim, "b_"), hp.kv_lora + hp.qk_rope)), 4, hp.rms_eps))]
   if kind == "norm_qb": return [("f32", mod.dense(((W(hp.q_lora, "a_"), nq),), 4, hp.rms_eps))] if hp.q_lora else []
-  if kind == "absorb": return [("f32", mod.absorb_rope_kv(W(hp.qk_nope, "k_"), H, hp.qk_nope, hp.qk_rope, hp.kv_lora, 4096, hp.rms_eps, False))]
+  if kind == "absorb":
+    return [("f32",
+             mod.absorb_rope_kv(W(hp.qk_nope, "k_"), H, hp.qk_nope, hp.qk_rope, hp.kv_lora, 4096, hp.rms_eps, False))]
   if kind == "v_b": return [("f32", mod.product("per_head", Q4_0, (H, hp.v_head, hp.kv_lora), tn=1, n=1, heads=H))]
   if kind == "dense_res": return [("f32", mod.dense(((W(H * hp.v_head, "a_"), dim),), 2, None, residual=True))]
   if kind == "router":
-    return [("f32", mod.router(W(dim, "g_"), E, K, hp.rms_eps, 2 if hp.gating == "sigmoid" else 1, hp.exp_probs_bias, hp.norm_topk, hp.routed_scale))]
+    return [("f32",
+             mod.router(W(dim, "g_"), E, K, hp.rms_eps, 2 if hp.gating == "sigmoid" else 1, hp.exp_probs_bias,
+                        hp.norm_topk, hp.routed_scale))]
   out = []
   for act in ("q8", "f32"):
     R = 8 if act == "q8" else 4  # the sources before staged inputs: their rows per group
     ho = (not old and act == "q8" and hasattr(mod, "glu_q8_blocks") and handoff != "off"
           and (cuda_src.handoff_fits(routed, plain, K, sms) if handoff == "rule" else mod.down_reads_q8(routed, plain)))
-    if old: k = mod.glu(routed, plain, K, dim, hp.rms_eps, R, q8=act == "q8") if kind == "glu" else mod.down(routed, plain, K, dim, R, q8=act == "q8")
-    elif ho: k = mod.glu(routed, plain, K, dim, hp.rms_eps, 4, act, True) if kind == "glu" else mod.down(routed, plain, K, dim, act, "q8")
-    else: k = mod.glu(routed, plain, K, dim, hp.rms_eps, 4, act) if kind == "glu" else mod.down(routed, plain, K, dim, act)
+    if old:
+      k = (mod.glu(routed, plain, K, dim, hp.rms_eps, R, q8=act == "q8") if kind == "glu"
+           else mod.down(routed, plain, K, dim, R, q8=act == "q8"))
+    elif ho:
+      k = (mod.glu(routed, plain, K, dim, hp.rms_eps, 4, act, True) if kind == "glu"
+           else mod.down(routed, plain, K, dim, act, "q8"))
+    else:
+      k = mod.glu(routed, plain, K, dim, hp.rms_eps, 4, act) if kind == "glu" else mod.down(routed, plain, K, dim, act)
     out.append((act, k))
   return out
 
@@ -133,17 +148,20 @@ def weight_bytes(kind: str, preset: str) -> int:
   hp = PRESETS[preset]
   dim, F, K, Fs, H = hp.dim, hp.expert_ffn, hp.n_used, hp.expert_ffn * hp.n_shared, hp.n_heads
   first, kv, nq = hp.q_lora or H * (hp.qk_nope + hp.qk_rope), hp.kv_lora + hp.qk_rope, H * (hp.qk_nope + hp.qk_rope)
-  return {"head": hp.vocab * rb(dim), "norm_qa_kva": (first + kv) * rb(dim), "norm_qb": nq * rb(hp.q_lora) if hp.q_lora else 0,
-          "absorb": H * hp.kv_lora * rb(hp.qk_nope), "v_b": H * hp.v_head * rb(hp.kv_lora), "dense_res": dim * rb(H * hp.v_head),
-          "router": hp.n_experts * rb(dim), "glu": (2 * K * F + 2 * Fs) * rb(dim), "down": (K * F + Fs) * rb(dim)}[kind]
+  return {"head": hp.vocab * rb(dim), "norm_qa_kva": (first + kv) * rb(dim),
+          "norm_qb": nq * rb(hp.q_lora) if hp.q_lora else 0, "absorb": H * hp.kv_lora * rb(hp.qk_nope),
+          "v_b": H * hp.v_head * rb(hp.kv_lora), "dense_res": dim * rb(H * hp.v_head), "router": hp.n_experts * rb(dim),
+          "glu": (2 * K * F + 2 * Fs) * rb(dim), "down": (K * F + Fs) * rb(dim)}[kind]
 
 
 def launches(kind: str, preset: str) -> tuple[object, object]:
   """(output array, args(k) -> launch arg tuples) of one kind: its weights over copies (and experts), allocated here."""
   hp = PRESETS[preset]
-  dim, F, E, K, Fs, V, H = hp.dim, hp.expert_ffn, hp.n_experts, hp.n_used, hp.expert_ffn * hp.n_shared, hp.vocab, hp.n_heads
+  dim, F, E, K, V, H = hp.dim, hp.expert_ffn, hp.n_experts, hp.n_used, hp.vocab, hp.n_heads
+  Fs = hp.expert_ffn * hp.n_shared
   rng = np.random.default_rng(0)
-  x = cp.random.standard_normal(max(dim, H * hp.v_head, K * F + Fs, H * hp.kv_lora, H * (hp.qk_nope + hp.qk_rope)), dtype=cp.float32)
+  x = cp.random.standard_normal(max(dim, H * hp.v_head, K * F + Fs, H * hp.kv_lora, H * (hp.qk_nope + hp.qk_rope)),
+                                dtype=cp.float32)
   gamma = cp.random.standard_normal(max(dim, hp.kv_lora, hp.q_lora), dtype=cp.float32)
   f = lambda n: cp.zeros(n, dtype=cp.float32)
   if kind == "head":
@@ -175,7 +193,8 @@ def launches(kind: str, preset: str) -> tuple[object, object]:
     sel, wts, logits, cnt = cp.zeros(K, dtype=cp.int32), f(K), f(E), cp.zeros(1, dtype=cp.int32)
     bias = [f(E)] if hp.exp_probs_bias else []
     return logits, lambda k: [(sel, wts, logits, cnt, x, gamma, *bias, *c) for c in cs * 10]
-  layers = [dict(g=weight(E * F, dim), u=weight(E * F, dim), d=weight(E * dim, F), sg=weight(Fs, dim), su=weight(Fs, dim), sd=weight(dim, Fs))
+  layers = [dict(g=weight(E * F, dim), u=weight(E * F, dim), d=weight(E * dim, F), sg=weight(Fs, dim),
+                 su=weight(Fs, dim), sd=weight(dim, Fs))
             for _ in range(8)]
   sels = [cp.asarray(rng.choice(E, K, replace=False).astype(np.int32)) for _ in range(80)]
   wts = cp.asarray(rng.random(K).astype(np.float32))
@@ -187,18 +206,22 @@ def launches(kind: str, preset: str) -> tuple[object, object]:
   o, nu = f(dim), (K * F + Fs) // 32  # down's input as floats, or as glu's 8-bit output (random codes, scale 0.01)
   xq = cp.concatenate([cp.random.randint(-2**31, 2**31 - 1, nu * 8, dtype=cp.int64).astype(cp.int32).view(cp.float32),
                        cp.full(nu, 0.01, dtype=cp.float32), cp.zeros(nu, dtype=cp.int32).view(cp.float32)])
-  return o, lambda k: [(o, gamma, xq if "_inq8" in k.name else x, s, wts, *L["d"], *L["sd"]) for L, s in zip(Ls, sels, strict=True)]
+  return o, lambda k: [(o, gamma, xq if "_inq8" in k.name else x, s, wts, *L["d"], *L["sd"])
+                       for L, s in zip(Ls, sels, strict=True)]
 
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--models", nargs="+", default=["glm-4.7-flash", "deepseek-v2-lite"], choices=["glm-4.7-flash", "deepseek-v2-lite"])
+  p.add_argument("--models", nargs="+", default=["glm-4.7-flash", "deepseek-v2-lite"],
+                 choices=["glm-4.7-flash", "deepseek-v2-lite"])
   p.add_argument("--kinds", nargs="+", default=KINDS, choices=KINDS)
-  p.add_argument("--against", help="another model/backends/cuda_src.py whose kernels are timed interleaved with this tree's")
+  p.add_argument("--against",
+                 help="another model/backends/cuda_src.py whose kernels are timed interleaved with this tree's")
   p.add_argument("--label", default="this tree", help="the name of this tree's kernels in the output")
   p.add_argument("--json", help="append one JSON line per kernel")
   p.add_argument("--handoff", choices=["rule", "on", "off"], default="rule",
-                 help="the 8-bit hand-off from gate+up to down: where native.q8_handoff would put it, wherever down can read it, or nowhere")
+                 help="the 8-bit hand-off from gate+up to down: where native.q8_handoff would put it, wherever down "
+                 "can read it, or nowhere")
   args = p.parse_args()
   srcs = {args.label: cuda_src} | ({f"against {args.against}": load_src(args.against)} if args.against else {})
   bw, sms = bandwidth(), cp.cuda.Device().attributes["MultiProcessorCount"]
@@ -211,8 +234,8 @@ def main() -> None:
       nbytes = weight_bytes(kind, preset)
       fl = floor(nbytes, 2 if nbytes > 64 << 20 else 8)  # before the kind's own buffers exist
       out, make = launches(kind, preset)
-      print(f"{preset:17s} {kind:11s} {'plain read':34s} {fl * 1e6:8.2f} us {nbytes / fl / 1e9:6.0f} GB/s ({nbytes / fl / 1e9 / bw:5.1%})  "
-            f"{nbytes / 1e6:.2f} MB", flush=True)
+      print(f"{preset:17s} {kind:11s} {'plain read':34s} {fl * 1e6:8.2f} us {nbytes / fl / 1e9:6.0f} GB/s "
+            f"({nbytes / fl / 1e9 / bw:5.1%})  {nbytes / 1e6:.2f} MB", flush=True)
       calls, first = {}, {}
       for name, ks in built.items():
         for act, k in ks:
@@ -228,16 +251,19 @@ def main() -> None:
         for key, (call, ls, *_) in calls.items(): times.setdefault(key, []).append(timed(call, ls))
       for (name, act), ts in times.items():
         t, (_, _, fn, k, err) = statistics.median(ts), calls[(name, act)]
-        print(f"{preset:17s} {kind:11s} {act + ' ' + name[:30]:34s} {t * 1e6:8.2f} us {nbytes / t / 1e9:6.0f} GB/s ({nbytes / t / 1e9 / bw:5.1%}) "
-              f"[{min(ts) * 1e6:.2f}-{max(ts) * 1e6:.2f}] regs {fn.num_regs} grid {k.grid} err {err:.1e}  {k.name}", flush=True)
+        print(f"{preset:17s} {kind:11s} {act + ' ' + name[:30]:34s} {t * 1e6:8.2f} us {nbytes / t / 1e9:6.0f} GB/s "
+              f"({nbytes / t / 1e9 / bw:5.1%}) [{min(ts) * 1e6:.2f}-{max(ts) * 1e6:.2f}] regs {fn.num_regs} grid "
+              f"{k.grid} err {err:.1e}  {k.name}", flush=True)
         if args.json:
           with open(args.json, "a") as fh:
-            fh.write(json.dumps({"date": datetime.date.today().isoformat(), "kind": "kernel_lab", "device": f"{dev} (CUDA, cupy graph)",
-                                 "model": f"{preset} (synthetic, exact shapes)", "layers": 0, "quant": "Q4_0", "kernel": kind, "act": act,
-                                 "source": name, "name": k.name, "us": round(t * 1e6, 2), "us_min": round(min(ts) * 1e6, 2),
-                                 "us_max": round(max(ts) * 1e6, 2), "gb_s": round(nbytes / t / 1e9), "bandwidth_gb_s": round(bw),
-                                 "bandwidth_share": round(nbytes / t / 1e9 / bw, 4), "floor_us": round(fl * 1e6, 2), "regs": fn.num_regs,
-                                 "err": err, "command": "python benchmarks/kernel_lab.py " + " ".join(sys.argv[1:])}) + "\n")
+            fh.write(json.dumps({"date": datetime.date.today().isoformat(), "kind": "kernel_lab",
+                                 "device": f"{dev} (CUDA, cupy graph)", "model": f"{preset} (synthetic, exact shapes)",
+                                 "layers": 0, "quant": "Q4_0", "kernel": kind, "act": act, "source": name,
+                                 "name": k.name, "us": round(t * 1e6, 2), "us_min": round(min(ts) * 1e6, 2),
+                                 "us_max": round(max(ts) * 1e6, 2), "gb_s": round(nbytes / t / 1e9),
+                                 "bandwidth_gb_s": round(bw), "bandwidth_share": round(nbytes / t / 1e9 / bw, 4),
+                                 "floor_us": round(fl * 1e6, 2), "regs": fn.num_regs, "err": err,
+                                 "command": "python benchmarks/kernel_lab.py " + " ".join(sys.argv[1:])}) + "\n")
       cp.get_default_memory_pool().free_all_blocks()
 
 

@@ -1,21 +1,26 @@
-"""The one converter from measurements to benchmarks/results.jsonl lines: an evaluator trial's JSON (evaluator/result.py's
-TrialResult, as `evaluator run --json` writes it) and llama.cpp's `llama-bench -o json` output. Lines go to stdout.
+"""The one converter from measurements to benchmarks/results.jsonl lines: an evaluator trial's JSON
+(evaluator/result.py's TrialResult, as `evaluator run --json` writes it) and llama.cpp's `llama-bench -o json` output.
+Lines go to stdout.
 
-  python benchmarks/record.py trial RESULT.json --device "NVIDIA H100 80GB HBM3 (CUDA)" --model-name "glm-4.7-flash (synthetic,
-         exact shapes)" --quant Q4_0 [--config-name best] --command "..." [--llama LLAMA.json]  # decode, trial, gate, profile
+  # decode, trial, gate, profile
+  python benchmarks/record.py trial RESULT.json --device "NVIDIA H100 80GB HBM3 (CUDA)"
+         --model-name "glm-4.7-flash (synthetic, exact shapes)" --quant Q4_0 [--config-name best] --command "..."
+         [--llama LLAMA.json]
   python benchmarks/record.py llama LLAMA.json --model FILE --device ... --model-name ... --quant Q4_0 --command "..."
-  python benchmarks/record.py study --storage URL --study NAME --device ... --model-name ... --quant Q4_0 --command "..."
-                                                              # a study's trials (trial, gate) and its cost (study)
-  python benchmarks/record.py error --kind trial --model FILE --device ... --model-name ... --quant Q4_0 --config-name best
-         --command "..." --error "what went wrong"                                  # a step that left no JSON behind
+  # a study's trials (trial, gate) and its cost (study)
+  python benchmarks/record.py study --storage URL --study NAME --device ... --model-name ... --quant Q4_0
+         --command "..."
+  # a step that left no JSON behind
+  python benchmarks/record.py error --kind trial --model FILE --device ... --model-name ... --quant Q4_0
+         --config-name best --command "..." --error "what went wrong"
 
 A trial gives: a `decode` line (the figure, with `llama_cpp_tok_s` and its stddev from llama-bench on the same file when
---llama is given), a `trial` line (status, wall and each phase's seconds), a `gate` line (the correctness check's verdict and
-figures) when the check ran, and one `profile` line per kernel of the per-kernel profile. A study gives a `trial` line per
-measured trial (its stages' and phases' seconds, search/cost.py; its tok/s), a `gate` line per full-model verdict, a
-`confirmation` line per A/B confirmation against the baseline (search confirm), and one `study` line: what its trials cost
-and the projected wall time of 200. benchmarks/render.py holds the
-fields every kind of line must have (REQUIRED).
+--llama is given), a `trial` line (status, wall and each phase's seconds), a `gate` line (the correctness check's
+verdict and figures) when the check ran, and one `profile` line per kernel of the per-kernel profile. A study gives a
+`trial` line per measured trial (its stages' and phases' seconds, search/cost.py; its tok/s), a `gate` line per
+full-model verdict, a `confirmation` line per A/B confirmation against the baseline (search confirm), and one `study`
+line: what its trials cost and the projected wall time of 200. benchmarks/render.py holds the fields every kind of line
+must have (REQUIRED).
 """
 from __future__ import annotations
 
@@ -35,16 +40,17 @@ def _round(x: Any, n: int) -> Any: return round(x, n) if isinstance(x, float) el
 
 
 def common(kind: str, device: str, model_name: str, layers: int | None, quant: str, config: str) -> dict[str, Any]:
-  return {"date": datetime.datetime.now(datetime.UTC).date().isoformat(), "kind": kind, "device": device, "model": model_name,
-          "layers": layers, "quant": quant, "config": config}
+  return {"date": datetime.datetime.now(datetime.UTC).date().isoformat(), "kind": kind, "device": device,
+          "model": model_name, "layers": layers, "quant": quant, "config": config}
 
 
 def llama_figures(bench: list[dict]) -> dict[str, Any]:
   """llama-bench's decode test (-p 0 -n N): tok/s with its stddev and spread over the repetitions."""
   t = next(t for t in bench if t["n_gen"] > 0 and t["n_prompt"] == 0)
-  return {"tok_s": _round(t["avg_ts"], 2), "tok_s_stddev": _round(t["stddev_ts"], 2), "tok_s_min": _round(min(t["samples_ts"]), 2),
-          "tok_s_max": _round(max(t["samples_ts"]), 2), "ms_per_token": _round(1e3 / t["avg_ts"], 3), "n_gen": t["n_gen"],
-          "repetitions": len(t["samples_ts"]), "n_gpu_layers": t["n_gpu_layers"], "flash_attn": t["flash_attn"], "backends": t["backends"],
+  return {"tok_s": _round(t["avg_ts"], 2), "tok_s_stddev": _round(t["stddev_ts"], 2),
+          "tok_s_min": _round(min(t["samples_ts"]), 2), "tok_s_max": _round(max(t["samples_ts"]), 2),
+          "ms_per_token": _round(1e3 / t["avg_ts"], 3), "n_gen": t["n_gen"], "repetitions": len(t["samples_ts"]),
+          "n_gpu_layers": t["n_gpu_layers"], "flash_attn": t["flash_attn"], "backends": t["backends"],
           "build": t["build_commit"] + (f" b{t['build_number']}" if t["build_number"] else "")}
 
 
@@ -52,7 +58,8 @@ def llama_line(bench: list[dict], model_file: str | None, device: str, model_nam
                layers: int | None = None) -> dict[str, Any]:
   """layers: the file's blocks (default: read from model_file, where the file is at hand)."""
   layers = layers or int(GGUFFile(model_file).key("block_count"))
-  return common("llama_cpp", device, model_name, layers, quant, "llama.cpp") | llama_figures(bench) | {"command": command}
+  return (common("llama_cpp", device, model_name, layers, quant, "llama.cpp") | llama_figures(bench)
+          | {"command": command})
 
 
 def check_figures(check: dict[str, Any]) -> dict[str, Any]:
@@ -70,25 +77,31 @@ def trial_lines(r: TrialResult, device: str, model_name: str, quant: str, config
   line = lambda kind, **kw: head | {"kind": kind} | kw | {"command": command}
   m, bw, out = r.metrics, r.spec.get("bandwidth_gbs"), []
   if r.ok:
-    figures = {k: _round(m.get(k), n) for k, n in (("tok_s", 2), ("tok_s_min", 2), ("tok_s_max", 2), ("ms_per_token", 3), ("ms_p50", 3),
-               ("ms_p90", 3), ("kernels_per_token", 0), ("graph_batches_per_token", 0), ("bytes_per_token", 0), ("gb_s", 2),
-               ("bandwidth_share", 4), ("prefill_tok_s", 1), ("peak_device_bytes", 0), ("host_peak_rss_bytes", 0), ("kernel_us_per_token", 1))
+    figures = {k: _round(m.get(k), n) for k, n in (("tok_s", 2), ("tok_s_min", 2), ("tok_s_max", 2),
+                                                   ("ms_per_token", 3), ("ms_p50", 3),
+               ("ms_p90", 3), ("kernels_per_token", 0), ("graph_batches_per_token", 0), ("bytes_per_token", 0),
+               ("gb_s", 2), ("bandwidth_share", 4), ("prefill_tok_s", 1), ("peak_device_bytes", 0),
+               ("host_peak_rss_bytes", 0), ("kernel_us_per_token", 1))
                if m.get(k) is not None}
-    vs = {} if llama is None else {"llama_cpp_tok_s": (f := llama_figures(llama))["tok_s"], "llama_cpp_tok_s_stddev": f["tok_s_stddev"]}
+    vs = {} if llama is None else {"llama_cpp_tok_s": (f := llama_figures(llama))["tok_s"],
+                                   "llama_cpp_tok_s_stddev": f["tok_s_stddev"]}
     out.append(line("decode", knobs=describe(cfg) or "baseline", **figures, bandwidth_gb_s=_round(bw, 1),
                     compile_s=_round(r.phases.get("compile_s"), 2), **vs))
   out.append(line("trial", status=r.status, **{k: _round(v, 2) for k, v in r.phases.items()},
                   **({"phase": r.phase, "error": r.error[-400:]} if not r.ok else {})))
-  if r.check: out.append(line("gate", name=config_name, state=r.status, **check_figures(r.check), check_s=_round(r.phases.get("check_s"), 2)))
+  if r.check:
+    out.append(line("gate", name=config_name, state=r.status, **check_figures(r.check),
+                    check_s=_round(r.phases.get("check_s"), 2)))
   for p in r.profile:
-    out.append(line("profile", rank=p["rank"], name=p["name"], count=p["count"], us_per_token=_round(p["us_per_token"], 2),
-                    us_per_launch=_round(p.get("us_per_launch"), 2), share=_round(p["share"], 4), timing=p.get("timing"),
-                    gb_s=_round(p["gb_s"], 2),
+    out.append(line("profile", rank=p["rank"], name=p["name"], count=p["count"],
+                    us_per_token=_round(p["us_per_token"], 2), us_per_launch=_round(p.get("us_per_launch"), 2),
+                    share=_round(p["share"], 4), timing=p.get("timing"), gb_s=_round(p["gb_s"], 2),
                     bandwidth_share=_round(p["gb_s"] / bw, 4) if p["gb_s"] is not None and bw else None))
   return out
 
 
-def study_lines(url: str, name: str, device: str, model_name: str, quant: str, command: str, project: int = 200) -> list[dict[str, Any]]:
+def study_lines(url: str, name: str, device: str, model_name: str, quant: str, command: str,
+                project: int = 200) -> list[dict[str, Any]]:
   from db import store
   from db.engine import open_db, session
   from search.cost import study_cost
@@ -102,7 +115,8 @@ def study_lines(url: str, name: str, device: str, model_name: str, quant: str, c
   for r in doc["trials"]:
     t = trials[r["number"]]
     cfg = StructureConfig.from_json(t.config_json)
-    head = common("", device, model_name, layers if t.stage == "full" else (t.metrics or {}).get("layers"), quant, describe(cfg) or "baseline")
+    head = common("", device, model_name, layers if t.stage == "full" else (t.metrics or {}).get("layers"), quant,
+                  describe(cfg) or "baseline")
     head |= {"config_hash": t.config_hash, "beam": cfg.beam, "study": name, "trial": t.number}
     tok_s = {"tok_s": _round(t.metrics["tok_s"], 2)} if t.state == "ok" and (t.metrics or {}).get("tok_s") else {}
     out.append(head | {"kind": "trial", "status": t.state, "stage": t.stage, "ladder": r["ladder"]} | tok_s
@@ -113,23 +127,26 @@ def study_lines(url: str, name: str, device: str, model_name: str, quant: str, c
   for c, number in confirmed:
     cfg = StructureConfig.from_json(trials[number].config_json)
     out.append(common("confirmation", device, model_name, layers, quant, describe(cfg) or "baseline") | {
-      "config_hash": c.config_hash, "study": name, "trial": number, "pairs": c.pairs, "rounds": c.rounds, "tok_s": _round(c.tok_s, 2),
-      "baseline_tok_s": _round(c.baseline_tok_s, 2), "speedup": _round(c.speedup, 4), "speedup_low": _round(c.speedup_low, 4),
-      "speedup_high": _round(c.speedup_high, 4), "status": c.status, "command": command})
+      "config_hash": c.config_hash, "study": name, "trial": number, "pairs": c.pairs, "rounds": c.rounds,
+      "tok_s": _round(c.tok_s, 2), "baseline_tok_s": _round(c.baseline_tok_s, 2), "speedup": _round(c.speedup, 4),
+      "speedup_low": _round(c.speedup_low, 4), "speedup_high": _round(c.speedup_high, 4), "status": c.status,
+      "command": command})
   if doc["n"]:
     out.append(common("study", device, model_name, layers, quant, "") | {
-      "study": name, "n": doc["n"], "full_stage": doc["full_stage"], "block_stage": doc["block_stage"], "setup_s": _round(doc["setup_s"], 1),
-      "repeat_s": _round(doc["repeat_s"], 1),
+      "study": name, "n": doc["n"], "full_stage": doc["full_stage"], "block_stage": doc["block_stage"],
+      "setup_s": _round(doc["setup_s"], 1), "repeat_s": _round(doc["repeat_s"], 1),
       "mean_trial_s": _round(doc["mean_trial_s"], 1), "search_share": _round(doc["search_share"], 5),
       "median_phases_s": {k: _round(v, 2) for k, v in doc["median"].items()}, "projected_n": project,
-      "projected_s": _round(doc["projected_s"], 0), "projected_h": _round(doc["projected_s"] / 3600, 2), "command": command})
+      "projected_s": _round(doc["projected_s"], 0), "projected_h": _round(doc["projected_s"] / 3600, 2),
+      "command": command})
   return out
 
 
-def error_line(kind: str, model_file: str | None, device: str, model_name: str, quant: str, config_name: str, command: str,
-               error: str) -> dict[str, Any]:
+def error_line(kind: str, model_file: str | None, device: str, model_name: str, quant: str, config_name: str,
+               command: str, error: str) -> dict[str, Any]:
   layers = int(GGUFFile(model_file).key("block_count")) if model_file else None
-  return common(kind, device, model_name, layers, quant, config_name) | {"status": "error", "error": error[-400:], "command": command}
+  return (common(kind, device, model_name, layers, quant, config_name)
+          | {"status": "error", "error": error[-400:], "command": command})
 
 
 def main() -> None:
@@ -157,7 +174,8 @@ def main() -> None:
   a = p.parse_args()
   if a.cmd == "trial":
     r = TrialResult.from_dict(json.load(open(a.result)))
-    lines = trial_lines(r, a.device, a.model_name, a.quant, a.config_name, a.command, json.load(open(a.llama)) if a.llama else None)
+    lines = trial_lines(r, a.device, a.model_name, a.quant, a.config_name, a.command,
+                        json.load(open(a.llama)) if a.llama else None)
   elif a.cmd == "llama":
     if not (a.model or a.layers): p.error("llama needs --model or --layers")
     lines = [llama_line(json.load(open(a.bench)), a.model, a.device, a.model_name, a.quant, a.command, a.layers)]

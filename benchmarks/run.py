@@ -24,7 +24,8 @@ def configs(model: str, which: str, device: str, named: list[str]) -> list[tuple
   if which == "baseline": return [("baseline", {})]
   info = ModelInfo.from_gguf(GGUFFile(model))
   changes = single_knob_changes(info, device)
-  return [("baseline", {})] + [(label, json.loads(cfg.to_json())) for label, cfg in changes if not label.startswith("beam")]
+  return [("baseline", {})] + [(label, json.loads(cfg.to_json())) for label, cfg in changes
+                               if not label.startswith("beam")]
 
 
 def main() -> None:
@@ -32,7 +33,8 @@ def main() -> None:
   p.add_argument("--model", required=True)
   p.add_argument("--device")
   p.add_argument("--set", default="baseline", choices=["baseline", "knobs", "named"])
-  p.add_argument("--config", action="append", default=[], metavar="NAME=FILE", help="with --set named: a config file to run; repeatable")
+  p.add_argument("--config", action="append", default=[], metavar="NAME=FILE",
+                 help="with --set named: a config file to run; repeatable")
   p.add_argument("--profile", action="store_true", help="add each run's per-kernel profile")
   p.add_argument("--only", nargs="*", help="run only these labels of the set")
   p.add_argument("--skip", type=int, default=0, help="skip the first N configs of the set (to split a set over calls)")
@@ -45,12 +47,13 @@ def main() -> None:
   p.add_argument("--out", required=True)
   args = p.parse_args()
   rows = []
-  todo = [(n, c) for n, c in configs(args.model, args.set, args.device or "CPU", args.config) if not args.only or n in args.only][args.skip:]
+  todo = [(n, c) for n, c in configs(args.model, args.set, args.device or "CPU", args.config) if not args.only
+          or n in args.only][args.skip:]
   for name, cfg in todo[:args.limit]:
     cfg = {**cfg, "beam": args.beam}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f: json.dump(cfg, f)
-    cmd = [sys.executable, "-m", "model", "bench", "--model", args.model, "--config", f.name, "--json",
-           "-n", str(args.n), "--rounds", str(args.rounds)] + (["--profile"] if args.profile else [])
+    cmd = [sys.executable, "-m", "model", "bench", "--model", args.model, "--config", f.name, "--json", "-n",
+           str(args.n), "--rounds", str(args.rounds)] + (["--profile"] if args.profile else [])
     if args.device: cmd += ["--device", args.device]
     if args.layers: cmd += ["--layers", str(args.layers)]
     t0 = time.perf_counter()
@@ -58,14 +61,15 @@ def main() -> None:
     except subprocess.TimeoutExpired: r = None
     wall = time.perf_counter() - t0
     row = {"date": datetime.date.today().isoformat(), "name": name, "config": cfg,
-           "config_hash": hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:12], "beam": args.beam, "wall_s": round(wall, 1),
-           "command": " ".join(cmd[1:]).replace(f.name, f"<{name}>")}
+           "config_hash": hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:12], "beam": args.beam,
+           "wall_s": round(wall, 1), "command": " ".join(cmd[1:]).replace(f.name, f"<{name}>")}
     if r is not None and r.returncode == 0: row |= json.loads(r.stdout.strip().splitlines()[-1])
     else: row["error"] = "timeout" if r is None else (r.stderr.strip().splitlines() or ["?"])[-1][:400]
     rows.append(row)
     with open(args.out, "a") as fo: fo.write(json.dumps(row) + "\n")
-    print(f"{name:32s} " + (f"{row['tok_s']:8.2f} tok/s  {row['kernels_per_token']:5d} kernels  {row['bytes_per_token'] / 1e6:8.1f} MB/tok  "
-                            f"compile {row['compile_s']:6.1f}s  wall {wall:6.1f}s" if "tok_s" in row else f"FAILED {row['error']}"), flush=True)
+    print(f"{name:32s} " + (f"{row['tok_s']:8.2f} tok/s  {row['kernels_per_token']:5d} kernels  "
+                            f"{row['bytes_per_token'] / 1e6:8.1f} MB/tok  compile {row['compile_s']:6.1f}s  wall "
+                            f"{wall:6.1f}s" if "tok_s" in row else f"FAILED {row['error']}"), flush=True)
     for k in row.get("profile", [])[:25]:
       gb = f" {k['gb_s']:7.1f} GB/s" if k["gb_s"] else ""
       print(f"    {k['name'][:56]:56s} x{k['count']:<4d} {k['us_per_token']:9.1f} us {k['share']:6.1%}{gb}")

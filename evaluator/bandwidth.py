@@ -18,7 +18,8 @@ def measure(device: str) -> dict:
   from tinygrad.helpers import Context
   n = (1 << 28) if device != "CPU" else (1 << 26)  # 1 GiB, 256 MiB on the CPU
   a = Tensor.empty(n, device=device).realize()
-  shapes = {"rows4096": lambda: a.reshape(-1, 4096).sum(1), "rows256": lambda: a.reshape(-1, 256).sum(1), "flat": lambda: a.sum()}
+  shapes = {"rows4096": lambda: a.reshape(-1, 4096).sum(1), "rows256": lambda: a.reshape(-1, 256).sum(1),
+            "flat": lambda: a.sum()}
   out = {"device": device, "bytes": n * 4}
   for beam in (0, 2) if device != "CPU" else (0,):
     for name, fn in shapes.items():

@@ -55,8 +55,10 @@ def environment(device: str) -> dict:
   dev = Device[device]
   if device.startswith(("CUDA", "NV")):
     import subprocess
-    q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True)
-    if q.returncode == 0 and q.stdout.strip(): env["device_name"], env["driver"] = (x.strip() for x in q.stdout.splitlines()[0].split(",", 1))
+    q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True,
+                       text=True)
+    if q.returncode == 0 and q.stdout.strip():
+      env["device_name"], env["driver"] = (x.strip() for x in q.stdout.splitlines()[0].split(",", 1))
   elif hasattr(dev, "sysdevice"): env["device_name"] = str(dev.sysdevice.name())  # Metal
   return env
 
@@ -82,19 +84,23 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
   from model.gguf_file import GGUFFile
   from model.settings import apply_process_settings, time_beam_search
   apply_process_settings(cfg, spec.device, spec.tinygrad_cache)
-  res.metrics["beam"] = time_beam_search(spec.beam_budget_s)  # BEAM search seconds, apart from the rest of compiling (updated as kernels are built)
+  # BEAM search seconds, apart from the rest of compiling (updated as kernels are built)
+  res.metrics["beam"] = time_beam_search(spec.beam_budget_s)
   res.env = environment(spec.device)
   peak = lambda: max(res.metrics.get("peak_device_bytes", 0), GlobalCounters.mem_used)
   model = Transformer(GGUFFile(spec.model), cfg, max_context=spec.max_context, n_layers=spec.layers)
   gen, hp = Generator(model), model.hp
-  res.metrics |= {"layers": len(model.blocks), "load_peak_device_bytes": model.load_peak_bytes, "peak_device_bytes": peak()}
+  res.metrics |= {"layers": len(model.blocks), "load_peak_device_bytes": model.load_peak_bytes,
+                  "peak_device_bytes": peak()}
   pos = spec.prompt_len
-  if spec.write_reference:  # the reference config's run through the check path alone: it feeds the prompt itself, from position 0
+  # the reference config's run through the check path alone: it feeds the prompt itself, from position 0
+  if spec.write_reference:
     rec.phase("reference")
     gate.make_reference(gen, bench_prompt(hp.vocab, spec.prompt_len), spec.check_positions).save(spec.write_reference)
     return
 
-  first, figures = prepare(gen, spec.prompt_len, spec.prefill, rec.phase, feed=spec.reference is None)  # the check feeds the prompt
+  # the check feeds the prompt
+  first, figures = prepare(gen, spec.prompt_len, spec.prefill, rec.phase, feed=spec.reference is None)
   res.metrics |= figures | {"peak_device_bytes": peak()}
 
   ref, (tol, ffn_tol) = None, gate.tolerance(cfg, gen.model.hp.dim)
@@ -105,12 +111,13 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
     if not res.check["ok"]:
       res.status, res.error = "wrong_output", gate.verdict(res.check)
       return
-    first = int(ref.tokens[spec.prompt_len])  # the timed run continues the reference's sequence, so its tokens are checked too
+    # the timed run continues the reference's sequence, so its tokens are checked too
+    first = int(ref.tokens[spec.prompt_len])
 
   m = measure(gen, first, pos, spec.n, spec.rounds, spec.warmup, rec.phase)
   gb_s = m["bytes_per_token"] * m["tok_s"] / 1e9
-  res.metrics |= m | {"gb_s": gb_s, "bandwidth_share": gb_s / spec.bandwidth_gbs if spec.bandwidth_gbs else None, "peak_device_bytes": peak(),
-                      "host_peak_rss_bytes": peak_rss_bytes()}
+  res.metrics |= m | {"gb_s": gb_s, "bandwidth_share": gb_s / spec.bandwidth_gbs if spec.bandwidth_gbs else None,
+                      "peak_device_bytes": peak(), "host_peak_rss_bytes": peak_rss_bytes()}
   if ref is not None:
     res.check |= gate.check_tokens(ref, res.check, m["tokens"])
     if res.check["tokens_differ"]:
@@ -120,7 +127,8 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
     rec.phase("profile")
     from model.profile import kernel_profile
     res.profile = kernel_profile(gen.step_jit, {"start_pos": pos}, spec.bandwidth_gbs, m["bytes_per_token"])
-    res.metrics["kernel_us_per_token"] = sum(p["us_per_token"] for p in res.profile)  # against ms_per_token: the graph's own cost
+    # against ms_per_token: the graph's own cost
+    res.metrics["kernel_us_per_token"] = sum(p["us_per_token"] for p in res.profile)
 
 
 def orphan_watch() -> None:

@@ -20,7 +20,8 @@ class Comparison:
 
   @property
   def ratios(self) -> list[float]:
-    return [rb.metrics["tok_s"] / ra.metrics["tok_s"] for ra, rb in zip(self.a, self.b, strict=False) if ra.ok and rb.ok]
+    return [rb.metrics["tok_s"] / ra.metrics["tok_s"] for ra, rb in zip(self.a, self.b, strict=False) if ra.ok
+            and rb.ok]
 
   @property
   def speedup(self) -> float: return statistics.median(self.ratios)

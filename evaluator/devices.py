@@ -1,9 +1,11 @@
-"""Which physical device a tinygrad device name means: the key of its benchmark lock, and the model name a study is bound to.
+"""Which physical device a tinygrad device name means: the key of its benchmark lock, and the model name a study is
+bound to.
 
 `CUDA`, `CUDA:0` and `NV` name one card (tinygrad's default device is index 0; CUDA and NV are two drivers of the same
-NVIDIA cards), so they share one lock. An index is nvidia-smi's, but that CUDA counts only the cards CUDA_VISIBLE_DEVICES
-lets it see (on a host of mixed GPU models, CUDA_DEVICE_ORDER=PCI_BUS_ID makes CUDA count in nvidia-smi's order);
-nvidia-smi, where present, turns it into the card's UUID and model name. The host's CPU is one device however it is named."""
+NVIDIA cards), so they share one lock. An index is nvidia-smi's, but that CUDA counts only the cards
+CUDA_VISIBLE_DEVICES lets it see (on a host of mixed GPU models, CUDA_DEVICE_ORDER=PCI_BUS_ID makes CUDA count in
+nvidia-smi's order); nvidia-smi, where present, turns it into the card's UUID and model name. The host's CPU is one
+device however it is named."""
 from __future__ import annotations
 
 import functools
@@ -17,7 +19,8 @@ NVIDIA = ("CUDA", "NV")
 
 @dataclass(frozen=True)
 class PhysicalDevice:
-  key: str  # one per piece of hardware: "CPU", "nvidia-GPU-<uuid>", "nvidia-<index>" without nvidia-smi, "<KIND>-<index>"
+  # one per piece of hardware: "CPU", "nvidia-GPU-<uuid>", "nvidia-<index>" without nvidia-smi, "<KIND>-<index>"
+  key: str
   name: str  # its model ("NVIDIA H100 80GB HBM3", the CPU's), "" when unknown
 
 
@@ -42,20 +45,26 @@ def index(device: str) -> int:
 
 @functools.cache
 def nvidia_gpus() -> tuple[tuple[str, str], ...]:
-  """(model name, UUID) of each NVIDIA card by nvidia-smi's index (which CUDA_VISIBLE_DEVICES does not change); () without nvidia-smi."""
-  try: out = subprocess.run(["nvidia-smi", "--query-gpu=name,uuid", "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+  """(model name, UUID) of each NVIDIA card by nvidia-smi's index (which CUDA_VISIBLE_DEVICES does not change); ()
+  without nvidia-smi."""
+  try:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name,uuid", "--format=csv,noheader"], capture_output=True,
+                         text=True, timeout=30)
   except (OSError, subprocess.TimeoutExpired): return ()
   if out.returncode != 0: return ()
-  return tuple((name.strip(), uuid.strip()) for name, _, uuid in (line.rpartition(",") for line in out.stdout.splitlines() if "," in line))
+  rows = (line.rpartition(",") for line in out.stdout.splitlines() if "," in line)
+  return tuple((name.strip(), uuid.strip()) for name, _, uuid in rows)
 
 
 def physical(device: str) -> PhysicalDevice:
   k, i = kind(device), index(device)
   if k == "CPU": return PhysicalDevice("CPU", platform.processor() or platform.machine())
   if k not in NVIDIA: return PhysicalDevice(f"{k}-{i}", "")
-  visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()] if k == "CUDA" else []
+  visible = ([v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()] if k == "CUDA"
+             else [])
   card = visible[i] if i < len(visible) else str(i)
   gpus = nvidia_gpus()
   for n, (name, uuid) in enumerate(gpus):
-    if card in (str(n), uuid) or (card.startswith("GPU-") and uuid.startswith(card)): return PhysicalDevice(f"nvidia-{uuid}", name)
+    if card in (str(n), uuid) or (card.startswith("GPU-") and uuid.startswith(card)):
+      return PhysicalDevice(f"nvidia-{uuid}", name)
   return PhysicalDevice(f"nvidia-{card}", "")

@@ -1,26 +1,27 @@
 """The correctness gate: a trial computes what the baseline computes, up to its arithmetic's rounding, in every stage.
 
-Logits compared position by position fail legitimate configs at depth (a reordered float sum flips a near-tied expert and
-the blocks carry it on; 8-bit activations compound over the blocks), so each stage is checked on its own inputs:
+Logits compared position by position fail legitimate configs at depth (a reordered float sum flips a near-tied expert
+and the blocks carry it on; 8-bit activations compound over the blocks), so each stage is checked on its own inputs:
 
 - The reference (the baseline config, or an 8-bit config's twin: `twin`) feeds the prompt and its greedy continuation
-  through the check path (model.deepseek2.Check) and records every block's KV cache rows of the prompt and, at each check
-  position, the residual stream after every stage, each MoE block's selected experts, scores and router logits, and the
-  logits (`make_reference`; cached under `reference_key`).
+  through the check path (model.deepseek2.Check) and records every block's KV cache rows of the prompt and, at each
+  check position, the residual stream after every stage, each MoE block's selected experts, scores and router logits,
+  and the logits (`make_reference`; cached under `reference_key`).
 - `check`: the trial starts from the reference's cache rows and runs each check position with every stage reading the
-  reference's stream and every MoE block the reference's experts. Each stage's update (output minus input) and the logits
-  must stay within the tolerance of the reference's; its own top-k must equal the reference's where the reference's margin
-  exceeds twice the tolerance (nearer ones are near-ties, counted); its router logits must stay within the tolerance.
+  reference's stream and every MoE block the reference's experts. Each stage's update (output minus input) and the
+  logits must stay within the tolerance of the reference's; its own top-k must equal the reference's where the
+  reference's margin exceeds twice the tolerance (nearer ones are near-ties, counted); its router logits must stay
+  within the tolerance.
 - `_chained`: a second pass chains the stages under the reference's routing; while its routing is the reference's with
   clear margins, its greedy tokens are what the timed run must produce (`check_tokens`), and its distance from the
   reference's logits is the trial's drift, a figure.
 
-Tolerances are of the reference's standard deviation at each position, errors the maximum over the elements. The config's
-precision class (StructureConfig.precision) picks them: FP32_TOL where it reorders float32 work, FP16_TOL where it rounds
-to fp16 where its reference does not; with 8-bit activations the FFN stages get Q8_TOL at width 2048, scaled by
-sqrt(2048 / width), as one value one 8-bit step apart moves a stage by about step / sqrt(width). The blocks run one by one,
-one captured graph per kind of block (model/generate.py), so a fault in one block's data is checked in that block. The
-figures behind the constants: docs/benchmarks.md.
+Tolerances are of the reference's standard deviation at each position, errors the maximum over the elements. The
+config's precision class (StructureConfig.precision) picks them: FP32_TOL where it reorders float32 work, FP16_TOL where
+it rounds to fp16 where its reference does not; with 8-bit activations the FFN stages get Q8_TOL at width 2048, scaled
+by sqrt(2048 / width), as one value one 8-bit step apart moves a stage by about step / sqrt(width). The blocks run one
+by one, one captured graph per kind of block (model/generate.py), so a fault in one block's data is checked in that
+block. The figures behind the constants: docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ from model.backends import catalog
 from model.structure import KNOBS, StructureConfig
 
 FP32_TOL, FP16_TOL, Q8_TOL = 5e-3, 5e-2, 3e-2
-CODE = pathlib.Path(__file__).resolve().parents[1] / "model"  # what a reference's numbers depend on, besides the file, tinygrad and this module
+# what a reference's numbers depend on, besides the file, tinygrad and this module
+CODE = pathlib.Path(__file__).resolve().parents[1] / "model"
 
 
 def twin(cfg: StructureConfig) -> StructureConfig:
@@ -51,8 +53,8 @@ def twin(cfg: StructureConfig) -> StructureConfig:
 
 def tolerance(cfg: StructureConfig, dim: int) -> tuple[float, float]:
   """(the tolerance of the config's precision class, that of its FFN stages) for a model of width dim: FP16_TOL where it
-  rounds to fp16 where its reference does not, else FP32_TOL; with 8-bit activations the FFN stages Q8_TOL at width 2048,
-  scaled by sqrt(2048 / dim): one value one 8-bit step apart moves a stage by about step / sqrt(width)."""
+  rounds to fp16 where its reference does not, else FP32_TOL; with 8-bit activations the FFN stages Q8_TOL at width
+  2048, scaled by sqrt(2048 / dim): one value one 8-bit step apart moves a stage by about step / sqrt(width)."""
   classes = cfg.precision()
   tol = FP16_TOL if "fp16" in classes else FP32_TOL
   return tol, max(tol, Q8_TOL * math.sqrt(2048 / dim)) if "q8" in classes else tol
@@ -65,19 +67,20 @@ def rel_err(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
 
 
 def code_hash() -> str:
-  """SHA-256 of the model code (model/**/*.py) and of this module (what a reference records, and how): a reference made by
-  other code is not used."""
+  """SHA-256 of the model code (model/**/*.py) and of this module (what a reference records, and how): a reference made
+  by other code is not used."""
   h = hashlib.sha256()
   for p in sorted(CODE.rglob("*.py")): h.update(p.relative_to(CODE).as_posix().encode() + b"\0" + p.read_bytes())
   h.update(b"gate\0" + pathlib.Path(__file__).read_bytes())
   return h.hexdigest()
 
 
-def reference_key(file_sha: str, device: str, layers: int, prompt_len: int, positions: int, config: StructureConfig | None = None) -> str:
+def reference_key(file_sha: str, device: str, layers: int, prompt_len: int, positions: int,
+                  config: StructureConfig | None = None) -> str:
   """The cache key of a reference: everything its numbers depend on (the config where it is not the baseline)."""
   import tinygrad
   tg = getattr(tinygrad, "__version__", "") or _dist_version("tinygrad")
-  cfg = "" if config is None or config == StructureConfig() else f"-cfg{hashlib.sha256(config.to_json().encode()).hexdigest()[:12]}"
+  cfg = "" if config is None or config == StructureConfig() else f"-cfg{config.hash[:12]}"
   return (f"{file_sha[:16]}-{device.replace(':', '_')}-L{layers}-p{prompt_len}-c{positions}-code{code_hash()[:12]}"
           f"-tinygrad{tg}{cfg}")
 
@@ -89,7 +92,8 @@ def _dist_version(name: str) -> str:
 
 
 def margins(scores: np.ndarray, k: int) -> np.ndarray:
-  """(…): the k-th minus the (k+1)-th score of each row over its experts, relative to the scores' std (inf where all are selected)."""
+  """(…): the k-th minus the (k+1)-th score of each row over its experts, relative to the scores' std (inf where all are
+  selected)."""
   if scores.size == 0 or scores.shape[-1] <= k: return np.full(scores.shape[:-1], np.inf)
   top = np.sort(scores.astype(np.float64), -1)
   return (top[..., -k] - top[..., -k - 1]) / scores.std(-1)
@@ -122,14 +126,15 @@ class Reference:
 
   def save(self, path: str) -> None:
     tmp = path + ".tmp.npz"
-    np.savez(tmp, tokens=self.tokens, sel=self.sel, scores=self.scores, router=self.router, logits=self.logits, states=self.states,
-             cache=self.cache, prompt_len=self.prompt_len)
+    np.savez(tmp, tokens=self.tokens, sel=self.sel, scores=self.scores, router=self.router, logits=self.logits,
+             states=self.states, cache=self.cache, prompt_len=self.prompt_len)
     os.replace(tmp, path)
 
   @classmethod
   def load(cls, path: str) -> Reference:
     with np.load(path) as z:
-      return cls(z["tokens"], z["sel"], z["scores"], z["router"], z["logits"], z["states"], z["cache"], int(z["prompt_len"]))
+      return cls(z["tokens"], z["sel"], z["scores"], z["router"], z["logits"], z["states"], z["cache"],
+                 int(z["prompt_len"]))
 
   def margins(self) -> np.ndarray:
     """(positions, n_moe): the reference's routing margins."""
@@ -142,7 +147,8 @@ def _split(n: int, *per_block: np.ndarray) -> tuple[np.ndarray, ...]:
 
 
 def make_reference(gen, prompt: list[int], positions: int) -> Reference:
-  """The reference config's run: the prompt fed one token at a time, then `positions` greedy steps, through the check path."""
+  """The reference config's run: the prompt fed one token at a time, then `positions` greedy steps, through the check
+  path."""
   n_moe, P = sum(b.moe for b in gen.model.blocks), len(prompt)
   tokens, sel, scores, router, logits, states = list(prompt), [], [], [], [], []
   for j in range(P + positions):
@@ -150,9 +156,11 @@ def make_reference(gen, prompt: list[int], positions: int) -> Reference:
     if j == P - 1: tokens.append(int(np.argmax(lg)))
     if j < P: continue
     o, s, r = _split(n_moe, *per_block)
-    sel.append(o), scores.append(s), router.append(r), states.append(outs), logits.append(lg), tokens.append(int(np.argmax(lg)))
-  return Reference(np.array(tokens[:P + positions + 1]), np.stack(sel), np.stack(scores).astype(np.float32), np.stack(router).astype(np.float32),
-                   np.stack(logits).astype(np.float32), np.stack(states).astype(np.float32), gen.cache_rows(P), P)
+    sel.append(o), scores.append(s), router.append(r), states.append(outs), logits.append(lg), tokens.append(int(
+      np.argmax(lg)))
+  return Reference(np.array(tokens[:P + positions + 1]), np.stack(sel), np.stack(scores).astype(np.float32),
+                   np.stack(router).astype(np.float32), np.stack(logits).astype(np.float32),
+                   np.stack(states).astype(np.float32), gen.cache_rows(P), P)
 
 
 def stage_errors(outs: np.ndarray, states: np.ndarray) -> np.ndarray:
@@ -166,9 +174,9 @@ def stage_errors(outs: np.ndarray, states: np.ndarray) -> np.ndarray:
 
 
 def check(gen, ref: Reference, tol: float, ffn_tol: float | None = None) -> dict:
-  """The trial's arithmetic stage by stage, its routing, and its own chained run (see the module docstring): figures, `ok`,
-  and what the timed run must produce (check_tokens). ffn_tol: the FFN stages' tolerance (default: tol). Positions are
-  reported as positions in the sequence (prompt_len + j)."""
+  """The trial's arithmetic stage by stage, its routing, and its own chained run (see the module docstring): figures,
+  `ok`, and what the timed run must produce (check_tokens). ffn_tol: the FFN stages' tolerance (default: tol). Positions
+  are reported as positions in the sequence (prompt_len + j)."""
   ffn_tol = tol if ffn_tol is None else ffn_tol
   n_moe, C, P = ref.sel.shape[1], ref.positions, ref.prompt_len
   forced = lambda j: ref.sel[j] if n_moe else None
@@ -191,12 +199,14 @@ def check(gen, ref: Reference, tol: float, ffn_tol: float | None = None) -> dict
   worst = np.unravel_index(int(np.argmax(np.nan_to_num(err / tols, nan=np.inf))), err.shape)
   ok = bool(np.isfinite(err).all()) and not bad.any() and not wrong_route.any() and router_err <= tol
   at = lambda mask: (P + np.flatnonzero(mask)).tolist()
-  figures = {"ok": ok, "tolerance": tol, "ffn_tolerance": ffn_tol, "positions": C, "stages": len(names), "failed_positions": int(bad.any(-1).sum()),
-             "failed_at": at(bad.any(-1)), "failed_stages": [names[s] for s in np.flatnonzero(bad.any(0))][:8],
+  figures = {"ok": ok, "tolerance": tol, "ffn_tolerance": ffn_tol, "positions": C, "stages": len(names),
+             "failed_positions": int(bad.any(-1).sum()), "failed_at": at(bad.any(-1)),
+             "failed_stages": [names[s] for s in np.flatnonzero(bad.any(0))][:8],
              "wrong_routing_at": at(wrong_route.any(-1)), "max_rel_err": float(err[worst]),
              "median_rel_err": float(np.median(err)), "worst_stage": f"{names[worst[1]]} at position {P + worst[0]}",
-             "routing_decisions": int(flipped.size), "near_ties": int(near.sum()), "near_tie_flips": int((flipped & near).sum()),
-             "wrong_routing": int(wrong_route.sum()), "max_router_err": router_err}
+             "routing_decisions": int(flipped.size), "near_ties": int(near.sum()),
+             "near_tie_flips": int((flipped & near).sum()), "wrong_routing": int(wrong_route.sum()),
+             "max_router_err": router_err}
   return figures | _chained(gen, ref, tol, forced)
 
 
@@ -204,24 +214,26 @@ def _chained(gen, ref: Reference, tol: float, forced) -> dict:
   """The second pass: stages chained under the reference's routing from the reference's prompt cache, until its own
   routing parts from the reference's or comes within a near-tie (past that point the timed run may route otherwise, so
   nothing after it is compared, and the pass stops). Its greedy tokens, how many of them, from the first, it decides
-  clearly (what the timed run must reproduce), and its end-to-end drift from the reference's logits where it got that far."""
+  clearly (what the timed run must reproduce), and its end-to-end drift from the reference's logits where it got that
+  far."""
   n_moe, P, logits = ref.sel.shape[1], ref.prompt_len, []
   gen.set_cache(ref.cache)
   for j in range(ref.positions):
     lg, *per_block, _ = gen.check_step(int(ref.tokens[P + j]), P + j, forced(j), ref.states[j], per_stage=False)
     o, s, _ = _split(n_moe, *per_block)
-    if n_moe and not ((np.sort(o, -1) == np.sort(ref.sel[j], -1)).all() and (margins(s, o.shape[-1]) > 2 * tol).all()): break
+    if n_moe and not ((np.sort(o, -1) == np.sort(ref.sel[j], -1)).all() and (margins(s, o.shape[-1]) > 2 * tol).all()):
+      break
     logits.append(lg)
   if not logits: return {"drift": None, "own_tokens": [], "own_decided": 0}
   logits = np.stack(logits)
   decided = [lead > tol for lead in leads(logits)] + [False]
-  return {"drift": float(np.nan_to_num(rel_err(logits, ref.logits[:len(logits)]).max(), nan=np.inf)), "own_tokens": logits.argmax(-1).tolist(),
-          "own_decided": decided.index(False)}
+  return {"drift": float(np.nan_to_num(rel_err(logits, ref.logits[:len(logits)]).max(), nan=np.inf)),
+          "own_tokens": logits.argmax(-1).tolist(), "own_decided": decided.index(False)}
 
 
 def check_tokens(ref: Reference, chk: dict, tokens: list[int]) -> dict:
-  """The timed run's tokens (tokens[0] is the reference's token at prompt_len, fed first) against the chained check run's
-  greedy tokens, while the timed run's inputs are the reference's and the chained run decides clearly."""
+  """The timed run's tokens (tokens[0] is the reference's token at prompt_len, fed first) against the chained check
+  run's greedy tokens, while the timed run's inputs are the reference's and the chained run decides clearly."""
   want, given = chk["own_tokens"], ref.tokens[ref.prompt_len:]
   n = 0
   while n < min(chk["own_decided"], len(tokens) - 1) and (n == 0 or int(tokens[n]) == int(given[n])): n += 1
@@ -239,11 +251,13 @@ def verdict(check: dict) -> str:
   """One line saying why a trial failed the gate."""
   parts = []
   if check["failed_positions"]:
-    parts.append(f"stages on the reference's inputs differ at {check['failed_positions']} of {check['positions']} positions (max error "
-                 f"{check['max_rel_err']:.3g} std in {check['worst_stage']}, tolerance {tolerance_text(check)}; failing: "
-                 f"{', '.join(check['failed_stages'])})")
-  if check["wrong_routing"]: parts.append(f"{check['wrong_routing']} routing decisions differ where the reference's margin is decisive")
-  if check["max_router_err"] > check["tolerance"]: parts.append(f"router logits differ by {check['max_router_err']:.3g} std")
+    parts.append(f"stages on the reference's inputs differ at {check['failed_positions']} of {check['positions']} "
+                 f"positions (max error {check['max_rel_err']:.3g} std in {check['worst_stage']}, tolerance "
+                 f"{tolerance_text(check)}; failing: {', '.join(check['failed_stages'])})")
+  if check["wrong_routing"]:
+    parts.append(f"{check['wrong_routing']} routing decisions differ where the reference's margin is decisive")
+  if check["max_router_err"] > check["tolerance"]:
+    parts.append(f"router logits differ by {check['max_router_err']:.3g} std")
   if check.get("tokens_differ"):
     parts.append(f"the timed run's token {check['first_differing']} differs from the checked run's "
                  f"({check['tokens_differ']} of {check['tokens_compared']} compared)")

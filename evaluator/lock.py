@@ -34,7 +34,8 @@ class DeviceLock:
     return pathlib.Path(self.path).read_text().strip() if self.path.exists() else ""
 
   def _named_holder(self) -> str:
-    """The holder's name: it writes it just after taking the lock, so a waiter that comes in between waits for it a moment."""
+    """The holder's name: it writes it just after taking the lock, so a waiter that comes in between waits for it a
+    moment."""
     for _ in range(50):
       if name := self.holder(): return name
       time.sleep(0.01)

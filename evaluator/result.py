@@ -8,7 +8,8 @@ from typing import Any
 
 STAGES = ("block", "full")
 # why a trial did not produce a trustworthy figure; "ok" otherwise
-# (killed: SIGKILL from outside with no sign of running out of memory; killed and timeout say nothing lasting about the config)
+# (killed: SIGKILL from outside with no sign of running out of memory; killed and timeout say nothing lasting about the
+# config)
 FAILURES = ("invalid_config", "compile_error", "runtime_error", "oom", "killed", "timeout", "wrong_output")
 
 
@@ -16,7 +17,8 @@ FAILURES = ("invalid_config", "compile_error", "runtime_error", "oom", "killed",
 class TrialSpec:
   """One decode benchmark of one config on one model file and device."""
   model: str  # GGUF path
-  config: dict[str, Any]  # a StructureConfig as a dict (validated in the trial process: a bad one is an invalid_config result)
+  # a StructureConfig as a dict (validated in the trial process: a bad one is an invalid_config result)
+  config: dict[str, Any]
   device: str
   stage: str = "full"
   layers: int | None = None  # blocks to build; None: all of them (set by the ladder for stage "block")
@@ -26,13 +28,17 @@ class TrialSpec:
   warmup: int = 3
   check_positions: int = 16  # teacher-forced decode positions compared against the reference
   reference: str | None = None  # the reference .npz to check against; None: no correctness gate
-  write_reference: str | None = None  # make the reference instead (the baseline config): decode logits along its greedy tokens
+  # make the reference instead (the baseline config): decode logits along its greedy tokens
+  write_reference: str | None = None
   bandwidth_gbs: float | None = None  # the device's measured streaming bandwidth, for the share figure
   profile: bool = False  # add a per-kernel profile from a separate, unjitted pass
-  prefill: bool = True  # build and time the prefill graph (prefill tok/s); without it the prompt goes through decode steps
+  # build and time the prefill graph (prefill tok/s); without it the prompt goes through decode steps
+  prefill: bool = True
   max_context: int = 256
-  tinygrad_cache: str | None = None  # directory of tinygrad's cache (CACHEDB: BEAM choices, compiled programs); None: tinygrad's own
-  beam_budget_s: float = 0.0  # BEAM search seconds per trial, past which kernels not in the cache get BEAM=0's heuristics; 0: no limit
+  # directory of tinygrad's cache (CACHEDB: BEAM choices, compiled programs); None: tinygrad's own
+  tinygrad_cache: str | None = None
+  # BEAM search seconds per trial, past which kernels not in the cache get BEAM=0's heuristics; 0: no limit
+  beam_budget_s: float = 0.0
 
   def to_json(self) -> str: return json.dumps(dataclasses.asdict(self))
 
@@ -44,8 +50,10 @@ class TrialSpec:
 class TrialResult:
   status: str  # "ok" or one of FAILURES
   spec: dict[str, Any]
-  metrics: dict[str, Any] = field(default_factory=dict)  # tok_s (median) and its spread, ms/token, kernels, bytes, GB/s, memory, ...
-  phases: dict[str, float] = field(default_factory=dict)  # seconds: process, load, prefill, compile, check, warmup, measure, profile
+  # tok_s (median) and its spread, ms/token, kernels, bytes, GB/s, memory, ...
+  metrics: dict[str, Any] = field(default_factory=dict)
+  # seconds: process, load, prefill, compile, check, warmup, measure, profile
+  phases: dict[str, float] = field(default_factory=dict)
   check: dict[str, Any] = field(default_factory=dict)  # correctness numbers against the reference
   env: dict[str, Any] = field(default_factory=dict)  # device name, tinygrad version and git state, python, host
   profile: list[dict[str, Any]] = field(default_factory=list)  # top kernels by time per token

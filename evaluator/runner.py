@@ -21,11 +21,13 @@ from model.registry import cache_dir
 from model.structure import StructureConfig
 
 Phase = Callable[[str], None]
-OUTSIDE = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # signals only something outside the trial process sends: `killed`, transient
+# signals only something outside the trial process sends: `killed`, transient
+OUTSIDE = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class ReferenceFailed(RuntimeError):
-  """The baseline config failed to make the correctness reference: no trial of this file, device and depth can be checked."""
+  """The baseline config failed to make the correctness reference: no trial of this file, device and depth can be
+  checked."""
 
   def __init__(self, result: TrialResult, what: str = "the baseline config"):
     super().__init__(f"{what} failed to make the reference ({result.status}): {result.error}")
@@ -36,13 +38,15 @@ class ReferenceFailed(RuntimeError):
 def default_device() -> str:
   """tinygrad's default device, asked of a throwaway process (the parent never opens a device)."""
   if os.environ.get("DEV"): return os.environ["DEV"]
-  out = subprocess.run([sys.executable, "-c", "from tinygrad import Device; print(Device.DEFAULT)"], capture_output=True, text=True)
+  out = subprocess.run([sys.executable, "-c", "from tinygrad import Device; print(Device.DEFAULT)"],
+                       capture_output=True, text=True)
   return out.stdout.strip() or "CPU"
 
 
 def _child_env() -> dict[str, str]:
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])), "PYTHONUNBUFFERED": "1"}
+  return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+          "PYTHONUNBUFFERED": "1"}
 
 
 def run_process(spec: TrialSpec, timeout: float, on_phase: Phase | None = None) -> TrialResult:
@@ -52,8 +56,8 @@ def run_process(spec: TrialSpec, timeout: float, on_phase: Phase | None = None) 
     with open(spec_path, "w") as f: f.write(spec.to_json())
     t0, seen, killed, ooms = time.perf_counter(), "", False, oom_kills()
     with open(log_path, "w") as log:
-      proc = subprocess.Popen([sys.executable, "-m", "evaluator.child", spec_path, out_path], stdout=log, stderr=subprocess.STDOUT,
-                              env=_child_env(), start_new_session=True)
+      proc = subprocess.Popen([sys.executable, "-m", "evaluator.child", spec_path, out_path], stdout=log,
+                              stderr=subprocess.STDOUT, env=_child_env(), start_new_session=True)
       try:
         while not (done := os.wait4(proc.pid, os.WNOHANG))[0]:
           time.sleep(0.05)
@@ -66,19 +70,23 @@ def run_process(spec: TrialSpec, timeout: float, on_phase: Phase | None = None) 
         proc.wait()
         raise
       _, status, usage = done
-      proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, with its resource usage: Popen must not wait again
+      # reaped here, with its resource usage: Popen must not wait again
+      proc.returncode = os.waitstatus_to_exitcode(status)
       peak_rss = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     wall = time.perf_counter() - t0
-    res = TrialResult.from_dict(json.load(open(out_path))) if os.path.exists(out_path) else TrialResult("running", spec.__dict__)
+    res = (TrialResult.from_dict(json.load(open(out_path))) if os.path.exists(out_path)
+           else TrialResult("running", spec.__dict__))
     tail = open(log_path, errors="replace").read()[-3000:].strip()
   if killed: res.status, res.error = "timeout", f"no result after {timeout:.0f} s (in phase {res.phase or 'start'})"
   elif res.status == "running":
     rc = proc.returncode
     if rc == -signal.SIGKILL: res.status, res.error = sigkill_verdict(proc.pid, peak_rss, oom_kills() > ooms, tail)
-    elif -rc in OUTSIDE: res.status, res.error = "killed", f"killed by {_signal_name(rc)} from outside: says nothing about the config"
+    elif -rc in OUTSIDE:
+      res.status, res.error = "killed", f"killed by {_signal_name(rc)} from outside: says nothing about the config"
     else:
       res.status = "runtime_error"
-      res.error = f"trial process died ({_signal_name(rc) if rc < 0 else f'exit code {rc}'}): " + (tail.splitlines() or [""])[-1][-500:]
+      res.error = (f"trial process died ({_signal_name(rc) if rc < 0 else f'exit code {rc}'}): "
+                   + (tail.splitlines() or [""])[-1][-500:])
   if tail and not res.ok: res.metrics.setdefault("log_tail", tail)
   res.metrics.setdefault("host_peak_rss_bytes", peak_rss)
   res.phases["wall_s"] = round(wall, 3)
@@ -92,11 +100,17 @@ def sigkill_verdict(pid: int, peak_rss: int, cgroup_oom: bool, tail: str) -> tup
   limit, or the device's out-of-memory error in its output. Without any, it was killed from outside: `killed`."""
   limit = memory_limit()
   gb = lambda b: f"{b / 1e9:.1f} GB"
-  if cgroup_oom: return "oom", "killed by SIGKILL: the kernel's out-of-memory killer (the cgroup's oom_kill count rose during the trial)"
-  if f"Killed process {pid} " in _kernel_log(): return "oom", f"killed by SIGKILL: the kernel's out-of-memory killer (its log names process {pid})"
-  if peak_rss >= 0.9 * limit: return "oom", f"killed by SIGKILL with {gb(peak_rss)} resident of the {gb(limit)} memory limit: out of memory"
-  if "out of memory" in tail.lower(): return "oom", "killed by SIGKILL after the device ran out of memory: " + tail.splitlines()[-1][-300:]
-  return "killed", f"killed by SIGKILL from outside (no sign of running out of memory: {gb(peak_rss)} resident of {gb(limit)})"
+  if cgroup_oom:
+    return "oom", ("killed by SIGKILL: the kernel's out-of-memory killer (the cgroup's oom_kill count rose during the "
+                   "trial)")
+  if f"Killed process {pid} " in _kernel_log():
+    return "oom", f"killed by SIGKILL: the kernel's out-of-memory killer (its log names process {pid})"
+  if peak_rss >= 0.9 * limit:
+    return "oom", f"killed by SIGKILL with {gb(peak_rss)} resident of the {gb(limit)} memory limit: out of memory"
+  if "out of memory" in tail.lower():
+    return "oom", "killed by SIGKILL after the device ran out of memory: " + tail.splitlines()[-1][-300:]
+  return "killed", (f"killed by SIGKILL from outside (no sign of running out of memory: {gb(peak_rss)} resident of "
+                    f"{gb(limit)})")
 
 
 def _cgroup_file(v2: str, v1: str) -> str | None:
@@ -105,8 +119,9 @@ def _cgroup_file(v2: str, v1: str) -> str | None:
   except OSError: return None
   for line in lines:
     _, ctrl, path = line.split(":", 2)
-    for cand in ([f"/sys/fs/cgroup{path}/{v2}"] if ctrl == "" else
-                 [f"/sys/fs/cgroup/memory{path}/{v1}", f"/sys/fs/cgroup/memory/{v1}"] if "memory" in ctrl.split(",") else []):
+    for cand in ([f"/sys/fs/cgroup{path}/{v2}"] if ctrl == ""
+                 else [f"/sys/fs/cgroup/memory{path}/{v1}", f"/sys/fs/cgroup/memory/{v1}"]
+                 if "memory" in ctrl.split(",") else []):
       if os.path.exists(cand): return cand
   return None
 
@@ -143,7 +158,8 @@ def _signal_name(rc: int) -> str:
   except ValueError: return f"signal {-rc}"
 
 
-def evaluate(spec: TrialSpec, timeout: float = 900, on_phase: Phase | None = None, on_wait: Phase | None = None) -> TrialResult:
+def evaluate(spec: TrialSpec, timeout: float = 900, on_phase: Phase | None = None,
+             on_wait: Phase | None = None) -> TrialResult:
   """One trial under the device's lock: concurrent callers on one host wait (and say so through on_wait)."""
   with DeviceLock(spec.device, on_wait, what=f"trial of {os.path.basename(spec.model)}"):
     return run_process(spec, timeout, on_phase)
@@ -156,8 +172,10 @@ def bandwidth(device: str, remeasure: bool = False, on_wait: Phase | None = None
   key = f"{os.uname().nodename}:{device}"
   if remeasure or key not in known:
     with DeviceLock(device, on_wait, what="bandwidth probe"):
-      out = subprocess.run([sys.executable, "-m", "evaluator.bandwidth", device], capture_output=True, text=True, env=_child_env())
-    if out.returncode != 0: raise RuntimeError(f"bandwidth probe on {device} failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
+      out = subprocess.run([sys.executable, "-m", "evaluator.bandwidth", device], capture_output=True, text=True,
+                           env=_child_env())
+    if out.returncode != 0:
+      raise RuntimeError(f"bandwidth probe on {device} failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
     known[key] = json.loads(out.stdout.strip().splitlines()[-1])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(known, indent=1))
@@ -170,14 +188,17 @@ class Evaluator:
   model: str
   device: str
   total_layers: int
-  block_layers: int  # the stage-1 proxy: the leading dense blocks and two MoE blocks (the same kernels as the full model)
+  # the stage-1 proxy: the leading dense blocks and two MoE blocks (the same kernels as the full model)
+  block_layers: int
   n: int = 32
   rounds: int = 3
   warmup: int = 3
   prompt_len: int = 32
   timeout: float = 900
-  prefill: bool = True  # time the prefill graph too (the prompt otherwise goes through decode steps: no prefill kernels to build)
-  tinygrad_cache: str | None = None  # tinygrad's cache directory for these trials (a study's own); None: tinygrad's default
+  # time the prefill graph too (the prompt otherwise goes through decode steps: no prefill kernels to build)
+  prefill: bool = True
+  # tinygrad's cache directory for these trials (a study's own); None: tinygrad's default
+  tinygrad_cache: str | None = None
   beam_budget: float = 0.0  # BEAM search seconds per trial (model.settings.time_beam_search); 0: no limit
 
   @classmethod
@@ -190,42 +211,51 @@ class Evaluator:
   @property
   def stages(self) -> list[str]: return ["block", "full"] if self.block_layers < self.total_layers else ["full"]
 
-  def layers(self, stage: str) -> int | None: return self.block_layers if stage == "block" and self.block_layers < self.total_layers else None
+  def layers(self, stage: str) -> int | None:
+    return self.block_layers if stage == "block" and self.block_layers < self.total_layers else None
 
   def spec(self, config: dict, stage: str = "full", **kw) -> TrialSpec:
-    return TrialSpec(self.model, config, self.device, stage, self.layers(stage), self.prompt_len, self.n, self.rounds, self.warmup,
-                     prefill=self.prefill, tinygrad_cache=self.tinygrad_cache,
+    return TrialSpec(self.model, config, self.device, stage, self.layers(stage), self.prompt_len, self.n, self.rounds,
+                     self.warmup, prefill=self.prefill, tinygrad_cache=self.tinygrad_cache,
                      beam_budget_s=self.beam_budget, **kw)
 
-  def reference(self, stage: str, config: StructureConfig | None = None, on_phase: Phase | None = None, on_wait: Phase | None = None) -> str:
+  def reference(self, stage: str, config: StructureConfig | None = None, on_phase: Phase | None = None,
+                on_wait: Phase | None = None) -> str:
     """The reference of a config (evaluator/gate.py twin: the baseline, or a twin) for this file, device and stage, made
     on first use (in its own trial process)."""
     from evaluator.gate import reference_key
     config = config or StructureConfig()
     probe = self.spec(config.to_dict(), stage)
-    key = reference_key(file_sha256(self.model), self.device, probe.layers or self.total_layers, probe.prompt_len, probe.check_positions, config)
+    key = reference_key(file_sha256(self.model), self.device, probe.layers or self.total_layers, probe.prompt_len,
+                        probe.check_positions, config)
     path = cache_dir() / "references" / f"{key}.npz"
     if not path.exists():
       path.parent.mkdir(parents=True, exist_ok=True)
       res = evaluate(replace(probe, write_reference=str(path)), self.timeout, on_phase, on_wait)
-      if not res.ok: raise ReferenceFailed(res, "the baseline config" if config == StructureConfig() else f"the reference config {config.to_json()}")
+      if not res.ok:
+        raise ReferenceFailed(res,
+                              "the baseline config" if config == StructureConfig() else "the reference config "
+                              f"{config.to_json()}")
     return str(path)
 
-  def run(self, config: dict, stage: str = "full", profile: bool = False, check: bool = True, on_phase: Phase | None = None,
-          on_wait: Phase | None = None) -> TrialResult:
+  def run(self, config: dict, stage: str = "full", profile: bool = False, check: bool = True,
+          on_phase: Phase | None = None, on_wait: Phase | None = None) -> TrialResult:
     """One trial of `config` at `stage`, checked against its reference unless `check` is false. A failed baseline
     reference raises ReferenceFailed (no trial can be checked); a failed twin reference fails this trial alone."""
     from evaluator.gate import twin
     t0, ref = time.perf_counter(), None
     if check:
       try: ref_cfg = twin(StructureConfig.from_dict(config))
-      except (ValueError, TypeError, KeyError): ref_cfg = StructureConfig()  # the trial process reports the config as invalid
+      # the trial process reports the config as invalid
+      except (ValueError, TypeError, KeyError): ref_cfg = StructureConfig()
       try: ref = self.reference(stage, ref_cfg, on_phase, on_wait)
       except ReferenceFailed as e:
         if ref_cfg == StructureConfig(): raise
-        return TrialResult(e.result.status, self.spec(config, stage).__dict__, phases={"setup_s": round(time.perf_counter() - t0, 3)}, error=str(e))
+        return TrialResult(e.result.status, self.spec(config, stage).__dict__,
+                           phases={"setup_s": round(time.perf_counter() - t0, 3)}, error=str(e))
     bw = bandwidth(self.device, on_wait=on_wait)
     setup = time.perf_counter() - t0
-    res = evaluate(self.spec(config, stage, reference=ref, bandwidth_gbs=bw, profile=profile), self.timeout, on_phase, on_wait)
+    res = evaluate(self.spec(config, stage, reference=ref, bandwidth_gbs=bw, profile=profile), self.timeout, on_phase,
+                   on_wait)
     res.phases["setup_s"] = round(setup, 3)  # the references and bandwidth figures: made on first use, cached after
     return res

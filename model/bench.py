@@ -1,10 +1,10 @@
 """The one decode benchmark, in the same steps wherever a decode figure is measured: the evaluator's trial process and
 `model bench` both run `prepare` then `measure` (the trial process checks the output between the two).
 
-prepare: the fixed prompt through the prefill graph (built, captured, then timed once) and the first decode steps, or, without
-prefill, through decode steps alone (the first builds and captures the decode graph). measure: warm-up steps, one step
-counted for kernels and bytes (and timed, for the round length), then `rounds` rounds of greedy steps from the same start,
-each step timed."""
+prepare: the fixed prompt through the prefill graph (built, captured, then timed once) and the first decode steps, or,
+without prefill, through decode steps alone (the first builds and captures the decode graph). measure: warm-up steps,
+one step counted for kernels and bytes (and timed, for the round length), then `rounds` rounds of greedy steps from the
+same start, each step timed."""
 from __future__ import annotations
 
 import math
@@ -17,8 +17,8 @@ from tinygrad import Device, GlobalCounters
 from model.generate import Generator, jit_stats
 
 Phase = Callable[[str], None]
-# A round lasts at least ROUND_S where n tokens would take longer, and has at least MIN_ROUND_TOKENS: host jitter per step
-# stays a small share of a round's time, and a slow config's rounds do not cost a trial more than its figure needs.
+# A round lasts at least ROUND_S where n tokens would take longer, and has at least MIN_ROUND_TOKENS: host jitter per
+# step stays a small share of a round's time, and a slow config's rounds do not cost a trial more than its figure needs.
 ROUND_S, MIN_ROUND_TOKENS = 2.0, 8
 
 
@@ -49,7 +49,8 @@ def percentile(xs: list[float], q: float) -> float:
   return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1] if len(xs) > 1 else xs[0]
 
 
-def prepare(gen: Generator, prompt_len: int, prefill: bool, phase: Phase = lambda name: None, feed: bool = True) -> tuple[int, dict]:
+def prepare(gen: Generator, prompt_len: int, prefill: bool, phase: Phase = lambda name: None,
+            feed: bool = True) -> tuple[int, dict]:
   """The prompt in the model's cache and the decode graph built: (the greedy token after the prompt, {prefill_tok_s}).
 
   feed=False (without prefill): only the decode graph is built; the caller puts the prompt into the cache itself (the
@@ -74,10 +75,11 @@ def prepare(gen: Generator, prompt_len: int, prefill: bool, phase: Phase = lambd
   return first, out
 
 
-def measure(gen: Generator, first: int, pos: int, n: int, rounds: int, warmup: int, phase: Phase = lambda name: None) -> dict:
-  """Decode figures from token `first` at position `pos`: tok/s (median round, min, max, each round), ms per step (p50, p90),
-  kernels, graph batches and bytes of one step, the tokens of the last round and whether every round made the same.
-  Rounds of at most n tokens (round_tokens: fewer where a step is slow)."""
+def measure(gen: Generator, first: int, pos: int, n: int, rounds: int, warmup: int,
+            phase: Phase = lambda name: None) -> dict:
+  """Decode figures from token `first` at position `pos`: tok/s (median round, min, max, each round), ms per step (p50,
+  p90), kernels, graph batches and bytes of one step, the tokens of the last round and whether every round made the
+  same. Rounds of at most n tokens (round_tokens: fewer where a step is slow)."""
   phase("warmup")
   _steps(gen, first, pos, warmup)
   GlobalCounters.reset()
@@ -98,6 +100,7 @@ def measure(gen: Generator, first: int, pos: int, n: int, rounds: int, warmup: i
     per_round.append((n - 1) / (time.perf_counter() - start))
     tokens.append(out)
   tok_s = statistics.median(per_round)
-  return {"tok_s": tok_s, "tok_s_min": min(per_round), "tok_s_max": max(per_round), "tok_s_rounds": per_round, "ms_per_token": 1e3 / tok_s,
-          "ms_p50": percentile(step_ms, 50), "ms_p90": percentile(step_ms, 90), "kernels_per_token": kernels, "graph_batches_per_token": batches,
-          "bytes_per_token": nbytes, "round_tokens": n, "tokens": tokens[-1], "deterministic": all(t == tokens[0] for t in tokens)}
+  return {"tok_s": tok_s, "tok_s_min": min(per_round), "tok_s_max": max(per_round), "tok_s_rounds": per_round,
+          "ms_per_token": 1e3 / tok_s, "ms_p50": percentile(step_ms, 50), "ms_p90": percentile(step_ms, 90),
+          "kernels_per_token": kernels, "graph_batches_per_token": batches, "bytes_per_token": nbytes,
+          "round_tokens": n, "tokens": tokens[-1], "deterministic": all(t == tokens[0] for t in tokens)}

@@ -31,8 +31,8 @@ def _load(args) -> tuple:
 def cmd_synth(args) -> None:
   from model.synth import write_synthetic
   t0 = time.perf_counter()
-  path = write_synthetic(args.out, args.preset, layers=args.layers, quant=args.quant, seed=args.seed, legacy_kv_b=args.legacy_kv_b,
-                         routing=args.routing)
+  path = write_synthetic(args.out, args.preset, layers=args.layers, quant=args.quant, seed=args.seed,
+                         legacy_kv_b=args.legacy_kv_b, routing=args.routing)
   print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s")
 
 
@@ -41,7 +41,8 @@ def cmd_info(args) -> None:
   f = GGUFFile(resolve(args.model))
   print(f"{f.path}  ({f.path.stat().st_size / 1e9:.2f} GB, {len(f.tensors)} tensors)")
   for k, v in vars(Hparams.from_gguf(f)).items(): print(f"  {k:16s} {v}")
-  print("  types           " + ", ".join(f"{n}: {c}" for n, c in Counter(t.type_name for t in f.tensors.values()).most_common()))
+  types = Counter(t.type_name for t in f.tensors.values()).most_common()
+  print("  types           " + ", ".join(f"{n}: {c}" for n, c in types))
 
 
 def cmd_run(args) -> None:
@@ -68,29 +69,33 @@ def cmd_bench(args) -> None:
   f, gen, load_s, cfg = _load(args)
   t0 = time.perf_counter()
   first, figures = prepare(gen, args.prompt_len, prefill=True)
-  compile_s = time.perf_counter() - t0  # the prefill graph's build and the first decode steps (kernels, BEAM, JIT capture)
+  # the prefill graph's build and the first decode steps (kernels, BEAM, JIT capture)
+  compile_s = time.perf_counter() - t0
   r = figures | measure(gen, first, args.prompt_len, args.n, args.rounds, warmup=3) | {"compile_s": compile_s}
   m = gen.model
-  d = {"model": str(f.path), "device": Device.DEFAULT, "layers": len(m.blocks), "load_s": load_s, "file_bytes": f.path.stat().st_size,
-       "kv_cache_bytes": m.kv_cache_bytes, "device_bytes": GlobalCounters.mem_used, "load_peak_device_bytes": m.load_peak_bytes,
-       "host_peak_rss_bytes": peak_rss_bytes(), **r, "config": cfg.to_dict()}
+  d = {"model": str(f.path), "device": Device.DEFAULT, "layers": len(m.blocks), "load_s": load_s,
+       "file_bytes": f.path.stat().st_size, "kv_cache_bytes": m.kv_cache_bytes, "device_bytes": GlobalCounters.mem_used,
+       "load_peak_device_bytes": m.load_peak_bytes, "host_peak_rss_bytes": peak_rss_bytes(), **r,
+       "config": cfg.to_dict()}
   if args.profile:
     from model.profile import kernel_profile
     d["profile"] = kernel_profile(gen.step_jit, {"start_pos": args.prompt_len}, step_bytes=r["bytes_per_token"])
   if args.json: print(json.dumps(d))
   else:
-    print(f"{f.path.name}: {len(gen.model.blocks)} blocks, prompt {args.prompt_len}, {r['round_tokens']} tokens x {args.rounds} rounds")
-    print(f"  decode   {r['tok_s']:8.2f} tok/s (min {r['tok_s_min']:.2f}, max {r['tok_s_max']:.2f})   {r['ms_p50']:.2f} ms/token p50, "
-          f"{r['ms_p90']:.2f} p90")
+    print(f"{f.path.name}: {len(gen.model.blocks)} blocks, prompt {args.prompt_len}, {r['round_tokens']} tokens x "
+          f"{args.rounds} rounds")
+    print(f"  decode   {r['tok_s']:8.2f} tok/s (min {r['tok_s_min']:.2f}, max {r['tok_s_max']:.2f})   "
+          f"{r['ms_p50']:.2f} ms/token p50, {r['ms_p90']:.2f} p90")
     print(f"  kernels  {r['kernels_per_token']} per token, {r['bytes_per_token'] / 1e6:.1f} MB read+written per token")
     print(f"  prefill  {r['prefill_tok_s']:8.2f} tok/s    load {load_s:.1f} s, compile {r['compile_s']:.1f} s")
-    print(f"  memory   device {d['device_bytes'] / 1e9:.2f} GB (file {d['file_bytes'] / 1e9:.2f} GB, KV cache {d['kv_cache_bytes'] / 1e9:.3f} GB), "
-          f"host peak {d['host_peak_rss_bytes'] / 1e9:.2f} GB")
+    print(f"  memory   device {d['device_bytes'] / 1e9:.2f} GB (file {d['file_bytes'] / 1e9:.2f} GB, KV cache "
+          f"{d['kv_cache_bytes'] / 1e9:.3f} GB), host peak {d['host_peak_rss_bytes'] / 1e9:.2f} GB")
     for k in d.get("profile", []):
-      print(f"  {k['rank']:3d} {k['name'][:60]:60s} x{k['count']:<4d} {k['us_per_token']:9.1f} us/token {k['us_per_launch']:7.1f} us"
-            f" {k['share']:6.1%}" + (f" {k['gb_s']:8.1f} GB/s" if k["gb_s"] else ""))
+      print(f"  {k['rank']:3d} {k['name'][:60]:60s} x{k['count']:<4d} {k['us_per_token']:9.1f} us/token "
+            f"{k['us_per_launch']:7.1f} us {k['share']:6.1%}" + (f" {k['gb_s']:8.1f} GB/s" if k["gb_s"] else ""))
     if d.get("profile"):
-      print(f"  kernels' device time {sum(k['us_per_token'] for k in d['profile']):.1f} us/token (a step takes {1e6 / r['tok_s']:.1f} us)")
+      print(f"  kernels' device time {sum(k['us_per_token'] for k in d['profile']):.1f} us/token (a step takes "
+            f"{1e6 / r['tok_s']:.1f} us)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -103,9 +108,11 @@ def main(argv: list[str] | None = None) -> None:
   s.add_argument("--layers", type=int)
   s.add_argument("--quant", default="q4_0", choices=QUANT_CHOICES)
   s.add_argument("--seed", type=int, default=0)
-  s.add_argument("--legacy-kv-b", action="store_true", help="write the older single attn_kv_b tensor instead of attn_k_b/attn_v_b")
+  s.add_argument("--legacy-kv-b", action="store_true",
+                 help="write the older single attn_kv_b tensor instead of attn_k_b/attn_v_b")
   s.add_argument("--routing", choices=ROUTING, default="random",
-                 help="decisive: each token's experts lead its router's scores by a clear margin, as in trained models (random: near-ties)")
+                 help="decisive: each token's experts lead its router's scores by a clear margin, as in trained models "
+                 "(random: near-ties)")
   s.add_argument("--out", required=True)
   s.set_defaults(fn=cmd_synth)
   i = sub.add_parser("info", help="print a model's hyperparameters and tensor types")
@@ -115,7 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     c = sub.add_parser(name, help=hlp)
     c.add_argument("--model", required=True, help="a name (tiny, glm, deepseek-v2-lite, youtu, ...) or a .gguf path")
     c.add_argument("-n", type=int, default=64 if name == "run" else 32, help="tokens to generate")
-    c.add_argument("--config", help="a StructureConfig as .json or .toml (default: the production config exported for this model file, "
+    c.add_argument("--config",
+                   help="a StructureConfig as .json or .toml (default: the production config exported for this model "
+                   "file, "
                                     "else the baseline)")
     c.add_argument("--baseline", action="store_true", help="the baseline config, ignoring any production config")
     c.add_argument("--device", help="tinygrad device, e.g. CPU, CUDA, METAL (default: tinygrad's default)")
@@ -132,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
       c.add_argument("--prompt-len", type=int, default=32)
       c.add_argument("--rounds", type=int, default=3)
       c.add_argument("--json", action="store_true", help="print one JSON object")
-      c.add_argument("--profile", action="store_true", help="add a per-kernel profile of one decode step (unjitted, each kernel timed)")
+      c.add_argument("--profile", action="store_true",
+                     help="add a per-kernel profile of one decode step (unjitted, each kernel timed)")
   args = p.parse_args(argv)
   try: args.fn(args)
   except (GGUFError, ModelNotFound, ConfigError, ValueError) as e:

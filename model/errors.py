@@ -2,4 +2,5 @@
 
 
 class ConfigError(ValueError):
-  """A StructureConfig that is malformed, names an unknown field or value, or combines options that cannot work together."""
+  """A StructureConfig that is malformed, names an unknown field or value, or combines options that cannot work
+  together."""

@@ -11,7 +11,8 @@ from model.registry import cache_dir
 
 
 def file_sha256(path: str | os.PathLike) -> str:
-  """SHA-256 of a (possibly 20 GB) file, remembered in the cache by absolute path, size and mtime, so it is read once."""
+  """SHA-256 of a (possibly 20 GB) file, remembered in the cache by absolute path, size and mtime, so it is read
+  once."""
   st = os.stat(path)
   memo = cache_dir() / "sha256.json"
   key = f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}"

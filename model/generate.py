@@ -16,9 +16,9 @@ from model.weights import QWeight, read, write
 
 
 class Slot:
-  """One JIT input kept in one device buffer. A call copies its host value in, unless the buffer holds it already: a realized
-  buffer is all the JIT wants, so no graph is scheduled per step (a Tensor made from Python values costs the scheduler over a
-  millisecond per input and step, growing with the model's tensor count)."""
+  """One JIT input kept in one device buffer. A call copies its host value in, unless the buffer holds it already: a
+  realized buffer is all the JIT wants, so no graph is scheduled per step (a Tensor made from Python values costs the
+  scheduler over a millisecond per input and step, growing with the model's tensor count)."""
 
   def __init__(self, shape: tuple[int, ...], dtype: DType, device: str | None = None):
     self.tensor = Tensor.empty(*shape, dtype=dtype, device=device)
@@ -33,20 +33,21 @@ class Slot:
 
 
 def capture_first(fn) -> TinyJit:
-  """A TinyJit that captures its graph on the first call. tinygrad's JIT runs a function's first call unjitted, for one-time
-  work such as realizing state made lazily; a Transformer's weights and caches, and every JIT input here (Slot), are
-  realized buffers before the first call, so that run would only schedule and lower the whole graph once more (on tinygrad's
-  NULL device, 8 GLM blocks of a per-op config: the decode graph's build 7.7 -> 6.5 s)."""
+  """A TinyJit that captures its graph on the first call. tinygrad's JIT runs a function's first call unjitted, for
+  one-time work such as realizing state made lazily; a Transformer's weights and caches, and every JIT input here
+  (Slot), are realized buffers before the first call, so that run would only schedule and lower the whole graph once
+  more."""
   jit = TinyJit(fn)
   jit.cnt = 1
   return jit
 
 
 def argmax_first(x: Tensor, group: int = 128) -> Tensor:
-  """Index of the first maximum of a 1-D tensor, as np.argmax gives it: each group of `group` values finds its maximum and
-  the first index holding it, then the smallest such index among the groups holding the overall maximum. Every maximum is
-  a buffer before it is compared with (tinygrad's argmax fuses its max into the comparison, one serial loop inside another
-  over the whole input), and each reduction runs over one axis of rows in parallel or over the row results."""
+  """Index of the first maximum of a 1-D tensor, as np.argmax gives it: each group of `group` values finds its maximum
+  and the first index holding it, then the smallest such index among the groups holding the overall maximum. Every
+  maximum is a buffer before it is compared with (tinygrad's argmax fuses its max into the comparison, one serial loop
+  inside another over the whole input), and each reduction runs over one axis of rows in parallel or over the row
+  results."""
   n = x.shape[0]
   rows = -(-n // group)
   g = x.pad((0, rows * group - n), value=float("-inf")).reshape(rows, group)
@@ -88,15 +89,17 @@ class Generator:
   def __init__(self, model: Transformer, chunk: int = 32):
     self.model, self.chunk, self.beam = model, min(chunk, model.max_context), model.cfg.beam
     self.pos = UOp.variable("start_pos", 0, model.max_context - 1)
-    self.prefill_jit, self.step_jit, self.step_logits_jit = capture_first(self._prefill), capture_first(self._step), capture_first(self._step_logits)
+    self.prefill_jit, self.step_jit, self.step_logits_jit = capture_first(self._prefill), capture_first(
+      self._step), capture_first(self._step_logits)
     self.sample_jit = capture_first(self._sample)  # temperature > 0: the greedy graph computes no noise
     # the correctness check (check_step): the embedding, the head, and one graph per kind of block (block_inputs)
     self.embed_jit, self.head_jit, self.block_jits = capture_first(self._embed), capture_first(self._head), {}
-    # the input UOps of each block's graph calls (the same every step: the JIT's checks of its inputs, a graph rewrite per
-    # input, cost more than a block's kernels on the host, and a step runs every block)
+    # the input UOps of each block's graph calls (the same every step: the JIT's checks of its inputs, a graph rewrite
+    # per input, cost more than a block's kernels on the host, and a step runs every block)
     self.block_uops: dict[int, list[UOp]] = {}
     dev, D = model.device, model.hp.dim
-    self.token, self.temperature, self.seed = Slot((1, 1), dtypes.int32, dev), Slot((1,), dtypes.float, dev), Slot((1,), dtypes.float, dev)
+    self.token, self.temperature, self.seed = (Slot((1, 1), dtypes.int32, dev), Slot((1,), dtypes.float, dev),
+                                               Slot((1,), dtypes.float, dev))
     self.chunk_tokens = Slot((1, self.chunk), dtypes.int32, dev)
     self.x, self.h, self.last = (Slot((1, 1, D), dtypes.float, dev) for _ in range(3))
     self.per_stage, self.forced = Slot((1,), dtypes.bool, dev), Slot((1, 1, model.hp.n_used), dtypes.int32, dev)
@@ -119,25 +122,30 @@ class Generator:
   def _block(self, blk: Block, x: Tensor, h: Tensor, per_stage: Tensor, start_pos: UOp, forced: Tensor | None,
              bufs: list[Tensor]) -> tuple[Tensor, ...]:
     """One block of the check: x its input; h the attention's output that a reference recorded, which the FFN reads
-    instead of the block's own where per_stage is true; forced: an MoE block's expert ids. Captured with the first block of
-    its kind: bufs (block_inputs) are the graph's inputs, so every other block of the kind runs it on its own buffers."""
+    instead of the block's own where per_stage is true; forced: an MoE block's expert ids. Captured with the first block
+    of its kind: bufs (block_inputs) are the graph's inputs, so every other block of the kind runs it on its own
+    buffers."""
     chk = Check(forced, h, per_stage)
-    out = blk(x.cast(self.model.act), start_pos, self.model.decode_pos(start_pos), self.model.act, chk).float().contiguous()
+    m = self.model
+    out = blk(x.cast(m.act), start_pos, m.decode_pos(start_pos), m.act, chk).float().contiguous()
     if not blk.moe: return chk.att, out
-    return chk.att, out, chk.own.cast(dtypes.int32).contiguous(), chk.scores.float().contiguous(), chk.logits.contiguous()
+    return (chk.att, out, chk.own.cast(dtypes.int32).contiguous(), chk.scores.float().contiguous(),
+            chk.logits.contiguous())
 
   def _step(self, token: Tensor, start_pos: UOp) -> Tensor:
     return argmax_first(self.model.forward(token, start_pos)[0, -1]).cast(dtypes.int32).reshape(1, 1).contiguous()
 
   def _sample(self, token: Tensor, start_pos: UOp, temperature: Tensor, seed: Tensor) -> Tensor:
     logits = self.model.forward(token, start_pos)[0, -1]
-    # uniform noise from a stateless hash of (index, seed): a seed drawn on the host per step makes sampling reproducible
+    # uniform noise from a stateless hash of (index, seed): a seed drawn on the host per step makes sampling
+    # reproducible
     h = ((Tensor.arange(logits.shape[-1]).float() * 12.9898 + seed * 78.233).sin() * 43758.5453)
     gumbel = -(-(h - h.floor()).maximum(1e-12).log()).log()
     return argmax_first(logits / temperature + gumbel).cast(dtypes.int32).reshape(1, 1).contiguous()
 
   def _check_room(self, end: int) -> None:
-    if end > self.model.max_context: raise ValueError(f"sequence of {end} tokens exceeds the context of {self.model.max_context}")
+    if end > self.model.max_context:
+      raise ValueError(f"sequence of {end} tokens exceeds the context of {self.model.max_context}")
 
   def prefill(self, tokens: list[int], start: int = 0) -> np.ndarray:
     """Feed tokens at positions start.. in chunks; returns float32 logits (len(tokens), vocab) for every position."""
@@ -146,7 +154,8 @@ class Generator:
     for i in range(0, len(tokens), self.chunk):
       part = tokens[i:i + self.chunk]
       pos = start + i
-      if pos + self.chunk > self.model.max_context:  # the padded chunk would run past the cache: fall back to exact size
+      # the padded chunk would run past the cache: fall back to exact size
+      if pos + self.chunk > self.model.max_context:
         logits = self.model.forward(Tensor([part], dtype=dtypes.int32), self.pos.bind(pos), all_logits=True)[0].numpy()
       else:  # padding past the prompt writes cache rows that later steps overwrite before they read them
         logits = read(self.prefill_jit(self.chunk_tokens([part + [0] * (self.chunk - len(part))]), self.pos.bind(pos)))
@@ -161,10 +170,11 @@ class Generator:
                  per_stage: bool = False) -> tuple[np.ndarray, ...]:
     """One decode step for the correctness check, block by block: (logits (vocab,), each MoE block's own top-k ids
     (n_moe, K), its selection scores (n_moe, E), its router logits (n_moe, E), the residual stream after each stage
-    (S = 2 * blocks + 1, D)). forced (n_moe, K): the expert ids every MoE block uses instead of its own. states (S, D): a
-    reference's stream, which each stage reads instead of its predecessor's output where per_stage is true, so that every
-    stage is checked on its own inputs (else the stages chain, as in the timed graph). The blocks run one graph per kind
-    (block_inputs), beside the embedding's and the head's: the check builds no second graph of the whole model."""
+    (S = 2 * blocks + 1, D)). forced (n_moe, K): the expert ids every MoE block uses instead of its own. states (S, D):
+    a reference's stream, which each stage reads instead of its predecessor's output where per_stage is true, so that
+    every stage is checked on its own inputs (else the stages chain, as in the timed graph). The blocks run one graph
+    per kind (block_inputs), beside the embedding's and the head's: the check builds no second graph of the whole
+    model."""
     self._check_room(pos + 1)
     per_stage = per_stage and states is not None
     with Context(BEAM=self.beam):
@@ -172,10 +182,12 @@ class Generator:
       outs = [read(self.embed_jit(self.token(token))).reshape(-1)]
       for i, (blk, (bufs, kind)) in enumerate(zip(self.model.blocks, self.block_inputs, strict=True)):
         f = self.forced(forced[len(routed)]) if blk.moe and forced is not None else None
-        h = self.h(states[2 * i + 1] if per_stage else 0)  # read where per_stage is true only (a constant is not copied again)
+        # read where per_stage is true only (a constant is not copied again)
+        h = self.h(states[2 * i + 1] if per_stage else 0)
         jit = self.block_jits.setdefault((kind, f is None), capture_first(self._block))
         args = (blk, self.x(states[2 * i] if per_stage else outs[-1]), h, flag, start, f, bufs)
-        if i in self.block_uops: res = jit.captured(self.block_uops[i], {self.pos.expr: pos})  # inputs known: skip the JIT's preparation
+        # inputs known: skip the JIT's preparation
+        if i in self.block_uops: res = jit.captured(self.block_uops[i], {self.pos.expr: pos})
         else: res, self.block_uops[i] = jit(*args), _prepare_jit_inputs(args, {})[0]
         res = [read(t) for t in res]
         outs += [res[0].reshape(-1), res[1].reshape(-1)]
@@ -189,7 +201,8 @@ class Generator:
     return np.stack([read(b.cache)[0, :n].astype(np.float32) for b in self.model.blocks])
 
   def set_cache(self, rows: np.ndarray) -> None:
-    """Every block's KV cache holding `rows` (blocks, n, kv_lora + rope) at positions 0..n-1 (in its own dtype), zeros after."""
+    """Every block's KV cache holding `rows` (blocks, n, kv_lora + rope) at positions 0..n-1 (in its own dtype), zeros
+    after."""
     for b, r in zip(self.model.blocks, rows, strict=True):
       full = np.zeros(b.cache.shape, _to_np_dtype(b.cache.dtype))
       full[0, :len(r)] = r
@@ -200,7 +213,8 @@ class Generator:
     self._check_room(pos + 1)
     args = (self.token(token), self.pos.bind(pos))
     with Context(BEAM=self.beam):
-      out = self.step_jit(*args) if temperature <= 0 else self.sample_jit(*args, self.temperature(temperature), self.seed(seed))
+      out = (self.step_jit(*args) if temperature <= 0
+             else self.sample_jit(*args, self.temperature(temperature), self.seed(seed)))
     return int(read(out)[0, 0])
 
   def generate(self, prompt: list[int], n: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
@@ -231,13 +245,15 @@ def jit_stats(jit: TinyJit) -> tuple[int, int]:
   """(kernels, graph batches) of one replay of a captured JIT."""
   kernels = batches = 0
   for call in jit.captured.linear.src:
-    if (ast := call.src[0]).op is Ops.CUSTOM_FUNCTION and ast.arg == "graph": kernels, batches = kernels + len(ast.src[0].src), batches + 1
+    if (ast := call.src[0]).op is Ops.CUSTOM_FUNCTION and ast.arg == "graph":
+      kernels, batches = kernels + len(ast.src[0].src), batches + 1
     elif ast.op is Ops.PROGRAM: kernels += 1
   return kernels, batches
 
 
 def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
-  """Greedy at temperature 0, else softmax(logits / temperature) restricted to the smallest set of tokens with mass >= top_p."""
+  """Greedy at temperature 0, else softmax(logits / temperature) restricted to the smallest set of tokens with mass >=
+  top_p."""
   if temperature <= 0: return int(np.argmax(logits))
   z = logits.astype(np.float64) / temperature
   p = np.exp(z - z.max())

@@ -29,15 +29,16 @@ class TensorInfo:
   def type_name(self) -> str: return type_name(self.ggml_type)
 
 
-# GGUF value types (gguf's GGUFValueType): numbers by their little-endian struct (and numpy) format, then strings and arrays
+# GGUF value types (gguf's GGUFValueType): numbers by their little-endian struct (and numpy) format, then strings and
+# arrays
 _NUMBERS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 
 
 class _Header:
   """GGUF v2/v3 metadata and tensor infos, parsed from the file's first bytes. (gguf's GGUFReader builds numpy views for
-  every part of every field: seconds for a 154,880-token vocabulary, paid by each trial process; this reads strings in one
-  pass and number arrays in one frombuffer.)"""
+  every part of every field: seconds for a 154,880-token vocabulary, paid by each trial process; this reads strings in
+  one pass and number arrays in one frombuffer.)"""
 
   def __init__(self, buf: memoryview):
     self.buf, self.pos = buf, 4
@@ -95,7 +96,8 @@ class GGUFFile:
       with open(self.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         with memoryview(mm) as buf: header = _Header(buf)
         del header.buf
-    except Exception as e: raise GGUFError(f"{self.path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+    except Exception as e:
+      raise GGUFError(f"{self.path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
     self.metadata: dict[str, Any] = header.metadata
     self.tensors: dict[str, TensorInfo] = {}
     for info in header.infos:
@@ -103,8 +105,8 @@ class GGUFFile:
         raise GGUFError(f"{self.path.name}: tensor {info.name} has type {info.type_name}, which is not supported "
                         f"(supported: {', '.join(type_name(q) for q in QUANT_TYPES)})")
       if info.offset + info.nbytes > size:
-        raise GGUFError(f"{self.path.name}: tensor {info.name} ({info.type_name}) ends at byte {info.offset + info.nbytes} "
-                        f"but the file has {size} bytes: the file is truncated")
+        raise GGUFError(f"{self.path.name}: tensor {info.name} ({info.type_name}) ends at byte "
+                        f"{info.offset + info.nbytes} but the file has {size} bytes: the file is truncated")
       self.tensors[info.name] = info
     self.arch: str = self.metadata.get("general.architecture", "")
 
@@ -122,7 +124,8 @@ class GGUFFile:
     rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
     start = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
     with open(self.path, "rb") as fh:
-      m = mmap.mmap(fh.fileno(), info.offset + info.nbytes - start, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                    prot=mmap.PROT_READ, offset=start)
-    return np.frombuffer(m, dtype=np.uint8, count=info.nbytes, offset=info.offset - start).reshape(rows, info.nbytes // rows)
+      m = mmap.mmap(fh.fileno(), info.offset + info.nbytes - start,
+                    flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ, offset=start)
+    return np.frombuffer(m, dtype=np.uint8, count=info.nbytes, offset=info.offset
+                         - start).reshape(rows, info.nbytes // rows)
 

@@ -1,9 +1,10 @@
-"""Production configs: the StructureConfig that `search export` chose for a model file, loaded by `model run` and `model bench`
-unless --config or --baseline says otherwise (the evaluator never reads them: its baseline is the default StructureConfig).
+"""Production configs: the StructureConfig that `search export` chose for a model file, loaded by `model run` and `model
+bench` unless --config or --baseline says otherwise (the evaluator never reads them: its baseline is the default
+StructureConfig).
 
-They live in $STRUCTSEARCH_HOME/production/<model-name>.toml ($STRUCTSEARCH_HOME defaults to ~/.local/share/structsearch).
-Each is a plain StructureConfig TOML (any --config accepts it) whose header comment says where it comes from and names the
-SHA-256 of the model file it was measured on: it is applied to that file only."""
+They live in $STRUCTSEARCH_HOME/production/<model-name>.toml ($STRUCTSEARCH_HOME defaults to
+~/.local/share/structsearch). Each is a plain StructureConfig TOML (any --config accepts it) whose header comment says
+where it comes from and names the SHA-256 of the model file it was measured on: it is applied to that file only."""
 from __future__ import annotations
 
 import os
@@ -18,12 +19,14 @@ from model.structure import ConfigError, StructureConfig
 SHA_LINE = re.compile(r"^# model-sha256: ([0-9a-f]{64})$", re.M)
 
 
-def home() -> pathlib.Path: return pathlib.Path(os.environ.get("STRUCTSEARCH_HOME", "~/.local/share/structsearch")).expanduser()
+def home() -> pathlib.Path:
+  return pathlib.Path(os.environ.get("STRUCTSEARCH_HOME", "~/.local/share/structsearch")).expanduser()
 def production_dir() -> pathlib.Path: return home() / "production"
 
 
 def model_key(model: str) -> str:
-  """The production file's name for a model given as a name (its preset's name: glm and glm-4.7-flash are one) or a .gguf path (its stem)."""
+  """The production file's name for a model given as a name (its preset's name: glm and glm-4.7-flash are one) or a
+  .gguf path (its stem)."""
   p = pathlib.Path(model)
   if p.suffix == ".gguf" or os.sep in model: return p.stem
   try: return get_preset(model).name
@@ -50,13 +53,14 @@ def read(path: pathlib.Path) -> Production:
 
 
 def select(model_file: pathlib.Path, model: str, config: str | None, baseline: bool) -> tuple[StructureConfig, str]:
-  """The config of `model run` / `model bench` and one line saying which: --config, else the baseline with --baseline, else the
-  production config measured on this very file (by SHA-256). One named for this model but measured on another file is not
-  applied: the line is a warning naming both hashes."""
+  """The config of `model run` / `model bench` and one line saying which: --config, else the baseline with --baseline,
+  else the production config measured on this very file (by SHA-256). One named for this model but measured on another
+  file is not applied: the line is a warning naming both hashes."""
   if config: return StructureConfig.load(config), f"config: {config} (--config)"
   if baseline: return StructureConfig(), "config: the baseline (--baseline)"
   d = production_dir()
-  if not d.is_dir() or not (files := sorted(d.glob("*.toml"))): return StructureConfig(), "config: the baseline (no production config)"
+  if not d.is_dir() or not (files := sorted(d.glob("*.toml"))):
+    return StructureConfig(), "config: the baseline (no production config)"
   sha = file_sha256(model_file)
   named = d / f"{model_key(model)}.toml"
   prods = [read(f) for f in sorted(files, key=lambda f: f != named)]
@@ -64,6 +68,7 @@ def select(model_file: pathlib.Path, model: str, config: str | None, baseline: b
     return match.config, f"config: production config {match.path} ({match.summary}); --baseline ignores it"
   if named.exists():
     other = next(p for p in prods if p.path == named)
-    return StructureConfig(), (f"warning: {named} was exported for a model file with sha256 {(other.sha256 or 'unknown')[:16]}, "
-                               f"not this one ({model_file}, sha256 {sha[:16]}): not applied; config: the baseline")
+    return StructureConfig(), (f"warning: {named} was exported for a model file with sha256 "
+                               f"{(other.sha256 or 'unknown')[:16]}, not this one ({model_file}, sha256 {sha[:16]}): "
+                               "not applied; config: the baseline")
   return StructureConfig(), "config: the baseline (no production config for this model file)"

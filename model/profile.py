@@ -1,13 +1,13 @@
-"""Per-kernel profile of one decode step: the captured JIT's own kernels (the compiled programs and buffers the timed graph
-runs), each launched again and timed on the device, without the host's launch time.
+"""Per-kernel profile of one decode step: the captured JIT's own kernels (the compiled programs and buffers the timed
+graph runs), each launched again and timed on the device, without the host's launch time.
 
 A kernel of a decode step runs for a few µs, less than a launch from Python takes, so timing launches from the host
 measures the host. Instead the device is kept busy first: a *sweep* (a reduction over a buffer as large as the bytes one
-step reads, up to 256 MiB) is launched m times, long enough on the device for the host to queue everything after it. Then,
-per repetition, one sweep (it also evicts the caches, as the rest of a step does between two uses of a weight) and the
-launches of one kernel name, in the step's order over the layers. The same sequence without the kernel's launches is timed
-too; the difference, divided by the launches, is the kernel's device time. The two are interleaved `rounds` times and the
-median difference is kept.
+step reads, up to 256 MiB) is launched m times, long enough on the device for the host to queue everything after it.
+Then, per repetition, one sweep (it also evicts the caches, as the rest of a step does between two uses of a weight) and
+the launches of one kernel name, in the step's order over the layers. The same sequence without the kernel's launches is
+timed too; the difference, divided by the launches, is the kernel's device time. The two are interleaved `rounds` times
+and the median difference is kept.
 
 On CUDA the sequence is one CUDA graph, as the decode step runs its kernels: launched one by one from the host, a kernel
 costs more on the device than as a graph node, a large share of a few-µs kernel. Elsewhere the kernels are launched one
@@ -36,14 +36,15 @@ from model.generate import capture_first
 
 
 def _launches(jit) -> list[tuple]:
-  """(program, runtime, buffers, device vars) of every kernel one replay of a captured JIT runs, in order. Kernels that read
-  the JIT's inputs directly (outside a graph) are left out: their buffers exist only during a call."""
+  """(program, runtime, buffers, device vars) of every kernel one replay of a captured JIT runs, in order. Kernels that
+  read the JIT's inputs directly (outside a graph) are left out: their buffers exist only during a call."""
   out = []
   for call in jit.captured.linear.src:
     ast = call.src[0]
     if ast.op is Ops.CUSTOM_FUNCTION and ast.arg == "graph":
       if (rt := get_graph_runtime(ast)) is None: continue
-      out += [(prg, runtime, bufs, dv) for (_, prg, bufs, dv), runtime in zip(rt.calls, rt.runtimes, strict=True) if prg.op is Ops.PROGRAM]
+      out += [(prg, runtime, bufs, dv) for (_, prg, bufs, dv), runtime in zip(rt.calls, rt.runtimes, strict=True)
+              if prg.op is Ops.PROGRAM]
     elif ast.op is Ops.PROGRAM:
       try: resolved = resolve_params(call, ())
       except (IndexError, KeyError, AttributeError): continue
@@ -65,7 +66,8 @@ def _calls(launches: list[tuple], var_vals: dict[str, int]) -> list:
 
 def _cuda_graph(launches: list[tuple], var_vals: dict[str, int]) -> Callable[[], None] | None:
   """A function that runs the launches as one CUDA graph, each after the one before; None off CUDA."""
-  if not launches or any(type(runtime).__module__ != "tinygrad.runtime.ops_cuda" for _, runtime, _, _ in launches): return None
+  if not launches or any(type(runtime).__module__ != "tinygrad.runtime.ops_cuda" for _, runtime, _, _ in launches):
+    return None
   import tinygrad.runtime.autogen.cuda as cuda
   from tinygrad.runtime.ops_cuda import check, encode_args
   from tinygrad.runtime.support.c import init_c_var
@@ -75,15 +77,18 @@ def _cuda_graph(launches: list[tuple], var_vals: dict[str, int]) -> Callable[[],
     vv = {**var_vals, **dv}
     gs, ls = prg.arg.launch_dims(vv)
     c_args, vargs = encode_args([x.get_buf(x.device) for x in bufs], prg.arg.vals(vv), runtime.signature)
-    params = cuda.CUDA_KERNEL_NODE_PARAMS_v1(runtime.prg, *gs, *ls, runtime.smem, ctypes.cast(0, ctypes.POINTER(ctypes.c_void_p)), vargs)
+    params = cuda.CUDA_KERNEL_NODE_PARAMS_v1(runtime.prg, *gs, *ls, runtime.smem,
+                                             ctypes.cast(0, ctypes.POINTER(ctypes.c_void_p)), vargs)
     node, deps = cuda.CUgraphNode(), (cuda.CUgraphNode * 1)(prev) if prev is not None else None
     check(cuda.cuGraphAddKernelNode(ctypes.byref(node), graph, deps, 0 if deps is None else 1, ctypes.byref(params)))
     keep += [c_args, vargs, params]
     prev = node
-  instance = init_c_var(cuda.CUgraphExec, lambda x: check(cuda.cuGraphInstantiate_v2(ctypes.byref(x), graph, None, None, 0)))
+  instance = init_c_var(cuda.CUgraphExec,
+                        lambda x: check(cuda.cuGraphInstantiate_v2(ctypes.byref(x), graph, None, None, 0)))
   check(cuda.cuGraphDestroy(graph))
   def run(keep=keep) -> None: check(cuda.cuGraphLaunch(instance, None))
-  weakref.finalize(run, lambda: check(cuda.cuGraphExecDestroy(instance)))  # with the function, the graph's device resources go
+  # with the function, the graph's device resources go
+  weakref.finalize(run, lambda: check(cuda.cuGraphExecDestroy(instance)))
   return run
 
 
@@ -104,12 +109,12 @@ def _timed(dev, before: list, per_rep: list, reps: int) -> float:
   return time.perf_counter() - t0
 
 
-def kernel_profile(jit, var_vals: dict[str, int], bandwidth_gbs: float | None = None, step_bytes: int = 256 << 20, launches: int = 64,
-                   rounds: int = 3) -> list[dict]:
-  """Kernels of the step by device time per token: name, launches per step, µs per token, µs per launch, GB/s (tinygrad's
-  byte estimate over the time), share of the summed kernel time, and of the measured bandwidth where it is given.
-  step_bytes: what one step reads (the sweep reads as much, up to 256 MiB); launches: how many launches of a name are timed
-  together (its launches per step, repeated)."""
+def kernel_profile(jit, var_vals: dict[str, int], bandwidth_gbs: float | None = None, step_bytes: int = 256 << 20,
+                   launches: int = 64, rounds: int = 3) -> list[dict]:
+  """Kernels of the step by device time per token: name, launches per step, µs per token, µs per launch, GB/s
+  (tinygrad's byte estimate over the time), share of the summed kernel time, and of the measured bandwidth where it is
+  given. step_bytes: what one step reads (the sweep reads as much, up to 256 MiB); launches: how many launches of a name
+  are timed together (its launches per step, repeated)."""
   groups: dict[str, list[tuple]] = collections.defaultdict(list)
   for launch in _launches(jit): groups[ansistrip(launch[0].arg.name)].append(launch)
   dev = Device[Device.DEFAULT]
@@ -126,7 +131,8 @@ def kernel_profile(jit, var_vals: dict[str, int], bandwidth_gbs: float | None = 
     host_s = (time.perf_counter() - t0) / len(calls)
     dev.synchronize()
     reps = math.ceil(launches / len(calls))
-    busy = sweep * (math.ceil(1.5 * reps * (len(calls) * host_s + len(sweep) * 20e-6) / sweep_s) + 1)  # queue time covered twice over
+    # queue time covered twice over
+    busy = sweep * (math.ceil(1.5 * reps * (len(calls) * host_s + len(sweep) * 20e-6) / sweep_s) + 1)
     with_k, without = _cuda_graph((sweep_launches + ls) * reps, var_vals), _cuda_graph(sweep_launches * reps, var_vals)
     if with_k is not None and without is not None:
       diffs = [_timed(dev, busy, [with_k], 1) - _timed(dev, busy, [without], 1) for _ in range(rounds)]

@@ -56,7 +56,8 @@ def resolve(name_or_path: str) -> pathlib.Path:
       if not path.is_file(): raise ModelNotFound(f"{config_path()} maps {key} to {path}, which does not exist")
       return path
   if preset is None:
-    raise ModelNotFound(f"unknown model {name_or_path!r}: use one of {', '.join(PRESETS)}, a name from {config_path()}, or a .gguf path")
+    raise ModelNotFound(f"unknown model {name_or_path!r}: use one of {', '.join(PRESETS)}, a name from "
+                        f"{config_path()}, or a .gguf path")
   if preset.name in SYNTHESISED:
     path = cache_dir() / f"{preset.name}-q4_0.gguf"
     if not path.exists():
@@ -65,6 +66,7 @@ def resolve(name_or_path: str) -> pathlib.Path:
       write_synthetic(tmp, preset.name, quant="q4_0", seed=0)
       tmp.replace(path)
     return path
-  raise ModelNotFound(f"model {preset.name!r} has no file: download the real GGUF ({preset.url}) and add `{preset.name} = \"/path/file.gguf\"` "
-                      f"under [models] in {config_path()}, or make a shape-identical synthetic one with "
-                      f"`model synth --preset {preset.name} --out {preset.name}.gguf` and pass its path")
+  raise ModelNotFound(f"model {preset.name!r} has no file: download the real GGUF ({preset.url}) and add "
+                      f"`{preset.name} = \"/path/file.gguf\"` under [models] in {config_path()}, or make a "
+                      f"shape-identical synthetic one with `model synth --preset {preset.name} --out "
+                      f"{preset.name}.gguf` and pass its path")

@@ -27,10 +27,12 @@ QUANT_CHOICES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "
 CHUNK_BYTES = 64 << 20
 N_MERGES = 300
 
-_PURE = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K}
+_PURE = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_k": T.Q4_K, "q5_k": T.Q5_K,
+         "q6_k": T.Q6_K}
 _F = gguf.LlamaFileType
-_FTYPE = {"f32": _F.ALL_F32, "f16": _F.MOSTLY_F16, "bf16": _F.MOSTLY_BF16, "q8_0": _F.MOSTLY_Q8_0, "q4_0": _F.MOSTLY_Q4_0,
-          "q4_k": _F.MOSTLY_Q4_K_S, "q5_k": _F.MOSTLY_Q5_K_S, "q6_k": _F.MOSTLY_Q6_K, "q4_k_m": _F.MOSTLY_Q4_K_M}
+_FTYPE = {"f32": _F.ALL_F32, "f16": _F.MOSTLY_F16, "bf16": _F.MOSTLY_BF16, "q8_0": _F.MOSTLY_Q8_0,
+          "q4_0": _F.MOSTLY_Q4_0, "q4_k": _F.MOSTLY_Q4_K_S, "q5_k": _F.MOSTLY_Q5_K_S, "q6_k": _F.MOSTLY_Q6_K,
+          "q4_k_m": _F.MOSTLY_Q4_K_M}
 
 
 class _Tensor(NamedTuple):
@@ -55,7 +57,8 @@ def _q4_k_m(name: str, layer: int | None, n_layers: int) -> T:
   multiple of 256 (attn_k_b: qk_nope wide) fall back to Q8_0 (see _qtype) where llama-quantize would pick Q5_0.
   """
   if name == "output.weight": return T.Q6_K
-  if layer is not None and ("ffn_down" in name or "attn_kv_b" in name) and _use_more_bits(layer, n_layers): return T.Q6_K
+  if layer is not None and ("ffn_down" in name or "attn_kv_b" in name) and _use_more_bits(layer, n_layers):
+    return T.Q6_K
   if "_shexp" in name or ".attn_" in name: return T.Q5_K
   return T.Q4_K
 
@@ -65,19 +68,21 @@ def _qtype(quant: str, name: str, row: int, layer: int | None, n_layers: int) ->
   return next(t for t in (want, T.Q8_0, T.F16) if row % gguf.GGML_QUANT_SIZES[t][0] == 0)
 
 
-def tensor_plan(s: ModelShape, quant: str = "q4_0", legacy_kv_b: bool = False, routing: str = "random") -> list[_Tensor]:
-  """Every tensor of the file in write order, with its ggml shape as llama.cpp's deepseek2 loader expects it. With decisive
-  routing the projections that write into the residual stream are scaled by 1/sqrt(blocks), so the stream stays near unit
-  rms through depth and the embeddings' routing signature stays readable in the last block as in the first."""
+def tensor_plan(s: ModelShape, quant: str = "q4_0", legacy_kv_b: bool = False,
+                routing: str = "random") -> list[_Tensor]:
+  """Every tensor of the file in write order, with its ggml shape as llama.cpp's deepseek2 loader expects it. With
+  decisive routing the projections that write into the residual stream are scaled by 1/sqrt(blocks), so the stream stays
+  near unit rms through depth and the embeddings' routing signature stays readable in the last block as in the first."""
   out: list[_Tensor] = []
   residual = s.n_layers ** -0.5 if routing == "decisive" else 1.0
-  def tn(t: MT, bid: int | None = None, suffix: str = "weight") -> str: return f"{gguf.TENSOR_NAMES[t].format(bid=bid)}.{suffix}"
+  def tn(t: MT, bid: int | None = None, suffix: str = "weight") -> str:
+    return f"{gguf.TENSOR_NAMES[t].format(bid=bid)}.{suffix}"
   def mat(name: str, *ne: int, layer: int | None = None, std: float | None = None) -> None:
     if std is None: std = ne[0] ** -0.5 * (residual if name.split(".")[-2] in _WRITES_RESIDUAL else 1.0)
     out.append(_Tensor(name, ne, _qtype(quant, name, ne[0], layer, s.n_layers), std))
   def norm(name: str, n: int) -> None: out.append(_Tensor(name, (n,), T.F32, 0.05, 1.0))
-  # unit-rms embeddings keep the token identity from drowning in the first blocks' outputs (rms ~1), so routing varies by
-  # token; a tied table is the output head too and takes the geometric mean of that and 1/sqrt(dim)
+  # unit-rms embeddings keep the token identity from drowning in the first blocks' outputs (rms ~1), so routing varies
+  # by token; a tied table is the output head too and takes the geometric mean of that and 1/sqrt(dim)
   mat(tn(MT.TOKEN_EMBD), s.dim, s.vocab, std=s.dim ** -0.25 if s.tied else 1.0)
   for i in range(s.n_layers):
     norm(tn(MT.ATTN_NORM, i), s.dim)
@@ -99,7 +104,8 @@ def tensor_plan(s: ModelShape, quant: str = "q4_0", legacy_kv_b: bool = False, r
       mat(tn(MT.FFN_UP, i), s.dim, s.dense_ffn, layer=i)
       mat(tn(MT.FFN_DOWN, i), s.dense_ffn, s.dim, layer=i)
       continue
-    out.append(_Tensor(tn(MT.FFN_GATE_INP, i), (s.dim, s.n_experts), T.F32, 2 * s.dim ** -0.5))  # wider logits: top-k varies by token
+    # wider logits: top-k varies by token
+    out.append(_Tensor(tn(MT.FFN_GATE_INP, i), (s.dim, s.n_experts), T.F32, 2 * s.dim ** -0.5))
     if s.exp_probs_bias: out.append(_Tensor(tn(MT.FFN_EXP_PROBS_B, i, "bias"), (s.n_experts,), T.F32, 0.02))
     mat(tn(MT.FFN_GATE_EXP, i), s.dim, s.expert_ffn, s.n_experts, layer=i)
     mat(tn(MT.FFN_UP_EXP, i), s.dim, s.expert_ffn, s.n_experts, layer=i)
@@ -113,11 +119,15 @@ def tensor_plan(s: ModelShape, quant: str = "q4_0", legacy_kv_b: bool = False, r
   return out
 
 
-# *** random blocks: gen(rng, n_blocks, std) -> array of n_blocks * type_size bytes whose dequantized values have that std
+# *** random blocks: gen(rng, n_blocks, std) -> array of n_blocks * type_size bytes whose dequantized values have that
+# std
 
-def _raw(rng: np.random.Generator, n: int) -> np.ndarray: return rng.bit_generator.random_raw(-(-n // 8)).view(np.uint8)[:n]
-def _lut(rng: np.random.Generator, n: int, lut: np.ndarray) -> np.ndarray: return np.take(lut, _raw(rng, n).view(np.uint16)).view(np.uint8)
-def _d(rng: np.random.Generator, nb: int, scale: float) -> np.ndarray:   # per-block fp16 scales, jittered by U(0.75, 1.25)
+def _raw(rng: np.random.Generator, n: int) -> np.ndarray:
+  return rng.bit_generator.random_raw(-(-n // 8)).view(np.uint8)[:n]
+def _lut(rng: np.random.Generator, n: int, lut: np.ndarray) -> np.ndarray:
+  return np.take(lut, _raw(rng, n).view(np.uint16)).view(np.uint8)
+# per-block fp16 scales, jittered by U(0.75, 1.25)
+def _d(rng: np.random.Generator, nb: int, scale: float) -> np.ndarray:
   return (scale / _JITTER_RMS * rng.uniform(0.75, 1.25, nb)).astype(np.float16).view(np.uint8).reshape(nb, 2)
 def _lut16(lut8: np.ndarray) -> np.ndarray:
   v = np.arange(1 << 16)
@@ -128,15 +138,18 @@ _B = np.arange(256)
 _NIB = np.arange(16, dtype=np.uint8)
 _NIB[0] = 8   # Q4_0: nibble 0 (code -8) becomes 8 (code 0), so codes are 1..15, symmetric around 8
 _Q4_0_LUT, _Q4_0_SD = _lut16(_NIB[_B & 15] | _NIB[_B >> 4] << 4), float(np.sqrt(np.mean((_NIB - 8.0) ** 2)))
-_Q8_CODES = np.where(_B == 128, 0, _B).astype(np.uint8)   # Q8_0: int8 -128 becomes 0, so codes are symmetric in -127..127
+# Q8_0: int8 -128 becomes 0, so codes are symmetric in -127..127
+_Q8_CODES = np.where(_B == 128, 0, _B).astype(np.uint8)
 _Q8_0_LUT, _Q8_0_SD = _lut16(_Q8_CODES), float(np.sqrt(np.mean(_Q8_CODES.view(np.int8).astype(np.float64) ** 2)))
 _Q6_SC = np.arange(8, 17)
 _Q6_K_SD = float(np.sqrt(np.mean((np.arange(1, 64) - 32.0) ** 2) * np.mean(_Q6_SC ** 2.0)))
 
 
-def _f32(rng: np.random.Generator, n: int, std: float) -> np.ndarray: return rng.standard_normal(n, dtype=np.float32) * np.float32(std)
+def _f32(rng: np.random.Generator, n: int, std: float) -> np.ndarray:
+  return rng.standard_normal(n, dtype=np.float32) * np.float32(std)
 def _f16(rng: np.random.Generator, n: int, std: float) -> np.ndarray: return _f32(rng, n, std).astype(np.float16)
-def _bf16(rng: np.random.Generator, n: int, std: float) -> np.ndarray: return (_f32(rng, n, std).view(np.uint32) >> 16).astype(np.uint16)
+def _bf16(rng: np.random.Generator, n: int, std: float) -> np.ndarray:
+  return (_f32(rng, n, std).view(np.uint32) >> 16).astype(np.uint16)
 
 
 def _q4_0(rng: np.random.Generator, nb: int, std: float) -> np.ndarray:
@@ -154,7 +167,8 @@ def _q8_0(rng: np.random.Generator, nb: int, std: float) -> np.ndarray:
 def _kscales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
   """8 six-bit scales and mins -> the 12 bytes that gguf.quants.Q4_K.get_scale_min unpacks."""
   lo, hi = (sc[:, :4], mn[:, :4]), (sc[:, 4:], mn[:, 4:])
-  return np.concatenate([lo[0] | (hi[0] >> 4) << 6, lo[1] | (hi[1] >> 4) << 6, (hi[0] & 15) | (hi[1] & 15) << 4], axis=1)
+  return np.concatenate([lo[0] | (hi[0] >> 4) << 6, lo[1] | (hi[1] >> 4) << 6, (hi[0] & 15) | (hi[1] & 15) << 4],
+                        axis=1)
 
 
 def _qk(bits: int, top: int, size: int):
@@ -165,7 +179,8 @@ def _qk(bits: int, top: int, size: int):
     sc = rng.integers(1, top + 1, (nb, 8), dtype=np.uint8) * np.uint8(2)
     out = np.empty((nb, size), np.uint8)
     out[:, 0:2] = out[:, 2:4] = _d(rng, nb, std / sd)
-    out[:, 4:16], out[:, 16:] = _kscales(sc, sc * np.uint8(2 ** bits - 1) // 2), _raw(rng, nb * (size - 16)).reshape(nb, size - 16)
+    out[:, 4:16] = _kscales(sc, sc * np.uint8(2 ** bits - 1) // 2)
+    out[:, 16:] = _raw(rng, nb * (size - 16)).reshape(nb, size - 16)
     return out
   return gen
 
@@ -181,8 +196,8 @@ def _q6_k(rng: np.random.Generator, nb: int, std: float) -> np.ndarray:
   return out
 
 
-GENERATORS = {T.F32: _f32, T.F16: _f16, T.BF16: _bf16, T.Q4_0: _q4_0, T.Q8_0: _q8_0, T.Q4_K: _qk(4, 4, 144), T.Q5_K: _qk(5, 2, 176),
-              T.Q6_K: _q6_k}
+GENERATORS = {T.F32: _f32, T.F16: _f16, T.BF16: _bf16, T.Q4_0: _q4_0, T.Q8_0: _q8_0, T.Q4_K: _qk(4, 4, 144),
+              T.Q5_K: _qk(5, 2, 176), T.Q6_K: _q6_k}
 
 
 def _nbytes(t: _Tensor) -> int:
@@ -202,15 +217,16 @@ def _write_tensor(fout, t: _Tensor, seed: int) -> None:
 
 # *** tokenizer: GPT-2 byte-level BPE, merges learned from a paragraph of English
 
-_TEXT = ("The old lighthouse stood at the end of the long stone pier, and every evening the keeper climbed its winding stairs "
-         "to light the lamp. From the top he could see the whole harbour: the fishing boats coming home, the gulls circling "
-         "over the water, and the town with its narrow streets and red roofs. In the winter of 1923 a storm broke the great "
-         "window, and for three nights the light was dark. The people of the town remembered that winter for a long time. "
-         "Children asked their parents why the light had gone out, and the parents told them about the storm, the broken "
-         "glass, and the keeper who worked through the night to mend it. Today the lighthouse is a museum, and visitors "
-         "climb the same stairs to look out over the same water, where the boats still come home in the evening light. On "
-         "clear days you can count forty-two ships between the islands; on grey days the fog hides everything except the "
-         "sound of the bell, ringing slowly, as it has rung for more than 150 years.")
+_TEXT = ("The old lighthouse stood at the end of the long stone pier, and every evening the keeper climbed its winding "
+         "stairs to light the lamp. From the top he could see the whole harbour: the fishing boats coming home, the "
+         "gulls circling over the water, and the town with its narrow streets and red roofs. In the winter of 1923 a "
+         "storm broke the great window, and for three nights the light was dark. The people of the town remembered "
+         "that winter for a long time. Children asked their parents why the light had gone out, and the parents told "
+         "them about the storm, the broken glass, and the keeper who worked through the night to mend it. Today the "
+         "lighthouse is a museum, and visitors climb the same stairs to look out over the same water, where the boats "
+         "still come home in the evening light. On clear days you can count forty-two ships between the islands; on "
+         "grey days the fog hides everything except the sound of the bell, ringing slowly, as it has rung for more "
+         "than 150 years.")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -249,7 +265,8 @@ def build_vocab(s: ModelShape) -> tuple[list[str], list[int], list[str]]:
   merges = train_bpe(min(N_MERGES, s.vocab - len(tokens) - len(s.specials)))
   tokens += list(dict.fromkeys(a + b for a, b in merges))
   n_normal, n_special = len(tokens), len(s.specials)
-  if n_normal + n_special > s.vocab: raise ValueError(f"vocab {s.vocab} is too small for 256 byte tokens and {n_special} special tokens")
+  if n_normal + n_special > s.vocab:
+    raise ValueError(f"vocab {s.vocab} is too small for 256 byte tokens and {n_special} special tokens")
   tokens += [f"[PAD{i}]" for i in range(n_normal, s.vocab - n_special)] + list(s.specials)
   TT = gguf.TokenType
   types = [TT.NORMAL] * n_normal + [TT.UNUSED] * (s.vocab - n_normal - n_special) + [TT.CONTROL] * n_special
@@ -287,7 +304,8 @@ def _write_metadata(w: gguf.GGUFWriter, s: ModelShape, quant: str, legacy_kv_b: 
     w.add_rope_scaling_orig_ctx_len(s.yarn_orig_ctx)
     w.add_rope_scaling_yarn_beta_fast(s.yarn_beta_fast)
     w.add_rope_scaling_yarn_beta_slow(s.yarn_beta_slow)
-    w.add_rope_scaling_yarn_log_mul(0.1 * s.yarn_mscale_all_dim)   # converter's legacy convention, llama.cpp divides by 0.1
+    # converter's legacy convention, llama.cpp divides by 0.1
+    w.add_rope_scaling_yarn_log_mul(0.1 * s.yarn_mscale_all_dim)
   else: w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
   w.add_leading_dense_block_count(s.n_dense)
   w.add_expert_feed_forward_length(s.expert_ffn)
@@ -296,7 +314,8 @@ def _write_metadata(w: gguf.GGUFWriter, s: ModelShape, quant: str, legacy_kv_b: 
   w.add_expert_shared_count(s.n_shared)
   w.add_expert_weights_scale(s.routed_scale)
   w.add_expert_weights_norm(s.norm_topk)
-  w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if s.gating == "sigmoid" else gguf.ExpertGatingFuncType.SOFTMAX)
+  w.add_expert_gating_func(
+    gguf.ExpertGatingFuncType.SIGMOID if s.gating == "sigmoid" else gguf.ExpertGatingFuncType.SOFTMAX)
   w.add_vocab_size(s.vocab)
   w.add_nextn_predict_layers(0)
   tokens, types, merges = build_vocab(s)
@@ -320,17 +339,20 @@ _QUANTIZABLE = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0)  # the embedding types ggu
 # lead by a clear margin as in trained models (with random weights, the k-th and (k+1)-th scores are near ties at depth)
 
 ROUTING = ("random", "decisive")
-SIGNATURE, ROUTER_GAIN, ROUTER_NOISE = 10.0, 0.4, 0.05  # signature size on each of a token's experts' directions; router scales
+# signature size on each of a token's experts' directions; router scales
+SIGNATURE, ROUTER_GAIN, ROUTER_NOISE = 10.0, 0.4, 0.05
 
 
 class _Decisive:
-  """The structure of a decisive-routing file: one unit direction per expert (orthonormal), a random set of n_used experts
-  per token, a random permutation of the experts per layer (each layer routes a token to its own experts)."""
+  """The structure of a decisive-routing file: one unit direction per expert (orthonormal), a random set of n_used
+  experts per token, a random permutation of the experts per layer (each layer routes a token to its own experts)."""
 
   def __init__(self, s: ModelShape, seed: int):
-    if s.n_experts > s.dim: raise ValueError(f"decisive routing needs no more experts ({s.n_experts}) than dimensions ({s.dim})")
+    if s.n_experts > s.dim:
+      raise ValueError(f"decisive routing needs no more experts ({s.n_experts}) than dimensions ({s.dim})")
     rng = np.random.default_rng([seed, 0xD1CE])
-    self.dirs = np.linalg.qr(rng.standard_normal((s.dim, s.n_experts)))[0].T.astype(np.float32)  # (E, dim), orthonormal rows
+    # (E, dim), orthonormal rows
+    self.dirs = np.linalg.qr(rng.standard_normal((s.dim, s.n_experts)))[0].T.astype(np.float32)
     self.experts = np.argsort(rng.random((s.vocab, s.n_experts)), -1)[:, :s.n_used]  # per token
     self.perm = {i: rng.permutation(s.n_experts) for i in range(s.n_layers)}
 
@@ -340,7 +362,8 @@ class _Decisive:
 
   def router(self, rng: np.random.Generator, layer: int, dim: int) -> np.ndarray:
     """Router rows (E, dim): expert e of this layer reads the direction of the expert the permutation maps it to."""
-    return ROUTER_GAIN * self.dirs[self.perm[layer]] + ROUTER_NOISE * dim ** -0.5 * rng.standard_normal(self.dirs.shape, dtype=np.float32)
+    return ROUTER_GAIN * self.dirs[self.perm[layer]] + ROUTER_NOISE * dim ** -0.5 * rng.standard_normal(
+      self.dirs.shape, dtype=np.float32)
 
 
 def _write_decisive(fout, t: _Tensor, seed: int, d: _Decisive) -> bool:
@@ -357,8 +380,8 @@ def _write_decisive(fout, t: _Tensor, seed: int, d: _Decisive) -> bool:
   return False
 
 
-def write_synthetic(path: str | pathlib.Path, preset: str | ModelShape, layers: int | None = None, quant: str = "q4_0", seed: int = 0,
-                    legacy_kv_b: bool = False, routing: str = "random") -> pathlib.Path:
+def write_synthetic(path: str | pathlib.Path, preset: str | ModelShape, layers: int | None = None, quant: str = "q4_0",
+                    seed: int = 0, legacy_kv_b: bool = False, routing: str = "random") -> pathlib.Path:
   """Write a deepseek2 GGUF with random weights and the preset's exact shapes (the first `layers` blocks if given);
   routing "decisive": a token's experts lead by a clear margin in every layer (see _Decisive)."""
   s = get_preset(preset) if isinstance(preset, str) else preset
@@ -369,8 +392,9 @@ def write_synthetic(path: str | pathlib.Path, preset: str | ModelShape, layers: 
   plan = tensor_plan(s, quant, legacy_kv_b, routing)
   decisive = _Decisive(s, seed) if routing == "decisive" and s.n_experts else None
   if decisive is not None and (emb := plan[0].type) not in _QUANTIZABLE:
-    raise ValueError(f"decisive routing writes the token embedding from floats, which gguf cannot quantize to {emb.name} ({quant}); "
-                     f"use one of: {', '.join(q for q in QUANT_CHOICES if _PURE.get(q) in _QUANTIZABLE)}")
+    raise ValueError("decisive routing writes the token embedding from floats, which gguf cannot quantize to "
+                     f"{emb.name} ({quant}); use one of: "
+                     f"{', '.join(q for q in QUANT_CHOICES if _PURE.get(q) in _QUANTIZABLE)}")
   w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.DEEPSEEK2])
   _write_metadata(w, s, quant, legacy_kv_b)
   for t in plan: w.add_tensor_info(t.name, t.ne[::-1], np.dtype(np.float32), _nbytes(t), raw_dtype=t.type)

@@ -1,9 +1,9 @@
 """GGUF byte-level BPE tokenizer ("gpt2" model) for the deepseek2-architecture models, token-exact with llama.cpp.
 
-Pre-tokenization mirrors llama.cpp's unicode_regex_split: each regex of the chain splits every current piece into its matches
-and the gaps between them. Regexes using \\p{..} run on a "collapsed" copy of the text (every non-ASCII codepoint replaced by
-one byte per unicode category, so \\p{Lu} and \\p{Ll} both mean "letter"), the others on a copy whose non-ASCII whitespace is
-replaced by \\v; \\s is ASCII-only in both.
+Pre-tokenization mirrors llama.cpp's unicode_regex_split: each regex of the chain splits every current piece into its
+matches and the gaps between them. Regexes using \\p{..} run on a "collapsed" copy of the text (every non-ASCII
+codepoint replaced by one byte per unicode category, so \\p{Lu} and \\p{Ll} both mean "letter"), the others on a copy
+whose non-ASCII whitespace is replaced by \\v; \\s is ASCII-only in both.
 """
 from __future__ import annotations
 
@@ -29,11 +29,13 @@ def _byte_encode(s: str) -> str: return s.encode("utf-8", "surrogatepass").decod
 
 def _byte_decode(s: str) -> bytes:
   try: return s.translate(_DEC).encode("latin-1")
-  except UnicodeEncodeError: return b"".join(c.translate(_DEC).encode("latin-1") if ord(c.translate(_DEC)) < 256 else c.encode() for c in s)
+  except UnicodeEncodeError:
+    return b"".join(c.translate(_DEC).encode("latin-1") if ord(c.translate(_DEC)) < 256 else c.encode() for c in s)
 
 # *** pre-tokenizer regexes (llama-vocab.cpp, llm_tokenizer_bpe) ***
 
-_WS = {0x85, 0xa0, 0x1680, *range(0x2000, 0x200b), 0x2028, 0x2029, 0x202f, 0x205f, 0x3000}  # non-ASCII whitespace per llama.cpp
+# non-ASCII whitespace per llama.cpp
+_WS = {0x85, 0xa0, 0x1680, *range(0x2000, 0x200b), 0x2028, 0x2029, 0x202f, 0x205f, 0x3000}
 _CAT_BYTE = {"N": "\xd1", "L": "\xd2", "P": "\xd3", "M": "\xd4", "S": "\xd5"}
 _CAT_ASCII = {"N": "0-9", "L": "A-Za-z", "P": r"!-#%-*,-/:;?@\[-\]_{}", "M": "", "S": r"$+<=>^`|~"}
 
@@ -100,10 +102,11 @@ PRE_TOKENIZERS: dict[str, tuple[list[str], bool]] = {
 _COMPILED = {k: [_compile(p) for p in v[0]] for k, v in PRE_TOKENIZERS.items()}
 
 # token texts llama.cpp treats as end-of-generation, plus GLM's turn starts (its eot/eom tokens)
-_EOG_TEXTS = {"<|endoftext|>", "<|end_of_text|>", "<｜end▁of▁sentence｜>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>",
-              "<end_of_turn>", "<|user|>", "<|observation|>"}
+_EOG_TEXTS = {"<|endoftext|>", "<|end_of_text|>", "<｜end▁of▁sentence｜>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>",
+              "<|end|>", "<end_of_turn>", "<|user|>", "<|observation|>"}
 
-# (chat style, marker in tokenizer.chat_template, token texts all in the vocab): the first template match wins, else the first vocab match
+# (chat style, marker in tokenizer.chat_template, token texts all in the vocab): the first template match wins, else the
+# first vocab match
 _CHAT_STYLES = [("glm", "[gMASK]<sop>", {"[gMASK]", "<sop>", "<|user|>", "<|assistant|>"}),
                 ("deepseek3", "<｜Assistant｜>", {"<｜User｜>", "<｜Assistant｜>"}),
                 ("deepseek2", "'Assistant: ' + message['content'] + eos_token", {"<｜begin▁of▁sentence｜>"}),
@@ -116,16 +119,22 @@ def _cut(text: str | int, special: str, tid: int) -> list[str | int]:
   return out
 
 class Tokenizer:
-  def __init__(self, tokens: list[str], types: list[int], merges: list[str], pre: str = "default", bos_id: int | None = None,
-               eos_id: int | None = None, add_bos: bool = False, stop_ids: set[int] | None = None, chat_template: str | None = None):
-    if pre not in PRE_TOKENIZERS: raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r}, expected one of {sorted(PRE_TOKENIZERS)}")
-    self.tokens, self.types, self.pre, self.bos_id, self.eos_id, self.add_bos = tokens, types, pre, bos_id, eos_id, add_bos
+  def __init__(self, tokens: list[str], types: list[int], merges: list[str], pre: str = "default",
+               bos_id: int | None = None, eos_id: int | None = None, add_bos: bool = False,
+               stop_ids: set[int] | None = None, chat_template: str | None = None):
+    if pre not in PRE_TOKENIZERS:
+      raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r}, expected one of {sorted(PRE_TOKENIZERS)}")
+    self.tokens, self.types, self.pre = tokens, types, pre
+    self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
     self.chat_template = chat_template  # only used to pick the chat style; callers with a jinja engine can render it
     self.regexes, self.ignore_merges = _COMPILED[pre], PRE_TOKENIZERS[pre][1]
     self.tok2id = {t: i for i, t in enumerate(tokens)}
-    self.ranks = {m: i for i, m in reversed(list(enumerate(merges)))}  # "left right" -> rank, first occurrence wins like llama.cpp
-    self.stop_ids = {i for i in (stop_ids or set()) | {eos_id} if i is not None} | {self.tok2id[t] for t in _EOG_TEXTS if t in self.tok2id}
-    self.hidden = frozenset(i for i, t in enumerate(types) if t in (CONTROL, UNKNOWN)) | self.stop_ids  # dropped by decode(special=False)
+    # "left right" -> rank, first occurrence wins like llama.cpp
+    self.ranks = {m: i for i, m in reversed(list(enumerate(merges)))}
+    self.stop_ids = {i for i in (stop_ids or set()) | {eos_id}
+                     if i is not None} | {self.tok2id[t] for t in _EOG_TEXTS if t in self.tok2id}
+    # dropped by decode(special=False)
+    self.hidden = frozenset(i for i, t in enumerate(types) if t in (CONTROL, UNKNOWN)) | self.stop_ids
     # special tokens matched literally in text, longest first (llama.cpp tokenizer_st_partition)
     special = [i for i, t in enumerate(types) if (t == USER_DEFINED or i in self.hidden) and tokens[i]]
     self.specials = [(tokens[i], i) for i in sorted(special, key=lambda i: (-len(tokens[i]), i))]
@@ -138,10 +147,11 @@ class Tokenizer:
   @classmethod
   def from_metadata(cls, md: dict[str, Any]) -> Tokenizer:
     g = lambda k: md.get(f"tokenizer.ggml.{k}")
-    if g("model") != "gpt2": raise ValueError(f"unsupported tokenizer.ggml.model {g('model')!r}: only 'gpt2' (byte-level BPE) is supported")
+    if g("model") != "gpt2":
+      raise ValueError(f"unsupported tokenizer.ggml.model {g('model')!r}: only 'gpt2' (byte-level BPE) is supported")
     tokens, stop = list(g("tokens")), {g("eot_token_id"), g("eom_token_id")} - {None}
-    return cls(tokens, list(g("token_type") or [NORMAL] * len(tokens)), list(g("merges") or []), g("pre") or "default", g("bos_token_id"),
-               g("eos_token_id"), bool(g("add_bos_token")), stop, md.get("tokenizer.chat_template"))
+    return cls(tokens, list(g("token_type") or [NORMAL] * len(tokens)), list(g("merges") or []), g("pre") or "default",
+               g("bos_token_id"), g("eos_token_id"), bool(g("add_bos_token")), stop, md.get("tokenizer.chat_template"))
 
   @property
   def vocab_size(self) -> int: return len(self.tokens)
@@ -167,7 +177,8 @@ class Tokenizer:
     syms, heap = list(word), []
     nxt, prv = [*range(1, len(word)), -1], list(range(-1, len(word) - 1))
     def push(a: int, b: int):
-      if a >= 0 and b >= 0 and (r := self.ranks.get(f"{syms[a]} {syms[b]}")) is not None: heapq.heappush(heap, (r, a, b, syms[a] + syms[b]))
+      if a >= 0 and b >= 0 and (r := self.ranks.get(f"{syms[a]} {syms[b]}")) is not None:
+        heapq.heappush(heap, (r, a, b, syms[a] + syms[b]))
     for i in range(len(word) - 1): push(i, i + 1)
     while heap:
       _, a, b, text = heapq.heappop(heap)
@@ -194,7 +205,8 @@ class Tokenizer:
       if any(isinstance(f, str) and t in f for f in frags): frags = [p for f in frags for p in _cut(f, t, i)]
     ids: list[int] = []
     for f in frags: ids += [f] if isinstance(f, int) else [i for w in self.pretokenize(f) for i in self._word(w)]
-    if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None and ids[:1] != [self.bos_id]: ids.insert(0, self.bos_id)
+    if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None and ids[:1] != [self.bos_id]:
+      ids.insert(0, self.bos_id)
     return ids
 
   # *** decode ***
@@ -212,22 +224,29 @@ class Tokenizer:
   def decode_bytes(self, ids: list[int], special: bool = False) -> bytes:
     return b"".join(self._piece(i) for i in ids if special or i not in self.hidden)
 
-  def decode(self, ids: list[int], special: bool = False) -> str: return self.decode_bytes(ids, special).decode("utf-8", "replace")
+  def decode(self, ids: list[int], special: bool = False) -> str:
+    return self.decode_bytes(ids, special).decode("utf-8", "replace")
 
   def streamer(self, special: bool = False) -> StreamDecoder: return StreamDecoder(self, special)
 
   # *** chat ***
 
   def format_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-    """Render with the model's own chat format: a jinja-free rendition of its template, picked from the special tokens in the vocab."""
+    """Render with the model's own chat format: a jinja-free rendition of its template, picked from the special tokens
+    in the vocab."""
     bos, eos = (self.tokens[i] if i is not None else "" for i in (self.bos_id, self.eos_id))
     prefix, fmt, gen = {  # role -> (before, after) content
-      "glm": ("[gMASK]<sop>", {"system": ("<|system|>", ""), "user": ("<|user|>", ""), "assistant": ("<|assistant|></think>", "")},
+      "glm": ("[gMASK]<sop>",
+              {"system": ("<|system|>", ""), "user": ("<|user|>", ""), "assistant": ("<|assistant|></think>", "")},
               "<|assistant|><think>"),
-      "deepseek3": (bos, {"system": ("", ""), "user": ("<｜User｜>", ""), "assistant": ("<｜Assistant｜>", eos)}, "<｜Assistant｜>"),
-      "youtu": (bos, {"system": ("", ""), "user": ("<|User|>", ""), "assistant": ("<|Assistant|>", eos)}, "<|Assistant|>"),
-      "deepseek2": (bos, {"system": ("", "\n\n"), "user": ("User: ", "\n\n"), "assistant": ("Assistant: ", eos)}, "Assistant:"),
-      "generic": ("", {"system": ("", "\n\n"), "user": ("User: ", "\n\n"), "assistant": ("Assistant: ", "\n\n")}, "Assistant:"),
+      "deepseek3": (bos, {"system": ("", ""), "user": ("<｜User｜>", ""), "assistant": ("<｜Assistant｜>", eos)},
+                    "<｜Assistant｜>"),
+      "youtu": (bos, {"system": ("", ""), "user": ("<|User|>", ""), "assistant": ("<|Assistant|>", eos)},
+                "<|Assistant|>"),
+      "deepseek2": (bos, {"system": ("", "\n\n"), "user": ("User: ", "\n\n"), "assistant": ("Assistant: ", eos)},
+                    "Assistant:"),
+      "generic": ("", {"system": ("", "\n\n"), "user": ("User: ", "\n\n"), "assistant": ("Assistant: ", "\n\n")},
+                  "Assistant:"),
     }[self.chat_style]
     out = prefix
     for m in messages:

@@ -30,8 +30,10 @@ class ModelInfo:
   dense_blocks: bool
   shared_experts: bool
   quants: dict[str, tuple[str, ...]]  # role -> quant types of that role's weight matrices
-  mergeable: frozenset[str] = frozenset()  # FFN kinds whose gate and up share one type in every block (routed, shared, dense)
-  split_kv_b: bool = True  # attn_k_b/attn_v_b tensors (False: the legacy attn_kv_b, which the fused attention does not read)
+  # FFN kinds whose gate and up share one type in every block (routed, shared, dense)
+  mergeable: frozenset[str] = frozenset()
+  # attn_k_b/attn_v_b tensors (False: the legacy attn_kv_b, which the fused attention does not read)
+  split_kv_b: bool = True
   ffn_quants: tuple[str, ...] = ()  # quant types of the FFN matrices (gate, up, down: routed, shared and dense)
 
   @classmethod
@@ -44,11 +46,14 @@ class ModelInfo:
       roles["expert" if "_exps." in t.name else "dense"].add(quant)
       if t.name.split(".")[-2].startswith(("ffn_gate", "ffn_up", "ffn_down")): ffn.add(quant)
     n_dense = f.key("leading_dense_block_count", 0)
-    pairs = {"routed": ("ffn_gate_exps", "ffn_up_exps"), "shared": ("ffn_gate_shexp", "ffn_up_shexp"), "dense": ("ffn_gate", "ffn_up")}
+    pairs = {"routed": ("ffn_gate_exps", "ffn_up_exps"), "shared": ("ffn_gate_shexp", "ffn_up_shexp"),
+             "dense": ("ffn_gate", "ffn_up")}
     def same_types(gate: str, up: str) -> bool:
-      found = [(t, f.tensors.get(t.name.replace(gate, up))) for t in f.tensors.values() if t.name.endswith(f".{gate}.weight")]
+      found = [(t, f.tensors.get(t.name.replace(gate, up))) for t in f.tensors.values()
+               if t.name.endswith(f".{gate}.weight")]
       return bool(found) and all(u is not None and u.ggml_type == g.ggml_type for g, u in found)
-    return cls(moe=bool(roles["expert"]), dense_blocks=n_dense > 0, shared_experts=any("_shexp." in n for n in f.tensors),
+    return cls(moe=bool(roles["expert"]), dense_blocks=n_dense > 0,
+               shared_experts=any("_shexp." in n for n in f.tensors),
                quants={r: tuple(sorted(q)) for r, q in roles.items() if q},
                mergeable=frozenset(k for k, (g, u) in pairs.items() if same_types(g, u)),
                split_kv_b=not any(n.endswith("attn_kv_b.weight") for n in f.tensors), ffn_quants=tuple(sorted(ffn)))
@@ -56,8 +61,8 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class Knob:
-  """A knob of one model's space on one device: the values the search tries, its default, what it changes, the condition on
-  the values of the knobs before it under which it applies (None: always), and earlier knob values under which that
+  """A knob of one model's space on one device: the values the search tries, its default, what it changes, the condition
+  on the values of the knobs before it under which it applies (None: always), and earlier knob values under which that
   condition holds (for single-knob changes)."""
   name: str
   choices: tuple
@@ -80,13 +85,16 @@ def knobs(info: ModelInfo, device: str = "CPU", family: str = "all") -> list[Kno
   for d in KNOBS.values():
     if not d.applies(info) or (d.devices is not None and kind not in d.devices): continue
     conds, enable = [], ()
-    if stages := [s for s in d.stages if fusable(s)]:  # while one of its stages runs per op (or on a backend that keeps it)
+    # while one of its stages runs per op (or on a backend that keeps it)
+    if stages := [s for s in d.stages if fusable(s)]:
       keep = ("off", *(n for n in catalog.names() if d.name in catalog.get(n).keeps))
       conds.append(lambda v, stages=stages, keep=keep: any(v.get(_fused(s), "off") in keep for s in stages))
-    if d.fused_in:  # only while one of these stages is fused; a single change fuses the first, device-specific where there is one
+    # only while one of these stages is fused; a single change fuses the first, device-specific where there is one
+    if d.fused_in:
       if not (on := [s for s in d.fused_in if fusable(s)]): continue
       conds.append(lambda v, on=on: any(v.get(_fused(s), "off") != "off" for s in on))
-      enable += ((_fused(on[0]), max(catalog.stage_choices(on[0], device, family), key=lambda b: not catalog.get(b).portable)),)
+      enable += ((_fused(on[0]),
+                  max(catalog.stage_choices(on[0], device, family), key=lambda b: not catalog.get(b).portable)),)
     if d.needs:
       other, cond, value = d.needs
       conds.append(lambda v, other=other, cond=cond: cond(v.get(other, KNOBS[other].default)))
@@ -118,20 +126,23 @@ def changes(cfg: StructureConfig, base: StructureConfig) -> dict[str, Any]:
 
 
 def describe(cfg: StructureConfig, base: StructureConfig | None = None) -> str:
-  """The knob values where a config differs from `base` (default: the default config), as `name=value` (empty for it)."""
+  """The knob values where a config differs from `base` (default: the default config), as `name=value` (empty for
+  it)."""
   return " ".join(f"{k}={v}" for k, v in changes(cfg, base or StructureConfig()).items())
 
 
 def to_params(cfg: StructureConfig, info: ModelInfo, device: str = "CPU", family: str = "all") -> dict[str, Any]:
-  """The knob values of a config, as Optuna parameters of this model's space (inverse of to_config); ConfigError when the
-  config sets something this space cannot express (a knob that does not apply here, or a value outside its domain)."""
+  """The knob values of a config, as Optuna parameters of this model's space (inverse of to_config); ConfigError when
+  the config sets something this space cannot express (a knob that does not apply here, or a value outside its
+  domain)."""
   ks = knobs(info, device, family)
   params = _choose(ks, lambda k: KNOBS[k.name].value(cfg))
   for k in ks:
     if k.name in params and params[k.name] not in k.choices:
       raise ConfigError(f"{k.name}={params[k.name]!r} is outside this space's domain: {', '.join(map(str, k.choices))}")
   if to_config(params) != cfg:
-    raise ConfigError(f"the config sets knobs that do not apply to this model and device: {describe(cfg, to_config(params))}")
+    raise ConfigError("the config sets knobs that do not apply to this model and device: "
+                      f"{describe(cfg, to_config(params))}")
   return params
 
 
@@ -142,7 +153,8 @@ def _choose(ks: list[Knob], pick: Callable[[Knob], Any]) -> dict[str, Any]:
   return values
 
 
-def suggest(trial, info: ModelInfo, device: str = "CPU", fixed: dict[str, Any] | None = None, family: str = "all") -> StructureConfig:
+def suggest(trial, info: ModelInfo, device: str = "CPU", fixed: dict[str, Any] | None = None,
+            family: str = "all") -> StructureConfig:
   """Define-by-run: ask an Optuna trial for every knob that applies to this model and device (conditional ones only when
   they apply), except the knobs pinned in `fixed`."""
   fixed = fixed or {}
@@ -173,7 +185,8 @@ def size(info: ModelInfo, device: str = "CPU", pins: dict[str, Any] | None = Non
   `pins`: of the sub-space they leave)."""
   pins = pins or {}
   ks = knobs(info, device, family)
-  read = {_fused(s) for s in STAGES} | {d.needs[0] for d in KNOBS.values() if d.needs}  # every condition reads only these
+  # every condition reads only these
+  read = {_fused(s) for s in STAGES} | {d.needs[0] for d in KNOBS.values() if d.needs}
   roots = [k for k in ks if k.name in read]
   rest = [k for k in ks if k not in roots]
   n = lambda k: 1 if k.name in pins else len(k.choices)
@@ -188,7 +201,8 @@ def defaults(ks: list[Knob], fixed: dict[str, Any] | None = None) -> dict[str, A
   return _choose(ks, lambda k: fixed.get(k.name, k.default))
 
 
-def one_knob_away(values: dict[str, Any], ks: list[Knob], fixed: dict[str, Any] | None = None) -> list[tuple[str, dict[str, Any]]]:
+def one_knob_away(values: dict[str, Any], ks: list[Knob],
+                  fixed: dict[str, Any] | None = None) -> list[tuple[str, dict[str, Any]]]:
   """(knob, knob values) of every config one knob away from `values` (all the knobs that apply under them, pinned ones
   included), in the space's order: each knob that applies and is not pinned, each of its other choices in order; the
   knobs a change makes apply come at their defaults (or pins), the others keep their values."""
@@ -197,11 +211,14 @@ def one_knob_away(values: dict[str, Any], ks: list[Knob], fixed: dict[str, Any] 
     if k.name not in values or k.name in fixed: continue
     for v in k.choices:
       if v != values[k.name]:
-        out.append((k.name, _choose(ks, lambda j, k=k, v=v: v if j.name == k.name else fixed.get(j.name, values.get(j.name, j.default)))))
+        out.append((k.name,
+                    _choose(ks, lambda j, k=k,
+                            v=v: v if j.name == k.name else fixed.get(j.name, values.get(j.name, j.default)))))
   return out
 
 
 def single_knob_changes(info: ModelInfo, device: str = "CPU", family: str = "all") -> list[tuple[str, StructureConfig]]:
   """(label, config) for every non-default value of every knob, all else at the baseline (a conditional knob with the
   earlier values that make it apply: BEAM's limits at BEAM=2)."""
-  return [(f"{k.name}={v}", to_config(dict(k.enable) | {k.name: v})) for k in knobs(info, device, family) for v in k.choices if v != k.default]
+  return [(f"{k.name}={v}", to_config(dict(k.enable) | {k.name: v})) for k in knobs(info, device, family)
+          for v in k.choices if v != k.default]

@@ -16,19 +16,23 @@ from model.synth import write_synthetic
 # in a test worker that builds hundreds of models of many sizes the cache grows until the machine runs out of memory
 os.environ["LRU"] = "0"  # for the trial processes tests start
 tinygrad.helpers.LRU.value = 0
-# the tests read the commands' tables and sentences piped, where they follow COLUMNS: wide, as without it (xdist's workers
+# the tests read the commands' tables and sentences piped, where they follow COLUMNS: wide, as without it (xdist's
+# workers
 # get COLUMNS=80), in this process and those it starts; tests of narrow output set their own
 os.environ["COLUMNS"] = "200"
 
 # NVIDIA's runtime compiler from the nvidia-cuda-nvrtc-cu12 wheel (a dev dependency), for tests/test_native.py's compile
 # check; tinygrad looks for it once, when its CUDA support is first imported, so this comes before any test module
-if not os.environ.get("NVRTC_PATH") and (spec := importlib.util.find_spec("nvidia.cuda_nvrtc")) and spec.submodule_search_locations:
-  if lib := next(pathlib.Path(*spec.submodule_search_locations).glob("lib/libnvrtc.so*"), None): os.environ["NVRTC_PATH"] = str(lib)
+if not os.environ.get("NVRTC_PATH") and (spec := importlib.util.find_spec(
+  "nvidia.cuda_nvrtc")) and spec.submodule_search_locations:
+  if lib := next(pathlib.Path(*spec.submodule_search_locations).glob("lib/libnvrtc.so*"), None):
+    os.environ["NVRTC_PATH"] = str(lib)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory) -> None:
-  """References, bandwidth figures, device locks, synthesised models and production configs of this test session only."""
+  """References, bandwidth figures, device locks, synthesised models and production configs of this test session
+  only."""
   os.environ["STRUCTSEARCH_CACHE"] = str(tmp_path_factory.mktemp("cache"))
   os.environ["STRUCTSEARCH_HOME"] = str(tmp_path_factory.mktemp("home"))
 
@@ -49,15 +53,16 @@ def glm_file(tmp_path_factory):
   """mix -> a 2-layer GLM-4.7-Flash-shaped file in that quant mix, written on first use."""
   paths: dict[str, str] = {}
   def get(mix: str) -> str:
-    if mix not in paths: paths[mix] = str(write_synthetic(tmp_path_factory.mktemp("glm") / f"glm2-{mix}.gguf", "glm", layers=2, quant=mix))
+    if mix not in paths:
+      paths[mix] = str(write_synthetic(tmp_path_factory.mktemp("glm") / f"glm2-{mix}.gguf", "glm", layers=2, quant=mix))
     return paths[mix]
   return get
 
 
 @pytest.fixture
 def inject(monkeypatch):
-  """inject(fault="", **fake): the faults and fake trials of tests/inject/trialfakes.py in the processes this test starts
-  (trial processes, `search` processes), through tests/inject/sitecustomize.py on their PYTHONPATH."""
+  """inject(fault="", **fake): the faults and fake trials of tests/inject/trialfakes.py in the processes this test
+  starts (trial processes, `search` processes), through tests/inject/sitecustomize.py on their PYTHONPATH."""
   from inject.trialfakes import env
   def set_env(fault: str = "", **fake) -> dict[str, str]:
     for k in ("STRUCTSEARCH_FAULT", "STRUCTSEARCH_FAKE_TRIALS"): monkeypatch.delenv(k, raising=False)
@@ -70,10 +75,12 @@ def inject(monkeypatch):
 
 @pytest.fixture
 def pg_url():
-  """A fresh database on the test PostgreSQL server ($STRUCTSEARCH_TEST_PG, started by .ci/postgres.sh), dropped afterwards."""
+  """A fresh database on the test PostgreSQL server ($STRUCTSEARCH_TEST_PG, started by .ci/postgres.sh), dropped
+  afterwards."""
   pg = os.environ.get("STRUCTSEARCH_TEST_PG")
   if not pg:
-    if os.environ.get("CI"): pytest.fail("STRUCTSEARCH_TEST_PG is not set: .ci/run sources .ci/postgres.sh to start PostgreSQL")
+    if os.environ.get("CI"):
+      pytest.fail("STRUCTSEARCH_TEST_PG is not set: .ci/run sources .ci/postgres.sh to start PostgreSQL")
     pytest.skip("PostgreSQL: set STRUCTSEARCH_TEST_PG (`. .ci/postgres.sh` starts a server and sets it)")
   name = f"ss_test_{uuid.uuid4().hex[:12]}"
   admin = create_engine(pg, isolation_level="AUTOCOMMIT")

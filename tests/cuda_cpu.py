@@ -5,9 +5,9 @@ provides CUDA's built-ins and runs each block's threads as OS threads (see its f
 what is not emulated). Float code is compiled without contraction or fast-math, so each thread performs the same float
 operations in the same order as on a GPU. Libraries are cached by a hash of their source in a temporary directory.
 
-Each launch runs in a forked process, on copies of the arrays in shared memory that end at an inaccessible page: a kernel
-that deadlocks is killed after `timeout` seconds (the message says where each thread waits), a read or write past the end
-of an array faults and names the argument and the thread, and the caller's process survives both.
+Each launch runs in a forked process, on copies of the arrays in shared memory that end at an inaccessible page: a
+kernel that deadlocks is killed after `timeout` seconds (the message says where each thread waits), a read or write past
+the end of an array faults and names the argument and the thread, and the caller's process survives both.
 """
 from __future__ import annotations
 
@@ -26,10 +26,13 @@ from pathlib import Path
 import numpy as np
 
 HEADER = Path(__file__).with_name("cuda_cpu.h")
-FLAGS = ("-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-fwrapv", "-fPIC", "-shared", "-pthread", "-w")
+FLAGS = ("-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-fwrapv", "-fPIC", "-shared", "-pthread",
+         "-w")
 ENTRY = """
-extern "C" int cuda_cpu_entry(const unsigned* grid, const unsigned* block, void** args, const int* kinds, const int* sizes, int nargs,
-                              cuda_cpu::Report* report) {{ return cuda_cpu::launch(&{name}, grid, block, args, kinds, sizes, nargs, report); }}
+extern "C" int cuda_cpu_entry(const unsigned* grid, const unsigned* block, void** args, const int* kinds,
+                              const int* sizes, int nargs, cuda_cpu::Report* report) {{
+  return cuda_cpu::launch(&{name}, grid, block, args, kinds, sizes, nargs, report);
+}}
 """
 ALIGN = 16  # the largest vector type's alignment: each array starts at a multiple of it
 STATES = ("running", "at __syncthreads", "at a warp call", "exited")
@@ -45,8 +48,9 @@ class KernelError(RuntimeError):
 
 class Report(ctypes.Structure):
   """tests/cuda_cpu.h's cuda_cpu::Report."""
-  _fields_ = [("error", ctypes.c_char * 1024), ("signal", ctypes.c_int), ("addr", ctypes.c_ulonglong), ("thread", ctypes.c_uint * 3),
-              ("block", ctypes.c_uint * 3), ("nthreads", ctypes.c_int), ("state", ctypes.c_int * 1024)]
+  _fields_ = [("error", ctypes.c_char * 1024), ("signal", ctypes.c_int), ("addr", ctypes.c_ulonglong),
+              ("thread", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("nthreads", ctypes.c_int),
+              ("state", ctypes.c_int * 1024)]
 
 
 def available() -> bool:
@@ -70,7 +74,8 @@ def _entry(src: str, name: str):
   lib = _cache_dir() / f"{key}.so"
   if not lib.exists():
     tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-    r = subprocess.run(["g++", *FLAGS, "-I", str(HEADER.parent), "-x", "c++", "-", "-o", str(tmp)], input=code, capture_output=True, text=True)
+    r = subprocess.run(["g++", *FLAGS, "-I", str(HEADER.parent), "-x", "c++", "-", "-o", str(tmp)], input=code,
+                       capture_output=True, text=True)
     if r.returncode: raise CompileError(f"g++ cannot compile {name}:\n" + "\n".join(r.stderr.splitlines()[:25]))
     os.replace(tmp, lib)
   fn = ctypes.CDLL(str(lib)).cuda_cpu_entry
@@ -87,7 +92,8 @@ class _Array:
     self.mem = mmap.mmap(-1, size + mmap.PAGESIZE)
     raw = np.frombuffer(self.mem, np.uint8)
     self.guard = raw.ctypes.data + size
-    if _libc().mprotect(ctypes.c_void_p(self.guard), ctypes.c_size_t(mmap.PAGESIZE), 0): raise OSError(ctypes.get_errno(), "mprotect failed")
+    if _libc().mprotect(ctypes.c_void_p(self.guard), ctypes.c_size_t(mmap.PAGESIZE), 0):
+      raise OSError(ctypes.get_errno(), "mprotect failed")
     self.view = raw[size - span:size - span + a.nbytes].view(a.dtype).reshape(a.shape)
     self.addr = self.guard - span
     np.copyto(self.view, a)
@@ -101,17 +107,21 @@ def _libc() -> ctypes.CDLL: return ctypes.CDLL(None, use_errno=True)
 
 
 def _arg(i: int, a) -> tuple[int, int, int, object]:
-  """(kind, item size, address, owner) of argument i as tests/cuda_cpu.h's check_arg takes it: kind 0 an array (the address
-  of its copy, the _Array owning it), 1 a signed, 2 an unsigned integer, 3 a float (the address of its value)."""
+  """(kind, item size, address, owner) of argument i as tests/cuda_cpu.h's check_arg takes it: kind 0 an array (the
+  address of its copy, the _Array owning it), 1 a signed, 2 an unsigned integer, 3 a float (the address of its
+  value)."""
   if isinstance(a, np.ndarray): return 0, a.itemsize, (copy := _Array(a)).addr, copy
   if not isinstance(a, np.integer | np.floating):
-    raise TypeError(f"argument {i}: pass arrays and numpy scalars (np.int32, np.uint32, np.float32, ...) so the C type is explicit, got {a!r}")
+    raise TypeError(f"argument {i}: pass arrays and numpy scalars (np.int32, np.uint32, np.float32, ...) so the C type "
+                    f"is explicit, got {a!r}")
   value = ctypes.create_string_buffer(a.tobytes(), a.itemsize)
-  return 1 if isinstance(a, np.signedinteger) else 2 if isinstance(a, np.unsignedinteger) else 3, a.itemsize, ctypes.addressof(value), value
+  return (1 if isinstance(a, np.signedinteger) else 2 if isinstance(a, np.unsignedinteger)
+          else 3, a.itemsize, ctypes.addressof(value), value)
 
 
 def _where(rep: Report) -> str:
-  """Each thread's state in the running block, in runs: 'thread 0 at __syncthreads; threads 1-31 at a warp call; ...'."""
+  """Each thread's state in the running block, in runs: 'thread 0 at __syncthreads; threads 1-31 at a warp call;
+  ...'."""
   runs: list[list[int]] = []
   for t in range(rep.nthreads):
     if runs and rep.state[t] == rep.state[runs[-1][0]]: runs[-1][1] = t
@@ -121,18 +131,22 @@ def _where(rep: Report) -> str:
 
 def _fault(rep: Report, arrays: dict[int, _Array]) -> str:
   if rep.signal == signal.SIGABRT: return "SIGABRT (an abort, or a failed assert)"
-  where = next((f" ({rep.addr - (b.addr + b.nbytes)} bytes past the end of argument {i}, {b.nbytes} bytes)" for i, b in arrays.items()
-                if b.addr + b.nbytes <= rep.addr < b.guard + mmap.PAGESIZE), "")
+  where = next((f" ({rep.addr - (b.addr + b.nbytes)} bytes past the end of argument {i}, {b.nbytes} bytes)"
+                for i, b in arrays.items() if b.addr + b.nbytes <= rep.addr < b.guard + mmap.PAGESIZE), "")
   return f"{signal.Signals(rep.signal).name} at address {rep.addr:#x}{where}"
 
 
-def launch(src: str, name: str, grid: tuple[int, int, int], block: tuple[int, int, int], args: list, timeout: float = 60.0) -> None:
-  """Run kernel `name` of CUDA C source `src` on `grid` blocks of `block` threads. args: numpy arrays (passed as pointers to
-  C-contiguous copies; what the kernel writes is copied back) and numpy scalars (passed by value as their exact C type)."""
+def launch(src: str, name: str, grid: tuple[int, int, int], block: tuple[int, int, int], args: list,
+           timeout: float = 60.0) -> None:
+  """Run kernel `name` of CUDA C source `src` on `grid` blocks of `block` threads. args: numpy arrays (passed as
+  pointers to C-contiguous copies; what the kernel writes is copied back) and numpy scalars (passed by value as their
+  exact C type)."""
   fn = _entry(src, name)
-  if len(grid) != 3 or len(block) != 3 or min(*grid, *block) < 1: raise ValueError(f"grid {grid} and block {block}: three positive sizes each")
+  if len(grid) != 3 or len(block) != 3 or min(*grid, *block) < 1:
+    raise ValueError(f"grid {grid} and block {block}: three positive sizes each")
   parsed = [_arg(i, a) for i, a in enumerate(args)]
-  kinds, sizes, argv = ((t * len(args))(*(p[k] for p in parsed)) for k, t in enumerate((ctypes.c_int, ctypes.c_int, ctypes.c_void_p)))
+  kinds, sizes, argv = ((t * len(args))(*(p[k] for p in parsed))
+                        for k, t in enumerate((ctypes.c_int, ctypes.c_int, ctypes.c_void_p)))
   arrays = {i: p[3] for i, p in enumerate(parsed) if p[0] == 0}
   rep_mem = mmap.mmap(-1, ctypes.sizeof(Report))
   rep = Report.from_buffer(rep_mem)
@@ -146,12 +160,14 @@ def launch(src: str, name: str, grid: tuple[int, int, int], block: tuple[int, in
     if time.monotonic() > deadline:
       os.kill(pid, signal.SIGKILL)
       os.waitpid(pid, 0)
-      raise KernelError(f"{name} did not finish in {timeout:g} s (a deadlock?); in block {tuple(rep.block)}: {_where(rep)}")
+      raise KernelError(f"{name} did not finish in {timeout:g} s (a deadlock?); in block {tuple(rep.block)}: "
+                        f"{_where(rep)}")
     time.sleep(delay)
     delay = min(2 * delay, 0.02)
   at = f" in thread {tuple(rep.thread)} of block {tuple(rep.block)}" if rep.nthreads else ""
   if rep.signal: raise KernelError(f"{name}: {_fault(rep, arrays)}{at}")
   if rep.error: raise KernelError(f"{name}: {rep.error.decode()}{at}")
   if code := os.waitstatus_to_exitcode(done[1]):
-    raise KernelError(f"{name}: the kernel's process ended with " + (f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"))
+    raise KernelError(f"{name}: the kernel's process ended with " + (
+      f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"))
   for a in arrays.values(): a.copy_back()

@@ -2,13 +2,12 @@
 that a knob value keeps the baseline's logits (within its arithmetic's tolerance) while running different kernels.
 
 Tolerances, relative to the logits' std per position: 1e-3 for knobs that only reorder float32 work; 2e-2 for knobs that
-round to fp16 (fp16 weights cache, fp16 activations, the fp16 absorbed q projection, fp16 router input); 5e-2 (the gate's
-FP16_TOL) for the FFN's 8-bit activations. A float32
-reordering alone moves logits by ~1e-6 of their std, but the baseline keeps an fp16 KV cache: a reordered sum that feeds
-it can land on the other side of an fp16 rounding boundary (2^-11 of the entry), which later positions read, and that
-reaches ~1e-4 of the logits' std (1.1e-4 measured for barrier.moe_out on the tiny model). A real defect moves them by
-O(1). For the same reason kv_dtype=float32 is held to the fp16 bound, and so are the backends: fp16_cache rounds weights
-to fp16, and the others sum a row's products in another order than the baseline's float32 reduction.
+round to fp16 (fp16 weights cache, fp16 activations, the fp16 absorbed q projection, fp16 router input); 5e-2 (the
+gate's FP16_TOL) for the FFN's 8-bit activations. A float32 reordering alone moves logits by ~1e-6 of their std, but the
+baseline keeps an fp16 KV cache: a reordered sum that feeds it can land on the other side of an fp16 rounding boundary
+(2^-11 of the entry), which later positions read, and that reaches the order of 1e-4 of the logits' std. A real defect
+moves them by O(1). For the same reason kv_dtype=float32 is held to the fp16 bound, and so are the backends: fp16_cache
+rounds weights to fp16, and the others sum a row's products in another order than the baseline's float32 reduction.
 """
 from __future__ import annotations
 
@@ -30,12 +29,13 @@ from model.structure import StructureConfig
 from space.knobs import ModelInfo
 
 FP16_KNOBS = ("backend.", "fused.", "act_dtype", "mla_absorb", "router_fp32", "kv_dtype")
-Q8_KNOBS = ("ffn_act",)  # 8-bit activations: 2.9e-2 measured with one MoE block at GLM-4.7-Flash's widths; held to the gate's class
+# 8-bit activations: held to the gate's tolerance of their class
+Q8_KNOBS = ("ffn_act",)
 
 
 def mix_info(mix: str) -> ModelInfo:
-  """What the space knows of a synthetic MoE file (tiny or GLM-4.7-Flash-shaped) in a quant mix: q4_k_m mixes Q4_K, Q5_K,
-  Q6_K and Q8_0 dense weights with Q4_K and Q6_K experts; the others are pure."""
+  """What the space knows of a synthetic MoE file (tiny or GLM-4.7-Flash-shaped) in a quant mix: q4_k_m mixes Q4_K,
+  Q5_K, Q6_K and Q8_0 dense weights with Q4_K and Q6_K experts; the others are pure."""
   mixed = {"dense": ("Q4_K", "Q5_K", "Q6_K", "Q8_0"), "expert": ("Q4_K", "Q6_K")}
   quants = mixed if mix == "q4_k_m" else dict.fromkeys(("dense", "expert"), (mix.upper(),))
   ffn = ("Q4_K", "Q5_K", "Q6_K") if mix == "q4_k_m" else (mix.upper(),)
@@ -50,7 +50,8 @@ def gguf(path: str) -> GGUFFile:
 
 
 @functools.cache
-def run(path: str, cfg_json: str, tokens: tuple[int, ...], steps: int = 3) -> tuple[np.ndarray, tuple[tuple[str, str], ...]]:
+def run(path: str, cfg_json: str, tokens: tuple[int, ...],
+        steps: int = 3) -> tuple[np.ndarray, tuple[tuple[str, str], ...]]:
   """Under one config, the decode step's logits teacher-forced on `tokens` (one step per token: the path the search
   measures) and the decode step's kernels (name, source)."""
   m = Transformer(gguf(path), StructureConfig.from_json(cfg_json), max_context=len(tokens) + steps + 1)
@@ -59,7 +60,8 @@ def run(path: str, cfg_json: str, tokens: tuple[int, ...], steps: int = 3) -> tu
 
 
 def decode(m: Transformer, tokens: tuple[int, ...], steps: int) -> tuple[np.ndarray, Generator]:
-  """Teacher-forced decode logits (len(tokens), vocab) float64, then `steps` more decode steps so the step JIT is captured."""
+  """Teacher-forced decode logits (len(tokens), vocab) float64, then `steps` more decode steps so the step JIT is
+  captured."""
   gen = Generator(m, chunk=1)
   logits = np.stack([gen.step_logits(t, i) for i, t in enumerate(tokens)]).astype(np.float64)
   for i in range(steps): gen.step(1, len(tokens) + i)
@@ -67,12 +69,14 @@ def decode(m: Transformer, tokens: tuple[int, ...], steps: int) -> tuple[np.ndar
 
 
 def check_knob(path: str, label: str, cfg: StructureConfig, tokens: tuple[int, ...], steps: int = 3) -> None:
-  """(a) logits equal the baseline's within the knob's tolerance, the top token agrees wherever the baseline's lead exceeds
-  it; (b) the decode step runs different kernels (names or sources) than the baseline's."""
+  """(a) logits equal the baseline's within the knob's tolerance, the top token agrees wherever the baseline's lead
+  exceeds it; (b) the decode step runs different kernels (names or sources) than the baseline's."""
   base_logits, base_kernels = run(path, StructureConfig().to_json(), tokens, steps)
   logits, kernels = run(path, cfg.to_json(), tokens, steps)
-  assert_close(label, logits, base_logits, FP16_TOL if label.startswith(Q8_KNOBS) else 2e-2 if label.startswith(FP16_KNOBS) else 1e-3)
-  assert code(kernels) != code(base_kernels), f"{label} runs exactly the baseline's kernels (same sources): it changes nothing"
+  assert_close(label, logits, base_logits,
+               FP16_TOL if label.startswith(Q8_KNOBS) else 2e-2 if label.startswith(FP16_KNOBS) else 1e-3)
+  assert code(kernels) != code(base_kernels), (f"{label} runs exactly the baseline's kernels (same sources): it "
+                                               "changes nothing")
 
 
 def code(kernels: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
@@ -82,9 +86,11 @@ def code(kernels: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
 
 
 def assert_close(label: str, logits: np.ndarray, base: np.ndarray, tol: float) -> None:
-  """Per position: max |logit - base| within tol x the base logits' std, and the same top token where base's lead > 2 tol."""
+  """Per position: max |logit - base| within tol x the base logits' std, and the same top token where base's lead > 2
+  tol."""
   scale, err = base.std(axis=1), rel_err(logits, base)
-  assert err.max() <= tol, f"{label}: positions {np.flatnonzero(err > tol).tolist()}: max |dlogit|/std {err.max():.3g} > {tol:.3g}"
+  assert err.max() <= tol, (f"{label}: positions {np.flatnonzero(err > tol).tolist()}: max |dlogit|/std "
+                            f"{err.max():.3g} > {tol:.3g}")
   top2 = np.sort(base, axis=1)[:, -2:]
   decisive = top2[:, 1] - top2[:, 0] > 2 * tol * scale
   np.testing.assert_array_equal(logits.argmax(1)[decisive], base.argmax(1)[decisive])
@@ -93,7 +99,8 @@ def assert_close(label: str, logits: np.ndarray, base: np.ndarray, tol: float) -
 @functools.cache
 def run_fresh(path: str, cfg_json: str, tokens: tuple[int, ...], steps: int = 3) -> tuple[np.ndarray, tuple, int]:
   """`run` in a fresh process with the config's tinygrad process settings applied at its start, as a trial applies them
-  (tinygrad reads them once and caches compiled kernels by their AST alone), plus the decode step's JIT graph batches."""
+  (tinygrad reads them once and caches compiled kernels by their AST alone), plus the decode step's JIT graph
+  batches."""
   with tempfile.TemporaryDirectory() as d:
     subprocess.run([sys.executable, __file__, path, cfg_json, ",".join(map(str, tokens)), str(steps), d], check=True)
     logits = np.load(os.path.join(d, "logits.npy"))

@@ -1,6 +1,6 @@
-"""The native backend on the CPU, for tests: its kernels run in the CUDA emulator (tests/cuda_cpu.py) in place of tinygrad's
-CUDA device, so the backend's Python side (parameters, shapes, grids, scratch buffers) and its kernels run in a model
-on a machine without a GPU. Eager only: each launch realizes its inputs (no TinyJit around it)."""
+"""The native backend on the CPU, for tests: its kernels run in the CUDA emulator (tests/cuda_cpu.py) in place of
+tinygrad's CUDA device, so the backend's Python side (parameters, shapes, grids, scratch buffers) and its kernels run in
+a model on a machine without a GPU. Eager only: each launch realizes its inputs (no TinyJit around it)."""
 from __future__ import annotations
 
 import contextlib
@@ -32,15 +32,17 @@ def native_on_cpu(monkeypatch) -> Iterator[None]:
   """Within: the native backend accepts the CPU device and runs its kernels in the emulator."""
   monkeypatch.setattr(native, "launch", launch)
   monkeypatch.setattr(native.NativeBackend, "check", lambda self, device: None)
-  monkeypatch.setattr(native, "sm_count", lambda device: 132)  # an H100's: the emulator runs the kernels a GPU of that size would
+  # an H100's: the emulator runs the kernels a GPU of that size would
+  monkeypatch.setattr(native, "sm_count", lambda device: 132)
   yield
 
 
 
 
 def launch_nothing(k: cuda_src.Kernel, params: list[Tensor], mem: int, ops: int = 0) -> list[Tensor]:
-  """A stand-in for native.launch that keeps the graph's structure (one custom kernel with the same inputs and outputs, named
-  after the native one) but computes nothing (its outputs are zeroed): for counting a JIT step's kernels on the CPU."""
+  """A stand-in for native.launch that keeps the graph's structure (one custom kernel with the same inputs and outputs,
+  named after the native one) but computes nothing (its outputs are zeroed): for counting a JIT step's kernels on the
+  CPU."""
   from tinygrad.uop.ops import KernelInfo, UOp
   def fxn(*ps: UOp) -> UOp:
     stores = []

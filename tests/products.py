@@ -1,4 +1,5 @@
-"""Random quantized weights for the product tests of the custom-kernel backends (tests/test_dsl.py, tests/test_native.py)."""
+"""Random quantized weights for the product tests of the custom-kernel backends (tests/test_dsl.py,
+tests/test_native.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,22 +16,23 @@ TYPES = {QUANT_TYPES[t].name: t for t in QUANT_TYPES}
 
 
 def random_blocks(rng: np.random.Generator, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
-  """Raw GGUF blocks (rows, blocks per row, block bytes) of a weight of `shape`: random bytes in every integer field (all
-  bit patterns of codes, scales and mins), unit-scale floats in the float fields."""
+  """Raw GGUF blocks (rows, blocks per row, block bytes) of a weight of `shape`: random bytes in every integer field
+  (all bit patterns of codes, scales and mins), unit-scale floats in the float fields."""
   qt, rows = QUANT_TYPES[ggml_type], int(np.prod(shape[:-1]))
   blocks = rng.integers(0, 256, (rows, shape[-1] // qt.block, qt.nbytes), dtype=np.uint8)
   for a, b, dt in LAYOUTS[ggml_type].values():
     if dt == dtypes.float16: v = (rng.standard_normal((*blocks.shape[:2], (b - a) // 2)) * 0.05).astype(np.float16)
     elif dt == dtypes.float32: v = rng.standard_normal((*blocks.shape[:2], 1)).astype(np.float32)
-    elif ggml_type == BF16: v = (rng.standard_normal((*blocks.shape[:2], 1)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    elif ggml_type == BF16:
+      v = (rng.standard_normal((*blocks.shape[:2], 1)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
     else: continue
     blocks[..., a:b] = v.view(np.uint8)
   return blocks
 
 
 def kernel_weight(t: int, shape: tuple[int, ...], seed: int) -> tuple[list[np.ndarray], np.ndarray]:
-  """Random GGUF blocks of a weight as the native kernel's planes (model/quants.py's `planes`, in plane_types order), and
-  the weight dequantized by gguf, float64."""
+  """Random GGUF blocks of a weight as the native kernel's planes (model/quants.py's `planes`, in plane_types order),
+  and the weight dequantized by gguf, float64."""
   blocks = random_blocks(np.random.default_rng(seed), t, shape)
   planes = {k: blocks[..., a:b].copy().view(np.dtype(dt.fmt)) for k, (a, b, dt) in LAYOUTS[t].items()}
   w = dequantize(blocks.reshape(blocks.shape[0], -1), GGMLQuantizationType(t)).astype(np.float64).reshape(shape)
@@ -52,9 +54,9 @@ def rel_err(got: Tensor, want: Tensor) -> float:
 
 
 def check_products(backend: str, quant: str, shape: str = "small") -> None:
-  """A backend's dense, per-head and expert products equal the tensor backend's (relative error < 1e-5) at small shapes or
-  GLM-4.7-Flash's widths: decode, prefill (13 tokens: a full tile of 8 and a partial one), fp16 input, expert ids that
-  repeat and hit the last expert, one input for all K slots (gate, up) or one per slot (down)."""
+  """A backend's dense, per-head and expert products equal the tensor backend's (relative error < 1e-5) at small shapes
+  or GLM-4.7-Flash's widths: decode, prefill (13 tokens: a full tile of 8 and a partial one), fp16 input, expert ids
+  that repeat and hit the last expert, one input for all K slots (gate, up) or one per slot (down)."""
   rng, t = np.random.default_rng(TYPES[quant]), TYPES[quant]
   n_out, n_in, E, K, H = (48, 512, 5, 3, 4) if shape == "small" else (1536, 2048, 64, 4, 20)
   x = lambda *s, dt=np.float32: Tensor(rng.standard_normal(s).astype(dt))
@@ -67,7 +69,8 @@ def check_products(backend: str, quant: str, shape: str = "small") -> None:
     assert rel_err(per_head(xh, other(w)), per_head(xh, w)) < 1e-5
   w = random_weight(rng, t, (E, n_out, n_in))
   for sel in (rng.choice(E, (1, 1, K), replace=False), np.array([[[E - 1] * K, [0] * K, list(range(K))]]),
-              np.array([[[E - 1, E - 1] + [0] * (K - 2)]]), np.array([[[E - 1, 2] + [E - 1] * (K - 2), [1] * K, [0, E - 1] + [3] * (K - 2)]])):
+              np.array([[[E - 1, E - 1] + [0] * (K - 2)]]),
+              np.array([[[E - 1, 2] + [E - 1] * (K - 2), [1] * K, [0, E - 1] + [3] * (K - 2)]])):
     s = Tensor(sel.astype(np.int32))
     for xe in (x(1, s.shape[1], 1, n_in), x(1, s.shape[1], K, n_in)):
       assert rel_err(expert(xe, s, other(w)), expert(xe, s, w)) < 1e-5

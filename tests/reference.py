@@ -1,10 +1,12 @@
-"""Independent float64 numpy reference of llama.cpp's `deepseek2` forward pass (DeepSeek-V2 MLA + MoE), and llama.cpp's own logits.
+"""Independent float64 numpy reference of llama.cpp's `deepseek2` forward pass (DeepSeek-V2 MLA + MoE), and llama.cpp's
+own logits.
 
 The reference reads the GGUF with `gguf.GGUFReader`, dequantizes every tensor with `gguf.quants.dequantize` and follows
-llama.cpp's `src/models/deepseek2.cpp` graph (plus the hparam defaults of `llama-model.cpp` / `llama-context.cpp` and the
-CPU kernels of `ggml-cpu/ops.cpp`) but computes everything in float64. Attention is evaluated in the plain decompressed
-multi-head form (per-head k_nope and v expanded from the compressed c_kv), not the absorbed MQA form llama.cpp and the
-project's model use, so that the two formulations check each other. Nothing here imports the project's `model` package.
+llama.cpp's `src/models/deepseek2.cpp` graph (plus the hparam defaults of `llama-model.cpp` / `llama-context.cpp` and
+the CPU kernels of `ggml-cpu/ops.cpp`) but computes everything in float64. Attention is evaluated in the plain
+decompressed multi-head form (per-head k_nope and v expanded from the compressed c_kv), not the absorbed MQA form
+llama.cpp and the project's model use, so that the two formulations check each other. Nothing here imports the project's
+`model` package.
 """
 from __future__ import annotations
 
@@ -87,8 +89,10 @@ class Hparams:
 
 
 def read_hparams(meta: dict[str, Any]) -> Hparams:
-  """Mirror of llama_model::load_hparams + deepseek2 load_arch_hparams + the llama_context constructor (default context params)."""
-  if meta.get("general.architecture") != ARCH: raise ValueError(f"not a {ARCH} GGUF: {meta.get('general.architecture')}")
+  """Mirror of llama_model::load_hparams + deepseek2 load_arch_hparams + the llama_context constructor (default context
+  params)."""
+  if meta.get("general.architecture") != ARCH:
+    raise ValueError(f"not a {ARCH} GGUF: {meta.get('general.architecture')}")
   kv = lambda key, default=None: meta.get(f"{ARCH}.{key}", default)
   def need(key: str) -> Any:
     if f"{ARCH}.{key}" not in meta: raise KeyError(f"key not found in model: {ARCH}.{key}")
@@ -100,7 +104,8 @@ def read_hparams(meta: dict[str, Any]) -> Hparams:
   n_head = [_per_layer(head_count, il) for il in range(n_layer_all)]
   n_expert_used = [_per_layer(kv("expert_used_count", 0), il) for il in range(n_layer_all)]
   n_vocab = int(kv("vocab_size", 0)) or len(meta.get("tokenizer.ggml.tokens", []))
-  # "lite" variants (DeepSeek-V2-Lite and friends) are recognised by layer count and have no q_lora_rank key; all others must have it
+  # "lite" variants (DeepSeek-V2-Lite and friends) are recognised by layer count and have no q_lora_rank key; all others
+  # must have it
   is_lite = n_layer in (26, 27) or (n_layer == 48 and n_vocab == 128256)
   n_lora_q = 0 if is_lite else int(need("attention.q_lora_rank"))
 
@@ -112,7 +117,8 @@ def read_hparams(meta: dict[str, Any]) -> Hparams:
   gating = int(kv("expert_gating_func", 0))
   if gating == 0:  # old DeepSeek V2/V2.5 GGUFs have no gating key; GLM-4.7-Flash is recognised by shape
     gating = GATING_SIGMOID if n_layer in (47, 48) and n_vocab == 154880 else GATING_SOFTMAX
-  yarn_log_mul = float(kv("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1  # cancels the 0.1 the convert script multiplied in
+  # cancels the 0.1 the convert script multiplied in
+  yarn_log_mul = float(kv("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
 
   scaling = ROPE_SCALING[kv("rope.scaling.type", "linear")]
   factor = float(kv("rope.scaling.factor", kv("rope.scale_linear", 0.0)))
@@ -134,11 +140,12 @@ def read_hparams(meta: dict[str, Any]) -> Hparams:
     n_lora_q=n_lora_q, n_lora_kv=int(need("attention.kv_lora_rank")), is_mla=is_mla,
     head_k=head_k_mla if is_mla else head_k_full, head_v=head_v_mla if is_mla else head_v_full,
     n_rot=int(kv("rope.dimension_count", head_k_full)), rms_eps=float(need("attention.layer_norm_rms_epsilon")),
-    gating=gating, weights_norm=bool(kv("expert_weights_norm", False)), weights_scale=float(kv("expert_weights_scale", 0.0)),
-    freq_base=float(kv("rope.freq_base", 10000.0)), freq_scale=freq_scale,
-    n_ctx_orig=int(kv("rope.scaling.original_context_length", 0)) or int(need("context_length")),
+    gating=gating, weights_norm=bool(kv("expert_weights_norm", False)),
+    weights_scale=float(kv("expert_weights_scale", 0.0)), freq_base=float(kv("rope.freq_base", 10000.0)),
+    freq_scale=freq_scale, n_ctx_orig=int(kv("rope.scaling.original_context_length", 0)) or int(need("context_length")),
     ext_factor=ext_factor, attn_factor=attn_factor, beta_fast=32.0, beta_slow=1.0, yarn_log_mul=yarn_log_mul,
-    attn_temp_scale=float(kv("attention.temperature_scale", 0.0)), attn_temp_length=int(kv("attention.temperature_length", 0)))
+    attn_temp_scale=float(kv("attention.temperature_scale", 0.0)),
+    attn_temp_length=int(kv("attention.temperature_length", 0)))
 
 
 class Weights:
@@ -153,7 +160,8 @@ class Weights:
     self.hp = read_hparams(self.meta)
     self._raw = {t.name: t for t in reader.tensors}
     self._cache: dict[tuple[str, int | None], np.ndarray] = {}
-    self.observer: Callable[[np.ndarray, str], None] | None = None  # sees every matmul's activation operand (reference_forward)
+    # sees every matmul's activation operand (reference_forward)
+    self.observer: Callable[[np.ndarray, str], None] | None = None
 
   def __contains__(self, name: str) -> bool: return name in self._raw
 
@@ -162,7 +170,8 @@ class Weights:
   def shape(self, name: str) -> tuple[int, ...]: return tuple(int(d) for d in reversed(self._raw[name].shape.tolist()))
 
   def get(self, name: str, expert: int | None = None) -> np.ndarray:
-    """A whole tensor, or one expert's matrix of a 3-D `*_exps` tensor (so only the experts actually routed to get dequantized)."""
+    """A whole tensor, or one expert's matrix of a 3-D `*_exps` tensor (so only the experts actually routed to get
+    dequantized)."""
     if (name, expert) not in self._cache:
       shape, data = self.shape(name), self._raw[name].data
       w = dequantize(np.asarray(data if expert is None else data[expert]), self.type(name)).astype(np.float32)
@@ -200,10 +209,11 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 
 def rope(x: np.ndarray, pos: np.ndarray, hp: Hparams) -> np.ndarray:
-  """ggml_rope_ext in GGML_ROPE_TYPE_NORMAL mode: rotates adjacent pairs (x[2i], x[2i+1]) of the last axis (n_rot wide) with YaRN.
+  """ggml_rope_ext in GGML_ROPE_TYPE_NORMAL mode: rotates adjacent pairs (x[2i], x[2i+1]) of the last axis (n_rot wide)
+  with YaRN.
 
-  x: (T, ..., n_rot); pos: (T,). Follows rope_yarn / rope_yarn_ramp / ggml_rope_yarn_corr_dims, including the magnitude scale
-  attn_factor * (1 + 0.1 ln(1/freq_scale)) that multiplies cos and sin when ext_factor != 0.
+  x: (T, ..., n_rot); pos: (T,). Follows rope_yarn / rope_yarn_ramp / ggml_rope_yarn_corr_dims, including the magnitude
+  scale attn_factor * (1 + 0.1 ln(1/freq_scale)) that multiplies cos and sin when ext_factor != 0.
   """
   n_dims = hp.n_rot
   corr = lambda beta: n_dims * math.log(hp.n_ctx_orig / (beta * 2 * math.pi)) / (2 * math.log(hp.freq_base))
@@ -229,7 +239,8 @@ def attention(w: Weights, il: int, h: np.ndarray, pos: np.ndarray) -> np.ndarray
   hp, p = w.hp, f"blk.{il}."
   n_tok, H, nope, kv_lora = len(h), hp.n_head[il], hp.qk_nope, hp.n_lora_kv
   if hp.n_lora_q > 0:
-    q = w.mm(rms_norm(w.mm(h, p + "attn_q_a.weight"), w.get(p + "attn_q_a_norm.weight"), hp.rms_eps), p + "attn_q_b.weight")
+    q = w.mm(rms_norm(w.mm(h, p + "attn_q_a.weight"), w.get(p + "attn_q_a_norm.weight"), hp.rms_eps),
+             p + "attn_q_b.weight")
   else:
     q = w.mm(h, p + "attn_q.weight")
   q = q.reshape(n_tok, H, hp.head_k)
@@ -265,30 +276,35 @@ GATING = {GATING_SOFTMAX: softmax, GATING_SIGMOID: lambda z: 1 / (1 + np.exp(-z)
           GATING_SQRT_SOFTPLUS: lambda z: np.sqrt(np.logaddexp(0, z))}
 # d(prob_e)/d(logit_e), the sensitivity of a selection score to its own router logit
 GATING_SLOPE = {GATING_SOFTMAX: lambda z, p: p * (1 - p), GATING_SIGMOID: lambda z, p: p * (1 - p),
-                GATING_SOFTMAX_WEIGHT: lambda z, p: np.ones_like(z), GATING_SQRT_SOFTPLUS: lambda z, p: 1 / (1 + np.exp(-z)) / (2 * p)}
+                GATING_SOFTMAX_WEIGHT: lambda z, p: np.ones_like(z), GATING_SQRT_SOFTPLUS: lambda z,
+                p: 1 / (1 + np.exp(-z)) / (2 * p)}
 
 
 def top_k(x: np.ndarray, k: int) -> np.ndarray:
-  """Indices of the k largest of each row, largest first; ties go to the lower index (ggml uses an unstable std::sort)."""
+  """Indices of the k largest of each row, largest first; ties go to the lower index (ggml uses an unstable
+  std::sort)."""
   return np.argsort(-x, axis=-1, kind="stable")[..., :k]
 
 
 def route_margin(logits: np.ndarray, probs: np.ndarray, selection: np.ndarray, k: int, gating: int) -> np.ndarray:
-  """Per token: the relative change of the router logits (in units of their rms) that could swap the k-th and (k+1)-th expert.
+  """Per token: the relative change of the router logits (in units of their rms) that could swap the k-th and (k+1)-th
+  expert.
 
   The selection gap s_k - s_k+1 closes when the two scores move apart by slope * dz each, so the margin is
-  gap / (2 * max slope * rms(z)): an input perturbed by a relative amount below this cannot change which experts are used
-  (among the kept expert groups, when the selection is group-limited).
+  gap / (2 * max slope * rms(z)): an input perturbed by a relative amount below this cannot change which experts are
+  used (among the kept expert groups, when the selection is group-limited).
   """
   order = top_k(selection, k + 1)
   s, z, p = (np.take_along_axis(a, order[:, k - 1:], axis=-1) for a in (selection, logits, probs))
   slope = GATING_SLOPE[gating](z, p).max(-1)
   with np.errstate(invalid="ignore", divide="ignore"):
-    return np.nan_to_num((s[:, 0] - s[:, 1]) / (2 * slope * np.sqrt(np.mean(logits ** 2, axis=-1))), nan=np.inf, posinf=np.inf)
+    return np.nan_to_num((s[:, 0] - s[:, 1]) / (2 * slope * np.sqrt(np.mean(logits ** 2, axis=-1))), nan=np.inf,
+                         posinf=np.inf)
 
 
 def moe(w: Weights, il: int, h: np.ndarray, margins: list[np.ndarray]) -> np.ndarray:
-  """build_moe_ffn: gating, optional selection bias (selection only), group-limited top-k, weight norm/scale, routed + shared experts."""
+  """build_moe_ffn: gating, optional selection bias (selection only), group-limited top-k, weight norm/scale, routed +
+  shared experts."""
   hp, p = w.hp, f"blk.{il}."
   n_tok, n_expert, k = len(h), hp.n_expert, hp.n_expert_used[il]
   logits = w.mm(h, p + "ffn_gate_inp.weight")
@@ -345,8 +361,10 @@ def single_threaded_blas() -> Iterator[None]:
   finally: lib.scipy_openblas_set_num_threads64_(n)
 
 
-def reference_forward(path: str | Path, tokens: list[int], observer: Callable[[np.ndarray, str], None] | None = None) -> Forward:
-  """`reference_logits` plus how close each token came to a different expert choice; `observer(x, weight_name)` sees every matmul."""
+def reference_forward(path: str | Path, tokens: list[int],
+                      observer: Callable[[np.ndarray, str], None] | None = None) -> Forward:
+  """`reference_logits` plus how close each token came to a different expert choice; `observer(x, weight_name)` sees
+  every matmul."""
   w = load_weights(path)
   w.observer = observer
   try:
@@ -367,7 +385,8 @@ def _forward(w: Weights, tokens: list[int]) -> Forward:
       x = x + ffn(w, h, p, "")
     else:
       x = x + moe(w, il, h, margins)
-  logits = w.mm(rms_norm(x, w.get("output_norm.weight"), hp.rms_eps), "output.weight" if "output.weight" in w else "token_embd.weight")
+  logits = w.mm(rms_norm(x, w.get("output_norm.weight"), hp.rms_eps),
+                "output.weight" if "output.weight" in w else "token_embd.weight")
   return Forward(logits, np.min(margins, axis=0))
 
 
@@ -376,18 +395,22 @@ def _forward(w: Weights, tokens: list[int]) -> Forward:
 # ggml-cpu's type_traits_cpu[weight type].vec_dot_type: the format ggml_mul_mat converts the activation operand to
 VEC_DOT = {T.F16: T.F16, T.BF16: T.BF16, T.Q4_0: T.Q8_0, T.Q5_0: T.Q8_0, T.Q8_0: T.Q8_0,
            T.Q2_K: T.Q8_K, T.Q3_K: T.Q8_K, T.Q4_K: T.Q8_K, T.Q5_K: T.Q8_K, T.Q6_K: T.Q8_K}
-F16_EPS = 2.0 ** -11  # unit roundoff of fp16, which the KV cache (and so q, k, v and the softmax probabilities) is stored in
+# unit roundoff of fp16, which the KV cache (and so q, k, v and the softmax probabilities) is stored in
+F16_EPS = 2.0 ** -11
 F32_FLOOR = 1e-4  # f32 arithmetic alone: observed ~2e-6 of the logit std on the tiny presets
 # a routing decision whose route_margin is below ROUTE_MARGIN * delta may legitimately differ in llama.cpp. delta
 # overestimates the noise at a router: emulating llama.cpp's rounding (round_activation on every matmul input) moves the
-# tiny presets' router logits by 0.3-0.45 delta (rms, relative), and a margin by 1/sqrt(2) of that, so 1.5 delta is >4.5 sigma
+# tiny presets' router logits by 0.3-0.45 delta (rms, relative), and a margin by 1/sqrt(2) of that, so 1.5 delta is >4.5
+# sigma
 ROUTE_MARGIN = 1.5
 SAFETY = 2.0  # covers what activation_noise does not measure: the amplification of noise down the network, and the
-#              roundings of the absorbed q_nope·k_b and kqv·v_b products, which this decompressed reference does not form
+#              roundings of the absorbed q_nope·k_b and kqv·v_b products, which this decompressed reference does not
+# form
 
 
 def round_activation(x: np.ndarray, fmt: T) -> np.ndarray:
-  """x (rows of a multiple of the block size) after ggml's from_float to `fmt` and back (quantize_row_q8_0 / q8_K / fp16 / bf16)."""
+  """x (rows of a multiple of the block size) after ggml's from_float to `fmt` and back (quantize_row_q8_0 / q8_K / fp16
+  / bf16)."""
   if fmt == T.F16: return x.astype(np.float16).astype(np.float64)
   if fmt == T.BF16:  # ggml_compute_fp32_to_bf16: round to nearest even on the f32 bits
     u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
@@ -397,7 +420,8 @@ def round_activation(x: np.ndarray, fmt: T) -> np.ndarray:
     d = np.abs(blocks).max(-1, keepdims=True) / 127
     q = np.round(np.divide(blocks, d, out=np.zeros_like(blocks), where=d > 0))
     return (q * d.astype(np.float16)).reshape(x.shape)
-  signed_max = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[:, None], axis=-1)  # Q8_K: iscale = -127/max, d = 1/iscale (f32)
+  # Q8_K: iscale = -127/max, d = 1/iscale (f32)
+  signed_max = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[:, None], axis=-1)
   iscale = np.divide(-127.0, signed_max, out=np.zeros_like(signed_max), where=signed_max != 0)
   d = np.divide(1.0, iscale, out=np.zeros_like(iscale), where=iscale != 0)
   return (np.minimum(127, np.round(iscale * blocks)) * d).reshape(x.shape)
@@ -406,9 +430,10 @@ def round_activation(x: np.ndarray, fmt: T) -> np.ndarray:
 def activation_noise(path: str | Path, tokens: list[int], kv_cache: str = "f16") -> float:
   """delta: the relative rms perturbation llama.cpp's rounding of activations adds to a forward pass over `tokens`.
 
-  Every matmul input x of the reference is rounded as llama.cpp would round it for that weight's type; its relative error
-  ||dx||/||x|| (rms over the rows reaching that tensor) is the relative noise that matmul adds to its output. Those add in
-  quadrature: delta = sqrt(sum over weight tensors of mean ||dx||^2/||x||^2), plus 4 fp16 roundings (q, k, v, softmax
+  Every matmul input x of the reference is rounded as llama.cpp would round it for that weight's type; its relative
+  error
+  ||dx||/||x|| (rms over the rows reaching that tensor) is the relative noise that matmul adds to its output. Those add
+  in quadrature: delta = sqrt(sum over weight tensors of mean ||dx||^2/||x||^2), plus 4 fp16 roundings (q, k, v, softmax
   probabilities) of uniform relative error F16_EPS/sqrt(3) per layer for the fp16 KV cache.
   """
   w = load_weights(path)
@@ -442,27 +467,28 @@ def llamacpp_logits(path: str | Path, tokens: list[int], kv_cache: str = "f16") 
     (blocks of 256, d = amax/127 in f32), fp16 / bf16 for F16 / BF16 weights; only F32 weights see f32 activations.
     Per element |dx| <= d/2 = amax/254 (Q8_0 adds |q|·|d - fp16(d)| <= 127·d·2^-11 = amax/2048), i.e. about 2^-8 of the
     block's largest magnitude, or a relative 2^-11 (fp16) / 2^-8 (bf16) of the element itself.
-  * The KV cache is fp16 (for MLA it holds the normalised c_kv and the roped k_pe), so q (converted for the f16 K·q dot),
-    k, v and the softmax probabilities (converted for the f16 V matmul) are rounded to fp16 even for an F32 model.
-  * Everything else (norms, rope, softmax, routing, dequantization) is f32: ~1e-6 of the logit scale on the tiny presets.
+  * The KV cache is fp16 (for MLA it holds the normalised c_kv and the roped k_pe), so q (converted for the f16 K·q
+    dot), k, v and the softmax probabilities (converted for the f16 V matmul) are rounded to fp16 even for an F32 model.
+  * Everything else (norms, rope, softmax, routing, dequantization) is f32: ~1e-6 of the logit scale on the tiny
+    presets.
 
-  Why that bounds the logits: the rounding errors of one matmul input are zero-mean and independent of the weights, so the
-  output y = W·x moves by W·dx, a relative ||dx||/||x|| of y for weights with no structure aligned to the rounding
+  Why that bounds the logits: the rounding errors of one matmul input are zero-mean and independent of the weights, so
+  the output y = W·x moves by W·dx, a relative ||dx||/||x|| of y for weights with no structure aligned to the rounding
   (random or trained); with amax/rms ~ 2-3 within a block that is ~0.5-0.8% per Q8 matmul, 2^-11/sqrt(3) per fp16 one.
   RMSNorm before every matmul and the residual stream keep relative errors from growing, and independent errors add in
   quadrature, so the final hidden state, and with it each logit, carries a relative error of about delta =
   sqrt(sum of the per-matmul squares) (`activation_noise`, measured on the reference's own activations). The largest of
-  n_vocab such deviations is ~sqrt(2 ln n_vocab) times that, in units of the logits' standard deviation over the vocabulary;
-  SAFETY = 2 covers the unmeasured rest (`llamacpp_error_bound`). Routing is the exception: where two experts' selection
-  scores are closer than the noise (`Forward.route_margin` < ROUTE_MARGIN * delta), llama.cpp may pick the other expert, a
-  discrete and legitimate divergence that no bound on rounding covers, and one that later positions inherit through
-  attention when it happens before the last MoE layer.
+  n_vocab such deviations is ~sqrt(2 ln n_vocab) times that, in units of the logits' standard deviation over the
+  vocabulary; SAFETY = 2 covers the unmeasured rest (`llamacpp_error_bound`). Routing is the exception: where two
+  experts' selection scores are closer than the noise (`Forward.route_margin` < ROUTE_MARGIN * delta), llama.cpp may
+  pick the other expert, a discrete and legitimate divergence that no bound on rounding covers, and one that later
+  positions inherit through attention when it happens before the last MoE layer.
   """
   import llama_cpp
 
   n, kv_type = len(tokens), {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}[kv_cache]
-  llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(n, 16), n_batch=max(n, 16), n_ubatch=max(n, 16), logits_all=True,
-                        n_threads=2, n_threads_batch=2, type_k=kv_type, type_v=kv_type, verbose=False)
+  llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(n, 16), n_batch=max(n, 16), n_ubatch=max(n, 16),
+                        logits_all=True, n_threads=2, n_threads_batch=2, type_k=kv_type, type_v=kv_type, verbose=False)
   try:
     llm.eval(list(tokens))
     return np.array(llm.scores[:n], dtype=np.float64)
@@ -473,9 +499,9 @@ def llamacpp_logits(path: str | Path, tokens: list[int], kv_cache: str = "f16") 
 def robust_tokens(path: str, kv_cache: str, n: int = 32, seed: int = 0, max_draws: int = 1000) -> list[int]:
   """n random ids, each redrawn until no routing decision at its position lies within ROUTE_MARGIN * delta of a tie.
 
-  A near-tie may legitimately route differently in llama.cpp, and before the last MoE layer that divergence reaches every
-  later position through attention. Position t only depends on tokens[:t+1], so from the first fragile position on the
-  sequence is grown one robust token at a time.
+  A near-tie may legitimately route differently in llama.cpp, and before the last MoE layer that divergence reaches
+  every later position through attention. Position t only depends on tokens[:t+1], so from the first fragile position on
+  the sequence is grown one robust token at a time.
   """
   rng = np.random.default_rng(seed)
   n_vocab = reference_logits(path, [0]).shape[1]

@@ -1,5 +1,6 @@
-"""The architecture's numbers (docs/architecture.md): the project's import graph has no cycle and no upward arrow, the config
-type loads no tinygrad, a backend is one new file and one catalog row, a knob is one declaration beside its field."""
+"""The architecture's numbers (docs/architecture.md): the project's import graph has no cycle and no upward arrow, the
+config type loads no tinygrad, a backend is one new file and one catalog row, a knob is one declaration beside its
+field."""
 from __future__ import annotations
 
 import ast
@@ -20,7 +21,8 @@ from space.knobs import ModelInfo, knobs
 
 PROJECT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("model", "space", "search", "evaluator", "db")
-LOWER = {"model": ("search", "evaluator", "space", "db"), "space": ("search", "evaluator", "db"), "db": ("search", "evaluator", "model", "space"),
+LOWER = {"model": ("search", "evaluator", "space", "db"), "space": ("search", "evaluator", "db"),
+         "db": ("search", "evaluator", "model", "space"),
          "evaluator": ("search", "space")}  # what each layer may not import
 
 
@@ -70,7 +72,8 @@ def test_no_import_cycles_and_no_upward_arrows() -> None:
   upward = [(m, d) for m, deps in graph.items() for d in deps if d.split(".")[0] in LOWER.get(m.split(".")[0], ())]
   assert upward == []
   # the views read the database, never the worker
-  views = ("search.view", "search.leaderboard", "search.dashboard", "search.report", "search.plots", "search.cost", "search.export")
+  views = ("search.view", "search.leaderboard", "search.dashboard", "search.report", "search.plots", "search.cost",
+           "search.export")
   assert not [(v, d) for v in views for d in graph[v] if d in ("search.worker", "search.noise", "search.cli")]
   assert "search.worker" not in {m for m, deps in graph.items() for d in deps if d == "search.worker"} - {"search.cli"}
 
@@ -103,7 +106,8 @@ def test_a_new_backend_is_one_file_and_one_catalog_row(gguf_file, tmp_path, monk
   computes the baseline's logits with it."""
   (tmp_path / "dequant_backend.py").write_text(DEQUANT)
   monkeypatch.syspath_prepend(str(tmp_path))
-  monkeypatch.setitem(catalog.CATALOG, "dequant", catalog.Row("dequant", "dequant_backend", "a test backend", quants=frozenset({"Q4_0"})))
+  monkeypatch.setitem(catalog.CATALOG, "dequant",
+                      catalog.Row("dequant", "dequant_backend", "a test backend", quants=frozenset({"Q4_0"})))
   info = mix_info("q4_0")
   for device in ("CPU", "METAL", "CUDA"):
     domains = {k.name: k.choices for k in knobs(info, device) if k.name.startswith("backend.")}
@@ -117,7 +121,8 @@ def test_a_new_backend_is_one_file_and_one_catalog_row(gguf_file, tmp_path, monk
   from model.generate import Generator
   from model.gguf_file import GGUFFile
   path, tokens = gguf_file("tiny", "q4_0"), [(7919 * i + 17) % 1000 for i in range(8)]
-  logits = [Generator(Transformer(GGUFFile(path), c, max_context=16), chunk=len(tokens)).prefill(tokens).astype(np.float64)
+  logits = [Generator(Transformer(GGUFFile(path), c, max_context=16),
+                      chunk=len(tokens)).prefill(tokens).astype(np.float64)
             for c in (StructureConfig(kv_dtype="float32"), cfg)]
   assert "dequant_backend" in sys.modules and isinstance(registry.get("dequant"), registry.Backend)
   assert_close("a test backend", logits[1], logits[0], 1e-4)
@@ -132,14 +137,16 @@ def test_backend_traits_come_from_the_catalog(monkeypatch) -> None:
   monkeypatch.setitem(catalog.CATALOG, "cuda_c", dataclasses.replace(row, name="cuda_c"))
   info = mix_info("q4_0")
   q8 = next(k for k in knobs(info, "CUDA") if k.name == "ffn_act")
-  assert q8.enable == (("fused.moe", "cuda_c"),) and next(k for k in knobs(info, "CPU") if k.name == "ffn_act").enable == (("fused.moe", "dsl"),)
+  assert (q8.enable == (("fused.moe", "cuda_c"),)
+          and next(k for k in knobs(info, "CPU") if k.name == "ffn_act").enable == (("fused.moe", "dsl"),))
   cfg = StructureConfig(fused={"moe": "cuda_c", "attention": "cuda_c"}, ffn_act="q8")
   assert twin(cfg) == StructureConfig(fused={"moe": "dsl"}, ffn_act="q8")
   assert tolerance(StructureConfig(backends={"Q4_0:dense": "fp16_cache"}), 2048) == (FP16_TOL, FP16_TOL)
   assert tolerance(cfg, 2048)[0] == FP32_TOL < tolerance(cfg, 2048)[1]
 
 
-KNOB = '  probe: str = knob("plain", ("plain", "wide"), "a test knob", applies=lambda m: m.moe, stages=("router",), precision="fp16")\n'
+KNOB = ('  probe: str = knob("plain", ("plain", "wide"), "a test knob", applies=lambda m: m.moe, stages=("router",), '
+        'precision="fp16")\n')
 
 
 def test_a_new_knob_is_one_declaration(tmp_path) -> None:
@@ -158,9 +165,11 @@ def test_a_new_knob_is_one_declaration(tmp_path) -> None:
     from search.leaderboard import parse_where
     from space.knobs import ModelInfo, describe, flat, knobs, parse_pins, single_knob_changes, to_config, to_params
     from model.structure import StructureConfig
-    info = ModelInfo(True, True, True, {"dense": ("Q4_0",), "expert": ("Q4_0",)}, frozenset({"routed", "shared", "dense"}))
+    quants = {"dense": ("Q4_0",), "expert": ("Q4_0",)}
+    info = ModelInfo(True, True, True, quants, frozenset({"routed", "shared", "dense"}))
     k = next(k for k in knobs(info, "CPU") if k.name == "probe")
-    assert k.choices == ("plain", "wide") and k.default == "plain" and k.when({"fused.router": "off"}) and not k.when({"fused.router": "dsl"})
+    assert k.choices == ("plain", "wide") and k.default == "plain"
+    assert k.when({"fused.router": "off"}) and not k.when({"fused.router": "dsl"})
     assert "probe" not in {k.name for k in knobs(dataclasses.replace(info, moe=False))}
     cfg = to_config(parse_pins(["probe=WIDE"], info))
     assert cfg == StructureConfig(probe="wide") and describe(cfg) == "probe=wide" and flat(cfg)["probe"] == "wide"
@@ -181,9 +190,11 @@ def test_every_device_kind_lists_only_what_runs_there_and_portable_holds_a_study
   info = mix_info("q4_0")
   for device in ("CPU", "METAL", "AMD", "CL", "CUDA"):
     values = {v for k in knobs(info, device) if k.name.startswith(("backend.", "fused.")) for v in k.choices} - {"off"}
-    assert values == ({"tensor", "fp16_cache", "dsl", "native"} if device == "CUDA" else {"tensor", "fp16_cache", "dsl"}), device
+    assert values == ({"tensor", "fp16_cache", "dsl", "native"} if device == "CUDA"
+                      else {"tensor", "fp16_cache", "dsl"}), device
     assert all(catalog.get(v).runs_on(device) for v in values)
-    portable = {v for k in knobs(info, device, "portable") if k.name.startswith(("backend.", "fused.")) for v in k.choices} - {"off"}
+    portable = {v for k in knobs(info, device, "portable") if k.name.startswith(("backend.", "fused."))
+                for v in k.choices} - {"off"}
     assert portable == {"tensor", "fp16_cache", "dsl"} and all(catalog.get(v).portable for v in portable)
   with pytest.raises(ConfigError, match="unknown backend family"): knobs(info, "CUDA", "fast")
 

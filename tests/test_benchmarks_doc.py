@@ -1,5 +1,6 @@
-"""docs/benchmarks.md is the rendering of its template and benchmarks/results.jsonl (nobody edits it by hand), every line of
-results.jsonl has the fields of its kind, and the template's table language selects, orders and formats as documented."""
+"""docs/benchmarks.md is the rendering of its template and benchmarks/results.jsonl (nobody edits it by hand), every
+line of results.jsonl has the fields of its kind, and the template's table language selects, orders and formats as
+documented."""
 import pytest
 
 from benchmarks import render
@@ -7,8 +8,8 @@ from benchmarks import render
 
 def test_doc_is_the_rendering_of_results_jsonl():
   assert render.DOC.read_text() == render.render(render.TEMPLATE.read_text(), render.load()), \
-    "docs/benchmarks.md differs from its rendering: edit docs/benchmarks.template.md or benchmarks/results.jsonl, then run " \
-    "`python -m benchmarks.render`"
+    "docs/benchmarks.md differs from its rendering: edit docs/benchmarks.template.md or benchmarks/results.jsonl, " \
+    "then run `python -m benchmarks.render`"
 
 
 def test_every_line_has_the_fields_of_its_kind():
@@ -19,20 +20,24 @@ def test_every_line_has_the_fields_of_its_kind():
 
 LINES = [
   {"kind": "decode", "config": "baseline", "layers": 4, "tok_s": 50.0, "bytes_per_token": 400e6, "device_bytes": 1.5e9},
-  {"kind": "decode", "config": "fast", "layers": 4, "tok_s": 75.0, "bytes_per_token": 500e6, "note": "a|b", "llama_cpp_tok_s": 150.0},
+  {"kind": "decode", "config": "fast", "layers": 4, "tok_s": 75.0, "bytes_per_token": 500e6, "note": "a|b",
+   "llama_cpp_tok_s": 150.0},
   {"kind": "decode", "config": "deep", "layers": 47, "tok_s": 5.0, "bytes_per_token": 3e9},
   {"kind": "trial", "config": "baseline", "layers": 4, "wall_s": 30.0},
 ]
 ROWS = ("| # | config | vs | MB | GB | note | vs llama |\n|---|---|---:|---:|---:|---|---:|\n"
         "| {rank} | {config} | {vs_baseline:.2f}x | {mb_per_token:.0f} | {device_gb:.1f} | {note} | {vs_llama:.1f} |\n")
-BASE, FAST, DEEP = "| 1 | baseline | 1.00x | 400 | 1.5 |  |  |", "| 2 | fast | 1.50x | 500 |  | a\\|b | 0.5 |", "| 3 | deep | 0.10x | 3000 |  |  |  |"
+BASE, FAST = "| 1 | baseline | 1.00x | 400 | 1.5 |  |  |", "| 2 | fast | 1.50x | 500 |  | a\\|b | 0.5 |"
+DEEP = "| 3 | deep | 0.10x | 3000 |  |  |  |"
 
 
 @pytest.mark.parametrize("opts, want", [
-  ("where: kind=decode layers=4", [BASE, FAST]),  # a cell whose fields a line lacks is empty; pipes in values are escaped
+  # a cell whose fields a line lacks is empty; pipes in values are escaped
+  ("where: kind=decode layers=4", [BASE, FAST]),
   ("where: kind=decode\nsort: -tok_s", [FAST.replace("2", "1", 1), BASE.replace("1", "2", 1), DEEP]),
   # no baseline line among those selected: no vs_baseline
-  ("where: kind=decode\nsort: layers -tok_s\nfirst: layers", ["| 1 | fast |  | 500 |  | a\\|b | 0.5 |", "| 2 | deep |  | 3000 |  |  |  |"]),
+  ("where: kind=decode\nsort: layers -tok_s\nfirst: layers",
+   ["| 1 | fast |  | 500 |  | a\\|b | 0.5 |", "| 2 | deep |  | 3000 |  |  |  |"]),
   ('where: "config~a" kind!=trial note? layers!~7', ["| 1 | fast |  | 500 |  | a\\|b | 0.5 |"]),
 ])
 def test_table_selects_orders_and_formats(opts, want):
@@ -49,5 +54,6 @@ def test_missing_names_the_absent_fields():
   ok = {f: 1 for f in render.COMMON + render.REQUIRED["trial"]} | {"kind": "trial"}
   assert render.missing(ok) == []
   assert render.missing({k: v for k, v in ok.items() if k != "wall_s"}) == ["wall_s"]
-  failed = {f: 1 for f in render.COMMON} | {"kind": "trial", "error": "no result"}  # a failed step has the common fields only
+  # a failed step has the common fields only
+  failed = {f: 1 for f in render.COMMON} | {"kind": "trial", "error": "no result"}
   assert render.missing(failed) == []

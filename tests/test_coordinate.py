@@ -11,15 +11,17 @@ from search.coordinate import KNOB, CoordinateSampler
 from space.knobs import defaults, knobs, suggest
 
 INFO, DEVICE = mix_info("q4_0"), "CUDA"  # GLM-4.7-Flash's space on CUDA
-FAST = {"fused.attention": "native", "fused.router": "native", "fused.moe": "native", "fused.ffn": "native", "ffn_act": "q8"}
+FAST = {"fused.attention": "native", "fused.router": "native", "fused.moe": "native", "fused.ffn": "native",
+        "ffn_act": "q8"}
 
 
 def speed(trial: optuna.Trial, fixed: dict | None = None) -> float:
-  """A landscape where each fused stage pays on its own (native more than dsl), 8-bit activations pay once an FFN stage is
-  fused, BEAM costs, and every other knob moves the figure by noise alone (+-0.2%, a hash of the config)."""
+  """A landscape where each fused stage pays on its own (native more than dsl), 8-bit activations pay once an FFN stage
+  is fused, BEAM costs, and every other knob moves the figure by noise alone (+-0.2%, a hash of the config)."""
   cfg = suggest(trial, INFO, DEVICE, fixed)
   v = 10.0
-  for stage in ("attention", "router", "moe", "ffn"): v *= {"off": 1.0, "dsl": 1.2, "native": 1.5}[cfg.fused.get(stage, "off")]
+  for stage in ("attention", "router", "moe", "ffn"):
+    v *= {"off": 1.0, "dsl": 1.2, "native": 1.5}[cfg.fused.get(stage, "off")]
   v *= 1.2 if cfg.ffn_act == "q8" else 1.0
   v *= 0.9 if cfg.beam else 1.0
   return v * (1 + 0.002 * (int(hashlib.sha256(cfg.to_json().encode()).hexdigest()[:4], 16) / 65535 - 0.5))
@@ -27,8 +29,10 @@ def speed(trial: optuna.Trial, fixed: dict | None = None) -> float:
 
 def climb(n: int, fixed: dict | None = None) -> optuna.Study:
   ks, fixed = knobs(INFO, DEVICE), fixed or {}
-  study = optuna.create_study(direction="maximize", sampler=CoordinateSampler(ks, fixed, optuna.samplers.RandomSampler(seed=0)))
-  study.enqueue_trial({k: v for k, v in defaults(ks, fixed).items() if k not in fixed})  # the study measures the baseline first
+  study = optuna.create_study(direction="maximize",
+                              sampler=CoordinateSampler(ks, fixed, optuna.samplers.RandomSampler(seed=0)))
+  # the study measures the baseline first
+  study.enqueue_trial({k: v for k, v in defaults(ks, fixed).items() if k not in fixed})
   study.optimize(lambda t: speed(t, fixed), n_trials=n)
   return study
 
@@ -41,10 +45,12 @@ def test_the_climb_takes_each_paying_change_and_reaches_their_combination() -> N
   params = [tuple(sorted(t.params.items())) for t in trials]
   assert len(set(params)) == len(params), "a config was proposed twice"
   best = trials[0]
-  for t in trials[1:]:  # every trial is the incumbent of its time with one knob changed (and what that change makes apply)
+  # every trial is the incumbent of its time with one knob changed (and what that change makes apply)
+  for t in trials[1:]:
     changed = {k for k in set(t.params) | set(best.params) if t.params.get(k) != best.params.get(k)}
     roots = {k for k in changed if k.startswith("fused.") or k == "beam"}
-    assert len(changed) == 1 or (len(roots) == 1 and all(k in roots or k not in best.params or k not in t.params for k in changed)), \
+    assert len(changed) == 1 or (len(roots) == 1
+                                 and all(k in roots or k not in best.params or k not in t.params for k in changed)), \
       (best.params, t.params)
     if t.value > best.value: best = t
 

@@ -1,6 +1,6 @@
-"""tests/cuda_cpu.py runs CUDA C on the CPU: each primitive against numpy (bit for bit where the GPU's result is exact), the
-misuse and faults it reports, and every native product kernel (model/backends/cuda_src.py) of each type and role against
-the product of the weight dequantized by gguf."""
+"""tests/cuda_cpu.py runs CUDA C on the CPU: each primitive against numpy (bit for bit where the GPU's result is exact),
+the misuse and faults it reports, and every native product kernel (model/backends/cuda_src.py) of each type and role
+against the product of the weight dequantized by gguf."""
 from __future__ import annotations
 
 import os
@@ -16,7 +16,8 @@ from model.backends import cuda_src
 @pytest.fixture(autouse=True)
 def _gxx() -> None:
   """Without g++ the tests skip, except in CI (where the Makefile installs it): there the launch's error fails them."""
-  if not cuda_cpu.available() and not os.environ.get("CI"): pytest.skip("g++ is not installed (`make deps` installs it)")
+  if not cuda_cpu.available() and not os.environ.get("CI"):
+    pytest.skip("g++ is not installed (`make deps` installs it)")
 
 
 SHUFFLES = r"""
@@ -42,7 +43,8 @@ def test_warp_shuffles() -> None:
   """CUDA's documented sources for each shuffle and width (a source lane past the width wraps; a later segment or a lane
   off the warp gives the lane its own value), 8-byte values, and float reductions equal to numpy's in the same order."""
   n, rng = 128, np.random.default_rng(0)
-  out, wide, f, sums = np.zeros((24, n), np.int32), np.zeros(n, np.int64), rng.standard_normal(n).astype(np.float32), np.zeros((n, 2), np.float32)
+  out, wide, f, sums = (np.zeros((24, n), np.int32), np.zeros(n, np.int64), rng.standard_normal(n).astype(np.float32),
+                        np.zeros((n, 2), np.float32))
   cuda_cpu.launch(SHUFFLES, "shuffles", (2, 1, 1), (64, 1, 1), [out, wide, f, sums])
   t = np.arange(n)
   lane, base = t % 32, t - t % 32
@@ -76,12 +78,14 @@ def test_votes_in_a_partial_warp() -> None:
 
 
 def test_shared_memory_reduction_across_3d_blocks() -> None:
-  """A tree reduction through __shared__ memory and __syncthreads in 16x4x2 blocks, whose last 32 threads return before the
-  first barrier; shared memory reads as NaN where no thread of the block wrote it (the previous block wrote s[50])."""
+  """A tree reduction through __shared__ memory and __syncthreads in 16x4x2 blocks, whose last 32 threads return before
+  the first barrier; shared memory reads as NaN where no thread of the block wrote it (the previous block wrote
+  s[50])."""
   src = r"""
   extern "C" __global__ void reduce(float* out, float* unwritten, const float* x) {
     __shared__ float s[128];
-    const int t = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z), b = blockIdx.x + gridDim.x * blockIdx.y;
+    const int t = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    const int b = blockIdx.x + gridDim.x * blockIdx.y;
     if (t == 0) unwritten[b] = s[50];
     __syncthreads();
     if (t >= 96) return;
@@ -109,11 +113,14 @@ def test_atomics() -> None:
     const int t = blockIdx.x * blockDim.x + threadIdx.x, v = t * 37 % 101 - 50;
     atomicAdd(&i[0], 1); atomicAdd(&u[0], 2u); atomicAdd(&f[0], 0.5f);
     atomicMax(&i[1], v); atomicMin(&i[2], v); atomicMax(&u[1], (unsigned)t); atomicMin(&u[2], (unsigned)t + 5);
-    for (int seen = atomicCAS(&i[3], 0, 0);;) { const int got = atomicCAS(&i[3], seen, seen + 3); if (got == seen) break; seen = got; }
+    for (int seen = atomicCAS(&i[3], 0, 0);;) {
+      const int got = atomicCAS(&i[3], seen, seen + 3); if (got == seen) break; seen = got;
+    }
     old[t] = atomicExch(&i[4], t + 1);
     atomicExch(&f[1], 2.5f);
   }"""
-  i, u, f, old = np.array([0, -1000, 1000, 0, 0], np.int32), np.array([0, 0, 1 << 20], np.uint32), np.zeros(2, np.float32), np.zeros(256, np.int32)
+  i, u, f, old = (np.array([0, -1000, 1000, 0, 0], np.int32), np.array([0, 0, 1 << 20], np.uint32),
+                  np.zeros(2, np.float32), np.zeros(256, np.int32))
   cuda_cpu.launch(src, "atomics", (4, 1, 1), (64, 1, 1), [i, u, f, old])
   v = np.arange(256) * 37 % 101 - 50
   assert list(i[:4]) == [256, v.max(), v.min(), 768] and list(u) == [512, 255, 5] and list(f) == [128.0, 2.5]
@@ -131,12 +138,13 @@ def test_dp4a() -> None:
   s, u = np.zeros(256, np.int32), np.zeros(256, np.uint32)
   cuda_cpu.launch(src, "dp4a", (1, 1, 1), (256, 1, 1), [s, u, a, b, c])
   dot = lambda dt: (a.view(dt).reshape(-1, 4).astype(np.int64) * b.view(dt).reshape(-1, 4)).sum(1)
-  assert (s == (dot(np.int8) + c).astype(np.int32)).all() and (u == (dot(np.uint8) + c.view(np.uint32)).astype(np.uint32)).all()
+  assert (s == (dot(np.int8) + c).astype(np.int32)).all() and (u == (dot(np.uint8) + c.view(np.uint32)).astype(
+    np.uint32)).all()
 
 
 def test_half_conversions_equal_numpy() -> None:
-  """h2f of all 65536 bit patterns; f2h (round to nearest even) of every half's value, of the midpoints between neighbours
-  and the floats beside them, of the overflow boundary and of random bit patterns."""
+  """h2f of all 65536 bit patterns; f2h (round to nearest even) of every half's value, of the midpoints between
+  neighbours and the floats beside them, of the overflow boundary and of random bit patterns."""
   src = r"""
   extern "C" __global__ void halves(float* f, unsigned short* h, const float* x, int n) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
@@ -147,9 +155,11 @@ def test_half_conversions_equal_numpy() -> None:
   halves = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
   finite = np.sort(halves[np.isfinite(halves)].astype(np.float32))
   mids = (finite[:-1] + (finite[1:] - finite[:-1]) / 2).astype(np.float32)
-  x = np.concatenate([halves.astype(np.float32), mids, np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf)),
+  x = np.concatenate([halves.astype(np.float32), mids, np.nextafter(mids, np.float32(np.inf)),
+                      np.nextafter(mids, np.float32(-np.inf)),
                       np.array([65519.996, 65520, -65520, 1e30, 2**-25, 2**-26], np.float32),
-                      np.random.default_rng(3).integers(0, 2**32, 100_000, dtype=np.uint64).astype(np.uint32).view(np.float32)])
+                      np.random.default_rng(3).integers(0, 2**32, 100_000,
+                                                        dtype=np.uint64).astype(np.uint32).view(np.float32)])
   f, h = np.zeros(65536, np.float32), np.zeros(len(x), np.uint16)
   cuda_cpu.launch(src, "halves", (4, 1, 1), (256, 1, 1), [f, h, x, np.int32(len(x))])
   want_f, nan = halves.astype(np.float32), np.isnan(halves)
@@ -160,12 +170,13 @@ def test_half_conversions_equal_numpy() -> None:
 
 def test_math_casts_and_vector_types() -> None:
   src = r"""
-  static_assert(alignof(float4) == 16 && alignof(uint4) == 16 && alignof(int4) == 16 && alignof(float2) == 8 && alignof(int2) == 8
-                && alignof(uint2) == 8 && sizeof(float4) == 16);
+  static_assert(alignof(float4) == 16 && alignof(uint4) == 16 && alignof(int4) == 16 && alignof(float2) == 8
+                && alignof(int2) == 8 && alignof(uint2) == 8 && sizeof(float4) == 16);
   extern "C" __global__ void maths(float* f, int* i, const float* x, const float4* v) {
     const int t = threadIdx.x;
     const float a = x[t], b = x[t + 32];
-    f[8 * t] = rsqrtf(fabsf(a)); f[8 * t + 1] = __fdividef(a, b); f[8 * t + 2] = fmaxf(a, b); f[8 * t + 3] = fminf(a, INFINITY);
+    f[8 * t] = rsqrtf(fabsf(a)); f[8 * t + 1] = __fdividef(a, b);
+    f[8 * t + 2] = fmaxf(a, b); f[8 * t + 3] = fminf(a, INFINITY);
     f[8 * t + 4] = __expf(a); f[8 * t + 5] = tanhf(a) + __logf(fabsf(b)); f[8 * t + 6] = sqrtf(fabsf(a)) + expf(b);
     f[8 * t + 7] = __int_as_float(__float_as_int(a) ^ 1) + __uint_as_float(__float_as_uint(b) ^ 1u);
     const float4 q = __ldg(&v[t]);
@@ -184,12 +195,15 @@ def test_math_casts_and_vector_types() -> None:
            None, None, None, (a.view(np.uint32) ^ one).view(np.float32) + (b.view(np.uint32) ^ one).view(np.float32)]
   for k, want in enumerate(exact):
     if want is not None: assert (f[:, k] == want).all(), k
-  np.testing.assert_allclose(f[:, 4:7], np.stack([np.exp(a), np.tanh(a) + np.log(np.abs(b)), np.sqrt(np.abs(a)) + np.exp(b)], 1), rtol=1e-6)
+  np.testing.assert_allclose(f[:, 4:7],
+                             np.stack([np.exp(a), np.tanh(a) + np.log(np.abs(b)), np.sqrt(np.abs(a)) + np.exp(b)], 1),
+                             rtol=1e-6)
   t = np.arange(32)
   assert (i[:, 0] == np.where(t < 16, 4, np.minimum(t - 16, 4)) * 100 + np.minimum(t - 16, 5)).all()
   assert (i[:, 1] == np.maximum(t, 20) + v.sum(1)).all() and (i[:, 2] == 36).all()
   bits = lambda v: np.array([int(u).bit_length() for u in v])
-  popc, ffs = [bin(u).count("1") for u in t.astype(np.uint32) * np.uint32(2654435761)], np.where(t > 0, bits((t << 3) & -(t << 3)), 0)
+  popc, ffs = [bin(u).count("1") for u in t.astype(np.uint32) * np.uint32(2654435761)], np.where(t > 0, bits((
+    t << 3) & -(t << 3)), 0)
   assert (i[:, 3] == np.array(popc) * 10000 + (32 - bits(t)) * 100 + ffs).all()
 
 
@@ -212,7 +226,8 @@ extern "C" __global__ void misuse(float* out, int mode) {
   (1, r"mask 0x\w+ leaves out running lanes 0x\w+ of warp [01] \(partial-warp masks are not emulated\)"),
   (2, r"__shfl_xor_sync: lane \d+ reads lane \d+, which is not running"),
   (3, r"is at (__syncwarp|__shfl_xor_sync) while lane \d+ is at"),
-  (5, r"SIGSEGV at address 0x[0-9a-f]+ \(0 bytes past the end of argument 0, 256 bytes\) in thread \(63, 0, 0\) of block \(0, 0, 0\)"),
+  (5, r"SIGSEGV at address 0x[0-9a-f]+ \(0 bytes past the end of argument 0, 256 bytes\) in thread \(63, 0, 0\) "
+      r"of block \(0, 0, 0\)"),
   (6, r"__shfl_xor_sync: lane 0 calls it with mask 0xfffffffe, which leaves itself out"),
 ])
 def test_misuse_and_faults_are_reported(mode: int, match: str | None) -> None:
@@ -233,12 +248,14 @@ def test_deadlock_fails_after_the_timeout_saying_where_threads_wait() -> None:
     cuda_cpu.launch(MISUSE, "misuse", (1, 1, 1), (64, 1, 1), [np.zeros(64, np.float32), np.int32(4)], timeout=1)
 
 
-@pytest.mark.parametrize("args,match", [
-  ([np.zeros(64, np.float64), np.int32(0)], "argument 0: the kernel takes a pointer to 4-byte numbers, got an array of 8-byte items"),
-  ([np.zeros(64, np.float32), np.int64(0)], "argument 1: the kernel takes a signed integer of 4 bytes, got a signed integer of 8 bytes"),
-  ([np.zeros(64, np.float32), np.uint32(0)], "argument 1: the kernel takes a signed integer of 4 bytes, got an unsigned integer of 4"),
-  ([np.zeros(64, np.float32)], "the kernel takes 2 arguments, got 1"),
-])
+@pytest.mark.parametrize("args,match",
+                         [([np.zeros(64, np.float64), np.int32(0)], "argument 0: the kernel takes a pointer to 4-byte "
+                           "numbers, got an array of 8-byte items"),
+                          ([np.zeros(64, np.float32), np.int64(0)], "argument 1: the kernel takes a signed integer of "
+                           "4 bytes, got a signed integer of 8 bytes"),
+                          ([np.zeros(64, np.float32), np.uint32(0)], "argument 1: the kernel takes a signed integer of "
+                           "4 bytes, got an unsigned integer of 4"),
+                          ([np.zeros(64, np.float32)], "the kernel takes 2 arguments, got 1"),])
 def test_arguments_are_checked_against_the_kernels_parameters(args: list, match: str) -> None:
   with pytest.raises(cuda_cpu.KernelError, match=match):
     cuda_cpu.launch(MISUSE, "misuse", (1, 1, 1), (64, 1, 1), args)
@@ -252,7 +269,8 @@ def test_compile_errors_show_gxx_message() -> None:
     cuda_cpu.launch(src, "broken", (1, 1, 1), (1, 1, 1), [np.zeros(1, np.float32)])
 
 
-ROWS, IN, E, K = 10, 2304, 4, 3  # 10 rows: the last block's last two warps have none; 2304: 9 K-quant blocks, more units than lanes
+# 10 rows: the last block's last two warps have none; 2304: 9 K-quant blocks, more units than lanes
+ROWS, IN, E, K = 10, 2304, 4, 3
 
 
 def _run(role: str, t: int, shape: tuple[int, ...], out: np.ndarray, args: list, **dims: int) -> np.ndarray:
@@ -267,8 +285,8 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float: return float(np.abs(got
 @pytest.mark.parametrize("quant", sorted(q for q, t in TYPES.items() if t in cuda_src.UNITS))
 def test_native_kernels_equal_the_dequantized_product(quant: str) -> None:
   """Each role's kernel as model/native.py launches it: dense decode (1 token) and prefill (13: a full tile of 8 and a
-  partial one), per-head (3 heads, 2 tokens), expert with one input for all K slots and one per slot, ids that repeat and
-  hit the last expert."""
+  partial one), per-head (3 heads, 2 tokens), expert with one input for all K slots and one per slot, ids that repeat
+  and hit the last expert."""
   t, rng = TYPES[quant], np.random.default_rng(5)
   x = lambda *s: rng.standard_normal(s).astype(np.float32)
   planes, w = kernel_weight(t, (ROWS, IN), 6)
@@ -287,6 +305,7 @@ def test_native_kernels_equal_the_dequantized_product(quant: str) -> None:
   sel = np.array([E - 1, E - 1, 0, 1, E - 1, 2], np.int32)  # 2 tokens x K slots
   for xk in (1, K):
     xe = x(len(sel) // K * xk, IN)
-    got = _run("expert", t, (E, ROWS, IN), np.zeros((len(sel), ROWS), np.float32), [xe, sel, *planes], experts=E, xk=xk, k=K, slots=len(sel))
+    got = _run("expert", t, (E, ROWS, IN), np.zeros((len(sel), ROWS), np.float32), [xe, sel, *planes], experts=E, xk=xk,
+               k=K, slots=len(sel))
     want = np.stack([w[e] @ xe[y if xk > 1 else y // K] for y, e in enumerate(sel)])
     assert rel_err(got, want) < 1e-5, (quant, xk)

@@ -33,7 +33,8 @@ def test_trial_reports_every_figure_and_repeats(baseline) -> None:
   a, b = baseline
   for r in (a, b):
     assert r.ok, r.error
-    assert r.check["ok"] and r.check["max_rel_err"] < 1e-4 and r.check["positions"] == 16 and r.check["tokens_compared"] >= 0
+    assert r.check["ok"] and r.check["max_rel_err"] < 1e-4 and r.check["positions"] == 16 and r.check[
+      "tokens_compared"] >= 0
     m = r.metrics
     assert m["tok_s_min"] <= m["tok_s"] <= m["tok_s_max"] and len(m["tok_s_rounds"]) == 2 and m["deterministic"]
     assert m["kernels_per_token"] > 10 and m["bytes_per_token"] > 1e5 and 0 < m["bandwidth_share"] < 1
@@ -44,7 +45,8 @@ def test_trial_reports_every_figure_and_repeats(baseline) -> None:
     assert m["beam"] == {"search_s": 0.0, "kernels": 0, "unsearched": 0}  # BEAM=0: no BEAM search
   # the same config twice: the same tokens and the same work; the speed within the noise of a shared 2-core machine
   assert a.metrics["tokens"] == b.metrics["tokens"]
-  assert (a.metrics["kernels_per_token"], a.metrics["bytes_per_token"]) == (b.metrics["kernels_per_token"], b.metrics["bytes_per_token"])
+  assert (a.metrics["kernels_per_token"],
+          a.metrics["bytes_per_token"]) == (b.metrics["kernels_per_token"], b.metrics["bytes_per_token"])
   assert 0.5 < a.metrics["tok_s"] / b.metrics["tok_s"] < 2.0
 
 
@@ -64,7 +66,8 @@ def test_a_different_config_passes_the_gate_with_its_own_kernels(ev, baseline) -
   base, fp16 = baseline[0], ev.run({"act_dtype": "float16", "merge_gate_up_routed": True})
   assert base.ok and fp16.ok, fp16.error
   assert 0 < fp16.check["max_rel_err"] <= fp16.check["tolerance"] == 5e-2
-  assert fp16.metrics["kernels_per_token"] != base.metrics["kernels_per_token"] or fp16.metrics["bytes_per_token"] != base.metrics["bytes_per_token"]
+  assert fp16.metrics["kernels_per_token"] != base.metrics["kernels_per_token"] or fp16.metrics[
+    "bytes_per_token"] != base.metrics["bytes_per_token"]
 
 
 @pytest.mark.parametrize("fault, config, status", [
@@ -78,7 +81,8 @@ def test_a_different_config_passes_the_gate_with_its_own_kernels(ev, baseline) -
   ("broken_argmax_topk", {"topk": "argmax"}, "wrong_output"),
   ("scale_off_one_block", {}, "wrong_output"),
   ("dropped_residual_one_block", {}, "wrong_output"),
-  ("dropped_residual_one_block", {"fused": {"attention": "dsl"}}, "wrong_output"),  # the fused stage adds the residual itself
+  # the fused stage adds the residual itself
+  ("dropped_residual_one_block", {"fused": {"attention": "dsl"}}, "wrong_output"),
 ])
 def test_failures_are_classified(ev, monkeypatch, inject, fault, config, status) -> None:
   inject(fault)
@@ -88,11 +92,14 @@ def test_failures_are_classified(ev, monkeypatch, inject, fault, config, status)
   assert r.status == status, (r.status, r.error, r.check)
   assert r.error and not r.ok and r.tok_s is None
   if status == "timeout": assert 20 <= time.perf_counter() - t0 < 60 and "compile" in r.error
-  if fault == "broken_argmax_topk": assert r.check["wrong_routing"] > 0 and "routing decisions differ" in r.error  # it picks wrong experts
+  # it picks wrong experts
+  if fault == "broken_argmax_topk": assert r.check["wrong_routing"] > 0 and "routing decisions differ" in r.error
   if fault in ("scale_off_one_block", "dropped_residual_one_block"): assert r.check["failed_positions"] > 0, r.check
-  if fault == "dropped_residual_one_block": assert [s.split()[-1] for s in r.check["failed_stages"]] == ["attention"], r.check
+  if fault == "dropped_residual_one_block":
+    assert [s.split()[-1] for s in r.check["failed_stages"]] == ["attention"], r.check
   if status == "invalid_config": assert "topk='bogus'" in r.error
-  if status == "killed": assert "from outside" in r.error and fault.upper() in r.error and r.metrics["host_peak_rss_bytes"] > 1e7
+  if status == "killed":
+    assert "from outside" in r.error and fault.upper() in r.error and r.metrics["host_peak_rss_bytes"] > 1e7
   if status == "oom": assert "device ran out of memory" in r.error
 
 
@@ -111,7 +118,8 @@ def test_argmax_topk_is_right_without_the_fault(ev) -> None:
 
 
 def test_device_lock_serialises_two_callers(ev, inject) -> None:
-  inject("hang")  # each trial holds the device until its 4 s limit: long past the second caller's start, however busy the host
+  # each trial holds the device until its 4 s limit: long past the second caller's start, however busy the host
+  inject("hang")
   spec = ev.spec(BASELINE)
   waits, spans = [], []
   def one() -> None:
@@ -130,7 +138,8 @@ def test_lock_is_released_by_a_dead_holder(tmp_path, monkeypatch) -> None:
   import sys
   monkeypatch.setenv("STRUCTSEARCH_CACHE", str(tmp_path))
   holder = subprocess.Popen([sys.executable, "-c", "import time; from evaluator.lock import DeviceLock\n"
-                             "with DeviceLock('FAKE'): print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+                             "with DeviceLock('FAKE'): print('held', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
   assert holder.stdout.readline().strip() == "held"
   holder.kill()
   holder.wait()
@@ -157,15 +166,17 @@ print(json.dumps(beam))
 
 
 def test_beam_search_time_is_recorded_and_cached_per_study(tmp_path) -> None:
-  """The BEAM search of a kernel is timed apart; its choice lands in the study's own tinygrad cache, where the next trial
-  of the study finds it (and another study's cache does not hold it)."""
+  """The BEAM search of a kernel is timed apart; its choice lands in the study's own tinygrad cache, where the next
+  trial of the study finds it (and another study's cache does not hold it)."""
   import json
   import subprocess
   import sys
-  run = lambda cache: json.loads(subprocess.run([sys.executable, "-c", BEAM_ONE_KERNEL, str(cache)], capture_output=True, text=True, check=True,
+  run = lambda cache: json.loads(subprocess.run([sys.executable, "-c", BEAM_ONE_KERNEL, str(cache)],
+                                                capture_output=True, text=True, check=True,
                                                 env={**os.environ, "PARALLEL": "0"}).stdout)
   first, again = run(tmp_path / "study-a"), run(tmp_path / "study-a")
-  assert first["kernels"] == again["kernels"] == 1 and first["search_s"] > 0.05 and again["search_s"] < first["search_s"] / 10
+  assert first["kernels"] == again["kernels"] == 1 and first["search_s"] > 0.05 and again["search_s"] < first[
+    "search_s"] / 10
   assert (tmp_path / "study-a" / "cache.db").stat().st_size > 0 and not (tmp_path / "study-b").exists()
 
 
@@ -188,12 +199,15 @@ def test_a_beam_budget_stops_searching_once_spent(tmp_path) -> None:
   import json
   import subprocess
   import sys
-  run = lambda cache, budget: json.loads(subprocess.run([sys.executable, "-c", BEAM_TWO_KERNELS, str(cache), str(budget)], capture_output=True,
-                                                        text=True, check=True, env={**os.environ, "PARALLEL": "0"}).stdout)
+  run = lambda cache, budget: json.loads(subprocess.run([sys.executable, "-c", BEAM_TWO_KERNELS, str(cache),
+                                                         str(budget)], capture_output=True,
+                                                        text=True, check=True,
+                                                        env={**os.environ, "PARALLEL": "0"}).stdout)
   spent, again, free = run(tmp_path / "a", 1e-9), run(tmp_path / "a", 1e-9), run(tmp_path / "b", 0)
   for r in (spent, again, free): assert (r["a"], r["b"]) == ([8.0] * 4, [4.0] * 4)
   assert (spent["kernels"], spent["unsearched"]) == (again["kernels"], again["unsearched"]) == (1, 1)
-  assert again["search_s"] < spent["search_s"] / 10  # the first kernel's choice from the cache; the second still unsearched
+  # the first kernel's choice from the cache; the second still unsearched
+  assert again["search_s"] < spent["search_s"] / 10
   assert (free["kernels"], free["unsearched"]) == (2, 0)
 
 
@@ -215,13 +229,15 @@ def test_bandwidth_is_measured_once_and_cached(monkeypatch) -> None:
 def test_cli(ev, tmp_path, capsys) -> None:
   bad = tmp_path / "bad.json"
   bad.write_text('{"beam": 3}')
-  with pytest.raises(SystemExit) as e: evaluator_main(["run", "--model", ev.model, "--device", "CPU", "--config", str(bad)])
+  with pytest.raises(SystemExit) as e:
+    evaluator_main(["run", "--model", ev.model, "--device", "CPU", "--config", str(bad)])
   assert e.value.code == 2 and "beam=3 is not allowed" in capsys.readouterr().err
   with pytest.raises(SystemExit) as e: evaluator_main(["run", "--model", "/nonexistent.gguf"])
   assert e.value.code == 2 and "no GGUF file" in capsys.readouterr().err
   out = tmp_path / "r.json"
   with pytest.raises(SystemExit) as e:
-    evaluator_main(["run", "--model", ev.model, "--device", "CPU", "-n", "4", "--rounds", "1", "--no-prefill", "--json", str(out)])
+    evaluator_main(["run", "--model", ev.model, "--device", "CPU", "-n", "4", "--rounds", "1", "--no-prefill", "--json",
+                    str(out)])
   assert e.value.code == 0
   import json
   assert json.loads(out.read_text())["status"] == "ok"
@@ -234,25 +250,26 @@ def test_cli_beam_budget(ev, tmp_path, monkeypatch) -> None:
   cfg, out = tmp_path / "beam.json", tmp_path / "r.json"
   cfg.write_text('{"beam": 1}')
   with pytest.raises(SystemExit) as e:
-    evaluator_main(["run", "--model", ev.model, "--device", "CPU", "-n", "4", "--rounds", "1", "--no-prefill", "--config", str(cfg),
-                    "--beam-budget", "1e-6", "--json", str(out)])
+    evaluator_main(["run", "--model", ev.model, "--device", "CPU", "-n", "4", "--rounds", "1", "--no-prefill",
+                    "--config", str(cfg), "--beam-budget", "1e-6", "--json", str(out)])
   r = json.loads(out.read_text())
   assert e.value.code == 0 and r["status"] == "ok", r.get("error")
   assert r["metrics"]["beam"]["kernels"] == 1 and r["metrics"]["beam"]["unsearched"] > 5
 
 
 def test_slow_configs_measure_shorter_rounds(gguf_file, monkeypatch) -> None:
-  """A round has n tokens, or as many as last driver.ROUND_S where n would take longer (at least MIN_ROUND_TOKENS): the
-  per-op baseline at 5 tok/s on the H100 measured 3 rounds of 31 steps, 17 s of a 63 s trial, for a figure its first
-  steps already settle."""
+  """A round has n tokens, or as many as last driver.ROUND_S where n would take longer (at least MIN_ROUND_TOKENS): a
+  slow config's trial does not spend most of its time on rounds whose figure its first steps already settle."""
   from model import bench as driver
   from model.deepseek2 import Transformer
   from model.generate import Generator
   from model.gguf_file import GGUFFile
-  assert driver.round_tokens(0.004, 32) == 32 and driver.round_tokens(0.19, 32) == 12  # 250 tok/s: n; 5 tok/s: rounds of 2 s
+  # 250 tok/s: n; 5 tok/s: rounds of 2 s
+  assert driver.round_tokens(0.004, 32) == 32 and driver.round_tokens(0.19, 32) == 12
   assert driver.round_tokens(5.0, 32) == driver.MIN_ROUND_TOKENS and driver.round_tokens(5.0, 4) == 4
   gen = Generator(Transformer(GGUFFile(gguf_file("tiny", "q4_0")), max_context=64))
   first, _ = driver.prepare(gen, 8, prefill=False)
   monkeypatch.setattr(driver, "ROUND_S", 1e-6)  # every step is slow against it
   m = driver.measure(gen, first, 8, 32, 2, 1)
-  assert m["round_tokens"] == len(m["tokens"]) == driver.MIN_ROUND_TOKENS and len(m["tok_s_rounds"]) == 2 and m["deterministic"]
+  assert m["round_tokens"] == len(m["tokens"]) == driver.MIN_ROUND_TOKENS and len(m["tok_s_rounds"]) == 2 and m[
+    "deterministic"]

@@ -17,7 +17,8 @@ from sqlalchemy import create_engine, text
 
 from search.cli import main as search_main
 
-FAST = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--fix", "beam=0", "--confirm", "0", "--seed", "0", "--heartbeat", "0.5"]
+FAST = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--fix", "beam=0", "--confirm", "0", "--seed",
+        "0", "--heartbeat", "0.5"]
 
 
 def search(*argv: str) -> int:
@@ -35,8 +36,8 @@ def rows(url: str, sql: str, **params) -> list:
 
 def started(inject, *argv: str, seconds: float = 1.0) -> subprocess.Popen:
   """`search ARGV` in its own process (and process group) with fake trials of `seconds` each."""
-  return subprocess.Popen([sys.executable, "-m", "search", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=inject(seconds=seconds), start_new_session=True)
+  return subprocess.Popen([sys.executable, "-m", "search", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env=inject(seconds=seconds), start_new_session=True)
 
 
 def running_trial(url: str, proc: subprocess.Popen, timeout: float = 60) -> int:
@@ -47,7 +48,8 @@ def running_trial(url: str, proc: subprocess.Popen, timeout: float = 60) -> int:
     except Exception: mine = []  # noqa: BLE001 - the tables may not exist yet
     if mine: return mine[0][0]
     time.sleep(0.2)
-  raise AssertionError(f"no running trial of pid {proc.pid}: {proc.communicate()[0] if proc.poll() is not None else 'still starting'}")
+  raise AssertionError(f"no running trial of pid {proc.pid}: "
+                       f"{proc.communicate()[0] if proc.poll() is not None else 'still starting'}")
 
 
 def kill(proc: subprocess.Popen) -> None:
@@ -79,7 +81,8 @@ def test_killed_worker_resumed_at_once(model, url, inject, monkeypatch) -> None:
   killed = running_trial(url, p)
   kill(p)
   install_fake_trials(monkeypatch.setattr, seconds=0.2)
-  assert search("start", "--study", "k", "--storage", url, "--heartbeat", "0.5") == 0  # at once: the killed trial's heartbeat is fresh
+  # at once: the killed trial's heartbeat is fresh
+  assert search("start", "--study", "k", "--storage", url, "--heartbeat", "0.5") == 0
   assert_nothing_stuck(url, "k", killed, 3)
 
 
@@ -91,20 +94,22 @@ def test_killed_worker_resumed_later_at_its_target(model, url, inject, monkeypat
   kill(p)
   time.sleep(4)  # past the grace period (3 s at --heartbeat 0.5)
   install_fake_trials(monkeypatch.setattr, seconds=0.2)
-  assert search("start", "--study", "k", "--storage", url, "--trials", "1", "--heartbeat", "0.5") == 0  # at its target, a trial RUNNING
+  # at its target, a trial RUNNING
+  assert search("start", "--study", "k", "--storage", url, "--trials", "1", "--heartbeat", "0.5") == 0
   assert_nothing_stuck(url, "k", killed, 1)
 
 
 def test_a_worker_killed_before_its_first_heartbeat(model, url, inject, monkeypatch) -> None:
-  """A worker killed between starting a trial and its first heartbeat leaves a RUNNING trial that Optuna never fails (it has
-  no heartbeat to go stale); the next run fails it once the grace period has passed and reaches its target."""
+  """A worker killed between starting a trial and its first heartbeat leaves a RUNNING trial that Optuna never fails (it
+  has no heartbeat to go stale); the next run fails it once the grace period has passed and reaches its target."""
   install_fake_trials(monkeypatch.setattr, seconds=0.2)
   assert search("start", "--model", model, "--study", "k", "--storage", url, "--trials", "2", *FAST) == 0
   optuna.load_study(study_name="k", storage=url).ask()  # started by a worker that died before it beat: no heartbeat
   time.sleep(4)  # past the grace period (3 s at --heartbeat 0.5)
   assert search("start", "--study", "k", "--storage", url, "--trials", "3", "--heartbeat", "0.5") == 0
   trials = optuna.load_study(study_name="k", storage=url).trials
-  assert optuna.trial.TrialState.RUNNING not in [t.state for t in trials] and len([t for t in trials if t.state.is_finished()]) >= 3
+  assert optuna.trial.TrialState.RUNNING not in [t.state for t in trials] and len([
+    t for t in trials if t.state.is_finished()]) >= 3
 
 
 def test_killed_worker_while_another_finishes_first(model, pg_url, inject) -> None:
@@ -121,27 +126,34 @@ def test_killed_worker_while_another_finishes_first(model, pg_url, inject) -> No
 
 def test_two_starts_creating_one_study_at_once(model, url, inject) -> None:
   """Two `search start` that both find no study and set out to create it: one creates it, the other joins it (before: on
-  SQLite KeyError 'model_info' or "table study_directions already exists", on PostgreSQL an IntegrityError on uq_ss_study_name)."""
+  SQLite KeyError 'model_info' or "table study_directions already exists", on PostgreSQL an IntegrityError on
+  uq_ss_study_name)."""
   env = inject("slow_study_creation", seconds=0.2)
-  argv = [sys.executable, "-m", "search", "start", "--model", model, "--study", "two", "--storage", url, "--trials", "3", *FAST]
-  procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for _ in range(2)]
+  argv = [sys.executable, "-m", "search", "start", "--model", model, "--study", "two", "--storage", url, "--trials",
+          "3", *FAST]
+  procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+           for _ in range(2)]
   outs = [p.communicate(timeout=300)[0] for p in procs]
   assert [p.returncode for p in procs] == [0, 0] and "Traceback" not in "".join(outs), outs
-  assert rows(url, "SELECT name FROM ss_study") == [("two",)] and [s.study_name for s in optuna.get_all_study_summaries(url)] == ["two"]
+  assert (rows(url, "SELECT name FROM ss_study") == [("two",)]
+          and [s.study_name for s in optuna.get_all_study_summaries(url)] == ["two"])
   trials = optuna.load_study(study_name="two", storage=url).trials
-  assert len([t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]) >= 3 and "model_info" in optuna.load_study(
-    study_name="two", storage=url).user_attrs
+  assert (len([t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]) >= 3
+          and "model_info" in optuna.load_study(study_name="two", storage=url).user_attrs)
 
 
 def test_failing_baseline_stops_the_study(model, tmp_path, monkeypatch, capsys) -> None:
   url = f"sqlite:///{tmp_path / 's.db'}"
-  monkeypatch.setenv("STRUCTSEARCH_CACHE", str(tmp_path / "cache"))  # no reference of this file yet: the baseline's run makes it
+  # no reference of this file yet: the baseline's run makes it
+  monkeypatch.setenv("STRUCTSEARCH_CACHE", str(tmp_path / "cache"))
   install_fake_trials(monkeypatch.setattr, status="runtime_error")
   assert search("start", "--model", model, "--study", "b", "--storage", url, "--trials", "4", *FAST) == 1
   err = capsys.readouterr().err.strip()
-  assert err == "search: error: the baseline config failed to make the reference in trial 0 (runtime_error: injected runtime_error): the study stops"
+  assert err == ("search: error: the baseline config failed to make the reference in trial 0 (runtime_error: injected "
+                 "runtime_error): the study stops")
   assert rows(url, "SELECT number, state FROM ss_trial") == [(0, "runtime_error")]
-  install_fake_trials(monkeypatch.setattr)  # the cause fixed: the baseline is measured again, first, and the study goes on
+  # the cause fixed: the baseline is measured again, first, and the study goes on
+  install_fake_trials(monkeypatch.setattr)
   assert search("start", "--study", "b", "--storage", url) == 0
   assert rows(url, "SELECT number, state FROM ss_trial ORDER BY number")[:2] == [(0, "runtime_error"), (1, "ok")]
 
@@ -153,11 +165,13 @@ def test_killed_config_is_measured_again_up_to_the_retry_limit(model, tmp_path, 
   url = f"sqlite:///{tmp_path / 's.db'}"
   ok, sigkill = fake_run_process(), fake_run_process(status="killed")
   install_fake_trials(monkeypatch.setattr)
-  monkeypatch.setattr("evaluator.runner.run_process", lambda spec, *a: (sigkill if spec.config["topk"] == "sort" else ok)(spec, *a))
+  monkeypatch.setattr("evaluator.runner.run_process", lambda spec,
+                      *a: (sigkill if spec.config["topk"] == "sort" else ok)(spec, *a))
   from search.study import model_info
   from space.knobs import knobs
   pins = [f"--fix={k.name}={k.default}" for k in knobs(model_info(model), "CPU") if k.name != "topk"]
-  args = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--confirm", "0", "--seed", "3", "--sampler", "random"]
+  args = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--confirm", "0", "--seed", "3", "--sampler",
+          "random"]
   assert search("start", "--model", model, "--study", "r", "--storage", url, "--trials", "12", *args, *pins) == 0
   sort = [s for s, c in rows(url, "SELECT state, config_json FROM ss_trial ORDER BY number") if '"topk": "sort"' in c]
   assert len(sort) > 3 and sort[:3] == ["killed"] * 3 and set(sort[3:]) == {"reused"}, sort

@@ -2,9 +2,10 @@
 
 Logits are compared per position as max_v |ours - theirs| / std_v(theirs).
 - Against the reference, with an f32 KV cache, the only difference is float32 vs float64 arithmetic: bound 1e-4.
-- Against llama.cpp (also with an f32 cache) the bound is the activation-rounding bound derived in `reference.llamacpp_logits`
-  (llama.cpp rounds every matmul input to 8-bit blocks for quantized weights, to fp16/bf16 for float weights) plus ours.
-  Token sequences avoid routing near-ties, where a legitimate expert flip would exceed any rounding bound.
+- Against llama.cpp (also with an f32 cache) the bound is the activation-rounding bound derived in
+  `reference.llamacpp_logits` (llama.cpp rounds every matmul input to 8-bit blocks for quantized weights, to fp16/bf16
+  for float weights) plus ours. Token sequences avoid routing near-ties, where a legitimate expert flip would exceed any
+  rounding bound.
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def check_llama_cpp(path: str, tokens: list[int]) -> None:
   mine, lcpp = ours(path, tokens), llamacpp_logits(path, tokens, kv_cache="f32")
   bound = llamacpp_error_bound(path, tokens, kv_cache="f32") + 1e-4
   err = rel_err(mine, lcpp)
-  assert err.max() <= bound, f"positions {np.flatnonzero(err > bound).tolist()}: max |dlogit|/std {err.max():.3g} > bound {bound:.3g}"
+  assert err.max() <= bound, (f"positions {np.flatnonzero(err > bound).tolist()}: max |dlogit|/std {err.max():.3g} > "
+                              f"bound {bound:.3g}")
   top2 = np.sort(lcpp, axis=1)[:, -2:]
   decisive = top2[:, 1] - top2[:, 0] > 2 * bound * lcpp.std(axis=1)
   np.testing.assert_array_equal(mine.argmax(1)[decisive], lcpp.argmax(1)[decisive])
@@ -66,7 +68,8 @@ def test_matches_llama_cpp(gguf_file, preset: str, quant: str, legacy: bool) -> 
 @pytest.mark.slow  # about 15 CPU minutes and 10 GB: `make test-slow`
 @pytest.mark.parametrize("preset,quant", [("glm-4.7-flash", "q4_k_m"), ("deepseek-v2-lite", "q4_0")])
 def test_full_width_two_layers_match_llama_cpp(tmp_path_factory, preset: str, quant: str, record_property) -> None:
-  """2-layer files with the real models' exact widths, vocabularies and routing; plus a free-running greedy comparison."""
+  """2-layer files with the real models' exact widths, vocabularies and routing; plus a free-running greedy
+  comparison."""
   llama_cpp = pytest.importorskip("llama_cpp")
   from model.synth import write_synthetic
   path = str(write_synthetic(tmp_path_factory.mktemp("wide") / f"{preset}.gguf", preset, layers=2, quant=quant))
@@ -97,14 +100,16 @@ def test_generation_is_deterministic(gguf_file) -> None:
   gen = generator(gguf_file("tiny", "q4_0"), f32_kv=False)
   a, b = list(gen.generate([1, 2, 3], 8)), list(gen.generate([1, 2, 3], 8))
   assert a == b and len(a) == 8
-  s1, s2 = list(gen.generate([1, 2, 3], 8, temperature=1.0, seed=7)), list(gen.generate([1, 2, 3], 8, temperature=1.0, seed=7))
+  s1, s2 = (list(gen.generate([1, 2, 3], 8, temperature=1.0, seed=7)),
+            list(gen.generate([1, 2, 3], 8, temperature=1.0, seed=7)))
   assert s1 == s2
 
 
 @pytest.mark.parametrize("n", [5, 128, 129, 1000, 154880])
 def test_argmax_first_is_numpys(n: int) -> None:
   rng = np.random.default_rng(n)
-  for x in (rng.standard_normal(n).astype(np.float32), np.round(rng.standard_normal(n), 1).astype(np.float32)):  # the second: many ties
+  # the second: many ties
+  for x in (rng.standard_normal(n).astype(np.float32), np.round(rng.standard_normal(n), 1).astype(np.float32)):
     x[rng.integers(0, n, 3)] = x.max()  # the maximum three more times, in different groups
     assert int(argmax_first(Tensor(x)).item()) == int(np.argmax(x))
 
@@ -120,14 +125,15 @@ def test_host_copies_round_trip_and_refuse_another_size() -> None:
 
 
 def test_a_decode_step_schedules_nothing(gguf_file, monkeypatch) -> None:
-  """The first step captures the graph (capture_first); from the second on, a step copies its token in and its output out:
-  no graph is scheduled, and the tokens are the greedy ones."""
+  """The first step captures the graph (capture_first); from the second on, a step copies its token in and its output
+  out: no graph is scheduled, and the tokens are the greedy ones."""
   gen = generator(gguf_file("tiny", "q4_0"), f32_kv=False)
   gen.model.reset()
   want = [int(np.argmax(gen.step_logits(t, i))) for i, t in enumerate([4, 9, 2, 7])]
   got = [gen.step(4, 0)]
   scheduled = []
-  monkeypatch.setattr(Tensor, "linear_with_vars", lambda *a, **k: scheduled.append(a) or pytest.fail("a step scheduled a graph"))
+  monkeypatch.setattr(Tensor, "linear_with_vars", lambda *a,
+                      **k: scheduled.append(a) or pytest.fail("a step scheduled a graph"))
   got += [gen.step(t, i) for i, t in enumerate([9, 2, 7], start=1)]
   assert got == want and not scheduled
 

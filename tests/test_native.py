@@ -1,9 +1,10 @@
-"""The native backend (model/backends/native.py). Everywhere: the space offers native only on CUDA, a model asked to build it
-elsewhere refuses with a message, every kernel a model builds compiles with NVRTC, and the fused stages run in a model on
-the CPU through the CUDA emulator (tests/native_cpu.py). Where it runs (tinygrad's CUDA device: DEV=CUDA on an NVIDIA GPU):
-each product equals the tensor backend's at small shapes and at GLM-4.7-Flash's widths, every native knob value (backends
-and fused stages) passes tests/knobcheck.py's proof on the tiny preset and on the 2-layer GLM-4.7-Flash file in each quant
-mix, the JIT batch size of a CUDA study changes the decode step's graphs, and the BEAM limits its kernels.
+"""The native backend (model/backends/native.py). Everywhere: the space offers native only on CUDA, a model asked to
+build it elsewhere refuses with a message, every kernel a model builds compiles with NVRTC, and the fused stages run in
+a model on the CPU through the CUDA emulator (tests/native_cpu.py). Where it runs (tinygrad's CUDA device: DEV=CUDA on
+an NVIDIA GPU): each product equals the tensor backend's at small shapes and at GLM-4.7-Flash's widths, every native
+knob value (backends and fused stages) passes tests/knobcheck.py's proof on the tiny preset and on the 2-layer
+GLM-4.7-Flash file in each quant mix, the JIT batch size of a CUDA study changes the decode step's graphs, and the BEAM
+limits its kernels.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from model.gguf_file import GGUFFile
 from model.structure import ConfigError, StructureConfig
 from space.knobs import ModelInfo, knobs, single_knob_changes
 
-needs_cuda = pytest.mark.skipif(not native.available(), reason="native kernels run on tinygrad's CUDA device: DEV=CUDA on an NVIDIA GPU")
+needs_cuda = pytest.mark.skipif(not native.available(),
+                                reason="native kernels run on tinygrad's CUDA device: DEV=CUDA on an NVIDIA GPU")
 TOKENS = tuple((7919 * i + 17) % 1000 for i in range(16))
 MIXES = ("q4_0", "q8_0", "q4_k_m", "f16")  # every type the issue names: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K (q4_k_m) and F16
 
@@ -48,13 +50,15 @@ def test_space_offers_native_only_on_cuda() -> None:
 
 
 def nvrtc(arch: str):
-  """tinygrad's NVRTC compiler for `arch`, from the system's CUDA or the nvidia-cuda-nvrtc-cu12 wheel (tests/conftest.py)."""
+  """tinygrad's NVRTC compiler for `arch`, from the system's CUDA or the nvidia-cuda-nvrtc-cu12 wheel
+  (tests/conftest.py)."""
   try:
     from tinygrad.runtime.support.compiler_cuda import NVRTCCompiler
     return NVRTCCompiler(arch)
   except Exception as e:  # noqa: BLE001 - no NVRTC here: what is missing is reported
     why = f"NVRTC is not available ({type(e).__name__}: {e}); pip install nvidia-cuda-nvrtc-cu12"
-    if os.environ.get("CI") and sys.platform == "linux" and platform.machine() == "x86_64": pytest.fail(why + " (a dev dependency here)")
+    if os.environ.get("CI") and sys.platform == "linux" and platform.machine() == "x86_64":
+      pytest.fail(why + " (a dev dependency here)")
     pytest.skip(why)
 
 
@@ -76,17 +80,23 @@ def model_kernels(path: str, cfg: StructureConfig, monkeypatch, positions: int =
 
 
 def test_native_sources_compile_for_ampere_and_hopper(glm_file, gguf_file, monkeypatch) -> None:
-  """Every native kernel a decode step of GLM-4.7-Flash's shape builds (Q4_0 and the Q4_K_M mix, all stages fused and the
-  per-op products), of the tiny-lite preset (direct q, softmax router, two shared experts), and the multi-token products of
-  each type, compiles with NVIDIA's runtime compiler for sm_80 and sm_90 as tinygrad compiles it on the GPU; this runs on
-  any Linux machine."""
+  """Every native kernel a decode step of GLM-4.7-Flash's shape builds (Q4_0 and the Q4_K_M mix, all stages fused and
+  the per-op products), of the tiny-lite preset (direct q, softmax router, two shared experts), and the multi-token
+  products of each type, compiles with NVIDIA's runtime compiler for sm_80 and sm_90 as tinygrad compiles it on the GPU;
+  this runs on any Linux machine."""
   compilers = [nvrtc(arch) for arch in ("sm_80", "sm_90")]
-  kernels = [k for path, cfg in ((glm_file("q4_0"), ALL_NATIVE), (glm_file("q4_k_m"), ALL_NATIVE), (gguf_file("tiny-lite", "q4_0"), ALL_NATIVE),
-                                 (glm_file("q4_k_m"), StructureConfig(backends={f"{q}:{r}": "native" for q in ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
-                                                                               for r in ("dense", "expert")})))
-             for k in model_kernels(path, StructureConfig.from_dict(cfg) if isinstance(cfg, dict) else cfg, monkeypatch)]
+  kernels = [k
+             for path,
+             cfg in ((glm_file("q4_0"), ALL_NATIVE), (glm_file("q4_k_m"), ALL_NATIVE), (
+                 gguf_file("tiny-lite", "q4_0"), ALL_NATIVE), (
+                     glm_file("q4_k_m"), StructureConfig(
+                         backends={f"{q}:{r}": "native" for q in ("Q4_K", "Q5_K", "Q6_K", "Q8_0") for r in (
+                             "dense", "expert")})))
+             for k in model_kernels(path, StructureConfig.from_dict(cfg) if isinstance(cfg, dict)
+                                    else cfg, monkeypatch)]
   kernels += [cuda_src.product(role, t, shape, **dims) for t in cuda_src.UNITS
-              for role, shape, dims in (("dense", (1536, 2048), {"tn": 8, "n": 13}), ("per_head", (20, 512, 256), {"tn": 8, "n": 11, "heads": 20}))]
+              for role, shape, dims in (("dense", (1536, 2048), {"tn": 8, "n": 13}),
+                                        ("per_head", (20, 512, 256), {"tn": 8, "n": 11, "heads": 20}))]
   names = {k.name.split("_")[1] for k in kernels}
   assert {"dense", "per", "expert", "mla", "router", "glu", "down"} <= names, names
   for k in kernels:
@@ -94,19 +104,21 @@ def test_native_sources_compile_for_ampere_and_hopper(glm_file, gguf_file, monke
     for compiler in compilers: assert compiler.compile(k.src), (compiler.arch, k.name)
 
 
-TOKENS_EMU = tuple((7919 * i + 17) % 1000 for i in range(10))  # 10 positions: the attention's splits of 8 (context 16) both hold some
+# 10 positions: the attention's splits of 8 (context 16) both hold some
+TOKENS_EMU = tuple((7919 * i + 17) % 1000 for i in range(10))
 
 
 def eager_logits(path: str, cfg: StructureConfig) -> np.ndarray:
   """Decode logits (positions, vocab) of eager forward passes (no JIT), with the native kernels in the CPU emulator."""
   m = Transformer(gguf(path), cfg, max_context=16)
-  return np.stack([m.forward(Tensor([[t]], dtype=dtypes.int32), i).numpy()[0, -1] for i, t in enumerate(TOKENS_EMU)]).astype(np.float64)
+  return np.stack([m.forward(Tensor([[t]], dtype=dtypes.int32), i).numpy()[0, -1]
+                   for i, t in enumerate(TOKENS_EMU)]).astype(np.float64)
 
 
 @pytest.mark.parametrize("preset,mix", [("tiny", "q4_0"), ("tiny-lite", "q4_0"), ("tiny", "q4_k_m")])
 def test_fused_stages_in_the_cpu_emulator(gguf_file, monkeypatch, preset: str, mix: str) -> None:
-  """All four stages fused on native kernels, run by the CUDA emulator: decode logits equal the baseline's within the fp16
-  bound (the baseline's fp16 KV cache; tests/knobcheck.py), the top token kept where the lead is decisive."""
+  """All four stages fused on native kernels, run by the CUDA emulator: decode logits equal the baseline's within the
+  fp16 bound (the baseline's fp16 KV cache; tests/knobcheck.py), the top token kept where the lead is decisive."""
   path = gguf_file(preset, mix)
   base = eager_logits(path, StructureConfig())
   with native_on_cpu(monkeypatch): got = eager_logits(path, StructureConfig.from_dict(ALL_NATIVE))
@@ -115,15 +127,17 @@ def test_fused_stages_in_the_cpu_emulator(gguf_file, monkeypatch, preset: str, m
 
 @pytest.mark.parametrize("quant", ["Q4_0", "Q8_0"])
 def test_q8_kernels_compute_the_dsl_twins_rounding(quant: str) -> None:
-  """ffn_act=q8: the native glu and down kernels (in the emulator) equal float products of the activations rounded by the
-  dsl twin's q8_round. Down reads its input as given, so it matches to float rounding; glu normalises first, and a value
-  whose norm differs by an ulp may round to the neighbouring 8-bit step (one element of one row: ~1e-3 of the row)."""
+  """ffn_act=q8: the native glu and down kernels (in the emulator) equal float products of the activations rounded by
+  the dsl twin's q8_round. Down reads its input as given, so it matches to float rounding; glu normalises first, and a
+  value whose norm differs by an ulp may round to the neighbouring 8-bit step (one element of one row: ~1e-3 of the
+  row)."""
   from model.backends.dsl import q8_round
   t, rng = TYPES[quant], np.random.default_rng(3)
   dim, F, E, K, Fs = 256, 64, 8, 2, 128
   W = lambda inp: cuda_src.W("", t, inp)
   routed, plain = cuda_src.FFN(W(dim), W(dim), W(F), F, E, F, 0), cuda_src.FFN(W(dim), W(dim), W(Fs), Fs, 0, Fs, 0)
-  (g, gw), (u, uw), (sg, sgw), (su, suw) = (kernel_weight(t, s, i) for i, s in enumerate([(E, F, dim), (E, F, dim), (Fs, dim), (Fs, dim)]))
+  (g, gw), (u, uw), (sg, sgw), (su, suw) = (kernel_weight(t, s, i)
+                                            for i, s in enumerate([(E, F, dim), (E, F, dim), (Fs, dim), (Fs, dim)]))
   (d, dw), (sd, sdw) = kernel_weight(t, (E, dim, F), 5), kernel_weight(t, (dim, Fs), 6)
   x, gamma = rng.standard_normal(dim).astype(np.float32), rng.standard_normal(dim).astype(np.float32)
   sel, wts = np.array([3, 7], np.int32), np.array([0.6, 0.4], np.float32)
@@ -138,7 +152,8 @@ def test_q8_kernels_compute_the_dsl_twins_rounding(quant: str) -> None:
   k = cuda_src.down(routed, plain, K, dim, act="q8")
   out = np.zeros(dim, np.float32)
   cuda_cpu.launch(k.src, k.name, k.grid, (k.threads, 1, 1), [out, x, act, sel, wts, *d, *sd])
-  want = x + sum(wk * (dw[e] @ q8(act[i * F:(i + 1) * F])) for i, (e, wk) in enumerate(zip(sel, wts, strict=True))) + sdw @ q8(act[K * F:])
+  want = x + sum(wk * (dw[e] @ q8(act[i * F:(i + 1) * F])) for i, (e, wk) in enumerate(zip(
+    sel, wts, strict=True))) + sdw @ q8(act[K * F:])
   assert rel_err(out[None], want[None]).max() < 1e-5
   f32 = cuda_src.down(routed, plain, K, dim)
   cuda_cpu.launch(f32.src, f32.name, f32.grid, (f32.threads, 1, 1), [out, x, act, sel, wts, *d, *sd])
@@ -147,14 +162,18 @@ def test_q8_kernels_compute_the_dsl_twins_rounding(quant: str) -> None:
 
 @pytest.mark.parametrize("quant,Fs", [("Q4_0", 128), ("Q8_0", 64), ("Q4_0", 0)])
 def test_glu_hands_down_its_8bit_output(quant: str, Fs: int) -> None:
-  """With 8-bit activations, glu writes its output as down reads it (words of codes, scales and sums per 32, out_q8): the
-  codes and scales are q8_round's of the float output, and down computes from them what it computes from the floats."""
+  """With 8-bit activations, glu writes its output as down reads it (words of codes, scales and sums per 32, out_q8):
+  the codes and scales are q8_round's of the float output, and down computes from them what it computes from the
+  floats."""
   from model.backends.dsl import q8_round
   t, rng, dim, F, E, K = TYPES[quant], np.random.default_rng(9), 256, 64, 8, 2
   W = lambda inp: cuda_src.W("", t, inp)
-  routed, plain = cuda_src.FFN(W(dim), W(dim), W(F), F, E, F, 0), Fs and cuda_src.FFN(W(dim), W(dim), W(Fs), Fs, 0, Fs, 0) or None
-  (g, _), (u, _), (d, dw) = kernel_weight(t, (E, F, dim), 1), kernel_weight(t, (E, F, dim), 2), kernel_weight(t, (E, dim, F), 3)
-  (sg, _), (su, _), (sd, sdw) = (kernel_weight(t, s, i) for i, s in ((4, (Fs, dim)), (5, (Fs, dim)), (6, (dim, Fs)))) if Fs else (([], None),) * 3
+  routed, plain = (cuda_src.FFN(W(dim), W(dim), W(F), F, E, F, 0), Fs
+                   and cuda_src.FFN(W(dim), W(dim), W(Fs), Fs, 0, Fs, 0) or None)
+  (g, _), (u, _), (d, dw) = (kernel_weight(t, (E, F, dim), 1), kernel_weight(t, (E, F, dim), 2),
+                             kernel_weight(t, (E, dim, F), 3))
+  (sg, _), (su, _), (sd, sdw) = ((kernel_weight(t, s, i) for i, s in ((4, (Fs, dim)), (5, (Fs, dim)), (6, (dim, Fs))))
+                                 if Fs else (([], None),) * 3)
   x, gamma = rng.standard_normal(dim).astype(np.float32), rng.standard_normal(dim).astype(np.float32)
   sel, wts = rng.choice(E, K, replace=False).astype(np.int32), rng.random(K).astype(np.float32)
   assert cuda_src.down_reads_q8(routed, plain)
@@ -164,21 +183,23 @@ def test_glu_hands_down_its_8bit_output(quant: str, Fs: int) -> None:
   packed = np.zeros(units * cuda_src.Q8_ACT, np.float32)
   k = cuda_src.glu(routed, plain, K, dim, 1e-5, act="q8", out_q8=True)
   cuda_cpu.launch(k.src, k.name, k.grid, (k.threads, 1, 1), [packed, x, gamma, sel, *g, *u, *sg, *su])
-  codes, scales = packed[:units * 8].view(np.int8).reshape(units, 32).astype(np.float64), packed[units * 8:units * 9].astype(np.float64)
+  codes, scales = (packed[:units * 8].view(np.int8).reshape(units, 32).astype(np.float64),
+                   packed[units * 8:units * 9].astype(np.float64))
   assert (codes.sum(1) == packed[units * 9:].view(np.int32)).all()
   act = (codes * scales[:, None]).reshape(-1)
   assert rel_err(act[None], q8_round(Tensor(floats)).numpy()[None]).max() < 1e-5
   out = np.zeros(dim, np.float32)
   k = cuda_src.down(routed, plain, K, dim, "q8", "q8")
   cuda_cpu.launch(k.src, k.name, k.grid, (k.threads, 1, 1), [out, x, packed, sel, wts, *d, *sd])
-  want = x + sum(wk * (dw[e] @ act[i * F:(i + 1) * F]) for i, (e, wk) in enumerate(zip(sel, wts, strict=True))) + (sdw @ act[K * F:] if Fs else 0)
+  want = x + sum(wk * (dw[e] @ act[i * F:(i + 1) * F]) for i, (e, wk) in enumerate(zip(sel, wts, strict=True))) + (
+    sdw @ act[K * F:] if Fs else 0)
   assert rel_err(out[None], want[None]).max() < 1e-5
 
 
 def test_q8_handoff_where_gate_up_runs_one_wave(monkeypatch) -> None:
-  """glu hands down its 8-bit output where down splits over units and glu's 32-output blocks fit two to a multiprocessor:
-  GLM-4.7-Flash's 240 on a 132-multiprocessor card, not DeepSeek-V2-Lite's 352 (6 experts of 1408 and 2816 shared
-  outputs), nor a plain FFN of another type than the experts'."""
+  """glu hands down its 8-bit output where down splits over units and glu's 32-output blocks fit two to a
+  multiprocessor: GLM-4.7-Flash's 240 on a 132-multiprocessor card, not DeepSeek-V2-Lite's 352 (6 experts of 1408 and
+  2816 shared outputs), nor a plain FFN of another type than the experts'."""
   from model.presets import PRESETS
   monkeypatch.setattr(native, "sm_count", lambda device: 132)
   def ffns(preset: str, plain_t: int = TYPES["Q4_0"]) -> tuple:
@@ -195,9 +216,9 @@ def test_q8_handoff_where_gate_up_runs_one_wave(monkeypatch) -> None:
 
 @pytest.mark.parametrize("handoff,glm,deepseek", [("rule", True, False), ("on", True, True), ("off", False, False)])
 def test_kernel_lab_builds_the_handoff_as_asked(monkeypatch, handoff: str, glm: bool, deepseek: bool) -> None:
-  """benchmarks/kernel_lab.py --handoff: its 8-bit MoE kernels hand off where this tree's rule puts it on a 132-multiprocessor
-  card (rule), wherever down can read it (on), or nowhere (off); its float kernels never. cupy is not imported here: the
-  lab only builds sources."""
+  """benchmarks/kernel_lab.py --handoff: its 8-bit MoE kernels hand off where this tree's rule puts it on a
+  132-multiprocessor card (rule), wherever down can read it (on), or nowhere (off); its float kernels never. cupy is not
+  imported here: the lab only builds sources."""
   monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
   from benchmarks import kernel_lab
   for preset, want in (("glm-4.7-flash", glm), ("deepseek-v2-lite", deepseek)):
@@ -208,25 +229,30 @@ def test_kernel_lab_builds_the_handoff_as_asked(monkeypatch, handoff: str, glm: 
 
 @pytest.mark.parametrize("n,G", [(1, 32), (2, 32), (8, 32), (16, 32), (32, 32), (4, 8), (8, 8)])
 def test_lane_sums_scatter_each_sum_over_its_group(n: int, G: int) -> None:
-  """lane_sums: after the butterfly, lane l of each group of G holds the group's sum of accs[k(l)], every lane of a warp."""
+  """lane_sums: after the butterfly, lane l of each group of G holds the group's sum of accs[k(l)], every lane of a
+  warp."""
   sums, k = cuda_src.lane_sums([f"a[{i}]" for i in range(n)], "lane", G)
-  src = (cuda_src.PRELUDE + f'extern "C" __global__ void ls(float* out, int* idx, const float* x) {{ const int lane = threadIdx.x & 31;'
-         f" float a[{n}]; for (int i = 0; i < {n}; i++) a[i] = x[threadIdx.x * {n} + i]; {sums} out[threadIdx.x] = lsum; idx[threadIdx.x] = {k}; }}")
+  src = (cuda_src.PRELUDE + f'extern "C" __global__ void ls(float* out, int* idx, const float* x) {{ const int lane = '
+         'threadIdx.x & 31;'
+         f" float a[{n}]; for (int i = 0; i < {n}; i++) a[i] = x[threadIdx.x * {n} + i]; {sums} out[threadIdx.x] = "
+         f"lsum; idx[threadIdx.x] = {k}; }}")
   x = np.random.default_rng(n * G).standard_normal((64, n)).astype(np.float32)
   out, idx = np.zeros(64, np.float32), np.zeros(64, np.int32)
   cuda_cpu.launch(src, "ls", (1, 1, 1), (64, 1, 1), [out, idx, x])
   lanes = np.arange(64)
-  assert (idx == lanes % 32 % n if n == 1 else idx == np.array([int(f"{lane % n:0{n.bit_length() - 1}b}"[::-1], 2) for lane in lanes])).all()
+  assert (idx == lanes % 32 % n if n == 1
+          else idx == np.array([int(f"{lane % n:0{n.bit_length() - 1}b}"[::-1], 2) for lane in lanes])).all()
   want = x.reshape(64 // G, G, n).sum(1)[lanes // G, idx]
   np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("routed_t,plain_t,Fs,layout", [("Q4_0", "Q4_0", 64, "units"), ("Q8_0", "Q8_0", 128, "units"),
-                                                        ("Q4_0", "Q8_0", 64, "slots"), ("Q4_0", "Q4_0", 96, "slots"), (None, "Q4_0", 160, "units")])
+                                                        ("Q4_0", "Q8_0", 64, "slots"), ("Q4_0", "Q4_0", 96, "slots"),
+                                                        (None, "Q4_0", 160, "units")])
 def test_down_layouts(routed_t: str | None, plain_t: str, Fs: int, layout: str) -> None:
-  """down splits its work over (slot, unit) pairs where the plain FFN's down weight has the routed one's type and a multiple
-  of its width (the shared experts of DeepSeek-V2-Lite: twice it), else a warp per slot; both compute res + the weighted
-  routed products + the plain one (a dense block's FFN alone too), float32 and 8-bit, in the emulator."""
+  """down splits its work over (slot, unit) pairs where the plain FFN's down weight has the routed one's type and a
+  multiple of its width (the shared experts of DeepSeek-V2-Lite: twice it), else a warp per slot; both compute res + the
+  weighted routed products + the plain one (a dense block's FFN alone too), float32 and 8-bit, in the emulator."""
   from model.backends.dsl import q8_round
   rng, dim, F, E, K = np.random.default_rng(5), 256, 64, 8, 3
   rt, pt = routed_t and TYPES[routed_t], TYPES[plain_t]
@@ -238,7 +264,8 @@ def test_down_layouts(routed_t: str | None, plain_t: str, Fs: int, layout: str) 
   sel, wts = rng.choice(E, K, replace=False).astype(np.int32), rng.random(K).astype(np.float32)
   for form in ("f32", "q8"):
     q = (lambda v: q8_round(Tensor(v)).numpy().astype(np.float64)) if form == "q8" else (lambda v: v.astype(np.float64))
-    want = x + sdw @ q(act[k_ * F:]) + (sum(wk * (dw[e] @ q(act[i * F:(i + 1) * F])) for i, (e, wk) in enumerate(zip(sel, wts, strict=True)))
+    want = x + sdw @ q(act[k_ * F:]) + (sum(wk * (dw[e] @ q(act[i * F:(i + 1) * F])) for i, (e, wk) in enumerate(zip(
+      sel, wts, strict=True)))
                                        if routed else 0)
     k = cuda_src.down(routed, plain, k_, dim, form)
     assert k.name.endswith("_slots") == (layout == "slots"), k.name
@@ -248,18 +275,20 @@ def test_down_layouts(routed_t: str | None, plain_t: str, Fs: int, layout: str) 
 
 
 def test_decode_kernels_issue_their_weight_reads_before_their_first_barrier() -> None:
-  """The latency-bound decode kernels (gate+up, down, the norm-folded and residual products, the single-token products, the
-  router) read their weights as weak streaming loads (__ldcs) before the block's first barrier, and
+  """The latency-bound decode kernels (gate+up, down, the norm-folded and residual products, the single-token products,
+  the router) read their weights as weak streaming loads (__ldcs) before the block's first barrier, and
   their input from shared memory after it (down: glu's 8-bit output, or float32 read after the barrier). The compiler
-  moves neither a weak load below a barrier nor a shared read above it, so every weight read of a lane is in flight before
-  its first product waits on memory; read-only loads it did sink below the products (down on the H100: GLM-4.7-Flash's
-  6.20 -> 5.14 us, pinned)."""
+  moves neither a weak load below a barrier nor a shared read above it, so every weight read of a lane is in flight
+  before its first product waits on memory; read-only loads it did sink below the products."""
   t, dim, F = TYPES["Q4_0"], 256, 64
   W = lambda inp, p="": cuda_src.W(p, t, inp)
   routed = cuda_src.FFN(W(dim), W(dim), W(F), F, 8, F, 0)
-  ks = [cuda_src.glu(routed, None, 2, dim, 1e-5, act=act) for act in ("f32", "q8")] + [cuda_src.glu(routed, None, 2, dim, 1e-5, 4, "q8", True)]
-  ks += [cuda_src.dense(((W(dim, "a_"), 96), (W(dim, "b_"), 40)), 4, 1e-5), cuda_src.dense(((W(160, "a_"), dim),), 2, None, residual=True)]
-  ks += [cuda_src.product("per_head", t, (4, 64, 128), tn=1, n=1, heads=4), cuda_src.product("dense", t, (96, dim), tn=1, n=1)]
+  ks = [cuda_src.glu(routed, None, 2, dim, 1e-5, act=act)
+        for act in ("f32", "q8")] + [cuda_src.glu(routed, None, 2, dim, 1e-5, 4, "q8", True)]
+  ks += [cuda_src.dense(((W(dim, "a_"), 96), (W(dim, "b_"), 40)), 4, 1e-5),
+         cuda_src.dense(((W(160, "a_"), dim),), 2, None, residual=True)]
+  ks += [cuda_src.product("per_head", t, (4, 64, 128), tn=1, n=1, heads=4),
+         cuda_src.product("dense", t, (96, dim), tn=1, n=1)]
   ks += [cuda_src.router(W(dim, "g_"), 8, 2, 1e-5, 2, True, True, 1.0)]
   downs = [cuda_src.down(routed, None, 2, dim, "q8", act_in) for act_in in ("f32", "q8")]
   for k in ks + downs:
@@ -294,10 +323,10 @@ def test_wide_products_read_x_as_two_8bit_planes(quant: str, form: str) -> None:
 
 @pytest.mark.parametrize("mix", ["q4_0", "q8_0"])
 def test_q8_activations_in_the_cpu_emulator(gguf_file, monkeypatch, mix: str) -> None:
-  """ffn_act=q8 on the fused FFN stages, native (emulated) and dsl, in a model: decode logits near the baseline's and its
-  top token where decisive. 8-bit activations are llama.cpp's arithmetic, not a float reordering: on this 3-block file
-  they move the logits by up to 5.2e-2 of their std (free routing), so the bound is twice the gate's FP16_TOL; the exact
-  check of the arithmetic is the kernel test above."""
+  """ffn_act=q8 on the fused FFN stages, native (emulated) and dsl, in a model: decode logits near the baseline's and
+  its top token where decisive. 8-bit activations are llama.cpp's arithmetic, not a float reordering: on this 3-block
+  file they move the logits by up to 5.2e-2 of their std (free routing), so the bound is twice the gate's FP16_TOL; the
+  exact check of the arithmetic is the kernel test above."""
   path = gguf_file("tiny", mix)
   base = eager_logits(path, StructureConfig())
   cfg = lambda b: StructureConfig(fused={"moe": b, "ffn": b}, ffn_act="q8")
@@ -307,8 +336,11 @@ def test_q8_activations_in_the_cpu_emulator(gguf_file, monkeypatch, mix: str) ->
 
 def test_q8_activations_need_a_fused_ffn_stage_and_integer_codes(gguf_file) -> None:
   with pytest.raises(ConfigError, match="fused FFN stages only"): StructureConfig(ffn_act="q8")
-  with pytest.raises(ConfigError, match="ffn_act=q8 needs the fused moe stage's weights in Q4_0 or Q8_0; blk.1.ffn_gate_exps.weight is Q4_K"):
-    Transformer(GGUFFile(gguf_file("tiny", "q4_k")), StructureConfig(fused={"moe": "dsl"}, ffn_act="q8"), max_context=16)
+  with pytest.raises(ConfigError,
+                     match="ffn_act=q8 needs the fused moe stage's weights in Q4_0 or Q8_0; blk.1.ffn_gate_exps.weight "
+                     "is Q4_K"):
+    Transformer(GGUFFile(gguf_file("tiny", "q4_k")), StructureConfig(fused={"moe": "dsl"}, ffn_act="q8"),
+                max_context=16)
   names = lambda mix: {k.name for k in knobs(mix_info(mix), "CUDA")}
   assert "ffn_act" in names("q4_0") and "ffn_act" in names("q8_0") and "ffn_act" not in names("q4_k_m")
 
@@ -338,8 +370,10 @@ def test_decode_runs_native_kernels_in_the_graph(gguf_file, mix: str) -> None:
   for i in range(3): gen.step(1, 4 + i)
   names = [n for n, _ in jit_kernels(gen.step_jit)]
   n_moe = sum(n.endswith(".ffn_gate_exps.weight") for n in GGUFFile(path).tensors)
-  assert sum(n.startswith("native_expert_") for n in names) == 3 * n_moe and any(n.startswith("native_dense_") for n in names)
-  assert not any(c.src[0].op is Ops.PROGRAM for c in gen.step_jit.captured.linear.src), "a kernel runs outside the JIT's graphs"
+  assert sum(n.startswith("native_expert_") for n in names) == 3 * n_moe and any(n.startswith(
+    "native_dense_") for n in names)
+  assert not any(c.src[0].op is Ops.PROGRAM
+                 for c in gen.step_jit.captured.linear.src), ("a kernel runs outside the " "JIT's graphs")
 
 
 @needs_cuda
@@ -357,13 +391,15 @@ def test_glm_native_knobs(glm_file, mix: str) -> None:
     check_knob(path, label, cfg, TOKENS[:8], steps=2)
 
 
-CUDA_SETTINGS = [(lbl, cfg) for lbl, cfg in single_knob_changes(mix_info("q4_0"), "CUDA") if lbl.startswith(("jit_batch_size", "beam_"))]
+CUDA_SETTINGS = [(lbl, cfg) for lbl, cfg in single_knob_changes(mix_info("q4_0"), "CUDA")
+                 if lbl.startswith(("jit_batch_size", "beam_"))]
 
 
 @needs_cuda
 @pytest.mark.parametrize("label", [lbl for lbl, _ in CUDA_SETTINGS])
 def test_cuda_process_setting_changes_the_decode_step(gguf_file, label: str) -> None:
-  """The JIT batch size at BEAM=0; the BEAM limits at BEAM=2, against the baseline at BEAM=2 (minutes of search each)."""
+  """The JIT batch size at BEAM=0; the BEAM limits at BEAM=2, against the baseline at BEAM=2 (minutes of search
+  each)."""
   check_process_setting(gguf_file("tiny", "q4_0"), label, dict(CUDA_SETTINGS)[label], TOKENS)
 
 
@@ -378,7 +414,8 @@ def test_attention_kernel_splits_the_context(monkeypatch) -> None:
   ch, S = cuda_src.attention_splits(ctx)
   for p in (20, ch * 2 + 30):
     o, part, cnt = np.zeros((H, kvl), np.float32), np.zeros(H * S * (kvl + 2), np.float32), np.zeros(H, np.int32)
-    cuda_cpu.launch(k.src, k.name, k.grid, (k.threads, 1, 1), [o, part, cnt, qc, cache.view(np.uint16), np.array([p], np.int32)])
+    cuda_cpu.launch(k.src, k.name, k.grid, (k.threads, 1, 1),
+                    [o, part, cnt, qc, cache.view(np.uint16), np.array([p], np.int32)])
     c = cache[:p + 1].astype(np.float64)
     s = qc.astype(np.float64) @ c.T * scale
     w = np.exp(s - s.max(-1, keepdims=True))
@@ -390,14 +427,16 @@ def test_attention_kernel_splits_the_context(monkeypatch) -> None:
 @pytest.mark.parametrize("gating", sorted(cuda_src.GATING))
 def test_router_kernel(gating: int) -> None:
   """The router kernel alone (CUDA emulator), each gating function, with and without the selection bias, its own top-k
-  and with forced ids (the correctness check's variant): ids, weights and counter as the model's per-op routing computes them."""
+  and with forced ids (the correctness check's variant): ids, weights and counter as the model's per-op routing computes
+  them."""
   E, K, dim, eps, scale = 40, 3, 256, 1e-5, 1.8
   rng = np.random.default_rng(gating)
   x, gamma = rng.standard_normal(dim).astype(np.float32), (1 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
   w, bias = (rng.standard_normal((E, dim)) * 0.2).astype(np.float32), (0.01 * rng.standard_normal(E)).astype(np.float32)
   xn = x / np.sqrt((x.astype(np.float64) ** 2).mean() + eps) * gamma
   lg = w.astype(np.float64) @ xn
-  probs = {1: np.exp(lg - lg.max()) / np.exp(lg - lg.max()).sum(), 2: 1 / (1 + np.exp(-lg)), 3: lg, 4: np.sqrt(np.log1p(np.exp(lg)))}[gating]
+  probs = {1: np.exp(lg - lg.max()) / np.exp(lg - lg.max()).sum(), 2: 1 / (1 + np.exp(-lg)), 3: lg,
+           4: np.sqrt(np.log1p(np.exp(lg)))}[gating]
   for use_bias, norm_w, forced in ((True, True, None), (False, False, np.array([7, 0, 39], np.int32))):
     k = cuda_src.router(cuda_src.W("g_", 0, dim), E, K, eps, gating, use_bias, norm_w, scale, forced is not None)
     sc = probs + (bias if use_bias else 0)
@@ -407,8 +446,10 @@ def test_router_kernel(gating: int) -> None:
     if gating == 3: wt = np.exp(wt - wt.max()) / np.exp(wt - wt.max()).sum()
     if norm_w: wt = wt / max(wt.sum(), 6.103515625e-5)
     wt = wt * scale
-    sel, wts, logits, cnt = np.zeros(K, np.int32), np.zeros(K, np.float32), np.zeros(E, np.float32), np.zeros(1, np.int32)
-    args = [sel, wts, logits, cnt] + ([np.zeros(K, np.int32), forced] if forced is not None else []) + [x, gamma] + ([bias] if use_bias else [])
+    sel, wts, logits, cnt = (np.zeros(K, np.int32), np.zeros(K, np.float32), np.zeros(E, np.float32),
+                             np.zeros(1, np.int32))
+    args = ([sel, wts, logits, cnt] + ([np.zeros(K, np.int32), forced] if forced is not None else []) + [x, gamma]
+            + ([bias] if use_bias else []))
     cuda_cpu.launch(k.src, k.name, k.grid, (k.threads, 1, 1), args + [w.reshape(E, dim, 1)])
     np.testing.assert_array_equal(sel, ids)
     if forced is not None: np.testing.assert_array_equal(args[4], own)
@@ -418,9 +459,10 @@ def test_router_kernel(gating: int) -> None:
 
 
 def test_fused_stages_leave_no_per_op_kernel_in_a_block(gguf_file, tmp_path, monkeypatch) -> None:
-  """With all four stages native, a decode step's blocks run native kernels only: 8 per dense block, 9 per MoE block, and
-  the step's own few kernels (position, embedding, final norm, the greedy argmax's four) are the same at any depth (counted in the JIT's
-  captured graph on the CPU, the native kernels standing in as custom kernels that compute nothing)."""
+  """With all four stages native, a decode step's blocks run native kernels only: 8 per dense block, 9 per MoE block,
+  and the step's own few kernels (position, embedding, final norm, the greedy argmax's four) are the same at any depth
+  (counted in the JIT's captured graph on the CPU, the native kernels standing in as custom kernels that compute
+  nothing)."""
   from native_cpu import launch_nothing
 
   from model.generate import jit_kernels
@@ -430,11 +472,13 @@ def test_fused_stages_leave_no_per_op_kernel_in_a_block(gguf_file, tmp_path, mon
   monkeypatch.setattr(native, "sm_count", lambda device: 132)
   cfg = StructureConfig.from_dict({**ALL_NATIVE, "backends": {"Q4_0:dense": "native"}})
   counts = {}
-  for path, dense, moe in ((gguf_file("tiny", "q4_0"), 1, 2), (write_synthetic(tmp_path / "deep5.gguf", "tiny-deep", layers=5), 2, 3)):
+  for path, dense, moe in ((gguf_file("tiny", "q4_0"), 1, 2),
+                           (write_synthetic(tmp_path / "deep5.gguf", "tiny-deep", layers=5), 2, 3)):
     gen = Generator(Transformer(GGUFFile(path), cfg, max_context=16))
     for i in range(3): gen.step(1, i)
     names = [n for n, _ in jit_kernels(gen.step_jit)]
-    per_block = [n for n in names if n.startswith("native_") and not n.startswith("native_dense_q4_0_1024_")]  # all but the head
+    # all but the head
+    per_block = [n for n in names if n.startswith("native_") and not n.startswith("native_dense_q4_0_1024_")]
     assert len(per_block) == 8 * dense + 9 * moe, names
     counts[path] = len(names) - len(per_block)
   assert len(set(counts.values())) == 1 and next(iter(counts.values())) <= 11, counts

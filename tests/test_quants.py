@@ -20,7 +20,9 @@ def random_blocks(ggml_type: int, rows: int, blocks_per_row: int, rng: np.random
   qt = QUANT_TYPES[ggml_type]
   if ggml_type == F32: return rng.standard_normal((rows, blocks_per_row), dtype=np.float32).view(np.uint8)
   if ggml_type == F16: return rng.standard_normal((rows, blocks_per_row)).astype(np.float16).view(np.uint8)
-  if ggml_type == BF16: return (rng.standard_normal((rows, blocks_per_row), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+  if ggml_type == BF16:
+    return (rng.standard_normal((rows, blocks_per_row),
+                                dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
   raw = rng.integers(0, 256, (rows, blocks_per_row, qt.nbytes), dtype=np.uint8)
   for off in F16_FIELDS[ggml_type]:
     raw[..., off:off + 2] = (rng.standard_normal((rows, blocks_per_row, 1)) * 0.05).astype(np.float16).view(np.uint8)

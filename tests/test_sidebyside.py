@@ -1,7 +1,8 @@
-"""benchmarks/sidebyside.sh end to end on the CPU: the tiny model, a stand-in for llama-bench (the real one is built on the
-device; `bash benchmarks/llama_cpp.sh pack --check` proves the packed source builds it), every figure turned into
-results.jsonl lines by benchmarks/record.py, a broken config recorded without stopping the rest, a faulted config rejected by
-the correctness gate, and the side-by-side tables of docs/benchmarks.template.md rendered from those lines."""
+"""benchmarks/sidebyside.sh end to end on the CPU: the tiny model, a stand-in for llama-bench (the real one is built on
+the device; `bash benchmarks/llama_cpp.sh pack --check` proves the packed source builds it), every figure turned into
+results.jsonl lines by benchmarks/record.py, a broken config recorded without stopping the rest, a faulted config
+rejected by the correctness gate, and the side-by-side tables of docs/benchmarks.template.md rendered from those
+lines."""
 import collections
 import json
 import os
@@ -17,9 +18,10 @@ from model.structure import StructureConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # llama-bench -o json of this llama.cpp (llama-cpp-python 0.3.36's), the fields record.py reads and a few beside them
-LLAMA = {"build_commit": "llama-cpp-python-0.3.36", "build_number": 0, "cpu_info": "AMD EPYC", "gpu_info": "", "backends": "CPU",
-         "model_type": "deepseek2 ?B Q4_0", "n_gpu_layers": 99, "flash_attn": 1, "n_prompt": 0, "n_gen": 128, "avg_ns": 2946000,
-         "stddev_ns": 20000, "avg_ts": 339.42, "stddev_ts": 2.31, "samples_ns": [2940000] * 5, "samples_ts": [337.1, 338.9, 339.4, 340.2, 341.5]}
+LLAMA = {"build_commit": "llama-cpp-python-0.3.36", "build_number": 0, "cpu_info": "AMD EPYC", "gpu_info": "",
+         "backends": "CPU", "model_type": "deepseek2 ?B Q4_0", "n_gpu_layers": 99, "flash_attn": 1, "n_prompt": 0,
+         "n_gen": 128, "avg_ns": 2946000, "stddev_ns": 20000, "avg_ts": 339.42, "stddev_ts": 2.31,
+         "samples_ns": [2940000] * 5, "samples_ts": [337.1, 338.9, 339.4, 340.2, 341.5]}
 STAND_IN = f"""#!{sys.executable}
 import json, sys
 a = sys.argv[1:]
@@ -39,9 +41,10 @@ def out(tmp_path_factory) -> pathlib.Path:
   (tmp / "argmax.toml").write_text('topk = "argmax"\n')  # TOML, as `evaluator run --config` takes it; not in PROFILED
   configs = f"baseline sorted={tmp}/sorted.json broken={tmp}/broken.json argmax={tmp}/argmax.toml"
   env = os.environ | {"MODELS": "tiny", "DEVICE": "CPU", "CONFIGS": configs,
-                      "N": "4", "ROUNDS": "1", "WORK": str(tmp), "OUT": str(tmp / "out"), "LLAMA_BENCH": str(bench), "PYTHON": sys.executable,
-                      "FAULTS": "scale_off_one_block:sorted", "PROFILED": "sorted"}
-  r = subprocess.run(["bash", "benchmarks/sidebyside.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                      "N": "4", "ROUNDS": "1", "WORK": str(tmp), "OUT": str(tmp / "out"), "LLAMA_BENCH": str(bench),
+                      "PYTHON": sys.executable, "FAULTS": "scale_off_one_block:sorted", "PROFILED": "sorted"}
+  r = subprocess.run(["bash", "benchmarks/sidebyside.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                     timeout=900)
   assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
   return tmp / "out"
 
@@ -54,7 +57,8 @@ def test_every_figure_is_a_results_line(out):
     ("decode", "sorted"): 1, ("trial", "sorted"): 1, ("gate", "sorted"): 1, ("trial", "broken"): 1,
     ("decode", "argmax"): 1, ("trial", "argmax"): 1, ("gate", "argmax"): 1,
     ("trial", "sorted + fault scale_off_one_block"): 1, ("gate", "sorted + fault scale_off_one_block"): 1})
-  assert {x["device"] for x in lines} == {next(x for x in lines if x["kind"] == "decode")["device"]} and lines[0]["device"].endswith(" (CPU)")
+  assert {x["device"] for x in lines} == {next(x for x in lines if x["kind"] == "decode")["device"]} and lines[0][
+    "device"].endswith(" (CPU)")
   assert {x["model"] for x in lines} == {"tiny (synthetic, exact shapes)"} and {x["layers"] for x in lines} == {3}
   llama, base, fast, _ = lines[0], *[x for x in lines if x["kind"] == "decode"]
   assert (llama["tok_s"], llama["tok_s_stddev"], llama["tok_s_min"], llama["tok_s_max"]) == (339.42, 2.31, 337.1, 341.5)
@@ -62,20 +66,26 @@ def test_every_figure_is_a_results_line(out):
   assert base["llama_cpp_tok_s"] == fast["llama_cpp_tok_s"] == 339.42 and base["llama_cpp_tok_s_stddev"] == 2.31
   assert all(x["tok_s_min"] <= x["tok_s"] <= x["tok_s_max"] and x["kernels_per_token"] > 0 for x in (base, fast))
   gates = {x["config"]: x for x in lines if x["kind"] == "gate"}
-  assert all(gates[c]["state"] == "ok" and gates[c]["check_ok"] and gates[c]["check_s"] > 0 for c in ("baseline", "sorted", "argmax"))
-  faulted = gates.pop("sorted + fault scale_off_one_block")  # the middle MoE block's down projection reads a wrong scale
-  assert faulted["state"] == "wrong_output" and not faulted["check_ok"] and faulted["check_worst_stage"].startswith("block 2 ffn"), faulted
+  assert all(gates[c]["state"] == "ok" and gates[c]["check_ok"]
+             and gates[c]["check_s"] > 0 for c in ("baseline", "sorted", "argmax"))
+  # the middle MoE block's down projection reads a wrong scale
+  faulted = gates.pop("sorted + fault scale_off_one_block")
+  assert faulted["state"] == "wrong_output" and not faulted["check_ok"] and faulted["check_worst_stage"].startswith(
+    "block 2 ffn"), faulted
   trials = {x["config"]: x for x in lines if x["kind"] == "trial"}
   assert trials["sorted"]["status"] == "ok" and trials["sorted"]["wall_s"] > trials["sorted"]["compile_s"] > 0
   assert trials["broken"]["status"] == "error" and trials["broken"]["error"] == "the evaluator wrote no result"
-  profile = [x for x in lines if x["kind"] == "profile"]  # the configs PROFILED names (by default, all but the baseline)
-  assert profile and {x["config"] for x in profile} == {"sorted"} and [x["rank"] for x in profile] == list(range(1, len(profile) + 1))
+  # the configs PROFILED names (by default, all but the baseline)
+  profile = [x for x in lines if x["kind"] == "profile"]
+  assert profile and {x["config"] for x in profile} == {"sorted"} and [x["rank"] for x in profile] == list(range(1, len(
+    profile) + 1))
 
 
 def test_each_result_is_kept_whole(out):
   kept = [json.loads(x) for x in (out / "trials.jsonl").read_text().splitlines()]
   assert kept[0][0]["model_filename"].endswith("tiny-q4_0.gguf")  # llama-bench's own output
-  assert [r["spec"]["config"]["topk"] for r in kept[1:]] == ["pairwise", "sort", "argmax", "sort"] and kept[2]["profile"] and kept[2]["phases"]
+  assert ([r["spec"]["config"]["topk"] for r in kept[1:]] == ["pairwise", "sort", "argmax", "sort"]
+          and kept[2]["profile"] and kept[2]["phases"])
   assert kept[3]["status"] == "ok" and not kept[3]["profile"]  # not in PROFILED
   assert kept[4]["status"] == "wrong_output" and not kept[4]["profile"]  # the faulted run: rejected, not profiled
 
@@ -90,14 +100,17 @@ def test_the_template_renders_the_run(out):
 def test_no_llama_cpp_when_told_and_decisive_routing(tmp_path):
   """LLAMA_BENCH=none: the configs alone, no llama.cpp line and no build. ROUTING=decisive writes the file with decisive
   routers, where the gate's chained pass decides the check positions, so the timed run's tokens are compared."""
-  env = os.environ | {"MODELS": "tiny", "DEVICE": "CPU", "CONFIGS": "baseline", "N": "4", "ROUNDS": "1", "WORK": str(tmp_path),
-                      "OUT": str(tmp_path / "out"), "LLAMA_BENCH": "none", "ROUTING": "decisive", "PYTHON": sys.executable}
-  r = subprocess.run(["bash", "benchmarks/sidebyside.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  env = os.environ | {"MODELS": "tiny", "DEVICE": "CPU", "CONFIGS": "baseline", "N": "4", "ROUNDS": "1",
+                      "WORK": str(tmp_path), "OUT": str(tmp_path / "out"), "LLAMA_BENCH": "none", "ROUTING": "decisive",
+                      "PYTHON": sys.executable}
+  r = subprocess.run(["bash", "benchmarks/sidebyside.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                     timeout=900)
   assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
   lines = render.load(tmp_path / "out" / "results.jsonl")
   assert [x["kind"] for x in lines] == ["decode", "trial", "gate"] and "llama_cpp_tok_s" not in lines[0]
   assert not (tmp_path / "llama").exists() and not (tmp_path / "out" / "llama-build.log").exists()
-  assert {x["model"] for x in lines} == {"tiny (synthetic, exact shapes, decisive routing)"} and "--routing decisive" in lines[0]["command"]
+  assert ({x["model"] for x in lines} == {"tiny (synthetic, exact shapes, decisive routing)"}
+          and "--routing decisive" in lines[0]["command"])
   assert lines[2]["check_ok"] and lines[2]["check_tokens_compared"] > 0, lines[2]
 
 
@@ -109,18 +122,22 @@ def test_a_carried_llama_bench_is_unpacked_not_built(tmp_path):
   (built / "llama.cpp/SOURCE").write_text("llama-cpp-python 0.3.36 (PyPI sdist)\n")
   (bench := built / "build/bin/llama-bench").write_text(STAND_IN)
   bench.chmod(bench.stat().st_mode | stat.S_IEXEC)
-  (built / "build/bin/libggml.so.0").write_bytes(os.urandom(1 << 20)), (built / "build/bin/libggml.so").symlink_to("libggml.so.0")
-  sh = lambda *a, **env: subprocess.run(["bash", "benchmarks/llama_cpp.sh", *a], cwd=ROOT, env=os.environ | {"LLAMA_CACHE": str(cache)} | env,
+  (built / "build/bin/libggml.so.0").write_bytes(os.urandom(1 << 20)), (built / "build/bin/libggml.so").symlink_to(
+    "libggml.so.0")
+  sh = lambda *a, **env: subprocess.run(["bash", "benchmarks/llama_cpp.sh", *a], cwd=ROOT,
+                                        env=os.environ | {"LLAMA_CACHE": str(cache)} | env,
                                          capture_output=True, text=True, timeout=300)
   assert sh("save", str(built), str(cache)).returncode == 0 and list(cache.glob("llama-bench.tar.xz.part-*"))
   subprocess.run(["tar", "-czf", cache / "llama.cpp.tar.gz", "-C", built, "llama.cpp/SOURCE"], check=True)
-  env = os.environ | {"MODELS": "tiny", "DEVICE": "CPU", "CONFIGS": "baseline", "N": "4", "ROUNDS": "1", "WORK": str(work),
-                      "OUT": str(work / "out"), "LLAMA_CACHE": str(cache), "PYTHON": sys.executable}
-  r = subprocess.run(["bash", "benchmarks/sidebyside.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  env = os.environ | {"MODELS": "tiny", "DEVICE": "CPU", "CONFIGS": "baseline", "N": "4", "ROUNDS": "1",
+                      "WORK": str(work), "OUT": str(work / "out"), "LLAMA_CACHE": str(cache), "PYTHON": sys.executable}
+  r = subprocess.run(["bash", "benchmarks/sidebyside.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                     timeout=900)
   assert r.returncode == 0 and "the build carried in" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
   assert (work / "llama/build/bin/libggml.so").is_symlink() and not (work / "out/llama-build.log").exists()
   lines = render.load(work / "out/results.jsonl")
-  assert [x["kind"] for x in lines] == ["llama_cpp", "decode", "trial", "gate"] and lines[1]["llama_cpp_tok_s"] == 339.42
+  assert ([x["kind"] for x in lines] == ["llama_cpp", "decode", "trial", "gate"]
+          and lines[1]["llama_cpp_tok_s"] == 339.42)
   (built / "llama.cpp/SOURCE").write_text("llama-cpp-python 0.3.1 (PyPI sdist)\n")
   subprocess.run(["tar", "-czf", cache / "llama.cpp.tar.gz", "-C", built, "llama.cpp/SOURCE"], check=True)
   stale = sh("unpack", str(tmp_path / "again"))

@@ -35,7 +35,8 @@ def tiny(gguf_file) -> str: return gguf_file("tiny", "q4_k_m")
 def test_space_covers_every_knob_for_a_moe_model(tiny) -> None:
   names = {k.name for k in knobs(info(tiny))}
   assert {"merge_gate_up_routed", "merge_gate_up_shared", "merge_gate_up_dense", "topk", "mla_absorb", "kv_dtype",
-          "attention", "act_dtype", "router_fp32", "beam", "barrier.q_proj", "barrier.kv_write", "barrier.expert_down"} <= names
+          "attention", "act_dtype", "router_fp32", "beam", "barrier.q_proj", "barrier.kv_write",
+          "barrier.expert_down"} <= names
   assert {"backend.Q4_K.expert", "backend.Q6_K.expert", "backend.Q5_K.dense", "backend.Q8_0.dense"} <= names
   assert {f"fused.{s}" for s in ("attention", "router", "moe", "ffn")} <= names
 
@@ -56,7 +57,8 @@ def enumerate_configs(info_: ModelInfo, device: str, free: set[str]) -> set[str]
 @pytest.mark.parametrize("device", ["CPU", "CUDA"])
 def test_space_size_counts_conditional_knobs(device: str) -> None:
   """size() against brute force over a sub-space with stage, per-op and BEAM-conditional knobs."""
-  free = {"fused.moe", "fused.router", "backend.Q4_K.expert", "merge_gate_up_routed", "topk", "beam", "beam_upcast_max", "kv_dtype"}
+  free = {"fused.moe", "fused.router", "backend.Q4_K.expert", "merge_gate_up_routed", "topk", "beam", "beam_upcast_max",
+          "kv_dtype"}
   pins = {k.name: k.default for k in knobs(TINY_INFO, device) if k.name not in free}
   assert size(TINY_INFO, device, pins) == len(enumerate_configs(TINY_INFO, device, free)) > 100
 
@@ -64,7 +66,8 @@ def test_space_size_counts_conditional_knobs(device: str) -> None:
 def test_dense_model_has_no_expert_knobs(gguf_file) -> None:
   from model.synth import write_synthetic
   del gguf_file
-  names = {k.name for k in knobs(info(str(write_synthetic("/tmp/structsearch-test-youtu.gguf", "youtu", layers=1, quant="q8_0"))))}
+  names = {k.name for k in knobs(info(str(write_synthetic("/tmp/structsearch-test-youtu.gguf", "youtu", layers=1,
+                                                          quant="q8_0"))))}
   assert not any(n.startswith(("topk", "merge_gate_up_routed", "barrier.expert", "barrier.router")) for n in names)
   assert "merge_gate_up_dense" in names and not any(".expert" in n for n in names)
 
@@ -97,14 +100,18 @@ def test_device_and_beam_conditional_knobs() -> None:
   assert {"beam_upcast_max", "beam_min_progress"} <= cpu
   beam_limits = {k.name for k in knobs(TINY_INFO, "CUDA") if k.enable == (("beam", 2),)}
   assert beam_limits == {"beam_upcast_max", "beam_local_max", "beam_min_progress"}
-  for seed in range(30):  # every sampled config round-trips through Optuna parameters, conditional knobs only where they apply
+  # every sampled config round-trips through Optuna parameters, conditional knobs only where they apply
+  for seed in range(30):
     cfg = sample(TINY_INFO, seed, "CUDA")
     params = to_params(cfg, TINY_INFO, "CUDA")
     assert to_config(params) == cfg and ("beam_local_max" in params) == (cfg.beam > 0)
-  assert StructureConfig(jit_batch_size=0).process_env() == {"BEAM_UPCAST_MAX": "256", "BEAM_LOCAL_MAX": "1024", "BEAM_MIN_PROGRESS": "0.01",
-                                                             "JIT_BATCH_SIZE": "0"} and len(PROCESS_SETTINGS) == 4
-  assert parse_pins(["beam=0", "topk=sort", "router_fp32=false"], TINY_INFO) == {"beam": 0, "topk": "sort", "router_fp32": False}
-  for bad in ("beam=3", "nosuch=1", "jit_batch_size=0"):  # a value outside the domain, an unknown knob, a GPU knob on the CPU
+  assert (StructureConfig(jit_batch_size=0).process_env()
+          == {"BEAM_UPCAST_MAX": "256", "BEAM_LOCAL_MAX": "1024", "BEAM_MIN_PROGRESS": "0.01", "JIT_BATCH_SIZE": "0"}
+          and len(PROCESS_SETTINGS) == 4)
+  assert (parse_pins(["beam=0", "topk=sort", "router_fp32=false"], TINY_INFO)
+          == {"beam": 0, "topk": "sort", "router_fp32": False})
+  # a value outside the domain, an unknown knob, a GPU knob on the CPU
+  for bad in ("beam=3", "nosuch=1", "jit_batch_size=0"):
     with pytest.raises(ConfigError): parse_pins([bad], TINY_INFO, "CPU")
   for cfg in (StructureConfig(jit_batch_size=8), StructureConfig(beam=2, beam_local_max=512)):
     with pytest.raises(ConfigError, match="do not apply"): to_params(cfg, TINY_INFO, "CPU")
@@ -114,4 +121,5 @@ def test_configs_of_an_earlier_schema_are_read_without_their_removed_fields() ->
   from model.structure import REMOVED_FIELDS
   old = {"schema_version": 1, "topk": "sort", **dict.fromkeys(REMOVED_FIELDS[1], 4)}
   assert StructureConfig.from_dict(old) == StructureConfig(topk="sort")
-  with pytest.raises(ConfigError, match="unknown field"): StructureConfig.from_dict({"schema_version": 2, "mv_blocksize": 4})
+  with pytest.raises(ConfigError, match="unknown field"):
+    StructureConfig.from_dict({"schema_version": 2, "mv_blocksize": 4})

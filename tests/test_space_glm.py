@@ -1,10 +1,10 @@
 """Every knob of the space is real and safe at GLM-4.7-Flash's widths: a synthetic 2-layer file (its leading dense block
-and one MoE block: 20 heads, q_lora 768, kv_lora 512, 64 experts of 1536, the full 154880-token vocabulary) in each quant
-mix. The proof is tests/knobcheck.py's, on 8 teacher-forced tokens: for Q4_0 (the benchmarked mix) every single-knob
-change of the space; for Q8_0, Q4_K_M (Q4_K, Q5_K, Q6_K and Q8_0 weights) and F16 the backend knobs, the knobs whose code
-depends on the weights' type (the structural knobs build the same graph around any product; fp16_cache's products are
-the same float matmuls over a matrix dequantized by the baseline's own code, so Q4_0 proves them). The mixes run from
-tests/test_space_glm_mixes.py, so that a parallel run can give them a worker of their own.
+and one MoE block: 20 heads, q_lora 768, kv_lora 512, 64 experts of 1536, the full 154880-token vocabulary) in each
+quant mix. The proof is tests/knobcheck.py's, on 8 teacher-forced tokens: for Q4_0 (the benchmarked mix) every
+single-knob change of the space; for Q8_0, Q4_K_M (Q4_K, Q5_K, Q6_K and Q8_0 weights) and F16 the backend knobs, the
+knobs whose code depends on the weights' type (the structural knobs build the same graph around any product;
+fp16_cache's products are the same float matmuls over a matrix dequantized by the baseline's own code, so Q4_0 proves
+them). The mixes run from tests/test_space_glm_mixes.py, so that a parallel run can give them a worker of their own.
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ MIXES = ("q4_0",)
 
 def cases(mixes: tuple[str, ...]) -> list[tuple[str, str, object]]:
   return [(mix, label, cfg) for mix in mixes for label, cfg in single_knob_changes(INFO[mix])
-          if not label.startswith("beam") and (mix == "q4_0" or label.startswith("backend.") and not label.endswith("=fp16_cache"))]
+          if not label.startswith("beam")
+          and (mix == "q4_0" or label.startswith("backend.") and not label.endswith("=fp16_cache"))]
 
 
 def pytest_generate_tests(metafunc) -> None:

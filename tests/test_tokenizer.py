@@ -16,24 +16,27 @@ def hello_world(x: int) -> int:
 
 \tprint("hello, world")
 Café naïve résumé façade – “quotes” and ‘apostrophes’… 東京は日本の首都です。中文测试，你好！한국어 텍스트 😀🚀
-"""
-CONTROL = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>", "</think>",
-           "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"]
-EXTRA = ["Ġextraordinary", "987", "ĉĉ"]  # whole words that merges can't build: only pre types with ignore_merges emit them
+"""  # noqa: E501 - the text the tests tokenize, as written
+CONTROL = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>",
+           "</think>", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"]
+# whole words that merges can't build: only pre types with ignore_merges emit them
+EXTRA = ["Ġextraordinary", "987", "ĉĉ"]
 TEXTS = [
   "Hello world", "The quick brown fox jumps over the lazy dog.", "I'm sure they'll say it's fine; we'VE DON'T 'tis",
   "12345678 and 3.14159, 1,000,000 ٣٤٥ ²½ x2y33z444", "def f(x):\n    return x**2  # square\n\n\tpass\r\n",
   "   leading and trailing   ", "tabs\t\tand\n\n\nnewlines \n \n", "Café naïve résumé façade Ærøskøbing",
-  "e\u0301 combining, ǅungla Ǉ title, µ ß ﬁ \u212aelvin \u2126hm \u1f7d\u1fbe", "東京は日本の首都です。中文测试，你好！",
-  "한국어 텍스트 ㄱㄴ ㄅㄆ", "emoji 😀🚀👍🏽 mixed😀text", "fullwidth ＡＢＣ！？ and “quotes” ‘single’ — dash… ellipsis",
-  "nbsp\u00a0here and\u3000ideographic\u2003em space", "HelloWorld camelCase XMLHttpRequest", "path/to/file.txt https://example.com/a?b=c&d=e",
-  "Greek αβγ Ωmega Кириллица עברית العربية", "<|user|>hi<|assistant|>there<|endoftext|>", "<|user|><|user|> <|user|>",
+  "e\u0301 combining, ǅungla Ǉ title, µ ß ﬁ \u212aelvin \u2126hm \u1f7d\u1fbe",
+  "東京は日本の首都です。中文测试，你好！", "한국어 텍스트 ㄱㄴ ㄅㄆ", "emoji 😀🚀👍🏽 mixed😀text",
+  "fullwidth ＡＢＣ！？ and “quotes” ‘single’ — dash… ellipsis",
+  "nbsp\u00a0here and\u3000ideographic\u2003em space", "HelloWorld camelCase XMLHttpRequest",
+  "path/to/file.txt https://example.com/a?b=c&d=e", "Greek αβγ Ωmega Кириллица עברית العربية",
+  "<|user|>hi<|assistant|>there<|endoftext|>", "<|user|><|user|> <|user|>",
   "[gMASK]<sop><|system|>sys<think>ok</think><tool_call>x", " ", "\n", "a" * 50 + " " * 20 + "!!!???",
   "extraordinary 987 unbelievable \t\t ", "x\u200by zero-width, \x01 control",
 ]
-FUZZ_ALPHABET = [*"aZ09 '\t\n\r.,!?-_/\\\"()[]{}<>$+=^~|`@#%&*;:éÆßµǅΩКж東京한국ㄱㄅ가。，！？“”‘’—…、", "\u3000", "\u00a0", "\u2003",
-                 "\u200b", "\u0301", "٣", "²", "½", "Ⅻ", "Ａ", "０", "😀", "👍🏽", "\u212a", "\u1f7d", "<|user|>", "<tool_call>",
-                 "'s", "'LL", "123456"]
+FUZZ_ALPHABET = [*"aZ09 '\t\n\r.,!?-_/\\\"()[]{}<>$+=^~|`@#%&*;:éÆßµǅΩКж東京한국ㄱㄅ가。，！？“”‘’—…、",
+                 "\u3000", "\u00a0", "\u2003", "\u200b", "\u0301", "٣", "²", "½", "Ⅻ", "Ａ", "０", "😀", "👍🏽",
+                 "\u212a", "\u1f7d", "<|user|>", "<tool_call>", "'s", "'LL", "123456"]
 
 def bytes_to_unicode() -> dict[int, str]:
   bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -65,15 +68,17 @@ def train_merges(text: str, n: int) -> list[str]:
 
 MERGES = train_merges(CORPUS * 4, 400)
 
-def make_md(pre: str = "glm4", control: list[str] = CONTROL, bos: str | None = "<｜begin▁of▁sentence｜>", eos: str | None = "<|endoftext|>",
-            add_bos: bool = False) -> dict:
+def make_md(pre: str = "glm4", control: list[str] = CONTROL, bos: str | None = "<｜begin▁of▁sentence｜>",
+            eos: str | None = "<|endoftext|>", add_bos: bool = False) -> dict:
   tokens = list(B2U.values())
   tokens += list(dict.fromkeys(m.replace(" ", "") for m in MERGES if m.replace(" ", "") not in tokens)) + EXTRA
-  types = [gguf.TokenType.NORMAL] * len(tokens) + [gguf.TokenType.USER_DEFINED] + [gguf.TokenType.CONTROL] * len(control)
+  types = [gguf.TokenType.NORMAL] * len(tokens) + [gguf.TokenType.USER_DEFINED] + [gguf.TokenType.CONTROL] * len(
+    control)
   tokens += ["<tool_call>", *control]
   assert len(set(tokens)) == len(tokens)
   md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [int(t) for t in types], "tokenizer.ggml.merges": MERGES, "tokenizer.ggml.add_bos_token": add_bos}
+        "tokenizer.ggml.token_type": [int(t) for t in types], "tokenizer.ggml.merges": MERGES,
+        "tokenizer.ggml.add_bos_token": add_bos}
   if bos is not None: md["tokenizer.ggml.bos_token_id"] = tokens.index(bos)
   if eos is not None: md["tokenizer.ggml.eos_token_id"] = tokens.index(eos)
   return md
@@ -107,7 +112,8 @@ def test_matches_llama_cpp(pre, llama_vocab):
   for s in TEXTS + [CORPUS] + fuzz:
     ids = tok.encode(s, add_bos=False)
     assert ids == ref.tokenize(s.encode(), add_bos=False, special=True), (pre, s)
-    assert tok.encode(s, add_bos=False, parse_special=False) == ref.tokenize(s.encode(), add_bos=False, special=False), (pre, s)
+    assert (tok.encode(s, add_bos=False, parse_special=False)
+            == ref.tokenize(s.encode(), add_bos=False, special=False)), (pre, s)
     assert tok.decode_bytes(ids) == ref.detokenize(ids), (pre, s)
     assert tok.decode_bytes(ids, special=True) == ref.detokenize(ids, special=True), (pre, s)
 
@@ -153,30 +159,38 @@ def test_long_prompt_is_fast():
   ids = tok.encode(text, add_bos=False)
   assert tok.decode(ids, special=True) == text and time.perf_counter() - t0 < 2.0
 
-MSGS = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": " Hello! "},
-        {"role": "user", "content": "How are you?"}]
+MSGS = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": " Hello! "}, {"role": "user", "content": "How are you?"}]
 
 @pytest.mark.parametrize("control,bos,eos,expected", [
-  (["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"], "[gMASK]", "<|endoftext|>",
-   "[gMASK]<sop><|system|>You are helpful.<|user|>Hi<|assistant|></think>Hello!<|user|>How are you?<|assistant|><think>"),
+  (["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"], "[gMASK]",
+   "<|endoftext|>",
+   "[gMASK]<sop><|system|>You are helpful.<|user|>Hi<|assistant|></think>Hello!<|user|>How are you?"
+   "<|assistant|><think>"),
   (["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"], "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
-   "<｜begin▁of▁sentence｜>You are helpful.\n\nUser: Hi\n\nAssistant:  Hello! <｜end▁of▁sentence｜>User: How are you?\n\nAssistant:"),
-  (["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"], "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
-   "<｜begin▁of▁sentence｜>You are helpful.<｜User｜>Hi<｜Assistant｜> Hello! <｜end▁of▁sentence｜><｜User｜>How are you?<｜Assistant｜>"),
+   "<｜begin▁of▁sentence｜>You are helpful.\n\nUser: Hi\n\nAssistant:  Hello! <｜end▁of▁sentence｜>User: How are "
+   "you?\n\nAssistant:"),
+  (["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"], "<｜begin▁of▁sentence｜>",
+   "<｜end▁of▁sentence｜>",
+   "<｜begin▁of▁sentence｜>You are helpful.<｜User｜>Hi<｜Assistant｜> Hello! <｜end▁of▁sentence｜><｜User｜>How are "
+   "you?<｜Assistant｜>"),
   (["<|begin_of_text|>", "<|end_of_text|>", "<|User|>", "<|Assistant|>"], "<|begin_of_text|>", "<|end_of_text|>",
    "<|begin_of_text|>You are helpful.<|User|>Hi<|Assistant|> Hello! <|end_of_text|><|User|>How are you?<|Assistant|>"),
-  (["<|endoftext|>"], None, "<|endoftext|>", "You are helpful.\n\nUser: Hi\n\nAssistant:  Hello! \n\nUser: How are you?\n\nAssistant:"),
+  (["<|endoftext|>"], None, "<|endoftext|>",
+   "You are helpful.\n\nUser: Hi\n\nAssistant:  Hello! \n\nUser: How are you?\n\nAssistant:"),
 ])
 def test_format_chat(control, bos, eos, expected):
   tok = Tokenizer.from_metadata(make_md("glm4", control=control, bos=bos, eos=eos, add_bos=bos is not None))
   assert tok.format_chat(MSGS) == expected
-  assert expected.startswith(no_gen := tok.format_chat(MSGS, add_generation_prompt=False)) and len(no_gen) < len(expected)
+  assert expected.startswith(no_gen := tok.format_chat(MSGS,
+                                                       add_generation_prompt=False)) and len(no_gen) < len(expected)
   ids = tok.encode(tok.format_chat(MSGS))
   assert tok.decode(ids, special=True) == expected and (bos is None or ids.count(tok.bos_id) == 1)
   with pytest.raises(ValueError, match="role"): tok.format_chat([{"role": "robot", "content": "x"}])
 
 def test_chat_style_detection():
-  ds2_vocab = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<|User|>", "<|Assistant|>"]  # ASCII-pipe turn tokens must not make it youtu
+  # ASCII-pipe turn tokens must not make it youtu
+  ds2_vocab = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<|User|>", "<|Assistant|>"]
   assert Tokenizer.from_metadata(make_md(control=ds2_vocab, eos="<｜end▁of▁sentence｜>")).chat_style == "deepseek2"
   ds3_vocab = make_md(control=[*ds2_vocab, "<｜User｜>", "<｜Assistant｜>"], eos="<｜end▁of▁sentence｜>")
   assert Tokenizer.from_metadata(ds3_vocab).chat_style == "deepseek3"
@@ -185,6 +199,7 @@ def test_chat_style_detection():
   assert Tokenizer.from_metadata(make_md(control=["<|endoftext|>"], bos=None)).chat_style == "generic"
 
 def test_unsupported_metadata():
-  with pytest.raises(ValueError, match="tokenizer.ggml.model"): Tokenizer.from_metadata({**make_md(), "tokenizer.ggml.model": "llama"})
+  with pytest.raises(ValueError, match="tokenizer.ggml.model"):
+    Tokenizer.from_metadata({**make_md(), "tokenizer.ggml.model": "llama"})
   with pytest.raises(ValueError, match="tokenizer.ggml.pre"): Tokenizer.from_metadata(make_md("qwen2"))
   assert Tokenizer.from_metadata({k: v for k, v in make_md().items() if k != "tokenizer.ggml.pre"}).pre == "default"

@@ -15,25 +15,27 @@ from model.errors import ConfigError
 QUANT_NAMES = ("F32", "F16", "BF16", "Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the GGUF tensor types the model reads
 ROLES = ("dense", "expert")  # a weight's role: a matrix (`dense`), or a stack of experts' matrices (`expert`)
 # fused decode stages (one token): each replaces the per-op path of a part of a block by a few kernels of one backend
-#   attention: norm folded into q_a/kv_a (or q), q_b, k_b absorption with RoPE and the KV cache write, MLA attention over the
-#              compressed cache, v_b, and the output projection with the residual add
+#   attention: norm folded into q_a/kv_a (or q), q_b, k_b absorption with RoPE and the KV cache write, MLA attention
+# over the              compressed cache, v_b, and the output projection with the residual add
 #   router:    norm folded into the router logits, gating, selection bias, top-k, weight normalisation and scale
-#   moe:       norm folded into the selected experts' (and the shared expert's) gate+up with SiLU(gate)*up, then their down
-#              projections with the routing weights, the shared expert and the residual add
+#   moe:       norm folded into the selected experts' (and the shared expert's) gate+up with SiLU(gate)*up, then their
+# down              projections with the routing weights, the shared expert and the residual add
 #   ffn:       the same pair of kernels for a dense FFN block
 STAGES = ("attention", "router", "moe", "ffn")
 # weight types whose fused FFN stages can read 8-bit activations (StructureConfig.ffn_act = q8): one scale per block and
 # byte or nibble codes, which the kernels dot with the quantized activations in integers
 Q8_QUANTS = ("Q4_0", "Q8_0")
-FAMILIES = ("all", "portable")  # the backends a study may use: every one that runs on its device, or the portable ones only
+# the backends a study may use: every one that runs on its device, or the portable ones only
+FAMILIES = ("all", "portable")
 
 
 @dataclass(frozen=True)
 class Row:
-  """One backend. `devices` None: portable (renders for every device); else the device kinds it runs on. `precision`: the
-  class of its arithmetic against the baseline's (fp32: reordered float32 work; fp16: weights rounded to fp16). `twin`:
-  the portable backend that computes what it computes, rounding alike (the gate's reference for its 8-bit stages).
-  `scratch`: its fused stages share buffers the model allocates once. `keeps`: the per-op knobs its fused stages still read."""
+  """One backend. `devices` None: portable (renders for every device); else the device kinds it runs on. `precision`:
+  the class of its arithmetic against the baseline's (fp32: reordered float32 work; fp16: weights rounded to fp16).
+  `twin`: the portable backend that computes what it computes, rounding alike (the gate's reference for its 8-bit
+  stages). `scratch`: its fused stages share buffers the model allocates once. `keeps`: the per-op knobs its fused
+  stages still read."""
   name: str
   module: str  # the implementation, imported on first use
   doc: str
@@ -51,15 +53,18 @@ class Row:
 
   def runs_on(self, device: str) -> bool: return self.devices is None or device_kind(device) in self.devices
 
-  def serves(self, quant: str, role: str, device: str) -> bool: return quant in self.quants and role in self.roles and self.runs_on(device)
+  def serves(self, quant: str, role: str, device: str) -> bool:
+    return quant in self.quants and role in self.roles and self.runs_on(device)
 
 
 CATALOG: dict[str, Row] = {r.name: r for r in (
-  Row("tensor", "model.backends.tensor", "tinygrad ops over the GGUF block planes (each group's scale after the group's sum)"),
-  Row("fp16_cache", "model.backends.fp16_cache", "the weight dequantized once at load into an fp16 matrix", precision="fp16"),
+  Row("tensor", "model.backends.tensor",
+      "tinygrad ops over the GGUF block planes (each group's scale after the group's sum)"),
+  Row("fp16_cache", "model.backends.fp16_cache", "the weight dequantized once at load into an fp16 matrix",
+      precision="fp16"),
   Row("dsl", "model.backends.dsl", "tinygrad UOp custom kernels that read the planes", stages=frozenset(STAGES)),
-  Row("native", "model.backends.native", "CUDA C generated per GGUF type, run inside tinygrad's CUDA graphs", stages=frozenset(STAGES),
-      devices=("CUDA",), twin="dsl", scratch=True),
+  Row("native", "model.backends.native", "CUDA C generated per GGUF type, run inside tinygrad's CUDA graphs",
+      stages=frozenset(STAGES), devices=("CUDA",), twin="dsl", scratch=True),
 )}
 DEFAULT = "tensor"  # computes every product the config names no backend for
 FP16 = "fp16_cache"  # computes the products of weights held as fp16 matrices (an absorbed q projection)
@@ -79,7 +84,8 @@ def get(name: str) -> Row:
 
 
 def in_family(row: Row, family: str) -> bool:
-  if family not in FAMILIES: raise ConfigError(f"unknown backend family {family!r}; choose one of: {', '.join(FAMILIES)}")
+  if family not in FAMILIES:
+    raise ConfigError(f"unknown backend family {family!r}; choose one of: {', '.join(FAMILIES)}")
   return family == "all" or row.portable
 
 

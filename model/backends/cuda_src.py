@@ -1,30 +1,32 @@
 """CUDA C sources of the native backend (model/backends/native.py runs them inside tinygrad's graphs).
 
 Every kernel here is generated from one description of each GGUF type's block layout: a *unit* is the piece of a weight
-row one lane reads at a time (a Q4_0 or Q8_0 block, a 64-element quarter of a K-quant block, 8 float16 weights, ...) with
-16-byte loads; its elements are integer codes in groups that share a scale and a minimum, so a lane computes
+row one lane reads at a time (a Q4_0 or Q8_0 block, a 64-element quarter of a K-quant block, 8 float16 weights, ...)
+with 16-byte loads; its elements are integer codes in groups that share a scale and a minimum, so a lane computes
     sum over groups of  scale * (x . code) + min * sum(x)
 with the codes turned into floats by the exponent trick (`MAG`, two full-rate instructions instead of a quarter-rate
 int->float conversion) and the group sums of x taken once per lane, not once per row.
 
 Matrix-vector products (one decode token) keep the input in registers: the lanes of a *row group* (G lanes, the smallest
-power of two covering a row's units, at most 32) own fixed units of the input, load their part of x once and reuse it for
-the R output rows the group computes, so the weight bytes are the only memory traffic that grows with the matrix. Rows
-far longer than the register budget go in chunks. A shuffle reduction inside the group sums its lanes; lane 0 of the
-group applies the kernel's epilogue. A decode kernel runs for a few µs as one wave of blocks, so what it waits on in
-sequence is its cost: its weight reads are issued first (`early`), and the block stages its input once into shared memory
-while they are in flight (`stage_x`: normalised where an RMSNorm is folded in), rather than each warp after them. Those
-reads are weak streaming loads (`__ldcs`) before the staging's barrier and the products read shared memory after it:
-ptxas moves read-only (`.nc`) loads freely, and left to itself it interleaves them with the products to save registers,
-so a lane would wait on memory several times in turn; it moves neither a weak load below a barrier nor a shared read
-above one. Down's row sums over a warp are scattered by a butterfly (`lane_sums`): n sums in n - 1 + log2(32/n) shuffles.
-The MoE down projection splits its work over (slot, unit) pairs, a thread each. Wide products (the output head: many
-waves) are bound by their instruction count instead, and read x as two 8-bit planes with integer dot products (`x16`).
-Multi-token products (prefill) read x from memory instead and share each weight read among up to TOKENS tokens.
+power of two covering a row's units, at most 32) own fixed units of the input, load their part of x once and reuse it
+for the R output rows the group computes, so the weight bytes are the only memory traffic that grows with the matrix.
+Rows far longer than the register budget go in chunks. A shuffle reduction inside the group sums its lanes; lane 0 of
+the group applies the kernel's epilogue. A decode kernel runs for a few µs as one wave of blocks, so what it waits on in
+sequence is its cost: its weight reads are issued first (`early`), and the block stages its input once into shared
+memory while they are in flight (`stage_x`: normalised where an RMSNorm is folded in), rather than each warp after them.
+Those reads are weak streaming loads (`__ldcs`) before the staging's barrier and the products read shared memory after
+it: ptxas moves read-only (`.nc`) loads freely, and left to itself it interleaves them with the products to save
+registers, so a lane would wait on memory several times in turn; it moves neither a weak load below a barrier nor a
+shared read above one. Down's row sums over a warp are scattered by a butterfly (`lane_sums`): n sums in n - 1 +
+log2(32/n) shuffles. The MoE down projection splits its work over (slot, unit) pairs, a thread each. Wide products (the
+output head: many waves) are bound by their instruction count instead, and read x as two 8-bit planes with integer dot
+products (`x16`). Multi-token products (prefill) read x from memory instead and share each weight read among up to
+TOKENS tokens.
 
 Kernels use static shared memory of at most the input's width in floats (8 KB at width 2048), no dynamic shared memory
-and no cooperative launches, so tinygrad can batch them into its CUDA graphs like its own. Device-specific helpers (inline PTX) sit inside
-`#ifdef __CUDACC_RTC__` (NVRTC defines it), so the same source also runs on the CPU emulator of the tests.
+and no cooperative launches, so tinygrad can batch them into its CUDA graphs like its own. Device-specific helpers
+(inline PTX) sit inside `#ifdef __CUDACC_RTC__` (NVRTC defines it), so the same source also runs on the CPU emulator of
+the tests.
 """
 from __future__ import annotations
 
@@ -36,9 +38,11 @@ from model.quants import BF16, F16, F32, LAYOUTS, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, 
 
 WARPS, TOKENS, XREGS = 4, 8, 64  # warps per block, tokens per prefill tile, input floats a lane keeps in registers
 STAGE_MAX = 8192  # the widest input a single-token product stages in shared memory (32 KB of floats)
-STAGED_READS = 16  # unit reads a lane keeps in flight at once where x is staged in shared memory (5 registers each for Q4_0)
+# unit reads a lane keeps in flight at once where x is staged in shared memory (5 registers each for Q4_0)
+STAGED_READS = 16
 THREADS = 32 * WARPS
-CTYPES = {"half": "unsigned short", "unsigned short": "unsigned short", "unsigned char": "unsigned char", "signed char": "signed char",
+CTYPES = {"half": "unsigned short", "unsigned short": "unsigned short", "unsigned char": "unsigned char",
+          "signed char": "signed char",
           "float": "float"}  # tinygrad dtype name -> the C type a kernel reads it as
 
 PRELUDE = r"""
@@ -48,14 +52,24 @@ PRELUDE = r"""
 #endif
 #define MAG(c) (__int_as_float(0x4B000000u | (unsigned)(c)) - 8388608.f)
 #ifdef __CUDACC_RTC__
-__device__ __forceinline__ float h2f(unsigned short h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
-__device__ __forceinline__ unsigned short f2h(float f) { unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+__device__ __forceinline__ float h2f(unsigned short h) {
+  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+}
+__device__ __forceinline__ unsigned short f2h(float f) {
+  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+}
 #define PREFETCH(p) asm volatile("prefetch.global.L2 [%0];" :: "l"(p))
 #else
 #define PREFETCH(p) ((void)(p))
 #endif
-__device__ __forceinline__ float group_sum(float a, int g) { for (int m = g >> 1; m > 0; m >>= 1) a += __shfl_xor_sync(0xffffffffu, a, m); return a; }
-__device__ __forceinline__ float warp_max(float a) { for (int m = 16; m > 0; m >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, m)); return a; }
+__device__ __forceinline__ float group_sum(float a, int g) {
+  for (int m = g >> 1; m > 0; m >>= 1) a += __shfl_xor_sync(0xffffffffu, a, m);
+  return a;
+}
+__device__ __forceinline__ float warp_max(float a) {
+  for (int m = 16; m > 0; m >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, m));
+  return a;
+}
 """
 
 
@@ -67,9 +81,9 @@ def _words(v: str, expr: str, n16: int) -> tuple[tuple[tuple[str, str, str], ...
 
 @dataclass(frozen=True)
 class Unit:
-  """One type's unit: `elems` input elements of row `row` (a size_t) at unit index `u`. `index` (C) computes the indices the
-  unit's memory reads need (`$` stands for the weight's plane prefix, `$NB` for its blocks per row, `$IN` for its row
-  length); `loads` are those reads, (C type, name, byte address); `decode` (C) turns them into what the groups use.
+  """One type's unit: `elems` input elements of row `row` (a size_t) at unit index `u`. `index` (C) computes the indices
+  the unit's memory reads need (`$` stands for the weight's plane prefix, `$NB` for its blocks per row, `$IN` for its
+  row length); `loads` are those reads, (C type, name, byte address); `decode` (C) turns them into what the groups use.
   Quantized types: `groups` of (scale, min, ((element, code), ...)) with unsigned integer codes; float types: one group
   (None, None, ((element, value), ...)). Reads apart from decoding let a kernel issue every read of its rows at once."""
   elems: int
@@ -79,8 +93,9 @@ class Unit:
   groups: tuple[tuple[str | None, str | None, tuple[tuple[int, str], ...]], ...]
   xbase: str  # C: the row offset of element 0 of unit {u}
   xoff: Callable[[int], int]  # element -> offset from xbase
-  # integer dot products with 8-bit activations (types whose codes are bytes or nibbles of one scale): (C int of 4 codes,
-  # the index of the 4 activations' word) per dp4a, the scale, and the codes' offset (the value of a code c is c + ioff)
+  # integer dot products with 8-bit activations (types whose codes are bytes or nibbles of one scale): (C int of 4
+  # codes, the index of the 4 activations' word) per dp4a, the scale, and the codes' offset (the value of a code c is c
+  # + ioff)
   idot: tuple[tuple[str, int], ...] = ()
   iscale: str = ""
   ioff: int = 0
@@ -103,10 +118,13 @@ def _k_quant(qh: bool) -> Unit:
   decode = ("const float d = h2f(dh), dmin = h2f(mh); const unsigned sw[3] = {sw0, sw1, sw2}; float sc[2], mn[2];"
             " for (int h = 0; h < 2; h++) { const int g = 2 * j + h;"
             " sc[h] = d * (float)(g < 4 ? BYTE(sw, g) & 63u : (BYTE(sw, g + 4) & 15u) | ((BYTE(sw, g - 4) >> 6) << 4));"
-            " mn[h] = dmin * (float)(g < 4 ? BYTE(sw, g + 4) & 63u : (BYTE(sw, g + 4) >> 4) | ((BYTE(sw, g) >> 6) << 4)); } " + qd + " " + hd)
-  groups = tuple((f"sc[{h}]", f"-mn[{h}]", tuple((32 * h + e, f"((BYTE(q, {e}) {'& 15u' if h == 0 else '>> 4'}){fifth(h).format(e=e)})")
+            " mn[h] = dmin * (float)(g < 4 ? BYTE(sw, g + 4) & 63u : (BYTE(sw, g + 4) >> 4) | ((BYTE(sw, g) >> 6) << "
+            "4)); } " + qd + " " + hd)
+  groups = tuple((f"sc[{h}]", f"-mn[{h}]",
+                  tuple((32 * h + e, f"((BYTE(q, {e}) {'& 15u' if h == 0 else '>> 4'}){fifth(h).format(e=e)})")
                                                for e in range(32))) for h in range(2))
-  return Unit(64, "const size_t b = row * $NB + (u >> 2); const int j = u & 3;", loads, decode, groups, "{u} * 64", lambda e: e)
+  return Unit(64, "const size_t b = row * $NB + (u >> 2); const int j = u & 3;", loads, decode, groups, "{u} * 64",
+              lambda e: e)
 
 
 def _q6_k() -> Unit:
@@ -114,28 +132,33 @@ def _q6_k() -> Unit:
   their high 2 bits sit at bits 2j of qh bytes 32hh..; one int8 scale per 16 elements."""
   ll, ld = _words("l", f"{_b('ql')} + b * 128 + hh * 64 + j0 * 32", 2)
   hl, hd = _words("hb", f"{_b('qh')} + b * 64 + hh * 32", 2)
-  loads = (("unsigned short", "dh", f"{_b('d')} + b * 2"), *(("unsigned", f"sw{i}", f"{_b('sc')} + b * 16 + hh * 8 + {4 * i}") for i in range(2)),
-           *ll, *hl)
+  loads = (("unsigned short", "dh", f"{_b('d')} + b * 2"),
+           *(("unsigned", f"sw{i}", f"{_b('sc')} + b * 16 + hh * 8 + {4 * i}") for i in range(2)), *ll, *hl)
   sc = lambda i: f"d * (float)(signed char)BYTE(sw, {i})"
-  decode = (f"const float d = h2f(dh); const unsigned sw[2] = {{sw0, sw1}}; const float s0 = {sc('j0 * 2')}, s1 = {sc('j0 * 2 + 1')},"
-            f" s2 = {sc('j0 * 2 + 4')}, s3 = {sc('j0 * 2 + 5')}; {ld} {hd}")
+  decode = (f"const float d = h2f(dh); const unsigned sw[2] = {{sw0, sw1}}; const float s0 = {sc('j0 * 2')}, s1 = "
+            f"{sc('j0 * 2 + 1')}, s2 = {sc('j0 * 2 + 4')}, s3 = {sc('j0 * 2 + 5')}; {ld} {hd}")
   lo = lambda e: f"((BYTE(l, {e}) & 15u) | (((BYTE(hb, {e}) >> (2 * j0)) & 3u) << 4))"
   hi = lambda e: f"((BYTE(l, {e}) >> 4) | (((BYTE(hb, {e}) >> (2 * j0 + 4)) & 3u) << 4))"
-  groups = (("s0", "-32.f * s0", tuple((e, lo(e)) for e in range(16))), ("s1", "-32.f * s1", tuple((e, lo(e)) for e in range(16, 32))),
-            ("s2", "-32.f * s2", tuple((32 + e, hi(e)) for e in range(16))), ("s3", "-32.f * s3", tuple((32 + e, hi(e)) for e in range(16, 32))))
-  return Unit(64, "const size_t b = row * $NB + (u >> 2); const int hh = (u >> 1) & 1, j0 = u & 1;", loads, decode, groups,
-              "({u} >> 2) * 256 + (({u} >> 1) & 1) * 128 + ({u} & 1) * 32", lambda e: e if e < 32 else e + 32)
+  groups = (("s0", "-32.f * s0", tuple((e, lo(e)) for e in range(16))),
+            ("s1", "-32.f * s1", tuple((e, lo(e)) for e in range(16, 32))),
+            ("s2", "-32.f * s2", tuple((32 + e, hi(e)) for e in range(16))),
+            ("s3", "-32.f * s3", tuple((32 + e, hi(e)) for e in range(16, 32))))
+  return Unit(64, "const size_t b = row * $NB + (u >> 2); const int hh = (u >> 1) & 1, j0 = u & 1;", loads, decode,
+              groups, "({u} >> 2) * 256 + (({u} >> 1) & 1) * 128 + ({u} & 1) * 32", lambda e: e if e < 32 else e + 32)
 
 
 def _q_0(bits: int) -> Unit:
   """Q4_0 (two 4-bit codes per byte, 16 bytes a block) or Q8_0 (one 8-bit code, stored signed: bias 128 by xor)."""
   ql, qd = _words("q", f"{_b('qs')} + b * {bits * 4}", bits // 4)
-  codes = (tuple((e, f"(BYTE(q, {e}) & 15u)") for e in range(16)) + tuple((16 + e, f"(BYTE(q, {e}) >> 4)") for e in range(16)) if bits == 4
+  codes = (tuple((e, f"(BYTE(q, {e}) & 15u)") for e in range(16))
+           + tuple((16 + e, f"(BYTE(q, {e}) >> 4)") for e in range(16)) if bits == 4
            else tuple((e, f"(BYTE(q, {e}) ^ 128u)") for e in range(32)))
-  idot = (tuple((f"(int)(q[{m}] & 0x0F0F0F0Fu)", m) for m in range(4)) + tuple((f"(int)((q[{m}] >> 4) & 0x0F0F0F0Fu)", 4 + m) for m in range(4))
-          if bits == 4 else tuple((f"(int)q[{m}]", m) for m in range(8)))
-  return Unit(32, "const size_t b = row * $NB + u;", (("unsigned short", "dh", f"{_b('d')} + b * 2"), *ql), "const float d = h2f(dh); " + qd,
-              (("d", f"-{1 << (bits - 1)}.f * d", codes),), "{u} * 32", lambda e: e, idot, "d", -8 if bits == 4 else 0)
+  idot = (tuple((f"(int)(q[{m}] & 0x0F0F0F0Fu)", m) for m in range(4))
+          + tuple((f"(int)((q[{m}] >> 4) & 0x0F0F0F0Fu)", 4 + m) for m in range(4)) if bits == 4
+          else tuple((f"(int)q[{m}]", m) for m in range(8)))
+  return Unit(32, "const size_t b = row * $NB + u;", (("unsigned short", "dh", f"{_b('d')} + b * 2"), *ql),
+              "const float d = h2f(dh); " + qd, (("d", f"-{1 << (bits - 1)}.f * d", codes),), "{u} * 32", lambda e: e,
+              idot, "d", -8 if bits == 4 else 0)
 
 
 def _f16(bf: bool) -> Unit:
@@ -145,11 +168,11 @@ def _f16(bf: bool) -> Unit:
   return Unit(8, "", ql, qd, ((None, None, tuple((e, value(e)) for e in range(8))),), "{u} * 8", lambda e: e)
 
 
-UNITS: dict[int, Unit] = {
-  Q4_0: _q_0(4), Q8_0: _q_0(8), Q4_K: _k_quant(qh=False), Q5_K: _k_quant(qh=True), Q6_K: _q6_k(), F16: _f16(False), BF16: _f16(True),
-  F32: Unit(4, "", (("float4", "q", f"{_b('w')} + (row * $IN + u * 4) * 4"),), "",
-            ((None, None, tuple((e, f"q.{'xyzw'[e]}") for e in range(4))),), "{u} * 4", lambda e: e),
-}
+UNITS: dict[int, Unit] = {Q4_0: _q_0(4), Q8_0: _q_0(8), Q4_K: _k_quant(qh=False), Q5_K: _k_quant(qh=True),
+                          Q6_K: _q6_k(), F16: _f16(False), BF16: _f16(True),
+                          F32: Unit(4, "", (("float4", "q", f"{_b('w')} + (row * $IN + u * 4) * 4"),), "",
+                                    ((None, None, tuple((e, f"q.{'xyzw'[e]}") for e in range(4))),), "{u} * 4",
+                                    lambda e: e)}
 
 
 @dataclass(frozen=True)
@@ -168,9 +191,11 @@ class W:
   @property
   def group_lanes(self) -> int: return min(32, 1 << (self.units - 1).bit_length())
   @property
-  def params(self) -> list[str]: return [f"const {ct}* __restrict__ {self.prefix}{n}" for n, ct in plane_types(self.ggml_type)]
+  def params(self) -> list[str]:
+    return [f"const {ct}* __restrict__ {self.prefix}{n}" for n, ct in plane_types(self.ggml_type)]
 
-  def fill(self, c: str) -> str: return c.replace("$NB", str(self.nb)).replace("$IN", str(self.inp)).replace("$", self.prefix)
+  def fill(self, c: str) -> str:
+    return c.replace("$NB", str(self.nb)).replace("$IN", str(self.inp)).replace("$", self.prefix)
 
 
 def plane_types(ggml_type: int) -> tuple[tuple[str, str], ...]:
@@ -190,9 +215,10 @@ def unit_loads(w: W, row: str, u: str, tag: str, stream: bool = False) -> str:
   return f"{decl} {{ const int u = {u}; const size_t row = {row}; {w.fill(un.index)} {reads} }}"
 
 
-def unit_dot(w: W, row: str, u: str, X: Callable[[int], str], XS: Callable[[int], str] | None, acc: str, tag: str) -> str:
-  """C: acc += (unit u of weight row `row`) . x from the registers unit_loads(w, row, u, tag) filled, with X(e) the x value
-  at element e of the unit and XS(g) the sum of x over group g (None: summed here)."""
+def unit_dot(w: W, row: str, u: str, X: Callable[[int], str], XS: Callable[[int], str] | None, acc: str,
+             tag: str) -> str:
+  """C: acc += (unit u of weight row `row`) . x from the registers unit_loads(w, row, u, tag) filled, with X(e) the x
+  value at element e of the unit and XS(g) the sum of x over group g (None: summed here)."""
   un, lines = w.unit, []
   for g, (scale, mn, elems) in enumerate(un.groups):
     if not un.quantized:
@@ -205,8 +231,8 @@ def unit_dot(w: W, row: str, u: str, X: Callable[[int], str], XS: Callable[[int]
 
 
 def unit_idot(w: W, row: str, u: str, xq: Callable[[int], str], dx: str, sq: str, acc: str, tag: str) -> str:
-  """C: acc += (unit u of weight row `row`) . x with x quantized to 8 bits (xq(m): the int of activations 4m..4m+3, dx their
-  scale, sq the sum of their ints): the dot product in integers (codes with their offset), then the two scales."""
+  """C: acc += (unit u of weight row `row`) . x with x quantized to 8 bits (xq(m): the int of activations 4m..4m+3, dx
+  their scale, sq the sum of their ints): the dot product in integers (codes with their offset), then the two scales."""
   un = w.unit
   dots = " ".join(f"isum = __dp4a({c}, {xq(m)}, isum);" for c, m in un.idot)
   off = f" isum += {un.ioff} * {sq};" if un.ioff else ""
@@ -214,7 +240,8 @@ def unit_idot(w: W, row: str, u: str, xq: Callable[[int], str], dx: str, sq: str
 
 
 def _unit_values(w: W, row: str, u: str, tag: str) -> str:
-  """C: unit u of weight row `row` decoded from the registers unit_loads(w, row, u, tag) filled (its index, loads and decode)."""
+  """C: unit u of weight row `row` decoded from the registers unit_loads(w, row, u, tag) filled (its index, loads and
+  decode)."""
   regs = " ".join(f"const {t} {n} = {n}{tag};" for t, n, _ in w.unit.loads)
   return f"const int u = {u}; const size_t row = {row}; {w.fill(w.unit.index)} {regs} {w.fill(w.unit.decode)}"
 
@@ -226,28 +253,31 @@ def quantize_x(i: int, un: Unit) -> str:
   assert un.elems == 32
   am = " ".join(f"am = fmaxf(am, fabsf(x{i}_{e}));" for e in range(32))
   qs = " ".join(f"const int q{e} = (int)rintf(x{i}_{e} * iv);" for e in range(32))
-  words = " ".join(f"xq{i}[{m}] = " + " | ".join(f"((q{4 * m + j} & 255) << {8 * j})" for j in range(4)) + ";" for m in range(8))
-  return (f"float dx{i}; int xq{i}[8], sq{i}; {{ float am = 0.f; {am} dx{i} = am / 127.f; const float iv = am > 0.f ? 127.f / am : 0.f;"
-          f" {qs} {words} sq{i} = {' + '.join(f'q{e}' for e in range(32))}; }}")
+  words = " ".join(f"xq{i}[{m}] = " + " | ".join(f"((q{4 * m + j} & 255) << {8 * j})" for j in range(
+    4)) + ";" for m in range(8))
+  return (f"float dx{i}; int xq{i}[8], sq{i}; {{ float am = 0.f; {am} dx{i} = am / 127.f; const float iv = am > 0.f ? "
+          f"127.f / am : 0.f; {qs} {words} sq{i} = {' + '.join(f'q{e}' for e in range(32))}; }}")
 
 
 def quantize_x16(i: int, un: Unit) -> str:
-  """C: the registers x<i>_<e> of one unit as two 8-bit planes, x ~ dh<i> * xh<i> + dl<i> * xl<i> (4 to a word each): the
-  high plane as quantize_x's, the low plane the remainder at 1/254 of its step, so x is kept to 1/64516 of the unit's
-  largest value (16 bits) and the products stay integer dot products at twice q8's count. The codes' offset is applied
-  through the float sum of x, not the planes'."""
+  """C: the registers x<i>_<e> of one unit as two 8-bit planes, x ~ dh<i> * xh<i> + dl<i> * xl<i> (4 to a word each):
+  the high plane as quantize_x's, the low plane the remainder at 1/254 of its step, so x is kept to 1/64516 of the
+  unit's largest value (16 bits) and the products stay integer dot products at twice q8's count. The codes' offset is
+  applied through the float sum of x, not the planes'."""
   assert un.elems == 32
   am = " ".join(f"am = fmaxf(am, fabsf(x{i}_{e}));" for e in range(32))
   qs = " ".join(f"const float h{e} = rintf(x{i}_{e} * iv); const int a{e} = (int)h{e},"
                 f" b{e} = max(-127, min(127, (int)rintf(fmaf(-h{e}, dh{i}, x{i}_{e}) * il)));" for e in range(32))
   words = " ".join(f"xh{i}[{m}] = " + " | ".join(f"((a{4 * m + j} & 255) << {8 * j})" for j in range(4)) + "; "
-                   + f"xl{i}[{m}] = " + " | ".join(f"((b{4 * m + j} & 255) << {8 * j})" for j in range(4)) + ";" for m in range(8))
-  return (f"float dh{i}, dl{i}; int xh{i}[8], xl{i}[8]; {{ float am = 0.f; {am} dh{i} = am / 127.f; dl{i} = dh{i} / 254.f;"
-          f" const float iv = am > 0.f ? 127.f / am : 0.f, il = am > 0.f ? 32258.f / am : 0.f; {qs} {words} }}")
+                   + f"xl{i}[{m}] = " + " | ".join(f"((b{4 * m + j} & 255) << {8 * j})" for j in range(
+                     4)) + ";" for m in range(8))
+  return (f"float dh{i}, dl{i}; int xh{i}[8], xl{i}[8]; {{ float am = 0.f; {am} dh{i} = am / 127.f; dl{i} = dh{i} / "
+          f"254.f; const float iv = am > 0.f ? 127.f / am : 0.f, il = am > 0.f ? 32258.f / am : 0.f; {qs} {words} }}")
 
 
 def unit_idot16(w: W, row: str, u: str, i: int, acc: str, tag: str) -> str:
-  """C: acc += (unit u of weight row `row`) . x with x in quantize_x16's two planes (group sum xs<i>_0 for the codes' offset)."""
+  """C: acc += (unit u of weight row `row`) . x with x in quantize_x16's two planes (group sum xs<i>_0 for the codes'
+  offset)."""
   un = w.unit
   dots = " ".join(f"ih = __dp4a({c}, xh{i}[{m}], ih); il = __dp4a({c}, xl{i}[{m}], il);" for c, m in un.idot)
   off = f" + {float(un.ioff)!r}f * xs{i}_0" if un.ioff else ""
@@ -256,11 +286,11 @@ def unit_idot16(w: W, row: str, u: str, i: int, acc: str, tag: str) -> str:
 
 
 def stage_x(xp: str, n: int, eps: float | None, act: str, warps: int = WARPS) -> str:
-  """C, run by the whole block (it synchronises): the input x[0..n) at xp, RMS-normalised and scaled by `gamma` where eps is
-  given, into shared memory once for all the block's warps: as floats `sx` (act f32), or as quantize_x's 8-bit form
-  (act q8): words `sxq`, scales `sdx` and sums `ssq` per unit of 32. Every read (x and gamma) is issued first, so the
-  prologue waits on memory once; each group of 8 lanes holds one unit (4 values a lane), so a unit's largest value and
-  its sum are 3 shuffles; the rounding is quantize_x's."""
+  """C, run by the whole block (it synchronises): the input x[0..n) at xp, RMS-normalised and scaled by `gamma` where
+  eps is given, into shared memory once for all the block's warps: as floats `sx` (act f32), or as quantize_x's 8-bit
+  form (act q8): words `sxq`, scales `sdx` and sums `ssq` per unit of 32. Every read (x and gamma) is issued first, so
+  the prologue waits on memory once; each group of 8 lanes holds one unit (4 values a lane), so a unit's largest value
+  and its sum are 3 shuffles; the rounding is quantize_x's."""
   assert act in ("f32", "q8") and n % 32 == 0
   its, out = range(-(-n // (warps * 128))), []
   for it in its:  # lane l of warp w holds x[k..k+4), k = it * 128 * warps + 128 w + 4 l
@@ -269,11 +299,14 @@ def stage_x(xp: str, n: int, eps: float | None, act: str, warps: int = WARPS) ->
                f" float4 stv{it} = make_float4(0.f, 0.f, 0.f, 0.f), stg{it} = stv{it};"
                f" if (stk{it} < {n}) {{ stv{it} = *(const float4*)({xp} + stk{it});{gm} }}")
   if eps is not None:
-    ss = " ".join(f"ss += stv{it}.x * stv{it}.x + stv{it}.y * stv{it}.y + stv{it}.z * stv{it}.z + stv{it}.w * stv{it}.w;" for it in its)
-    out.append(f"float rs; {{ float ss = 0.f; {ss} ss = group_sum(ss, 32); if ((threadIdx.x & 31) == 0) sred[threadIdx.x >> 5] = ss;"
-               f" __syncthreads(); float t = 0.f; for (int w = 0; w < {warps}; w++) t += sred[w]; rs = 1.f / sqrtf(t / {n}.f + {eps!r}f); }}")
+    ss = " ".join(f"ss += stv{it}.x * stv{it}.x + stv{it}.y * stv{it}.y + stv{it}.z * stv{it}.z + stv{it}.w * "
+                  f"stv{it}.w;" for it in its)
+    out.append(f"float rs; {{ float ss = 0.f; {ss} ss = group_sum(ss, 32); if ((threadIdx.x & 31) == 0) "
+               f"sred[threadIdx.x >> 5] = ss; __syncthreads(); float t = 0.f; for (int w = 0; w < {warps}; w++) t += "
+               f"sred[w]; rs = 1.f / sqrtf(t / {n}.f + {eps!r}f); }}")
   for it in its:
-    vals = " ".join(f"const float a{j} = " + (f"(stv{it}.{c} * rs) * stg{it}.{c};" if eps is not None else f"stv{it}.{c};")
+    vals = " ".join(f"const float a{j} = " + (
+      f"(stv{it}.{c} * rs) * stg{it}.{c};" if eps is not None else f"stv{it}.{c};")
                     for j, c in enumerate("xyzw"))
     k, inside = f"stk{it}", f"stk{it} < {n}"
     if act == "f32":
@@ -284,8 +317,8 @@ def stage_x(xp: str, n: int, eps: float | None, act: str, warps: int = WARPS) ->
                " for (int m = 4; m > 0; m >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, m));"
                f" const float iv = am > 0.f ? 127.f / am : 0.f; const int {q}; int sq = q0 + q1 + q2 + q3;"
                " for (int m = 4; m > 0; m >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, m);"
-               f" if ({inside}) {{ sxq[{k} >> 2] = (q0 & 255) | ((q1 & 255) << 8) | ((q2 & 255) << 16) | ((q3 & 255) << 24);"
-               f" if (({k} & 31) == 0) {{ sdx[{k} >> 5] = am / 127.f; ssq[{k} >> 5] = sq; }} }} }}")
+               f" if ({inside}) {{ sxq[{k} >> 2] = (q0 & 255) | ((q1 & 255) << 8) | ((q2 & 255) << 16) | ((q3 & 255) "
+               f"<< 24); if (({k} & 31) == 0) {{ sdx[{k} >> 5] = am / 127.f; ssq[{k} >> 5] = sq; }} }} }}")
   out.append("__syncthreads();")
   return " ".join(out)
 
@@ -303,8 +336,8 @@ def load_xq(i: int, words: str, scales: str, sums: str, u: str, units: int | Non
   guard = f"if ({u} < {units}) " if units is not None else ""
   return (f"int xq{i}[8] = {{0, 0, 0, 0, 0, 0, 0, 0}}; float dx{i} = 0.f; int sq{i} = 0; {guard}{{"
           f" const int4 a = *(const int4*)({words} + ({u}) * 8), b = *(const int4*)({words} + ({u}) * 8 + 4);"
-          f" xq{i}[0] = a.x; xq{i}[1] = a.y; xq{i}[2] = a.z; xq{i}[3] = a.w; xq{i}[4] = b.x; xq{i}[5] = b.y; xq{i}[6] = b.z; xq{i}[7] = b.w;"
-          f" dx{i} = {scales}[{u}]; sq{i} = {sums}[{u}]; }}")
+          f" xq{i}[0] = a.x; xq{i}[1] = a.y; xq{i}[2] = a.z; xq{i}[3] = a.w; xq{i}[4] = b.x; xq{i}[5] = b.y; xq{i}[6] "
+          f"= b.z; xq{i}[7] = b.w; dx{i} = {scales}[{u}]; sq{i} = {sums}[{u}]; }}")
 
 
 def _runs(un: Unit) -> list[tuple[int, int]]:
@@ -323,20 +356,24 @@ def load_x(w: W, i: int, xp: str, u: str) -> str:
     loads.append(" ".join(f"x{i}_{e + k} = v.{c};" for k, c in enumerate("xyzw")) + " }")
   out.append(f"if ({u} < {w.units}) {{ {' '.join(loads)} }}")
   if un.quantized:
-    out += [f"const float xs{i}_{g} = " + " + ".join(f"x{i}_{e}" for e, _ in elems) + ";" for g, (_, _, elems) in enumerate(un.groups)]
+    out += [f"const float xs{i}_{g} = " + " + ".join(f"x{i}_{e}" for e, _ in elems) + ";" for g, (
+      _, _, elems) in enumerate(un.groups)]
   return " ".join(out)
 
 
 def rms_prologue(xp: str, n: int, eps: float) -> str:
-  """C: `rs` = 1/sqrt(mean(x^2) + eps) over x[0..n) at xp, computed by each warp on its own (x is small and L1-resident)."""
-  return (f"float rs; {{ float ss = 0.f; for (int k = (threadIdx.x & 31) * 4; k < {n}; k += 128) {{ const float4 v = *(const float4*)({xp} + k);"
-          f" ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }} ss = group_sum(ss, 32); rs = 1.f / sqrtf(ss / {n}.f + {eps!r}f); }}")
+  """C: `rs` = 1/sqrt(mean(x^2) + eps) over x[0..n) at xp, computed by each warp on its own (x is small and
+  L1-resident)."""
+  return (f"float rs; {{ float ss = 0.f; for (int k = (threadIdx.x & 31) * 4; k < {n}; k += 128) {{ const float4 v = "
+          f"*(const float4*)({xp} + k); ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }} ss = group_sum(ss, "
+          f"32); rs = 1.f / sqrtf(ss / {n}.f + {eps!r}f); }}")
 
 
 def prefetch_rows(comps: list[tuple[W, str, str]], first: str, last: str, lane: str, lanes: int) -> str:
-  """C: L2 prefetches of every plane of each component's rows `first` .. `last` (C expressions of output rows), 128 bytes a
-  lane, from lanes `lane` of `lanes`. Fire and forget: the bytes are on their way while the kernel does other work (an
-  RMSNorm prologue, another slot), and its loads then find them in L2 instead of waiting on memory one after another."""
+  """C: L2 prefetches of every plane of each component's rows `first` .. `last` (C expressions of output rows), 128
+  bytes a lane, from lanes `lane` of `lanes`. Fire and forget: the bytes are on their way while the kernel does other
+  work (an RMSNorm prologue, another slot), and its loads then find them in L2 instead of waiting on memory one after
+  another."""
   out = []
   for w, row, _ in comps:
     layout = LAYOUTS[w.ggml_type]
@@ -344,7 +381,8 @@ def prefetch_rows(comps: list[tuple[W, str, str]], first: str, last: str, lane: 
       rb = (w.inp if len(layout) == 1 else w.nb) * (b - a)
       lo, hi = f"(({row.format(o=first)}) * {rb})", f"(({row.format(o=last)}) + 1) * {rb}"
       out.append(f"{{ const unsigned char* pp = (const unsigned char*){w.prefix}{plane};"
-                 f" for (size_t k = ({lo} & ~(size_t)127) + {lane} * 128; k < {hi}; k += {lanes * 128}) PREFETCH(pp + k); }}")
+                 f" for (size_t k = ({lo} & ~(size_t)127) + {lane} * 128; k < {hi}; k += {lanes * 128}) PREFETCH(pp + "
+                 f"k); }}")
   return " ".join(out)
 
 
@@ -353,28 +391,32 @@ ACTS = ("f32", "q8", "x16")  # a gemv's input: float32, 8 bits per 32 (llama.cpp
 
 def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue: Callable[[str, list[str]], str] | None,
          G: int | None = None, prologue: str = "", act: str = "f32", early: bool = False, staged: bool = False) -> str:
-  """C body: the row group of this lane computes outputs o = obase .. obase+R-1 (< rows) of one or more components, each a
-  weight with its row for output o (a C template with `{o}`) and an accumulator name; all components share the input at xp.
-  `obase`, `gl` (lane in group) must be defined; epilogue(o, accs) is C run by lane 0 of the group for each valid o (None:
-  the reduced sums stay in every lane's accumulators). G: the row group width (default: the weights' own). prologue: C run
-  before the products. act: the input's form in the products
+  """C body: the row group of this lane computes outputs o = obase .. obase+R-1 (< rows) of one or more components, each
+  a weight with its row for output o (a C template with `{o}`) and an accumulator name; all components share the input
+  at xp. `obase`, `gl` (lane in group) must be defined; epilogue(o, accs) is C run by lane 0 of the group for each valid
+  o (None: the reduced sums stay in every lane's accumulators). G: the row group width (default: the weights' own).
+  prologue: C run before the products. act: the input's form in the products
   (ACTS; q8 and x16 for types with integer codes, `idot`). early: each chunk's weight reads are issued before the work
-  that precedes its products (the first chunk's before the prologue, the next chunk's before this one's products). staged:
-  the prologue is stage_x's, and x comes from its shared memory (xp `sx` for f32): x takes no registers, so the row
-  group's reads go out in one chunk (up to STAGED_READS a lane), as weak loads the prologue's barrier holds before the
-  products."""
+  that precedes its products (the first chunk's before the prologue, the next chunk's before this one's products).
+  staged: the prologue is stage_x's, and x comes from its shared memory (xp `sx` for f32): x takes no registers, so the
+  row group's reads go out in one chunk (up to STAGED_READS a lane), as weak loads the prologue's barrier holds before
+  the products."""
   w0 = comps[0][0]
-  assert all((w.inp, w.unit.elems) == (w0.inp, w0.unit.elems) for w, _, _ in comps), "components of one gemv share the input layout"
-  assert act in ACTS and (act == "f32" or all(w.unit.idot for w, _, _ in comps)), f"{act} activations need integer codes"
+  assert all((w.inp, w.unit.elems) == (w0.inp, w0.unit.elems)
+             for w, _, _ in comps), ("components of one gemv share the input " "layout")
+  assert act in ACTS and (act == "f32" or all(w.unit.idot
+                                              for w, _, _ in comps)), (f"{act} activations need integer " "codes")
   G, nw = G or w0.group_lanes, w0.unit.elems
   per_lane = -(-w0.units // G)
-  # x in registers bounds a chunk (XREGS); staged, x is in shared memory and every read of the row group goes out at once
+  # x in registers bounds a chunk (XREGS); staged, x is in shared memory and every read of the row group goes out at
+  # once
   upl = per_lane if staged and per_lane * R * len(comps) <= STAGED_READS else max(1, min(per_lane, XREGS // nw))
   nch = -(-per_lane // upl)
   accs = [f"{a}{r}" for _, _, a in comps for r in range(R)]
-  # rows past the end and units past the row are clamped, not skipped (their x is zero, their sums are not stored), so no
-  # weight load sits behind a branch and a lane issues all of its loads at once
-  body = [" ".join(f"float {a} = 0.f;" for a in accs) + " " + " ".join(f"const int o{r} = min(obase + {r}, {rows - 1});" for r in range(R))]
+  # rows past the end and units past the row are clamped, not skipped (their x is zero, their sums are not stored), so
+  # no weight load sits behind a branch and a lane issues all of its loads at once
+  body = [" ".join(f"float {a} = 0.f;" for a in accs) + " " + " ".join(
+    f"const int o{r} = min(obase + {r}, {rows - 1});" for r in range(R))]
   work = [(w, row, a, r, i) for r in range(R) for w, row, a in comps for i in range(upl)]
   def units(c: str) -> tuple[list[str], list[str]]:
     us = [f"({c} * {G * upl} + gl + {G * i})" for i in range(upl)]
@@ -393,7 +435,9 @@ def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue: 
       row, acc, rt = row.format(o=f"o{r}"), f"{a}{r}", f"_{a}{r}_{i}{tag}"
       if act == "q8": out.append(unit_idot(w, row, uw[i], lambda m, i=i: f"xq{i}[{m}]", f"dx{i}", f"sq{i}", acc, rt))
       elif act == "x16": out.append(unit_idot16(w, row, uw[i], i, acc, rt))
-      else: out.append(unit_dot(w, row, uw[i], lambda e, i=i: f"x{i}_{e}", (lambda g, i=i: f"xs{i}_{g}") if w.unit.quantized else None, acc, rt))
+      else:
+        out.append(unit_dot(w, row, uw[i], lambda e, i=i: f"x{i}_{e}",
+                            (lambda g, i=i: f"xs{i}_{g}") if w.unit.quantized else None, acc, rt))
     return out
   if early:  # chunks unrolled: chunk c + 1's reads go out before chunk c's products
     body += loads("0", "_0") + [prologue]
@@ -404,23 +448,25 @@ def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue: 
     body += [prologue, f"for (int c = 0; c < {nch}; c++) {{", *products("c", "", loads("c", "")), "}"]
   body.append(" ".join(f"{a} = group_sum({a}, {G});" for a in accs))
   for r in range(R if epilogue is not None else 0):
-    body.append(f"if (gl == 0 && obase + {r} < {rows}) {{ const int o = obase + {r}; {epilogue('o', [f'{a}{r}' for _, _, a in comps])} }}")
+    body.append(f"if (gl == 0 && obase + {r} < {rows}) {{ const int o = obase + {r}; "
+                f"{epilogue('o', [f'{a}{r}' for _, _, a in comps])} }}")
   return "\n  ".join(body)
 
 
 def group_setup(G: int, R: int, cta_rows_dim: str = "blockIdx.x", warps: int = WARPS) -> str:
-  """C: gl (lane in row group), obase (first output row of the group) and wbase (of the warp) for warps of 32/G groups of R
-  rows each."""
+  """C: gl (lane in row group), obase (first output row of the group) and wbase (of the warp) for warps of 32/G groups
+  of R rows each."""
   per_warp = 32 // G
-  return (f"const int lane = threadIdx.x & 31, gl = lane & {G - 1}, wbase = ({cta_rows_dim} * {warps} + (threadIdx.x >> 5)) * {per_warp * R};"
-          f" const int obase = wbase + (lane >> {G.bit_length() - 1}) * {R};")
+  return (f"const int lane = threadIdx.x & 31, gl = lane & {G - 1}, wbase = ({cta_rows_dim} * {warps} + (threadIdx.x "
+          f">> 5)) * {per_warp * R}; const int obase = wbase + (lane >> {G.bit_length() - 1}) * {R};")
 
 
 def rows_per_block(G: int, R: int, warps: int = WARPS) -> int: return warps * (32 // G) * R
 
 
 def kernel(name: str, params: list[str], body: str, threads: int = THREADS) -> str:
-  return f"{PRELUDE}\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}({', '.join(params)}) {{\n  {body}\n}}\n"
+  return (f"{PRELUDE}\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}({', '.join(params)}) {{\n  "
+          f"{body}\n}}\n")
 
 
 @dataclass(frozen=True)
@@ -432,11 +478,12 @@ class Kernel:
   threads: int = THREADS  # per block
 
 
-# ------------------------------------------------------------------ products of the backend (tensor API) -----------------
+# ------------------------------------------------------------------ products of the backend (tensor API)
+# -----------------
 
 def _tile_body(w: W, role: str, out: int, dims: dict[str, int]) -> str:
-  """The multi-token (prefill) product: one warp per output row, lanes over units, x read from memory, TOKENS tokens share
-  each weight read."""
+  """The multi-token (prefill) product: one warp per output row, lanes over units, x read from memory, TOKENS tokens
+  share each weight read."""
   tn, n = dims["tn"], dims["n"]
   if role == "dense":
     setup = (f"const size_t wrow = o; const int t0 = blockIdx.y * {tn}, nt = min({tn}, {n} - t0);"
@@ -444,29 +491,31 @@ def _tile_body(w: W, role: str, out: int, dims: dict[str, int]) -> str:
              f" auto outidx = [&](int t) {{ return (size_t)(t0 + t) * {out} + o; }};")
   elif role == "per_head":
     H = dims["heads"]
-    setup = (f"const int h = blockIdx.y; const size_t wrow = (size_t)h * {out} + o; const int t0 = blockIdx.z * {tn}, nt = min({tn}, {n} - t0);"
-             f" auto xrow = [&](int t) {{ return x + ((size_t)(t0 + t) * {H} + h) * {w.inp}; }};"
-             f" auto outidx = [&](int t) {{ return ((size_t)(t0 + t) * {H} + h) * {out} + o; }};")
+    setup = (f"const int h = blockIdx.y; const size_t wrow = (size_t)h * {out} + o; const int t0 = blockIdx.z * {tn}, "
+             f"nt = min({tn}, {n} - t0); auto xrow = [&](int t) {{ return x + ((size_t)(t0 + t) * {H} + h) * "
+             f"{w.inp}; }}; auto outidx = [&](int t) {{ return ((size_t)(t0 + t) * {H} + h) * {out} + o; }};")
   else:
-    setup = (f"const int y = blockIdx.y, e = min(max(sel[y], 0), {dims['experts'] - 1}); const size_t wrow = (size_t)e * {out} + o; const int nt = 1;"
-             f" auto xrow = [&](int t) {{ return x + (size_t)({dims['xk']} > 1 ? y : y / {dims['k']}) * {w.inp}; }};"
-             f" auto outidx = [&](int t) {{ return (size_t)y * {out} + o; }};")
+    setup = (f"const int y = blockIdx.y, e = min(max(sel[y], 0), {dims['experts'] - 1}); const size_t wrow = (size_t)e "
+             f"* {out} + o; const int nt = 1; auto xrow = [&](int t) {{ return x + (size_t)({dims['xk']} > 1 ? y : y / "
+             f"{dims['k']}) * {w.inp}; }}; auto outidx = [&](int t) {{ return (size_t)y * {out} + o; }};")
   un = w.unit
   xidx = lambda e: f"xrow(t)[{un.xbase.format(u='uu')} + {un.xoff(e)}]"
   dot = unit_loads(w, "wrow", "uu", "_") + " " + unit_dot(w, "wrow", "uu", xidx, None, "acc[t]", "_")
-  return (f"const int lane = threadIdx.x & 31, o = blockIdx.x * {WARPS} + (threadIdx.x >> 5); if (o >= {out}) return; {setup}\n"
-          f"  float acc[{tn}]; for (int t = 0; t < {tn}; t++) acc[t] = 0.f;\n"
-          f"  for (int uu = lane; uu < {w.units}; uu += 32) {{ for (int t = 0; t < {tn}; t++) {{ if (t >= nt) break; {dot} }} }}\n"
-          f"  for (int t = 0; t < {tn}; t++) {{ const float a = group_sum(acc[t], 32); if (lane == 0 && t < nt) out[outidx(t)] = a; }}")
+  return (f"const int lane = threadIdx.x & 31, o = blockIdx.x * {WARPS} + (threadIdx.x >> 5); if (o >= {out}) return; "
+          f"{setup}\n  float acc[{tn}]; for (int t = 0; t < {tn}; t++) acc[t] = 0.f;\n"
+          f"  for (int uu = lane; uu < {w.units}; uu += 32) {{ for (int t = 0; t < {tn}; t++) {{ if (t >= nt) break; "
+          f"{dot} }} }}\n  for (int t = 0; t < {tn}; t++) {{ const float a = group_sum(acc[t], 32); if (lane == 0 && t "
+          f"< nt) out[outidx(t)] = a; }}")
 
 
-R_PRODUCT, R_WIDE, WIDE = 4, 8, 16384  # output rows per row group of single-token products; of wide ones (WIDE rows or more)
+# output rows per row group of single-token products; of wide ones (WIDE rows or more)
+R_PRODUCT, R_WIDE, WIDE = 4, 8, 16384
 
 
 def single_token_form(ggml_type: int, out: int) -> tuple[str, int]:
-  """(act, R) of a single-token product with `out` rows. A wide one (the output head: many waves of blocks) is bound by its
-  instruction count, not by latency: it reads x as two 8-bit planes (x16: integer dot products, 16 bits of x) where the
-  type has integer codes, and 8 rows per group (benchmarks/kernel_lab.py times both forms)."""
+  """(act, R) of a single-token product with `out` rows. A wide one (the output head: many waves of blocks) is bound by
+  its instruction count, not by latency: it reads x as two 8-bit planes (x16: integer dot products, 16 bits of x) where
+  the type has integer codes, and 8 rows per group (benchmarks/kernel_lab.py times both forms)."""
   if out < WIDE: return "f32", R_PRODUCT
   return ("x16" if UNITS[ggml_type].idot else "f32"), R_WIDE
 
@@ -474,20 +523,25 @@ def single_token_form(ggml_type: int, out: int) -> tuple[str, int]:
 @functools.cache
 def product(role: str, ggml_type: int, shape: tuple[int, ...], **dims: int) -> Kernel:
   """One product of the backend: role dense (out = x @ w.T), per_head or expert; shape: the weight's (..., out, in).
-  dims: n (tokens) and tn (tokens per tile) for dense/per_head, heads; experts, k (slots per token), xk (inputs per token)
-  and slots (all tokens' slots) for expert. Single-token products issue their weight reads first (gemv's `early`)."""
+  dims: n (tokens) and tn (tokens per tile) for dense/per_head, heads; experts, k (slots per token), xk (inputs per
+  token) and slots (all tokens' slots) for expert. Single-token products issue their weight reads first (gemv's
+  `early`)."""
   out, inp = shape[-2:]
   w = W("w_", ggml_type, inp)
   single = role == "expert" or dims.get("n") == 1
   act, R = single_token_form(ggml_type, out) if single else ("f32", 0)
-  name = f"native_{role}_{QUANT_TYPES[ggml_type].name.lower()}_{'_'.join(map(str, (*shape, *dims.values())))}{_act_tag(act)}"
-  params = ["float* out", "const float* __restrict__ x"] + (["const int* __restrict__ sel"] if role == "expert" else []) + w.params
+  sizes = "_".join(map(str, (*shape, *dims.values())))
+  name = f"native_{role}_{QUANT_TYPES[ggml_type].name.lower()}_{sizes}{_act_tag(act)}"
+  params = (["float* out", "const float* __restrict__ x"]
+            + (["const int* __restrict__ sel"] if role == "expert" else []) + w.params)
   if not single:
-    grid = (-(-out // WARPS), -(-dims["n"] // dims["tn"]), 1) if role == "dense" else (-(-out // WARPS), dims["heads"], -(-dims["n"] // dims["tn"]))
+    grid = (-(-out // WARPS), -(-dims["n"] // dims["tn"]),
+            1) if role == "dense" else (-(-out // WARPS), dims["heads"], -(-dims["n"] // dims["tn"]))
     return Kernel(name, kernel(name, params, _tile_body(w, role, out, dims)), grid, (0,))
   G = w.group_lanes
   blocks = -(-out // rows_per_block(G, R))
-  staged = act == "f32" and inp <= STAGE_MAX  # x into shared memory once per block (the wide x16 products quantize it per lane)
+  # x into shared memory once per block (the wide x16 products quantize it per lane)
+  staged = act == "f32" and inp <= STAGE_MAX
   def body(xp: str, row: str, store: str) -> str:
     return (group_setup(G, R) + (" " + stage_decl(inp, "f32") if staged else "") + "\n  "
             + gemv([(w, row, "a")], "sx" if staged else xp, out, R, lambda o, a: f"{store.format(o=o)} = {a[0]};",
@@ -503,12 +557,13 @@ def product(role: str, ggml_type: int, shape: tuple[int, ...], **dims: int) -> K
   return Kernel(name, kernel(name, params, src), (blocks, dims["slots"], 1), (0,))
 
 
-# ------------------------------------------------------------------ fused decode stages (one token) ----------------------
+# ------------------------------------------------------------------ fused decode stages (one token)
+# ----------------------
 
 def _gemv_block(ws: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue, prologue: str = "",
                 act: str = "f32", early: bool = False, staged: bool = False, warps: int = WARPS) -> str:
-  """A braced gemv with its own row-group setup (its weights' group width), so kernels can branch between weight types; with
-  `staged` (the prologue is stage_x's and synchronises the block), a block with no rows leaves before it."""
+  """A braced gemv with its own row-group setup (its weights' group width), so kernels can branch between weight types;
+  with `staged` (the prologue is stage_x's and synchronises the block), a block with no rows leaves before it."""
   G = ws[0][0].group_lanes
   leave = f" if (blockIdx.x * {rows_per_block(G, R, warps)} >= {rows}) return;" if staged else ""
   body = gemv(ws, xp, rows, R, epilogue, prologue=prologue, act=act, early=early, staged=staged)
@@ -517,14 +572,15 @@ def _gemv_block(ws: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilog
 
 @functools.cache
 def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, residual: bool = False) -> Kernel:
-  """out_j = [res +] W_j . [rmsnorm(x) * gamma] for each weight j (blockIdx.y picks it): a norm folded into one or two products
-  of one input (q_a and kv_a), or a residual add folded into one (the attention output). Each warp issues its weight reads
-  first; the block stages x (normalised, with a norm) once into shared memory while they are in flight (stage_x), up to
-  STAGE_MAX inputs."""
+  """out_j = [res +] W_j . [rmsnorm(x) * gamma] for each weight j (blockIdx.y picks it): a norm folded into one or two
+  products of one input (q_a and kv_a), or a residual add folded into one (the attention output). Each warp issues its
+  weight reads first; the block stages x (normalised, with a norm) once into shared memory while they are in flight
+  (stage_x), up to STAGE_MAX inputs."""
   tag = "_".join(f"{QUANT_TYPES[w.ggml_type].name.lower()}x{rows}x{w.inp}" for w, rows in ws)
   name = f"native_dense_{'norm_' if eps is not None else ''}{'res_' if residual else ''}{tag}"
   params = [f"float* out{j}" for j in range(len(ws))] + ["const float* __restrict__ x"]
-  params += (["const float* __restrict__ gamma"] if eps is not None else []) + (["const float* __restrict__ res"] if residual else [])
+  params += (["const float* __restrict__ gamma"] if eps is not None else []) + ([
+    "const float* __restrict__ res"] if residual else [])
   for w, _ in ws: params += w.params
   inp = ws[0][0].inp
   staged = eps is not None or inp <= STAGE_MAX
@@ -537,29 +593,32 @@ def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, resid
 
 
 @functools.cache
-def absorb_rope_kv(kb: W, heads: int, nope: int, rope: int, kvl: int, max_ctx: int, eps: float, cache_half: bool, R: int = 2) -> Kernel:
-  """MLA's per-token step before attention: per head, q_nope absorbed through k_b into the compressed space (blockIdx.y < H);
-  one extra block (blockIdx.y == H) rotates q_pe, normalises c_kv, rotates k_pe and writes [c_kv, k_pe] to the KV cache row
-  of the position. Out: qc (H, kvl + rope) = [q_abs, rotated q_pe] and the cache."""
+def absorb_rope_kv(kb: W, heads: int, nope: int, rope: int, kvl: int, max_ctx: int, eps: float, cache_half: bool,
+                   R: int = 2) -> Kernel:
+  """MLA's per-token step before attention: per head, q_nope absorbed through k_b into the compressed space (blockIdx.y
+  < H); one extra block (blockIdx.y == H) rotates q_pe, normalises c_kv, rotates k_pe and writes [c_kv, k_pe] to the KV
+  cache row of the position. Out: qc (H, kvl + rope) = [q_abs, rotated q_pe] and the cache."""
   D, half = kvl + rope, rope // 2
-  name = f"native_mla_absorb_{QUANT_TYPES[kb.ggml_type].name.lower()}_h{heads}_{nope}_{rope}_{kvl}_c{max_ctx}{'' if cache_half else '_f32'}"
+  name = (f"native_mla_absorb_{QUANT_TYPES[kb.ggml_type].name.lower()}_h{heads}_{nope}_{rope}_{kvl}_c{max_ctx}"
+          f"{'' if cache_half else '_f32'}")
   ct = "unsigned short" if cache_half else "float"
   store = (lambda v: f"f2h({v})") if cache_half else (lambda v: v)
-  params = ["float* qc", f"{ct}* cache", "const float* __restrict__ q", "const float* __restrict__ kv", "const float* __restrict__ gamma",
-            "const float* __restrict__ cosv", "const float* __restrict__ sinv", "const int* __restrict__ pos"] + kb.params
+  params = ["float* qc", f"{ct}* cache", "const float* __restrict__ q", "const float* __restrict__ kv",
+            "const float* __restrict__ gamma", "const float* __restrict__ cosv", "const float* __restrict__ sinv",
+            "const int* __restrict__ pos"] + kb.params
   head = (f"const int h = blockIdx.y; const float* xh = q + (size_t)h * {nope + rope};\n  "
-          + _gemv_block([(kb, f"(size_t)h * {kvl} + {{o}}", "a")], "xh", kvl, R, lambda o, a: f"qc[(size_t)h * {D} + {o}] = {a[0]};",
-                        early=True))
+          + _gemv_block([(kb, f"(size_t)h * {kvl} + {{o}}", "a")], "xh", kvl, R, lambda o,
+                        a: f"qc[(size_t)h * {D} + {o}] = {a[0]};", early=True))
   tail = (f"const int p = pos[0];\n"
-          f"  for (int i = threadIdx.x; i < {heads * half}; i += {THREADS}) {{ const int h = i / {half}, k = i % {half};"
-          f" const float x0 = q[h * {nope + rope} + {nope} + 2 * k], x1 = q[h * {nope + rope} + {nope} + 2 * k + 1];"
-          f" const float c = cosv[p * {half} + k], s = sinv[p * {half} + k];"
+          f"  for (int i = threadIdx.x; i < {heads * half}; i += {THREADS}) {{ const int h = i / {half}, k = i % "
+          f"{half}; const float x0 = q[h * {nope + rope} + {nope} + 2 * k], x1 = q[h * {nope + rope} + {nope} + 2 * k "
+          f"+ 1]; const float c = cosv[p * {half} + k], s = sinv[p * {half} + k];"
           f" qc[h * {D} + {kvl} + 2 * k] = x0 * c - x1 * s; qc[h * {D} + {kvl} + 2 * k + 1] = x0 * s + x1 * c; }}\n"
           f"  if (threadIdx.x < 32) {{ {rms_prologue('kv', kvl, eps)}\n"
-          f"    for (int k = threadIdx.x; k < {kvl}; k += 32) cache[(size_t)p * {D} + k] = {store('(kv[k] * rs) * gamma[k]')};\n"
-          f"    for (int k = threadIdx.x; k < {half}; k += 32) {{ const float x0 = kv[{kvl} + 2 * k], x1 = kv[{kvl} + 2 * k + 1];"
-          f" const float c = cosv[p * {half} + k], s = sinv[p * {half} + k];"
-          f" cache[(size_t)p * {D} + {kvl} + 2 * k] = {store('x0 * c - x1 * s')};"
+          f"    for (int k = threadIdx.x; k < {kvl}; k += 32) cache[(size_t)p * {D} + k] = "
+          f"{store('(kv[k] * rs) * gamma[k]')};\n    for (int k = threadIdx.x; k < {half}; k += 32) {{ const float x0 "
+          f"= kv[{kvl} + 2 * k], x1 = kv[{kvl} + 2 * k + 1]; const float c = cosv[p * {half} + k], s = sinv[p * {half} "
+          f"+ k]; cache[(size_t)p * {D} + {kvl} + 2 * k] = {store('x0 * c - x1 * s')};"
           f" cache[(size_t)p * {D} + {kvl} + 2 * k + 1] = {store('x0 * s + x1 * c')}; }} }}")
   body = f"if (blockIdx.y < {heads}) {{ {head} }}\n  else if (blockIdx.x == 0) {{ {tail} }}"
   blocks = -(-kvl // rows_per_block(kb.group_lanes, R))
@@ -578,17 +637,18 @@ ATT_BATCH = 4  # positions a warp scores at once (independent loads and reductio
 
 @functools.cache
 def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, cache_half: bool) -> Kernel:
-  """MLA decode attention over the compressed cache, split over the context (grid: heads x splits): each block scores its
-  positions with the absorbed query (all kvl + rope dims; the values are the cache's first kvl dims: V is a slice of K),
-  keeps an online softmax per warp, merges its warps. Blocks past the last position return at once; with one active split
-  its block writes o itself, else each writes (max, sum, unnormalised output) and the last to finish (an atomic count of
-  the active splits, reset by it) merges them into o (H, kvl)."""
+  """MLA decode attention over the compressed cache, split over the context (grid: heads x splits): each block scores
+  its positions with the absorbed query (all kvl + rope dims; the values are the cache's first kvl dims: V is a slice of
+  K), keeps an online softmax per warp, merges its warps. Blocks past the last position return at once; with one active
+  split its block writes o itself, else each writes (max, sum, unnormalised output) and the last to finish (an atomic
+  count of the active splits, reset by it) merges them into o (H, kvl)."""
   D, (ch, S), P = kvl + rope, attention_splits(max_ctx), ATT_BATCH
   nd, nv = D // 32, kvl // 32
   name = f"native_mla_attention_h{heads}_{kvl}_{rope}_c{max_ctx}{'' if cache_half else '_f32'}"
   ct = "unsigned short" if cache_half else "float"
   ld = (lambda v: f"h2f({v})") if cache_half else (lambda v: v)
-  params = ["float* o", "float* part", "int* cnt", "const float* __restrict__ qc", f"const {ct}* __restrict__ cache", "const int* __restrict__ pos"]
+  params = ["float* o", "float* part", "int* cnt", "const float* __restrict__ qc", f"const {ct}* __restrict__ cache",
+            "const int* __restrict__ pos"]
   body = f"""const int h = blockIdx.x, sp = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n = pos[0] + 1, j0 = sp * {ch}, j1 = min(n, j0 + {ch}), active = (n + {ch - 1}) / {ch};
   if (j0 >= n) return;
@@ -599,7 +659,9 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
     float v[{P}][{nd}], sc[{P}];
     for (int b = 0; b < {P}; b++) {{
       const int j = min(jb + b, j1 - 1); sc[b] = 0.f;
-      for (int k = 0; k < {nd}; k++) {{ v[b][k] = {ld(f'cache[(size_t)j * {D} + lane + 32 * k]')}; sc[b] = fmaf(qv[k], v[b][k], sc[b]); }}
+      for (int k = 0; k < {nd}; k++) {{
+        v[b][k] = {ld(f'cache[(size_t)j * {D} + lane + 32 * k]')}; sc[b] = fmaf(qv[k], v[b][k], sc[b]);
+      }}
     }}
     for (int mm = 16; mm > 0; mm >>= 1) for (int b = 0; b < {P}; b++) sc[b] += __shfl_xor_sync(0xffffffffu, sc[b], mm);
     float mn = m;
@@ -607,7 +669,10 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
     const float corr = expf(m - mn);
     l *= corr;
     for (int k = 0; k < {nv}; k++) ov[k] *= corr;
-    for (int b = 0; b < {P}; b++) {{ const float p = expf(sc[b] - mn); l += p; for (int k = 0; k < {nv}; k++) ov[k] = fmaf(p, v[b][k], ov[k]); }}
+    for (int b = 0; b < {P}; b++) {{
+      const float p = expf(sc[b] - mn); l += p;
+      for (int k = 0; k < {nv}; k++) ov[k] = fmaf(p, v[b][k], ov[k]);
+    }}
     m = mn;
   }}
   __shared__ float sm[{WARPS}], sl[{WARPS}], so[{WARPS}][{kvl}];
@@ -627,7 +692,10 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
     return;
   }}
   float* mine = part + ((size_t)h * {S} + sp) * {kvl + 2};
-  for (int c = threadIdx.x; c < {kvl}; c += {THREADS}) {{ float a = 0.f; for (int w = 0; w < {WARPS}; w++) a += f[w] * so[w][c]; mine[2 + c] = a; }}
+  for (int c = threadIdx.x; c < {kvl}; c += {THREADS}) {{
+    float a = 0.f; for (int w = 0; w < {WARPS}; w++) a += f[w] * so[w][c];
+    mine[2 + c] = a;
+  }}
   if (threadIdx.x == 0) {{ mine[0] = M; mine[1] = L; }}
   __threadfence();
   __syncthreads();
@@ -651,24 +719,29 @@ GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softplus"}
 
 
 @functools.cache
-def router(w: W, experts: int, k: int, eps: float, gating: int, bias: bool, norm_w: bool, w_scale: float, forced: bool = False) -> Kernel:
+def router(w: W, experts: int, k: int, eps: float, gating: int, bias: bool, norm_w: bool, w_scale: float,
+           forced: bool = False) -> Kernel:
   """The MoE router in one kernel: each block computes some experts' logits from the normalised input (RMSNorm folded);
   the last block to finish (an atomic count, reset by it) applies the gating function and the selection bias, picks the
   top k (ties to the lower index, as the pairwise top-k), and writes the selected ids and their weights (normalised and
   scaled as the model says). forced (the correctness check only): the ids come from an input and the kernel's own top k
   goes to an extra output, so a candidate runs with the reference's routing while its own is compared."""
   epl = -(-experts // 32)
-  name = (f"native_router_{QUANT_TYPES[w.ggml_type].name.lower()}_{experts}x{w.inp}_k{k}_{GATING[gating]}{'_bias' if bias else ''}"
-          f"{'_norm' if norm_w else ''}{'_forced' if forced else ''}")
-  params = ["int* sel", "float* wts", "float* logits", "int* cnt"] + (["int* own", "const int* __restrict__ force"] if forced else [])
-  params += ["const float* __restrict__ x", "const float* __restrict__ gamma"] + (["const float* __restrict__ bias"] if bias else []) + w.params
+  name = (f"native_router_{QUANT_TYPES[w.ggml_type].name.lower()}_{experts}x{w.inp}_k{k}_{GATING[gating]}"
+          f"{'_bias' if bias else ''}{'_norm' if norm_w else ''}{'_forced' if forced else ''}")
+  params = (["int* sel", "float* wts", "float* logits", "int* cnt"]
+            + (["int* own", "const int* __restrict__ force"] if forced else []))
+  params += (["const float* __restrict__ x", "const float* __restrict__ gamma"]
+             + (["const float* __restrict__ bias"] if bias else []) + w.params)
   R = 2
   prob = {1: "expf(lg - mx) / den", 2: "1.f / (1.f + expf(-lg))", 3: "lg", 4: "sqrtf(logf(1.f + expf(lg)))"}[gating]
   scale = f" wv *= {w_scale!r}f;" if w_scale not in (0.0, 1.0) else ""
   softmax_k = (f"float ws = -INFINITY; for (int t = 0; t < {k}; t++) ws = fmaxf(ws, wsel[t]); float se = 0.f;"
-               f" for (int t = 0; t < {k}; t++) {{ wsel[t] = expf(wsel[t] - ws); se += wsel[t]; }} for (int t = 0; t < {k}; t++) wsel[t] /= se;")
+               f" for (int t = 0; t < {k}; t++) {{ wsel[t] = expf(wsel[t] - ws); se += wsel[t]; }} for (int t = 0; t < "
+               f"{k}; t++) wsel[t] /= se;")
   body = f"""{stage_decl(w.inp, "f32")}
-  {_gemv_block([(w, "{o}", "a")], "sx", experts, R, lambda o, a: f"logits[{o}] = {a[0]};", stage_x("x", w.inp, eps, "f32"), "f32", True, True)}
+  {_gemv_block([(w, "{o}", "a")], "sx", experts, R, lambda o, a: f"logits[{o}] = {a[0]};",
+                stage_x("x", w.inp, eps, "f32"), "f32", True, True)}
   __shared__ int last;
   __threadfence();
   __syncthreads();
@@ -691,7 +764,10 @@ def router(w: W, experts: int, k: int, eps: float, gating: int, bias: bool, norm
   for (int t = 0; t < {k}; t++) {{
     float bv = -INFINITY; int bi = 0x7fffffff;
     for (int i = 0; i < {epl}; i++) {{ const int e = lane + 32 * i;
-      if (e < {experts} && !((taken >> i) & 1u) && (sc[i] > bv || (sc[i] == bv && e < bi) || bi == 0x7fffffff)) {{ bv = sc[i]; bi = e; }} }}
+      if (e < {experts} && !((taken >> i) & 1u) && (sc[i] > bv || (sc[i] == bv && e < bi) || bi == 0x7fffffff)) {{
+        bv = sc[i]; bi = e;
+      }}
+    }}
     for (int m = 16; m > 0; m >>= 1) {{
       const float ov = __shfl_xor_sync(0xffffffffu, bv, m); const int oi = __shfl_xor_sync(0xffffffffu, bi, m);
       if (ov > bv || (ov == bv && oi < bi)) {{ bv = ov; bi = oi; }}
@@ -721,8 +797,8 @@ def router(w: W, experts: int, k: int, eps: float, gating: int, bias: bool, norm
 
 @dataclass(frozen=True)
 class FFN:
-  """The FFN weights one pair of fused kernels reads: gate and up (one merged weight with `up_off` rows, or two), down, rows
-  of the hidden layer; experts > 0 for a routed stack (rows indexed by the selected expert)."""
+  """The FFN weights one pair of fused kernels reads: gate and up (one merged weight with `up_off` rows, or two), down,
+  rows of the hidden layer; experts > 0 for a routed stack (rows indexed by the selected expert)."""
   gate: W
   up: W
   down: W
@@ -754,46 +830,54 @@ def _ffn_tag(f: FFN | None) -> str:
 
 
 @functools.cache
-def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: int = 4, act: str = "f32", out_q8: bool = False) -> Kernel:
-  """SiLU(gate) * up of the normalised input (RMSNorm folded) for the k selected experts of a routed stack (blockIdx.y < k)
-  and a plain FFN (the shared expert, or a dense block's FFN; blockIdx.y == k), into act = [k x hidden, plain hidden].
-  Each warp issues its weight reads first; the block normalises the input once into shared memory (quantized to 8 bits per
-  32 with act q8) while they are in flight (stage_x). out_q8: a block computes 32 consecutive outputs (as many warps as
-  that takes) and writes them in quantize_x's 8-bit form for down (act_in q8): every unit's 8 words, then every unit's
-  scale, then every unit's sum (Q8_ACT floats a unit)."""
+def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: int = 4, act: str = "f32",
+        out_q8: bool = False) -> Kernel:
+  """SiLU(gate) * up of the normalised input (RMSNorm folded) for the k selected experts of a routed stack (blockIdx.y <
+  k) and a plain FFN (the shared expert, or a dense block's FFN; blockIdx.y == k), into act = [k x hidden, plain
+  hidden]. Each warp issues its weight reads first; the block normalises the input once into shared memory (quantized to
+  8 bits per 32 with act q8) while they are in flight (stage_x). out_q8: a block computes 32 consecutive outputs (as
+  many warps as that takes) and writes them in quantize_x's 8-bit form for down (act_in q8): every unit's 8 words, then
+  every unit's scale, then every unit's sum (Q8_ACT floats a unit)."""
   name = f"native_glu_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}{'_outq8' if out_q8 else ''}"
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
-  params = ["float* act", "const float* __restrict__ x", "const float* __restrict__ gamma"] + (["const int* __restrict__ sel"] if r else [])
+  params = (["float* act", "const float* __restrict__ x", "const float* __restrict__ gamma"]
+            + (["const int* __restrict__ sel"] if r else []))
   params += (r.params if r else []) + (p.params if p else [])
   G = (r or p).gate.group_lanes
   warps = 32 // ((32 // G) * R) if out_q8 else WARPS
-  assert not out_q8 or (warps >= 1 and rows_per_block(G, R, warps) == 32 and all(f.hidden % 32 == 0 for f in (r, p) if f)), "32 outputs a block"
+  assert not out_q8 or (warps >= 1 and rows_per_block(G, R, warps) == 32
+                        and all(f.hidden % 32 == 0 for f in (r, p) if f)), ("32 outputs " "a block")
   silu = lambda a: f"({a[0]} * (1.f / (1.f + expf(-{a[0]})))) * {a[1]}"
   units = ((k * r.hidden if r else 0) + (p.hidden if p else 0)) // 32
-  pro, body = stage_x("x", dim, eps, act, warps), [stage_decl(dim, act, warps)] + (["__shared__ float sact[32];"] if out_q8 else [])
+  pro, body = (stage_x("x", dim, eps, act, warps), [stage_decl(dim, act, warps)]
+               + (["__shared__ float sact[32];"] if out_q8 else []))
   block = lambda ws, rows, epi: _gemv_block(ws, "sx", rows, R, epi, pro, act, True, True, warps)
   def store(base: str):  # the output of row o, at act[base + o], or its block's 8-bit form
     if not out_q8: return lambda o, a: f"act[{base} + {o}] = {silu(a)};"
     return lambda o, a: f"sact[{o} - blockIdx.x * 32] = {silu(a)};"
   def quantize(base: str) -> str:  # warp 0: the block's 32 outputs as one unit (quantize_x's rounding)
     if not out_q8: return ""
-    return (f" __syncthreads(); if (threadIdx.x < 32) {{ const int l = threadIdx.x, g = ({base} + blockIdx.x * 32) / 32; const float v = sact[l];"
-            f" const float am = warp_max(fabsf(v)), iv = am > 0.f ? 127.f / am : 0.f; const int q = (int)rintf(v * iv); int sq = q;"
-            f" for (int m = 16; m > 0; m >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, m);"
-            " const int b1 = __shfl_down_sync(0xffffffffu, q, 1), b2 = __shfl_down_sync(0xffffffffu, q, 2),"
-            " b3 = __shfl_down_sync(0xffffffffu, q, 3);"
-            f" if ((l & 3) == 0) ((int*)act)[g * 8 + (l >> 2)] = (q & 255) | ((b1 & 255) << 8) | ((b2 & 255) << 16) | ((b3 & 255) << 24);"
-            f" if (l == 0) {{ act[{units * 8} + g] = am / 127.f; ((int*)act)[{units * 9} + g] = sq; }} }}")
+    return (f" __syncthreads(); if (threadIdx.x < 32) {{ const int l = threadIdx.x, g = ({base} + blockIdx.x * 32) / "
+            "32; const float v = sact[l]; const float am = warp_max(fabsf(v)), iv = am > 0.f ? 127.f / am : 0.f; "
+            "const int q = (int)rintf(v * iv); int sq = q; for (int m = 16; m > 0; m >>= 1) sq += "
+            "__shfl_xor_sync(0xffffffffu, sq, m); const int b1 = __shfl_down_sync(0xffffffffu, q, 1), b2 = "
+            "__shfl_down_sync(0xffffffffu, q, 2), b3 = __shfl_down_sync(0xffffffffu, q, 3);"
+            " if ((l & 3) == 0) ((int*)act)[g * 8 + (l >> 2)] = (q & 255) | ((b1 & 255) << 8) | ((b2 & 255) << 16) | "
+            f"((b3 & 255) << 24); if (l == 0) {{ act[{units * 8} + g] = am / 127.f; ((int*)act)[{units * 9} + g] = sq; "
+            f"}} }}")
   if r:
     body.append(f"if (blockIdx.y < {k}) {{ const int y = blockIdx.y, e = min(max(sel[y], 0), {r.experts - 1});\n  "
-                + block([(r.gate, f"(size_t)e * {r.gate_rows} + {{o}}", "g"), (r.up, f"(size_t)e * {r.gate_rows} + {r.up_off} + {{o}}", "u")],
+                + block([(r.gate, f"(size_t)e * {r.gate_rows} + {{o}}", "g"),
+                         (r.up, f"(size_t)e * {r.gate_rows} + {r.up_off} + {{o}}", "u")],
                         r.hidden, store(f"(size_t)y * {r.hidden}")) + quantize(f"y * {r.hidden}") + " }")
   if p:
     base = k * r.hidden if r else 0
     body.append(f"if (blockIdx.y == {k if r else 0}) {{ "
-                + block([(p.gate, "{o}", "g"), (p.up, f"{p.up_off} + {{o}}", "u")], p.hidden, store(str(base))) + quantize(str(base)) + " }")
+                + block([(p.gate, "{o}", "g"), (p.up, f"{p.up_off} + {{o}}", "u")], p.hidden,
+                        store(str(base))) + quantize(str(base)) + " }")
   blocks = max(-(-f.hidden // rows_per_block(f.gate.group_lanes, R, warps)) for f in (r, p) if f)
-  return Kernel(name, kernel(name, params, "\n  ".join(body), 32 * warps), (blocks, (k if r else 0) + (1 if p else 0), 1), (0,), 32 * warps)
+  return Kernel(name, kernel(name, params, "\n  ".join(body), 32 * warps),
+                (blocks, (k if r else 0) + (1 if p else 0), 1), (0,), 32 * warps)
 
 
 Q8_ACT = 10  # floats a unit of 32 activations takes in glu's 8-bit output: 8 words of codes, a scale, a sum
@@ -811,27 +895,27 @@ def down_reads_q8(routed: FFN | None, plain: FFN | None) -> bool:
 
 
 def handoff_fits(routed: FFN | None, plain: FFN | None, k: int, sms: int) -> bool:
-  """Whether glu hands down its 8-bit output on a device of `sms` multiprocessors: where down splits over units and glu's
-  blocks of 32 outputs (256 threads, about 125 registers: two to a multiprocessor) run as one wave."""
+  """Whether glu hands down its 8-bit output on a device of `sms` multiprocessors: where down splits over units and
+  glu's blocks of 32 outputs (256 threads, about 125 registers: two to a multiprocessor) run as one wave."""
   return down_reads_q8(routed, plain) and glu_q8_blocks(routed, plain, k) <= 2 * sms
 
 
 @functools.cache
 def down(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str = "f32", act_in: str = "f32") -> Kernel:
-  """out = res + sum over the k selected experts of weight_k * (down_e . act_k) + down_plain . act_plain: the routed experts'
-  down projections, their weighted combine, the shared expert (or a dense block's down projection) and the residual add.
-  Split over units (_down_units) where down_reads_q8, else a warp per slot (_down_slots). act_in q8: act is glu's 8-bit
-  output (out_q8)."""
+  """out = res + sum over the k selected experts of weight_k * (down_e . act_k) + down_plain . act_plain: the routed
+  experts' down projections, their weighted combine, the shared expert (or a dense block's down projection) and the
+  residual add. Split over units (_down_units) where down_reads_q8, else a warp per slot (_down_slots). act_in q8: act
+  is glu's 8-bit output (out_q8)."""
   if down_reads_q8(routed, plain): return _down_units(routed, plain, k, dim, act, act_in)
   assert act_in == "f32", "a warp per slot reads float activations"
   return _down_slots(routed, plain, k, dim, 8 if act == "q8" else 4, act)
 
 
 def lane_sums(accs: list[str], lane: str = "lane", G: int = 32) -> tuple[str, str]:
-  """C: the sums of accs over each group of G lanes, scattered over its lanes: afterwards `lsum` in lane l holds the sum of
-  accs[k], k the returned C expression of l (lanes l and l + len(accs) hold the same). A butterfly: each level sends half of
-  a lane's remaining sums to its partner and keeps the other half, so n sums take n - 1 + log2(G / n) shuffles, not
-  n log2(G); len(accs) is a power of two up to G."""
+  """C: the sums of accs over each group of G lanes, scattered over its lanes: afterwards `lsum` in lane l holds the sum
+  of accs[k], k the returned C expression of l (lanes l and l + len(accs) hold the same). A butterfly: each level sends
+  half of a lane's remaining sums to its partner and keeps the other half, so n sums take n - 1 + log2(G / n) shuffles,
+  not n log2(G); len(accs) is a power of two up to G."""
   n, cur, out, d = len(accs), list(accs), [], 1
   assert n & (n - 1) == 0 and n <= G
   while len(cur) > 1:
@@ -841,7 +925,8 @@ def lane_sums(accs: list[str], lane: str = "lane", G: int = 32) -> tuple[str, st
                  f" + __shfl_xor_sync(0xffffffffu, ({lane} & {d}) ? {cur[i]} : {cur[i + h]}, {d});")
       nxt.append(f"bf{d}_{i}")
     cur, d = nxt, d * 2
-  rest = (1 << b for b in range(d.bit_length() - 1, G.bit_length() - 1))  # the levels left: each lane's one sum, plainly
+  # the levels left: each lane's one sum, plainly
+  rest = (1 << b for b in range(d.bit_length() - 1, G.bit_length() - 1))
   out.append(f"float lsum = {cur[0]};" + "".join(f" lsum += __shfl_xor_sync(0xffffffffu, lsum, {m});" for m in rest))
   bits = n.bit_length() - 1
   return " ".join(out), " | ".join(f"((({lane} >> {b}) & 1) << {bits - 1 - b})" for b in range(bits)) or "0"
@@ -851,24 +936,28 @@ def _down_combine(store: str, R: int, dim: int, warps: int) -> list[str]:
   """C: the block's per-warp sums of output rows obase..obase+R-1 (`store` puts them into part[warp][row]) added up over
   its warps, plus the residual, into out."""
   return [f"__shared__ float part[{warps}][{R}];", store, "__syncthreads();",
-          f"if (threadIdx.x < {R} && obase + threadIdx.x < {dim}) {{ float t = 0.f; for (int w = 0; w < {warps}; w++) t += part[w][threadIdx.x];"
-          " out[obase + threadIdx.x] = res[obase + threadIdx.x] + t; }"]
+          f"if (threadIdx.x < {R} && obase + threadIdx.x < {dim}) {{ float t = 0.f; for (int w = 0; w < {warps}; w++) "
+          "t += part[w][threadIdx.x]; out[obase + threadIdx.x] = res[obase + threadIdx.x] + t; }"]
 
 
 def _down_slots(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int, act: str) -> Kernel:
-  """down with a warp per slot: a block computes R output rows; its warps take the slots (the k experts, then the plain FFN)
-  in turn, each its slot's rows in full, and the warps' sums meet in shared memory. For FFNs the unit layout cannot take."""
+  """down with a warp per slot: a block computes R output rows; its warps take the slots (the k experts, then the plain
+  FFN) in turn, each its slot's rows in full, and the warps' sums meet in shared memory. For FFNs the unit layout cannot
+  take."""
   name = f"native_down_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}_slots"
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
   params = ["float* out", "const float* __restrict__ res", "const float* __restrict__ act"]
-  params += (["const int* __restrict__ sel", "const float* __restrict__ wts"] + r.down.params if r else []) + (p.down.params if p else [])
+  params += (["const int* __restrict__ sel", "const float* __restrict__ wts"] + r.down.params if r
+             else []) + (p.down.params if p else [])
   slots = (k if r else 0) + (1 if p else 0)
   first, last = "obase", f"min(obase + {R - 1}, {dim - 1})"
   fetch = ([f"if (sl < {k}) {{ const int e = min(max(sel[sl], 0), {r.experts - 1}); "
             + prefetch_rows([(r.down, f"(size_t)e * {dim} + {{o}}", "")], first, last, "lane", 32) + " }"] if r else [])
-  fetch += [f"{'else ' if r else ''}{{ " + prefetch_rows([(p.down, "{o}", "")], first, last, "lane", 32) + " }"] if p else []
+  fetch += [f"{'else ' if r else ''}{{ " + prefetch_rows([(p.down, "{o}", "")], first, last, "lane",
+                                                         32) + " }"] if p else []
   body = [f"const int lane = threadIdx.x & 31, gl = lane, warp = threadIdx.x >> 5, obase = blockIdx.x * {R};",
-          f"for (int sl = warp; sl < {slots}; sl += {WARPS}) {{ {' '.join(fetch)} }}",  # every slot's rows on their way first
+          # every slot's rows on their way first
+          f"for (int sl = warp; sl < {slots}; sl += {WARPS}) {{ {' '.join(fetch)} }}",
           " ".join(f"float tot{i} = 0.f;" for i in range(R)), f"for (int sl = warp; sl < {slots}; sl += {WARPS}) {{"]
   if r:
     body.append(f"if (sl < {k}) {{ const int e = min(max(sel[sl], 0), {r.experts - 1}); const float wk = wts[sl];"
@@ -879,24 +968,28 @@ def _down_slots(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int,
     xp = f"act + {k * r.hidden if r else 0}"
     body.append(f"{'else ' if r else ''}{{ " + gemv([(p.down, "{o}", "b")], xp, dim, R, None, 32, act=act) + "\n  "
                 + " ".join(f"tot{i} += b{i};" for i in range(R)) + " }")
-  body += ["}", *_down_combine("if (lane == 0) { " + " ".join(f"part[warp][{i}] = tot{i};" for i in range(R)) + " }", R, dim, WARPS)]
+  body += ["}",
+           *_down_combine("if (lane == 0) { " + " ".join(f"part[warp][{i}] = tot{i};" for i in range(R)) + " }", R, dim,
+                          WARPS)]
   return Kernel(name, kernel(name, params, "\n  ".join(body)), (-(-dim // R), 1, 1), (0,))
 
 
 def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str, act_in: str = "f32") -> Kernel:
   """down with the work split over (slot, unit) pairs: the k routed slots and the plain FFN's rows cut into slots of the
-  routed hidden width are one list of units; each thread of a block (as many threads as units, in warps, up to 512) takes
-  one or more, issues the reads of its units for the block's R rows at once and adds their weighted products into R sums,
-  which meet through a butterfly (lane_sums) and shared memory. R = 8 rows a block, 16 above 256 threads, so a block's
-  registers leave the grid one wave. The weight reads are weak loads before a barrier; glu's 8-bit output (act_in q8)
-  crosses it through shared memory, so no product can start before every read is out."""
+  routed hidden width are one list of units; each thread of a block (as many threads as units, in warps, up to 512)
+  takes one or more, issues the reads of its units for the block's R rows at once and adds their weighted products into
+  R sums, which meet through a butterfly (lane_sums) and shared memory. R = 8 rows a block, 16 above 256 threads, so a
+  block's registers leave the grid one wave. The weight reads are weak loads before a barrier; glu's 8-bit output
+  (act_in q8) crosses it through shared memory, so no product can start before every read is out."""
   base = routed or plain
   Fv, ty = base.hidden, base.down.ggml_type
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
   assert act_in == "f32" or act == "q8", "8-bit input for 8-bit products"
-  name = f"native_down_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}{'_inq8' if act_in == 'q8' else ''}"
+  name = f"native_down_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}"
+  name += "_inq8" if act_in == "q8" else ""
   params = ["float* out", "const float* __restrict__ res", "const float* __restrict__ act"]
-  params += (["const int* __restrict__ sel", "const float* __restrict__ wts"] + r.down.params if r else []) + (p.down.params if p else [])
+  params += (["const int* __restrict__ sel", "const float* __restrict__ wts"] + r.down.params if r
+             else []) + (p.down.params if p else [])
   kr = k if r else 0
   m = plain.hidden // Fv if p else 0  # virtual slots of the plain FFN
   U = Fv // UNITS[ty].elems
@@ -907,32 +1000,39 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
           " ".join(f"float acc{i} = 0.f; const int o{i} = min(obase + {i}, {dim - 1});" for i in range(R))]
   loads, ws, rows = [], [W(f"j{j}_", ty, Fv) for j in range(J)], []
   for j, w in enumerate(ws):
-    sel_planes = " ".join(f"const {ct}* __restrict__ j{j}_{n} = " + (f"isr{j} ? rd_{n} : pd_{n};" if r and p else f"{'rd_' if r else 'pd_'}{n};")
+    sel_planes = " ".join(f"const {ct}* __restrict__ j{j}_{n} = "
+                          + (f"isr{j} ? rd_{n} : pd_{n};" if r and p else f"{'rd_' if r else 'pd_'}{n};")
                           for n, ct in plane_types(ty))
-    loads.append(f"const int p{j} = min((int)threadIdx.x + {threads * j}, {P - 1}); const bool live{j} = (int)threadIdx.x + {threads * j} < {P};"
-                 f" const int s{j} = p{j} / {U}, u{j} = p{j} % {U}; const bool isr{j} = s{j} < {kr};"
-                 f" const int e{j} = {f'isr{j} ? min(max(sel[s{j}], 0), {r.experts - 1}) : 0' if r else '0'}; {sel_planes}")
-    rows.append([f"(isr{j} ? (size_t)e{j} * {dim} + o{i} : (size_t)o{i} * {max(m, 1)} + (s{j} - {kr}))" if r and p else (
+    loads.append(f"const int p{j} = min((int)threadIdx.x + {threads * j}, {P - 1}); const bool live{j} = "
+                 f"(int)threadIdx.x + {threads * j} < {P}; const int s{j} = p{j} / {U}, u{j} = p{j} % {U}; const bool "
+                 f"isr{j} = s{j} < {kr}; const int e{j} = "
+                 f"{f'isr{j} ? min(max(sel[s{j}], 0), {r.experts - 1}) : 0' if r else '0'}; {sel_planes}")
+    rows.append([f"(isr{j} ? (size_t)e{j} * {dim} + o{i} : (size_t)o{i} * {max(m, 1)} + (s{j} - {kr}))" if r
+                 and p else (
                  f"((size_t)e{j} * {dim} + o{i})" if r else f"((size_t)o{i} * {m} + s{j})") for i in range(R)])
     loads += [unit_loads(w, row, f"u{j}", f"_{j}_{i}", True) for i, row in enumerate(rows[j])]
   body += loads
   if act_in == "q8":  # each thread's units of glu's 8-bit output into shared memory, read back after the barrier
-    body.append(f"__shared__ __align__(16) int sxq[{threads * J * 8}], ssq[{threads * J}]; __shared__ float sdx[{threads * J}];")
+    body.append(f"__shared__ __align__(16) int sxq[{threads * J * 8}], ssq[{threads * J}]; __shared__ float "
+                f"sdx[{threads * J}];")
     for j in range(J):
       t = f"(threadIdx.x + {threads * j})"
-      body.append(f"{{ const int4* a = (const int4*)act + p{j} * 2; ((int4*)sxq)[{t} * 2] = a[0]; ((int4*)sxq)[{t} * 2 + 1] = a[1];"
-                  f" sdx[{t}] = act[{P * 8} + p{j}]; ssq[{t}] = ((const int*)act)[{P * 9} + p{j}]; }}")
+      body.append(f"{{ const int4* a = (const int4*)act + p{j} * 2; ((int4*)sxq)[{t} * 2] = a[0]; ((int4*)sxq)[{t} * 2 "
+                  f"+ 1] = a[1]; sdx[{t}] = act[{P * 8} + p{j}]; ssq[{t}] = ((const int*)act)[{P * 9} + p{j}]; }}")
   body.append("__syncthreads();")
   for j, w in enumerate(ws):
     if act_in == "q8":
       xs = [load_xq(j, "sxq", "sdx", "ssq", f"(threadIdx.x + {threads * j})")]
-    else: xs = [load_x(w, j, f"(act + (size_t)s{j} * {Fv})", f"u{j}")] + ([quantize_x(j, w.unit)] if act == "q8" else [])
+    else:
+      xs = [load_x(w, j, f"(act + (size_t)s{j} * {Fv})", f"u{j}")] + ([quantize_x(j, w.unit)] if act == "q8" else [])
     wk = f"(live{j} ? {f'(isr{j} ? wts[s{j}] : 1.f)' if r else '1.f'} : 0.f)"
     dots = []
     for i, row in enumerate(rows[j]):
       t = f"t{j}_{i}"
       if act == "q8": d = unit_idot(w, row, f"u{j}", lambda mm, j=j: f"xq{j}[{mm}]", f"dx{j}", f"sq{j}", t, f"_{j}_{i}")
-      else: d = unit_dot(w, row, f"u{j}", lambda e, j=j: f"x{j}_{e}", (lambda g, j=j: f"xs{j}_{g}") if w.unit.quantized else None, t, f"_{j}_{i}")
+      else:
+        d = unit_dot(w, row, f"u{j}", lambda e, j=j: f"x{j}_{e}",
+                     (lambda g, j=j: f"xs{j}_{g}") if w.unit.quantized else None, t, f"_{j}_{i}")
       dots.append(f"{{ float {t} = 0.f; {d} acc{i} = fmaf(wk{j}, {t}, acc{i}); }}")
     body.append("{ " + " ".join(xs) + f" const float wk{j} = {wk}; " + " ".join(dots) + " }")
   sums, k = lane_sums([f"acc{i}" for i in range(R)])

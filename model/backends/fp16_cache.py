@@ -22,7 +22,8 @@ class Fp16CacheBackend(Backend):
 
   def linear(self, x: Tensor, w: QWeight) -> Tensor: return x.float() @ w.cache.T.float()
   def per_head(self, x: Tensor, w: QWeight) -> Tensor: return (x.float().unsqueeze(-2) * w.cache.float()).sum(-1)
-  def expert(self, x: Tensor, sel: Tensor, w: QWeight) -> Tensor: return (x.float().unsqueeze(-2) * w.cache[sel].float()).sum(-1)
+  def expert(self, x: Tensor, sel: Tensor, w: QWeight) -> Tensor:
+    return (x.float().unsqueeze(-2) * w.cache[sel].float()).sum(-1)
 
 
 BACKEND = register(Fp16CacheBackend())

@@ -1,10 +1,11 @@
-"""The `native` backend: hand-written CUDA C (model/backends/cuda_src.py) for the quantized products and the fused decode
-stages, run by tinygrad as compiled programs.
+"""The `native` backend: hand-written CUDA C (model/backends/cuda_src.py) for the quantized products and the fused
+decode stages, run by tinygrad as compiled programs.
 
-Each kernel's source is returned from `Tensor.custom_kernel` as a PROGRAM: tinygrad compiles it with its own NVRTC pipeline
-and the JIT batches it into its CUDA graph like any other kernel (BEAM leaves it alone: its schedule is its source). Only
-tinygrad's CUDA C renderer compiles this source, so the backend runs on the `CUDA` device alone; the space never proposes
-it elsewhere. The tests run every kernel on the CPU through an emulator (tests/cuda_cpu.py) and on the GPU through tinygrad.
+Each kernel's source is returned from `Tensor.custom_kernel` as a PROGRAM: tinygrad compiles it with its own NVRTC
+pipeline and the JIT batches it into its CUDA graph like any other kernel (BEAM leaves it alone: its schedule is its
+source). Only tinygrad's CUDA C renderer compiles this source, so the backend runs on the `CUDA` device alone; the space
+never proposes it elsewhere. The tests run every kernel on the CPU through an emulator (tests/cuda_cpu.py) and on the
+GPU through tinygrad.
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ def launch(k: C.Kernel, params: list[Tensor], mem: int, ops: int = 0) -> list[Te
   """Run kernel k over params (its C parameters in order: outputs first); returns every param after the kernel."""
   target = Device[params[0].device].renderer.target
   def fxn(*ps: UOp) -> UOp:
-    info = ProgramInfo(name=k.name, global_size=k.grid, local_size=(k.threads, 1, 1), globals=tuple(range(len(ps))), outs=k.outs,
-                       ins=tuple(i for i in range(len(ps)) if i not in k.outs), target=target)
+    info = ProgramInfo(name=k.name, global_size=k.grid, local_size=(k.threads, 1, 1), globals=tuple(range(len(ps))),
+                       outs=k.outs, ins=tuple(i for i in range(len(ps)) if i not in k.outs), target=target)
     sink = UOp.sink(arg=KernelInfo(name=k.name, estimates=Estimates(ops=ops, lds=mem, mem=mem)))
     return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=ps), UOp(Ops.SOURCE, arg=k.src)), arg=info)
   return params[0].custom_kernel(*params[1:], fxn=fxn)
@@ -47,10 +48,12 @@ def f32(x: Tensor) -> Tensor:
 
 
 def i32(x: Tensor) -> Tensor: return x if x.dtype == dtypes.int32 else x.cast(dtypes.int32)
-def empty(*shape: int, dtype=dtypes.float32, device: str | None = None) -> Tensor: return Tensor.empty(*shape, dtype=dtype, device=device)
+def empty(*shape: int, dtype=dtypes.float32, device: str | None = None) -> Tensor:
+  return Tensor.empty(*shape, dtype=dtype, device=device)
 
 
-def _product(role: str, out_shape: tuple[int, ...], x: Tensor, extra: list[Tensor], w: QWeight, rows_read: int, **dims: int) -> Tensor:
+def _product(role: str, out_shape: tuple[int, ...], x: Tensor, extra: list[Tensor], w: QWeight, rows_read: int,
+             **dims: int) -> Tensor:
   k = C.product(role, w.ggml_type, w.shape, **dims)
   x = f32(x)
   mem = rows_read * row_bytes(w) + x.nbytes() + prod(out_shape) * 4
@@ -71,18 +74,21 @@ def per_head(x: Tensor, w: QWeight) -> Tensor:
   lead, (H, out, inp) = x.shape[:-2], w.shape
   n = prod(lead)
   tn = min(n, C.TOKENS)
-  return _product("per_head", (n, H, out), x.reshape(n, H, inp), [], w, H * out * -(-n // tn), tn=tn, n=n, heads=H).reshape(*lead, H, out)
+  return _product("per_head", (n, H, out), x.reshape(n, H, inp), [], w, H * out * -(-n // tn), tn=tn, n=n,
+                  heads=H).reshape(*lead, H, out)
 
 
 def expert(x: Tensor, sel: Tensor, w: QWeight) -> Tensor:
   """x (B, T, K or 1, in), selected experts sel (B, T, K), w (E, out, in) -> (B, T, K, out)."""
   (B, T, K), (E, out, inp) = sel.shape, w.shape
   xk, slots = x.shape[2], B * T * K
-  return _product("expert", (slots, out), x.reshape(B * T * xk, inp), [sel.reshape(slots).cast(dtypes.int32).contiguous()], w, slots * out,
-                  experts=E, xk=xk, k=K, slots=slots).reshape(B, T, K, out)
+  return _product("expert", (slots, out), x.reshape(B * T * xk, inp),
+                  [sel.reshape(slots).cast(dtypes.int32).contiguous()], w, slots * out, experts=E, xk=xk, k=K,
+                  slots=slots).reshape(B, T, K, out)
 
 
-# ------------------------------------------------------------------ fused decode stages ---------------------------------
+# ------------------------------------------------------------------ fused decode stages
+# ---------------------------------
 
 R_SMALL, R_LARGE = 2, 4  # rows per row group: 2 where a matrix has few rows (more blocks in flight), 4 otherwise and
 # wherever a kernel normalises its input (more rows share the block's staged input)
@@ -92,16 +98,16 @@ def _rows_r(rows: int) -> int: return R_LARGE if rows >= 4096 else R_SMALL
 
 
 def attention(blk: Block, x: Tensor, start_pos, pos: Tensor) -> Tensor:
-  """h = x + attention(x) for one token: norm + q_a/kv_a (or q/kv_a), q_a norm + q_b, absorption + RoPE + cache write, MLA
-  attention split over the context, v_b, output projection + residual: 6 kernels."""
+  """h = x + attention(x) for one token: norm + q_a/kv_a (or q/kv_a), q_a norm + q_b, absorption + RoPE + cache write,
+  MLA attention split over the context, v_b, output projection + residual: 6 kernels."""
   hp, dev = blk.hp, x.device
   H, nope, rope, kvl, dim = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.kv_lora, hp.dim
   xf = f32(x)
   first = blk.q_a if hp.q_lora else blk.q_b
   rows = (first.shape[0], blk.kv_a.shape[0])
   k1 = C.dense(((cw("a_", first), rows[0]), (cw("b_", blk.kv_a), rows[1])), R_LARGE, hp.eps)
-  qa, kv = launch(k1, [empty(rows[0], device=dev), empty(rows[1], device=dev), xf, blk.attn_norm, *planes(first), *planes(blk.kv_a)],
-                  row_bytes(first) * rows[0] + row_bytes(blk.kv_a) * rows[1])[:2]
+  qa, kv = launch(k1, [empty(rows[0], device=dev), empty(rows[1], device=dev), xf, blk.attn_norm, *planes(first),
+                       *planes(blk.kv_a)], row_bytes(first) * rows[0] + row_bytes(blk.kv_a) * rows[1])[:2]
   if hp.q_lora:
     nq = blk.q_b.shape[0]
     k2 = C.dense(((cw("a_", blk.q_b), nq),), R_LARGE, hp.eps)
@@ -109,10 +115,11 @@ def attention(blk: Block, x: Tensor, start_pos, pos: Tensor) -> Tensor:
   else: q = qa
   D, cache_half = kvl + rope, blk.cache.dtype == dtypes.float16
   k3 = C.absorb_rope_kv(cw("k_", blk.k_b), H, nope, rope, kvl, blk.cache.shape[1], hp.eps, cache_half)
-  qc, cache = launch(k3, [empty(H * D, device=dev), blk.cache, q, kv, blk.kv_a_norm, blk.cos, blk.sin, pos, *planes(blk.k_b)],
-                     row_bytes(blk.k_b) * H * kvl + D * 2)[:2]
+  qc, cache = launch(k3, [empty(H * D, device=dev), blk.cache, q, kv, blk.kv_a_norm, blk.cos, blk.sin, pos,
+                          *planes(blk.k_b)], row_bytes(blk.k_b) * H * kvl + D * 2)[:2]
   k4 = C.mla_attention(H, kvl, rope, blk.cache.shape[1], hp.kq_scale, cache_half)
-  o = launch(k4, [empty(H * kvl, device=dev), blk.scratch["part"], blk.scratch["cnt"], qc, cache, pos], cache.nbytes() // 4)[0]
+  o = launch(k4, [empty(H * kvl, device=dev), blk.scratch["part"], blk.scratch["cnt"], qc, cache, pos],
+             cache.nbytes() // 4)[0]
   kv5 = C.product("per_head", blk.v_b.ggml_type, blk.v_b.shape, tn=1, n=1, heads=H)
   a = launch(kv5, [empty(H * hp.v_head, device=dev), o, *planes(blk.v_b)], row_bytes(blk.v_b) * H * hp.v_head)[0]
   k6 = C.dense(((cw("a_", blk.wo), dim),), _rows_r(dim), None, residual=True)
@@ -120,21 +127,25 @@ def attention(blk: Block, x: Tensor, start_pos, pos: Tensor) -> Tensor:
 
 
 def router(blk: Block, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-  """(the ids used (1, 1, K), their weights, the router's own top-k ids, its logits (1, 1, E)) for one token; forced: ids
-  to use instead of its own (the correctness check)."""
+  """(the ids used (1, 1, K), their weights, the router's own top-k ids, its logits (1, 1, E)) for one token; forced:
+  ids to use instead of its own (the correctness check)."""
   hp, dev, w = blk.hp, h.device, blk.gate_inp
   E, K = hp.n_experts, hp.n_used
   k = C.router(cw("g_", w), E, K, hp.eps, hp.gating, blk.probs_b is not None, hp.norm_w, hp.w_scale, forced is not None)
-  outs = [empty(1, 1, K, dtype=dtypes.int32, device=dev), empty(1, 1, K, device=dev), empty(1, 1, E, device=dev), blk.scratch["router_cnt"]]
+  outs = [empty(1, 1, K, dtype=dtypes.int32, device=dev), empty(1, 1, K, device=dev), empty(1, 1, E, device=dev),
+          blk.scratch["router_cnt"]]
   if forced is not None: outs += [empty(1, 1, K, dtype=dtypes.int32, device=dev), i32(forced)]
-  res = launch(k, [*outs, f32(h), blk.ffn_norm, *([blk.probs_b] if blk.probs_b is not None else []), *planes(w)], row_bytes(w) * E)
+  res = launch(k, [*outs, f32(h), blk.ffn_norm, *([blk.probs_b] if blk.probs_b is not None else []), *planes(w)],
+               row_bytes(w) * E)
   return res[0], res[1], res[4] if forced is not None else res[0], res[2]
 
 
-def _ffn(gate: QWeight | None, up: QWeight | None, down: QWeight, gate_up: QWeight | None, hidden: int, experts: int = 0) -> C.FFN:
+def _ffn(gate: QWeight | None, up: QWeight | None, down: QWeight, gate_up: QWeight | None, hidden: int,
+         experts: int = 0) -> C.FFN:
   g = gate_up if gate_up is not None else gate
   rows = g.shape[-2]
-  return C.FFN(cw("", g), cw("", g if gate_up is not None else up), cw("", down), hidden, experts, rows, hidden if gate_up is not None else 0)
+  return C.FFN(cw("", g), cw("", g if gate_up is not None else up), cw("", down), hidden, experts, rows,
+               hidden if gate_up is not None else 0)
 
 
 def _ffn_planes(gate: QWeight | None, up: QWeight | None, gate_up: QWeight | None) -> list[Tensor]:
@@ -150,7 +161,8 @@ def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor) -> Tensor:
   plain, pp, Fp = None, [], 0
   if blk.shared:
     Fp = blk.down_sh.shape[-1]
-    plain, pp = _ffn(blk.gate_sh, blk.up_sh, blk.down_sh, blk.gate_up_sh, Fp), _ffn_planes(blk.gate_sh, blk.up_sh, blk.gate_up_sh)
+    plain, pp = (_ffn(blk.gate_sh, blk.up_sh, blk.down_sh, blk.gate_up_sh, Fp),
+                 _ffn_planes(blk.gate_sh, blk.up_sh, blk.gate_up_sh))
   return _glu_down(blk, h, routed, plain, rp, pp, K * F + Fp, (i32(sel), f32(wts)),
                    row_bytes(blk.down_exps) * hp.dim * K + (row_bytes(blk.down_sh) * hp.dim if blk.shared else 0), dev)
 
@@ -159,7 +171,8 @@ def ffn(blk: Block, h: Tensor) -> Tensor:
   """h + FFN(h) for one token of a dense block: gate+up+SiLU in one kernel, down + residual in another."""
   F = blk.down.shape[-1]
   plain = _ffn(blk.gate, blk.up, blk.down, blk.gate_up, F)
-  return _glu_down(blk, h, None, plain, [], _ffn_planes(blk.gate, blk.up, blk.gate_up), F, None, row_bytes(blk.down) * blk.hp.dim, h.device)
+  return _glu_down(blk, h, None, plain, [], _ffn_planes(blk.gate, blk.up, blk.gate_up), F, None,
+                   row_bytes(blk.down) * blk.hp.dim, h.device)
 
 
 @functools.cache
@@ -168,7 +181,8 @@ def sm_count(device: str) -> int:
   import tinygrad.runtime.autogen.cuda as cuda
   from tinygrad.runtime.ops_cuda import check
   v = ctypes.c_int()
-  check(cuda.cuDeviceGetAttribute(ctypes.byref(v), cuda.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, Device[device].cu_device))
+  check(cuda.cuDeviceGetAttribute(ctypes.byref(v), cuda.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                                  Device[device].cu_device))
   return v.value
 
 
@@ -178,16 +192,19 @@ def q8_handoff(routed: C.FFN | None, plain: C.FFN | None, k: int, device: str) -
   return C.handoff_fits(routed, plain, k, sm_count(device))
 
 
-def _glu_down(blk: Block, h: Tensor, routed: C.FFN | None, plain: C.FFN | None, rp: list[Tensor], pp: list[Tensor], n_act: int,
-              route: tuple[Tensor, Tensor] | None, down_bytes: int, dev: str) -> Tensor:
+def _glu_down(blk: Block, h: Tensor, routed: C.FFN | None, plain: C.FFN | None, rp: list[Tensor], pp: list[Tensor],
+              n_act: int, route: tuple[Tensor, Tensor] | None, down_bytes: int, dev: str) -> Tensor:
   hp, K = blk.hp, blk.hp.n_used if routed else 0
   hf = f32(h)
-  gu_bytes = n_act * 2 * (hp.dim // QUANT_TYPES[(routed or plain).gate.ggml_type].block) * QUANT_TYPES[(routed or plain).gate.ggml_type].nbytes
+  gu_bytes = n_act * 2 * (hp.dim // QUANT_TYPES[(routed
+                                                 or plain).gate.ggml_type].block) * QUANT_TYPES[(
+                                                   routed or plain).gate.ggml_type].nbytes
   form = "q8" if blk.cfg.ffn_act == "q8" else "f32"
   handoff = form == "q8" and q8_handoff(routed, plain, K, dev)
   kg = C.glu(routed, plain, K, hp.dim, hp.eps, R_LARGE, form, handoff)
-  act = launch(kg, [empty(n_act // 32 * C.Q8_ACT if handoff else n_act, device=dev), hf, blk.ffn_norm, *([route[0]] if route else []), *rp, *pp],
-               gu_bytes)[0]
+  act = launch(kg,
+               [empty(n_act // 32 * C.Q8_ACT if handoff else n_act, device=dev), hf, blk.ffn_norm,
+                *([route[0]] if route else []), *rp, *pp], gu_bytes)[0]
   kd = C.down(routed, plain, K, hp.dim, form, "q8" if handoff else "f32")
   routed_down = [route[0], route[1], *planes(blk.down_exps)] if routed else []
   plain_down = planes(blk.down_sh if routed else blk.down) if plain else []

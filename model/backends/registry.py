@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 
 
 class Backend:
-  """An implementation of a catalog row: the products linear(x, w), per_head(x, w), expert(x, sel, w) (signatures below),
-  and for each fused stage of its row a function of the same name (attention, router, moe, ffn)."""
+  """An implementation of a catalog row: the products linear(x, w), per_head(x, w), expert(x, sel, w) (signatures
+  below), and for each fused stage of its row a function of the same name (attention, router, moe, ffn)."""
   name: str = ""
 
   @property
@@ -29,13 +29,15 @@ class Backend:
     """Raise ConfigError where this process cannot run the backend on `device` (the space never proposes that)."""
     dev = Device.canonicalize(device)
     if not self.row.runs_on(dev):
-      raise ConfigError(f"backend {self.name} runs on {', '.join(self.row.devices or ())} only; this process runs on {dev}")
+      raise ConfigError(f"backend {self.name} runs on {', '.join(self.row.devices or ())} only; this process runs on "
+                        f"{dev}")
 
   def attach(self, w: QWeight, device: str | None) -> QWeight:
     """Make `w` this backend's (at load): check that it can serve it here, then prepare what its products read."""
     self.check(device)
     if w.quant not in self.row.quants:
-      raise ConfigError(f"backend {self.name} has no kernel for {w.quant}; it serves {', '.join(sorted(self.row.quants))}")
+      raise ConfigError(f"backend {self.name} has no kernel for {w.quant}; it serves "
+                        f"{', '.join(sorted(self.row.quants))}")
     w.backend = self.name
     return w
 
@@ -73,6 +75,6 @@ def per_head(x: Tensor, w: QWeight) -> Tensor:
 
 
 def expert(x: Tensor, sel: Tensor, w: QWeight) -> Tensor:
-  """x (B, T, K or 1, in), selected experts sel (B, T, K), w (E, out, in) -> (B, T, K, out); the selected experts' rows are
-  indexed inside the product (no gather of whole experts)."""
+  """x (B, T, K or 1, in), selected experts sel (B, T, K), w (E, out, in) -> (B, T, K, out); the selected experts' rows
+  are indexed inside the product (no gather of whole experts)."""
   return get(w.backend).expert(x, sel, w)

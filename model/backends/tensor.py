@@ -29,7 +29,8 @@ class TensorBackend(Backend):
 
   def linear(self, x: Tensor, w: QWeight) -> Tensor: return _dot(x.unsqueeze(-2), w.planes, w.ggml_type)
   def per_head(self, x: Tensor, w: QWeight) -> Tensor: return _dot(x.unsqueeze(-2), w.view(w.shape), w.ggml_type)
-  def expert(self, x: Tensor, sel: Tensor, w: QWeight) -> Tensor: return _dot(x.unsqueeze(-2), w.view(w.shape, sel), w.ggml_type)
+  def expert(self, x: Tensor, sel: Tensor, w: QWeight) -> Tensor:
+    return _dot(x.unsqueeze(-2), w.view(w.shape, sel), w.ggml_type)
 
 
 BACKEND = register(TensorBackend())

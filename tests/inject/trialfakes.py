@@ -1,17 +1,17 @@
 """Test-only faults and fakes, injected from the outside: production code carries no hook for them.
 
-- Faults of the trial process ($STRUCTSEARCH_FAULT): `crash`, `compile_error`, `hang`, `sigkill` and `sigterm` (killed from outside),
-  `device_oom_kill` (the device says it is out of memory, then the process is killed) act on the first decode step;
-  `broken_argmax_topk` makes the `argmax` top-k variant pick the wrong experts (a knob that computes the wrong output);
-  `scale_off_one_block` makes the routed down projection of the middle MoE block read each row's first block scale from its
-  second block (a dequantization bug in one layer, whatever backend computes it); `dropped_residual_one_block` drops the
-  attention residual of the middle block (in the per-op attention path and in every fused attention stage).
-  They patch model code as it is imported, so the trial process is the production one up to the fault. A fault of a
-  `search` process: `slow_study_creation` (2 s between finding no study and creating it).
-- Fake trials ($STRUCTSEARCH_FAKE_TRIALS, JSON: {"seconds": S, "proxy": "predicts" | "random", "status": STATUS}) replace the
-  evaluator's trial process in a `search` process: no tinygrad, a tok/s that is a fixed function of the config (its
-  block-proxy figure three times that, or unrelated to it), under the real device lock. Search-level behaviour (workers,
-  kills, resumes, the ladder) is then tested in seconds.
+- Faults of the trial process ($STRUCTSEARCH_FAULT): `crash`, `compile_error`, `hang`, `sigkill` and `sigterm` (killed
+  from outside), `device_oom_kill` (the device says it is out of memory, then the process is killed) act on the first
+  decode step; `broken_argmax_topk` makes the `argmax` top-k variant pick the wrong experts (a knob that computes the
+  wrong output); `scale_off_one_block` makes the routed down projection of the middle MoE block read each row's first
+  block scale from its second block (a dequantization bug in one layer, whatever backend computes it);
+  `dropped_residual_one_block` drops the attention residual of the middle block (in the per-op attention path and in
+  every fused attention stage). They patch model code as it is imported, so the trial process is the production one up
+  to the fault. A fault of a `search` process: `slow_study_creation` (2 s between finding no study and creating it).
+- Fake trials ($STRUCTSEARCH_FAKE_TRIALS, JSON: {"seconds": S, "proxy": "predicts" | "random", "status": STATUS})
+  replace the evaluator's trial process in a `search` process: no tinygrad, a tok/s that is a fixed function of the
+  config (its block-proxy figure three times that, or unrelated to it), under the real device lock. Search-level
+  behaviour (workers, kills, resumes, the ladder) is then tested in seconds.
 """
 from __future__ import annotations
 
@@ -117,7 +117,8 @@ def _dropped_residual(m: ModuleType) -> None:
   def fused(stage):
     def faulty_stage(blk, x, *args): return stage(blk, x, *args) - x * blk._faulty.reshape(1, 1, 1).cast(x.dtype)
     return staticmethod(faulty_stage)
-  for b in {type(m.K.get(n)) for n in m.catalog.names() if "attention" in m.catalog.get(n).stages}: b.attention = fused(b.attention)
+  for b in {type(m.K.get(n)) for n in m.catalog.names() if "attention" in m.catalog.get(n).stages}:
+    b.attention = fused(b.attention)
   init = m.Transformer.__init__
   def mark(self, *args, **kwargs) -> None:
     init(self, *args, **kwargs)
@@ -140,7 +141,8 @@ FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
 
 
 def fake_tok_s(config: dict, stage: str, proxy: str = "predicts") -> float:
-  """The fake figure of a config: full-model tok/s from its hash; the block proxy's 3x that, or from another part of the hash."""
+  """The fake figure of a config: full-model tok/s from its hash; the block proxy's 3x that, or from another part of the
+  hash."""
   from model.structure import StructureConfig
   h = hashlib.sha256(StructureConfig.from_dict(config).to_json().encode()).digest()
   full = 10 + h[0] / 16
@@ -155,16 +157,20 @@ def fake_run_process(seconds: float = 0.0, proxy: str = "predicts", status: str 
     if on_phase: on_phase("measure")
     time.sleep(seconds)
     tok_s = fake_tok_s(spec.config, spec.stage, proxy)
-    metrics = {"tok_s": tok_s, "tok_s_min": tok_s, "tok_s_max": tok_s, "layers": spec.layers or 0, "kernels_per_token": 100,
-               "bytes_per_token": 1_000_000, "peak_device_bytes": 1 << 20, "span": [t0, time.time()], "pid": os.getpid()}
-    env = {"device": spec.device, "device_name": "fake device", "python": "3", "host": socket.gethostname(), "platform": "test"}
+    metrics = {"tok_s": tok_s, "tok_s_min": tok_s, "tok_s_max": tok_s, "layers": spec.layers or 0,
+               "kernels_per_token": 100, "bytes_per_token": 1_000_000, "peak_device_bytes": 1 << 20,
+               "span": [t0, time.time()], "pid": os.getpid()}
+    env = {"device": spec.device, "device_name": "fake device", "python": "3", "host": socket.gethostname(),
+           "platform": "test"}
     return TrialResult(status, dataclasses.asdict(spec), metrics if status == "ok" else {"span": [t0, time.time()]},
-                       {"wall_s": round(time.time() - t0, 3)}, env=env, error="" if status == "ok" else f"injected {status}")
+                       {"wall_s": round(time.time() - t0, 3)}, env=env,
+                       error="" if status == "ok" else f"injected {status}")
   return run_process
 
 
 def install_fake_trials(setattr_: Callable[[object, str, object], None], **settings) -> None:
-  """Fake trials in this process (setattr_: pytest's monkeypatch.setattr in-process, plain setattr in a started process)."""
+  """Fake trials in this process (setattr_: pytest's monkeypatch.setattr in-process, plain setattr in a started
+  process)."""
   import evaluator.runner as runner
   setattr_(runner, "run_process", fake_run_process(**settings))
   setattr_(runner, "bandwidth", lambda device, remeasure=False, on_wait=None: 100.0)

@@ -379,14 +379,15 @@ def attention(blk: Block, x: Tensor, start_pos, pos: Tensor | None) -> Tensor:
 def _gating(logits: UOp, gating: int, ids: Iterator[int]) -> Callable[[UOp], UOp]:
   """The gating function's value at expert i, with the per-op path's arithmetic; softmax's max and sum over the experts are
   reductions of the kernel (each thread computes them)."""
-  n, l = logits.shape[0], lambda i: _f(logits[i])
+  n, logit = logits.shape[0], lambda i: _f(logits[i])
   if gating == SOFTMAX:
     r = UOp.range(n, next(ids), AxisType.REDUCE)
-    m = l(r).reduce(r, arg=Ops.MAX)
+    m = logit(r).reduce(r, arg=Ops.MAX)
     r = UOp.range(n, next(ids), AxisType.REDUCE)
-    z = (l(r) - m).exp().reduce(r, arg=Ops.ADD)
-    return lambda i: (l(i) - m).exp() / z
-  return {SIGMOID: lambda i: l(i).sigmoid(), SOFTMAX_WEIGHT: l, SQRT_SOFTPLUS: lambda i: l(i).softplus().sqrt()}[gating]
+    z = (logit(r) - m).exp().reduce(r, arg=Ops.ADD)
+    return lambda i: (logit(i) - m).exp() / z
+  return {SIGMOID: lambda i: logit(i).sigmoid(), SOFTMAX_WEIGHT: logit,
+          SQRT_SOFTPLUS: lambda i: logit(i).softplus().sqrt()}[gating]
 
 
 def topk_kernel(own: UOp, logits: UOp, *bias: UOp, gating: int, local: bool) -> UOp:

@@ -354,8 +354,8 @@ def _vec(x: Tensor, w: QWeight, norm: Norm | None = None, res: Tensor | None = N
 
 
 def attention(blk: Block, x: Tensor, start_pos, pos: Tensor | None) -> Tensor:
-  """h = x + attention(x) for one token, in UOp kernels: the projections with the norms folded in, the KV cache write (with
-  q_a's 1/rms), k_b reading q in place, the scores (q_pe rotated as they are read), softmax(scores) @ c_kv, v_b, and the
+  """h = x + attention(x) for one token, in UOp kernels: the projections with the norms folded in (q_a's and c_kv's 1/rms
+  one kernel), the KV cache write, k_b reading q in place, the scores (q_pe rotated as they are read), softmax(scores) @ c_kv, v_b, and the
   output projection with the residual add folded in."""
   hp = blk.hp
   H, nope, rope, dim = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.dim
@@ -364,10 +364,11 @@ def attention(blk: Block, x: Tensor, start_pos, pos: Tensor | None) -> Tensor:
   qa = _vec(xf, blk.q_a, norm) if hp.q_lora else None
   kv = _vec(xf, blk.kv_a, norm)
   pos, bind = _position(start_pos)
-  extra = [Tensor.empty(1, dtype=dtypes.float32, device=kv.device), qa] if hp.q_lora else []
-  cache, *rs = blk.cache.custom_kernel(kv, blk.kv_a_norm, blk.cos, blk.sin, *extra, *bind, fxn=partial(
-    kv_write_kernel, pos=pos, eps=hp.eps, q_lora=bool(hp.q_lora), local=_local(kv.device)))
-  q = _vec(qa, blk.q_b, (blk.q_a_norm, rs[4])) if hp.q_lora else _vec(xf, blk.q_b, norm)
+  vecs, lengths = ([qa], (hp.q_lora,)) if hp.q_lora else ([], ())
+  rs = _custom(rms_kernel, (len(vecs) + 1,), [*vecs, kv], lengths=(*lengths, hp.kv_lora), eps=hp.eps)  # [q_a's,] c_kv's 1/rms
+  cache = blk.cache.custom_kernel(kv, blk.kv_a_norm, rs, blk.cos, blk.sin, *bind, fxn=partial(
+    kv_write_kernel, pos=pos, slot=len(vecs), local=_local(kv.device)))[0]
+  q = _vec(qa, blk.q_b, (blk.q_a_norm, rs)) if hp.q_lora else _vec(xf, blk.q_b, norm)
   q_abs = per_head(q.reshape(1, 1, H, nope + rope), blk.k_b).reshape(H, hp.kv_lora)  # k_b reads q's nope part in place
   ctx = blk.cache.shape[1]
   s = _custom(scores_kernel, (H, ctx), [q, q_abs, cache, blk.cos, blk.sin, *bind], pos=pos, scale=hp.kq_scale, nope=nope)
@@ -398,9 +399,9 @@ def topk_kernel(own: UOp, logits: UOp, *bias: UOp, gating: int, local: bool) -> 
   e, *er = _axis(n, ids, AxisType.LOCAL if local else AxisType.WEAK)
   p = _gating(logits, gating, ids)
   score = (lambda i: p(i) + _f(bias[0][i])) if bias else p
-  j = UOp.range(n, next(ids), AxisType.REDUCE)
+  j, red = _split(n, ids, (AxisType.REDUCE, AxisType.UNROLL), (_pow2(n, 4),))  # unrolled steps: independent compares
   beats = (score(e) < score(j)) | (score(j).eq(score(e)) & (j < e))
-  rank = beats.where(UOp.const(1, dtypes.int32), UOp.const(0, dtypes.int32)).reduce(j, arg=Ops.ADD)
+  rank = beats.where(UOp.const(1, dtypes.int32), UOp.const(0, dtypes.int32)).reduce(*red, arg=Ops.ADD)
   store = own[rank.cast(dtypes.weakint).valid(rank < k)].store(_i(e))
   return store.end(*er).sink(arg=KernelInfo(name="dsl_topk", opts_to_apply=()))
 
@@ -439,52 +440,90 @@ def _roped(x: Callable[[UOp], UOp], cos: UOp, sin: UOp, pos: UOp | int, i: UOp, 
   return j.eq(0).where(x0 * c - x1 * s, x0 * s + x1 * c) if isinstance(j, UOp) else (x0 * c - x1 * s if j == 0 else x0 * s + x1 * c)
 
 
-def kv_write_kernel(cache: UOp, kv: UOp, gamma: UOp, cos: UOp, sin: UOp, *srcs: UOp, pos: UOp | int, eps: float,
-                    q_lora: bool, local: bool) -> UOp:
-  """The KV cache's row at `pos` from kv_a's output kv (kv_lora + rope,): the first kv_lora values RMS-normalised times
-  gamma, the last rope values rotated, stored in the cache's dtype; and, with q_lora, rs (1,) = 1/rms of q_a's output qa
-  (srcs = [rs, qa]), which q_b's product folds in. A thread per value of the row; each reduces the sums of squares itself."""
+def _split(n: int, ids: Iterator[int], kinds: tuple[AxisType, ...], sizes: tuple[int, ...]) -> tuple[UOp, tuple[UOp, ...]]:
+  """An index over n made of ranges of the given kinds and sizes (innermost last; the first takes what is left), and
+  its ranges: a loop split into threads of a workgroup and unrolled steps, without division in the kernel."""
+  idx, ranges = UOp.const(0, dtypes.weakint), []
+  for size, kind in zip((n // prod(sizes), *sizes), kinds, strict=True):
+    r, *rr = _axis(size, ids, kind)
+    idx, ranges = idx * size + r, ranges + rr
+  return idx, tuple(ranges)
+
+
+def _pow2(n: int, most: int) -> int: return next(g for g in (64, 32, 16, 8, 4, 2, 1) if g <= most and n % g == 0)
+
+
+def rms_kernel(out: UOp, *vecs: UOp, lengths: tuple[int, ...], eps: float, local: bool) -> UOp:
+  """out (V,): 1/rms of the first lengths[j] values of each vector j, a workgroup per vector (its threads split the sum
+  of squares; GROUP_REDUCE), loads past a vector's length masked."""
+  ids, n = count(), max(lengths)
+  j, *jr = _axis(len(vecs), ids, AxisType.GLOBAL if local else AxisType.WEAK)
+  g = _pow2(n, 64) if local else 1
+  i, red = _split(n, ids, (AxisType.REDUCE, AxisType.GROUP_REDUCE), (g,))
+  def pick(k: int) -> UOp: return _f(vecs[k][i.valid(i < lengths[k])] if lengths[k] < n else vecs[k][i])
+  val = pick(len(vecs) - 1)
+  for k in range(len(vecs) - 2, -1, -1): val = j.eq(k).where(pick(k), val)
+  inv = UOp.const(1 / lengths[-1], dtypes.float32)
+  for k in range(len(vecs) - 1): inv = j.eq(k).where(1 / lengths[k], inv)
+  ss = (val * val).reduce(*red, arg=Ops.ADD)
+  return out[j].store((ss * inv + eps).rsqrt()).end(*jr).sink(arg=KernelInfo(name="dsl_rms", opts_to_apply=()))
+
+
+def kv_write_kernel(cache: UOp, kv: UOp, gamma: UOp, rs: UOp, cos: UOp, sin: UOp, *_var: UOp, pos: UOp | int, slot: int,
+                    local: bool) -> UOp:
+  """The KV cache's row at `pos` from kv_a's output kv (kv_lora + rope,): the first kv_lora values times rs[slot] (their
+  1/rms) and gamma, the last rope values rotated, stored in the cache's dtype; a thread per value."""
   ids, kvl, width = count(), gamma.shape[0], cache.shape[-1]
   c, *cr = _axis(width, ids, AxisType.LOCAL if local else AxisType.WEAK)
-  def rms(v: UOp) -> UOp:
-    r = UOp.range(v.shape[0], next(ids), AxisType.REDUCE)
-    return ((_f(v[r]) * _f(v[r])).reduce(r, arg=Ops.ADD) * (1 / v.shape[0]) + eps).rsqrt()
-  rope = kv.shape[0] - kvl
+  rope = width - kvl
   i = ((c - kvl) // 2).maximum(0).minimum(rope // 2 - 1)
   rot = _roped(lambda k: _f(kv[kvl + k]), cos, sin, pos, i, (c - kvl) % 2)
-  normed = _f(kv[c.minimum(kvl - 1)]) * rms(kv.shrink(((0, kvl),))) * _f(gamma[c.minimum(kvl - 1)])
-  stores = [cache[0, pos, c].store((c < kvl).where(normed, rot).cast(cache.dtype))]
-  if q_lora: stores.append(srcs[0][UOp.const(0, dtypes.weakint).valid(c.eq(0))].store(rms(srcs[1])))
-  return UOp.group(*stores).end(*cr).sink(arg=KernelInfo(name="dsl_kv_write", opts_to_apply=()))
+  normed = _f(kv[c.minimum(kvl - 1)]) * _f(rs[slot]) * _f(gamma[c.minimum(kvl - 1)])
+  store = cache[0, pos, c].store((c < kvl).where(normed, rot).cast(cache.dtype))
+  return store.end(*cr).sink(arg=KernelInfo(name="dsl_kv_write", opts_to_apply=()))
 
 
 def scores_kernel(out: UOp, q: UOp, q_abs: UOp, cache: UOp, cos: UOp, sin: UOp, *_var: UOp, pos: UOp | int, scale: float,
                   nope: int, local: bool) -> UOp:
-  """out (H, context): the attention scores of the positions 0..pos, scale * (q_abs[h] . c_kv[t] + rope(q_pe[h]) . k_pe[t]),
-  a thread per head and position; q (H * (nope + rope),) is q_b's output, whose rope part is rotated here."""
-  ids, (H, kvl), rope = count(), q_abs.shape, cache.shape[-1] - q_abs.shape[1]
+  """out (H, context): the attention scores of the positions 0..pos, scale * (q_abs[h] . c_kv[t] + rope(q_pe[h]) . k_pe[t]);
+  q (H * (nope + rope),) is q_b's output, whose rope part is rotated as it is read. A workgroup per head and position: its
+  threads split the row of the cache (GROUP_REDUCE), each reading pairs of values in unrolled steps."""
+  ids, (H, kvl), width = count(), q_abs.shape, cache.shape[-1]
+  rope = width - kvl
   h, *hr = _axis(H, ids, AxisType.GLOBAL if local else AxisType.WEAK)
   t = UOp.range(pos + 1, next(ids), AxisType.GLOBAL if local else AxisType.WEAK)
-  r = UOp.range(kvl, next(ids), AxisType.REDUCE)
-  dot = (_f(q_abs[h, r]) * _f(cache[0, t, r])).reduce(r, arg=Ops.ADD)
-  i, j = UOp.range(rope // 2, next(ids), AxisType.REDUCE), UOp.range(2, next(ids), AxisType.UNROLL)
+  u = 2 if width % 4 else 4
+  g = _pow2(width // u, 16) if local else 1
+  base, red = _split(width // 2, ids, (AxisType.REDUCE, AxisType.GROUP_REDUCE, AxisType.UNROLL), (g, u // 2))
+  j = UOp.range(2, next(ids), AxisType.UNROLL)
+  r = base * 2 + j  # the value of the row: pair base, element j of it
+  i = (base - kvl // 2).maximum(0).minimum(rope // 2 - 1)  # the pair of the rope part
   qpe = _roped(lambda k: _f(q[h * (nope + rope) + nope + k]), cos, sin, pos, i, j)
-  dot = dot + (qpe * _f(cache[0, t, kvl + i * 2 + j])).reduce(i, j, arg=Ops.ADD)
+  qv = (r < kvl).where(_f(q_abs[h, r.minimum(kvl - 1)]), qpe)
+  dot = (qv * _f(cache[0, t, r])).reduce(*red, j, arg=Ops.ADD)
   return out[h, t].store(dot * scale).end(*hr, t).sink(arg=KernelInfo(name="dsl_scores", opts_to_apply=()))
+
+
+def _positions(pos: UOp | int, ids: Iterator[int], u: int, last: int) -> tuple[UOp, UOp, tuple[UOp, ...]]:
+  """The positions 0..pos in unrolled steps of u: (the position, clamped to `last` for its loads; whether it is one of
+  them; its ranges)."""
+  o, k = UOp.range((pos + u) // u, next(ids), AxisType.REDUCE), UOp.range(u, next(ids), AxisType.UNROLL)
+  t = o * u + k
+  return t.minimum(last), t < pos + 1, (o, k)
 
 
 def pv_kernel(out: UOp, s: UOp, cache: UOp, *_var: UOp, pos: UOp | int, local: bool) -> UOp:
   """out (H, kv_lora) = softmax(s[h, 0..pos]) @ c_kv[0..pos]: a thread per head and value; each thread reduces the
-  scores' max and sum of exponentials itself, then the weighted sum of the cache's column."""
-  ids, (H, kvl) = count(), out.shape
+  scores' max and sum of exponentials itself, then the weighted sum of the cache's column, in unrolled steps of 4."""
+  ids, (H, kvl), last = count(), out.shape, s.shape[1] - 1
   h, *hr = _axis(H, ids, AxisType.GLOBAL if local else AxisType.WEAK)
   c, rows = _rows(kvl, ids, local, 1)
-  t = UOp.range(pos + 1, next(ids), AxisType.REDUCE)
-  m = _f(s[h, t]).reduce(t, arg=Ops.MAX)
-  t = UOp.range(pos + 1, next(ids), AxisType.REDUCE)
-  z = (_f(s[h, t]) - m).exp().reduce(t, arg=Ops.ADD)
-  t = UOp.range(pos + 1, next(ids), AxisType.REDUCE)
-  o = ((_f(s[h, t]) - m).exp() * _f(cache[0, t, c])).reduce(t, arg=Ops.ADD) / z
+  t, ok, red = _positions(pos, ids, 4, last)
+  m = ok.where(_f(s[h, t]), float("-inf")).reduce(*red, arg=Ops.MAX)
+  t, ok, red = _positions(pos, ids, 4, last)
+  z = ok.where((_f(s[h, t]) - m).exp(), 0.0).reduce(*red, arg=Ops.ADD)
+  t, ok, red = _positions(pos, ids, 4, last)
+  o = ok.where((_f(s[h, t]) - m).exp() * _f(cache[0, t, c]), 0.0).reduce(*red, arg=Ops.ADD) / z
   return out[h, c].store(o).end(*hr, *rows).sink(arg=KernelInfo(name="dsl_pv", opts_to_apply=()))
 
 

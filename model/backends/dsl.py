@@ -40,7 +40,7 @@ Planes = dict[str, UOp]  # each (rows, nblocks, field_len), as QWeight keeps the
 ROWS = 4  # output rows per thread
 GROUP = 32  # threads that split the blocks of a row (at most: the largest power of two dividing the block count)
 THREADS = 32  # at least this many threads per workgroup: rows are spread over workgroup threads when GROUP is smaller
-MIN_THREADS = 65536  # fewer threads than this in a launch: one row per thread, so that more threads share the work
+MIN_THREADS = 16384  # fewer threads than this in a launch: one row per thread, so that more threads share the work
 
 
 def _i(v: UOp) -> UOp: return v.cast(dtypes.int32)
@@ -505,34 +505,18 @@ def scores_kernel(out: UOp, q: UOp, q_abs: UOp, cache: UOp, cos: UOp, sin: UOp, 
   return out[h, t].store(dot * scale).end(*hr, t).sink(arg=KernelInfo(name="dsl_scores", opts_to_apply=()))
 
 
-def _positions(pos: UOp | int, ids: Iterator[int], g: int, u: int, last: int) -> tuple[UOp, UOp, tuple[UOp, ...]]:
-  """The positions 0..pos split over g threads of a workgroup (GROUP_REDUCE) in unrolled steps of u: (the position,
-  clamped to `last` for its loads; whether it is one of them; its ranges)."""
-  o = UOp.range((pos + g * u) // (g * u), next(ids), AxisType.REDUCE)
-  tg, *gr = _axis(g, ids, AxisType.GROUP_REDUCE)
-  k = UOp.range(u, next(ids), AxisType.UNROLL)
-  t = (o * g + tg) * u + k
-  return t.minimum(last), t < pos + 1, (o, *gr, k)
-
-
-PV_GROUP, PV_STEP = 8, 4  # softmax @ c_kv: threads that split the positions, positions a thread reads per step
-
-
 def pv_kernel(out: UOp, s: UOp, cache: UOp, *_var: UOp, pos: UOp | int, local: bool) -> UOp:
-  """out (H, kv_lora) = softmax(s[h, 0..pos]) @ c_kv[0..pos]: a workgroup per head and value; each thread reduces the
-  scores' max and sum of exponentials itself, and the threads split the positions of the weighted sum of the cache's
-  column."""
-  ids, (H, kvl), last = count(), out.shape, s.shape[1] - 1
-  g = PV_GROUP if local else 1
+  """out (H, kv_lora) = softmax(s[h, 0..pos]) @ c_kv[0..pos]: a thread per head and value; each thread reduces the
+  scores' max and sum of exponentials itself, then the weighted sum of the cache's column (consecutive threads read
+  consecutive values of a row)."""
+  ids, (H, kvl) = count(), out.shape
   h, *hr = _axis(H, ids, AxisType.GLOBAL if local else AxisType.WEAK)
-  c, *cr = _axis(kvl, ids, AxisType.GLOBAL if local else AxisType.WEAK)
-  t, ok, red = _positions(pos, ids, 1, PV_STEP, last)  # one GROUP_REDUCE per kernel: each is a workgroup dimension of its own
-  m = ok.where(_f(s[h, t]), float("-inf")).reduce(*red, arg=Ops.MAX)
-  t, ok, red = _positions(pos, ids, 1, PV_STEP, last)
-  z = ok.where((_f(s[h, t]) - m).exp(), 0.0).reduce(*red, arg=Ops.ADD)
-  t, ok, red = _positions(pos, ids, g, PV_STEP, last)
-  o = ok.where((_f(s[h, t]) - m).exp() * _f(cache[0, t, c]), 0.0).reduce(*red, arg=Ops.ADD) / z
-  return out[h, c].store(o).end(*hr, *cr).sink(arg=KernelInfo(name="dsl_pv", opts_to_apply=()))
+  c, rows = _rows(kvl, ids, local, 1)
+  def positions() -> UOp: return UOp.range(pos + 1, next(ids), AxisType.REDUCE)
+  m = _f(s[h, t := positions()]).reduce(t, arg=Ops.MAX)
+  z = (_f(s[h, t := positions()]) - m).exp().reduce(t, arg=Ops.ADD)
+  o = ((_f(s[h, t := positions()]) - m).exp() * _f(cache[0, t, c])).reduce(t, arg=Ops.ADD) / z
+  return out[h, c].store(o).end(*hr, *rows).sink(arg=KernelInfo(name="dsl_pv", opts_to_apply=()))
 
 
 def router(blk: Block, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:

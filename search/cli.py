@@ -77,7 +77,8 @@ def _run(setup: Setup, url: str, info: ModelInfo, args) -> None:
   ev = setup.evaluator(args.trial_timeout)
   with session(open_db(url, create=False)) as s: finished = store.trials(s, store.get_study(s, setup.name))
   view = LiveView(console, setup.name, setup.trials, finished, stored_baseline(url, setup, info))
-  listeners = [view.handle, Uploader(url, setup.name, artifact_store(url, args.artifacts))]
+  uploader = Uploader(url, setup.name, artifact_store(url, args.artifacts))
+  listeners = [view.handle, uploader]
   runner = Runner(setup, url, ev, info, remeasure=getattr(args, "remeasure", False), listeners=listeners, heartbeat=args.heartbeat)
   console.print(f"study {setup.name}: {setup.model_name} on {setup.device}, {len(finished)} trials so far, target {setup.trials}"
                 f" ({setup.sampler} sampler, stages: {' then '.join(ev.stages)}; storage {hide_password(url)}; "
@@ -89,6 +90,7 @@ def _run(setup: Setup, url: str, info: ModelInfo, args) -> None:
   except KeyboardInterrupt:
     console.print(f"stopped: the running trial is marked interrupted; `search start --study {setup.name} --storage {hide_password(url)}` continues")
     sys.exit(130)
+  uploader.refresh()  # the noise measurements since each trial ended changed their figures
   show_leaderboard(url, setup.name, top=15)
 
 
@@ -139,6 +141,7 @@ def cmd_start(args) -> None:
   if args.confirm:
     from search.confirm import confirm
     confirm(args.storage, name, top=args.confirm, pairs=args.pairs, device=setup.device, say=console.print, model=setup.model)
+    _refresh(args.storage, name, args.artifacts)
     show_leaderboard(args.storage, name, top=15)
   where = "" if args.storage == default_url() else f" --storage {hide_password(args.storage)}"
   console.print(f"review: `search leaderboard --study {name}{where}`; `search report --study {name}{where} --out report-{name}` "
@@ -185,7 +188,14 @@ def cmd_confirm(args) -> None:
   say = console.print if args.format == "table" else errors.print  # the progress; stdout keeps the document alone
   confirm(args.storage, args.study, top=args.top, pairs=args.pairs, rounds=args.rounds, device=args.device, say=say, again=args.again,
           model=str(resolve(args.model).resolve()) if args.model else None)
+  _refresh(args.storage, args.study, args.artifacts)
   show_leaderboard(args.storage, args.study, args.format, top=15)
+
+
+def _refresh(url: str, name: str, artifacts: str | None) -> None:
+  """The dashboard's files of the study's trials, rewritten with their figures after a confirmation."""
+  from search.dashboard import Uploader, artifact_store
+  Uploader(url, name, artifact_store(url, artifacts)).refresh()
 
 
 def cmd_replay(args) -> None:
@@ -391,6 +401,8 @@ def parser() -> argparse.ArgumentParser:
   c.add_argument("--device", type=device_name, help="tinygrad device (default: the study's)")
   c.add_argument("--model", help="where the study's model file is on this host (default: the study's path; checked by SHA-256)")
   c.add_argument("--again", action="store_true", help="re-measure configs confirmed before")
+  c.add_argument("--artifacts", help="directory of the trials' dashboard artifacts, rewritten with the confirmations (default: beside a "
+                 "SQLite database)")
   c.set_defaults(fn=cmd_confirm)
 
   r = sub.add_parser("replay", parents=[store_arg], help="re-run a study's search offline against its measurements, per sampler")

@@ -19,15 +19,16 @@ from db.store import interval
 from model.production import model_key as production_key
 from model.production import production_dir, sha_line
 from model.structure import StructureConfig
-from search.leaderboard import MIN_PAIRS, find_trial, winner
+from search.leaderboard import MIN_PAIRS, find_trial, leaderboard, winner
 
 
 def choose(s: Session, study: Study, which: str | None, unconfirmed: bool, force: bool = False) -> tuple[Trial, str]:
-  """The trial to export (`which`: a number or "baseline"; None: the confirmed winner, or with `unconfirmed` the best measured
-  config) and a label saying what it is. Refused (ValueError): a study with no finished trial; a trial that did not measure
-  ok (wrong output, failed, pruned, interrupted); the baseline itself; a config whose confirmation says it is not faster
-  than the baseline (whatever `unconfirmed` says); an unconfirmed one without `unconfirmed`, and with it one whose estimate
-  is not above the baseline's interval, unless `force`. A confirmation counts with at least MIN_PAIRS A/B pairs."""
+  """The trial to export (`which`: a number or "baseline"; None: the confirmed winner, or with `unconfirmed` the first config
+  of the leaderboard that is not the baseline nor confirmed slower than it) and a label saying what it is. Refused
+  (ValueError): a study with no finished trial; a trial that did not measure ok (wrong output, failed, pruned,
+  interrupted); the baseline itself; a config whose confirmation says it is not faster than the baseline (whatever
+  `unconfirmed` says); an unconfirmed one without `unconfirmed`, and with it one whose estimate is not above the
+  baseline's interval, unless `force`. A confirmation counts with at least MIN_PAIRS A/B pairs."""
   trials = store.trials(s, study)
   if not any(t.state not in ("running", "interrupted") for t in trials): raise ValueError(f"study {study.name!r} has no finished trial")
   conf = {c.config_hash: c for c in store.confirmations(s, study)}
@@ -43,9 +44,9 @@ def choose(s: Session, study: Study, which: str | None, unconfirmed: bool, force
     raise ValueError(f"study {study.name!r} has no confirmed winner (`search confirm --study {study.name}`; --unconfirmed exports the best "
                      "measured config)")
   else:
-    cands = [t for t in store.leaderboard(s, study, None) if t.config_hash != study.baseline_hash and not _slower(conf.get(t.config_hash))]
+    cands = [r for r in leaderboard(s, study)["rows"] if r["config_hash"] != study.baseline_hash and not _slower(conf.get(r["config_hash"]))]
     if not cands: raise ValueError(f"study {study.name!r} has no measured config but the baseline and those confirmed slower than it")
-    t = cands[0]
+    t = find_trial(s, study, str(cands[0]["trial"]))  # the leaderboard's first
   if t.config_hash == study.baseline_hash:
     raise ValueError(f"trial {t.number} is the baseline config: production without a config is the baseline already")
   c = conf.get(t.config_hash)

@@ -100,6 +100,14 @@ def _row(t: Trial, est: store.Estimate | None, base: store.Estimate | None, c: C
           "changes": changes(StructureConfig.from_json(t.config_json), base_cfg)}
 
 
+def figure(row: dict[str, Any], base: float | None) -> float:
+  """The figure a leaderboard row ranks by, in tok/s (`base`: the baseline's estimate): its confirmed speedup times the
+  baseline's estimate where an A/B confirmation exists (0 where that confirmation failed), else its estimate."""
+  c = row["confirmed"]
+  if base is None or c is None: return row["tok_s"] or 0.0
+  return c["speedup"] * base if c["status"] == "ok" else 0.0
+
+
 def leaderboard(s: Session, study: Study, states: tuple[str, ...] = ("ok",), where: dict[str, str] | None = None,
                 top: int | None = None) -> dict[str, Any]:
   """The leaderboard document (see the module's docstring)."""
@@ -113,11 +121,7 @@ def leaderboard(s: Session, study: Study, states: tuple[str, ...] = ("ok",), whe
     if t.state == "ok" and t.config_hash in ok: ok[t.config_hash]["trials"].append(t.number)
     elif t.state == "ok": ok[t.config_hash] = _row(t, est.get(t.config_hash), base, conf.get(t.config_hash), win, base_cfg)
     else: rest.append(_row(t, None, base, None, None, base_cfg))
-  def key(r: dict) -> float:
-    c = r["confirmed"]
-    if base is None: return r["tok_s"] or 0.0
-    return (c["speedup"] if c["status"] == "ok" else 0.0) if c else r["speedup"] or 0.0
-  ranked = sorted(ok.values(), key=lambda r: (-key(r), r["trial"]))
+  ranked = sorted(ok.values(), key=lambda r: (-figure(r, base.median if base else None), r["trial"]))
   for i, r in enumerate(ranked): r["rank"] = i + 1
   flats = {t.number: flat(StructureConfig.from_json(t.config_json)) for t in trials}
   rows = [r for r in ranked + rest if r["state"] in states and all(str(flats[r["trial"]][k]).lower() == v.lower() for k, v in (where or {}).items())]
@@ -281,17 +285,28 @@ def compare_doc(s: Session, study: Study, a: Trial, b: Trial) -> dict[str, Any]:
           "knobs": [{"knob": k, "a": fa[k], "b": fb[k]} for k in fa if fa[k] != fb[k]], "metrics": metrics}
 
 
+def _conf(c: dict[str, Any] | None) -> str:
+  if c is None: return "not confirmed"
+  return f"{c['speedup']:.3f}x [{c['low']:.3f}, {c['high']:.3f}] over {c['pairs']} A/B pairs" + ("" if c["status"] == "ok" else f" ({c['status']})")
+
+
 def compare_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
   names = dict(COMPARED)
   a, b = f"trial {doc['a']}", f"trial {doc['b']}"
   fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("" if v is None else v)
-  rows = [[f"knob {k['knob']}", k["a"], k["b"], ""] for k in doc["knobs"]]
-  rows += [[names.get(m["metric"], m["metric"]), fmt(m["a"]), fmt(m["b"]), _f(m["ratio"], ".3f", "x")] for m in doc["metrics"]]
   ea, eb = doc["estimate"]["a"], doc["estimate"]["b"]
-  notes = []
+  ca, cb = doc["confirmed"]["a"], doc["confirmed"]["b"]
+  est = lambda e: f"{interval(store.Estimate(e['tok_s'], e['low'], e['high'], e['measurements']))} over {e['measurements']}" if e else ""
+  rows = [[f"knob {k['knob']}", k["a"], k["b"], ""] for k in doc["knobs"]]
+  rows += [["tok/s estimate [90%] over measurements", est(ea), est(eb), ""], ["A/B-confirmed against the baseline", _conf(ca), _conf(cb), ""]]
+  rows += [[names.get(m["metric"], m["metric"]), fmt(m["a"]), fmt(m["b"]), _f(m["ratio"], ".3f", "x")] for m in doc["metrics"]]
+  notes = [f"{side} ({x}) is A/B-confirmed at {_conf(c)} of the baseline: "
+           + ("faster" if c["status"] == "ok" and c["low"] > 1 else "not faster" if c["status"] == "ok" and c["speedup"] <= 1 else
+              "inconclusive" if c["status"] == "ok" else "failed")
+           for side, x, c in (("A", a, ca), ("B", b, cb)) if c]
   if ea and eb:
     overlap = None if ea["low"] is None else eb["high"] >= ea["low"] and ea["high"] >= eb["low"]
-    notes.append(f"B/A is {eb['tok_s'] / ea['tok_s']:.3f}x in tok/s; " + ("no run-to-run noise measured yet" if overlap is None else
+    notes.append(f"B/A is {eb['tok_s'] / ea['tok_s']:.3f}x in estimated tok/s; " + ("no run-to-run noise measured yet" if overlap is None else
                  "their 90% intervals overlap: within the noise" if overlap else "their 90% intervals do not overlap"))
   return [Section(f"{doc['study']}: {b} (B) against {a} (A)", ["", f"A: {a} ({doc['state']['a']})", f"B: {b} ({doc['state']['b']})", "B/A"],
                   rows, records=[{"name": r[0], "a": r[1], "b": r[2], "ratio": r[3]} for r in rows])], notes

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import pathlib
+import re
 import shutil
 import socket
 import sqlite3
@@ -113,9 +114,10 @@ def _chromium(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([exe, *CHROMIUM, f"--user-data-dir={profile}", *args], capture_output=True, text=True, timeout=120)
 
 
-def test_dashboard_renders_while_the_search_writes(live) -> None:
+def test_dashboard_renders_while_the_search_writes(live, capsys) -> None:
   """optuna-dashboard on the SQLite file the search is writing: the page renders the study and its trials with their
-  artifacts, the API answers throughout, and the search finishes without "database is locked"."""
+  artifacts, the API answers throughout, the search finishes without "database is locked", and the page's best trial
+  is then the leaderboard's first."""
   deadline = time.time() + 300
   while time.time() < deadline and not any(t["state"] == "Complete" for t in json.loads(live.get("/api/studies/1"))["trials"]):
     time.sleep(1)
@@ -135,6 +137,13 @@ def test_dashboard_renders_while_the_search_writes(live) -> None:
   out, served = live.finished(), (live.logs / "dashboard.log").read_text()
   assert polls > 5 and "database is locked" not in out + served and "Traceback" not in out + served, served[-3000:]
   assert live.dash.poll() is None  # still serving
+  # its "Best Trial" is the leaderboard's first, at the figure the leaderboard ranks it by (search/ranked.py)
+  capsys.readouterr()
+  assert search("leaderboard", "--study", "r", "--storage", live.url, "--format", "json") == 0
+  first = json.loads(capsys.readouterr().out)["rows"][0]
+  time.sleep(2.5)  # the dashboard keeps the trials it read for 2 s
+  text = re.sub(r"<[^>]+>", " ", _chromium("--dump-dom", f"http://127.0.0.1:{live.port}/dashboard/studies/1").stdout)
+  assert f"Best Trial (number={first['trial']})" in text, text[-3000:]
 
 
 def test_leaderboard_in_four_formats(live, capsys) -> None:

@@ -277,8 +277,19 @@ def cmd_compare(args) -> None:
   from search.leaderboard import compare_doc, compare_view, find_trial
   with session(open_db(args.storage, create=False)) as s:
     st = _study(s, args.storage, args.study)
-    doc = compare_doc(s, st, find_trial(s, st, args.a), find_trial(s, st, args.b))
+    other, sep, b = args.b.rpartition(":")
+    sb = _study(s, args.storage, other) if sep else st
+    doc = compare_doc(s, st, find_trial(s, st, args.a), find_trial(s, sb, b), sb)
   secs, notes = compare_view(doc)
+  emit(args.format, secs, doc, console, notes)
+
+
+def cmd_exports(args) -> None:
+  from search.export import exports_doc, exports_view
+  with session(open_db(args.storage, create=False)) as s:
+    if args.study: _study(s, args.storage, args.study)
+    doc = exports_doc(s, args.study)
+  secs, notes = exports_view(doc)
   emit(args.format, secs, doc, console, notes)
 
 
@@ -431,16 +442,23 @@ def parser() -> argparse.ArgumentParser:
   sh.add_argument("trial", help="a trial number, or 'baseline'")
   sh.set_defaults(fn=cmd_show)
 
-  cp = sub.add_parser("compare", parents=[store_arg, fmt_arg], help="two trials side by side, knob by knob and metric by metric")
-  cp.add_argument("--study", required=True, help="the study of the two trials")
+  cp = sub.add_parser("compare", parents=[store_arg, fmt_arg],
+                      help="two trials side by side, knob by knob, metric by metric and kernel by kernel")
+  cp.add_argument("--study", required=True, help="the study of the trials (of A; of B unless B names its own)")
   cp.add_argument("a", help="a trial number, or 'baseline'")
-  cp.add_argument("b", help="a trial number, or 'baseline'")
+  cp.add_argument("b", help="a trial number or 'baseline' of --study, or STUDY:N / STUDY:baseline for a trial of another study in the "
+                  "storage (the same model on another device, before and after a code change)")
   cp.set_defaults(fn=cmd_compare)
 
   co = sub.add_parser("cost", parents=[store_arg, fmt_arg], help="what a study's trials cost, phase by phase, and the wall time of N trials")
   co.add_argument("--study", required=True, help="the study whose trials to account for")
   co.add_argument("--project", type=at_least(1), default=200, help="trials to project the wall time of (default 200)")
   co.set_defaults(fn=cmd_cost)
+
+  ex = sub.add_parser("exports", parents=[store_arg, fmt_arg],
+                      help="what `search export` put in production: each file, from which study and trial, since when, and whether it holds it still")
+  ex.add_argument("--study", help="only this study's exports (default: every study's)")
+  ex.set_defaults(fn=cmd_exports)
 
   d = sub.add_parser("dashboard", parents=[store_arg], help="serve optuna-dashboard on the storage (with the trials' artifacts)")
   d.add_argument("--study", help="print the address of this study's page")

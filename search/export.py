@@ -19,7 +19,8 @@ from db.store import interval
 from model.production import model_key as production_key
 from model.production import production_dir, sha_line
 from model.structure import StructureConfig
-from search.leaderboard import MIN_PAIRS, find_trial, leaderboard, winner
+from search.formats import Section
+from search.leaderboard import MIN_PAIRS, SCHEMA, find_trial, leaderboard, winner
 
 
 def choose(s: Session, study: Study, which: str | None, unconfirmed: bool, force: bool = False) -> tuple[Trial, str]:
@@ -173,3 +174,35 @@ def export(s: Session, study: Study, url: str, which: str | None, unconfirmed: b
   finally: tmp.unlink(missing_ok=True)
   store.add_export(s, study, t, str(path.resolve()), sha, branch, diff)
   return path, f"wrote {path}: trial {t.number} of {study.name}, {why}" + (f"; committed {sha[:12]} on branch {branch}" if sha else "")
+
+
+def exports_doc(s: Session, name: str | None = None) -> dict:
+  """What `search export` wrote (`search exports --format json`), newest first: each export's file, study, trial, config
+  hash, time, commit and branch, and its status: `in production` (the latest export to its file, which holds its config
+  still), `replaced` (a later export wrote the same file), `changed since` (the file holds another config now), `missing`,
+  or `unreadable`. `name`: one study's exports (None: every study's)."""
+  rows = []
+  for st in store.studies(s):
+    if name is not None and st.name != name: continue
+    for e in store.exports(s, st):
+      t = s.get(Trial, e.trial_id)
+      rows.append({"path": e.path, "study": st.name, "trial": t.number, "config_hash": t.config_hash, "exported_at": e.created_at.isoformat(),
+                   "commit": e.commit, "branch": e.branch, "model": st.model_name, "device": st.device, "device_name": st.device_name})
+  rows.sort(key=lambda r: r["exported_at"], reverse=True)
+  latest: set[str] = set()
+  for r in rows:
+    if r["path"] in latest: r["status"] = "replaced"
+    else:
+      latest.add(r["path"])
+      try: r["status"] = "in production" if StructureConfig.load(r["path"]).hash == r["config_hash"] else "changed since"
+      except ValueError as e: r["status"] = "missing" if not os.path.exists(r["path"]) else f"unreadable: {e}"
+  return {"schema": SCHEMA, "study": name, "exports": rows}
+
+
+def exports_view(doc: dict) -> tuple[list[Section], list[str]]:
+  cols = ["status", "since", "study", "trial", "device", "file", "commit"]
+  rows = [[r["status"], r["exported_at"][:16].replace("T", " "), r["study"], r["trial"], r["device_name"] or r["device"], r["path"],
+           f"{r['commit'][:12]} ({r['branch']})" if r["commit"] else ""] for r in doc["exports"]]
+  now = [r for r in doc["exports"] if r["status"] == "in production"]
+  notes = [f"in production: {len(now)} file{'s' * (len(now) != 1)}" if doc["exports"] else "nothing exported yet (`search export`)"]
+  return [Section("exports (newest first)", cols, rows, records=doc["exports"], wrap=("file", "status"), drop=("commit", "device"))], notes

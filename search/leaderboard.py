@@ -269,9 +269,12 @@ COMPARED = (("tok_s", "tok/s"), ("ms_per_token", "ms/token"), ("kernels_per_toke
             ("prefill_tok_s", "prefill tok/s"))
 
 
-def compare_doc(s: Session, study: Study, a: Trial, b: Trial) -> dict[str, Any]:
-  """Two trials side by side (`search compare --format json`): knobs that differ, and each metric with the ratio B/A."""
-  da, db = trial_doc(s, study, a), trial_doc(s, study, b)
+def compare_doc(s: Session, study: Study, a: Trial, b: Trial, study_b: Study | None = None) -> dict[str, Any]:
+  """Two trials side by side (`search compare --format json`): knobs that differ, each metric with the ratio B/A, and
+  their per-kernel profiles by kernel name. B may be a trial of another study (`study_b`: the same model on another
+  device, or before and after a change of the code); each side's estimate and confirmation are its own study's."""
+  sb = study_b or study
+  da, db = trial_doc(s, study, a), trial_doc(s, sb, b)
   fa, fb = flat(StructureConfig.from_json(a.config_json)), flat(StructureConfig.from_json(b.config_json))
   def metric(d: dict, k: str) -> float | None:
     if k == "tok_s": return d["estimate"]["tok_s"] if d["estimate"] else None
@@ -280,9 +283,24 @@ def compare_doc(s: Session, study: Study, a: Trial, b: Trial) -> dict[str, Any]:
   metrics = [{"metric": k, "a": metric(da, k), "b": metric(db, k)} for k, _ in COMPARED]
   metrics += [{"metric": f"phase {k}", "a": da["phases"].get(k), "b": db["phases"].get(k)} for k in ("load_s", "compile_s", "wall_s")]
   for m in metrics: m["ratio"] = m["b"] / m["a"] if isinstance(m["a"], int | float) and isinstance(m["b"], int | float) and m["a"] else None
-  return {"schema": SCHEMA, "study": study.name, "a": a.number, "b": b.number, "state": {"a": a.state, "b": b.state},
+  return {"schema": SCHEMA, "study": study.name, "study_b": sb.name, "a": a.number, "b": b.number, "state": {"a": a.state, "b": b.state},
+          "where": {x: f"{st.model_name} on {st.device_name or st.device}" for x, st in (("a", study), ("b", sb))},
           "estimate": {"a": da["estimate"], "b": db["estimate"]}, "confirmed": {"a": da["confirmed"], "b": db["confirmed"]},
-          "knobs": [{"knob": k, "a": fa[k], "b": fb[k]} for k in fa if fa[k] != fb[k]], "metrics": metrics}
+          "knobs": [{"knob": k, "a": fa[k], "b": fb[k]} for k in fa if fa[k] != fb[k]], "metrics": metrics,
+          "kernels": kernels(da["profile"], db["profile"])}
+
+
+def kernels(pa: list[dict[str, Any]], pb: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Two per-kernel profiles side by side by kernel name (B's order, then the kernels A alone runs): each side's launches
+  per token, microseconds per token and GB/s (None where that side does not run the kernel), and B/A in time."""
+  ka, kb = {p["name"]: p for p in pa}, {p["name"]: p for p in pb}
+  side = lambda p: {"count": p["count"], "us_per_token": p["us_per_token"], "gb_s": p["gb_s"]} if p else None
+  out = []
+  for name in [*kb, *(n for n in ka if n not in kb)]:
+    a, b = ka.get(name), kb.get(name)
+    ratio = b["us_per_token"] / a["us_per_token"] if a and b and a["us_per_token"] else None
+    out.append({"kernel": name, "a": side(a), "b": side(b), "ratio": ratio})
+  return out
 
 
 def _conf(c: dict[str, Any] | None) -> str:
@@ -292,7 +310,8 @@ def _conf(c: dict[str, Any] | None) -> str:
 
 def compare_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
   names = dict(COMPARED)
-  a, b = f"trial {doc['a']}", f"trial {doc['b']}"
+  other = doc["study_b"] != doc["study"]
+  a, b = f"trial {doc['a']}", f"trial {doc['b']}" if not other else f"{doc['study_b']} trial {doc['b']}"
   fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("" if v is None else v)
   ea, eb = doc["estimate"]["a"], doc["estimate"]["b"]
   ca, cb = doc["confirmed"]["a"], doc["confirmed"]["b"]
@@ -305,8 +324,20 @@ def compare_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
               "inconclusive" if c["status"] == "ok" else "failed")
            for side, x, c in (("A", a, ca), ("B", b, cb)) if c]
   if ea and eb:
-    overlap = None if ea["low"] is None else eb["high"] >= ea["low"] and ea["high"] >= eb["low"]
+    overlap = None if ea["low"] is None or eb["low"] is None else eb["high"] >= ea["low"] and ea["high"] >= eb["low"]
     notes.append(f"B/A is {eb['tok_s'] / ea['tok_s']:.3f}x in estimated tok/s; " + ("no run-to-run noise measured yet" if overlap is None else
                  "their 90% intervals overlap: within the noise" if overlap else "their 90% intervals do not overlap"))
-  return [Section(f"{doc['study']}: {b} (B) against {a} (A)", ["", f"A: {a} ({doc['state']['a']})", f"B: {b} ({doc['state']['b']})", "B/A"],
-                  rows, records=[{"name": r[0], "a": r[1], "b": r[2], "ratio": r[3]} for r in rows])], notes
+  if other: notes.append(f"A: {doc['study']}, {doc['where']['a']}; B: {doc['study_b']}, {doc['where']['b']} "
+                        "(each against its own study's baseline)")
+  secs = [Section(f"{doc['study']}: {b} (B) against {a} (A)", ["", f"A: {a} ({doc['state']['a']})", f"B: {b} ({doc['state']['b']})", "B/A"],
+                  rows, records=[{"name": r[0], "a": r[1], "b": r[2], "ratio": r[3]} for r in rows])]
+  if ks := doc["kernels"]:
+    num = lambda x, k, spec: _f((x or {}).get(k), spec) if x else "-"
+    krows = [[k["kernel"], num(k["a"], "count", "d"), num(k["b"], "count", "d"), num(k["a"], "us_per_token", ".1f"),
+              num(k["b"], "us_per_token", ".1f"), _f(k["ratio"], ".3f", "x"), num(k["a"], "gb_s", ".1f"), num(k["b"], "gb_s", ".1f")] for k in ks]
+    secs.append(Section("per-kernel profile (B against A; -: not run on that side)",
+                        ["kernel", "A count", "B count", "A us/token", "B us/token", "B/A", "A GB/s", "B GB/s"], krows,
+                        records=[{"kernel": k["kernel"], **{f"{x}_{f}": (k[x] or {}).get(f) for x in "ab" for f in ("count", "us_per_token", "gb_s")},
+                                  "ratio": k["ratio"]} for k in ks], wrap=("kernel",), drop=("A GB/s", "B GB/s", "A count", "B count")))
+  else: notes.append("no per-kernel profile on either side (`search confirm` profiles the winner; `model bench --profile`)")
+  return secs, notes

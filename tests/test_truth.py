@@ -113,3 +113,66 @@ def test_artifacts_are_rewritten_with_the_current_figures(demo) -> None:
 def test_unconfirmed_export_takes_the_leaderboards_first(demo, tmp_path, capsys) -> None:
   assert search("export", "--study", "d", "--storage", demo["url"], "--unconfirmed", "--to", str(tmp_path / "p.toml")) == 0
   assert f"trial {demo['fresh']} of d, UNCONFIRMED" in capsys.readouterr().out  # not mid, whose estimate is higher but confirmation not
+
+
+PROFILE = [{"rank": 1, "name": "r_moe", "count": 2, "us_per_token": 300.0, "gb_s": 900.0, "share": 0.6},
+           {"rank": 2, "name": "r_attn", "count": 3, "us_per_token": 200.0, "gb_s": None, "share": 0.4}]
+
+
+def _profile(url: str, study: str, number: int, rows: list[dict]) -> None:
+  with session(open_db(url)) as s:
+    t = find_trial(s, store.get_study(s, study), str(number))
+    t.profile = store.profile_rows(rows)
+
+
+def test_compare_kernel_by_kernel_and_across_studies(demo, gguf_file, capsys) -> None:
+  """B from another study of the storage (STUDY:N): each side's estimate is its own study's; the kernels of the two profiles
+  side by side, by name, with B/A in time."""
+  url = demo["url"]
+  assert search("start", "--model", gguf_file("tiny", "q4_0"), "--study", "other", "--storage", url, "--trials", "1", *FAST) == 0
+  _profile(url, "d", 0, PROFILE)
+  _profile(url, "other", 0, [{**PROFILE[0], "us_per_token": 150.0}, {**PROFILE[1], "name": "r_attn_fused", "rank": 2}])
+  capsys.readouterr()
+  assert search("compare", "--study", "d", "--storage", url, "baseline", "other:baseline", "--format", "json") == 0
+  doc = json.loads(capsys.readouterr().out)
+  assert doc["study"] == "d" and doc["study_b"] == "other"
+  assert doc["estimate"]["a"]["measurements"] > 15 > doc["estimate"]["b"]["measurements"]  # each study's own figures
+  ks = {k["kernel"]: k for k in doc["kernels"]}
+  assert ks["r_moe"]["ratio"] == 0.5 and ks["r_attn"]["b"] is None and ks["r_attn_fused"]["a"] is None
+  assert search("compare", "--study", "d", "--storage", url, "baseline", "other:0") == 0
+  out = capsys.readouterr().out
+  assert "per-kernel profile (B against A" in out and "r_attn_fused" in out and "0.500x" in out and "other trial 0" in out
+  assert "each against its own study's baseline" in out
+  assert search("compare", "--study", "d", "--storage", url, "0", "nosuch:0") == 2 and "no study named 'nosuch'" in capsys.readouterr().err
+
+
+def test_a_profile_made_later_is_attached(demo) -> None:
+  """A confirmation profiles the winner after its trial ended: the profile is attached (to the study: Optuna lets a
+  finished trial change no more) when the artifacts are rewritten."""
+  url = demo["url"]
+  _profile(url, "d", demo["mid"], PROFILE)
+  Uploader(url, "d", artifact_store(url, demo["artifacts"])).refresh()
+  study = optuna.load_study(study_name="d", storage=storage(url))
+  meta = next(m for m in get_all_artifact_meta(study, storage=storage(url)) if m.filename == f"trial-{demo['mid']}-profile.csv")
+  assert FileSystemArtifactStore(demo["artifacts"]).open_reader(meta.artifact_id).read().decode().splitlines()[1].startswith("1,r_moe,2,300.0")
+  Uploader(url, "d", artifact_store(url, demo["artifacts"])).refresh()  # again: rewritten, not attached twice
+  assert [m.filename for m in get_all_artifact_meta(study, storage=storage(url))].count(meta.filename) == 1
+
+
+def test_exports_lists_what_is_in_production(demo, tmp_path, capsys) -> None:
+  url, a, b = demo["url"], tmp_path / "a.toml", tmp_path / "b.toml"
+  assert search("exports", "--storage", url) == 0 and "nothing exported yet" in capsys.readouterr().out
+  for to, trial in ((a, demo["fresh"]), (a, demo["mid"]), (b, demo["fresh"])):
+    assert search("export", "--study", "d", "--storage", url, "--trial", str(trial), "--unconfirmed", "--force", "--to", str(to)) == 0
+  b.write_text(a.read_text())  # someone replaced b by hand
+  capsys.readouterr()
+  assert search("exports", "--storage", url, "--study", "d", "--format", "json") == 0
+  doc = json.loads(capsys.readouterr().out)
+  assert doc["schema"] and doc["study"] == "d"
+  assert [(r["path"], r["trial"], r["status"]) for r in doc["exports"]] == [
+    (str(b), demo["fresh"], "changed since"), (str(a), demo["mid"], "in production"), (str(a), demo["fresh"], "replaced")]
+  a.unlink()
+  assert search("exports", "--storage", url) == 0
+  out = capsys.readouterr().out
+  assert "missing" in out and "in production: 0 files" in out
+  assert search("exports", "--storage", url, "--study", "nosuch") == 2

@@ -26,7 +26,7 @@ from model.gguf_file import GGUFError, GGUFFile
 from model.registry import ModelNotFound, cache_dir, resolve
 from model.structure import ConfigError, StructureConfig
 from search.formats import FORMATS, emit
-from search.leaderboard import MIN_PAIRS
+from search.leaderboard import MIN_PAIRS, SCHEMA
 from search.study import (
   SAMPLERS,
   Setup,
@@ -265,10 +265,10 @@ def cmd_show(args) -> None:
 
 
 def cmd_cost(args) -> None:
-  from search.cost import cost_view, study_cost
+  from search.cost import cost_doc, cost_view
   with session(open_db(args.storage, create=False)) as s:
     st = _study(s, args.storage, args.study)
-    doc = study_cost(store.trials(s, st), args.project, store.measurements(s, st, stage=None))
+    doc = cost_doc(st.name, SCHEMA, store.trials(s, st), args.project, store.measurements(s, st, stage=None))
   sections, notes = cost_view(doc)
   emit(args.format, sections, doc, console, notes)
 
@@ -356,7 +356,7 @@ def parser() -> argparse.ArgumentParser:
                        help="seconds between a worker's heartbeats (default 10); a worker silent for 6 heartbeats is dead")
   run_arg.add_argument("--artifacts", help="directory of the trials' dashboard artifacts (default: beside a SQLite database)")
   fmt_arg = argparse.ArgumentParser(add_help=False)
-  fmt_arg.add_argument("--format", choices=FORMATS, default="table", help="table (default), json (see search/leaderboard.py), csv, markdown")
+  fmt_arg.add_argument("--format", choices=FORMATS, default="table", help="table (default), json (described in docs/json.md), csv, markdown")
 
   s = sub.add_parser("space", help="print the search space of a model (or a random valid config with --sample)")
   s.add_argument("--model", required=True, help="a model name or a .gguf path")

@@ -1,20 +1,6 @@
 """The views of stored studies, as JSON-able documents first and then as sections for search.formats: the leaderboard, the
 list of studies, one trial in full, two trials side by side. Every figure comes from db.store (the robust estimate of each
-config, its confirmations), so all views agree.
-
-The leaderboard document (`search leaderboard --format json`, schema 1):
-  {"schema": 1, "study", "model", "model_sha256", "device", "device_name", "layers", "objectives", "baseline_hash" (the config
-   hash of the study's baseline: the defaults and its pinned knobs),
-   "states": {state: trials}, "baseline": {"trial", "tok_s", "tok_s_low", "tok_s_high", "measurements"} | null,
-   "winner": trial number | null, "verdict": one sentence,
-   "rows": [{"rank" (null for configs that did not finish ok), "trial" (the config's first trial), "trials" (all its ok trials),
-             "config_hash", "state", "tok_s", "tok_s_low", "tok_s_high" (median of its measurements and 90% interval, null
-             before any config was measured twice), "measurements",
-             "speedup" (tok_s over the baseline's), "confirmed": {"speedup", "low", "high", "pairs", "status"} | null, "winner",
-             "block_tok_s", "ms_per_token", "kernels_per_token", "mb_per_token", "bandwidth_share", "peak_memory_mb", "failure",
-             "changes": {knob: value} (where it differs from the study's baseline)}]}
-Rows are ranked by confirmed speedup where a confirmation exists, else by the estimated speedup (tok/s where the study has
-no pure baseline); other states follow unranked, by trial number.
+config, its confirmations), so all views agree. The documents (`--format json`) are described in docs/json.md.
 """
 from __future__ import annotations
 
@@ -31,7 +17,7 @@ from model.structure import StructureConfig
 from search.formats import Section
 from space.knobs import changes, flat
 
-SCHEMA = 1
+SCHEMA = 2  # of every JSON document (docs/json.md)
 MIN_PAIRS = 2  # a confirmation needs this many A/B pairs: one pair has no spread
 
 
@@ -167,17 +153,17 @@ def studies(s: Session) -> dict[str, Any]:
     trials, est = store.trials(s, st), store.estimates(s, st)
     base = est.get(st.baseline_hash)
     best = max((e for h, e in est.items() if any(t.config_hash == h and t.state == "ok" for t in trials)), key=lambda e: e.median, default=None)
-    out.append({"study": st.name, "model": st.model_name, "device": st.device_name or st.device, "trials": len(trials),
+    out.append({"study": st.name, "model": st.model_name, "device": st.device, "device_name": st.device_name, "trials": len(trials),
                 "ok": sum(t.state == "ok" for t in trials), "failed": sum(bool(t.failure_class) for t in trials),
                 "best_tok_s": best.median if best else None, "speedup": best.median / base.median if best and base else None,
                 "verdict": verdict(s, st), "created": _day(st.created_at), "finished": _day(st.finished_at)})
-  return {"schema": SCHEMA, "studies": out}
+  return {"schema": SCHEMA, "study": None, "studies": out}
 
 
 def studies_view(doc: dict[str, Any]) -> list[Section]:
   cols = ["study", "model", "device", "trials", "ok", "failed", "best tok/s", "speedup", "created", "finished"]
-  rows = [[d["study"], d["model"], d["device"], d["trials"], d["ok"], d["failed"], _f(d["best_tok_s"]), _f(d["speedup"], ".3f", "x"),
-           d["created"], d["finished"]] for d in doc["studies"]]
+  rows = [[d["study"], d["model"], d["device_name"] or d["device"], d["trials"], d["ok"], d["failed"], _f(d["best_tok_s"]),
+           _f(d["speedup"], ".3f", "x"), d["created"], d["finished"]] for d in doc["studies"]]
   return [Section("studies", cols, rows, records=[{k: v for k, v in d.items()} for d in doc["studies"]], wrap=("model",),
                   drop=("finished", "created", "failed", "ok", "best tok/s"))]
 

@@ -151,7 +151,7 @@ def test_leaderboard_in_four_formats(live, capsys) -> None:
   assert "review: `search leaderboard --study r" in out and "search dashboard --study r" in out
   assert search("leaderboard", "--study", "r", "--storage", live.url, "--format", "json") == 0
   doc = json.loads(capsys.readouterr().out)
-  assert doc["schema"] == 1 and doc["study"] == "r" and doc["verdict"] in out  # start ends by saying who wins, or that none does
+  assert doc["schema"] == 2 and doc["study"] == "r" and doc["verdict"] in out  # start ends by saying who wins, or that none does
   rows = doc["rows"]
   assert [r["rank"] for r in rows] == list(range(1, len(rows) + 1)) and all(r["state"] == "ok" for r in rows)
   assert doc["baseline"]["measurements"] >= 3  # its trial, a repeat between trials, its side of the A/B pair
@@ -261,6 +261,29 @@ def test_notebook_runs(live) -> None:
   outs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
   assert sum("image/png" in o.get("data", {}) for o in outs) >= 4 and any("text/markdown" in o.get("data", {}) for o in outs)
   assert not any(o.output_type == "error" for o in outs)
+
+
+def test_notebook_runs_as_shipped(live, tmp_path) -> None:
+  """Unchanged, from Jupyter's working directory (notebooks/) of a checkout where `make demo` made its study (the live
+  study, renamed tiny-CPU, in structsearch.db at the root); where there is no database it says so and creates none."""
+  live.finished()
+  (root := tmp_path / "checkout").mkdir()
+  with sqlite3.connect(live.db) as src, sqlite3.connect(root / "structsearch.db") as dst: src.backup(dst)
+  with sqlite3.connect(root / "structsearch.db") as c:
+    c.execute("UPDATE ss_study SET name='tiny-CPU'")
+    c.execute("UPDATE studies SET study_name='tiny-CPU'")
+  (root / "notebooks").mkdir()
+  def run(where: pathlib.Path) -> list:
+    nb = nbformat.read(PROJECT / "notebooks" / "leaderboard.ipynb", as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True, resources={"metadata": {"path": str(where)}})
+    client.execute()
+    return [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+  outs = run(root / "notebooks")
+  assert not any(o.output_type == "error" for o in outs), [o for o in outs if o.output_type == "error"]
+  assert sum("image/png" in o.get("data", {}) for o in outs) >= 4
+  (bare := tmp_path / "bare" / "notebooks").mkdir(parents=True)
+  errors = [o for o in run(bare) if o.output_type == "error"]
+  assert errors and "no database at" in errors[0]["evalue"] and not list((tmp_path / "bare").rglob("*.db"))
 
 
 def test_export_to_production_that_bench_uses(live, tmp_path, capsys) -> None:

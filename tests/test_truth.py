@@ -176,3 +176,27 @@ def test_exports_lists_what_is_in_production(demo, tmp_path, capsys) -> None:
   out = capsys.readouterr().out
   assert "missing" in out and "in production: 0 files" in out
   assert search("exports", "--storage", url, "--study", "nosuch") == 2
+
+
+def test_every_json_document_says_its_schema_and_study_with_one_spelling(demo, tmp_path, capsys) -> None:
+  """Every `--format json` document carries `schema` and `study`; a trial is `trial` (never `number`) and `device` is the
+  study's tinygrad device in each (docs/json.md)."""
+  url = demo["url"]
+  assert search("export", "--study", "d", "--storage", url, "--trial", str(demo["fresh"]), "--unconfirmed", "--to", str(tmp_path / "p.toml")) == 0
+  commands = [(["leaderboard", "--study", "d"], "d"), (["status", "--study", "d"], "d"), (["status"], None), (["show", "--study", "d", "1"], "d"),
+              (["compare", "--study", "d", "0", "1"], "d"), (["cost", "--study", "d"], "d"), (["exports"], None),
+              (["exports", "--study", "d"], "d")]
+  def keys(x) -> set[str]:
+    if isinstance(x, dict): return set(x) | {k for v in x.values() for k in keys(v)}
+    return {k for v in x for k in keys(v)} if isinstance(x, list) else set()
+  def devices(x) -> list:
+    if isinstance(x, list): return [d for v in x for d in devices(v)]
+    if not isinstance(x, dict): return []
+    return [v for k, v in x.items() if k == "device" and not isinstance(v, dict)] + [d for v in x.values() for d in devices(v)]
+  for argv, study in commands:
+    capsys.readouterr()
+    assert search(*argv, "--storage", url, "--format", "json") == 0, argv
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema"] == 2 and doc["study"] == study, argv
+    assert "number" not in keys(doc), argv
+    assert set(devices(doc)) <= {"CPU"}, (argv, devices(doc))  # where a document names one

@@ -35,6 +35,7 @@ from search.study import (
   check_protocol,
   create,
   enqueue,
+  exact_pins,
   measuring_setup,
   model_info,
   set_target,
@@ -95,11 +96,18 @@ def _run(setup: Setup, url: str, info: ModelInfo, args) -> None:
 
 
 def _protocol(args, info: ModelInfo, device: str, family: str) -> dict:
-  """The measurement settings this command line gives (None: not given); pins are read in the space of `family`."""
+  """The measurement settings this command line gives (None: not given); pins are read in the space of `family`, with
+  --exact's (exact_pins) among those --fix gives (a study created with --exact stores them: cmd_start)."""
   fixed = parse_pins(args.fix, info, device, family) if args.fix is not None else None
+  if args.exact and fixed is not None:
+    pins = exact_pins(info, device, family)
+    if clash := {k: v for k, v in fixed.items() if k in pins and v != pins[k]}:
+      raise ConfigError(f"--exact holds the study to exact configs: it pins {', '.join(f'{k}={pins[k]}' for k in clash)}, not "
+                        f"{', '.join(f'{k}={v}' for k, v in clash.items())}")
+    fixed |= pins
   return {"n": args.n, "rounds": args.rounds, "prefill": False if args.no_prefill else None, "block_layers": args.block_layers,
           "sampler": args.sampler, "seed": args.seed, "objectives": args.objectives, "fixed": fixed, "beam_budget": args.beam_budget,
-          "family": args.family}
+          "family": args.family, "exact": True if args.exact else None}
 
 
 def cmd_start(args) -> None:
@@ -118,6 +126,7 @@ def cmd_start(args) -> None:
     info = model_info(path)
     protocol = {k: v for k, v in _protocol(args, info, devices[0], args.family or "all").items() if v is not None}
     setup = Setup(name, path, args.model, devices[0], **protocol, **({"trials": args.trials} if args.trials else {}))
+    if setup.exact: setup.fixed = exact_pins(info, devices[0], setup.family) | setup.fixed
     if setup.objectives != "tok_s" and args.sampler in (None, "tpe"): setup.sampler = "nsga2"
     configs = given + (warm_start(args.storage, args.warm_start_from, info, setup) if args.warm_start_from else [])
     check_configs(setup, info, configs)
@@ -388,6 +397,8 @@ def parser() -> argparse.ArgumentParser:
                   help="BEAM search seconds per trial; past them, kernels whose BEAM choice the study has not cached get BEAM=0's heuristics "
                        "(default 0: no limit)")
   st.add_argument("--fix", action="append", metavar="KNOB=VALUE", help="pin a knob for the whole study (e.g. beam=0); repeatable")
+  st.add_argument("--exact", action="store_true", help="hold the study to exact configs: float arithmetic only, no 8-bit activations "
+                  "(pins every knob that has an 8-bit value, e.g. ffn_act=float32)")
   st.add_argument("--family", choices=FAMILIES, help="the kernel backends the study searches: all that run on its device (default), or "
                   "portable: only those that render for every device (tensor, fp16_cache, dsl), whatever the device")
   st.add_argument("--enqueue", action="append", help="a config file (.json/.toml) to measure first; repeatable")

@@ -20,7 +20,7 @@ from model.production import model_key as production_key
 from model.production import production_dir, sha_line
 from model.structure import StructureConfig
 from search.formats import Section
-from search.leaderboard import MIN_PAIRS, SCHEMA, find_trial, leaderboard, winner
+from search.leaderboard import MIN_PAIRS, PRECISION, SCHEMA, find_trial, leaderboard, precision, winner
 
 
 def choose(s: Session, study: Study, which: str | None, unconfirmed: bool, force: bool = False) -> tuple[Trial, str]:
@@ -96,7 +96,8 @@ def render(s: Session, study: Study, t: Trial, why: str, url: str) -> str:
            f"model {study.model_name}: {study.model_path} ({study.model_bytes / 1e6:.1f} MB, {study.layers} blocks)", None,
            f"measured: {fig}" + (f", baseline {base.median:.2f} tok/s ({e.median / base.median:.3f}x)" if e and base else "")
            + f", {m.get('kernels_per_token', '?')} kernels/token, {m.get('bytes_per_token', 0) / 1e6:.1f} MB/token",
-           f"device: {study.device_name or study.device} ({study.device})"]
+           f"device: {study.device_name or study.device} ({study.device})",
+           f"precision: {(p := precision(StructureConfig.from_json(t.config_json)))} ({PRECISION[p]})"]
   if env: lines.append(f"environment: tinygrad {env.tinygrad_version}, python {env.python}, {env.host}, {env.platform}")
   if code: lines.append(f"code: git {code.commit[:12]} ({code.branch or 'detached'}{', dirty' if code.dirty else ''})")
   lines.append(f"storage {hide_password(url)}; exported {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")

@@ -21,6 +21,15 @@ SCHEMA = 2  # of every JSON document (docs/json.md)
 MIN_PAIRS = 2  # a confirmation needs this many A/B pairs: one pair has no spread
 
 
+PRECISION = {"exact": "float arithmetic, checked against the exact reference at float tolerances",
+             "q8": "8-bit activations with integer dot products, like llama.cpp's"}
+
+
+def precision(cfg: StructureConfig) -> str:
+  """A config's precision class (PRECISION): "q8" where a knob rounds activations to 8 bits, else "exact"."""
+  return "q8" if "q8" in cfg.precision() else "exact"
+
+
 def baseline(study: Study) -> StructureConfig:
   """The study's one baseline config (stored when it was created)."""
   return StructureConfig.from_json(study.baseline_config) if study.baseline_config else StructureConfig()
@@ -83,7 +92,7 @@ def _row(t: Trial, est: store.Estimate | None, base: store.Estimate | None, c: C
           "kernels_per_token": m.get("kernels_per_token"), "mb_per_token": m["bytes_per_token"] / 1e6 if m.get("bytes_per_token") else None,
           "bandwidth_share": m.get("bandwidth_share"), "peak_memory_mb": m["peak_device_bytes"] / 1e6 if m.get("peak_device_bytes") else None,
           "failure": (t.error_text or t.failure_class or "").strip().splitlines()[0][:200] if t.failure_class else None,
-          "changes": changes(StructureConfig.from_json(t.config_json), base_cfg)}
+          "precision": precision(cfg := StructureConfig.from_json(t.config_json)), "changes": changes(cfg, base_cfg)}
 
 
 def figure(row: dict[str, Any], base: float | None) -> float:
@@ -125,7 +134,7 @@ def _f(v: float | None, spec: str = ".2f", suffix: str = "") -> str: return "" i
 
 def leaderboard_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
   cols = ["rank", "trial", "tok/s [90%] n", "speedup", "confirmed [low, high]", "ms/token", "kernels/token", "MB/token", "BW share",
-          "peak MB", "state", "changes from the baseline"]
+          "peak MB", "precision", "state", "changes from the baseline"]
   rows = []
   for r in doc["rows"]:
     c = r["confirmed"]
@@ -134,7 +143,7 @@ def leaderboard_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
     tok = (f"{interval(store.Estimate(r['tok_s'], r['tok_s_low'], r['tok_s_high'], r['measurements']))} {r['measurements']}" if r["tok_s"] else
            _f(r["block_tok_s"], ".2f", " (block)"))
     rows.append([r["rank"] or "", r["trial"], tok, _f(r["speedup"], ".3f", "x"), conf, _f(r["ms_per_token"]), _f(r["kernels_per_token"], "d"),
-                 _f(r["mb_per_token"], ".1f"), _f(r["bandwidth_share"], ".1%"), _f(r["peak_memory_mb"], ".1f"),
+                 _f(r["mb_per_token"], ".1f"), _f(r["bandwidth_share"], ".1%"), _f(r["peak_memory_mb"], ".1f"), r["precision"],
                  r["state"] if not r["failure"] else f"{r['state']}: {r['failure'][:60]}",
                  " ".join(f"{k}={v}" for k, v in r["changes"].items()) or "baseline"])
   records = [{**{k: v for k, v in r.items() if k not in ("confirmed", "changes", "trials")},
@@ -144,7 +153,8 @@ def leaderboard_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
   title = (f"{doc['study']}: {doc['model']} ({doc['layers']} blocks) on {doc['device_name'] or doc['device']}  "
            f"[{', '.join(f'{k} {v}' for k, v in doc['states'].items())}]")
   return [Section(title, cols, rows, records=records, wrap=("state", "changes from the baseline"),
-                  drop=("peak MB", "BW share", "MB/token", "kernels/token", "ms/token", "tok/s [90%] n", "confirmed [low, high]"))], [doc["verdict"]]
+                  drop=("peak MB", "BW share", "MB/token", "kernels/token", "ms/token", "precision", "tok/s [90%] n", "confirmed [low, high]"))], \
+    [doc["verdict"]]
 
 
 def studies(s: Session) -> dict[str, Any]:
@@ -194,7 +204,7 @@ def trial_doc(s: Session, study: Study, t: Trial) -> dict[str, Any]:
   env, git = src.environment, src.git_state
   numbers = {x.id: x.number for x in store.trials(s, study)}
   return {"schema": SCHEMA, "study": study.name, "trial": t.number, "state": t.state, "stage": t.stage, "config_hash": t.config_hash,
-          "config": cfg.to_dict(), "changes": changes(cfg, baseline(study)), "baseline": baseline(study).to_dict(),
+          "config": cfg.to_dict(), "precision": precision(cfg), "changes": changes(cfg, baseline(study)), "baseline": baseline(study).to_dict(),
           "reused_from": t.reused_from.number if t.reused_from else None,
           "estimate": {"tok_s": e.median, "low": e.low, "high": e.high, "measurements": e.n} if e else None,
           "speedup": e.median / base.median if e and base and t.state in ("ok", "reused") and src.state == "ok" else None,
@@ -222,7 +232,7 @@ def _kv(d: dict[str, Any], prefix: str = "") -> list[list[Any]]:
 def trial_view(doc: dict[str, Any]) -> list[Section]:
   e, c = doc["estimate"], doc["confirmed"]
   head = [["state", doc["state"] + (f" (result of trial {doc['reused_from']})" if doc["reused_from"] is not None else "")],
-          ["stage", doc["stage"]], ["config hash", doc["config_hash"]],
+          ["stage", doc["stage"]], ["config hash", doc["config_hash"]], ["precision", f"{doc['precision']}: {PRECISION[doc['precision']]}"],
           ["tok/s", f"{interval(store.Estimate(e['tok_s'], e['low'], e['high'], e['measurements']))} ({e['measurements']} measurements)"
            if e else ""],
           ["speedup", _f(doc["speedup"], ".3f", "x")],
@@ -271,6 +281,7 @@ def compare_doc(s: Session, study: Study, a: Trial, b: Trial, study_b: Study | N
   for m in metrics: m["ratio"] = m["b"] / m["a"] if isinstance(m["a"], int | float) and isinstance(m["b"], int | float) and m["a"] else None
   return {"schema": SCHEMA, "study": study.name, "study_b": sb.name, "a": a.number, "b": b.number, "state": {"a": a.state, "b": b.state},
           "where": {x: f"{st.model_name} on {st.device_name or st.device}" for x, st in (("a", study), ("b", sb))},
+          "precision": {"a": da["precision"], "b": db["precision"]},
           "estimate": {"a": da["estimate"], "b": db["estimate"]}, "confirmed": {"a": da["confirmed"], "b": db["confirmed"]},
           "knobs": [{"knob": k, "a": fa[k], "b": fb[k]} for k in fa if fa[k] != fb[k]], "metrics": metrics,
           "kernels": kernels(da["profile"], db["profile"])}
@@ -303,7 +314,8 @@ def compare_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
   ca, cb = doc["confirmed"]["a"], doc["confirmed"]["b"]
   est = lambda e: f"{interval(store.Estimate(e['tok_s'], e['low'], e['high'], e['measurements']))} over {e['measurements']}" if e else ""
   rows = [[f"knob {k['knob']}", k["a"], k["b"], ""] for k in doc["knobs"]]
-  rows += [["tok/s estimate [90%] over measurements", est(ea), est(eb), ""], ["A/B-confirmed against the baseline", _conf(ca), _conf(cb), ""]]
+  rows += [["precision", doc["precision"]["a"], doc["precision"]["b"], ""],
+           ["tok/s estimate [90%] over measurements", est(ea), est(eb), ""], ["A/B-confirmed against the baseline", _conf(ca), _conf(cb), ""]]
   rows += [[names.get(m["metric"], m["metric"]), fmt(m["a"]), fmt(m["b"]), _f(m["ratio"], ".3f", "x")] for m in doc["metrics"]]
   notes = [f"{side} ({x}) is A/B-confirmed at {_conf(c)} of the baseline: "
            + ("faster" if c["status"] == "ok" and c["low"] > 1 else "not faster" if c["status"] == "ok" and c["speedup"] <= 1 else

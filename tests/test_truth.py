@@ -200,3 +200,37 @@ def test_every_json_document_says_its_schema_and_study_with_one_spelling(demo, t
     assert doc["schema"] == 2 and doc["study"] == study, argv
     assert "number" not in keys(doc), argv
     assert set(devices(doc)) <= {"CPU"}, (argv, devices(doc))  # where a document names one
+
+
+def test_precision_class_in_every_view_and_a_study_held_to_exact(demo, gguf_file, tmp_path, capsys) -> None:
+  """Each config's precision class (exact, or q8: 8-bit activations) in the leaderboard, show, compare and the export
+  header; `search start --exact` pins every knob with an 8-bit value, and a study's --exact is part of its protocol."""
+  import dataclasses
+
+  from model.structure import StructureConfig
+  from search.leaderboard import trial_doc
+  from search.study import load_setup
+  url = demo["url"]
+  with session(open_db(url)) as s:
+    st = store.get_study(s, "d")
+    base = StructureConfig.from_json(st.baseline_config)
+    q8 = dataclasses.replace(base, fused={**base.fused, "moe": "dsl"}, ffn_act="q8")
+    t = store.start_trial(s, st, 99, q8.to_json(), q8.hash, None, "h:1")
+    store.finish_trial(s, t, state="ok", stage="full", tok_s=500.0, metrics={"tok_s": 500.0})
+    board = {r["trial"]: r for r in leaderboard(s, st)["rows"]}
+    assert board[99]["precision"] == "q8" and board[0]["precision"] == "exact"
+    assert trial_doc(s, st, t)["precision"] == "q8"
+    cmp = compare_doc(s, st, find_trial(s, st, "0"), t)
+  assert cmp["precision"] == {"a": "exact", "b": "q8"}
+  assert search("leaderboard", "--study", "d", "--storage", url) == 0 and " q8 " in capsys.readouterr().out
+  assert search("export", "--study", "d", "--storage", url, "--trial", "99", "--unconfirmed", "--to", str(tmp_path / "q.toml")) == 0
+  assert "# precision: q8 (8-bit activations with integer dot products, like llama.cpp's)" in (tmp_path / "q.toml").read_text()
+
+  assert search("start", "--model", gguf_file("tiny", "q4_0"), "--study", "x", "--storage", url, "--trials", "2", "--exact", *FAST) == 0
+  setup, _ = load_setup("x", url)
+  assert setup.exact and setup.fixed == {"beam": 0, "ffn_act": "float32"}
+  assert search("start", "--study", "x", "--storage", url, "--trials", "3", "--exact") == 0  # continued with its protocol
+  assert search("start", "--study", "d", "--storage", url, "--exact") == 2
+  assert "measures with 8-bit activations allowed (no --exact), not --exact" in capsys.readouterr().err
+  assert search("start", "--model", gguf_file("tiny", "q4_0"), "--study", "y", "--storage", url, "--exact", "--fix", "ffn_act=q8", *FAST) == 2
+  assert "--exact holds the study to exact configs: it pins ffn_act=float32, not ffn_act=q8" in capsys.readouterr().err

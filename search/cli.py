@@ -102,8 +102,8 @@ def _protocol(args, info: ModelInfo, device: str, family: str) -> dict:
   if args.exact and fixed is not None:
     pins = exact_pins(info, device, family)
     if clash := {k: v for k, v in fixed.items() if k in pins and v != pins[k]}:
-      raise ConfigError(f"--exact holds the study to exact configs: it pins {', '.join(f'{k}={pins[k]}' for k in clash)}, not "
-                        f"{', '.join(f'{k}={v}' for k, v in clash.items())}")
+      want, given = (", ".join(f"{k}={d[k]}" for k in clash) for d in (pins, clash))
+      raise ConfigError(f"--exact holds the study to exact configs: it pins {want}, not {given}")
     fixed |= pins
   return {"n": args.n, "rounds": args.rounds, "prefill": False if args.no_prefill else None, "block_layers": args.block_layers,
           "sampler": args.sampler, "seed": args.seed, "objectives": args.objectives, "fixed": fixed, "beam_budget": args.beam_budget,
@@ -365,7 +365,8 @@ def parser() -> argparse.ArgumentParser:
                        help="seconds between a worker's heartbeats (default 10); a worker silent for 6 heartbeats is dead")
   run_arg.add_argument("--artifacts", help="directory of the trials' dashboard artifacts (default: beside a SQLite database)")
   fmt_arg = argparse.ArgumentParser(add_help=False)
-  fmt_arg.add_argument("--format", choices=FORMATS, default="table", help="table (default), json (described in docs/json.md), csv, markdown")
+  fmt_arg.add_argument("--format", choices=FORMATS, default="table",
+                       help="table (default), json (described in docs/json.md), csv, markdown")
 
   s = sub.add_parser("space", help="print the search space of a model (or a random valid config with --sample)")
   s.add_argument("--model", required=True, help="a model name or a .gguf path")
@@ -397,8 +398,8 @@ def parser() -> argparse.ArgumentParser:
                   help="BEAM search seconds per trial; past them, kernels whose BEAM choice the study has not cached get BEAM=0's heuristics "
                        "(default 0: no limit)")
   st.add_argument("--fix", action="append", metavar="KNOB=VALUE", help="pin a knob for the whole study (e.g. beam=0); repeatable")
-  st.add_argument("--exact", action="store_true", help="hold the study to exact configs: float arithmetic only, no 8-bit activations "
-                  "(pins every knob that has an 8-bit value, e.g. ffn_act=float32)")
+  st.add_argument("--exact", action="store_true", help="hold the study to exact configs: float arithmetic only, "
+                  "no 8-bit activations (pins every knob that has an 8-bit value, e.g. ffn_act=float32)")
   st.add_argument("--family", choices=FAMILIES, help="the kernel backends the study searches: all that run on its device (default), or "
                   "portable: only those that render for every device (tensor, fp16_cache, dsl), whatever the device")
   st.add_argument("--enqueue", action="append", help="a config file (.json/.toml) to measure first; repeatable")
@@ -423,8 +424,8 @@ def parser() -> argparse.ArgumentParser:
   c.add_argument("--device", type=device_name, help="tinygrad device (default: the study's)")
   c.add_argument("--model", help="where the study's model file is on this host (default: the study's path; checked by SHA-256)")
   c.add_argument("--again", action="store_true", help="re-measure configs confirmed before")
-  c.add_argument("--artifacts", help="directory of the trials' dashboard artifacts, rewritten with the confirmations (default: beside a "
-                 "SQLite database)")
+  c.add_argument("--artifacts", help="directory of the trials' dashboard artifacts, rewritten with the confirmations "
+                 "(default: beside a SQLite database)")
   c.set_defaults(fn=cmd_confirm)
 
   r = sub.add_parser("replay", parents=[store_arg], help="re-run a study's search offline against its measurements, per sampler")
@@ -457,8 +458,8 @@ def parser() -> argparse.ArgumentParser:
                       help="two trials side by side, knob by knob, metric by metric and kernel by kernel")
   cp.add_argument("--study", required=True, help="the study of the trials (of A; of B unless B names its own)")
   cp.add_argument("a", help="a trial number, or 'baseline'")
-  cp.add_argument("b", help="a trial number or 'baseline' of --study, or STUDY:N / STUDY:baseline for a trial of another study in the "
-                  "storage (the same model on another device, before and after a code change)")
+  cp.add_argument("b", help="a trial number or 'baseline' of --study, or STUDY:N / STUDY:baseline for a trial of "
+                  "another study in the storage (the same model on another device, before and after a code change)")
   cp.set_defaults(fn=cmd_compare)
 
   co = sub.add_parser("cost", parents=[store_arg, fmt_arg], help="what a study's trials cost, phase by phase, and the wall time of N trials")
@@ -467,7 +468,8 @@ def parser() -> argparse.ArgumentParser:
   co.set_defaults(fn=cmd_cost)
 
   ex = sub.add_parser("exports", parents=[store_arg, fmt_arg],
-                      help="what `search export` put in production: each file, from which study and trial, since when, and whether it holds it still")
+                      help="what `search export` put in production: each file, from which study and trial, since when, "
+                           "and whether it holds it still")
   ex.add_argument("--study", help="only this study's exports (default: every study's)")
   ex.set_defaults(fn=cmd_exports)
 

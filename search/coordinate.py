@@ -23,10 +23,12 @@ from optuna.trial import FrozenTrial, TrialState
 from space.knobs import Knob, defaults, one_knob_away
 
 
-def changed_knob(trial: FrozenTrial, done: list[FrozenTrial], start: dict[str, Any], names: list[str], fixed: dict[str, Any]) -> str | None:
-  """The knob whose change made `trial`'s config from the incumbent of its time (the fastest of the `done` trials numbered
-  before it, or `start`): the one knob that applies in both configs with another value (a change leaves every other knob
-  that applies in both as it was). None where no such single knob exists (a trial of the fallback or an enqueued config)."""
+def changed_knob(trial: FrozenTrial, done: list[FrozenTrial], start: dict[str, Any], names: list[str],
+                 fixed: dict[str, Any]) -> str | None:
+  """The knob whose change made `trial`'s config from the incumbent of its time (the fastest of the `done` trials
+  numbered before it, or `start`): the one knob that applies in both configs with another value (a change leaves every
+  other knob that applies in both as it was). None where no such single knob exists (a trial of the fallback or an
+  enqueued config)."""
   prev = max((t for t in done if t.number < trial.number), key=lambda t: t.values[0], default=None)
   a, b = start if prev is None else prev.params | fixed, trial.params | fixed
   differ = [k for k in names if k in a and k in b and a[k] != b[k]]

@@ -70,12 +70,14 @@ def study_cost(trials: Sequence[Trial], n: int = 200, measurements: Sequence[Mea
           "projected_n": n, "projected_s": setup + n * per_trial}
 
 
-def cost_doc(study: str, schema: int, trials: Sequence[Trial], n: int = 200, measurements: Sequence[Measurement] = ()) -> dict[str, Any]:
+def cost_doc(study: str, schema: int, trials: Sequence[Trial], n: int = 200,
+             measurements: Sequence[Measurement] = ()) -> dict[str, Any]:
   """The `search cost --format json` document (docs/json.md): study_cost's figures with the document's `schema` and
-  `study`, each trial's number as `trial` as in every document (study_cost's rows keep `number`: benchmarks/record.py reads them)."""
+  `study`, each trial's number as `trial` as in every document (study_cost's rows keep `number`: benchmarks/record.py
+  reads them)."""
   doc = study_cost(trials, n, measurements)
-  return {"schema": schema, "study": study, **doc, "trials": [{"trial": r["number"], **{k: v for k, v in r.items() if k != "number"}}
-                                                              for r in doc["trials"]]}
+  rows = [{"trial": r["number"], **{k: v for k, v in r.items() if k != "number"}} for r in doc["trials"]]
+  return {"schema": schema, "study": study, **doc, "trials": rows}
 
 
 def _s(v: float | None) -> str: return "" if v is None else f"{v:.1f}"

@@ -1,8 +1,8 @@
 """The web dashboard: optuna-dashboard on a study's storage (history, parameter importance, parallel coordinates, the Pareto
 front of two-objective studies), read as the study ranks its configs (search/ranked.py: a trial's value is its config's
-ranked figure, its user attributes the estimate and confirmation, so its "Best Trial" is the leaderboard's first), and the
-per-trial artifacts it shows beside Optuna's figures: the trial's metrics (the `search show` document), the git diff of
-the code that ran it, its per-kernel profile when it has one.
+ranked figure, its user attributes the estimate and confirmation, so its "Best Trial" is the leaderboard's first), and
+the per-trial artifacts it shows beside Optuna's figures: the trial's metrics (the `search show` document), the git diff
+of the code that ran it, its per-kernel profile when it has one.
 
 Artifacts live in an Optuna file-system artifact store: beside a SQLite database (`structsearch.db` -> `structsearch.db-artifacts/`),
 under $STRUCTSEARCH_HOME/artifacts/<host>-<port>-<database>/ for a server database, or where --artifacts says (name a shared
@@ -62,12 +62,13 @@ class Uploader:
     for name, text in files.items(): self._upload(trial, name, text)
 
   def refresh(self) -> None:
-    """Rewrite the files of every trial that has some with its current figures (estimate, confirmation, profile), in place:
-    the same artifact, so the dashboard's links stay. A file a trial did not have (a profile made by a confirmation) is
-    attached to the study, as Optuna lets a finished trial change no more."""
+    """Rewrite the files of every trial that has some with its current figures (estimate, confirmation, profile), in
+    place: the same artifact, so the dashboard's links stay. A file a trial did not have (a profile made by a
+    confirmation) is attached to the study, as Optuna lets a finished trial change no more."""
     with session(self.engine) as s:
       st = store.get_study(s, self.study)
-      files = {t.number: _files(trial_doc(s, st, t)) for t in store.trials(s, st) if t.state not in ("running", "interrupted")}
+      done = [t for t in store.trials(s, st) if t.state not in ("running", "interrupted")]
+      files = {t.number: _files(trial_doc(s, st, t)) for t in done}
     study = optuna.load_study(study_name=self.study, storage=self.storage)
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -76,7 +77,8 @@ class Uploader:
         trial = self.storage.get_trial(self.storage.get_trial_id_from_study_id_trial_number(self.study_id, number))
         if not (metas := {m.filename: m for m in get_all_artifact_meta(trial, storage=self.storage)}): continue
         for name, text in texts.items():
-          if (m := metas.get(name) or on_study.get(name)) is not None: self.artifacts.write(m.artifact_id, io.BytesIO(text.encode()))
+          if (m := metas.get(name) or on_study.get(name)) is not None:
+            self.artifacts.write(m.artifact_id, io.BytesIO(text.encode()))
           else: self._upload(study, name, text)
 
   def _upload(self, to: optuna.Study | FrozenTrial, name: str, text: str) -> None:
@@ -87,8 +89,8 @@ class Uploader:
 
 
 def _files(doc: dict) -> dict[str, str]:
-  """A trial's artifact files by name, from its `search show` document: its metrics (the document but the git state), its
-  git diff, its per-kernel profile (CSV) where it has one."""
+  """A trial's artifact files by name, from its `search show` document: its metrics (the document but the git state),
+  its git diff, its per-kernel profile (CSV) where it has one."""
   n, git = doc["trial"], doc.pop("git")
   files = {f"trial-{n}-metrics.json": json.dumps(doc, indent=1, default=str)}
   if git:

@@ -24,9 +24,9 @@ from search.leaderboard import MIN_PAIRS, PRECISION, SCHEMA, find_trial, leaderb
 
 
 def choose(s: Session, study: Study, which: str | None, unconfirmed: bool, force: bool = False) -> tuple[Trial, str]:
-  """The trial to export (`which`: a number or "baseline"; None: the confirmed winner, or with `unconfirmed` the first config
-  of the leaderboard that is not the baseline nor confirmed slower than it) and a label saying what it is. Refused
-  (ValueError): a study with no finished trial; a trial that did not measure ok (wrong output, failed, pruned,
+  """The trial to export (`which`: a number or "baseline"; None: the confirmed winner, or with `unconfirmed` the first
+  config of the leaderboard that is not the baseline nor confirmed slower than it) and a label saying what it is.
+  Refused (ValueError): a study with no finished trial; a trial that did not measure ok (wrong output, failed, pruned,
   interrupted); the baseline itself; a config whose confirmation says it is not faster than the baseline (whatever
   `unconfirmed` says); an unconfirmed one without `unconfirmed`, and with it one whose estimate is not above the
   baseline's interval, unless `force`. A confirmation counts with at least MIN_PAIRS A/B pairs."""
@@ -45,7 +45,8 @@ def choose(s: Session, study: Study, which: str | None, unconfirmed: bool, force
     raise ValueError(f"study {study.name!r} has no confirmed winner (`search confirm --study {study.name}`; --unconfirmed exports the best "
                      "measured config)")
   else:
-    cands = [r for r in leaderboard(s, study)["rows"] if r["config_hash"] != study.baseline_hash and not _slower(conf.get(r["config_hash"]))]
+    cands = [r for r in leaderboard(s, study)["rows"]
+             if r["config_hash"] != study.baseline_hash and not _slower(conf.get(r["config_hash"]))]
     if not cands: raise ValueError(f"study {study.name!r} has no measured config but the baseline and those confirmed slower than it")
     t = find_trial(s, study, str(cands[0]["trial"]))  # the leaderboard's first
   if t.config_hash == study.baseline_hash:
@@ -178,32 +179,39 @@ def export(s: Session, study: Study, url: str, which: str | None, unconfirmed: b
 
 
 def exports_doc(s: Session, name: str | None = None) -> dict:
-  """What `search export` wrote (`search exports --format json`), newest first: each export's file, study, trial, config
-  hash, time, commit and branch, and its status: `in production` (the latest export to its file, which holds its config
-  still), `replaced` (a later export wrote the same file), `changed since` (the file holds another config now), `missing`,
-  or `unreadable`. `name`: one study's exports (None: every study's)."""
+  """What `search export` wrote (`search exports --format json`), newest first: each export's file, study, trial,
+  config hash, time, commit and branch, and its status: `in production` (the latest export to its file, which holds its
+  config still), `replaced` (a later export wrote the same file), `changed since` (the file holds another config now),
+  `missing`, or `unreadable`. `name`: one study's exports (None: every study's)."""
   rows = []
   for st in store.studies(s):
     if name is not None and st.name != name: continue
     for e in store.exports(s, st):
       t = s.get(Trial, e.trial_id)
-      rows.append({"path": e.path, "study": st.name, "trial": t.number, "config_hash": t.config_hash, "exported_at": e.created_at.isoformat(),
-                   "commit": e.commit, "branch": e.branch, "model": st.model_name, "device": st.device, "device_name": st.device_name})
+      rows.append({"path": e.path, "study": st.name, "trial": t.number, "config_hash": t.config_hash,
+                   "exported_at": e.created_at.isoformat(), "commit": e.commit, "branch": e.branch,
+                   "model": st.model_name, "device": st.device, "device_name": st.device_name})
   rows.sort(key=lambda r: r["exported_at"], reverse=True)
   latest: set[str] = set()
   for r in rows:
     if r["path"] in latest: r["status"] = "replaced"
     else:
       latest.add(r["path"])
-      try: r["status"] = "in production" if StructureConfig.load(r["path"]).hash == r["config_hash"] else "changed since"
-      except ValueError as e: r["status"] = "missing" if not os.path.exists(r["path"]) else f"unreadable: {e}"
+      try: same = StructureConfig.load(r["path"]).hash == r["config_hash"]
+      except ValueError as e:
+        r["status"] = "missing" if not os.path.exists(r["path"]) else f"unreadable: {e}"
+        continue
+      r["status"] = "in production" if same else "changed since"
   return {"schema": SCHEMA, "study": name, "exports": rows}
 
 
 def exports_view(doc: dict) -> tuple[list[Section], list[str]]:
   cols = ["status", "since", "study", "trial", "device", "file", "commit"]
-  rows = [[r["status"], r["exported_at"][:16].replace("T", " "), r["study"], r["trial"], r["device_name"] or r["device"], r["path"],
-           f"{r['commit'][:12]} ({r['branch']})" if r["commit"] else ""] for r in doc["exports"]]
+  rows = [[r["status"], r["exported_at"][:16].replace("T", " "), r["study"], r["trial"],
+           r["device_name"] or r["device"], r["path"], f"{r['commit'][:12]} ({r['branch']})" if r["commit"] else ""]
+          for r in doc["exports"]]
   now = [r for r in doc["exports"] if r["status"] == "in production"]
-  notes = [f"in production: {len(now)} file{'s' * (len(now) != 1)}" if doc["exports"] else "nothing exported yet (`search export`)"]
-  return [Section("exports (newest first)", cols, rows, records=doc["exports"], wrap=("file", "status"), drop=("commit", "device"))], notes
+  notes = [f"in production: {len(now)} file{'s' * (len(now) != 1)}" if doc["exports"]
+           else "nothing exported yet (`search export`)"]
+  return [Section("exports (newest first)", cols, rows, records=doc["exports"], wrap=("file", "status"),
+                  drop=("commit", "device"))], notes

@@ -143,7 +143,8 @@ def leaderboard_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
     tok = (f"{interval(store.Estimate(r['tok_s'], r['tok_s_low'], r['tok_s_high'], r['measurements']))} {r['measurements']}" if r["tok_s"] else
            _f(r["block_tok_s"], ".2f", " (block)"))
     rows.append([r["rank"] or "", r["trial"], tok, _f(r["speedup"], ".3f", "x"), conf, _f(r["ms_per_token"]), _f(r["kernels_per_token"], "d"),
-                 _f(r["mb_per_token"], ".1f"), _f(r["bandwidth_share"], ".1%"), _f(r["peak_memory_mb"], ".1f"), r["precision"],
+                 _f(r["mb_per_token"], ".1f"), _f(r["bandwidth_share"], ".1%"), _f(r["peak_memory_mb"], ".1f"),
+                 r["precision"],
                  r["state"] if not r["failure"] else f"{r['state']}: {r['failure'][:60]}",
                  " ".join(f"{k}={v}" for k, v in r["changes"].items()) or "baseline"])
   records = [{**{k: v for k, v in r.items() if k not in ("confirmed", "changes", "trials")},
@@ -152,9 +153,10 @@ def leaderboard_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
               "changes": " ".join(f"{k}={v}" for k, v in r["changes"].items())} for r in doc["rows"]]
   title = (f"{doc['study']}: {doc['model']} ({doc['layers']} blocks) on {doc['device_name'] or doc['device']}  "
            f"[{', '.join(f'{k} {v}' for k, v in doc['states'].items())}]")
-  return [Section(title, cols, rows, records=records, wrap=("state", "changes from the baseline"),
-                  drop=("peak MB", "BW share", "MB/token", "kernels/token", "ms/token", "precision", "tok/s [90%] n", "confirmed [low, high]"))], \
-    [doc["verdict"]]
+  drop = ("peak MB", "BW share", "MB/token", "kernels/token", "ms/token", "precision", "tok/s [90%] n",
+          "confirmed [low, high]")
+  wrap = ("state", "changes from the baseline")
+  return [Section(title, cols, rows, records=records, wrap=wrap, drop=drop)], [doc["verdict"]]
 
 
 def studies(s: Session) -> dict[str, Any]:
@@ -163,8 +165,9 @@ def studies(s: Session) -> dict[str, Any]:
     trials, est = store.trials(s, st), store.estimates(s, st)
     base = est.get(st.baseline_hash)
     best = max((e for h, e in est.items() if any(t.config_hash == h and t.state == "ok" for t in trials)), key=lambda e: e.median, default=None)
-    out.append({"study": st.name, "model": st.model_name, "device": st.device, "device_name": st.device_name, "trials": len(trials),
-                "ok": sum(t.state == "ok" for t in trials), "failed": sum(bool(t.failure_class) for t in trials),
+    out.append({"study": st.name, "model": st.model_name, "device": st.device, "device_name": st.device_name,
+                "trials": len(trials), "ok": sum(t.state == "ok" for t in trials),
+                "failed": sum(bool(t.failure_class) for t in trials),
                 "best_tok_s": best.median if best else None, "speedup": best.median / base.median if best and base else None,
                 "verdict": verdict(s, st), "created": _day(st.created_at), "finished": _day(st.finished_at)})
   return {"schema": SCHEMA, "study": None, "studies": out}
@@ -172,8 +175,8 @@ def studies(s: Session) -> dict[str, Any]:
 
 def studies_view(doc: dict[str, Any]) -> list[Section]:
   cols = ["study", "model", "device", "trials", "ok", "failed", "best tok/s", "speedup", "created", "finished"]
-  rows = [[d["study"], d["model"], d["device_name"] or d["device"], d["trials"], d["ok"], d["failed"], _f(d["best_tok_s"]),
-           _f(d["speedup"], ".3f", "x"), d["created"], d["finished"]] for d in doc["studies"]]
+  rows = [[d["study"], d["model"], d["device_name"] or d["device"], d["trials"], d["ok"], d["failed"],
+           _f(d["best_tok_s"]), _f(d["speedup"], ".3f", "x"), d["created"], d["finished"]] for d in doc["studies"]]
   return [Section("studies", cols, rows, records=[{k: v for k, v in d.items()} for d in doc["studies"]], wrap=("model",),
                   drop=("finished", "created", "failed", "ok", "best tok/s"))]
 
@@ -204,7 +207,8 @@ def trial_doc(s: Session, study: Study, t: Trial) -> dict[str, Any]:
   env, git = src.environment, src.git_state
   numbers = {x.id: x.number for x in store.trials(s, study)}
   return {"schema": SCHEMA, "study": study.name, "trial": t.number, "state": t.state, "stage": t.stage, "config_hash": t.config_hash,
-          "config": cfg.to_dict(), "precision": precision(cfg), "changes": changes(cfg, baseline(study)), "baseline": baseline(study).to_dict(),
+          "config": cfg.to_dict(), "precision": precision(cfg), "changes": changes(cfg, baseline(study)),
+          "baseline": baseline(study).to_dict(),
           "reused_from": t.reused_from.number if t.reused_from else None,
           "estimate": {"tok_s": e.median, "low": e.low, "high": e.high, "measurements": e.n} if e else None,
           "speedup": e.median / base.median if e and base and t.state in ("ok", "reused") and src.state == "ok" else None,
@@ -232,7 +236,8 @@ def _kv(d: dict[str, Any], prefix: str = "") -> list[list[Any]]:
 def trial_view(doc: dict[str, Any]) -> list[Section]:
   e, c = doc["estimate"], doc["confirmed"]
   head = [["state", doc["state"] + (f" (result of trial {doc['reused_from']})" if doc["reused_from"] is not None else "")],
-          ["stage", doc["stage"]], ["config hash", doc["config_hash"]], ["precision", f"{doc['precision']}: {PRECISION[doc['precision']]}"],
+          ["stage", doc["stage"]], ["config hash", doc["config_hash"]],
+          ["precision", f"{doc['precision']}: {PRECISION[doc['precision']]}"],
           ["tok/s", f"{interval(store.Estimate(e['tok_s'], e['low'], e['high'], e['measurements']))} ({e['measurements']} measurements)"
            if e else ""],
           ["speedup", _f(doc["speedup"], ".3f", "x")],
@@ -279,7 +284,8 @@ def compare_doc(s: Session, study: Study, a: Trial, b: Trial, study_b: Study | N
   metrics = [{"metric": k, "a": metric(da, k), "b": metric(db, k)} for k, _ in COMPARED]
   metrics += [{"metric": f"phase {k}", "a": da["phases"].get(k), "b": db["phases"].get(k)} for k in ("load_s", "compile_s", "wall_s")]
   for m in metrics: m["ratio"] = m["b"] / m["a"] if isinstance(m["a"], int | float) and isinstance(m["b"], int | float) and m["a"] else None
-  return {"schema": SCHEMA, "study": study.name, "study_b": sb.name, "a": a.number, "b": b.number, "state": {"a": a.state, "b": b.state},
+  return {"schema": SCHEMA, "study": study.name, "study_b": sb.name, "a": a.number, "b": b.number,
+          "state": {"a": a.state, "b": b.state},
           "where": {x: f"{st.model_name} on {st.device_name or st.device}" for x, st in (("a", study), ("b", sb))},
           "precision": {"a": da["precision"], "b": db["precision"]},
           "estimate": {"a": da["estimate"], "b": db["estimate"]}, "confirmed": {"a": da["confirmed"], "b": db["confirmed"]},
@@ -288,8 +294,9 @@ def compare_doc(s: Session, study: Study, a: Trial, b: Trial, study_b: Study | N
 
 
 def kernels(pa: list[dict[str, Any]], pb: list[dict[str, Any]]) -> list[dict[str, Any]]:
-  """Two per-kernel profiles side by side by kernel name (B's order, then the kernels A alone runs): each side's launches
-  per token, microseconds per token and GB/s (None where that side does not run the kernel), and B/A in time."""
+  """Two per-kernel profiles side by side by kernel name (B's order, then the kernels A alone runs): each side's
+  launches per token, microseconds per token and GB/s (None where that side does not run the kernel), and B/A in
+  time."""
   ka, kb = {p["name"]: p for p in pa}, {p["name"]: p for p in pb}
   side = lambda p: {"count": p["count"], "us_per_token": p["us_per_token"], "gb_s": p["gb_s"]} if p else None
   out = []
@@ -302,7 +309,8 @@ def kernels(pa: list[dict[str, Any]], pb: list[dict[str, Any]]) -> list[dict[str
 
 def _conf(c: dict[str, Any] | None) -> str:
   if c is None: return "not confirmed"
-  return f"{c['speedup']:.3f}x [{c['low']:.3f}, {c['high']:.3f}] over {c['pairs']} A/B pairs" + ("" if c["status"] == "ok" else f" ({c['status']})")
+  failed = "" if c["status"] == "ok" else f" ({c['status']})"
+  return f"{c['speedup']:.3f}x [{c['low']:.3f}, {c['high']:.3f}] over {c['pairs']} A/B pairs{failed}"
 
 
 def compare_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
@@ -312,30 +320,37 @@ def compare_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
   fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("" if v is None else v)
   ea, eb = doc["estimate"]["a"], doc["estimate"]["b"]
   ca, cb = doc["confirmed"]["a"], doc["confirmed"]["b"]
-  est = lambda e: f"{interval(store.Estimate(e['tok_s'], e['low'], e['high'], e['measurements']))} over {e['measurements']}" if e else ""
+  est = lambda e: (f"{interval(store.Estimate(e['tok_s'], e['low'], e['high'], e['measurements']))} "
+                   f"over {e['measurements']}" if e else "")
   rows = [[f"knob {k['knob']}", k["a"], k["b"], ""] for k in doc["knobs"]]
   rows += [["precision", doc["precision"]["a"], doc["precision"]["b"], ""],
-           ["tok/s estimate [90%] over measurements", est(ea), est(eb), ""], ["A/B-confirmed against the baseline", _conf(ca), _conf(cb), ""]]
+           ["tok/s estimate [90%] over measurements", est(ea), est(eb), ""],
+           ["A/B-confirmed against the baseline", _conf(ca), _conf(cb), ""]]
   rows += [[names.get(m["metric"], m["metric"]), fmt(m["a"]), fmt(m["b"]), _f(m["ratio"], ".3f", "x")] for m in doc["metrics"]]
-  notes = [f"{side} ({x}) is A/B-confirmed at {_conf(c)} of the baseline: "
-           + ("faster" if c["status"] == "ok" and c["low"] > 1 else "not faster" if c["status"] == "ok" and c["speedup"] <= 1 else
-              "inconclusive" if c["status"] == "ok" else "failed")
+  said = lambda c: ("failed" if c["status"] != "ok" else "faster" if c["low"] > 1 else
+                    "not faster" if c["speedup"] <= 1 else "inconclusive")
+  notes = [f"{side} ({x}) is A/B-confirmed at {_conf(c)} of the baseline: {said(c)}"
            for side, x, c in (("A", a, ca), ("B", b, cb)) if c]
   if ea and eb:
     overlap = None if ea["low"] is None or eb["low"] is None else eb["high"] >= ea["low"] and ea["high"] >= eb["low"]
-    notes.append(f"B/A is {eb['tok_s'] / ea['tok_s']:.3f}x in estimated tok/s; " + ("no run-to-run noise measured yet" if overlap is None else
-                 "their 90% intervals overlap: within the noise" if overlap else "their 90% intervals do not overlap"))
+    noise = ("no run-to-run noise measured yet" if overlap is None else
+             "their 90% intervals overlap: within the noise" if overlap else "their 90% intervals do not overlap")
+    notes.append(f"B/A is {eb['tok_s'] / ea['tok_s']:.3f}x in estimated tok/s; {noise}")
   if other: notes.append(f"A: {doc['study']}, {doc['where']['a']}; B: {doc['study_b']}, {doc['where']['b']} "
                         "(each against its own study's baseline)")
-  secs = [Section(f"{doc['study']}: {b} (B) against {a} (A)", ["", f"A: {a} ({doc['state']['a']})", f"B: {b} ({doc['state']['b']})", "B/A"],
-                  rows, records=[{"name": r[0], "a": r[1], "b": r[2], "ratio": r[3]} for r in rows])]
+  heads = ["", f"A: {a} ({doc['state']['a']})", f"B: {b} ({doc['state']['b']})", "B/A"]
+  secs = [Section(f"{doc['study']}: {b} (B) against {a} (A)", heads, rows,
+                  records=[{"name": r[0], "a": r[1], "b": r[2], "ratio": r[3]} for r in rows])]
   if ks := doc["kernels"]:
-    num = lambda x, k, spec: _f((x or {}).get(k), spec) if x else "-"
-    krows = [[k["kernel"], num(k["a"], "count", "d"), num(k["b"], "count", "d"), num(k["a"], "us_per_token", ".1f"),
-              num(k["b"], "us_per_token", ".1f"), _f(k["ratio"], ".3f", "x"), num(k["a"], "gb_s", ".1f"), num(k["b"], "gb_s", ".1f")] for k in ks]
+    num = lambda x, k, spec: _f(x.get(k), spec) if x else "-"
+    fields = (("count", "d"), ("us_per_token", ".1f"), ("gb_s", ".1f"))
+    krows = [[k["kernel"], *(num(k[x], f, spec) for f, spec in fields[:2] for x in "ab"), _f(k["ratio"], ".3f", "x"),
+              num(k["a"], "gb_s", ".1f"), num(k["b"], "gb_s", ".1f")] for k in ks]
+    records = [{"kernel": k["kernel"], **{f"{x}_{f}": (k[x] or {}).get(f) for x in "ab" for f, _ in fields},
+                "ratio": k["ratio"]} for k in ks]
     secs.append(Section("per-kernel profile (B against A; -: not run on that side)",
                         ["kernel", "A count", "B count", "A us/token", "B us/token", "B/A", "A GB/s", "B GB/s"], krows,
-                        records=[{"kernel": k["kernel"], **{f"{x}_{f}": (k[x] or {}).get(f) for x in "ab" for f in ("count", "us_per_token", "gb_s")},
-                                  "ratio": k["ratio"]} for k in ks], wrap=("kernel",), drop=("A GB/s", "B GB/s", "A count", "B count")))
-  else: notes.append("no per-kernel profile on either side (`search confirm` profiles the winner; `model bench --profile`)")
+                        records=records, wrap=("kernel",), drop=("A GB/s", "B GB/s", "A count", "B count")))
+  else: notes.append("no per-kernel profile on either side (`search confirm` profiles the winner; "
+                     "`model bench --profile`)")
   return secs, notes

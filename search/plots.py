@@ -28,7 +28,7 @@ class StudyData:
   estimate), Optuna's study as the study ranks it (search/ranked.py)."""
   name: str
   board: dict[str, Any]
-  ok: list[dict[str, Any]]  # number, tok_s (its own), estimate (its config's), block_tok_s, kernels, knobs (flat config)
+  ok: list[dict[str, Any]]  # number, tok_s (its own), estimate (its config's), block_tok_s, kernels, knobs (flat)
   optuna: optuna.Study
   missing: dict[str, str]  # plot -> why it is not drawn
 
@@ -41,8 +41,8 @@ def load(url: str, name: str) -> StudyData:
     board = leaderboard(s, st, states=("ok",))
     est = store.estimates(s, st)
     ok = [{"number": t.number, "tok_s": t.tok_s, "estimate": est[t.config_hash].median, "block_tok_s": t.block_tok_s,
-           "kernels": (t.metrics or {}).get("kernels_per_token"), "knobs": flat(StructureConfig.from_json(t.config_json))}
-          for t in store.trials(s, st) if t.state == "ok"]
+           "kernels": (t.metrics or {}).get("kernels_per_token"),
+           "knobs": flat(StructureConfig.from_json(t.config_json))} for t in store.trials(s, st) if t.state == "ok"]
   return StudyData(name, board, ok, optuna.load_study(study_name=name, storage=RankedStorage(url)), {})
 
 
@@ -67,15 +67,17 @@ def history(d: StudyData) -> Figure | None:
                             ("measured again", "s", lambda r: r["measurements"] > 1 and not r["confirmed"]),
                             ("A/B-confirmed", "*", lambda r: bool(r["confirmed"]))):
     if not (pts := sorted((r for r in rows if pick(r)), key=lambda r: r["trial"])): continue
-    err = [[r["tok_s"] - (r["tok_s_low"] or r["tok_s"]) for r in pts], [(r["tok_s_high"] or r["tok_s"]) - r["tok_s"] for r in pts]]
-    ax.errorbar([r["trial"] for r in pts], [r["tok_s"] for r in pts], yerr=err, fmt=style, ms=10 if style == "*" else 6, capsize=3,
-                label=f"config's estimate, {kind}")
+    err = [[r["tok_s"] - (r["tok_s_low"] or r["tok_s"]) for r in pts],
+           [(r["tok_s_high"] or r["tok_s"]) - r["tok_s"] for r in pts]]
+    ax.errorbar([r["trial"] for r in pts], [r["tok_s"] for r in pts], yerr=err, fmt=style, ms=10 if style == "*" else 6,
+                capsize=3, label=f"config's estimate, {kind}")
     for r in pts:
       if (c := r["confirmed"]) is not None:
-        ax.annotate(f"{c['speedup']:.3f}x" if c["status"] == "ok" else c["status"], (r["trial"], r["tok_s"]), textcoords="offset points",
-                    xytext=(4, 6), fontsize="x-small")
+        ax.annotate(f"{c['speedup']:.3f}x" if c["status"] == "ok" else c["status"], (r["trial"], r["tok_s"]),
+                    textcoords="offset points", xytext=(4, 6), fontsize="x-small")
   order = sorted(rows, key=lambda r: r["trial"])
-  ax.step([r["trial"] for r in order], np.maximum.accumulate([figure(r, base) for r in order]), where="post", label="best so far (as ranked)")
+  ax.step([r["trial"] for r in order], np.maximum.accumulate([figure(r, base) for r in order]), where="post",
+          label="best so far (as ranked)")
   if b is not None:
     ax.axhline(b["tok_s"], color="gray", ls="--", label=f"baseline, median of {b['measurements']}")
     if b["tok_s_low"] is not None: ax.axhspan(b["tok_s_low"], b["tok_s_high"], color="gray", alpha=0.2, label="baseline 90% interval")

@@ -1,12 +1,12 @@
-"""Optuna's storage of a study database, read as the study ranks its configs: what optuna-dashboard and the report's Optuna
-plots read, so that their best trial, history and importance agree with the leaderboard.
+"""Optuna's storage of a study database, read as the study ranks its configs: what optuna-dashboard and the report's
+Optuna plots read, so that their best trial, history and importance agree with the leaderboard.
 
 A complete trial's first value is the figure its config ranks by on the leaderboard, in tok/s (leaderboard.figure: the
 confirmed speedup times the baseline's estimate where an A/B confirmation exists, else the config's estimate, the median
 of all its measurements), whatever the trial's own first figure was; its user attributes carry the estimate with its
-90% interval and count, the speedup, the confirmation and the rank. The storage is read at every call, so re-measurements
-and confirmations show as soon as they are stored. Nothing is written: the values the workers told Optuna stay as they
-were (the samplers learn from them).
+90% interval and count, the speedup, the confirmation and the rank. The storage is read at every call, so
+re-measurements and confirmations show as soon as they are stored. Nothing is written: the values the workers told
+Optuna stay as they were (the samplers learn from them).
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ class RankedStorage(BaseStorage):
     self.ours = open_db(url, create=False)
     self.rdb = RDBStorage(url, engine_kwargs=engine_kwargs(url), skip_table_creation=True)
 
-  def get_all_trials(self, study_id: int, deepcopy: bool = True, states: Container[TrialState] | None = None) -> list[FrozenTrial]:
+  def get_all_trials(self, study_id: int, deepcopy: bool = True,
+                     states: Container[TrialState] | None = None) -> list[FrozenTrial]:
     return self._ranked(study_id, self.rdb.get_all_trials(study_id, deepcopy, states))
 
   def get_trial(self, trial_id: int) -> FrozenTrial:
@@ -47,7 +48,8 @@ class RankedStorage(BaseStorage):
 
   def get_best_trial(self, study_id: int) -> FrozenTrial:
     """The complete trial of the highest figure (of a config's trials, the first); ValueError where none is complete."""
-    if len(self.get_study_directions(study_id)) > 1: raise RuntimeError("Best trial can be obtained only for single-objective optimization.")
+    if len(self.get_study_directions(study_id)) > 1:
+      raise RuntimeError("Best trial can be obtained only for single-objective optimization.")
     done = [t for t in self.get_all_trials(study_id, deepcopy=False, states=(TrialState.COMPLETE,)) if t.values]
     if not done: raise ValueError("No trials are completed yet.")
     return max(done, key=lambda t: (t.values[0], -t.number))
@@ -68,10 +70,11 @@ class RankedStorage(BaseStorage):
       t = copy.copy(t)
       t.values = [figure(r, base), *t.values[1:]]
       c = r["confirmed"]
+      conf = f"{c['speedup']:.3f}x [{c['low']:.3f}, {c['high']:.3f}] over {c['pairs']} A/B pairs ({c['status']})" \
+        if c else None
       t.user_attrs = {**t.user_attrs, "rank": r["rank"], "estimate_tok_s": r["tok_s"], "estimate_low": r["tok_s_low"],
                       "estimate_high": r["tok_s_high"], "measurements": r["measurements"], "speedup": r["speedup"],
-                      "confirmed": f"{c['speedup']:.3f}x [{c['low']:.3f}, {c['high']:.3f}] over {c['pairs']} A/B pairs ({c['status']})"
-                                   if c else None}
+                      "confirmed": conf}
       out.append(t)
     return out
 
@@ -79,8 +82,10 @@ class RankedStorage(BaseStorage):
   def create_new_study(self, directions: Sequence[StudyDirection], study_name: str | None = None) -> int:
     return self.rdb.create_new_study(directions, study_name)
   def delete_study(self, study_id: int) -> None: self.rdb.delete_study(study_id)
-  def set_study_user_attr(self, study_id: int, key: str, value: Any) -> None: self.rdb.set_study_user_attr(study_id, key, value)
-  def set_study_system_attr(self, study_id: int, key: str, value: Any) -> None: self.rdb.set_study_system_attr(study_id, key, value)
+  def set_study_user_attr(self, study_id: int, key: str, value: Any) -> None:
+    self.rdb.set_study_user_attr(study_id, key, value)
+  def set_study_system_attr(self, study_id: int, key: str, value: Any) -> None:
+    self.rdb.set_study_system_attr(study_id, key, value)
   def get_study_id_from_name(self, study_name: str) -> int: return self.rdb.get_study_id_from_name(study_name)
   def get_study_name_from_id(self, study_id: int) -> str: return self.rdb.get_study_name_from_id(study_id)
   def get_study_directions(self, study_id: int) -> list[StudyDirection]: return self.rdb.get_study_directions(study_id)
@@ -89,14 +94,16 @@ class RankedStorage(BaseStorage):
   def get_all_studies(self) -> list: return self.rdb.get_all_studies()  # of Optuna's FrozenStudy (not exported)
   def create_new_trial(self, study_id: int, template_trial: FrozenTrial | None = None) -> int:
     return self.rdb.create_new_trial(study_id, template_trial)
-  def set_trial_param(self, trial_id: int, param_name: str, param_value_internal: float, distribution: BaseDistribution) -> None:
-    self.rdb.set_trial_param(trial_id, param_name, param_value_internal, distribution)
+  def set_trial_param(self, trial_id: int, param_name: str, value: float, distribution: BaseDistribution) -> None:
+    self.rdb.set_trial_param(trial_id, param_name, value, distribution)
   def get_trial_id_from_study_id_trial_number(self, study_id: int, trial_number: int) -> int:
     return self.rdb.get_trial_id_from_study_id_trial_number(study_id, trial_number)
   def set_trial_state_values(self, trial_id: int, state: TrialState, values: Sequence[float] | None = None) -> bool:
     return self.rdb.set_trial_state_values(trial_id, state, values)
   def set_trial_intermediate_value(self, trial_id: int, step: int, intermediate_value: float) -> None:
     self.rdb.set_trial_intermediate_value(trial_id, step, intermediate_value)
-  def set_trial_user_attr(self, trial_id: int, key: str, value: Any) -> None: self.rdb.set_trial_user_attr(trial_id, key, value)
-  def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None: self.rdb.set_trial_system_attr(trial_id, key, value)
+  def set_trial_user_attr(self, trial_id: int, key: str, value: Any) -> None:
+    self.rdb.set_trial_user_attr(trial_id, key, value)
+  def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None:
+    self.rdb.set_trial_system_attr(trial_id, key, value)
   def remove_session(self) -> None: self.rdb.remove_session()

@@ -38,8 +38,8 @@ METRICS = ("tok/s", "peak device bytes")  # the objectives of a study, in Optuna
 HEARTBEAT_S = 10  # a worker that stops beating for 6 heartbeats is dead: its trial fails and its config is enqueued again
 # the measurement protocol: Setup fields fixed when a study is created, and the `search start` option that sets each
 PROTOCOL = {"n": "-n", "rounds": "--rounds", "prefill": "--no-prefill", "block_layers": "--block-layers", "sampler": "--sampler",
-            "seed": "--seed", "objectives": "--objectives", "fixed": "--fix", "beam_budget": "--beam-budget", "family": "--family",
-            "exact": "--exact"}
+            "seed": "--seed", "objectives": "--objectives", "fixed": "--fix", "beam_budget": "--beam-budget",
+            "family": "--family", "exact": "--exact"}
 
 
 class StudyMismatch(ValueError):
@@ -196,7 +196,8 @@ def create(setup: Setup, url: str, info: ModelInfo, ev: Evaluator) -> bool:
 def exact_pins(info: ModelInfo, device: str, family: str = "all") -> dict[str, Any]:
   """The pins that hold a study to exact configs (`search start --exact`): every knob of the space with a value of
   precision class q8 (8-bit activations), at its default."""
-  return {k.name: k.default for k in knobs(info, device, family) if any(KNOBS[k.name].precision_of(c) == "q8" for c in k.choices)}
+  return {k.name: k.default for k in knobs(info, device, family)
+          if any(KNOBS[k.name].precision_of(c) == "q8" for c in k.choices)}
 
 
 def check_protocol(setup: Setup, given: dict[str, Any]) -> None:
@@ -205,7 +206,8 @@ def check_protocol(setup: Setup, given: dict[str, Any]) -> None:
     if value is None or value == getattr(setup, name): continue
     flag, was = PROTOCOL[name], getattr(setup, name)
     show = lambda v, flag=flag: (("--no-prefill" if not v else "the prefill graph timed (no --no-prefill)") if flag == "--no-prefill" else
-                                 ("--exact" if v else "8-bit activations allowed (no --exact)") if flag == "--exact" else
+                                 ("--exact" if v else "8-bit activations allowed (no --exact)")
+                                 if flag == "--exact" else
                                  (" ".join(f"--fix {k}={x}" for k, x in v.items()) or "no --fix") if flag == "--fix" else
                                  f"{flag} {v}" if v is not None else f"no {flag}")
     raise StudyMismatch(f"study {setup.name!r} measures with {show(was)}, not {show(value)}: a study's measurement protocol is fixed when "

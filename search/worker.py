@@ -45,8 +45,8 @@ class TrialFailed(Exception):
 
 
 class LateResult(TrialFailed):
-  """A trial's result came after its trial was failed (its worker stalled past the grace period): recorded as a measurement
-  of its config, while the trial stays failed and its config is measured again as another trial."""
+  """A trial's result came after its trial was failed (its worker stalled past the grace period): recorded as a
+  measurement of its config, while the trial stays failed and its config is measured again as another trial."""
 
 
 class BaselineFailed(RuntimeError):
@@ -89,7 +89,8 @@ class Runner:
       self.reap()
       trials = self.study.get_trials(deepcopy=False)
       running = [t for t in trials if t.state == TrialState.RUNNING]  # between trials, none of them is this worker's
-      retries = [t for t in trials if t.state == TrialState.WAITING and ("failed_trial" in t.system_attrs or "retry_of" in t.user_attrs)]
+      retries = [t for t in trials
+                 if t.state == TrialState.WAITING and ("failed_trial" in t.system_attrs or "retry_of" in t.user_attrs)]
       done = self.finished(trials)
       if done >= self.setup.trials and not running and not retries:
         if not self.multi: noise.settle(self.ev, self.engine, self.row, self.baseline.hash, max(2, self.setup.trials // 10), self.say)
@@ -108,8 +109,8 @@ class Runner:
                       self.say)
 
   def finished(self, trials: list[FrozenTrial] | None = None) -> int:
-    """Trials with an outcome: completed, pruned, or failed by the evaluator (not interrupted, not lost with a dead worker,
-    not killed from outside while the config has retries left: those configs are enqueued again)."""
+    """Trials with an outcome: completed, pruned, or failed by the evaluator (not interrupted, not lost with a dead
+    worker, not killed from outside while the config has retries left: those configs are enqueued again)."""
     if trials is None: trials = self.study.get_trials(deepcopy=False)
     return sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) or (t.state == TrialState.FAIL and "failure" in t.user_attrs) for t in trials)
 
@@ -219,17 +220,19 @@ class Runner:
     return self._value(trial, res.status, res.tok_s, res.metrics.get("peak_device_bytes"), res.error, is_base, again)
 
   def _again(self, trial: optuna.Trial, row: Trial) -> bool:
-    """Queue a config killed from outside (a signal, the kernel's OOM killer) again, whichever sampler runs, while it has
-    been killed at most store.RETRIES times; True when queued (the trial then does not count toward the target)."""
-    with session(self.engine) as s: kills = sum(t.config_hash == row.config_hash and t.state == "killed" for t in store.trials(s, self.row))
+    """Queue a config killed from outside (a signal, the kernel's OOM killer) again, whichever sampler runs, while it
+    has been killed at most store.RETRIES times; True when queued (the trial then does not count toward the target)."""
+    with session(self.engine) as s:
+      kills = sum(t.config_hash == row.config_hash and t.state == "killed" for t in store.trials(s, self.row))
     if kills > store.RETRIES: return False
     self.study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
-    self.say(f"trial {trial.number} was killed from outside: its config is measured again ({kills} of {store.RETRIES + 1} tries)")
+    self.say(f"trial {trial.number} was killed from outside: its config is measured again "
+             f"({kills} of {store.RETRIES + 1} tries)")
     return True
 
   def _check_late(self, trial: optuna.Trial, row: Trial, res: TrialResult) -> None:
-    """Raise LateResult when another worker failed this trial while it ran (this worker stalled past the grace period): its
-    figure is stored as a measurement of its config, and the trial stays interrupted, never a second verdict."""
+    """Raise LateResult when another worker failed this trial while it ran (this worker stalled past the grace period):
+    its figure is stored as a measurement of its config, and the trial stays interrupted, never a second verdict."""
     trial_id = self.storage.get_trial_id_from_study_id_trial_number(self.study_id, trial.number)
     if not self.storage.get_trial(trial_id).state.is_finished(): return
     why = "its result came after its trial was failed (its worker stalled): stored as a measurement of its config"
@@ -241,13 +244,13 @@ class Runner:
       t = s.get(Trial, row.id)
       t.error_text = f"{t.error_text or ''}; {why}" if res.ok else t.error_text
     self.late = trial.number
-    self.emit(Event("note", trial.number, f"trial {trial.number}: {why}" if res.ok else f"trial {trial.number}: failed meanwhile"))
+    self.emit(Event("note", trial.number, f"trial {trial.number}: {why if res.ok else 'failed meanwhile'}"))
     raise LateResult(f"trial {trial.number} was failed while it ran")
 
   def _value(self, trial: optuna.Trial, state: str, tok_s: float | None, peak: int | None, error: str | None,
              is_base: bool, again: bool = False) -> float | tuple[float, float]:
-    """The trial's value for Optuna; a failure raises TrialFailed, and counts toward the target unless `again` (its config
-    is queued again)."""
+    """The trial's value for Optuna; a failure raises TrialFailed, and counts toward the target unless `again` (its
+    config is queued again)."""
     if state not in ("ok", "wrong_output") or (is_base and state != "ok"):
       trial.set_user_attr("retried" if again else "failure", state)
       raise TrialFailed(f"{state}: {(error or '').splitlines()[0][:300]}" if error else state)

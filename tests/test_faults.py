@@ -164,9 +164,9 @@ def test_killed_config_is_measured_again_up_to_the_retry_limit(model, tmp_path, 
 
 
 def test_a_killed_config_is_measured_again_under_the_default_sampler(model, tmp_path, monkeypatch) -> None:
-  """The coordinate sampler never proposes a config twice: the worker queues a config killed from outside again itself, up
-  to the retry limit, and those kills do not count toward the target (3 trials: the baseline, topk=sort killed 3 times,
-  topk=argmax)."""
+  """The coordinate sampler never proposes a config twice: the worker queues a config killed from outside again itself,
+  up to the retry limit, and those kills do not count toward the target (3 trials: the baseline, topk=sort killed 3
+  times, topk=argmax)."""
   from inject.trialfakes import fake_run_process
 
   from search.study import model_info
@@ -174,12 +174,14 @@ def test_a_killed_config_is_measured_again_under_the_default_sampler(model, tmp_
   url = f"sqlite:///{tmp_path / 's.db'}"
   ok, sigkill = fake_run_process(), fake_run_process(status="killed")
   install_fake_trials(monkeypatch.setattr)
-  monkeypatch.setattr("evaluator.runner.run_process", lambda spec, *a: (sigkill if spec.config["topk"] == "sort" else ok)(spec, *a))
+  monkeypatch.setattr("evaluator.runner.run_process",
+                      lambda spec, *a: (sigkill if spec.config["topk"] == "sort" else ok)(spec, *a))
   pins = [f"--fix={k.name}={k.default}" for k in knobs(model_info(model), "CPU") if k.name != "topk"]
   args = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--confirm", "0", "--seed", "0"]
   assert search("start", "--model", model, "--study", "k", "--storage", url, "--trials", "3", *args, *pins) == 0
   states = [(s, '"topk": "sort"' in c) for s, c in rows(url, "SELECT state, config_json FROM ss_trial ORDER BY number")]
-  assert [s for s, sort in states if sort] == ["killed"] * 3 and [s for s, sort in states if not sort] == ["ok", "ok"], states
+  assert [s for s, sort in states if sort] == ["killed"] * 3, states
+  assert [s for s, sort in states if not sort] == ["ok", "ok"], states
   attrs = [t.user_attrs for t in optuna.load_study(study_name="k", storage=url).trials]
   assert sum(a.get("retried") == "killed" for a in attrs) == 2 and sum(a.get("failure") == "killed" for a in attrs) == 1
 
@@ -197,7 +199,7 @@ def test_a_late_result_is_a_measurement_not_a_verdict(model, url, monkeypatch) -
   from search.study import storage
   ok, stalled = fake_run_process(), []
   def run_process(spec, *a):
-    if spec.config["topk"] != "pairwise" and not stalled:  # the first change of the baseline: failed by "another worker"
+    if spec.config["topk"] != "pairwise" and not stalled:  # the baseline's first change: failed by "another worker"
       st = storage(url)
       study = optuna.load_study(study_name="l", storage=st)
       t = study.get_trials(states=(optuna.trial.TrialState.RUNNING,))[0]
@@ -213,7 +215,8 @@ def test_a_late_result_is_a_measurement_not_a_verdict(model, url, monkeypatch) -
   assert search("start", "--model", model, "--study", "l", "--storage", url, "--trials", "3", *FAST, *pins) == 0
   (n,) = stalled
   ours = {number: (state, h) for number, state, h in rows(url, "SELECT number, state, config_hash FROM ss_trial")}
-  assert ours[n][0] == "interrupted" and "came after its trial was failed" in rows(url, f"SELECT error_text FROM ss_trial WHERE number={n}")[0][0]
+  assert ours[n][0] == "interrupted"
+  assert "came after its trial was failed" in rows(url, f"SELECT error_text FROM ss_trial WHERE number={n}")[0][0]
   again = [m for m, (s, h) in ours.items() if m > n and h == ours[n][1]]
   assert again and ours[again[0]][0] in ("ok", "reused")
   with session(open_db(url)) as s:

@@ -151,7 +151,7 @@ def test_leaderboard_in_four_formats(live, capsys) -> None:
   assert "review: `search leaderboard --study r" in out and "search dashboard --study r" in out
   assert search("leaderboard", "--study", "r", "--storage", live.url, "--format", "json") == 0
   doc = json.loads(capsys.readouterr().out)
-  assert doc["schema"] == 2 and doc["study"] == "r" and doc["verdict"] in out  # start ends by saying who wins, or that none does
+  assert doc["schema"] == 2 and doc["study"] == "r" and doc["verdict"] in out  # start ends saying who wins, or that none does
   rows = doc["rows"]
   assert [r["rank"] for r in rows] == list(range(1, len(rows) + 1)) and all(r["state"] == "ok" for r in rows)
   assert doc["baseline"]["measurements"] >= 3  # its trial, a repeat between trials, its side of the A/B pair
@@ -275,7 +275,8 @@ def test_notebook_runs_as_shipped(live, tmp_path) -> None:
   (root / "notebooks").mkdir()
   def run(where: pathlib.Path) -> list:
     nb = nbformat.read(PROJECT / "notebooks" / "leaderboard.ipynb", as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True, resources={"metadata": {"path": str(where)}})
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
+                                     resources={"metadata": {"path": str(where)}})
     client.execute()
     return [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
   outs = run(root / "notebooks")

@@ -26,7 +26,7 @@ from model.gguf_file import GGUFError, GGUFFile
 from model.registry import ModelNotFound, cache_dir, resolve
 from model.structure import ConfigError, StructureConfig
 from search.formats import FORMATS, emit
-from search.leaderboard import MIN_PAIRS
+from search.leaderboard import MIN_PAIRS, SCHEMA
 from search.study import (
   SAMPLERS,
   Setup,
@@ -35,6 +35,7 @@ from search.study import (
   check_protocol,
   create,
   enqueue,
+  exact_pins,
   measuring_setup,
   model_info,
   set_target,
@@ -77,7 +78,8 @@ def _run(setup: Setup, url: str, info: ModelInfo, args) -> None:
   ev = setup.evaluator(args.trial_timeout)
   with session(open_db(url, create=False)) as s: finished = store.trials(s, store.get_study(s, setup.name))
   view = LiveView(console, setup.name, setup.trials, finished, stored_baseline(url, setup, info))
-  listeners = [view.handle, Uploader(url, setup.name, artifact_store(url, args.artifacts))]
+  uploader = Uploader(url, setup.name, artifact_store(url, args.artifacts))
+  listeners = [view.handle, uploader]
   runner = Runner(setup, url, ev, info, remeasure=getattr(args, "remeasure", False), listeners=listeners, heartbeat=args.heartbeat)
   console.print(f"study {setup.name}: {setup.model_name} on {setup.device}, {len(finished)} trials so far, target {setup.trials}"
                 f" ({setup.sampler} sampler, stages: {' then '.join(ev.stages)}; storage {hide_password(url)}; "
@@ -89,15 +91,23 @@ def _run(setup: Setup, url: str, info: ModelInfo, args) -> None:
   except KeyboardInterrupt:
     console.print(f"stopped: the running trial is marked interrupted; `search start --study {setup.name} --storage {hide_password(url)}` continues")
     sys.exit(130)
+  uploader.refresh()  # the noise measurements since each trial ended changed their figures
   show_leaderboard(url, setup.name, top=15)
 
 
 def _protocol(args, info: ModelInfo, device: str, family: str) -> dict:
-  """The measurement settings this command line gives (None: not given); pins are read in the space of `family`."""
+  """The measurement settings this command line gives (None: not given); pins are read in the space of `family`, with
+  --exact's (exact_pins) among those --fix gives (a study created with --exact stores them: cmd_start)."""
   fixed = parse_pins(args.fix, info, device, family) if args.fix is not None else None
+  if args.exact and fixed is not None:
+    pins = exact_pins(info, device, family)
+    if clash := {k: v for k, v in fixed.items() if k in pins and v != pins[k]}:
+      want, given = (", ".join(f"{k}={d[k]}" for k in clash) for d in (pins, clash))
+      raise ConfigError(f"--exact holds the study to exact configs: it pins {want}, not {given}")
+    fixed |= pins
   return {"n": args.n, "rounds": args.rounds, "prefill": False if args.no_prefill else None, "block_layers": args.block_layers,
           "sampler": args.sampler, "seed": args.seed, "objectives": args.objectives, "fixed": fixed, "beam_budget": args.beam_budget,
-          "family": args.family}
+          "family": args.family, "exact": True if args.exact else None}
 
 
 def cmd_start(args) -> None:
@@ -116,6 +126,7 @@ def cmd_start(args) -> None:
     info = model_info(path)
     protocol = {k: v for k, v in _protocol(args, info, devices[0], args.family or "all").items() if v is not None}
     setup = Setup(name, path, args.model, devices[0], **protocol, **({"trials": args.trials} if args.trials else {}))
+    if setup.exact: setup.fixed = exact_pins(info, devices[0], setup.family) | setup.fixed
     if setup.objectives != "tok_s" and args.sampler in (None, "tpe"): setup.sampler = "nsga2"
     configs = given + (warm_start(args.storage, args.warm_start_from, info, setup) if args.warm_start_from else [])
     check_configs(setup, info, configs)
@@ -139,6 +150,7 @@ def cmd_start(args) -> None:
   if args.confirm:
     from search.confirm import confirm
     confirm(args.storage, name, top=args.confirm, pairs=args.pairs, device=setup.device, say=console.print, model=setup.model)
+    _refresh(args.storage, name, args.artifacts)
     show_leaderboard(args.storage, name, top=15)
   where = "" if args.storage == default_url() else f" --storage {hide_password(args.storage)}"
   console.print(f"review: `search leaderboard --study {name}{where}`; `search report --study {name}{where} --out report-{name}` "
@@ -185,7 +197,14 @@ def cmd_confirm(args) -> None:
   say = console.print if args.format == "table" else errors.print  # the progress; stdout keeps the document alone
   confirm(args.storage, args.study, top=args.top, pairs=args.pairs, rounds=args.rounds, device=args.device, say=say, again=args.again,
           model=str(resolve(args.model).resolve()) if args.model else None)
+  _refresh(args.storage, args.study, args.artifacts)
   show_leaderboard(args.storage, args.study, args.format, top=15)
+
+
+def _refresh(url: str, name: str, artifacts: str | None) -> None:
+  """The dashboard's files of the study's trials, rewritten with their figures after a confirmation."""
+  from search.dashboard import Uploader, artifact_store
+  Uploader(url, name, artifact_store(url, artifacts)).refresh()
 
 
 def cmd_replay(args) -> None:
@@ -255,10 +274,10 @@ def cmd_show(args) -> None:
 
 
 def cmd_cost(args) -> None:
-  from search.cost import cost_view, study_cost
+  from search.cost import cost_doc, cost_view
   with session(open_db(args.storage, create=False)) as s:
     st = _study(s, args.storage, args.study)
-    doc = study_cost(store.trials(s, st), args.project, store.measurements(s, st, stage=None))
+    doc = cost_doc(st.name, SCHEMA, store.trials(s, st), args.project, store.measurements(s, st, stage=None))
   sections, notes = cost_view(doc)
   emit(args.format, sections, doc, console, notes)
 
@@ -267,8 +286,19 @@ def cmd_compare(args) -> None:
   from search.leaderboard import compare_doc, compare_view, find_trial
   with session(open_db(args.storage, create=False)) as s:
     st = _study(s, args.storage, args.study)
-    doc = compare_doc(s, st, find_trial(s, st, args.a), find_trial(s, st, args.b))
+    other, sep, b = args.b.rpartition(":")
+    sb = _study(s, args.storage, other) if sep else st
+    doc = compare_doc(s, st, find_trial(s, st, args.a), find_trial(s, sb, b), sb)
   secs, notes = compare_view(doc)
+  emit(args.format, secs, doc, console, notes)
+
+
+def cmd_exports(args) -> None:
+  from search.export import exports_doc, exports_view
+  with session(open_db(args.storage, create=False)) as s:
+    if args.study: _study(s, args.storage, args.study)
+    doc = exports_doc(s, args.study)
+  secs, notes = exports_view(doc)
   emit(args.format, secs, doc, console, notes)
 
 
@@ -335,7 +365,8 @@ def parser() -> argparse.ArgumentParser:
                        help="seconds between a worker's heartbeats (default 10); a worker silent for 6 heartbeats is dead")
   run_arg.add_argument("--artifacts", help="directory of the trials' dashboard artifacts (default: beside a SQLite database)")
   fmt_arg = argparse.ArgumentParser(add_help=False)
-  fmt_arg.add_argument("--format", choices=FORMATS, default="table", help="table (default), json (see search/leaderboard.py), csv, markdown")
+  fmt_arg.add_argument("--format", choices=FORMATS, default="table",
+                       help="table (default), json (described in docs/json.md), csv, markdown")
 
   s = sub.add_parser("space", help="print the search space of a model (or a random valid config with --sample)")
   s.add_argument("--model", required=True, help="a model name or a .gguf path")
@@ -367,6 +398,8 @@ def parser() -> argparse.ArgumentParser:
                   help="BEAM search seconds per trial; past them, kernels whose BEAM choice the study has not cached get BEAM=0's heuristics "
                        "(default 0: no limit)")
   st.add_argument("--fix", action="append", metavar="KNOB=VALUE", help="pin a knob for the whole study (e.g. beam=0); repeatable")
+  st.add_argument("--exact", action="store_true", help="hold the study to exact configs: float arithmetic only, "
+                  "no 8-bit activations (pins every knob that has an 8-bit value, e.g. ffn_act=float32)")
   st.add_argument("--family", choices=FAMILIES, help="the kernel backends the study searches: all that run on its device (default), or "
                   "portable: only those that render for every device (tensor, fp16_cache, dsl), whatever the device")
   st.add_argument("--enqueue", action="append", help="a config file (.json/.toml) to measure first; repeatable")
@@ -391,6 +424,8 @@ def parser() -> argparse.ArgumentParser:
   c.add_argument("--device", type=device_name, help="tinygrad device (default: the study's)")
   c.add_argument("--model", help="where the study's model file is on this host (default: the study's path; checked by SHA-256)")
   c.add_argument("--again", action="store_true", help="re-measure configs confirmed before")
+  c.add_argument("--artifacts", help="directory of the trials' dashboard artifacts, rewritten with the confirmations "
+                 "(default: beside a SQLite database)")
   c.set_defaults(fn=cmd_confirm)
 
   r = sub.add_parser("replay", parents=[store_arg], help="re-run a study's search offline against its measurements, per sampler")
@@ -419,16 +454,24 @@ def parser() -> argparse.ArgumentParser:
   sh.add_argument("trial", help="a trial number, or 'baseline'")
   sh.set_defaults(fn=cmd_show)
 
-  cp = sub.add_parser("compare", parents=[store_arg, fmt_arg], help="two trials side by side, knob by knob and metric by metric")
-  cp.add_argument("--study", required=True, help="the study of the two trials")
+  cp = sub.add_parser("compare", parents=[store_arg, fmt_arg],
+                      help="two trials side by side, knob by knob, metric by metric and kernel by kernel")
+  cp.add_argument("--study", required=True, help="the study of the trials (of A; of B unless B names its own)")
   cp.add_argument("a", help="a trial number, or 'baseline'")
-  cp.add_argument("b", help="a trial number, or 'baseline'")
+  cp.add_argument("b", help="a trial number or 'baseline' of --study, or STUDY:N / STUDY:baseline for a trial of "
+                  "another study in the storage (the same model on another device, before and after a code change)")
   cp.set_defaults(fn=cmd_compare)
 
   co = sub.add_parser("cost", parents=[store_arg, fmt_arg], help="what a study's trials cost, phase by phase, and the wall time of N trials")
   co.add_argument("--study", required=True, help="the study whose trials to account for")
   co.add_argument("--project", type=at_least(1), default=200, help="trials to project the wall time of (default 200)")
   co.set_defaults(fn=cmd_cost)
+
+  ex = sub.add_parser("exports", parents=[store_arg, fmt_arg],
+                      help="what `search export` put in production: each file, from which study and trial, since when, "
+                           "and whether it holds it still")
+  ex.add_argument("--study", help="only this study's exports (default: every study's)")
+  ex.set_defaults(fn=cmd_exports)
 
   d = sub.add_parser("dashboard", parents=[store_arg], help="serve optuna-dashboard on the storage (with the trials' artifacts)")
   d.add_argument("--study", help="print the address of this study's page")

@@ -22,7 +22,17 @@ from optuna.trial import FrozenTrial, TrialState
 
 from space.knobs import Knob, defaults, one_knob_away
 
-KNOB = "coordinate_knob"  # a trial's system attribute: the knob its config changed from the incumbent of its time
+
+def changed_knob(trial: FrozenTrial, done: list[FrozenTrial], start: dict[str, Any], names: list[str],
+                 fixed: dict[str, Any]) -> str | None:
+  """The knob whose change made `trial`'s config from the incumbent of its time (the fastest of the `done` trials
+  numbered before it, or `start`): the one knob that applies in both configs with another value (a change leaves every
+  other knob that applies in both as it was). None where no such single knob exists (a trial of the fallback or an
+  enqueued config)."""
+  prev = max((t for t in done if t.number < trial.number), key=lambda t: t.values[0], default=None)
+  a, b = start if prev is None else prev.params | fixed, trial.params | fixed
+  differ = [k for k in names if k in a and k in b and a[k] != b[k]]
+  return differ[0] if len(differ) == 1 else None
 
 
 class CoordinateSampler(optuna.samplers.BaseSampler):
@@ -41,15 +51,13 @@ class CoordinateSampler(optuna.samplers.BaseSampler):
     seen = [t.params for t in others] + [t.system_attrs["fixed_params"] for t in others if "fixed_params" in t.system_attrs]
     done = [t for t in others if t.state == TrialState.COMPLETE and t.values]
     best = max(done, key=lambda t: t.values[0], default=None)
-    here = defaults(self.ks, self.fixed) if best is None else best.params | self.fixed
-    names = [k.name for k in self.ks]
-    at = names.index(best.system_attrs[KNOB]) if best is not None and best.system_attrs.get(KNOB) in names else 0
+    start, names = defaults(self.ks, self.fixed), [k.name for k in self.ks]
+    here = start if best is None else best.params | self.fixed
+    knob = None if best is None else changed_knob(best, done, start, names, self.fixed)
+    at = names.index(knob) if knob is not None else 0
     changes = one_knob_away(here, self.ks, self.fixed)
-    for knob, values in sorted(changes, key=lambda c: (names.index(c[0]) - at) % len(names)):
-      params = {k: v for k, v in values.items() if k not in self.fixed}
-      if params not in seen:
-        study._storage.set_trial_system_attr(trial._trial_id, KNOB, knob)
-        return params
+    for _, values in sorted(changes, key=lambda c: (names.index(c[0]) - at) % len(names)):
+      if (params := {k: v for k, v in values.items() if k not in self.fixed}) not in seen: return params
     return None
 
   def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:

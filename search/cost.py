@@ -70,13 +70,23 @@ def study_cost(trials: Sequence[Trial], n: int = 200, measurements: Sequence[Mea
           "projected_n": n, "projected_s": setup + n * per_trial}
 
 
+def cost_doc(study: str, schema: int, trials: Sequence[Trial], n: int = 200,
+             measurements: Sequence[Measurement] = ()) -> dict[str, Any]:
+  """The `search cost --format json` document (docs/json.md): study_cost's figures with the document's `schema` and
+  `study`, each trial's number as `trial` as in every document (study_cost's rows keep `number`: benchmarks/record.py
+  reads them)."""
+  doc = study_cost(trials, n, measurements)
+  rows = [{"trial": r["number"], **{k: v for k, v in r.items() if k != "number"}} for r in doc["trials"]]
+  return {"schema": schema, "study": study, **doc, "trials": rows}
+
+
 def _s(v: float | None) -> str: return "" if v is None else f"{v:.1f}"
 
 
 def cost_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
   """The per-trial table (seconds per phase) and what it projects."""
   cols = ["trial", "state", "stage", "beam", "ladder", "wall", "setup", "repeats", "search", "block stage", "full stage", *(p[:-2] for p in PHASES)]
-  rows = [[r["number"], r["state"], r["stage"], r["beam"], r["ladder"], _s(r["wall_s"]), _s(r["setup_s"]), _s(r["repeat_s"] or None),
+  rows = [[r["trial"], r["state"], r["stage"], r["beam"], r["ladder"], _s(r["wall_s"]), _s(r["setup_s"]), _s(r["repeat_s"] or None),
            _s(r["search_s"]), _s(r["block_s"] or None), _s(r["full_s"] or None), *(_s(r.get(p)) for p in PHASES)] for r in doc["trials"]]
   if not doc["n"]: return [Section("trial cost (s)", cols, rows, records=[])], ["no measured trial yet"]
   h = doc["projected_s"] / 3600

@@ -1,6 +1,8 @@
 """The web dashboard: optuna-dashboard on a study's storage (history, parameter importance, parallel coordinates, the Pareto
-front of two-objective studies), and the per-trial artifacts it shows beside Optuna's figures: the trial's metrics (the
-`search show` document), the git diff of the code that ran it, its per-kernel profile when it has one.
+front of two-objective studies), read as the study ranks its configs (search/ranked.py: a trial's value is its config's
+ranked figure, its user attributes the estimate and confirmation, so its "Best Trial" is the leaderboard's first), and
+the per-trial artifacts it shows beside Optuna's figures: the trial's metrics (the `search show` document), the git diff
+of the code that ran it, its per-kernel profile when it has one.
 
 Artifacts live in an Optuna file-system artifact store: beside a SQLite database (`structsearch.db` -> `structsearch.db-artifacts/`),
 under $STRUCTSEARCH_HOME/artifacts/<host>-<port>-<database>/ for a server database, or where --artifacts says (name a shared
@@ -16,7 +18,8 @@ import tempfile
 import warnings
 
 import optuna
-from optuna.artifacts import FileSystemArtifactStore, upload_artifact
+from optuna.artifacts import FileSystemArtifactStore, get_all_artifact_meta, upload_artifact
+from optuna.trial import FrozenTrial
 from sqlalchemy import make_url
 
 from db import store
@@ -25,6 +28,7 @@ from db.models import Trial
 from model.production import home
 from search.events import Event
 from search.leaderboard import trial_doc
+from search.ranked import RankedStorage
 from search.study import StudyMismatch, storage
 
 
@@ -43,7 +47,7 @@ def artifact_store(url: str, given: str | None = None) -> FileSystemArtifactStor
 class Uploader:
   """Listens to a worker (search/events.py): each finished trial's metrics (the `search show` document), git diff and
   profile uploaded to the artifact store, while Optuna still lets the trial change (a worker tells of a trial's end before
-  it returns the trial's value)."""
+  it returns the trial's value); `refresh` rewrites them once their figures have changed."""
 
   def __init__(self, url: str, study: str, artifacts: FileSystemArtifactStore):
     self.engine, self.storage, self.study, self.artifacts = open_db(url, create=False), storage(url), study, artifacts
@@ -53,23 +57,51 @@ class Uploader:
     if e.kind != "end" or e.row is None or e.row.state in ("running", "interrupted"): return
     with session(self.engine) as s:
       t = s.get(Trial, e.row.id)
-      doc = trial_doc(s, store.get_study(s, self.study), t)
+      files = _files(trial_doc(s, store.get_study(s, self.study), t))
     trial = self.storage.get_trial(self.storage.get_trial_id_from_study_id_trial_number(self.study_id, t.number))
-    git = doc.pop("git")
-    files = {f"trial-{t.number}-metrics.json": json.dumps(doc, indent=1, default=str)}
-    if git:
-      head = f"# commit {git['commit']} ({git['branch'] or 'detached'}{', dirty' if git['dirty'] else ''})"
-      files[f"trial-{t.number}-git.diff"] = f"{head}\n{git['diff']}"
-    if doc["profile"]:
-      buf = io.StringIO()
-      (w := csv.DictWriter(buf, list(doc["profile"][0]))).writeheader()
-      w.writerows(doc["profile"])
-      files[f"trial-{t.number}-profile.csv"] = buf.getvalue()
+    for name, text in files.items(): self._upload(trial, name, text)
+
+  def refresh(self) -> None:
+    """Rewrite the files of every trial that has some with its current figures (estimate, confirmation, profile), in
+    place: the same artifact, so the dashboard's links stay. A file a trial did not have (a profile made by a
+    confirmation) is attached to the study, as Optuna lets a finished trial change no more."""
+    with session(self.engine) as s:
+      st = store.get_study(s, self.study)
+      done = [t for t in store.trials(s, st) if t.state not in ("running", "interrupted")]
+      files = {t.number: _files(trial_doc(s, st, t)) for t in done}
+    study = optuna.load_study(study_name=self.study, storage=self.storage)
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+      on_study = {m.filename: m for m in get_all_artifact_meta(study, storage=self.storage)}
+      for number, texts in files.items():
+        trial = self.storage.get_trial(self.storage.get_trial_id_from_study_id_trial_number(self.study_id, number))
+        if not (metas := {m.filename: m for m in get_all_artifact_meta(trial, storage=self.storage)}): continue
+        for name, text in texts.items():
+          if (m := metas.get(name) or on_study.get(name)) is not None:
+            self.artifacts.write(m.artifact_id, io.BytesIO(text.encode()))
+          else: self._upload(study, name, text)
+
+  def _upload(self, to: optuna.Study | FrozenTrial, name: str, text: str) -> None:
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
       warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-      for name, text in files.items():
-        (p := pathlib.Path(tmp) / name).write_text(text)
-        upload_artifact(artifact_store=self.artifacts, file_path=str(p), study_or_trial=trial, storage=self.storage)
+      (p := pathlib.Path(tmp) / name).write_text(text)
+      upload_artifact(artifact_store=self.artifacts, file_path=str(p), study_or_trial=to, storage=self.storage)
+
+
+def _files(doc: dict) -> dict[str, str]:
+  """A trial's artifact files by name, from its `search show` document: its metrics (the document but the git state),
+  its git diff, its per-kernel profile (CSV) where it has one."""
+  n, git = doc["trial"], doc.pop("git")
+  files = {f"trial-{n}-metrics.json": json.dumps(doc, indent=1, default=str)}
+  if git:
+    head = f"# commit {git['commit']} ({git['branch'] or 'detached'}{', dirty' if git['dirty'] else ''})"
+    files[f"trial-{n}-git.diff"] = f"{head}\n{git['diff']}"
+  if doc["profile"]:
+    buf = io.StringIO()
+    (w := csv.DictWriter(buf, list(doc["profile"][0]))).writeheader()
+    w.writerows(doc["profile"])
+    files[f"trial-{n}-profile.csv"] = buf.getvalue()
+  return files
 
 
 def serve(url: str, study: str | None, host: str, port: int, artifacts: str | None, say=print) -> None:
@@ -78,7 +110,7 @@ def serve(url: str, study: str | None, host: str, port: int, artifacts: str | No
   from wsgiref.simple_server import WSGIServer, make_server
 
   from optuna_dashboard import wsgi
-  st = storage(url)
+  st = RankedStorage(url)
   path = ""
   if study is not None:
     try: path = f"dashboard/studies/{st.get_study_id_from_name(study)}"

@@ -19,15 +19,17 @@ from db.store import interval
 from model.production import model_key as production_key
 from model.production import production_dir, sha_line
 from model.structure import StructureConfig
-from search.leaderboard import MIN_PAIRS, find_trial, winner
+from search.formats import Section
+from search.leaderboard import MIN_PAIRS, PRECISION, SCHEMA, find_trial, leaderboard, precision, winner
 
 
 def choose(s: Session, study: Study, which: str | None, unconfirmed: bool, force: bool = False) -> tuple[Trial, str]:
-  """The trial to export (`which`: a number or "baseline"; None: the confirmed winner, or with `unconfirmed` the best measured
-  config) and a label saying what it is. Refused (ValueError): a study with no finished trial; a trial that did not measure
-  ok (wrong output, failed, pruned, interrupted); the baseline itself; a config whose confirmation says it is not faster
-  than the baseline (whatever `unconfirmed` says); an unconfirmed one without `unconfirmed`, and with it one whose estimate
-  is not above the baseline's interval, unless `force`. A confirmation counts with at least MIN_PAIRS A/B pairs."""
+  """The trial to export (`which`: a number or "baseline"; None: the confirmed winner, or with `unconfirmed` the first
+  config of the leaderboard that is not the baseline nor confirmed slower than it) and a label saying what it is.
+  Refused (ValueError): a study with no finished trial; a trial that did not measure ok (wrong output, failed, pruned,
+  interrupted); the baseline itself; a config whose confirmation says it is not faster than the baseline (whatever
+  `unconfirmed` says); an unconfirmed one without `unconfirmed`, and with it one whose estimate is not above the
+  baseline's interval, unless `force`. A confirmation counts with at least MIN_PAIRS A/B pairs."""
   trials = store.trials(s, study)
   if not any(t.state not in ("running", "interrupted") for t in trials): raise ValueError(f"study {study.name!r} has no finished trial")
   conf = {c.config_hash: c for c in store.confirmations(s, study)}
@@ -43,9 +45,10 @@ def choose(s: Session, study: Study, which: str | None, unconfirmed: bool, force
     raise ValueError(f"study {study.name!r} has no confirmed winner (`search confirm --study {study.name}`; --unconfirmed exports the best "
                      "measured config)")
   else:
-    cands = [t for t in store.leaderboard(s, study, None) if t.config_hash != study.baseline_hash and not _slower(conf.get(t.config_hash))]
+    cands = [r for r in leaderboard(s, study)["rows"]
+             if r["config_hash"] != study.baseline_hash and not _slower(conf.get(r["config_hash"]))]
     if not cands: raise ValueError(f"study {study.name!r} has no measured config but the baseline and those confirmed slower than it")
-    t = cands[0]
+    t = find_trial(s, study, str(cands[0]["trial"]))  # the leaderboard's first
   if t.config_hash == study.baseline_hash:
     raise ValueError(f"trial {t.number} is the baseline config: production without a config is the baseline already")
   c = conf.get(t.config_hash)
@@ -94,7 +97,8 @@ def render(s: Session, study: Study, t: Trial, why: str, url: str) -> str:
            f"model {study.model_name}: {study.model_path} ({study.model_bytes / 1e6:.1f} MB, {study.layers} blocks)", None,
            f"measured: {fig}" + (f", baseline {base.median:.2f} tok/s ({e.median / base.median:.3f}x)" if e and base else "")
            + f", {m.get('kernels_per_token', '?')} kernels/token, {m.get('bytes_per_token', 0) / 1e6:.1f} MB/token",
-           f"device: {study.device_name or study.device} ({study.device})"]
+           f"device: {study.device_name or study.device} ({study.device})",
+           f"precision: {(p := precision(StructureConfig.from_json(t.config_json)))} ({PRECISION[p]})"]
   if env: lines.append(f"environment: tinygrad {env.tinygrad_version}, python {env.python}, {env.host}, {env.platform}")
   if code: lines.append(f"code: git {code.commit[:12]} ({code.branch or 'detached'}{', dirty' if code.dirty else ''})")
   lines.append(f"storage {hide_password(url)}; exported {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")
@@ -172,3 +176,42 @@ def export(s: Session, study: Study, url: str, which: str | None, unconfirmed: b
   finally: tmp.unlink(missing_ok=True)
   store.add_export(s, study, t, str(path.resolve()), sha, branch, diff)
   return path, f"wrote {path}: trial {t.number} of {study.name}, {why}" + (f"; committed {sha[:12]} on branch {branch}" if sha else "")
+
+
+def exports_doc(s: Session, name: str | None = None) -> dict:
+  """What `search export` wrote (`search exports --format json`), newest first: each export's file, study, trial,
+  config hash, time, commit and branch, and its status: `in production` (the latest export to its file, which holds its
+  config still), `replaced` (a later export wrote the same file), `changed since` (the file holds another config now),
+  `missing`, or `unreadable`. `name`: one study's exports (None: every study's)."""
+  rows = []
+  for st in store.studies(s):
+    if name is not None and st.name != name: continue
+    for e in store.exports(s, st):
+      t = s.get(Trial, e.trial_id)
+      rows.append({"path": e.path, "study": st.name, "trial": t.number, "config_hash": t.config_hash,
+                   "exported_at": e.created_at.isoformat(), "commit": e.commit, "branch": e.branch,
+                   "model": st.model_name, "device": st.device, "device_name": st.device_name})
+  rows.sort(key=lambda r: r["exported_at"], reverse=True)
+  latest: set[str] = set()
+  for r in rows:
+    if r["path"] in latest: r["status"] = "replaced"
+    else:
+      latest.add(r["path"])
+      try: same = StructureConfig.load(r["path"]).hash == r["config_hash"]
+      except ValueError as e:
+        r["status"] = "missing" if not os.path.exists(r["path"]) else f"unreadable: {e}"
+        continue
+      r["status"] = "in production" if same else "changed since"
+  return {"schema": SCHEMA, "study": name, "exports": rows}
+
+
+def exports_view(doc: dict) -> tuple[list[Section], list[str]]:
+  cols = ["status", "since", "study", "trial", "device", "file", "commit"]
+  rows = [[r["status"], r["exported_at"][:16].replace("T", " "), r["study"], r["trial"],
+           r["device_name"] or r["device"], r["path"], f"{r['commit'][:12]} ({r['branch']})" if r["commit"] else ""]
+          for r in doc["exports"]]
+  now = [r for r in doc["exports"] if r["status"] == "in production"]
+  notes = [f"in production: {len(now)} file{'s' * (len(now) != 1)}" if doc["exports"]
+           else "nothing exported yet (`search export`)"]
+  return [Section("exports (newest first)", cols, rows, records=doc["exports"], wrap=("file", "status"),
+                  drop=("commit", "device"))], notes

@@ -1,20 +1,6 @@
 """The views of stored studies, as JSON-able documents first and then as sections for search.formats: the leaderboard, the
 list of studies, one trial in full, two trials side by side. Every figure comes from db.store (the robust estimate of each
-config, its confirmations), so all views agree.
-
-The leaderboard document (`search leaderboard --format json`, schema 1):
-  {"schema": 1, "study", "model", "model_sha256", "device", "device_name", "layers", "objectives", "baseline_hash" (the config
-   hash of the study's baseline: the defaults and its pinned knobs),
-   "states": {state: trials}, "baseline": {"trial", "tok_s", "tok_s_low", "tok_s_high", "measurements"} | null,
-   "winner": trial number | null, "verdict": one sentence,
-   "rows": [{"rank" (null for configs that did not finish ok), "trial" (the config's first trial), "trials" (all its ok trials),
-             "config_hash", "state", "tok_s", "tok_s_low", "tok_s_high" (median of its measurements and 90% interval, null
-             before any config was measured twice), "measurements",
-             "speedup" (tok_s over the baseline's), "confirmed": {"speedup", "low", "high", "pairs", "status"} | null, "winner",
-             "block_tok_s", "ms_per_token", "kernels_per_token", "mb_per_token", "bandwidth_share", "peak_memory_mb", "failure",
-             "changes": {knob: value} (where it differs from the study's baseline)}]}
-Rows are ranked by confirmed speedup where a confirmation exists, else by the estimated speedup (tok/s where the study has
-no pure baseline); other states follow unranked, by trial number.
+config, its confirmations), so all views agree. The documents (`--format json`) are described in docs/json.md.
 """
 from __future__ import annotations
 
@@ -31,8 +17,17 @@ from model.structure import StructureConfig
 from search.formats import Section
 from space.knobs import changes, flat
 
-SCHEMA = 1
+SCHEMA = 2  # of every JSON document (docs/json.md)
 MIN_PAIRS = 2  # a confirmation needs this many A/B pairs: one pair has no spread
+
+
+PRECISION = {"exact": "float arithmetic, checked against the exact reference at float tolerances",
+             "q8": "8-bit activations with integer dot products, like llama.cpp's"}
+
+
+def precision(cfg: StructureConfig) -> str:
+  """A config's precision class (PRECISION): "q8" where a knob rounds activations to 8 bits, else "exact"."""
+  return "q8" if "q8" in cfg.precision() else "exact"
 
 
 def baseline(study: Study) -> StructureConfig:
@@ -97,7 +92,15 @@ def _row(t: Trial, est: store.Estimate | None, base: store.Estimate | None, c: C
           "kernels_per_token": m.get("kernels_per_token"), "mb_per_token": m["bytes_per_token"] / 1e6 if m.get("bytes_per_token") else None,
           "bandwidth_share": m.get("bandwidth_share"), "peak_memory_mb": m["peak_device_bytes"] / 1e6 if m.get("peak_device_bytes") else None,
           "failure": (t.error_text or t.failure_class or "").strip().splitlines()[0][:200] if t.failure_class else None,
-          "changes": changes(StructureConfig.from_json(t.config_json), base_cfg)}
+          "precision": precision(cfg := StructureConfig.from_json(t.config_json)), "changes": changes(cfg, base_cfg)}
+
+
+def figure(row: dict[str, Any], base: float | None) -> float:
+  """The figure a leaderboard row ranks by, in tok/s (`base`: the baseline's estimate): its confirmed speedup times the
+  baseline's estimate where an A/B confirmation exists (0 where that confirmation failed), else its estimate."""
+  c = row["confirmed"]
+  if base is None or c is None: return row["tok_s"] or 0.0
+  return c["speedup"] * base if c["status"] == "ok" else 0.0
 
 
 def leaderboard(s: Session, study: Study, states: tuple[str, ...] = ("ok",), where: dict[str, str] | None = None,
@@ -113,11 +116,7 @@ def leaderboard(s: Session, study: Study, states: tuple[str, ...] = ("ok",), whe
     if t.state == "ok" and t.config_hash in ok: ok[t.config_hash]["trials"].append(t.number)
     elif t.state == "ok": ok[t.config_hash] = _row(t, est.get(t.config_hash), base, conf.get(t.config_hash), win, base_cfg)
     else: rest.append(_row(t, None, base, None, None, base_cfg))
-  def key(r: dict) -> float:
-    c = r["confirmed"]
-    if base is None: return r["tok_s"] or 0.0
-    return (c["speedup"] if c["status"] == "ok" else 0.0) if c else r["speedup"] or 0.0
-  ranked = sorted(ok.values(), key=lambda r: (-key(r), r["trial"]))
+  ranked = sorted(ok.values(), key=lambda r: (-figure(r, base.median if base else None), r["trial"]))
   for i, r in enumerate(ranked): r["rank"] = i + 1
   flats = {t.number: flat(StructureConfig.from_json(t.config_json)) for t in trials}
   rows = [r for r in ranked + rest if r["state"] in states and all(str(flats[r["trial"]][k]).lower() == v.lower() for k, v in (where or {}).items())]
@@ -135,7 +134,7 @@ def _f(v: float | None, spec: str = ".2f", suffix: str = "") -> str: return "" i
 
 def leaderboard_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
   cols = ["rank", "trial", "tok/s [90%] n", "speedup", "confirmed [low, high]", "ms/token", "kernels/token", "MB/token", "BW share",
-          "peak MB", "state", "changes from the baseline"]
+          "peak MB", "precision", "state", "changes from the baseline"]
   rows = []
   for r in doc["rows"]:
     c = r["confirmed"]
@@ -145,6 +144,7 @@ def leaderboard_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
            _f(r["block_tok_s"], ".2f", " (block)"))
     rows.append([r["rank"] or "", r["trial"], tok, _f(r["speedup"], ".3f", "x"), conf, _f(r["ms_per_token"]), _f(r["kernels_per_token"], "d"),
                  _f(r["mb_per_token"], ".1f"), _f(r["bandwidth_share"], ".1%"), _f(r["peak_memory_mb"], ".1f"),
+                 r["precision"],
                  r["state"] if not r["failure"] else f"{r['state']}: {r['failure'][:60]}",
                  " ".join(f"{k}={v}" for k, v in r["changes"].items()) or "baseline"])
   records = [{**{k: v for k, v in r.items() if k not in ("confirmed", "changes", "trials")},
@@ -153,8 +153,10 @@ def leaderboard_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
               "changes": " ".join(f"{k}={v}" for k, v in r["changes"].items())} for r in doc["rows"]]
   title = (f"{doc['study']}: {doc['model']} ({doc['layers']} blocks) on {doc['device_name'] or doc['device']}  "
            f"[{', '.join(f'{k} {v}' for k, v in doc['states'].items())}]")
-  return [Section(title, cols, rows, records=records, wrap=("state", "changes from the baseline"),
-                  drop=("peak MB", "BW share", "MB/token", "kernels/token", "ms/token", "tok/s [90%] n", "confirmed [low, high]"))], [doc["verdict"]]
+  drop = ("peak MB", "BW share", "MB/token", "kernels/token", "ms/token", "precision", "tok/s [90%] n",
+          "confirmed [low, high]")
+  wrap = ("state", "changes from the baseline")
+  return [Section(title, cols, rows, records=records, wrap=wrap, drop=drop)], [doc["verdict"]]
 
 
 def studies(s: Session) -> dict[str, Any]:
@@ -163,17 +165,18 @@ def studies(s: Session) -> dict[str, Any]:
     trials, est = store.trials(s, st), store.estimates(s, st)
     base = est.get(st.baseline_hash)
     best = max((e for h, e in est.items() if any(t.config_hash == h and t.state == "ok" for t in trials)), key=lambda e: e.median, default=None)
-    out.append({"study": st.name, "model": st.model_name, "device": st.device_name or st.device, "trials": len(trials),
-                "ok": sum(t.state == "ok" for t in trials), "failed": sum(bool(t.failure_class) for t in trials),
+    out.append({"study": st.name, "model": st.model_name, "device": st.device, "device_name": st.device_name,
+                "trials": len(trials), "ok": sum(t.state == "ok" for t in trials),
+                "failed": sum(bool(t.failure_class) for t in trials),
                 "best_tok_s": best.median if best else None, "speedup": best.median / base.median if best and base else None,
                 "verdict": verdict(s, st), "created": _day(st.created_at), "finished": _day(st.finished_at)})
-  return {"schema": SCHEMA, "studies": out}
+  return {"schema": SCHEMA, "study": None, "studies": out}
 
 
 def studies_view(doc: dict[str, Any]) -> list[Section]:
   cols = ["study", "model", "device", "trials", "ok", "failed", "best tok/s", "speedup", "created", "finished"]
-  rows = [[d["study"], d["model"], d["device"], d["trials"], d["ok"], d["failed"], _f(d["best_tok_s"]), _f(d["speedup"], ".3f", "x"),
-           d["created"], d["finished"]] for d in doc["studies"]]
+  rows = [[d["study"], d["model"], d["device_name"] or d["device"], d["trials"], d["ok"], d["failed"],
+           _f(d["best_tok_s"]), _f(d["speedup"], ".3f", "x"), d["created"], d["finished"]] for d in doc["studies"]]
   return [Section("studies", cols, rows, records=[{k: v for k, v in d.items()} for d in doc["studies"]], wrap=("model",),
                   drop=("finished", "created", "failed", "ok", "best tok/s"))]
 
@@ -204,7 +207,8 @@ def trial_doc(s: Session, study: Study, t: Trial) -> dict[str, Any]:
   env, git = src.environment, src.git_state
   numbers = {x.id: x.number for x in store.trials(s, study)}
   return {"schema": SCHEMA, "study": study.name, "trial": t.number, "state": t.state, "stage": t.stage, "config_hash": t.config_hash,
-          "config": cfg.to_dict(), "changes": changes(cfg, baseline(study)), "baseline": baseline(study).to_dict(),
+          "config": cfg.to_dict(), "precision": precision(cfg), "changes": changes(cfg, baseline(study)),
+          "baseline": baseline(study).to_dict(),
           "reused_from": t.reused_from.number if t.reused_from else None,
           "estimate": {"tok_s": e.median, "low": e.low, "high": e.high, "measurements": e.n} if e else None,
           "speedup": e.median / base.median if e and base and t.state in ("ok", "reused") and src.state == "ok" else None,
@@ -233,6 +237,7 @@ def trial_view(doc: dict[str, Any]) -> list[Section]:
   e, c = doc["estimate"], doc["confirmed"]
   head = [["state", doc["state"] + (f" (result of trial {doc['reused_from']})" if doc["reused_from"] is not None else "")],
           ["stage", doc["stage"]], ["config hash", doc["config_hash"]],
+          ["precision", f"{doc['precision']}: {PRECISION[doc['precision']]}"],
           ["tok/s", f"{interval(store.Estimate(e['tok_s'], e['low'], e['high'], e['measurements']))} ({e['measurements']} measurements)"
            if e else ""],
           ["speedup", _f(doc["speedup"], ".3f", "x")],
@@ -265,9 +270,12 @@ COMPARED = (("tok_s", "tok/s"), ("ms_per_token", "ms/token"), ("kernels_per_toke
             ("prefill_tok_s", "prefill tok/s"))
 
 
-def compare_doc(s: Session, study: Study, a: Trial, b: Trial) -> dict[str, Any]:
-  """Two trials side by side (`search compare --format json`): knobs that differ, and each metric with the ratio B/A."""
-  da, db = trial_doc(s, study, a), trial_doc(s, study, b)
+def compare_doc(s: Session, study: Study, a: Trial, b: Trial, study_b: Study | None = None) -> dict[str, Any]:
+  """Two trials side by side (`search compare --format json`): knobs that differ, each metric with the ratio B/A, and
+  their per-kernel profiles by kernel name. B may be a trial of another study (`study_b`: the same model on another
+  device, or before and after a change of the code); each side's estimate and confirmation are its own study's."""
+  sb = study_b or study
+  da, db = trial_doc(s, study, a), trial_doc(s, sb, b)
   fa, fb = flat(StructureConfig.from_json(a.config_json)), flat(StructureConfig.from_json(b.config_json))
   def metric(d: dict, k: str) -> float | None:
     if k == "tok_s": return d["estimate"]["tok_s"] if d["estimate"] else None
@@ -276,22 +284,73 @@ def compare_doc(s: Session, study: Study, a: Trial, b: Trial) -> dict[str, Any]:
   metrics = [{"metric": k, "a": metric(da, k), "b": metric(db, k)} for k, _ in COMPARED]
   metrics += [{"metric": f"phase {k}", "a": da["phases"].get(k), "b": db["phases"].get(k)} for k in ("load_s", "compile_s", "wall_s")]
   for m in metrics: m["ratio"] = m["b"] / m["a"] if isinstance(m["a"], int | float) and isinstance(m["b"], int | float) and m["a"] else None
-  return {"schema": SCHEMA, "study": study.name, "a": a.number, "b": b.number, "state": {"a": a.state, "b": b.state},
+  return {"schema": SCHEMA, "study": study.name, "study_b": sb.name, "a": a.number, "b": b.number,
+          "state": {"a": a.state, "b": b.state},
+          "where": {x: f"{st.model_name} on {st.device_name or st.device}" for x, st in (("a", study), ("b", sb))},
+          "precision": {"a": da["precision"], "b": db["precision"]},
           "estimate": {"a": da["estimate"], "b": db["estimate"]}, "confirmed": {"a": da["confirmed"], "b": db["confirmed"]},
-          "knobs": [{"knob": k, "a": fa[k], "b": fb[k]} for k in fa if fa[k] != fb[k]], "metrics": metrics}
+          "knobs": [{"knob": k, "a": fa[k], "b": fb[k]} for k in fa if fa[k] != fb[k]], "metrics": metrics,
+          "kernels": kernels(da["profile"], db["profile"])}
+
+
+def kernels(pa: list[dict[str, Any]], pb: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Two per-kernel profiles side by side by kernel name (B's order, then the kernels A alone runs): each side's
+  launches per token, microseconds per token and GB/s (None where that side does not run the kernel), and B/A in
+  time."""
+  ka, kb = {p["name"]: p for p in pa}, {p["name"]: p for p in pb}
+  side = lambda p: {"count": p["count"], "us_per_token": p["us_per_token"], "gb_s": p["gb_s"]} if p else None
+  out = []
+  for name in [*kb, *(n for n in ka if n not in kb)]:
+    a, b = ka.get(name), kb.get(name)
+    ratio = b["us_per_token"] / a["us_per_token"] if a and b and a["us_per_token"] else None
+    out.append({"kernel": name, "a": side(a), "b": side(b), "ratio": ratio})
+  return out
+
+
+def _conf(c: dict[str, Any] | None) -> str:
+  if c is None: return "not confirmed"
+  failed = "" if c["status"] == "ok" else f" ({c['status']})"
+  return f"{c['speedup']:.3f}x [{c['low']:.3f}, {c['high']:.3f}] over {c['pairs']} A/B pairs{failed}"
 
 
 def compare_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
   names = dict(COMPARED)
-  a, b = f"trial {doc['a']}", f"trial {doc['b']}"
+  other = doc["study_b"] != doc["study"]
+  a, b = f"trial {doc['a']}", f"trial {doc['b']}" if not other else f"{doc['study_b']} trial {doc['b']}"
   fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("" if v is None else v)
-  rows = [[f"knob {k['knob']}", k["a"], k["b"], ""] for k in doc["knobs"]]
-  rows += [[names.get(m["metric"], m["metric"]), fmt(m["a"]), fmt(m["b"]), _f(m["ratio"], ".3f", "x")] for m in doc["metrics"]]
   ea, eb = doc["estimate"]["a"], doc["estimate"]["b"]
-  notes = []
+  ca, cb = doc["confirmed"]["a"], doc["confirmed"]["b"]
+  est = lambda e: (f"{interval(store.Estimate(e['tok_s'], e['low'], e['high'], e['measurements']))} "
+                   f"over {e['measurements']}" if e else "")
+  rows = [[f"knob {k['knob']}", k["a"], k["b"], ""] for k in doc["knobs"]]
+  rows += [["precision", doc["precision"]["a"], doc["precision"]["b"], ""],
+           ["tok/s estimate [90%] over measurements", est(ea), est(eb), ""],
+           ["A/B-confirmed against the baseline", _conf(ca), _conf(cb), ""]]
+  rows += [[names.get(m["metric"], m["metric"]), fmt(m["a"]), fmt(m["b"]), _f(m["ratio"], ".3f", "x")] for m in doc["metrics"]]
+  said = lambda c: ("failed" if c["status"] != "ok" else "faster" if c["low"] > 1 else
+                    "not faster" if c["speedup"] <= 1 else "inconclusive")
+  notes = [f"{side} ({x}) is A/B-confirmed at {_conf(c)} of the baseline: {said(c)}"
+           for side, x, c in (("A", a, ca), ("B", b, cb)) if c]
   if ea and eb:
-    overlap = None if ea["low"] is None else eb["high"] >= ea["low"] and ea["high"] >= eb["low"]
-    notes.append(f"B/A is {eb['tok_s'] / ea['tok_s']:.3f}x in tok/s; " + ("no run-to-run noise measured yet" if overlap is None else
-                 "their 90% intervals overlap: within the noise" if overlap else "their 90% intervals do not overlap"))
-  return [Section(f"{doc['study']}: {b} (B) against {a} (A)", ["", f"A: {a} ({doc['state']['a']})", f"B: {b} ({doc['state']['b']})", "B/A"],
-                  rows, records=[{"name": r[0], "a": r[1], "b": r[2], "ratio": r[3]} for r in rows])], notes
+    overlap = None if ea["low"] is None or eb["low"] is None else eb["high"] >= ea["low"] and ea["high"] >= eb["low"]
+    noise = ("no run-to-run noise measured yet" if overlap is None else
+             "their 90% intervals overlap: within the noise" if overlap else "their 90% intervals do not overlap")
+    notes.append(f"B/A is {eb['tok_s'] / ea['tok_s']:.3f}x in estimated tok/s; {noise}")
+  if other: notes.append(f"A: {doc['study']}, {doc['where']['a']}; B: {doc['study_b']}, {doc['where']['b']} "
+                        "(each against its own study's baseline)")
+  heads = ["", f"A: {a} ({doc['state']['a']})", f"B: {b} ({doc['state']['b']})", "B/A"]
+  secs = [Section(f"{doc['study']}: {b} (B) against {a} (A)", heads, rows,
+                  records=[{"name": r[0], "a": r[1], "b": r[2], "ratio": r[3]} for r in rows])]
+  if ks := doc["kernels"]:
+    num = lambda x, k, spec: _f(x.get(k), spec) if x else "-"
+    fields = (("count", "d"), ("us_per_token", ".1f"), ("gb_s", ".1f"))
+    krows = [[k["kernel"], *(num(k[x], f, spec) for f, spec in fields[:2] for x in "ab"), _f(k["ratio"], ".3f", "x"),
+              num(k["a"], "gb_s", ".1f"), num(k["b"], "gb_s", ".1f")] for k in ks]
+    records = [{"kernel": k["kernel"], **{f"{x}_{f}": (k[x] or {}).get(f) for x in "ab" for f, _ in fields},
+                "ratio": k["ratio"]} for k in ks]
+    secs.append(Section("per-kernel profile (B against A; -: not run on that side)",
+                        ["kernel", "A count", "B count", "A us/token", "B us/token", "B/A", "A GB/s", "B GB/s"], krows,
+                        records=records, wrap=("kernel",), drop=("A GB/s", "B GB/s", "A count", "B count")))
+  else: notes.append("no per-kernel profile on either side (`search confirm` profiles the winner; "
+                     "`model bench --profile`)")
+  return secs, notes

@@ -17,29 +17,33 @@ from scipy.stats import spearmanr
 from db import store
 from db.engine import hide_password, open_db, session
 from model.structure import StructureConfig
-from search.leaderboard import leaderboard
+from search.leaderboard import figure, leaderboard
+from search.ranked import RankedStorage
 from space.knobs import flat
 
 
 @dataclass
 class StudyData:
-  """What the plots read: the leaderboard document, every trial that measured ok (its own figures), Optuna's study."""
+  """What the plots read: the leaderboard document, every trial that measured ok (its own figures and its config's
+  estimate), Optuna's study as the study ranks it (search/ranked.py)."""
   name: str
   board: dict[str, Any]
-  ok: list[dict[str, Any]]  # number, tok_s, block_tok_s, kernels, knobs (flat config)
+  ok: list[dict[str, Any]]  # number, tok_s (its own), estimate (its config's), block_tok_s, kernels, knobs (flat)
   optuna: optuna.Study
   missing: dict[str, str]  # plot -> why it is not drawn
 
 
 def load(url: str, name: str) -> StudyData:
-  from search.study import StudyMismatch, storage
+  from search.study import StudyMismatch
   with session(open_db(url, create=False)) as s:
     st = store.get_study(s, name)
     if st is None: raise StudyMismatch(f"no study named {name!r} in {hide_password(url)}")
     board = leaderboard(s, st, states=("ok",))
-    ok = [{"number": t.number, "tok_s": t.tok_s, "block_tok_s": t.block_tok_s, "kernels": (t.metrics or {}).get("kernels_per_token"),
+    est = store.estimates(s, st)
+    ok = [{"number": t.number, "tok_s": t.tok_s, "estimate": est[t.config_hash].median, "block_tok_s": t.block_tok_s,
+           "kernels": (t.metrics or {}).get("kernels_per_token"),
            "knobs": flat(StructureConfig.from_json(t.config_json))} for t in store.trials(s, st) if t.state == "ok"]
-  return StudyData(name, board, ok, optuna.load_study(study_name=name, storage=storage(url)), {})
+  return StudyData(name, board, ok, optuna.load_study(study_name=name, storage=RankedStorage(url)), {})
 
 
 def _skip(d: StudyData, plot: str, why: str) -> None: d.missing[plot] = why
@@ -51,15 +55,33 @@ def _fig(w: float = 7, h: float = 4) -> tuple[Figure, Any]:
 
 
 def history(d: StudyData) -> Figure | None:
-  if not d.ok: return _skip(d, "history", "no trial finished ok")
+  """Each config at its first trial: its estimate (the median of its measurements) with its 90% interval, marked by how
+  it was measured (once, again, A/B-confirmed); the best so far by the figure the leaderboard ranks by (a confirmation's
+  speedup times the baseline's estimate, else the estimate); the baseline's median and interval."""
+  rows = [r for r in d.board["rows"] if r["tok_s"] is not None]
+  if not rows: return _skip(d, "history", "no trial finished ok")
   fig, ax = _fig()
-  xs, ys = [t["number"] for t in d.ok], [t["tok_s"] for t in d.ok]
-  ax.plot(xs, ys, "o", label="trial (its own measurement)")
-  ax.plot(xs, np.maximum.accumulate(ys), "-", label="best so far")
-  if (b := d.board["baseline"]) is not None:
+  b = d.board["baseline"]
+  base = b["tok_s"] if b else None
+  for kind, style, pick in (("measured once", "o", lambda r: r["measurements"] == 1 and not r["confirmed"]),
+                            ("measured again", "s", lambda r: r["measurements"] > 1 and not r["confirmed"]),
+                            ("A/B-confirmed", "*", lambda r: bool(r["confirmed"]))):
+    if not (pts := sorted((r for r in rows if pick(r)), key=lambda r: r["trial"])): continue
+    err = [[r["tok_s"] - (r["tok_s_low"] or r["tok_s"]) for r in pts],
+           [(r["tok_s_high"] or r["tok_s"]) - r["tok_s"] for r in pts]]
+    ax.errorbar([r["trial"] for r in pts], [r["tok_s"] for r in pts], yerr=err, fmt=style, ms=10 if style == "*" else 6,
+                capsize=3, label=f"config's estimate, {kind}")
+    for r in pts:
+      if (c := r["confirmed"]) is not None:
+        ax.annotate(f"{c['speedup']:.3f}x" if c["status"] == "ok" else c["status"], (r["trial"], r["tok_s"]),
+                    textcoords="offset points", xytext=(4, 6), fontsize="x-small")
+  order = sorted(rows, key=lambda r: r["trial"])
+  ax.step([r["trial"] for r in order], np.maximum.accumulate([figure(r, base) for r in order]), where="post",
+          label="best so far (as ranked)")
+  if b is not None:
     ax.axhline(b["tok_s"], color="gray", ls="--", label=f"baseline, median of {b['measurements']}")
     if b["tok_s_low"] is not None: ax.axhspan(b["tok_s_low"], b["tok_s_high"], color="gray", alpha=0.2, label="baseline 90% interval")
-  ax.set(xlabel="trial", ylabel="decode tok/s", title=f"{d.name}: optimisation history")
+  ax.set(xlabel="trial (a config's first)", ylabel="decode tok/s", title=f"{d.name}: optimisation history")
   ax.legend(fontsize="small")
   return fig
 
@@ -81,10 +103,10 @@ def importance(d: StudyData) -> Figure | None:
 
 
 def per_knob(d: StudyData) -> Figure | None:
-  """tok/s of the ok trials per value of each knob that took more than one value."""
+  """The estimate of each ok trial's config per value of each knob that took more than one value."""
   values = collections.defaultdict(lambda: collections.defaultdict(list))
   for t in d.ok:
-    for k, v in t["knobs"].items(): values[k][str(v)].append(t["tok_s"])
+    for k, v in t["knobs"].items(): values[k][str(v)].append(t["estimate"])
   knobs = [k for k, by in values.items() if len(by) > 1]
   if not knobs: return _skip(d, "per_knob", "no knob took two values among the ok trials")
   cols = min(4, len(knobs))
@@ -101,7 +123,7 @@ def per_knob(d: StudyData) -> Figure | None:
 
 
 def kernels(d: StudyData) -> Figure | None:
-  pts = [(t["kernels"], t["tok_s"]) for t in d.ok if t["kernels"] is not None]
+  pts = [(t["kernels"], t["estimate"]) for t in d.ok if t["kernels"] is not None]
   if not pts: return _skip(d, "kernels", "no trial recorded kernels per token")
   fig, ax = _fig()
   ax.plot(*zip(*pts, strict=True), "o")

@@ -14,9 +14,13 @@ from search.formats import markdown
 from search.leaderboard import leaderboard_view
 from search.plots import PLOTS, load
 
-CAPTIONS = {"history": "Optimisation history: each trial's own figure, the best so far, and the baseline's median and 90% interval",
-            "importance": "Knob importance for tok/s (Optuna's fANOVA over the completed trials)",
-            "per_knob": "tok/s of the ok trials per value of each knob", "kernels": "Kernels per token against tok/s",
+CAPTIONS = {"history": "Optimisation history: each config's estimate with its 90% interval (measured once, again, or "
+                       "A/B-confirmed), the best so far as the leaderboard ranks, and the baseline's median and 90% "
+                       "interval",
+            "importance": "Knob importance for tok/s (Optuna's fANOVA over the completed trials, each at its config's "
+                          "ranked figure)",
+            "per_knob": "The estimate of each ok config per value of each knob",
+            "kernels": "Kernels per token against tok/s",
             "proxy": "Block proxy tok/s against full-model tok/s", "pareto": "tok/s against peak device memory: the Pareto front"}
 CSS = "body{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em}table{border-collapse:collapse;font-size:small}" \
       "td,th{border:1px solid #ccc;padding:2px 6px}img{max-width:100%}code,pre{background:#f4f4f4}"

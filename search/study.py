@@ -29,7 +29,7 @@ from evaluator.runner import Evaluator
 from model.filehash import file_sha256
 from model.gguf_file import GGUFFile
 from model.registry import cache_dir
-from model.structure import ConfigError, StructureConfig
+from model.structure import KNOBS, ConfigError, StructureConfig
 from search.coordinate import CoordinateSampler
 from space.knobs import SPACE_VERSION, Knob, ModelInfo, defaults, device_kind, knobs, to_config, to_params
 
@@ -38,7 +38,8 @@ METRICS = ("tok/s", "peak device bytes")  # the objectives of a study, in Optuna
 HEARTBEAT_S = 10  # a worker that stops beating for 6 heartbeats is dead: its trial fails and its config is enqueued again
 # the measurement protocol: Setup fields fixed when a study is created, and the `search start` option that sets each
 PROTOCOL = {"n": "-n", "rounds": "--rounds", "prefill": "--no-prefill", "block_layers": "--block-layers", "sampler": "--sampler",
-            "seed": "--seed", "objectives": "--objectives", "fixed": "--fix", "beam_budget": "--beam-budget", "family": "--family"}
+            "seed": "--seed", "objectives": "--objectives", "fixed": "--fix", "beam_budget": "--beam-budget",
+            "family": "--family", "exact": "--exact"}
 
 
 class StudyMismatch(ValueError):
@@ -93,6 +94,7 @@ class Setup:
   prefill: bool = True
   block_layers: int | None = None  # the ladder's stage-1 proxy size (default: the leading dense blocks + 2)
   beam_budget: float = 0.0  # BEAM search seconds per trial (past them, kernels not searched before get BEAM=0's heuristics); 0: no limit
+  exact: bool = False  # held to exact configs (--exact): exact_pins are among `fixed`
   family: str = "all"  # the backends the study searches (model/backends/catalog.py FAMILIES): all that run on its device, or the portable ones
   cache_key: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names the study's own tinygrad cache
 
@@ -191,12 +193,21 @@ def create(setup: Setup, url: str, info: ModelInfo, ev: Evaluator) -> bool:
   return True
 
 
+def exact_pins(info: ModelInfo, device: str, family: str = "all") -> dict[str, Any]:
+  """The pins that hold a study to exact configs (`search start --exact`): every knob of the space with a value of
+  precision class q8 (8-bit activations), at its default."""
+  return {k.name: k.default for k in knobs(info, device, family)
+          if any(KNOBS[k.name].precision_of(c) == "q8" for c in k.choices)}
+
+
 def check_protocol(setup: Setup, given: dict[str, Any]) -> None:
   """A later run may not change how the study measures: any given setting that differs from the stored one is refused."""
   for name, value in given.items():
     if value is None or value == getattr(setup, name): continue
     flag, was = PROTOCOL[name], getattr(setup, name)
     show = lambda v, flag=flag: (("--no-prefill" if not v else "the prefill graph timed (no --no-prefill)") if flag == "--no-prefill" else
+                                 ("--exact" if v else "8-bit activations allowed (no --exact)")
+                                 if flag == "--exact" else
                                  (" ".join(f"--fix {k}={x}" for k, x in v.items()) or "no --fix") if flag == "--fix" else
                                  f"{flag} {v}" if v is not None else f"no {flag}")
     raise StudyMismatch(f"study {setup.name!r} measures with {show(was)}, not {show(value)}: a study's measurement protocol is fixed when "

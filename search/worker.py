@@ -5,7 +5,10 @@ baseline again at intervals, and the configs within the noise of the best before
 Several workers (`search worker`, or `search start --devices`) may join one study on PostgreSQL; the evaluator's device
 lock keeps the benchmarks of one device sequential. A worker that dies stops beating: after the grace period any worker
 fails its trial (Optuna's heartbeat) and its config is queued again; a worker does not end while trials of other workers
-are running, so a dead one's trial is always failed and measured again, whichever worker is left. The worker tells its
+are running, so a dead one's trial is always failed and measured again, whichever worker is left. A worker that was only
+stalled and comes back stores its late figure as a measurement of the config; its trial stays failed. A trial process
+killed from outside (a signal, the OOM killer) has its config queued again too, up to store.RETRIES times, whichever
+sampler runs; such trials do not count toward the target. The worker tells its
 listeners what happens (search/events.py); it knows no view.
 """
 from __future__ import annotations
@@ -41,6 +44,11 @@ class TrialFailed(Exception):
   """A trial the evaluator classified as failed (Optuna marks it FAIL; the study goes on)."""
 
 
+class LateResult(TrialFailed):
+  """A trial's result came after its trial was failed (its worker stalled past the grace period): recorded as a
+  measurement of its config, while the trial stays failed and its config is measured again as another trial."""
+
+
 class BaselineFailed(RuntimeError):
   """The baseline config failed: nothing of the study can be compared with it, so the study stops."""
 
@@ -62,6 +70,7 @@ class Runner:
     self.study.sampler = sampler(setup.sampler, seed, 8, setup.knobs(info), setup.fixed)
     if not self.multi: self.study.pruner = optuna.pruners.PercentilePruner(25.0, n_startup_trials=5, n_warmup_steps=0)
     self.baseline = stored_baseline(url, setup, info)
+    self.late: int | None = None  # the trial whose result came late (its Optuna trial was failed meanwhile)
     with session(self.engine) as s: self.row = bind_device(s, store.get_study(s, setup.name), setup.device)
 
   def emit(self, e: Event) -> None:
@@ -80,7 +89,8 @@ class Runner:
       self.reap()
       trials = self.study.get_trials(deepcopy=False)
       running = [t for t in trials if t.state == TrialState.RUNNING]  # between trials, none of them is this worker's
-      retries = [t for t in trials if t.state == TrialState.WAITING and "failed_trial" in t.system_attrs]
+      retries = [t for t in trials
+                 if t.state == TrialState.WAITING and ("failed_trial" in t.system_attrs or "retry_of" in t.user_attrs)]
       done = self.finished(trials)
       if done >= self.setup.trials and not running and not retries:
         if not self.multi: noise.settle(self.ev, self.engine, self.row, self.baseline.hash, max(2, self.setup.trials // 10), self.say)
@@ -90,14 +100,17 @@ class Runner:
                             "to finish, or to fail when their worker stops beating"): self.emit(Event("wait", -1, said))
         time.sleep(self.heartbeat)
         continue
-      self.study.optimize(self.objective, n_trials=1, catch=(TrialFailed,), gc_after_trial=False)
+      try: self.study.optimize(self.objective, n_trials=1, catch=(TrialFailed,), gc_after_trial=False)
+      except ValueError:  # Optuna cannot tell a trial it failed already: the late result is recorded (objective), go on
+        if self.late is None: raise
+      self.late = None
       if (done := self.finished()) and done % noise.repeat_every(self.setup.trials) == 0 and done < self.setup.trials:
         noise.measure(self.ev, self.engine, self.row, self.baseline, self.baseline.hash, None, f"baseline re-measured after {done} trials",
                       self.say)
 
   def finished(self, trials: list[FrozenTrial] | None = None) -> int:
-    """Trials with an outcome: completed, pruned, or failed by the evaluator (not interrupted, not lost with a dead worker:
-    those configs are enqueued again)."""
+    """Trials with an outcome: completed, pruned, or failed by the evaluator (not interrupted, not lost with a dead
+    worker, not killed from outside while the config has retries left: those configs are enqueued again)."""
     if trials is None: trials = self.study.get_trials(deepcopy=False)
     return sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) or (t.state == TrialState.FAIL and "failure" in t.user_attrs) for t in trials)
 
@@ -158,6 +171,7 @@ class Runner:
     try:
       if prior is not None: return self._reuse(trial, row, prior, is_base)
       return self._measure(trial, row, cfg, mode, is_base)
+    except LateResult: raise  # even the baseline's: its retry is measured
     except TrialFailed as e:
       if is_base: raise BaselineFailed(f"the baseline config failed in trial {trial.number} ({e}): the study stops") from None
       raise
@@ -192,6 +206,7 @@ class Runner:
     for stage in stages:
       res = self.ev.run(cfg.to_dict(), stage, on_phase=phase(stage), on_wait=wait)
       spent += res.cost_s
+      self._check_late(trial, row, res)
       if stage == "block" and len(stages) > 1:
         block = res
         if not res.ok: break
@@ -201,12 +216,43 @@ class Runner:
           raise optuna.TrialPruned(f"block proxy {res.metrics['tok_s']:.2f} tok/s is in the bottom quarter")
     assert res is not None
     self._record(row, res.status, res, block, time.perf_counter() - t0 - spent, mode)
-    return self._value(trial, res.status, res.tok_s, res.metrics.get("peak_device_bytes"), res.error, is_base)
+    again = res.status == "killed" and not is_base and self._again(trial, row)
+    return self._value(trial, res.status, res.tok_s, res.metrics.get("peak_device_bytes"), res.error, is_base, again)
+
+  def _again(self, trial: optuna.Trial, row: Trial) -> bool:
+    """Queue a config killed from outside (a signal, the kernel's OOM killer) again, whichever sampler runs, while it
+    has been killed at most store.RETRIES times; True when queued (the trial then does not count toward the target)."""
+    with session(self.engine) as s:
+      kills = sum(t.config_hash == row.config_hash and t.state == "killed" for t in store.trials(s, self.row))
+    if kills > store.RETRIES: return False
+    self.study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
+    self.say(f"trial {trial.number} was killed from outside: its config is measured again "
+             f"({kills} of {store.RETRIES + 1} tries)")
+    return True
+
+  def _check_late(self, trial: optuna.Trial, row: Trial, res: TrialResult) -> None:
+    """Raise LateResult when another worker failed this trial while it ran (this worker stalled past the grace period):
+    its figure is stored as a measurement of its config, and the trial stays interrupted, never a second verdict."""
+    trial_id = self.storage.get_trial_id_from_study_id_trial_number(self.study_id, trial.number)
+    if not self.storage.get_trial(trial_id).state.is_finished(): return
+    why = "its result came after its trial was failed (its worker stalled): stored as a measurement of its config"
+    with session(self.engine) as s:
+      store.mark_interrupted(s, self.row, [trial.number], "its worker stopped beating (killed or cut off)")
+      if res.ok and res.tok_s is not None:
+        store.add_measurement(s, self.row.id, row.config_hash, res.spec["stage"], res.tok_s, "trial", trial=row,
+                              rounds=res.metrics.get("tok_s_rounds"), wall_s=res.cost_s)
+      t = s.get(Trial, row.id)
+      t.error_text = f"{t.error_text or ''}; {why}" if res.ok else t.error_text
+    self.late = trial.number
+    self.emit(Event("note", trial.number, f"trial {trial.number}: {why if res.ok else 'failed meanwhile'}"))
+    raise LateResult(f"trial {trial.number} was failed while it ran")
 
   def _value(self, trial: optuna.Trial, state: str, tok_s: float | None, peak: int | None, error: str | None,
-             is_base: bool) -> float | tuple[float, float]:
+             is_base: bool, again: bool = False) -> float | tuple[float, float]:
+    """The trial's value for Optuna; a failure raises TrialFailed, and counts toward the target unless `again` (its
+    config is queued again)."""
     if state not in ("ok", "wrong_output") or (is_base and state != "ok"):
-      trial.set_user_attr("failure", state)
+      trial.set_user_attr("retried" if again else "failure", state)
       raise TrialFailed(f"{state}: {(error or '').splitlines()[0][:300]}" if error else state)
     trial.set_constraint("wrong_output", 1.0 if state == "wrong_output" else 0.0)  # infeasible: never best
     value = tok_s if state == "ok" else 0.0

@@ -7,7 +7,7 @@ import hashlib
 import optuna
 from knobcheck import mix_info
 
-from search.coordinate import KNOB, CoordinateSampler
+from search.coordinate import CoordinateSampler, changed_knob
 from space.knobs import defaults, knobs, suggest
 
 INFO, DEVICE = mix_info("q4_0"), "CUDA"  # GLM-4.7-Flash's space on CUDA
@@ -27,10 +27,21 @@ def speed(trial: optuna.Trial, fixed: dict | None = None) -> float:
   return v * (1 + 0.002 * (int(hashlib.sha256(cfg.to_json().encode()).hexdigest()[:4], 16) / 65535 - 0.5))
 
 
+class Fallback(optuna.samplers.RandomSampler):
+  """The climb's fallback, noting the trials it sampled."""
+
+  def __init__(self) -> None:
+    super().__init__(seed=0)
+    self.sampled: set[int] = set()
+
+  def sample_independent(self, study, trial, param_name, param_distribution):
+    self.sampled.add(trial.number)
+    return super().sample_independent(study, trial, param_name, param_distribution)
+
+
 def climb(n: int, fixed: dict | None = None) -> optuna.Study:
   ks, fixed = knobs(INFO, DEVICE), fixed or {}
-  study = optuna.create_study(direction="maximize",
-                              sampler=CoordinateSampler(ks, fixed, optuna.samplers.RandomSampler(seed=0)))
+  study = optuna.create_study(direction="maximize", sampler=CoordinateSampler(ks, fixed, Fallback()))
   # the study measures the baseline first
   study.enqueue_trial({k: v for k, v in defaults(ks, fixed).items() if k not in fixed})
   study.optimize(lambda t: speed(t, fixed), n_trials=n)
@@ -62,10 +73,23 @@ def test_once_every_change_is_tried_the_fallback_samples() -> None:
   fixed = {k.name: k.default for k in knobs(INFO, DEVICE) if k.name not in keep}
   study = climb(40, fixed)
   assert all(set(t.params) <= keep for t in study.trials)
-  climbed = [t for t in study.trials if KNOB in t.system_attrs]
-  rest = [t for t in study.trials[1:] if KNOB not in t.system_attrs]
+  sampled = study.sampler.fallback.sampled
+  climbed = [t for t in study.trials[1:] if t.number not in sampled]
+  rest = [t for t in study.trials[1:] if t.number in sampled]
   assert climbed and rest and max(t.number for t in climbed) < min(t.number for t in rest)
   path = [tuple(sorted(t.params.items())) for t in [study.trials[0], *climbed]]
   assert len(set(path)) == len(path) and max(t.value for t in climbed) >= 10 * 1.5**4 * 0.998
   native = next(t for t in climbed if all(t.params[k] == "native" for k in keep))
   assert len(climbed) - climbed.index(native) - 1 <= 8  # after it, only its own 8 one-knob changes not tried before
+
+
+def test_the_climb_writes_nothing_into_optuna() -> None:
+  """The sampler reads the study's trials and stores nothing (no private storage call): the knob a trial changed is
+  found again from the trials, the one knob that applies in both configs with another value."""
+  study = climb(6)
+  assert all(not t.system_attrs or set(t.system_attrs) == {"fixed_params"} for t in study.trials)
+  ks, done = knobs(INFO, DEVICE), study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+  names, start = [k.name for k in ks], defaults(ks, {})
+  first = study.trials[1]  # the first change of the baseline: the first knob in the space's order
+  assert changed_knob(first, done, start, names, {}) == names[0]
+  assert changed_knob(study.trials[0], done, start, names, {}) is None  # the baseline changed nothing

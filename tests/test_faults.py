@@ -175,3 +175,67 @@ def test_killed_config_is_measured_again_up_to_the_retry_limit(model, tmp_path, 
   assert search("start", "--model", model, "--study", "r", "--storage", url, "--trials", "12", *args, *pins) == 0
   sort = [s for s, c in rows(url, "SELECT state, config_json FROM ss_trial ORDER BY number") if '"topk": "sort"' in c]
   assert len(sort) > 3 and sort[:3] == ["killed"] * 3 and set(sort[3:]) == {"reused"}, sort
+
+
+def test_a_killed_config_is_measured_again_under_the_default_sampler(model, tmp_path, monkeypatch) -> None:
+  """The coordinate sampler never proposes a config twice: the worker queues a config killed from outside again itself,
+  up to the retry limit, and those kills do not count toward the target (3 trials: the baseline, topk=sort killed 3
+  times, topk=argmax)."""
+  from inject.trialfakes import fake_run_process
+
+  from search.study import model_info
+  from space.knobs import knobs
+  url = f"sqlite:///{tmp_path / 's.db'}"
+  ok, sigkill = fake_run_process(), fake_run_process(status="killed")
+  install_fake_trials(monkeypatch.setattr)
+  monkeypatch.setattr("evaluator.runner.run_process",
+                      lambda spec, *a: (sigkill if spec.config["topk"] == "sort" else ok)(spec, *a))
+  pins = [f"--fix={k.name}={k.default}" for k in knobs(model_info(model), "CPU") if k.name != "topk"]
+  args = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--confirm", "0", "--seed", "0"]
+  assert search("start", "--model", model, "--study", "k", "--storage", url, "--trials", "3", *args, *pins) == 0
+  states = [(s, '"topk": "sort"' in c) for s, c in rows(url, "SELECT state, config_json FROM ss_trial ORDER BY number")]
+  assert [s for s, sort in states if sort] == ["killed"] * 3, states
+  assert [s for s, sort in states if not sort] == ["ok", "ok"], states
+  attrs = [t.user_attrs for t in optuna.load_study(study_name="k", storage=url).trials]
+  assert sum(a.get("retried") == "killed" for a in attrs) == 2 and sum(a.get("failure") == "killed" for a in attrs) == 1
+
+
+def test_a_late_result_is_a_measurement_not_a_verdict(model, url, monkeypatch) -> None:
+  """A worker stalled past the grace period while its trial ran: another worker failed the trial and queued its config
+  again. When the stalled worker comes back, its figure is stored as a measurement of the config, the trial stays
+  interrupted, the worker goes on (no "Cannot tell a FAIL trial"), and the leaderboard lists the config's retry."""
+  from inject.trialfakes import fake_run_process
+
+  from db import store
+  from db.engine import open_db, session
+  from db.models import Trial
+  from search.leaderboard import leaderboard
+  from search.study import storage
+  ok, stalled = fake_run_process(), []
+  def run_process(spec, *a):
+    if spec.config["topk"] != "pairwise" and not stalled:  # the baseline's first change: failed by "another worker"
+      st = storage(url)
+      study = optuna.load_study(study_name="l", storage=st)
+      t = study.get_trials(states=(optuna.trial.TrialState.RUNNING,))[0]
+      st.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+      st.get_heartbeat_stale_trial_callback()(study, st.get_trial(t._trial_id))
+      stalled.append(t.number)
+    return ok(spec, *a)
+  install_fake_trials(monkeypatch.setattr)
+  monkeypatch.setattr("evaluator.runner.run_process", run_process)
+  from search.study import model_info
+  from space.knobs import knobs
+  pins = [f"--fix={k.name}={k.default}" for k in knobs(model_info(model), "CPU") if k.name != "topk"]
+  assert search("start", "--model", model, "--study", "l", "--storage", url, "--trials", "3", *FAST, *pins) == 0
+  (n,) = stalled
+  ours = {number: (state, h) for number, state, h in rows(url, "SELECT number, state, config_hash FROM ss_trial")}
+  assert ours[n][0] == "interrupted"
+  assert "came after its trial was failed" in rows(url, f"SELECT error_text FROM ss_trial WHERE number={n}")[0][0]
+  again = [m for m, (s, h) in ours.items() if m > n and h == ours[n][1]]
+  assert again and ours[again[0]][0] in ("ok", "reused")
+  with session(open_db(url)) as s:
+    st = store.get_study(s, "l")
+    late = [m for m in store.measurements(s, st) if m.trial_id is not None and s.get(Trial, m.trial_id).number == n]
+    board = leaderboard(s, st)
+  assert len(late) == 1 and late[0].kind == "trial"
+  assert ours[n][1] in [r["config_hash"] for r in board["rows"]] and n not in [r["trial"] for r in board["rows"]]

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import pathlib
+import re
 import shutil
 import socket
 import sqlite3
@@ -113,9 +114,10 @@ def _chromium(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([exe, *CHROMIUM, f"--user-data-dir={profile}", *args], capture_output=True, text=True, timeout=120)
 
 
-def test_dashboard_renders_while_the_search_writes(live) -> None:
+def test_dashboard_renders_while_the_search_writes(live, capsys) -> None:
   """optuna-dashboard on the SQLite file the search is writing: the page renders the study and its trials with their
-  artifacts, the API answers throughout, and the search finishes without "database is locked"."""
+  artifacts, the API answers throughout, the search finishes without "database is locked", and the page's best trial
+  is then the leaderboard's first."""
   deadline = time.time() + 300
   while time.time() < deadline and not any(t["state"] == "Complete" for t in json.loads(live.get("/api/studies/1"))["trials"]):
     time.sleep(1)
@@ -135,6 +137,13 @@ def test_dashboard_renders_while_the_search_writes(live) -> None:
   out, served = live.finished(), (live.logs / "dashboard.log").read_text()
   assert polls > 5 and "database is locked" not in out + served and "Traceback" not in out + served, served[-3000:]
   assert live.dash.poll() is None  # still serving
+  # its "Best Trial" is the leaderboard's first, at the figure the leaderboard ranks it by (search/ranked.py)
+  capsys.readouterr()
+  assert search("leaderboard", "--study", "r", "--storage", live.url, "--format", "json") == 0
+  first = json.loads(capsys.readouterr().out)["rows"][0]
+  time.sleep(2.5)  # the dashboard keeps the trials it read for 2 s
+  text = re.sub(r"<[^>]+>", " ", _chromium("--dump-dom", f"http://127.0.0.1:{live.port}/dashboard/studies/1").stdout)
+  assert f"Best Trial (number={first['trial']})" in text, text[-3000:]
 
 
 def test_leaderboard_in_four_formats(live, capsys) -> None:
@@ -142,7 +151,7 @@ def test_leaderboard_in_four_formats(live, capsys) -> None:
   assert "review: `search leaderboard --study r" in out and "search dashboard --study r" in out
   assert search("leaderboard", "--study", "r", "--storage", live.url, "--format", "json") == 0
   doc = json.loads(capsys.readouterr().out)
-  assert doc["schema"] == 1 and doc["study"] == "r" and doc["verdict"] in out  # start ends by saying who wins, or that none does
+  assert doc["schema"] == 2 and doc["study"] == "r" and doc["verdict"] in out  # start ends saying who wins, or that none does
   rows = doc["rows"]
   assert [r["rank"] for r in rows] == list(range(1, len(rows) + 1)) and all(r["state"] == "ok" for r in rows)
   assert doc["baseline"]["measurements"] >= 3  # its trial, a repeat between trials, its side of the A/B pair
@@ -252,6 +261,30 @@ def test_notebook_runs(live) -> None:
   outs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
   assert sum("image/png" in o.get("data", {}) for o in outs) >= 4 and any("text/markdown" in o.get("data", {}) for o in outs)
   assert not any(o.output_type == "error" for o in outs)
+
+
+def test_notebook_runs_as_shipped(live, tmp_path) -> None:
+  """Unchanged, from Jupyter's working directory (notebooks/) of a checkout where `make demo` made its study (the live
+  study, renamed tiny-CPU, in structsearch.db at the root); where there is no database it says so and creates none."""
+  live.finished()
+  (root := tmp_path / "checkout").mkdir()
+  with sqlite3.connect(live.db) as src, sqlite3.connect(root / "structsearch.db") as dst: src.backup(dst)
+  with sqlite3.connect(root / "structsearch.db") as c:
+    c.execute("UPDATE ss_study SET name='tiny-CPU'")
+    c.execute("UPDATE studies SET study_name='tiny-CPU'")
+  (root / "notebooks").mkdir()
+  def run(where: pathlib.Path) -> list:
+    nb = nbformat.read(PROJECT / "notebooks" / "leaderboard.ipynb", as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
+                                     resources={"metadata": {"path": str(where)}})
+    client.execute()
+    return [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+  outs = run(root / "notebooks")
+  assert not any(o.output_type == "error" for o in outs), [o for o in outs if o.output_type == "error"]
+  assert sum("image/png" in o.get("data", {}) for o in outs) >= 4
+  (bare := tmp_path / "bare" / "notebooks").mkdir(parents=True)
+  errors = [o for o in run(bare) if o.output_type == "error"]
+  assert errors and "no database at" in errors[0]["evalue"] and not list((tmp_path / "bare").rglob("*.db"))
 
 
 def test_export_to_production_that_bench_uses(live, tmp_path, capsys) -> None:

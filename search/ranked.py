@@ -1,0 +1,109 @@
+"""Optuna's storage of a study database, read as the study ranks its configs: what optuna-dashboard and the report's
+Optuna plots read, so that their best trial, history and importance agree with the leaderboard.
+
+A complete trial's first value is the figure its config ranks by on the leaderboard, in tok/s (leaderboard.figure: the
+confirmed speedup times the baseline's estimate where an A/B confirmation exists, else the config's estimate, the median
+of all its measurements), whatever the trial's own first figure was; its user attributes carry the estimate with its
+90% interval and count, the speedup, the confirmation and the rank. The storage is read at every call, so
+re-measurements and confirmations show as soon as they are stored. Nothing is written: the values the workers told
+Optuna stay as they were (the samplers learn from them).
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Container, Sequence
+from typing import Any
+
+from optuna.distributions import BaseDistribution
+from optuna.storages import BaseStorage, RDBStorage
+from optuna.study import StudyDirection
+from optuna.trial import FrozenTrial, TrialState
+from sqlalchemy import select
+
+from db import store
+from db.engine import engine_kwargs, open_db, session
+from db.models import Trial
+from search.leaderboard import figure, leaderboard
+
+
+class RankedStorage(BaseStorage):
+  """Optuna's RDBStorage of an existing database (nothing is created), its trials carrying the study's estimates (module
+  docstring); every other call goes to that storage as it is. Not an RDBStorage itself: Optuna wraps one in a cache
+  of finished trials, which would keep their first figures."""
+
+  def __init__(self, url: str):
+    self.ours = open_db(url, create=False)
+    self.rdb = RDBStorage(url, engine_kwargs=engine_kwargs(url), skip_table_creation=True)
+
+  def get_all_trials(self, study_id: int, deepcopy: bool = True,
+                     states: Container[TrialState] | None = None) -> list[FrozenTrial]:
+    return self._ranked(study_id, self.rdb.get_all_trials(study_id, deepcopy, states))
+
+  def get_trial(self, trial_id: int) -> FrozenTrial:
+    t = self.rdb.get_trial(trial_id)
+    with session(self.ours) as s:
+      row = s.scalar(select(Trial).filter_by(optuna_trial_id=trial_id).limit(1))
+      name = row.study.name if row is not None else None
+    return t if name is None else self._ranked(self.rdb.get_study_id_from_name(name), [t])[0]
+
+  def get_best_trial(self, study_id: int) -> FrozenTrial:
+    """The complete trial of the highest figure (of a config's trials, the first); ValueError where none is complete."""
+    if len(self.get_study_directions(study_id)) > 1:
+      raise RuntimeError("Best trial can be obtained only for single-objective optimization.")
+    done = [t for t in self.get_all_trials(study_id, deepcopy=False, states=(TrialState.COMPLETE,)) if t.values]
+    if not done: raise ValueError("No trials are completed yet.")
+    return max(done, key=lambda t: (t.values[0], -t.number))
+
+  def _ranked(self, study_id: int, trials: list[FrozenTrial]) -> list[FrozenTrial]:
+    with session(self.ours) as s:
+      if (st := store.get_study(s, self.rdb.get_study_name_from_id(study_id))) is None: return trials
+      doc = leaderboard(s, st)
+      hashes = {t.number: t.config_hash for t in store.trials(s, st)}
+    base = doc["baseline"]["tok_s"] if doc["baseline"] else None
+    rows = {r["config_hash"]: r for r in doc["rows"]}
+    out = []
+    for t in trials:
+      r = rows.get(hashes.get(t.number, ""))
+      if t.state != TrialState.COMPLETE or not t.values or r is None:
+        out.append(t)
+        continue
+      t = copy.copy(t)
+      t.values = [figure(r, base), *t.values[1:]]
+      c = r["confirmed"]
+      conf = f"{c['speedup']:.3f}x [{c['low']:.3f}, {c['high']:.3f}] over {c['pairs']} A/B pairs ({c['status']})" \
+        if c else None
+      t.user_attrs = {**t.user_attrs, "rank": r["rank"], "estimate_tok_s": r["tok_s"], "estimate_low": r["tok_s_low"],
+                      "estimate_high": r["tok_s_high"], "measurements": r["measurements"], "speedup": r["speedup"],
+                      "confirmed": conf}
+      out.append(t)
+    return out
+
+  # the rest as Optuna's RDBStorage does it
+  def create_new_study(self, directions: Sequence[StudyDirection], study_name: str | None = None) -> int:
+    return self.rdb.create_new_study(directions, study_name)
+  def delete_study(self, study_id: int) -> None: self.rdb.delete_study(study_id)
+  def set_study_user_attr(self, study_id: int, key: str, value: Any) -> None:
+    self.rdb.set_study_user_attr(study_id, key, value)
+  def set_study_system_attr(self, study_id: int, key: str, value: Any) -> None:
+    self.rdb.set_study_system_attr(study_id, key, value)
+  def get_study_id_from_name(self, study_name: str) -> int: return self.rdb.get_study_id_from_name(study_name)
+  def get_study_name_from_id(self, study_id: int) -> str: return self.rdb.get_study_name_from_id(study_id)
+  def get_study_directions(self, study_id: int) -> list[StudyDirection]: return self.rdb.get_study_directions(study_id)
+  def get_study_user_attrs(self, study_id: int) -> dict[str, Any]: return self.rdb.get_study_user_attrs(study_id)
+  def get_study_system_attrs(self, study_id: int) -> dict[str, Any]: return self.rdb.get_study_system_attrs(study_id)
+  def get_all_studies(self) -> list: return self.rdb.get_all_studies()  # of Optuna's FrozenStudy (not exported)
+  def create_new_trial(self, study_id: int, template_trial: FrozenTrial | None = None) -> int:
+    return self.rdb.create_new_trial(study_id, template_trial)
+  def set_trial_param(self, trial_id: int, param_name: str, value: float, distribution: BaseDistribution) -> None:
+    self.rdb.set_trial_param(trial_id, param_name, value, distribution)
+  def get_trial_id_from_study_id_trial_number(self, study_id: int, trial_number: int) -> int:
+    return self.rdb.get_trial_id_from_study_id_trial_number(study_id, trial_number)
+  def set_trial_state_values(self, trial_id: int, state: TrialState, values: Sequence[float] | None = None) -> bool:
+    return self.rdb.set_trial_state_values(trial_id, state, values)
+  def set_trial_intermediate_value(self, trial_id: int, step: int, intermediate_value: float) -> None:
+    self.rdb.set_trial_intermediate_value(trial_id, step, intermediate_value)
+  def set_trial_user_attr(self, trial_id: int, key: str, value: Any) -> None:
+    self.rdb.set_trial_user_attr(trial_id, key, value)
+  def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None:
+    self.rdb.set_trial_system_attr(trial_id, key, value)
+  def remove_session(self) -> None: self.rdb.remove_session()

@@ -48,11 +48,10 @@ for rep in $(seq "$REPS"); do for m in $MODELS; do for v in $VARIANTS; do
   PYTHONPATH=$PWD:${PYTHONPATH:-} python3 - "$m" "$tree" "$name" "$rep" "$res" "$cfg" "$OUT/ab.jsonl" "$LABEL" "$QUANT" "$REV" <<'EOF'
 import datetime, json, sys
 from model.structure import StructureConfig
-from search.study import config_hash
 m, tree, name, rep, res, cfg, out, device, quant, rev = sys.argv[1:]
 c = StructureConfig.load(cfg)
 row = {"date": datetime.datetime.now(datetime.UTC).date().isoformat(), "kind": "decode", "device": device, "model": f"{m} (synthetic, exact shapes)",
-       "quant": quant.upper(), "config": name if tree == "new" else f"{name} (old code {rev[:7]})", "config_hash": config_hash(c), "beam": c.beam,
+       "quant": quant.upper(), "config": name if tree == "new" else f"{name} (old code {rev[:7]})", "config_hash": c.hash, "beam": c.beam,
        "tree": tree, "rep": int(rep), "command": f"bash benchmarks/code_ab.sh run (model bench -n N --rounds R --config {cfg}, {tree} tree)"}
 try: d = json.loads(res)
 except json.JSONDecodeError: d = {"error": "no result (see err-*.log)"}

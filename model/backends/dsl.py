@@ -38,8 +38,9 @@ if TYPE_CHECKING:
 Planes = dict[str, UOp]  # each (rows, nblocks, field_len), as QWeight keeps them
 
 ROWS = 4  # output rows per thread
-GROUP = 32  # threads that split the blocks of a row (at most: the largest power of two dividing the block count)
+GROUP = 32  # threads that split the blocks of a row (at most: the largest divisor of the block count)
 THREADS = 32  # at least this many threads per workgroup: rows are spread over workgroup threads when GROUP is smaller
+STEP = 8  # at most this many of a thread's blocks per unrolled step
 MIN_THREADS = 16384  # fewer threads than this in a launch: one row per thread, so that more threads share the work
 
 
@@ -150,9 +151,8 @@ _SPECS: dict[int, _Spec] = {
 
 
 def _group(blocks: int, local: bool) -> int:
-  """Threads that split the blocks of a row: the largest power of two up to GROUP dividing the block count (1: no
-  workgroups)."""
-  return next(g for g in (GROUP, 16, 8, 4, 2, 1) if blocks % g == 0) if local else 1
+  """Threads that split the blocks of a row: the largest divisor of the block count up to GROUP (1: no workgroups)."""
+  return next(g for g in range(GROUP, 0, -1) if blocks % g == 0) if local else 1
 
 
 def _rows(n: int, ids: Iterator[int], local: bool, group: int, lead: int = 1) -> tuple[UOp, tuple[UOp, ...]]:
@@ -177,8 +177,11 @@ def _dot(xv: Callable[[UOp], UOp], p: Planes, ggml_type: int, r: UOp, ids: Itera
   blocks split over `group` threads (GROUP_REDUCE), the ranges inside a block unrolled."""
   spec = _SPECS[ggml_type]
   nb = next(iter(p.values())).shape[1]
-  (bo, *red_o), (bg, *red_g) = _axis(nb // group, ids, AxisType.REDUCE), _axis(group, ids, AxisType.GROUP_REDUCE)
-  b, red = bo * group + bg, (*red_o, *red_g)
+  per = nb // group  # a thread's blocks, read in unrolled steps of `step` (their loads issued together)
+  step = next(d for d in range(min(per, STEP), 0, -1) if per % d == 0)
+  (bo, *red_o), (bu, *red_u) = _axis(per // step, ids, AxisType.REDUCE), _axis(step, ids, AxisType.UNROLL)
+  bg, *red_g = _axis(group, ids, AxisType.GROUP_REDUCE)
+  b, red = (bo * step + bu) * group + bg, (*red_o, *red_u, *red_g)
   outer = tuple(UOp.range(n, next(ids), AxisType.UNROLL) for n in spec.outer)
   inner = tuple(UOp.range(n, next(ids), AxisType.UNROLL) for n in spec.inner)
   off, code = spec.code(p, r, b, *outer, *inner)

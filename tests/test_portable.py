@@ -9,12 +9,13 @@ import inspect
 import os
 import subprocess
 import sys
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from products import TYPES, random_weight
-from tinygrad import Tensor, dtypes
+from tinygrad import Tensor, UOp, dtypes
 from tinygrad.codegen import full_rewrite_to_sink, line_rewrite, linearize, pm_linearize_cleanups
 from tinygrad.helpers import Target
 from tinygrad.renderer.cstyle import CStyleLanguage, CUDARenderer, HIPRenderer, MetalRenderer
@@ -149,3 +150,50 @@ def test_routing_kernels_select_and_weigh_as_the_per_op_path(gating: int) -> Non
       got_w = dsl._custom(dsl.weights_kernel, (K,), [lt, got_own if f is None else f], gating=gating, norm=norm_w, scale=scale)
       assert got_own.tolist() == own.reshape(-1).tolist()
       np.testing.assert_allclose(got_w.numpy(), w.reshape(-1).numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_every_stage_kernel_renders_for_cuda_metal_and_amd(monkeypatch) -> None:
+  """The attention's and the router's UOp kernels (1/rms, the cache write, the scores, softmax @ c_kv, top-k, the routing
+  weights) render for each target, the decode position a bound variable, and the workgroup reductions (1/rms, scores,
+  top-k) in shared memory."""
+  monkeypatch.setattr(dsl, "_local", lambda device: True)
+  rng, (H, kvl, rope, nope, ctx) = np.random.default_rng(0), (4, 128, 32, 32, 64)
+  x = lambda *s: Tensor(rng.standard_normal(s).astype(np.float32)).realize()
+  cache = Tensor.zeros(1, ctx, kvl + rope, dtype=dtypes.float16).contiguous().realize()
+  kv, gamma, cos, sin, qa = x(kvl + rope), x(kvl), x(ctx, rope // 2), x(ctx, rope // 2), x(96)
+  pos, bind = dsl._position(UOp.variable("start_pos", 0, ctx - 1).bind(5))
+  rs = dsl._custom(dsl.rms_kernel, (2,), [qa, kv], lengths=(96, kvl), eps=1e-5)
+  c = cache.custom_kernel(kv, gamma, rs, cos, sin, *bind, fxn=partial(dsl.kv_write_kernel, pos=pos, slot=1, local=True))[0]
+  s = dsl._custom(dsl.scores_kernel, (H, ctx), [x(H * (nope + rope)), x(H, kvl), c, cos, sin, *bind], pos=pos, scale=0.1, nope=nope)
+  o = dsl._custom(dsl.pv_kernel, (H, kvl), [s, c, *bind], pos=pos)
+  lt = x(16)
+  own = dsl._custom(dsl.topk_kernel, (4,), [lt, x(16)], dtype=dtypes.int32, gating=SIGMOID)
+  w = dsl._custom(dsl.weights_kernel, (4,), [lt, own], gating=SIGMOID, norm=True, scale=1.8)
+  asts = {a.arg.name: a for a in kernels(o, w) if a.arg.name.startswith("dsl_")}
+  assert set(asts) == {"dsl_rms", "dsl_kv_write", "dsl_scores", "dsl_pv", "dsl_topk", "dsl_weights"}
+  for kind in RENDERERS:
+    for name, a in asts.items():
+      src = render_source(a, renderer(kind))
+      if name in ("dsl_rms", "dsl_scores", "dsl_topk"):
+        assert {"CUDA": "__shared__", "METAL": "threadgroup_barrier", "AMD": "__attribute__((shared"}[kind] in src, (kind, name)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-lite"])
+def test_portable_stages_decode_as_the_per_op_path(tmp_path, preset: str) -> None:
+  """Every stage on dsl (attention, router, moe, ffn: UOp kernels end to end) gives the per-op path's logits at each
+  position, with and without q_lora, sigmoid gating with a selection bias and softmax gating (fp32 KV cache)."""
+  import json
+
+  from model.deepseek2 import Transformer
+  from model.generate import Generator
+  from model.gguf_file import GGUFFile
+  from model.structure import StructureConfig
+  from model.synth import write_synthetic
+  path = write_synthetic(tmp_path / "m.gguf", preset, quant="q4_0", layers=3, routing="decisive")
+  portable = json.loads(open("benchmarks/configs/portable.json").read())
+  outs = []
+  for cfg in ({"kv_dtype": "float32"}, {**portable, "kv_dtype": "float32"}):
+    g = Generator(Transformer(GGUFFile(path), StructureConfig.from_dict(cfg), max_context=64))
+    g.prefill([1, 2, 3, 4, 5, 6, 7, 8])
+    outs.append(np.stack([g.step_logits(t, 8 + i) for i, t in enumerate([9, 10, 11, 12])]))
+  assert np.abs(outs[0] - outs[1]).max() / np.abs(outs[0]).max() < 1e-5

@@ -77,7 +77,7 @@ def _run(setup: Setup, url: str, info: ModelInfo, args) -> None:
   from search.view import LiveView
   ev = setup.evaluator(args.trial_timeout)
   with session(open_db(url, create=False)) as s: finished = store.trials(s, store.get_study(s, setup.name))
-  view = LiveView(console, setup.name, setup.trials, finished, stored_baseline(url, setup, info))
+  view = LiveView(console, setup.name, setup.trials, finished, stored_baseline(url, setup, info), url)
   uploader = Uploader(url, setup.name, artifact_store(url, args.artifacts))
   listeners = [view.handle, uploader]
   runner = Runner(setup, url, ev, info, remeasure=getattr(args, "remeasure", False), listeners=listeners, heartbeat=args.heartbeat)

@@ -335,3 +335,29 @@ def test_single_changes_with_their_intervals(demo) -> None:
   assert (four.trial, four.parent, four.knob, four.old, four.new) == (4, 3, "fused.router", "off", "dsl")
   assert four.speedup == pytest.approx(150 / 120)
 
+
+def test_the_live_view_shows_the_leaderboards_first(demo) -> None:
+  """`search start`'s live view names the study's leader as the leaderboard ranks it (trial fresh, 1.20x estimated),
+  not the trial of the highest first figure (the baseline's), and follows a change of the figures at the next note."""
+  import io
+
+  from rich.console import Console
+
+  from model.structure import StructureConfig
+  from search.events import Event
+  from search.view import LiveView
+  url = demo["url"]
+  with session(open_db(url)) as s:
+    st = store.get_study(s, "d")
+    trials, base = store.trials(s, st), StructureConfig.from_json(st.baseline_config)
+  view = LiveView(Console(file=io.StringIO()), "d", 4, trials, base, url)
+  def head() -> str:
+    (out := Console(file=io.StringIO(), width=300)).print(view)
+    return out.file.getvalue().splitlines()[0]
+  assert f"best trial {demo['fresh']}: 120.00 [119.39, 121.25] tok/s over 16 (1.200x estimated)" in head()
+  with session(open_db(url)) as s:
+    st = store.get_study(s, "d")
+    store.add_confirmation(s, st, find_trial(s, st, str(demo["fresh"])), pairs=3, rounds=5, tok_s=99.0,
+                           baseline_tok_s=100.0, speedup=0.99, speedup_low=0.97, speedup_high=1.01, status="ok")
+  view.handle(Event("note", -1, "confirmed"))
+  assert f"best trial {demo['mid']}: 130.00 [" in head() and "(1.020x A/B-confirmed)" in head()

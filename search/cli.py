@@ -91,7 +91,7 @@ def _run(setup: Setup, url: str, info: ModelInfo, args) -> None:
   except KeyboardInterrupt:
     console.print(f"stopped: the running trial is marked interrupted; `search start --study {setup.name} --storage {hide_password(url)}` continues")
     sys.exit(130)
-  uploader.refresh()  # the noise measurements since each trial ended changed their figures
+  uploader.refresh()  # other workers' measurements since each trial ended changed their figures too
   show_leaderboard(url, setup.name, top=15)
 
 

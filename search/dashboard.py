@@ -50,13 +50,17 @@ def artifact_store(url: str, given: str | None = None) -> FileSystemArtifactStor
 class Uploader:
   """Listens to a worker (search/events.py): each finished trial's metrics (the `search show` document), git diff and
   profile uploaded to the artifact store, while Optuna still lets the trial change (a worker tells of a trial's end before
-  it returns the trial's value); `refresh` rewrites them once their figures have changed."""
+  it returns the trial's value); `refresh` rewrites them once their figures have changed: when the worker has measured
+  configs again (the baseline between trials changes every speedup), at the end of a run, after a confirmation."""
 
   def __init__(self, url: str, study: str, artifacts: FileSystemArtifactStore):
     self.engine, self.storage, self.study, self.artifacts = open_db(url, create=False), storage(url), study, artifacts
     self.study_id = self.storage.get_study_id_from_name(study)
 
   def __call__(self, e: Event) -> None:
+    if e.kind == "measured":
+      self.refresh()
+      return
     if e.kind != "end" or e.row is None or e.row.state in ("running", "interrupted"): return
     with session(self.engine) as s:
       t = s.get(Trial, e.row.id)

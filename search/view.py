@@ -34,7 +34,7 @@ def wall(t: Trial) -> float | None:
 
 class LiveView:
   """Listens to a worker's events (search/events.py); starts from the study's trials so far and its baseline, and reads
-  the study's leader from its database (url) at each trial's end and each note (a re-measurement changes estimates)."""
+  the study's leader from its database (url) at each trial's end and each re-measurement."""
 
   def __init__(self, console: Console, study: str, total: int, finished: list[Trial], baseline: StructureConfig, url: str):
     self.console, self.study, self.total, self.base = console, study, total, baseline
@@ -58,8 +58,8 @@ class LiveView:
   def handle(self, e: Event) -> None:
     if e.kind == "start": self.current = (e.number, label(e.text, self.base), "starting", time.perf_counter())
     elif e.kind == "phase" and self.current: self.current = (*self.current[:2], e.text, self.current[3])
+    elif e.kind == "measured": self.rank()
     elif e.kind in ("wait", "note"):
-      if e.kind == "note": self.rank()
       self.notes.append(e.text)
       if not self.console.is_terminal: self.console.print(e.text)
     elif e.kind == "end" and e.row is not None:

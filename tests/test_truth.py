@@ -338,7 +338,7 @@ def test_single_changes_with_their_intervals(demo) -> None:
 
 def test_the_live_view_shows_the_leaderboards_first(demo) -> None:
   """`search start`'s live view names the study's leader as the leaderboard ranks it (trial fresh, 1.20x estimated),
-  not the trial of the highest first figure (the baseline's), and follows a change of the figures at the next note."""
+  not the trial of the highest first figure (the baseline's), and follows a re-measurement."""
   import io
 
   from rich.console import Console
@@ -355,9 +355,29 @@ def test_the_live_view_shows_the_leaderboards_first(demo) -> None:
     (out := Console(file=io.StringIO(), width=300)).print(view)
     return out.file.getvalue().splitlines()[0]
   assert f"best trial {demo['fresh']}: 120.00 [119.39, 121.25] tok/s over 16 (1.200x estimated)" in head()
-  with session(open_db(url)) as s:
+  with session(open_db(url)) as s:  # the baseline measured again, faster: mid's confirmed 1.02x is now above fresh
     st = store.get_study(s, "d")
-    store.add_confirmation(s, st, find_trial(s, st, str(demo["fresh"])), pairs=3, rounds=5, tok_s=99.0,
-                           baseline_tok_s=100.0, speedup=0.99, speedup_low=0.97, speedup_high=1.01, status="ok")
-  view.handle(Event("note", -1, "confirmed"))
+    for _ in range(40): store.add_measurement(s, st.id, st.baseline_hash, "full", 125.0, "repeat")
+  view.handle(Event("measured", -1, "the baseline"))
   assert f"best trial {demo['mid']}: 130.00 [" in head() and "(1.020x A/B-confirmed)" in head()
+
+
+def test_artifacts_follow_a_re_measurement_of_the_baseline(gguf_file, tmp_path, monkeypatch) -> None:
+  """The worker tells its listeners when it measured the baseline again (every speedup changed): the artifacts are
+  rewritten then, in the middle of the run, not only at its end."""
+  install_fake_trials(monkeypatch.setattr)
+  url, art = f"sqlite:///{tmp_path / 's.db'}", str(tmp_path / "artifacts")
+  seen, refresh = [], Uploader.refresh
+  def baseline_measurements() -> int:
+    st = storage(url)
+    trial = st.get_trial(st.get_trial_id_from_study_id_trial_number(st.get_study_id_from_name("m"), 0))
+    meta = next(m for m in get_all_artifact_meta(trial, storage=st) if m.filename == "trial-0-metrics.json")
+    return json.loads(FileSystemArtifactStore(art).open_reader(meta.artifact_id).read())["estimate"]["measurements"]
+  def spy(self) -> None:
+    refresh(self)
+    with session(open_db(url)) as s: done = sum(t.state == "ok" for t in store.trials(s, store.get_study(s, "m")))
+    seen.append((done, baseline_measurements()))
+  monkeypatch.setattr(Uploader, "refresh", spy)
+  assert search("start", "--model", gguf_file("tiny", "q4_0"), "--study", "m", "--storage", url, "--trials", "4",
+                "--artifacts", art, *FAST) == 0
+  assert seen[0] == (2, 2)  # after trial 1 (repeat_every(4) = 2): trial 0's file holds the baseline's second figure

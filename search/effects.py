@@ -59,9 +59,9 @@ def points(s: Session, study: Study, objective: int = 0) -> Points:
 
 
 def importance(p: Points) -> dict[str, float]:
-  """fANOVA importance of each knob that varied, highest first (they sum to 1); empty with fewer than 2 configs or no
-  knob that varied."""
-  if len(p.values) < 2 or not p.knobs[0]: return {}
+  """fANOVA importance of each knob that varied, highest first (they sum to 1); empty with fewer than 2 configs, no
+  knob that varied, or one figure for all (nothing to explain)."""
+  if len(p.values) < 2 or not p.knobs[0] or len(set(p.values)) < 2: return {}
   dists = {k: optuna.distributions.CategoricalDistribution(sorted({c[k] for c in p.knobs})) for k in p.knobs[0]}
   was = optuna.logging.get_verbosity()
   optuna.logging.set_verbosity(optuna.logging.WARNING)  # not "a new study created in memory"

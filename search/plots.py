@@ -95,7 +95,8 @@ def importance(d: StudyData) -> Figure | None:
   """The importance of each knob that varied for the ranked tok/s, the top 15 (search/effects.py), titled with what
   it rests on."""
   if len(d.points.values) < 2: return _skip(d, "importance", "fewer than 2 configs measured ok")
-  if not (imp := effects.importance(d.points)): return _skip(d, "importance", "no knob varied among the configs measured ok")
+  if not (imp := effects.importance(d.points)):
+    return _skip(d, "importance", "no knob varied among the configs measured ok, or they all rank at one figure")
   names = list(imp)[:15][::-1]
   fig, ax = _fig(7, 0.3 * len(names) + 1.5)
   ax.barh(names, [imp[n] for n in names])

@@ -301,6 +301,7 @@ def test_one_importance_over_the_knobs_that_varied(demo) -> None:
   assert [p["importance"] for p in doc["param_importances"][0]] == pytest.approx(list(imp.values()))
   assert ranked.get_study_user_attrs(sid)["knob importance"] == basis  # on the dashboard's page beside the chart
   assert _wsgi_json(dashboard.app(url, demo["artifacts"]), "/api/studies/999/param_importances")[0].startswith("404")
+  assert effects.importance(effects.Points([{"k": "a"}, {"k": "b"}], [0.0, 0.0], "o", 2, 2)) == {}  # nothing to explain
 
 
 def test_single_changes_with_their_intervals(demo) -> None:

@@ -113,7 +113,7 @@ def study_lines(url: str, name: str, device: str, model_name: str, quant: str, c
     confirmed = [(c, c.trial.number) for c in store.confirmations(s, st)]
   out = []
   for r in doc["trials"]:
-    t = trials[r["number"]]
+    t = trials[r["trial"]]
     cfg = StructureConfig.from_json(t.config_json)
     head = common("", device, model_name, layers if t.stage == "full" else (t.metrics or {}).get("layers"), quant,
                   describe(cfg) or "baseline")

@@ -77,7 +77,7 @@ def _run(setup: Setup, url: str, info: ModelInfo, args) -> None:
   from search.view import LiveView
   ev = setup.evaluator(args.trial_timeout)
   with session(open_db(url, create=False)) as s: finished = store.trials(s, store.get_study(s, setup.name))
-  view = LiveView(console, setup.name, setup.trials, finished, stored_baseline(url, setup, info))
+  view = LiveView(console, setup.name, setup.trials, finished, stored_baseline(url, setup, info), url)
   uploader = Uploader(url, setup.name, artifact_store(url, args.artifacts))
   listeners = [view.handle, uploader]
   runner = Runner(setup, url, ev, info, remeasure=getattr(args, "remeasure", False), listeners=listeners, heartbeat=args.heartbeat)
@@ -91,7 +91,7 @@ def _run(setup: Setup, url: str, info: ModelInfo, args) -> None:
   except KeyboardInterrupt:
     console.print(f"stopped: the running trial is marked interrupted; `search start --study {setup.name} --storage {hide_password(url)}` continues")
     sys.exit(130)
-  uploader.refresh()  # the noise measurements since each trial ended changed their figures
+  uploader.refresh()  # other workers' measurements since each trial ended changed their figures too
   show_leaderboard(url, setup.name, top=15)
 
 

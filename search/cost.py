@@ -32,7 +32,7 @@ def trial_cost(t: Trial, gap_s: float = 0.0, repeat_s: float = 0.0) -> dict[str,
   full = p.get("wall_s", 0.0) if full_stage else 0.0
   repeat = min(repeat_s, gap_s)
   search = m.get("search_overhead_s", 0.0) + gap_s - repeat
-  return {"number": t.number, "state": t.state, "stage": t.stage, "beam": json.loads(t.config_json).get("beam", 0), "ladder": m.get("ladder"),
+  return {"trial": t.number, "state": t.state, "stage": t.stage, "beam": json.loads(t.config_json).get("beam", 0), "ladder": m.get("ladder"),
           "wall_s": block + full + setup + repeat + search, "setup_s": setup, "repeat_s": repeat, "search_s": search, "block_s": block,
           "full_s": full, **{k: p[k] for k in PHASES if k in p and full_stage}}
 
@@ -73,11 +73,8 @@ def study_cost(trials: Sequence[Trial], n: int = 200, measurements: Sequence[Mea
 def cost_doc(study: str, schema: int, trials: Sequence[Trial], n: int = 200,
              measurements: Sequence[Measurement] = ()) -> dict[str, Any]:
   """The `search cost --format json` document (docs/json.md): study_cost's figures with the document's `schema` and
-  `study`, each trial's number as `trial` as in every document (study_cost's rows keep `number`: benchmarks/record.py
-  reads them)."""
-  doc = study_cost(trials, n, measurements)
-  rows = [{"trial": r["number"], **{k: v for k, v in r.items() if k != "number"}} for r in doc["trials"]]
-  return {"schema": schema, "study": study, **doc, "trials": rows}
+  `study`."""
+  return {"schema": schema, "study": study, **study_cost(trials, n, measurements)}
 
 
 def _s(v: float | None) -> str: return "" if v is None else f"{v:.1f}"

@@ -1,6 +1,7 @@
 """The web dashboard: optuna-dashboard on a study's storage (history, parameter importance, parallel coordinates, the Pareto
 front of two-objective studies), read as the study ranks its configs (search/ranked.py: a trial's value is its config's
-ranked figure, its user attributes the estimate and confirmation, so its "Best Trial" is the leaderboard's first), and
+ranked figure, its user attributes the estimate and confirmation, so its "Best Trial" is the leaderboard's first), its
+parameter importance the report's (search/effects.py, what it rests on as the study's user attribute), and
 the per-trial artifacts it shows beside Optuna's figures: the trial's metrics (the `search show` document), the git diff
 of the code that ran it, its per-kernel profile when it has one.
 
@@ -18,6 +19,7 @@ import tempfile
 import warnings
 
 import optuna
+from bottle import Bottle, response
 from optuna.artifacts import FileSystemArtifactStore, get_all_artifact_meta, upload_artifact
 from optuna.trial import FrozenTrial
 from sqlalchemy import make_url
@@ -26,6 +28,7 @@ from db import store
 from db.engine import hide_password, open_db, session
 from db.models import Trial
 from model.production import home
+from search import effects
 from search.events import Event
 from search.leaderboard import trial_doc
 from search.ranked import RankedStorage
@@ -47,13 +50,17 @@ def artifact_store(url: str, given: str | None = None) -> FileSystemArtifactStor
 class Uploader:
   """Listens to a worker (search/events.py): each finished trial's metrics (the `search show` document), git diff and
   profile uploaded to the artifact store, while Optuna still lets the trial change (a worker tells of a trial's end before
-  it returns the trial's value); `refresh` rewrites them once their figures have changed."""
+  it returns the trial's value); `refresh` rewrites them once their figures have changed: when the worker has measured
+  configs again (the baseline between trials changes every speedup), at the end of a run, after a confirmation."""
 
   def __init__(self, url: str, study: str, artifacts: FileSystemArtifactStore):
     self.engine, self.storage, self.study, self.artifacts = open_db(url, create=False), storage(url), study, artifacts
     self.study_id = self.storage.get_study_id_from_name(study)
 
   def __call__(self, e: Event) -> None:
+    if e.kind == "measured":
+      self.refresh()
+      return
     if e.kind != "end" or e.row is None or e.row.state in ("running", "interrupted"): return
     with session(self.engine) as s:
       t = s.get(Trial, e.row.id)
@@ -104,19 +111,39 @@ def _files(doc: dict) -> dict[str, str]:
   return files
 
 
+def app(url: str, artifacts: str | None = None) -> Bottle:
+  """optuna-dashboard's WSGI application on the study's ranked storage and artifact store, its parameter importance
+  search/effects.py's (optuna-dashboard's own ranks knobs that never varied and another figure than the report's)."""
+  from optuna_dashboard import wsgi
+  st = RankedStorage(url)
+  web = wsgi(st, artifact_store=artifact_store(url, artifacts))
+
+  def importances(study_id: int) -> dict:
+    try: name, n = st.get_study_name_from_id(study_id), len(st.get_study_directions(study_id))
+    except KeyError:
+      response.status = 404
+      return {"reason": f"study_id={study_id} is not found"}
+    with session(st.ours) as s:
+      if (study := store.get_study(s, name)) is None: return {"param_importances": [[] for _ in range(n)]}
+      imp = [effects.importance(effects.points(s, study, i)) for i in range(n)]
+    return {"param_importances": [[{"name": k, "importance": v, "distribution": "CategoricalDistribution"}
+                                   for k, v in by.items()] for by in imp]}
+  web.route("/api/studies/<study_id:int>/param_importances", "GET", importances)  # in place of optuna-dashboard's
+  return web
+
+
 def serve(url: str, study: str | None, host: str, port: int, artifacts: str | None, say=print) -> None:
   """Serve optuna-dashboard on url until interrupted, printing the address (of the study's page when one is named) once the
   address is bound; a port in use or a host that does not resolve is one line (RuntimeError). It writes nothing into the studies."""
   from wsgiref.simple_server import WSGIServer, make_server
 
-  from optuna_dashboard import wsgi
   st = RankedStorage(url)
   path = ""
   if study is not None:
     try: path = f"dashboard/studies/{st.get_study_id_from_name(study)}"
     except KeyError: raise StudyMismatch(f"no study named {study!r} in {hide_password(url)}") from None
   server_class = type("Server6", (WSGIServer,), {"address_family": socket.AF_INET6}) if ":" in host else WSGIServer
-  try: server = make_server(host, port, wsgi(st, artifact_store=artifact_store(url, artifacts)), server_class=server_class)
+  try: server = make_server(host, port, app(url, artifacts), server_class=server_class)
   except OSError as e: raise RuntimeError(f"cannot serve the dashboard on {host}:{port}: {e.strerror or e}") from None
   say(f"dashboard of {hide_password(url)} at http://{host}:{server.server_port}/{path} (artifacts in {artifact_dir(url, artifacts)}); "
       "Ctrl-C stops it")

@@ -9,8 +9,10 @@ from db.models import Trial
 
 @dataclass
 class Event:
-  """A trial started, changed phase, waits for a device or other workers, ended (with its finished row); or a note."""
-  kind: str  # start | phase | wait | end | note
+  """A trial started, changed phase, waits for a device or other workers, ended (with its finished row); configs were
+  measured again (the baseline between trials, the near-best before the end: their estimates changed, and with the
+  baseline's or the noise figure every speedup and interval); or a note."""
+  kind: str  # start | phase | wait | end | measured | note
   number: int
   text: str = ""
   row: Trial | None = None

@@ -49,19 +49,22 @@ def measure(ev: Evaluator, engine: Engine, study: Study, cfg: StructureConfig, h
   return True
 
 
-def settle(ev: Evaluator, engine: Engine, study: Study, baseline: str, budget: int, say: Callable[[str], None]) -> None:
+def settle(ev: Evaluator, engine: Engine, study: Study, baseline: str, budget: int, say: Callable[[str], None]) -> int:
   """Measure the configs within the noise of the best again (fewest figures first) until each has SETTLE_N, within
-  `budget` runs. The baseline (its hash) is left out: it is repeated through the study."""
+  `budget` runs; returns how many figures it stored. The baseline (its hash) is left out: it is repeated through the
+  study."""
   failed: set[str] = set()
+  stored = 0
   while budget > 0:
     with session(engine) as s:
       est = store.estimates(s, study)
       first = {t.config_hash: t for t in store.leaderboard(s, study, None)}
     todo = [h for h in near_best(est) if h != baseline and h in first and h not in failed and est[h].n < SETTLE_N]
-    if not todo: return
+    if not todo: return stored
     h = min(todo, key=lambda h: est[h].n)
     t = first[h]
-    if not measure(ev, engine, study, StructureConfig.from_json(t.config_json), h, t,
-                   f"trial {t.number} is within the noise of the best, measured again", say):
-      failed.add(h)
+    if measure(ev, engine, study, StructureConfig.from_json(t.config_json), h, t,
+               f"trial {t.number} is within the noise of the best, measured again", say): stored += 1
+    else: failed.add(h)
     budget -= 1
+  return stored

@@ -1,11 +1,11 @@
 """The plots of a study (matplotlib), shared by `search report` and notebooks/leaderboard.ipynb: optimisation history with the
-baseline's noise band, knob importance (Optuna's fANOVA), tok/s per value of each knob, kernels/token against tok/s, block
-proxy against full model (with Spearman's rank correlation), and the Pareto front of a two-objective study. Each returns a
-Figure, or None where the study cannot show it (say why with `missing`)."""
+baseline's noise band, knob importance and the single changes of a one-knob-at-a-time climb (search/effects.py), tok/s
+per value of each knob, kernels/token against tok/s, block proxy against full model (with Spearman's rank correlation),
+and the Pareto front of a two-objective study. Each returns a Figure, or None where the study cannot show it (say why
+with `missing`)."""
 from __future__ import annotations
 
 import collections
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,7 @@ from scipy.stats import spearmanr
 from db import store
 from db.engine import hide_password, open_db, session
 from model.structure import StructureConfig
+from search import effects
 from search.leaderboard import figure, leaderboard
 from search.ranked import RankedStorage
 from space.knobs import flat
@@ -25,11 +26,13 @@ from space.knobs import flat
 @dataclass
 class StudyData:
   """What the plots read: the leaderboard document, every trial that measured ok (its own figures and its config's
-  estimate), Optuna's study as the study ranks it (search/ranked.py)."""
+  estimate), Optuna's study as the study ranks it (search/ranked.py), what the knobs are worth (search/effects.py)."""
   name: str
   board: dict[str, Any]
   ok: list[dict[str, Any]]  # number, tok_s (its own), estimate (its config's), block_tok_s, kernels, knobs (flat)
   optuna: optuna.Study
+  points: effects.Points  # what the importance rests on
+  changes: list[effects.Change]
   missing: dict[str, str]  # plot -> why it is not drawn
 
 
@@ -43,7 +46,9 @@ def load(url: str, name: str) -> StudyData:
     ok = [{"number": t.number, "tok_s": t.tok_s, "estimate": est[t.config_hash].median, "block_tok_s": t.block_tok_s,
            "kernels": (t.metrics or {}).get("kernels_per_token"),
            "knobs": flat(StructureConfig.from_json(t.config_json))} for t in store.trials(s, st) if t.state == "ok"]
-  return StudyData(name, board, ok, optuna.load_study(study_name=name, storage=RankedStorage(url)), {})
+    ranked = optuna.load_study(study_name=name, storage=RankedStorage(url))
+    params = {t.number: t.params for t in ranked.get_trials(deepcopy=False)}
+    return StudyData(name, board, ok, ranked, effects.points(s, st), effects.single_changes(s, st, params), {})
 
 
 def _skip(d: StudyData, plot: str, why: str) -> None: d.missing[plot] = why
@@ -87,18 +92,32 @@ def history(d: StudyData) -> Figure | None:
 
 
 def importance(d: StudyData) -> Figure | None:
-  done = d.optuna.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-  if len(done) < 2: return _skip(d, "importance", "fewer than 2 completed trials")
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    try: imp = optuna.importance.get_param_importances(d.optuna, evaluator=optuna.importance.FanovaImportanceEvaluator(seed=0),
-                                                      target=lambda t: t.values[0])
-    except (ValueError, RuntimeError) as e: return _skip(d, "importance", f"fANOVA: {e}")
-  if not imp: return _skip(d, "importance", "no knob varied among the completed trials")
+  """The importance of each knob that varied for the ranked tok/s, the top 15 (search/effects.py), titled with what
+  it rests on."""
+  if len(d.points.values) < 2: return _skip(d, "importance", "fewer than 2 configs measured ok")
+  if not (imp := effects.importance(d.points)):
+    return _skip(d, "importance", "no knob varied among the configs measured ok, or they all rank at one figure")
   names = list(imp)[:15][::-1]
-  fig, ax = _fig(7, 0.3 * len(names) + 1.2)
+  fig, ax = _fig(7, 0.3 * len(names) + 1.5)
   ax.barh(names, [imp[n] for n in names])
-  ax.set(xlabel="importance for tok/s (fANOVA)", title=f"{d.name}: knob importance")
+  ax.set(xlabel="importance for tok/s (share of its variance)", title=f"{d.name}: knob importance")
+  fig.suptitle(d.points.basis(), fontsize="x-small", wrap=True)
+  return fig
+
+
+def changes(d: StudyData) -> Figure | None:
+  """Each single change (search/effects.py), in trial order: its speedup over its parent with its 90% interval, green
+  where the interval is above 1, red where below."""
+  if not d.changes: return _skip(d, "changes", "no config measured ok is one knob away from one measured before it")
+  fig, ax = _fig(7, 0.3 * len(d.changes) + 1.5)
+  for i, c in enumerate(reversed(d.changes)):
+    color = "gray" if c.low is None or c.low <= 1 <= c.high else "tab:green" if c.low > 1 else "tab:red"
+    err = None if c.low is None else [[c.speedup - c.low], [c.high - c.speedup]]
+    ax.errorbar([c.speedup], [i], xerr=err, fmt="o", color=color, capsize=3)
+  ax.set_yticks(range(len(d.changes)), [f"trial {c.trial}: {c.knob} {c.old} -> {c.new} (of {c.parent})"
+                                       for c in reversed(d.changes)], fontsize="x-small")
+  ax.axvline(1, color="gray", ls="--")
+  ax.set(xlabel="speedup over its parent (estimates, 90% interval)", title=f"{d.name}: single changes")
   return fig
 
 
@@ -155,5 +174,6 @@ def pareto(d: StudyData) -> Figure | None:
   return fig
 
 
-PLOTS = {"history": history, "importance": importance, "per_knob": per_knob, "kernels": kernels, "proxy": proxy, "pareto": pareto}
+PLOTS = {"history": history, "importance": importance, "changes": changes, "per_knob": per_knob, "kernels": kernels,
+         "proxy": proxy, "pareto": pareto}
 

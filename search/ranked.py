@@ -4,7 +4,8 @@ Optuna plots read, so that their best trial, history and importance agree with t
 A complete trial's first value is the figure its config ranks by on the leaderboard, in tok/s (leaderboard.figure: the
 confirmed speedup times the baseline's estimate where an A/B confirmation exists, else the config's estimate, the median
 of all its measurements), whatever the trial's own first figure was; its user attributes carry the estimate with its
-90% interval and count, the speedup, the confirmation and the rank. The storage is read at every call, so
+90% interval and count, the speedup, the confirmation and the rank; the study's user attributes say what its knob
+importance rests on (search/effects.py, the dashboard's importance). The storage is read at every call, so
 re-measurements and confirmations show as soon as they are stored. Nothing is written: the values the workers told
 Optuna stay as they were (the samplers learn from them).
 """
@@ -23,6 +24,7 @@ from sqlalchemy import select
 from db import store
 from db.engine import engine_kwargs, open_db, session
 from db.models import Trial
+from search import effects
 from search.leaderboard import figure, leaderboard
 
 
@@ -89,7 +91,12 @@ class RankedStorage(BaseStorage):
   def get_study_id_from_name(self, study_name: str) -> int: return self.rdb.get_study_id_from_name(study_name)
   def get_study_name_from_id(self, study_id: int) -> str: return self.rdb.get_study_name_from_id(study_id)
   def get_study_directions(self, study_id: int) -> list[StudyDirection]: return self.rdb.get_study_directions(study_id)
-  def get_study_user_attrs(self, study_id: int) -> dict[str, Any]: return self.rdb.get_study_user_attrs(study_id)
+  def get_study_user_attrs(self, study_id: int) -> dict[str, Any]:
+    """The stored ones, and what the knob importance rests on ("knob importance")."""
+    attrs = self.rdb.get_study_user_attrs(study_id)
+    with session(self.ours) as s:
+      if (st := store.get_study(s, self.rdb.get_study_name_from_id(study_id))) is None: return attrs
+      return {**attrs, "knob importance": effects.points(s, st).basis()}
   def get_study_system_attrs(self, study_id: int) -> dict[str, Any]: return self.rdb.get_study_system_attrs(study_id)
   def get_all_studies(self) -> list: return self.rdb.get_all_studies()  # of Optuna's FrozenStudy (not exported)
   def create_new_trial(self, study_id: int, template_trial: FrozenTrial | None = None) -> int:

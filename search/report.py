@@ -17,8 +17,10 @@ from search.plots import PLOTS, load
 CAPTIONS = {"history": "Optimisation history: each config's estimate with its 90% interval (measured once, again, or "
                        "A/B-confirmed), the best so far as the leaderboard ranks, and the baseline's median and 90% "
                        "interval",
-            "importance": "Knob importance for tok/s (Optuna's fANOVA over the completed trials, each at its config's "
-                          "ranked figure)",
+            "importance": "Knob importance for tok/s (Optuna's fANOVA over the configs measured ok, each at its "
+                          "ranked figure, of the knobs that varied; the title says how many configs and trials)",
+            "changes": "Single changes: each config's speedup over its parent, the fastest config measured before it "
+                       "one knob away, with its 90% interval",
             "per_knob": "The estimate of each ok config per value of each knob",
             "kernels": "Kernels per token against tok/s",
             "proxy": "Block proxy tok/s against full-model tok/s", "pareto": "tok/s against peak device memory: the Pareto front"}

@@ -1,5 +1,6 @@
-"""The live view of a running study (rich): progress, the current trial's phase, best so far, recent results, failures, ETA.
-On a terminal it redraws in place; elsewhere (logs, CI) it prints one line per finished trial."""
+"""The live view of a running study (rich): progress, the current trial's phase, the study's leader (the leaderboard's
+first: its estimate with its interval and count, its speedup over the baseline's estimate, confirmed or not), recent
+results, failures, ETA. On a terminal it redraws in place; elsewhere (logs, CI) it prints one line per finished trial."""
 from __future__ import annotations
 
 import collections
@@ -7,13 +8,17 @@ import statistics
 import time
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from db import store
+from db.engine import open_db, session
 from db.models import Trial
 from model.structure import StructureConfig
 from search.events import Event
+from search.leaderboard import leaderboard
 from space.knobs import describe
 
 
@@ -28,22 +33,32 @@ def wall(t: Trial) -> float | None:
 
 
 class LiveView:
-  """Listens to a worker's events (search/events.py); starts from the study's trials so far and its baseline."""
+  """Listens to a worker's events (search/events.py); starts from the study's trials so far and its baseline, and reads
+  the study's leader from its database (url) at each trial's end and each re-measurement."""
 
-  def __init__(self, console: Console, study: str, total: int, finished: list[Trial], baseline: StructureConfig):
+  def __init__(self, console: Console, study: str, total: int, finished: list[Trial], baseline: StructureConfig, url: str):
     self.console, self.study, self.total, self.base = console, study, total, baseline
+    self.engine = open_db(url, create=False)
     self.done = len([t for t in finished if t.state not in ("running", "interrupted")])
     self.recent: collections.deque[Trial] = collections.deque(maxlen=6)
     self.failures: collections.Counter[str] = collections.Counter(t.failure_class for t in finished if t.failure_class)
     self.walls = [w for t in finished if (w := wall(t)) is not None]
-    self.best: Trial | None = max((t for t in finished if t.state == "ok"), key=lambda t: t.tok_s, default=None)
-    self.baseline = next((t.tok_s for t in finished if t.state == "ok" and t.config_hash == baseline.hash), None)
+    self.best: dict | None = None  # the leaderboard's first row
+    self.baseline: float | None = None  # the baseline's estimate
     self.current: tuple[int, str, str, float] | None = None  # number, label, phase, start
     self.notes: collections.deque[str] = collections.deque(maxlen=3)
+    self.rank()
+
+  def rank(self) -> None:
+    """The study's leader and the baseline's estimate, as the leaderboard has them now."""
+    with session(self.engine) as s: doc = leaderboard(s, store.get_study(s, self.study), top=1)
+    self.best = doc["rows"][0] if doc["rows"] else None
+    self.baseline = doc["baseline"]["tok_s"] if doc["baseline"] else None
 
   def handle(self, e: Event) -> None:
     if e.kind == "start": self.current = (e.number, label(e.text, self.base), "starting", time.perf_counter())
     elif e.kind == "phase" and self.current: self.current = (*self.current[:2], e.text, self.current[3])
+    elif e.kind == "measured": self.rank()
     elif e.kind in ("wait", "note"):
       self.notes.append(e.text)
       if not self.console.is_terminal: self.console.print(e.text)
@@ -53,8 +68,7 @@ class LiveView:
       self.recent.appendleft(t)
       if t.failure_class and t.state != "reused": self.failures[t.failure_class] += 1
       if (w := wall(t)) is not None: self.walls.append(w)
-      if t.state == "ok" and t.config_hash == self.base.hash: self.baseline = t.tok_s
-      if t.tok_s is not None and (self.best is None or t.tok_s > self.best.tok_s): self.best = t
+      self.rank()
       if e.text.startswith("config already measured"): self.notes.append(f"trial {t.number}: {e.text}")
       if not self.console.is_terminal: self.console.print(self.line(t, e.text))
 
@@ -71,9 +85,20 @@ class LiveView:
     s = statistics.median(self.walls) * max(0, self.total - self.done)
     return f"{s / 60:.0f} min" if s >= 90 else f"{s:.0f} s"
 
+  def leader(self) -> str:
+    """The leaderboard's first: `trial N: median [low, high] tok/s over n (speedup)`, its A/B confirmation where it has
+    one."""
+    if (r := self.best) is None: return "-"
+    est = store.interval(store.Estimate(r["tok_s"], r["tok_s_low"], r["tok_s_high"], r["measurements"]))
+    c = r["confirmed"]
+    how = (f"{c['speedup']:.3f}x A/B-confirmed" if c and c["status"] == "ok" else
+           f"{r['speedup']:.3f}x estimated" if r["speedup"] is not None else "no baseline yet")
+    return f"trial {r['trial']}: {est} tok/s over {r['measurements']} ({how})"
+
   def __rich__(self) -> Group:
-    best = f"{self.best.tok_s:.2f} tok/s in trial {self.best.number}{self.speedup(self.best.tok_s)}" if self.best else "-"
-    head = Text.from_markup(f"[bold]{self.study}[/]  trials {self.done}/{self.total}   best {best}   ETA {self.eta()}")
+    best = self.leader()
+    head = Text.from_markup(f"[bold]{escape(self.study)}[/]  trials {self.done}/{self.total}   best {escape(best)}   "
+                            f"ETA {self.eta()}")
     parts: list = [head]
     if self.current:
       n, lbl, phase, t0 = self.current

@@ -93,7 +93,9 @@ class Runner:
                  if t.state == TrialState.WAITING and ("failed_trial" in t.system_attrs or "retry_of" in t.user_attrs)]
       done = self.finished(trials)
       if done >= self.setup.trials and not running and not retries:
-        if not self.multi: noise.settle(self.ev, self.engine, self.row, self.baseline.hash, max(2, self.setup.trials // 10), self.say)
+        if not self.multi and noise.settle(self.ev, self.engine, self.row, self.baseline.hash, max(2, self.setup.trials // 10),
+                                           self.say):
+          self.emit(Event("measured", -1, "the configs within the noise of the best"))
         return
       if done + len(running) >= self.setup.trials and not retries:
         if said != (said := f"waiting for trial{'s' * (len(running) > 1)} {', '.join(str(t.number) for t in running)} of other workers "
@@ -104,9 +106,10 @@ class Runner:
       except ValueError:  # Optuna cannot tell a trial it failed already: the late result is recorded (objective), go on
         if self.late is None: raise
       self.late = None
-      if (done := self.finished()) and done % noise.repeat_every(self.setup.trials) == 0 and done < self.setup.trials:
-        noise.measure(self.ev, self.engine, self.row, self.baseline, self.baseline.hash, None, f"baseline re-measured after {done} trials",
-                      self.say)
+      if (done := self.finished()) and done % noise.repeat_every(self.setup.trials) == 0 and done < self.setup.trials \
+          and noise.measure(self.ev, self.engine, self.row, self.baseline, self.baseline.hash, None,
+                            f"baseline re-measured after {done} trials", self.say):
+        self.emit(Event("measured", -1, "the baseline"))
 
   def finished(self, trials: list[FrozenTrial] | None = None) -> int:
     """Trials with an outcome: completed, pruned, or failed by the evaluator (not interrupted, not lost with a dead

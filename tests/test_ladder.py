@@ -122,6 +122,7 @@ def test_cost_adds_phases_setup_search_and_projects() -> None:
   repeat = Measurement(kind="repeat", wall_s=1.5, created_at=datetime.fromtimestamp(1.7e9 + 162, UTC))
   doc = study_cost(ts, n=100, measurements=[repeat])
   walls = [r["wall_s"] for r in doc["trials"]]
+  assert [r["trial"] for r in doc["trials"]] == [0, 1, 2]  # `trial` as in every document (docs/json.md)
   assert (doc["n"] == 3 and walls == [161.0, 40.0 + 8 + 1 + 2, 9.0 + 0.5 + 0.5] and doc["setup_s"] == 100.0
           and doc["repeat_s"] == 1.5)
   assert doc["mean_trial_s"] == pytest.approx((sum(walls) - 100) / 3) and doc["projected_s"] == pytest.approx(

@@ -256,3 +256,129 @@ def test_precision_class_in_every_view_and_a_study_held_to_exact(demo, gguf_file
   assert search("start", "--model", model, "--study", "y", "--storage", url, "--exact", "--fix", "ffn_act=q8",
                 *FAST) == 2
   assert "--exact holds the study to exact configs: it pins ffn_act=float32, not ffn_act=q8" in capsys.readouterr().err
+
+
+def _wsgi_json(app, path: str) -> tuple[str, dict]:
+  import wsgiref.util
+  env: dict = {}
+  wsgiref.util.setup_testing_defaults(env)
+  env["PATH_INFO"] = path
+  said: dict = {}
+  body = b"".join(app(env, lambda status, headers, exc_info=None: said.setdefault("status", status)))
+  return said["status"], json.loads(body)
+
+
+def test_one_importance_over_the_knobs_that_varied(demo) -> None:
+  """The report's, the notebook's and the dashboard's knob importance are one computation over the knobs that took more
+  than one value among the configs measured ok (a barrier that applies to some configs only counts once it varied; a
+  knob that never varied is not ranked), each saying what it rests on."""
+  from model.structure import StructureConfig
+  from search import dashboard, effects
+  from space.knobs import flat, to_config
+  url = demo["url"]
+  with session(open_db(url)) as s:
+    st = store.get_study(s, "d")
+    mid = next(t for t in store.trials(s, st) if t.number == demo["mid"])
+    # trial mid's config with a barrier changed: the barrier applies under fused.router but not under fused.attention
+    cfg = to_config({**flat(StructureConfig.from_json(mid.config_json)), "barrier.attn_out": "realize"})
+    t = store.start_trial(s, st, 4, cfg.to_json(), cfg.hash, None, "h:1")
+    store.finish_trial(s, t, state="ok", stage="full", tok_s=90.0, metrics={"tok_s": 90.0})
+    configs = [flat(StructureConfig.from_json(t.config_json)) for t in store.trials(s, st) if t.state == "ok"]
+  varied = {k for k in configs[0] if len({str(c[k]) for c in configs}) > 1}
+  assert varied == {"fused.attention", "fused.router", "fused.moe", "barrier.attn_out"}
+  d = plots.load(url, "d")
+  fig = plots.importance(d)
+  assert {t.get_text() for t in fig.axes[0].get_yticklabels()} == varied
+  basis = ("fANOVA of the ranked tok/s over 5 configs measured ok (5 trials, 66 measurements), the 4 knobs that took "
+           "more than one value among them")
+  assert d.points.basis() == basis and fig.get_suptitle() == basis
+  imp = effects.importance(d.points)
+  ranked = RankedStorage(url)
+  sid = ranked.get_study_id_from_name("d")
+  status, doc = _wsgi_json(dashboard.app(url, demo["artifacts"]), f"/api/studies/{sid}/param_importances")
+  assert status.startswith("200")
+  assert [p["name"] for p in doc["param_importances"][0]] == list(imp)
+  assert [p["importance"] for p in doc["param_importances"][0]] == pytest.approx(list(imp.values()))
+  assert ranked.get_study_user_attrs(sid)["knob importance"] == basis  # on the dashboard's page beside the chart
+  assert _wsgi_json(dashboard.app(url, demo["artifacts"]), "/api/studies/999/param_importances")[0].startswith("404")
+  assert effects.importance(effects.Points([{"k": "a"}, {"k": "b"}], [0.0, 0.0], "o", 2, 2)) == {}  # nothing to explain
+
+
+def test_single_changes_with_their_intervals(demo) -> None:
+  """The climb's chart: each config measured ok against its parent (the fastest measured before it one knob away), its
+  speedup the ratio of their estimates with an interval that holds both estimates' intervals."""
+  import dataclasses
+
+  from model.structure import StructureConfig
+  from search import effects
+  d = plots.load(demo["url"], "d")
+  est = {r["trial"]: r for r in d.board["rows"]}
+  assert [(c.trial, c.parent, c.knob, c.new) for c in d.changes] == [
+    (1, 0, "fused.attention", "dsl"), (2, 0, "fused.router", "dsl"), (3, 0, "fused.moe", "dsl")]
+  for c in d.changes:
+    assert c.speedup == pytest.approx(est[c.trial]["tok_s"] / est[0]["tok_s"])
+    r, b = est[c.trial], est[0]
+    assert c.low <= min(r["tok_s_low"] / b["tok_s"], r["tok_s"] / b["tok_s_high"]) - 1e-3
+    assert c.high >= max(r["tok_s_high"] / b["tok_s"], r["tok_s"] / b["tok_s_low"]) - 1e-12
+  ax = plots.changes(d).axes[0]
+  assert [t.get_text() for t in ax.get_yticklabels()][::-1][1] == "trial 2: fused.router off -> dsl (of 0)"
+  params = {t.number: t.params for t in d.optuna.trials}
+  # one knob from trial 2's config and from trial 3's: its parent is the one that ranks first (3: 1.20x estimated
+  # over 2: 1.02x confirmed)
+  params[4] = {**params[2], "fused.moe": "dsl"}
+  with session(open_db(demo["url"])) as s:
+    st = store.get_study(s, "d")
+    two = StructureConfig.from_json(next(t for t in store.trials(s, st) if t.number == 2).config_json)
+    both = dataclasses.replace(two, fused={**two.fused, "moe": "dsl"})
+    t = store.start_trial(s, st, 4, both.to_json(), both.hash, None, "h:1")
+    store.finish_trial(s, t, state="ok", stage="full", tok_s=150.0, metrics={"tok_s": 150.0})
+    four = effects.single_changes(s, st, params)[-1]
+  assert (four.trial, four.parent, four.knob, four.old, four.new) == (4, 3, "fused.router", "off", "dsl")
+  assert four.speedup == pytest.approx(150 / 120)
+
+
+def test_the_live_view_shows_the_leaderboards_first(demo) -> None:
+  """`search start`'s live view names the study's leader as the leaderboard ranks it (trial fresh, 1.20x estimated),
+  not the trial of the highest first figure (the baseline's), and follows a re-measurement."""
+  import io
+
+  from rich.console import Console
+
+  from model.structure import StructureConfig
+  from search.events import Event
+  from search.view import LiveView
+  url = demo["url"]
+  with session(open_db(url)) as s:
+    st = store.get_study(s, "d")
+    trials, base = store.trials(s, st), StructureConfig.from_json(st.baseline_config)
+  view = LiveView(Console(file=io.StringIO()), "d", 4, trials, base, url)
+  def head() -> str:
+    (out := Console(file=io.StringIO(), width=300)).print(view)
+    return out.file.getvalue().splitlines()[0]
+  assert f"best trial {demo['fresh']}: 120.00 [119.39, 121.25] tok/s over 16 (1.200x estimated)" in head()
+  with session(open_db(url)) as s:  # the baseline measured again, faster: mid's confirmed 1.02x is now above fresh
+    st = store.get_study(s, "d")
+    for _ in range(40): store.add_measurement(s, st.id, st.baseline_hash, "full", 125.0, "repeat")
+  view.handle(Event("measured", -1, "the baseline"))
+  assert f"best trial {demo['mid']}: 130.00 [" in head() and "(1.020x A/B-confirmed)" in head()
+
+
+def test_artifacts_follow_a_re_measurement_of_the_baseline(gguf_file, tmp_path, monkeypatch) -> None:
+  """The worker tells its listeners when it measured the baseline again (every speedup changed): the artifacts are
+  rewritten then, in the middle of the run, not only at its end."""
+  install_fake_trials(monkeypatch.setattr)
+  url, art = f"sqlite:///{tmp_path / 's.db'}", str(tmp_path / "artifacts")
+  seen, refresh = [], Uploader.refresh
+  def baseline_measurements() -> int:
+    st = storage(url)
+    trial = st.get_trial(st.get_trial_id_from_study_id_trial_number(st.get_study_id_from_name("m"), 0))
+    meta = next(m for m in get_all_artifact_meta(trial, storage=st) if m.filename == "trial-0-metrics.json")
+    return json.loads(FileSystemArtifactStore(art).open_reader(meta.artifact_id).read())["estimate"]["measurements"]
+  def spy(self) -> None:
+    refresh(self)
+    with session(open_db(url)) as s: done = sum(t.state == "ok" for t in store.trials(s, store.get_study(s, "m")))
+    seen.append((done, baseline_measurements()))
+  monkeypatch.setattr(Uploader, "refresh", spy)
+  assert search("start", "--model", gguf_file("tiny", "q4_0"), "--study", "m", "--storage", url, "--trials", "4",
+                "--artifacts", art, *FAST) == 0
+  assert seen[0] == (2, 2)  # after trial 1 (repeat_every(4) = 2): trial 0's file holds the baseline's second figure

@@ -1,4 +1,5 @@
-"""Opening the database: connect, check, bring our schema to head with Alembic. Every failure is one line in a DBError."""
+"""Opening the database: connect, check, bring our schema to head with Alembic. Every failure is one line in a
+DBError."""
 from __future__ import annotations
 
 import re
@@ -49,13 +50,15 @@ def _line(e: BaseException) -> str:
 
 
 def _reason(e: DBAPIError) -> str:
-  """The driver's first line less its 'connection to server at ... failed:' preamble: 'connection refused', 'database "x" does not exist', ..."""
+  """The driver's first line less its 'connection to server at ... failed:' preamble: 'connection refused', 'database
+  "x" does not exist', ..."""
   reason = re.sub(r"^.*failed: (FATAL: +)?", "", _line(e)).strip()
   return reason[:1].lower() + reason[1:]
 
 
 def engine_kwargs(url: str) -> dict:
-  """Engine options of every connection to url, ours and Optuna's: SQLite waits up to 30 s for a lock (its default is 5 s)."""
+  """Engine options of every connection to url, ours and Optuna's: SQLite waits up to 30 s for a lock (its default is 5
+  s)."""
   return {"connect_args": {"timeout": 30}} if make_url(url).get_backend_name() == "sqlite" else {}
 
 
@@ -65,8 +68,10 @@ def _create_engine(u: URL) -> Engine:
     event.listen(engine, "connect", lambda dbapi_conn, _: dbapi_conn.execute("PRAGMA foreign_keys = ON"))
     return engine
   if u.get_backend_name() == "postgresql":
-    return create_engine(u, pool_pre_ping=True, connect_args={} if "connect_timeout" in u.query else {"connect_timeout": 10})
-  raise ArgumentError(f"backend {u.get_backend_name()!r} is not supported (use sqlite:///FILE or postgresql+psycopg://USER@HOST:PORT/DB)")
+    return create_engine(u, pool_pre_ping=True, connect_args={} if "connect_timeout" in u.query
+                         else {"connect_timeout": 10})
+  raise ArgumentError(f"backend {u.get_backend_name()!r} is not supported (use sqlite:///FILE or "
+                      "postgresql+psycopg://USER@HOST:PORT/DB)")
 
 
 def _upgrade(conn, url: str, safe: str, create: bool) -> None:
@@ -76,16 +81,19 @@ def _upgrade(conn, url: str, safe: str, create: bool) -> None:
   current = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE}).get_current_heads()
   if not current and not create: raise NoDatabase(f"no structsearch database at {safe}")
   if unknown := sorted(set(current) - known):
-    raise DBError(f"the database at {safe} has schema revision {', '.join(unknown)}, unknown to this structsearch: a newer version made it")
+    raise DBError(f"the database at {safe} has schema revision {', '.join(unknown)}, unknown to this structsearch: a "
+                  "newer version made it")
   command.upgrade(cfg, "head")
 
 
 def open_db(url: str, create: bool = True) -> Engine:
-  """Connect to url and upgrade our tables to head (idempotent; concurrent callers wait for each other). Never drops data.
-  Without `create` (the commands that only read or join), a database that does not exist yet is an error, and none is made."""
+  """Connect to url and upgrade our tables to head (idempotent; concurrent callers wait for each other). Never drops
+  data. Without `create` (the commands that only read or join), a database that does not exist yet is an error, and none
+  is made."""
   safe = hide_password(url)
   try: u = make_url(url); engine = _create_engine(u)
-  except (ArgumentError, NoSuchModuleError, ImportError) as e: raise DBError(f"unsupported database URL {safe}: {_line(e)}") from None
+  except (ArgumentError, NoSuchModuleError, ImportError) as e:
+    raise DBError(f"unsupported database URL {safe}: {_line(e)}") from None
   sqlite = u.get_backend_name() == "sqlite"
   if sqlite and not create and not (u.database and u.database != ":memory:" and Path(u.database).is_file()):
     engine.dispose()
@@ -97,7 +105,8 @@ def open_db(url: str, create: bool = True) -> Engine:
     raise DBError(f"cannot {'open' if sqlite else 'reach'} {where}: {_reason(e)}") from None
   try:
     with conn:
-      if sqlite:  # write-ahead log: readers (the dashboard, `search status`) never block the writing search, nor it them
+      # write-ahead log: readers (the dashboard, `search status`) never block the writing search, nor it them
+      if sqlite:
         conn.exec_driver_sql("PRAGMA journal_mode=WAL")
         conn.commit()
       with conn.begin():

@@ -1,4 +1,5 @@
-"""Our tables, all prefixed ss_. Optuna's RDB storage keeps its own tables (studies, trials, alembic_version, ...) in the same database."""
+"""Our tables, all prefixed ss_. Optuna's RDB storage keeps its own tables (studies, trials, alembic_version, ...) in
+the same database."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
@@ -9,8 +10,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
 VERSION_TABLE = "ss_alembic_version"  # Optuna's migrations own alembic_version
-TRIAL_STATES = ("running", "ok", "wrong_output", "invalid_config", "compile_error", "runtime_error", "oom", "killed", "timeout", "pruned",
-                "reused", "interrupted")
+TRIAL_STATES = ("running", "ok", "wrong_output", "invalid_config", "compile_error", "runtime_error", "oom", "killed",
+                "timeout", "pruned", "reused", "interrupted")
 
 
 def include_name(name: str | None, type_: str, parent_names: dict) -> bool:
@@ -33,8 +34,10 @@ class UTCDateTime(TypeDecorator):
 
 
 class Base(DeclarativeBase):
-  metadata = MetaData(naming_convention={"ix": "ix_%(table_name)s_%(column_0_name)s", "uq": "uq_%(table_name)s_%(column_0_name)s",
-                                         "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s", "pk": "pk_%(table_name)s"})
+  metadata = MetaData(naming_convention={"ix": "ix_%(table_name)s_%(column_0_name)s",
+                                         "uq": "uq_%(table_name)s_%(column_0_name)s",
+                                         "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+                                         "pk": "pk_%(table_name)s"})
   type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSON}
 
 
@@ -75,11 +78,13 @@ class Study(Base):
   model_bytes: Mapped[int] = mapped_column(BigInteger)
   layers: Mapped[int]
   device: Mapped[str]
-  device_name: Mapped[str]  # the device model every trial of the study runs on (results of two models never share a ranking)
+  # the device model every trial of the study runs on (results of two models never share a ranking)
+  device_name: Mapped[str]
   space_version: Mapped[int]
   objectives: Mapped[str]  # "tok_s" or "tok_s,peak_memory"
   sampler: Mapped[str]
-  baseline_config: Mapped[str | None] = mapped_column(Text)  # the study's one baseline (JSON): the defaults and its pinned knobs
+  # the study's one baseline (JSON): the defaults and its pinned knobs
+  baseline_config: Mapped[str | None] = mapped_column(Text)
   baseline_hash: Mapped[str | None] = mapped_column(String(16))
   created_at: Mapped[datetime] = mapped_column(default=utcnow)
   finished_at: Mapped[datetime | None]
@@ -147,9 +152,11 @@ class Confirmation(Base):
 
 
 class Measurement(Base):
-  """One decode figure of one config: a trial's own stage, a baseline repeat, a near-best re-measurement or an A/B run."""
+  """One decode figure of one config: a trial's own stage, a baseline repeat, a near-best re-measurement or an A/B
+  run."""
   __tablename__ = "ss_measurement"
-  KINDS: ClassVar[tuple[str, ...]] = ("trial", "repeat", "confirm")  # a trial's own figure, a re-measurement by the search, an A/B run
+  # a trial's own figure, a re-measurement by the search, an A/B run
+  KINDS: ClassVar[tuple[str, ...]] = ("trial", "repeat", "confirm")
   id: Mapped[int] = mapped_column(primary_key=True)
   study_id: Mapped[int] = mapped_column(ForeignKey("ss_study.id"), index=True)
   trial_id: Mapped[int | None] = mapped_column(ForeignKey("ss_trial.id"))  # None: a baseline repeat between trials

@@ -59,8 +59,10 @@ class Hparams:
       if (v := f.key(key)) is None: raise GGUFError(f"{f.path.name}: metadata key {f.arch}.{key} is missing")
       return v
     n_layers = need("block_count") - f.key("nextn_predict_layers", 0)
-    vocab = f.key("vocab_size") or len(f.metadata.get("tokenizer.ggml.tokens", [])) or f.tensors["token_embd.weight"].shape[0]
-    gating = f.key("expert_gating_func", 0) or (SIGMOID if need("block_count") in (47, 48) and vocab == 154880 else SOFTMAX)
+    vocab = (f.key("vocab_size") or len(f.metadata.get("tokenizer.ggml.tokens", []))
+             or f.tensors["token_embd.weight"].shape[0])
+    gating = (f.key("expert_gating_func", 0)
+              or (SIGMOID if need("block_count") in (47, 48) and vocab == 154880 else SOFTMAX))
     key_len, rope = need("attention.key_length"), need("rope.dimension_count")
     head_k = f.key("attention.key_length_mla", key_len)
     # rope scaling and the attention scale, as llama.cpp derives them (llama-context.cpp, models/deepseek2.cpp)
@@ -71,19 +73,20 @@ class Hparams:
     log_mul = f.key("rope.scaling.yarn_log_multiplier", 0.0) / 0.1
     attn_factor = 1.0
     if ext_factor != 0:  # with a log multiplier, deepseek2's mscale equals mscale_all_dim and their ratio is 1
-      attn_factor = (1.0 if log_mul != 0 or factor <= 1 else 1.0 + 0.1 * math.log(factor)) / (1.0 + 0.1 * math.log(factor))
+      attn_factor = (1.0 if log_mul != 0 or factor <= 1
+                     else 1.0 + 0.1 * math.log(factor)) / (1.0 + 0.1 * math.log(factor))
     attn_factor *= f.key("rope.scaling.attn_factor", 1.0)
     mscale = attn_factor * (1.0 + 0.1 * math.log(1.0 / freq_scale)) * (1.0 + 0.1 * log_mul * math.log(1.0 / freq_scale))
     return Hparams(
       n_layers=n_layers, n_dense_lead=f.key("leading_dense_block_count", 0), dim=need("embedding_length"),
-      n_heads=need("attention.head_count"), q_lora=f.key("attention.q_lora_rank", 0) if "blk.0.attn_q_a.weight" in f.tensors else 0,
-      kv_lora=need("attention.kv_lora_rank"), qk_nope=head_k - rope, qk_rope=rope,
-      v_head=f.key("attention.value_length_mla", f.key("attention.value_length")),
-      n_experts=f.key("expert_count", 0), n_used=f.key("expert_used_count", 0), gating=gating,
-      norm_w=bool(f.key("expert_weights_norm", False)), w_scale=float(f.key("expert_weights_scale", 0.0)),
-      eps=need("attention.layer_norm_rms_epsilon"), vocab=vocab, context_length=need("context_length"),
-      rope_base=f.key("rope.freq_base", 10000.0), freq_scale=freq_scale, ext_factor=ext_factor, attn_factor=attn_factor,
-      beta_fast=32.0, beta_slow=1.0,
+      n_heads=need("attention.head_count"), q_lora=f.key("attention.q_lora_rank", 0)
+      if "blk.0.attn_q_a.weight" in f.tensors
+      else 0, kv_lora=need("attention.kv_lora_rank"), qk_nope=head_k - rope, qk_rope=rope,
+      v_head=f.key("attention.value_length_mla", f.key("attention.value_length")), n_experts=f.key("expert_count", 0),
+      n_used=f.key("expert_used_count", 0), gating=gating, norm_w=bool(f.key("expert_weights_norm", False)),
+      w_scale=float(f.key("expert_weights_scale", 0.0)), eps=need("attention.layer_norm_rms_epsilon"), vocab=vocab,
+      context_length=need("context_length"), rope_base=f.key("rope.freq_base", 10000.0), freq_scale=freq_scale,
+      ext_factor=ext_factor, attn_factor=attn_factor, beta_fast=32.0, beta_slow=1.0,
       n_ctx_orig=f.key("rope.scaling.original_context_length", need("context_length")),
       kq_scale=mscale * mscale / math.sqrt(head_k))
 
@@ -138,12 +141,14 @@ def topk_indices(scores: Tensor, k: int, variant: str) -> Tensor:
 
 
 class Block:
-  def __init__(self, f: GGUFFile, i: int, hp: Hparams, cfg: StructureConfig, load, max_context: int, device: str | None, shared: dict):
+  def __init__(self, f: GGUFFile, i: int, hp: Hparams, cfg: StructureConfig, load, max_context: int, device: str | None,
+               shared: dict):
     self.hp, self.cfg, self.i = hp, cfg, i
     self.cos, self.sin, self.scratch = shared["cos"], shared["sin"], shared
     p = f"blk.{i}."
     has = lambda n: p + n + ".weight" in f.tensors
-    self.attn_norm, self.ffn_norm, self.kv_a_norm = (load(p + n + ".weight", norm=True) for n in ("attn_norm", "ffn_norm", "attn_kv_a_norm"))
+    self.attn_norm, self.ffn_norm, self.kv_a_norm = (load(p + n + ".weight", norm=True)
+                                                     for n in ("attn_norm", "ffn_norm", "attn_kv_a_norm"))
     att = lambda n, **kw: load(p + n + ".weight", stage="attention", **kw)
     if hp.q_lora:
       self.q_a, self.q_a_norm, self.q_b = att("attn_q_a"), load(p + "attn_q_a_norm.weight", norm=True), att("attn_q_b")
@@ -156,7 +161,8 @@ class Block:
       self.k_b = att("attn_k_b", shape=(H, hp.kv_lora, nope))
       self.v_b = att("attn_v_b", shape=(H, v, hp.kv_lora))
     elif has("attn_kv_b"):  # legacy file: one (H*(nope+v), kv_lora) matrix; per head, its nope rows are k_b transposed
-      if cfg.stage("attention"): raise ConfigError(f"fused.attention needs split attn_k_b/attn_v_b tensors; {f.path.name} has the legacy attn_kv_b")
+      if cfg.stage("attention"): raise ConfigError("fused.attention needs split attn_k_b/attn_v_b tensors; "
+                                                   f"{f.path.name} has the legacy attn_kv_b")
       self.k_b_t, self.v_b = att("attn_kv_b", shape=(H, nope + v, hp.kv_lora)).split_rows(nope)
     else:
       raise GGUFError(f"{f.path.name}: block {i} has neither attn_k_b/attn_v_b nor attn_kv_b")
@@ -170,16 +176,20 @@ class Block:
       exps = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
       self.gate_exps, self.up_exps, self.down_exps = (load(p + n + ".weight", role="expert", stage="moe") for n in exps)
       self.n_ff_exp = self.gate_exps.shape[1]
-      if cfg.merge_gate_up_routed: self.gate_up_exps, self.gate_exps, self.up_exps = W.concat_rows(self.gate_exps, self.up_exps), None, None
+      if cfg.merge_gate_up_routed:
+        self.gate_up_exps, self.gate_exps, self.up_exps = W.concat_rows(self.gate_exps, self.up_exps), None, None
       self.shared = has("ffn_gate_shexp")
       if self.shared:
-        self.gate_sh, self.up_sh, self.down_sh = (load(p + n + ".weight", stage="moe") for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"))
-        if cfg.merge_gate_up_shared: self.gate_up_sh, self.gate_sh, self.up_sh = W.concat_rows(self.gate_sh, self.up_sh), None, None
+        self.gate_sh, self.up_sh, self.down_sh = (load(p + n + ".weight", stage="moe")
+                                                  for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"))
+        if cfg.merge_gate_up_shared:
+          self.gate_up_sh, self.gate_sh, self.up_sh = W.concat_rows(self.gate_sh, self.up_sh), None, None
     else:
       self.gate, self.up, self.down = (load(p + n + ".weight", stage="ffn") for n in ("ffn_gate", "ffn_up", "ffn_down"))
       if cfg.merge_gate_up_dense: self.gate_up, self.gate, self.up = W.concat_rows(self.gate, self.up), None, None
     self.kv_dtype = dtypes.float16 if cfg.kv_dtype == "float16" else dtypes.float32
-    self.cache = Tensor.zeros(1, max_context, hp.kv_lora + hp.qk_rope, dtype=self.kv_dtype, device=device).contiguous().realize()
+    self.cache = Tensor.zeros(1, max_context, hp.kv_lora + hp.qk_rope, dtype=self.kv_dtype,
+                              device=device).contiguous().realize()
 
   def _absorb_k_b(self) -> None:
     """MLA absorption at load time: q_b's nope rows of each head pre-multiplied by k_b, stored as one fp16 matrix."""
@@ -194,7 +204,8 @@ class Block:
     self.q_abs = QWeight.fp16((self.k_b_float() @ q_nope).reshape(H * hp.kv_lora, d_in))  # (H, kv_lora, in) per head
     self.q_b = None  # replaced by q_abs and q_pe: keeping it would hold the quantized q projection twice
 
-  def k_b_float(self) -> Tensor: return self.k_b.to_float() if self.k_b_t is None else self.k_b_t.to_float().permute(0, 2, 1)
+  def k_b_float(self) -> Tensor:
+    return self.k_b.to_float() if self.k_b_t is None else self.k_b_t.to_float().permute(0, 2, 1)
 
   def absorb(self, q_nope: Tensor) -> Tensor:
     """q_nope (B, T, H, nope) -> (B, T, H, kv_lora): per head, k_b applied to q (MLA absorption at run time)."""
@@ -206,7 +217,8 @@ class Block:
     return x if mode == "none" else x.contiguous().realize() if mode == "realize" else x.contiguous()
 
   def project(self, xn: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The attention's projections of the normalised input: absorbed q (B, T, H, kv_lora), q_pe (B, T, H, rope), kv (B, T, kv_lora + rope)."""
+    """The attention's projections of the normalised input: absorbed q (B, T, H, kv_lora), q_pe (B, T, H, rope), kv (B,
+    T, kv_lora + rope)."""
     hp, (B, T, _) = self.hp, xn.shape
     H, nope, rope, kvl = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.kv_lora
     xq = rms_norm(K.linear(xn, self.q_a), self.q_a_norm, hp.eps) if hp.q_lora else xn
@@ -219,7 +231,8 @@ class Block:
     return q_abs, q_pe, self.barrier(K.linear(xn, self.kv_a), "kv_a")
 
   def attend(self, q_abs: Tensor, q_pe: Tensor, kv: Tensor, start_pos: int | UOp) -> Tensor:
-    """RoPE, the KV cache write, attention over the compressed cache and v_b: (B, T, H * v_head), before the output projection."""
+    """RoPE, the KV cache write, attention over the compressed cache and v_b: (B, T, H * v_head), before the output
+    projection."""
     hp, (B, T, H, _) = self.hp, q_abs.shape
     rope, kvl = hp.qk_rope, hp.kv_lora
     cos, sin = self.cos[start_pos:start_pos + T], self.sin[start_pos:start_pos + T]
@@ -244,7 +257,8 @@ class Block:
   def attention(self, xn: Tensor, start_pos: int | UOp) -> Tensor:
     return K.linear(self.barrier(self.attend(*self.project(xn), start_pos), "attn_out"), self.wo)
 
-  def _ffn(self, x: Tensor, gate: QWeight | None, up: QWeight | None, down: QWeight, gate_up: QWeight | None, point: str) -> Tensor:
+  def _ffn(self, x: Tensor, gate: QWeight | None, up: QWeight | None, down: QWeight, gate_up: QWeight | None,
+           point: str) -> Tensor:
     if gate_up is not None:
       gu = K.linear(x, gate_up)
       g, u = gu[..., :down.shape[1]], gu[..., down.shape[1]:]
@@ -253,11 +267,14 @@ class Block:
     return K.linear(self.barrier(g.silu() * u, point), down)
 
   def router_logits(self, xn: Tensor) -> Tensor:
-    """router_fp32=False rounds the input to fp16 in a buffer of its own: tinygrad folds cast(cast(x, half), float) into x."""
-    return self.barrier(K.linear(xn.float() if self.cfg.router_fp32 else xn.cast(dtypes.float16).contiguous(), self.gate_inp), "router_logits")
+    """router_fp32=False rounds the input to fp16 in a buffer of its own: tinygrad folds cast(cast(x, half), float) into
+    x."""
+    return self.barrier(K.linear(xn.float() if self.cfg.router_fp32
+                                 else xn.cast(dtypes.float16).contiguous(), self.gate_inp), "router_logits")
 
   def probs(self, logits: Tensor) -> Tensor:
-    return {SOFTMAX: logits.softmax(-1), SIGMOID: logits.sigmoid(), SOFTMAX_WEIGHT: logits, SQRT_SOFTPLUS: logits.softplus().sqrt()}[self.hp.gating]
+    return {SOFTMAX: logits.softmax(-1), SIGMOID: logits.sigmoid(), SOFTMAX_WEIGHT: logits,
+            SQRT_SOFTPLUS: logits.softplus().sqrt()}[self.hp.gating]
 
   def scores(self, logits: Tensor) -> Tensor:
     """What top-k selects on: the gating function's output plus the selection bias."""
@@ -265,7 +282,8 @@ class Block:
     return probs if self.probs_b is None else probs + self.probs_b
 
   def route(self, logits: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """(the ids used, their weights, the router's own top-k ids), each (B, T, K); forced: ids to use instead of its own."""
+    """(the ids used, their weights, the router's own top-k ids), each (B, T, K); forced: ids to use instead of its
+    own."""
     hp = self.hp
     probs = self.probs(logits)
     own = topk_indices(probs if self.probs_b is None else probs + self.probs_b, hp.n_used, self.cfg.topk)  # (B, T, K)
@@ -285,7 +303,8 @@ class Block:
       g, u = gu[..., :self.n_ff_exp], gu[..., self.n_ff_exp:]
     else:
       g, u = K.expert(xe, sel, self.gate_exps), K.expert(xe, sel, self.up_exps)
-    y = self.barrier(K.expert(self.barrier(g.silu() * u, "moe_gate_up"), sel, self.down_exps), "expert_down")  # (B, T, K, D)
+    # (B, T, K, D)
+    y = self.barrier(K.expert(self.barrier(g.silu() * u, "moe_gate_up"), sel, self.down_exps), "expert_down")
     out = self.barrier((y * w.unsqueeze(-1)).sum(2), "moe_out")
     if self.shared: out = out + self._ffn(xn, self.gate_sh, self.up_sh, self.down_sh, self.gate_up_sh, "shexp_gate_up")
     return out
@@ -305,8 +324,10 @@ class Block:
       if xn is None: xn = rms_norm(h, self.ffn_norm, hp.eps)
       return xn
     if not self.moe:
-      if (b := stage("ffn")) is not None: return b.ffn(self, h).cast(act)  # a kernel's output: block_out bounds nothing here
-      return self.barrier(h + self._ffn(norm(), self.gate, self.up, self.down, self.gate_up, "dense_gate_up").cast(act), "block_out")
+      # a kernel's output: block_out bounds nothing here
+      if (b := stage("ffn")) is not None: return b.ffn(self, h).cast(act)
+      return self.barrier(h + self._ffn(norm(), self.gate, self.up, self.down, self.gate_up, "dense_gate_up").cast(act),
+                          "block_out")
     forced = check.forced if check is not None else None
     if (b := stage("router")) is not None: sel, w, own, logits = b.router(self, h, forced)
     else:
@@ -321,11 +342,11 @@ class Block:
 
 @dataclass
 class Check:
-  """The correctness check's view into one block of a decode step (evaluator/gate.py; model/generate.py check_step runs the
-  blocks one by one). forced (1, 1, K): the expert ids an MoE block uses instead of its own (None: its own). h (1, 1, D)
-  with per_stage (1,) true: the FFN reads h, the attention output a reference recorded, instead of the block's own, so
-  each stage is checked on its own inputs. Records the attention's output (att), and an MoE router's own top-k ids (T, K),
-  its selection scores (T, E) and the logits they are computed from (T, E)."""
+  """The correctness check's view into one block of a decode step (evaluator/gate.py; model/generate.py check_step runs
+  the blocks one by one). forced (1, 1, K): the expert ids an MoE block uses instead of its own (None: its own). h (1,
+  1, D) with per_stage (1,) true: the FFN reads h, the attention output a reference recorded, instead of the block's
+  own, so each stage is checked on its own inputs. Records the attention's output (att), and an MoE router's own top-k
+  ids (T, K), its selection scores (T, E) and the logits they are computed from (T, E)."""
   forced: Tensor | None = None
   h: Tensor | None = None
   per_stage: Tensor | None = None
@@ -343,23 +364,26 @@ class Check:
 class Transformer:
   """A deepseek2 model built from a GGUF file and a StructureConfig, with its KV cache on `device`."""
 
-  def __init__(self, f: GGUFFile, cfg: StructureConfig | None = None, max_context: int = 4096, device: str | None = None,
-               n_layers: int | None = None):
+  def __init__(self, f: GGUFFile, cfg: StructureConfig | None = None, max_context: int = 4096, device: str
+               | None = None, n_layers: int | None = None):
     self.file, self.cfg, self.hp = f, cfg or StructureConfig(), Hparams.from_gguf(f)
     hp, self.device = self.hp, device
     self.max_context = min(max_context, hp.context_length)
     self.act = dtypes.float16 if self.cfg.act_dtype == "float16" else dtypes.float32
     self.load_peak_bytes = 0  # device memory high-water mark while loading (raw bytes and their planes coexist briefly)
 
-    def load(name: str, norm: bool = False, role: str = "dense", shape: tuple[int, ...] | None = None, stage: str | None = None):
+    def load(name: str, norm: bool = False, role: str = "dense", shape: tuple[int, ...] | None = None, stage: str
+             | None = None):
       """A tensor of the file on the device: a norm as float32, a matrix as a QWeight of the backend that computes its
       products (the fused stage's where its stage is fused, else the config's backend for its type and role)."""
       if name not in f.tensors: raise GGUFError(f"{f.path.name}: tensor {name} is missing")
       info = f.tensors[name]
       if norm and info.ggml_type == F32: return upload(f.read(name).view(np.float32).reshape(-1), device)
       quant = QUANT_TYPES[info.ggml_type].name
-      if stage in ("moe", "ffn") and self.cfg.stage(stage) and self.cfg.ffn_act == "q8" and quant not in catalog.Q8_QUANTS:
-        raise ConfigError(f"ffn_act=q8 needs the fused {stage} stage's weights in {' or '.join(catalog.Q8_QUANTS)}; {name} is {quant}")
+      if stage in ("moe",
+                   "ffn") and self.cfg.stage(stage) and self.cfg.ffn_act == "q8" and quant not in catalog.Q8_QUANTS:
+        raise ConfigError(f"ffn_act=q8 needs the fused {stage} stage's weights in {' or '.join(catalog.Q8_QUANTS)}; "
+                          f"{name} is {quant}")
       w = QWeight.from_bytes(f.read(name), info.ggml_type, shape or info.shape, device)
       self.load_peak_bytes = max(self.load_peak_bytes, GlobalCounters.mem_used)
       if norm: return w.to_float().reshape(-1).contiguous().realize()
@@ -371,14 +395,16 @@ class Transformer:
     self.cos, self.sin = upload(cos, device), upload(sin, device)
     # shared by the blocks: the RoPE tables and the native kernels' scratch (split-attention partials, arrival counters)
     shared = {"cos": self.cos, "sin": self.sin}
-    for b in sorted({b for b in self.cfg.fused.values() if catalog.get(b).scratch}): shared |= K.get(b).scratch(hp, self.max_context, device)
+    for b in sorted({b for b in self.cfg.fused.values() if catalog.get(b).scratch}):
+      shared |= K.get(b).scratch(hp, self.max_context, device)
     self.token_embd = load("token_embd.weight")
     self.blocks = [Block(f, i, hp, self.cfg, load, self.max_context, device, shared) for i in range(n)]
     self.output_norm = load("output_norm.weight", norm=True)
     self.output = load("output.weight") if "output.weight" in f.tensors else self.token_embd
 
   def forward(self, tokens: Tensor, start_pos: int | UOp, all_logits: bool = False) -> Tensor:
-    """tokens (1, T) at positions start_pos.. -> float32 logits (1, T, vocab), or (1, 1, vocab) for the last token only."""
+    """tokens (1, T) at positions start_pos.. -> float32 logits (1, T, vocab), or (1, 1, vocab) for the last token
+    only."""
     pos, x = self.decode_pos(start_pos) if tokens.shape[1] == 1 else None, self.embed(tokens)
     for b in self.blocks: x = b(x, start_pos, pos, self.act)
     return self.head(x if all_logits else x[:, -1:])
@@ -389,7 +415,8 @@ class Transformer:
 
   def decode_pos(self, start_pos: int | UOp) -> Tensor | None:
     """The position as a device tensor, for the fused stages' kernels (None when the config fuses none)."""
-    return (Tensor.zeros(1, dtype=dtypes.int32, device=self.device) + start_pos).contiguous() if self.cfg.fused else None
+    return ((Tensor.zeros(1, dtype=dtypes.int32, device=self.device) + start_pos).contiguous() if self.cfg.fused
+            else None)
 
   @property
   def kv_cache_bytes(self) -> int: return sum(b.cache.nbytes() for b in self.blocks)

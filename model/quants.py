@@ -46,23 +46,27 @@ def type_name(ggml_type: int) -> str:
 LAYOUTS: dict[int, dict[str, tuple[int, int, DType]]] = {
   Q4_0: {"d": (0, 2, dtypes.float16), "qs": (2, 18, dtypes.uint8)},
   Q8_0: {"d": (0, 2, dtypes.float16), "qs": (2, 34, dtypes.int8)},
-  Q4_K: {"d": (0, 2, dtypes.float16), "dmin": (2, 4, dtypes.float16), "sc": (4, 16, dtypes.uint8), "qs": (16, 144, dtypes.uint8)},
-  Q5_K: {"d": (0, 2, dtypes.float16), "dmin": (2, 4, dtypes.float16), "sc": (4, 16, dtypes.uint8), "qh": (16, 48, dtypes.uint8),
-         "qs": (48, 176, dtypes.uint8)},
-  Q6_K: {"ql": (0, 128, dtypes.uint8), "qh": (128, 192, dtypes.uint8), "sc": (192, 208, dtypes.int8), "d": (208, 210, dtypes.float16)},
+  Q4_K: {"d": (0, 2, dtypes.float16), "dmin": (2, 4, dtypes.float16), "sc": (4, 16, dtypes.uint8),
+         "qs": (16, 144, dtypes.uint8)},
+  Q5_K: {"d": (0, 2, dtypes.float16), "dmin": (2, 4, dtypes.float16), "sc": (4, 16, dtypes.uint8),
+         "qh": (16, 48, dtypes.uint8), "qs": (48, 176, dtypes.uint8)},
+  Q6_K: {"ql": (0, 128, dtypes.uint8), "qh": (128, 192, dtypes.uint8), "sc": (192, 208, dtypes.int8),
+         "d": (208, 210, dtypes.float16)},
   F32: {"w": (0, 4, dtypes.float32)}, F16: {"w": (0, 2, dtypes.float16)}, BF16: {"w": (0, 2, dtypes.uint16)},
 }
 
 
 def planes(raw: np.ndarray, ggml_type: int) -> dict[str, np.ndarray]:
-  """Raw GGUF rows (rows, row_bytes) uint8 -> one array per block field, each (rows, nblocks, field_len) in its own dtype.
+  """Raw GGUF rows (rows, row_bytes) uint8 -> one array per block field, each (rows, nblocks, field_len) in its own
+  dtype.
 
   Done once at load, on the host (no device kernel): the hot path then never reinterprets bytes (a size-changing bitcast
   after a gather makes tinygrad materialize its input), and each field of a row is contiguous, which suits vector loads.
   A field is a strided copy, several times slower than memcpy per thread, so row chunks are copied on all cores (numpy
   releases the GIL)."""
   layout, nbytes, raw = LAYOUTS[ggml_type], QUANT_TYPES[ggml_type].nbytes, np.ascontiguousarray(raw)
-  if len(layout) == 1: return {k: raw.view(np.dtype(dt.fmt)).reshape(raw.shape[0], -1, 1) for k, (_, _, dt) in layout.items()}
+  if len(layout) == 1:
+    return {k: raw.view(np.dtype(dt.fmt)).reshape(raw.shape[0], -1, 1) for k, (_, _, dt) in layout.items()}
   kinds = {k: np.dtype(dt.fmt) for k, (_, _, dt) in layout.items()}
   fields = np.dtype({"names": list(layout), "offsets": [a for a, _, _ in layout.values()], "itemsize": nbytes,
                      "formats": [(kinds[k], ((b - a) // kinds[k].itemsize,)) for k, (a, b, _) in layout.items()]})
@@ -79,7 +83,8 @@ SPLIT_CHUNK_BYTES = 4 << 20
 
 
 @functools.cache
-def _split_pool() -> ThreadPoolExecutor: return ThreadPoolExecutor(min(16, os.cpu_count() or 1), thread_name_prefix="planes")
+def _split_pool() -> ThreadPoolExecutor:
+  return ThreadPoolExecutor(min(16, os.cpu_count() or 1), thread_name_prefix="planes")
 
 
 def _k_scales(s: Tensor) -> tuple[Tensor, Tensor]:
@@ -102,7 +107,8 @@ def byte_planes(p: dict[str, Tensor], ggml_type: int) -> dict[str, Tensor]:
 
 
 def factors(p: dict[str, Tensor], ggml_type: int) -> tuple[Tensor, Tensor, Tensor | None]:
-  """Planes (..., nblocks, k) -> scale (..., G), code (..., G, group), bias (..., G) or None; G = nblocks * groups per block."""
+  """Planes (..., nblocks, k) -> scale (..., G), code (..., G, group), bias (..., G) or None; G = nblocks * groups per
+  block."""
   p = byte_planes(p, ggml_type)
   d = p["d"].float() if "d" in p else None
   lead = p["d"].shape[:-2]
@@ -118,7 +124,8 @@ def factors(p: dict[str, Tensor], ggml_type: int) -> tuple[Tensor, Tensor, Tenso
     if ggml_type == Q5_K:
       qh = p["qh"].reshape(*nb, 1, 32)
       code = code + Tensor.stack(*[(qh >> g) & 1 for g in range(8)], dim=-2).reshape(*nb, 8, 32) * 16
-    return (d * sc).reshape(*lead, -1), code.cast(dtypes.float32).reshape(*lead, -1, 32), (-(p["dmin"].float() * mn)).reshape(*lead, -1)
+    return (d * sc).reshape(*lead, -1), code.cast(dtypes.float32).reshape(*lead, -1, 32), (-(p["dmin"].float()
+                                                                                             * mn)).reshape(*lead, -1)
   if ggml_type == Q6_K:
     ql, qh = p["ql"].reshape(*nb, 2, 64), p["qh"].reshape(*nb, 2, 1, 32)
     low = (ql & 0xF).cat(ql >> 4, dim=-1)

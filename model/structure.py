@@ -2,8 +2,8 @@
 
 The default is the baseline. Every field changes real code paths in `model/`. A field's declaration (`knob(...)`, or a
 `Table` of knobs for a dict field) holds everything else derives from: the space's knob rows and Optuna names
-(space/knobs.py), the CLI's `--fix`/`--where` spellings, the views' columns and the gate's precision class. Adding a knob
-is its field here and the model code that reads it.
+(space/knobs.py), the CLI's `--fix`/`--where` spellings, the views' columns and the gate's precision class. Adding a
+knob is its field here and the model code that reads it.
 """
 from __future__ import annotations
 
@@ -34,11 +34,12 @@ class Knob:
   """One knob: its default, the values the search tries (`choices`: a tuple, or a function of the device and the backend
   family), what it changes (`doc`), when it applies, and the precision class of its values other than the default
   (`fp32`: float32 work reordered; `fp16`: rounded to fp16 where the baseline is not; `q8`: 8-bit activations, checked
-  against their twin; or a function of the value). When it applies: `applies(info)` on the model file; `stages`: the fused
-  stages that replace the per-op code it changes (it applies while one of them runs per op, or on a backend that `keeps`
-  it); `fused_in`: it applies only while one of these stages is fused; `needs`: (knob, condition on its value, a value that
-  meets it); `devices`: the device kinds it applies on. `allowed`: what a config may hold where that is more than the
-  choices; `env`: the tinygrad variable it sets in a trial process. `name`, `field` and `key` come from where it is declared."""
+  against their twin; or a function of the value). When it applies: `applies(info)` on the model file; `stages`: the
+  fused stages that replace the per-op code it changes (it applies while one of them runs per op, or on a backend that
+  `keeps` it); `fused_in`: it applies only while one of these stages is fused; `needs`: (knob, condition on its value, a
+  value that meets it); `devices`: the device kinds it applies on. `allowed`: what a config may hold where that is more
+  than the choices; `env`: the tinygrad variable it sets in a trial process. `name`, `field` and `key` come from where
+  it is declared."""
   default: Any
   choices: tuple | Callable[[str, str], tuple]
   doc: str
@@ -74,8 +75,9 @@ class Knob:
 
 @dataclass(frozen=True)
 class Table:
-  """The knobs of a dict field, one per key, named `<prefix>.<key>` (a `:` in the key written `.`). `sparse`: the dict holds
-  only the keys off their default (else every key, the unnamed ones at their defaults); `what` names a key in errors."""
+  """The knobs of a dict field, one per key, named `<prefix>.<key>` (a `:` in the key written `.`). `sparse`: the dict
+  holds only the keys off their default (else every key, the unnamed ones at their defaults); `what` names a key in
+  errors."""
   prefix: str
   knobs: dict[str, Knob]
   what: str
@@ -98,16 +100,20 @@ def _backend_precision(name: str) -> str: return catalog.get(name).precision
 
 _moe = lambda m: m.moe
 _dense_ffn = lambda m: m.dense_blocks or not m.moe
-BARRIER_MODES = ("none", "contiguous", "realize")  # a split point: nothing, a kernel boundary (.contiguous()), an execution barrier (.realize())
+# a split point: nothing, a kernel boundary (.contiguous()), an execution barrier (.realize())
+BARRIER_MODES = ("none", "contiguous", "realize")
 
 
 def _point(p: str, default: str, stages: tuple[str, ...], applies: Callable[[Info], bool] = lambda m: True,
            choices: tuple[str, ...] = BARRIER_MODES) -> tuple[str, Knob]:
-  return p, Knob(default, choices, f"kernel boundary (contiguous) or execution barrier (realize) at {p}", applies, stages, allowed=BARRIER_MODES)
+  return p, Knob(default, choices, f"kernel boundary (contiguous) or execution barrier (realize) at {p}", applies,
+                 stages, allowed=BARRIER_MODES)
 
 
-# split points where the model may place a kernel boundary or an execution barrier; where tinygrad's scheduler already ends
-# a kernel, "none" and "contiguous" build identical kernels (tests/test_space.py compares kernel sources), so those points
+# split points where the model may place a kernel boundary or an execution barrier; where tinygrad's scheduler already
+# ends
+# a kernel, "none" and "contiguous" build identical kernels (tests/test_space.py compares kernel sources), so those
+# points
 # offer one of the two
 BARRIERS = dict((
   _point("q_proj", "none", ("attention",), choices=("none", "realize")),
@@ -119,25 +125,30 @@ BARRIERS = dict((
   _point("moe_out", "none", ("moe",), _moe),
   _point("shexp_gate_up", "contiguous", ("moe",), lambda m: m.shared_experts),
   _point("dense_gate_up", "contiguous", ("ffn",), _dense_ffn, ("contiguous", "realize")),
-  _point("block_out", "contiguous", ("moe", "ffn"), choices=("contiguous", "realize")),  # bounds the per-op FFN's output
+  # bounds the per-op FFN's output
+  _point("block_out", "contiguous", ("moe", "ffn"), choices=("contiguous", "realize")),
   _point("kv_write", "none", ("attention",), choices=("none", "realize")),
 ))
 BARRIER_POINTS = tuple(BARRIERS)
 DEFAULT_BARRIERS = {p: k.default for p, k in BARRIERS.items()}
-# the fused stages a model has, and what each needs of the file: attention the split k_b/v_b tensors, moe and ffn one type
+# the fused stages a model has, and what each needs of the file: attention the split k_b/v_b tensors, moe and ffn one
+# type
 # for gate and up (their kernels read both rows in one pass)
 FUSED_APPLIES: dict[str, Callable[[Info], bool]] = {
   "attention": lambda m: m.split_kv_b, "router": _moe,
   "moe": lambda m: m.moe and "routed" in m.mergeable and (not m.shared_experts or "shared" in m.mergeable),
   "ffn": lambda m: _dense_ffn(m) and "dense" in m.mergeable}
 FUSED = {st: Knob("off", lambda d, f, st=st: ("off", *catalog.stage_choices(st, d, f)),
-                  f"decode {st} as fused kernels of a backend (model/backends/catalog.py STAGES), or per op", FUSED_APPLIES[st],
-                  precision=_backend_precision, allowed=lambda st=st: tuple(n for n in catalog.names() if st in catalog.get(n).stages))
+                  f"decode {st} as fused kernels of a backend (model/backends/catalog.py STAGES), or per op",
+                  FUSED_APPLIES[st], precision=_backend_precision,
+                  allowed=lambda st=st: tuple(n for n in catalog.names() if st in catalog.get(n).stages))
          for st in STAGES}
-# per-weight kernel backends, keyed "<QUANT>:<role>"; the expert weights are read by the fused moe stage itself where it runs
-BACKENDS = {f"{q}:{r}": Knob(catalog.DEFAULT, lambda d, f, q=q, r=r: catalog.choices(q, r, d, f), f"kernel backend for {q} {r} weights",
-                             lambda m, q=q, r=r: q in m.quants.get(r, ()), stages=("moe",) if r == "expert" else (),
-                             precision=_backend_precision, allowed=lambda r=r: tuple(n for n in catalog.names() if r in catalog.get(n).roles))
+# per-weight kernel backends, keyed "<QUANT>:<role>"; the expert weights are read by the fused moe stage itself where it
+# runs
+BACKENDS = {f"{q}:{r}": Knob(catalog.DEFAULT, lambda d, f, q=q, r=r: catalog.choices(q, r, d, f),
+                             f"kernel backend for {q} {r} weights", lambda m, q=q, r=r: q in m.quants.get(r, ()),
+                             stages=("moe",) if r == "expert" else (), precision=_backend_precision,
+                             allowed=lambda r=r: tuple(n for n in catalog.names() if r in catalog.get(n).roles))
             for r in ROLES for q in sorted(QUANT_NAMES)}
 _beam = ("beam", lambda b: b > 0, 2)  # BEAM's settings apply when BEAM searches (a width of 2 shows them)
 
@@ -145,39 +156,49 @@ _beam = ("beam", lambda b: b > 0, 2)  # BEAM's settings apply when BEAM searches
 @dataclass(frozen=True)
 class StructureConfig:
   fused: dict[str, str] = table(Table("fused", FUSED, "stage"))  # decode stage -> backend; absent: the per-op path
-  ffn_act: str = knob("float32", ("float32", "q8"), "the fused FFN stages' activations: float32, or rounded to 8 bits per 32 with "
-                      "integer dot products (llama.cpp's mmvq)", applies=lambda m: bool(m.ffn_quants) and set(m.ffn_quants) <= set(catalog.Q8_QUANTS),
-                      fused_in=("moe", "ffn"), precision="q8")
+  ffn_act: str = knob("float32", ("float32", "q8"),
+                      "the fused FFN stages' activations: float32, or rounded to 8 bits per 32 with "
+                      "integer dot products (llama.cpp's mmvq)", applies=lambda m: bool(m.ffn_quants)
+                      and set(m.ffn_quants) <= set(catalog.Q8_QUANTS), fused_in=("moe", "ffn"), precision="q8")
   barriers: dict[str, str] = table(Table("barrier", BARRIERS, "point", sparse=False))
-  merge_gate_up_routed: bool = knob(False, (False, True), "routed FFN gate and up as one matrix", applies=lambda m: "routed" in m.mergeable,
-                                    stages=("moe",))
-  merge_gate_up_shared: bool = knob(False, (False, True), "shared FFN gate and up as one matrix", applies=lambda m: "shared" in m.mergeable,
-                                    stages=("moe",))
-  merge_gate_up_dense: bool = knob(False, (False, True), "dense FFN gate and up as one matrix", applies=lambda m: "dense" in m.mergeable,
-                                   stages=("ffn",))
-  topk: str = knob("pairwise", ("pairwise", "sort", "argmax"), "top-k routing: pairwise comparison matrix, sort-based, or k argmax passes",
-                   applies=_moe, stages=("router",))
-  mla_absorb: str = knob("runtime", ("runtime", "load"), "apply k_b per token, or absorb it into the q projection at load (fp16)",
+  merge_gate_up_routed: bool = knob(False, (False, True), "routed FFN gate and up as one matrix",
+                                    applies=lambda m: "routed" in m.mergeable, stages=("moe",))
+  merge_gate_up_shared: bool = knob(False, (False, True), "shared FFN gate and up as one matrix",
+                                    applies=lambda m: "shared" in m.mergeable, stages=("moe",))
+  merge_gate_up_dense: bool = knob(False, (False, True), "dense FFN gate and up as one matrix",
+                                   applies=lambda m: "dense" in m.mergeable, stages=("ffn",))
+  topk: str = knob("pairwise", ("pairwise", "sort", "argmax"),
+                   "top-k routing: pairwise comparison matrix, sort-based, or k argmax passes", applies=_moe,
+                   stages=("router",))
+  mla_absorb: str = knob("runtime", ("runtime", "load"),
+                         "apply k_b per token, or absorb it into the q projection at load (fp16)",
                          stages=("attention",), precision="fp16")
   kv_dtype: str = knob("float16", ("float16", "float32"), "KV cache dtype", precision="fp16")
-  attention: str = knob("explicit", ("explicit", "sdpa"), "explicit matmul+softmax or scaled_dot_product_attention", stages=("attention",))
+  attention: str = knob("explicit", ("explicit", "sdpa"), "explicit matmul+softmax or scaled_dot_product_attention",
+                        stages=("attention",))
   act_dtype: str = knob("float32", ("float16", "float32"), "residual stream dtype", precision="fp16")
-  router_fp32: bool = knob(True, (True, False), "router matmul input in float32", applies=_moe, stages=("router",), precision="fp16")
+  router_fp32: bool = knob(True, (True, False), "router matmul input in float32", applies=_moe, stages=("router",),
+                           precision="fp16")
   backends: dict[str, str] = table(Table("backend", BACKENDS, "<QUANT>:<role>"))  # absent: catalog.DEFAULT
   beam: int = knob(0, (0, 1, 2, 4, 8), "BEAM width for the decode kernels")
-  beam_upcast_max: int = knob(256, (64, 128, 256), "tinygrad BEAM_UPCAST_MAX: largest upcast a BEAM candidate may apply", needs=_beam,
+  beam_upcast_max: int = knob(256, (64, 128, 256),
+                              "tinygrad BEAM_UPCAST_MAX: largest upcast a BEAM candidate may apply", needs=_beam,
                               env="BEAM_UPCAST_MAX")
-  beam_local_max: int = knob(1024, (256, 512, 1024), "tinygrad BEAM_LOCAL_MAX: largest local (workgroup) size", needs=_beam,
-                             devices=GPU_DEVICES, env="BEAM_LOCAL_MAX")
-  beam_min_progress: float = knob(0.01, (0.01, 1.0, 5.0), "tinygrad BEAM_MIN_PROGRESS: BEAM stops when the best candidate gains less (µs)",
+  beam_local_max: int = knob(1024, (256, 512, 1024), "tinygrad BEAM_LOCAL_MAX: largest local (workgroup) size",
+                             needs=_beam, devices=GPU_DEVICES, env="BEAM_LOCAL_MAX")
+  beam_min_progress: float = knob(0.01, (0.01, 1.0, 5.0),
+                                  "tinygrad BEAM_MIN_PROGRESS: BEAM stops when the best candidate gains less (µs)",
                                   needs=_beam, env="BEAM_MIN_PROGRESS")
-  jit_batch_size: int = knob(32, (0, 8, 32, 128), "tinygrad JIT_BATCH_SIZE: kernels in the first JIT graph batch, doubling after (0: one graph)",
-                             devices=GRAPH_DEVICES, env="JIT_BATCH_SIZE")
+  jit_batch_size: int = knob(32, (0, 8, 32, 128),
+                             "tinygrad JIT_BATCH_SIZE: kernels in the first JIT graph batch, doubling after (0: one "
+                             "graph)", devices=GRAPH_DEVICES, env="JIT_BATCH_SIZE")
   schema_version: int = SCHEMA_VERSION
 
   def __post_init__(self):
-    if self.schema_version != SCHEMA_VERSION: raise ConfigError(f"schema_version={self.schema_version} is not supported (expected {SCHEMA_VERSION})")
-    if isinstance(self.beam_min_progress, int) and not isinstance(self.beam_min_progress, bool):  # JSON/TOML may write 1.0 as 1
+    if self.schema_version != SCHEMA_VERSION:
+      raise ConfigError(f"schema_version={self.schema_version} is not supported (expected {SCHEMA_VERSION})")
+    # JSON/TOML may write 1.0 as 1
+    if isinstance(self.beam_min_progress, int) and not isinstance(self.beam_min_progress, bool):
       object.__setattr__(self, "beam_min_progress", float(self.beam_min_progress))
     for f in dataclasses.fields(self):
       if "table" in f.metadata: self._check_table(f.name, f.metadata["table"])
@@ -195,7 +216,8 @@ class StructureConfig:
     for key, v in d.items():
       _check(f"{name} {t.what}", key, tuple(t.knobs))
       _check(f"{name}.{key}", v, t.knobs[key].valid())
-    if not t.sparse: object.__setattr__(self, name, {k: d.get(k, knob.default) for k, knob in t.knobs.items()})  # unnamed keys keep their default
+    # unnamed keys keep their default
+    if not t.sparse: object.__setattr__(self, name, {k: d.get(k, knob.default) for k, knob in t.knobs.items()})
 
   def backend(self, quant: str, role: str) -> str: return self.backends.get(f"{quant}:{role}", catalog.DEFAULT)
   def stage(self, name: str) -> str | None: return self.fused.get(name)
@@ -220,10 +242,12 @@ class StructureConfig:
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> StructureConfig:
     if isinstance(v := d.get("schema_version"), int) and v < SCHEMA_VERSION:  # a stored config of an earlier schema
-      d = {k: x for k, x in d.items() if k not in {f for old in range(v, SCHEMA_VERSION) for f in REMOVED_FIELDS.get(old, ())}}
+      d = {k: x for k, x in d.items() if k not in {f for old in range(v, SCHEMA_VERSION)
+                                                   for f in REMOVED_FIELDS.get(old, ())}}
       d["schema_version"] = SCHEMA_VERSION
     unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-    if unknown: raise ConfigError(f"unknown field(s) {', '.join(sorted(unknown))}; known: {', '.join(f.name for f in dataclasses.fields(cls))}")
+    if unknown: raise ConfigError(f"unknown field(s) {', '.join(sorted(unknown))}; known: "
+                                  f"{', '.join(f.name for f in dataclasses.fields(cls))}")
     return cls(**d)
 
   @classmethod
@@ -264,7 +288,8 @@ def _declared() -> dict[str, Knob]:
 
 
 KNOBS = _declared()
-PROCESS_SETTINGS = {k.field: (k.env, k.valid()) for k in KNOBS.values() if k.env}  # field -> (tinygrad variable, allowed values)
+# field -> (tinygrad variable, allowed values)
+PROCESS_SETTINGS = {k.field: (k.env, k.valid()) for k in KNOBS.values() if k.env}
 
 
 def knob_named(text: str) -> Knob:

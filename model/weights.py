@@ -1,5 +1,5 @@
-"""Weights as they sit in device memory: a quantized weight keeps its GGUF blocks, split at load into one plane per block
-field (nothing dequantized), and names the kernel backend that computes its products (model/backends)."""
+"""Weights as they sit in device memory: a quantized weight keeps its GGUF blocks, split at load into one plane per
+block field (nothing dequantized), and names the kernel backend that computes its products (model/backends)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,10 +15,11 @@ from model.quants import QUANT_TYPES, planes, to_float
 
 def write(t: Tensor, arr: np.ndarray) -> Buffer:
   """Copy a host array into the buffer of a buffer-backed tensor of its size; returns the buffer. The device allocator's
-  copy-in is called directly, as tinygrad's own copy ends up doing: Buffer.copy_from first builds and runs a graph of the
-  copy, about 0.1 ms of host time per call (the correctness check writes 3 inputs per block and step)."""
+  copy-in is called directly, as tinygrad's own copy ends up doing: Buffer.copy_from first builds and runs a graph of
+  the copy, about 0.1 ms of host time per call (the correctness check writes 3 inputs per block and step)."""
   buf, arr = t.uop.buffer.ensure_allocated(), np.ascontiguousarray(arr)
-  if not arr.flags.writeable: arr = arr.copy()  # a view of the file's read-only mapping: device copies take the address of a writable buffer
+  # a view of the file's read-only mapping: device copies take the address of a writable buffer
+  if not arr.flags.writeable: arr = arr.copy()
   if arr.nbytes != buf.nbytes: raise ValueError(f"copy size mismatch: {arr.nbytes} bytes into a buffer of {buf.nbytes}")
   buf.allocator._copyin(buf._buf, memoryview(arr.reshape(-1)).cast("B"))
   return buf
@@ -39,8 +40,8 @@ _unsynced: dict[str, int] = {}
 
 def upload(arr: np.ndarray, device: str | None = None) -> Tensor:
   """A host array as a new device tensor, copied straight into its buffer. Tensor(arr).realize() schedules a graph per
-  tensor, and the scheduler walks every live tensor: a model's thousands of weights loaded that way cost time quadratic in
-  their number. The device is synchronised after each GiB, which frees the pinned staging of the copies before it (a
+  tensor, and the scheduler walks every live tensor: a model's thousands of weights loaded that way cost time quadratic
+  in their number. The device is synchronised after each GiB, which frees the pinned staging of the copies before it (a
   device copies through it asynchronously) instead of holding the model's size in pinned host memory."""
   buf = write(t := Tensor.empty(*arr.shape, dtype=_from_np_dtype(arr.dtype), device=device), arr)
   _unsynced[buf.device] = _unsynced.get(buf.device, 0) + arr.nbytes
@@ -62,7 +63,8 @@ class QWeight:
     return cls({k: upload(v, device) for k, v in planes(raw, ggml_type).items()}, ggml_type, shape)
 
   @classmethod
-  def fp16(cls, w: Tensor) -> QWeight: return cls({}, 1, tuple(w.shape), w.cast(dtypes.float16).contiguous().realize(), catalog.FP16)
+  def fp16(cls, w: Tensor) -> QWeight:
+    return cls({}, 1, tuple(w.shape), w.cast(dtypes.float16).contiguous().realize(), catalog.FP16)
 
   @property
   def quant(self) -> str: return QUANT_TYPES[self.ggml_type].name
@@ -72,10 +74,12 @@ class QWeight:
     p = {k: v.reshape(*shape[:-1], *v.shape[1:]) for k, v in self.planes.items()}
     return p if idx is None else {k: v[idx] for k, v in p.items()}
 
-  def to_float(self) -> Tensor: return self.cache.float() if self.cache is not None else to_float(self.view(self.shape), self.ggml_type, self.shape)
+  def to_float(self) -> Tensor:
+    return self.cache.float() if self.cache is not None else to_float(self.view(self.shape), self.ggml_type, self.shape)
 
   def use_fp16_cache(self) -> None:
-    self.cache, self.planes, self.backend = self.to_float().cast(dtypes.float16).contiguous().realize(), {}, catalog.FP16
+    self.cache, self.planes, self.backend = (self.to_float().cast(dtypes.float16).contiguous().realize(), {},
+                                             catalog.FP16)
 
   def rows(self, idx: Tensor) -> Tensor:
     """Float rows selected by an integer tensor (embedding lookup): (*idx.shape, in)."""
@@ -100,5 +104,5 @@ def concat_rows(a: QWeight, b: QWeight) -> QWeight:
   shape = (*lead, out + b.shape[-2], inp)
   if a.cache is not None: return QWeight.fp16(a.cache.cat(b.cache, dim=-2))
   pa, pb = a.view(a.shape), b.view(b.shape)
-  return QWeight({k: pa[k].cat(pb[k], dim=-3).reshape(-1, *pa[k].shape[-2:]).contiguous().realize() for k in pa}, a.ggml_type, shape,
-                 backend=a.backend)
+  return QWeight({k: pa[k].cat(pb[k], dim=-3).reshape(-1, *pa[k].shape[-2:]).contiguous().realize() for k in pa},
+                 a.ggml_type, shape, backend=a.backend)

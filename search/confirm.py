@@ -1,5 +1,6 @@
 """Confirmation: the top configs of a study re-measured against the study's baseline in the evaluator's A/B mode (fresh
-processes, alternating, more rounds). The winner is the config with the best lower bound of its speedup, not one lucky run."""
+processes, alternating, more rounds). The winner is the config with the best lower bound of its speedup, not one lucky
+run."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -16,8 +17,8 @@ from search.view import label
 
 def confirm(url: str, name: str, top: int = 3, pairs: int = 3, rounds: int = 5, device: str | None = None,
             say: Callable[[str], None] = print, again: bool = False, model: str | None = None) -> list[Confirmation]:
-  """A/B-confirm the study's top configs; a config confirmed before keeps its figures unless `again`. `model`: this host's
-  copy of the study's file (checked by SHA-256, as the stored path is)."""
+  """A/B-confirm the study's top configs; a config confirmed before keeps its figures unless `again`. `model`: this
+  host's copy of the study's file (checked by SHA-256, as the stored path is)."""
   setup, _ = measuring_setup(name, url, device, model)
   ev = setup.evaluator(rounds=rounds)
   engine = open_db(url, create=False)
@@ -33,30 +34,37 @@ def confirm(url: str, name: str, top: int = 3, pairs: int = 3, rounds: int = 5, 
     todo = [t for t in todo if t.config_hash not in done]
   out = []
   for i, t in enumerate(todo):
-    say(f"confirming {i + 1}/{len(todo)}: trial {t.number} ({label(t.config_json, base)}), {pairs} A/B pairs against the baseline")
+    say(f"confirming {i + 1}/{len(todo)}: trial {t.number} ({label(t.config_json, base)}), {pairs} A/B pairs against "
+        "the baseline")
     c = compare(ev, base.to_dict(), StructureConfig.from_json(t.config_json).to_dict(), pairs,
                 on_run=lambda side, j: say(f"  pair {j + 1}/{pairs}: {'baseline' if side == 'a' else 'candidate'}"))
     fields = {"pairs": pairs, "rounds": rounds, "status": "ok"}
-    if c.failed is not None: fields |= {"status": c.failed.status, "tok_s": 0.0, "baseline_tok_s": 0.0, "speedup": 0.0, "speedup_low": 0.0,
+    if c.failed is not None:
+      fields |= {"status": c.failed.status, "tok_s": 0.0, "baseline_tok_s": 0.0, "speedup": 0.0, "speedup_low": 0.0,
                                         "speedup_high": 0.0}
-    else: fields |= {"tok_s": c.tok_s("b"), "baseline_tok_s": c.tok_s("a"), "speedup": c.speedup, "speedup_low": c.low, "speedup_high": c.high}
+    else: fields |= {"tok_s": c.tok_s("b"), "baseline_tok_s": c.tok_s("a"), "speedup": c.speedup, "speedup_low": c.low,
+                     "speedup_high": c.high}
     with session(engine) as s:
       out.append(store.add_confirmation(s, study, t, **fields))
       for side, h, trial in (("a", study.baseline_hash, None), ("b", t.config_hash, t)):
         for r in getattr(c, side):
-          if r.ok: store.add_measurement(s, study.id, h, r.spec["stage"], r.tok_s, "confirm", trial=trial, rounds=r.metrics.get("tok_s_rounds"),
-                                         wall_s=r.cost_s)
-    verdict = ("failed" if fields["status"] != "ok" else "faster than the baseline in every pair" if fields["speedup_low"] > 1 else
+          if r.ok: store.add_measurement(s, study.id, h, r.spec["stage"], r.tok_s, "confirm", trial=trial,
+                                         rounds=r.metrics.get("tok_s_rounds"), wall_s=r.cost_s)
+    verdict = ("failed" if fields["status"] != "ok" else "faster than the baseline in every pair"
+               if fields["speedup_low"] > 1 else
                "not faster than the baseline" if fields["speedup"] <= 1 else "not faster in every pair: inconclusive")
-    say(f"  {fields['status']}: speedup {fields['speedup']:.3f}x [{fields['speedup_low']:.3f}, {fields['speedup_high']:.3f}]: {verdict}")
+    say(f"  {fields['status']}: speedup {fields['speedup']:.3f}x [{fields['speedup_low']:.3f}, "
+        f"{fields['speedup_high']:.3f}]: {verdict}")
   with session(engine) as s:
     win = winner(store.confirmations(s, study))
     s.get(Study, study.id).finished_at = utcnow()
-  if win is not None and any(c.id == win.id for c in out):  # a new winner: its per-kernel profile, as for every confirmed winner
+  # a new winner: its per-kernel profile, as for every confirmed winner
+  if win is not None and any(c.id == win.id for c in out):
     cand = next(t for t in todo if t.config_hash == win.config_hash)
     say(f"profiling the winner, trial {cand.number} (its step's kernels timed one name at a time)")
     r = ev.run(StructureConfig.from_json(cand.config_json).to_dict(), profile=True)
     if r.profile:
-      with session(engine) as s: s.get(Trial, cand.id).profile = store.profile_rows(r.profile)  # replaces its earlier rows
+      # replaces its earlier rows
+      with session(engine) as s: s.get(Trial, cand.id).profile = store.profile_rows(r.profile)
   return out
 

@@ -36,8 +36,8 @@ def changed_knob(trial: FrozenTrial, done: list[FrozenTrial], start: dict[str, A
 
 
 class CoordinateSampler(optuna.samplers.BaseSampler):
-  """Proposes the first untried one-knob change of the incumbent (see the module docstring); `fallback` samples once none
-  is left. ks: the study's knobs; fixed: its pinned knob values (not Optuna parameters)."""
+  """Proposes the first untried one-knob change of the incumbent (see the module docstring); `fallback` samples once
+  none is left. ks: the study's knobs; fixed: its pinned knob values (not Optuna parameters)."""
 
   def __init__(self, ks: list[Knob], fixed: dict[str, Any], fallback: optuna.samplers.BaseSampler):
     self.ks, self.fixed, self.fallback = ks, fixed, fallback
@@ -48,7 +48,8 @@ class CoordinateSampler(optuna.samplers.BaseSampler):
     The changes start at the knob whose change made the incumbent (its other values, then the knobs after it, then those
     before it, which the change may have made worth another try), so a pass over the knobs goes on where it was."""
     others = [t for t in study.get_trials(deepcopy=False) if t.number != trial.number]
-    seen = [t.params for t in others] + [t.system_attrs["fixed_params"] for t in others if "fixed_params" in t.system_attrs]
+    seen = [t.params for t in others] + [t.system_attrs["fixed_params"] for t in others
+                                         if "fixed_params" in t.system_attrs]
     done = [t for t in others if t.state == TrialState.COMPLETE and t.values]
     best = max(done, key=lambda t: t.values[0], default=None)
     start, names = defaults(self.ks, self.fixed), [k.name for k in self.ks]
@@ -64,10 +65,12 @@ class CoordinateSampler(optuna.samplers.BaseSampler):
     self._plans[trial.number] = plan = self.plan(study, trial)
     return self.fallback.infer_relative_search_space(study, trial) if plan is None else {}
 
-  def sample_relative(self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
+  def sample_relative(self, study: optuna.Study, trial: FrozenTrial,
+                      search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
     return self.fallback.sample_relative(study, trial, search_space) if self._plans.get(trial.number) is None else {}
 
-  def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution) -> Any:
+  def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
+                         param_distribution: BaseDistribution) -> Any:
     plan = self._plans.get(trial.number)
     if plan is not None and param_name in plan: return plan[param_name]
     return self.fallback.sample_independent(study, trial, param_name, param_distribution)

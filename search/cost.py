@@ -1,12 +1,13 @@
-"""What a study's trials cost: each phase's seconds per trial, the search's own share of the wall time, and the projected
-wall time of a study of N trials on one device.
+"""What a study's trials cost: each phase's seconds per trial, the search's own share of the wall time, and the
+projected wall time of a study of N trials on one device.
 
-A trial's wall time is its trial processes' (the ladder's block stage, when it ran, and the full stage) plus the one-time
-setup some of them paid (the file's hash, the correctness reference, the bandwidth figure) plus the search's re-measurements
-before it (the baseline repeated between trials, near-best configs measured again: trial processes too) plus the search's
-own time around them (sampling, storage, the device lock: what is outside every trial process). The projection is setup
-once plus N times the mean trial without its setup: it assumes the next trials mix stages, pruning and BEAM widths as the
-measured ones did. The ladder prunes only after its first trials ran both stages, so early trials make it an upper bound."""
+A trial's wall time is its trial processes' (the ladder's block stage, when it ran, and the full stage) plus the
+one-time setup some of them paid (the file's hash, the correctness reference, the bandwidth figure) plus the search's
+re-measurements before it (the baseline repeated between trials, near-best configs measured again: trial processes too)
+plus the search's own time around them (sampling, storage, the device lock: what is outside every trial process). The
+projection is setup once plus N times the mean trial without its setup: it assumes the next trials mix stages, pruning
+and BEAM widths as the measured ones did. The ladder prunes only after its first trials ran both stages, so early trials
+make it an upper bound."""
 from __future__ import annotations
 
 import itertools
@@ -19,7 +20,8 @@ from db.models import Measurement, Trial
 from search.formats import Section
 
 PHASES = ("load_s", "compile_s", "prefill_s", "prompt_s", "check_s", "warmup_s", "measure_s", "profile_s", "overhead_s")
-MEASURED = ("ok", "wrong_output", "pruned", "runtime_error", "compile_error", "timeout", "oom", "killed", "invalid_config")
+MEASURED = ("ok", "wrong_output", "pruned", "runtime_error", "compile_error", "timeout", "oom", "killed",
+            "invalid_config")
 
 
 def trial_cost(t: Trial, gap_s: float = 0.0, repeat_s: float = 0.0) -> dict[str, Any]:
@@ -32,14 +34,15 @@ def trial_cost(t: Trial, gap_s: float = 0.0, repeat_s: float = 0.0) -> dict[str,
   full = p.get("wall_s", 0.0) if full_stage else 0.0
   repeat = min(repeat_s, gap_s)
   search = m.get("search_overhead_s", 0.0) + gap_s - repeat
-  return {"trial": t.number, "state": t.state, "stage": t.stage, "beam": json.loads(t.config_json).get("beam", 0), "ladder": m.get("ladder"),
-          "wall_s": block + full + setup + repeat + search, "setup_s": setup, "repeat_s": repeat, "search_s": search, "block_s": block,
-          "full_s": full, **{k: p[k] for k in PHASES if k in p and full_stage}}
+  return {"trial": t.number, "state": t.state, "stage": t.stage, "beam": json.loads(t.config_json).get("beam", 0),
+          "ladder": m.get("ladder"), "wall_s": block + full + setup + repeat + search, "setup_s": setup,
+          "repeat_s": repeat, "search_s": search, "block_s": block, "full_s": full,
+          **{k: p[k] for k in PHASES if k in p and full_stage}}
 
 
 def _gaps(trials: Sequence[Trial], measurements: Sequence[Measurement]) -> dict[int, tuple[float, float]]:
-  """By trial number: seconds between the worker's previous trial's end and this trial's start, and the wall seconds of the
-  re-measurements that ended in that interval."""
+  """By trial number: seconds between the worker's previous trial's end and this trial's start, and the wall seconds of
+  the re-measurements that ended in that interval."""
   out = {}
   for _, ts in itertools.groupby(sorted(trials, key=lambda t: (t.worker, t.started_at)), key=lambda t: t.worker):
     prev = None
@@ -56,18 +59,21 @@ def study_cost(trials: Sequence[Trial], n: int = 200, measurements: Sequence[Mea
   """Per-trial costs of the measured trials (reused ones cost nothing), their medians, the search's share of the time
   the trials took, and the projected wall time of `n` trials."""
   gaps = _gaps(trials, measurements)
-  rows = [trial_cost(t, *gaps.get(t.number, (0.0, 0.0))) for t in sorted(trials, key=lambda t: t.number) if t.state in MEASURED]
+  rows = [trial_cost(t, *gaps.get(t.number, (0.0, 0.0))) for t in sorted(trials, key=lambda t: t.number)
+          if t.state in MEASURED]
   if not rows: return {"trials": [], "n": 0}
   walls = [r["wall_s"] for r in rows]
-  setup, search, repeats = sum(r["setup_s"] for r in rows), sum(r["search_s"] for r in rows), sum(r["repeat_s"] for r in rows)
+  setup, search, repeats = sum(r["setup_s"]
+                               for r in rows), sum(r["search_s"] for r in rows), sum(r["repeat_s"] for r in rows)
   per_trial = (sum(walls) - setup) / len(rows)
   full = [r for r in rows if r["stage"] == "full"]
-  medians = {k: statistics.median(r[k] for r in full if k in r) for k in ("full_s", *PHASES) if any(k in r for r in full)}
+  medians = {k: statistics.median(r[k] for r in full if k in r) for k in ("full_s", *PHASES)
+             if any(k in r for r in full)}
   blocks = [r["block_s"] for r in rows if r["block_s"]]
   return {"trials": rows, "n": len(rows), "full_stage": len(full), "block_stage": len(blocks),
           "median_block_s": statistics.median(blocks) if blocks else None, "median": medians,
-          "setup_s": setup, "repeat_s": repeats, "mean_trial_s": per_trial, "search_share": search / sum(walls) if sum(walls) else 0.0,
-          "projected_n": n, "projected_s": setup + n * per_trial}
+          "setup_s": setup, "repeat_s": repeats, "mean_trial_s": per_trial, "search_share": search / sum(walls)
+          if sum(walls) else 0.0, "projected_n": n, "projected_s": setup + n * per_trial}
 
 
 def cost_doc(study: str, schema: int, trials: Sequence[Trial], n: int = 200,
@@ -82,15 +88,19 @@ def _s(v: float | None) -> str: return "" if v is None else f"{v:.1f}"
 
 def cost_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
   """The per-trial table (seconds per phase) and what it projects."""
-  cols = ["trial", "state", "stage", "beam", "ladder", "wall", "setup", "repeats", "search", "block stage", "full stage", *(p[:-2] for p in PHASES)]
-  rows = [[r["trial"], r["state"], r["stage"], r["beam"], r["ladder"], _s(r["wall_s"]), _s(r["setup_s"]), _s(r["repeat_s"] or None),
-           _s(r["search_s"]), _s(r["block_s"] or None), _s(r["full_s"] or None), *(_s(r.get(p)) for p in PHASES)] for r in doc["trials"]]
+  cols = ["trial", "state", "stage", "beam", "ladder", "wall", "setup", "repeats", "search", "block stage",
+          "full stage", *(p[:-2] for p in PHASES)]
+  rows = [[r["trial"], r["state"], r["stage"], r["beam"], r["ladder"], _s(r["wall_s"]), _s(r["setup_s"]),
+           _s(r["repeat_s"] or None), _s(r["search_s"]), _s(r["block_s"] or None), _s(r["full_s"] or None),
+           *(_s(r.get(p)) for p in PHASES)] for r in doc["trials"]]
   if not doc["n"]: return [Section("trial cost (s)", cols, rows, records=[])], ["no measured trial yet"]
   h = doc["projected_s"] / 3600
-  notes = [f"{doc['n']} measured trials ({doc['full_stage']} reached the full model, {doc['block_stage']} ran the block proxy): "
-           f"{doc['mean_trial_s']:.1f} s per trial without setup, setup {doc['setup_s']:.1f} s once, {doc['repeat_s']:.1f} s of "
-           f"re-measurements; the search's own share (outside every trial process) {100 * doc['search_share']:.2f}%.",
-           f"projected wall time of {doc['projected_n']} trials on one device: {h:.2f} h (setup once + the mean trial as measured)."]
-  drop = ("profile", "overhead", "prompt", "prefill", "warmup", "check", "load", "measure", "compile", "repeats", "setup", "search", "ladder",
-          "beam", "stage", "block stage", "full stage")
+  notes = [f"{doc['n']} measured trials ({doc['full_stage']} reached the full model, {doc['block_stage']} ran the "
+           f"block proxy): {doc['mean_trial_s']:.1f} s per trial without setup, setup {doc['setup_s']:.1f} s once, "
+           f"{doc['repeat_s']:.1f} s of re-measurements; the search's own share (outside every trial process) "
+           f"{100 * doc['search_share']:.2f}%.",
+           f"projected wall time of {doc['projected_n']} trials on one device: {h:.2f} h (setup once + the mean trial "
+           "as measured)."]
+  drop = ("profile", "overhead", "prompt", "prefill", "warmup", "check", "load", "measure", "compile", "repeats",
+          "setup", "search", "ladder", "beam", "stage", "block stage", "full stage")
   return [Section("trial cost (s)", cols, rows, records=doc["trials"], drop=drop)], notes

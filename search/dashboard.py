@@ -1,13 +1,13 @@
-"""The web dashboard: optuna-dashboard on a study's storage (history, parameter importance, parallel coordinates, the Pareto
-front of two-objective studies), read as the study ranks its configs (search/ranked.py: a trial's value is its config's
-ranked figure, its user attributes the estimate and confirmation, so its "Best Trial" is the leaderboard's first), its
-parameter importance the report's (search/effects.py, what it rests on as the study's user attribute), and
+"""The web dashboard: optuna-dashboard on a study's storage (history, parameter importance, parallel coordinates, the
+Pareto front of two-objective studies), read as the study ranks its configs (search/ranked.py: a trial's value is its
+config's ranked figure, its user attributes the estimate and confirmation, so its "Best Trial" is the leaderboard's
+first), its parameter importance the report's (search/effects.py, what it rests on as the study's user attribute), and
 the per-trial artifacts it shows beside Optuna's figures: the trial's metrics (the `search show` document), the git diff
 of the code that ran it, its per-kernel profile when it has one.
 
-Artifacts live in an Optuna file-system artifact store: beside a SQLite database (`structsearch.db` -> `structsearch.db-artifacts/`),
-under $STRUCTSEARCH_HOME/artifacts/<host>-<port>-<database>/ for a server database, or where --artifacts says (name a shared
-directory when workers on several machines write to one PostgreSQL study)."""
+Artifacts live in an Optuna file-system artifact store: beside a SQLite database (`structsearch.db` ->
+`structsearch.db-artifacts/`), under $STRUCTSEARCH_HOME/artifacts/<host>-<port>-<database>/ for a server database, or
+where --artifacts says (name a shared directory when workers on several machines write to one PostgreSQL study)."""
 from __future__ import annotations
 
 import csv
@@ -49,9 +49,10 @@ def artifact_store(url: str, given: str | None = None) -> FileSystemArtifactStor
 
 class Uploader:
   """Listens to a worker (search/events.py): each finished trial's metrics (the `search show` document), git diff and
-  profile uploaded to the artifact store, while Optuna still lets the trial change (a worker tells of a trial's end before
-  it returns the trial's value); `refresh` rewrites them once their figures have changed: when the worker has measured
-  configs again (the baseline between trials changes every speedup), at the end of a run, after a confirmation."""
+  profile uploaded to the artifact store, while Optuna still lets the trial change (a worker tells of a trial's end
+  before it returns the trial's value); `refresh` rewrites them once their figures have changed: when the worker has
+  measured configs again (the baseline between trials changes every speedup), at the end of a run, after a
+  confirmation."""
 
   def __init__(self, url: str, study: str, artifacts: FileSystemArtifactStore):
     self.engine, self.storage, self.study, self.artifacts = open_db(url, create=False), storage(url), study, artifacts
@@ -133,8 +134,9 @@ def app(url: str, artifacts: str | None = None) -> Bottle:
 
 
 def serve(url: str, study: str | None, host: str, port: int, artifacts: str | None, say=print) -> None:
-  """Serve optuna-dashboard on url until interrupted, printing the address (of the study's page when one is named) once the
-  address is bound; a port in use or a host that does not resolve is one line (RuntimeError). It writes nothing into the studies."""
+  """Serve optuna-dashboard on url until interrupted, printing the address (of the study's page when one is named) once
+  the address is bound; a port in use or a host that does not resolve is one line (RuntimeError). It writes nothing into
+  the studies."""
   from wsgiref.simple_server import WSGIServer, make_server
 
   st = RankedStorage(url)
@@ -145,7 +147,8 @@ def serve(url: str, study: str | None, host: str, port: int, artifacts: str | No
   server_class = type("Server6", (WSGIServer,), {"address_family": socket.AF_INET6}) if ":" in host else WSGIServer
   try: server = make_server(host, port, app(url, artifacts), server_class=server_class)
   except OSError as e: raise RuntimeError(f"cannot serve the dashboard on {host}:{port}: {e.strerror or e}") from None
-  say(f"dashboard of {hide_password(url)} at http://{host}:{server.server_port}/{path} (artifacts in {artifact_dir(url, artifacts)}); "
+  say(f"dashboard of {hide_password(url)} at http://{host}:{server.server_port}/{path} (artifacts in "
+      f"{artifact_dir(url, artifacts)}); "
       "Ctrl-C stops it")
   with server:
     try: server.serve_forever()

@@ -71,7 +71,8 @@ def importance(p: Points) -> dict[str, float]:
                       for c, v in zip(p.knobs, p.values, strict=True)])
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")
-      imp = optuna.importance.get_param_importances(study, evaluator=optuna.importance.FanovaImportanceEvaluator(seed=0))
+      imp = optuna.importance.get_param_importances(study,
+                                                    evaluator=optuna.importance.FanovaImportanceEvaluator(seed=0))
     return {k: float(v) for k, v in imp.items()}
   finally: optuna.logging.set_verbosity(was)
 

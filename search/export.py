@@ -1,6 +1,7 @@
-"""Export to production: a study's chosen config written where `model run` and `model bench` load it (model/production.py),
-with where it comes from in its header; with --commit, committed by gitpython on a new branch of the repository holding the
-file (the user's checkout, index and current branch are left as they are), and that commit recorded with the study."""
+"""Export to production: a study's chosen config written where `model run` and `model bench` load it
+(model/production.py), with where it comes from in its header; with --commit, committed by gitpython on a new branch of
+the repository holding the file (the user's checkout, index and current branch are left as they are), and that commit
+recorded with the study."""
 from __future__ import annotations
 
 import datetime
@@ -31,35 +32,41 @@ def choose(s: Session, study: Study, which: str | None, unconfirmed: bool, force
   `unconfirmed` says); an unconfirmed one without `unconfirmed`, and with it one whose estimate is not above the
   baseline's interval, unless `force`. A confirmation counts with at least MIN_PAIRS A/B pairs."""
   trials = store.trials(s, study)
-  if not any(t.state not in ("running", "interrupted") for t in trials): raise ValueError(f"study {study.name!r} has no finished trial")
+  if not any(t.state not in ("running", "interrupted") for t in trials):
+    raise ValueError(f"study {study.name!r} has no finished trial")
   conf = {c.config_hash: c for c in store.confirmations(s, study)}
   win = winner(list(conf.values()))
   if which is not None:
     t = find_trial(s, study, which)
     src = t.reused_from or t
     if src.state != "ok":
-      raise ValueError(f"trial {t.number} is {src.state}{f' ({src.failure_class})' if src.failure_class and src.failure_class != src.state else ''}: "
-                       "only a config measured ok can go to production")
+      why = f" ({src.failure_class})" if src.failure_class and src.failure_class != src.state else ""
+      raise ValueError(f"trial {t.number} is {src.state}{why}: only a config measured ok can go to production")
   elif win is not None: t = s.get(Trial, win.trial_id)
   elif not unconfirmed:
-    raise ValueError(f"study {study.name!r} has no confirmed winner (`search confirm --study {study.name}`; --unconfirmed exports the best "
-                     "measured config)")
+    raise ValueError(f"study {study.name!r} has no confirmed winner (`search confirm --study {study.name}`; "
+                     "--unconfirmed exports the best measured config)")
   else:
     cands = [r for r in leaderboard(s, study)["rows"]
              if r["config_hash"] != study.baseline_hash and not _slower(conf.get(r["config_hash"]))]
-    if not cands: raise ValueError(f"study {study.name!r} has no measured config but the baseline and those confirmed slower than it")
+    if not cands: raise ValueError(f"study {study.name!r} has no measured config but the baseline and those confirmed "
+                                   "slower than it")
     t = find_trial(s, study, str(cands[0]["trial"]))  # the leaderboard's first
   if t.config_hash == study.baseline_hash:
     raise ValueError(f"trial {t.number} is the baseline config: production without a config is the baseline already")
   c = conf.get(t.config_hash)
   if _slower(c):
-    raise ValueError(f"trial {t.number} was confirmed {'not faster than' if c.status == 'ok' else 'failing against'} the baseline "
-                     f"({c.status}: {_ci(c)} over {c.pairs} A/B pairs); not exported")
+    raise ValueError(f"trial {t.number} was confirmed {'not faster than' if c.status == 'ok' else 'failing against'} "
+                     f"the baseline ({c.status}: {_ci(c)} over {c.pairs} A/B pairs); not exported")
   if c is not None and c.pairs >= MIN_PAIRS and c.speedup_low > 1.0:
-    return t, f"{'confirmed winner' if c is win else 'confirmed faster than the baseline'}: speedup {_ci(c)} over {c.pairs} A/B pairs"
+    return (t,
+            f"{'confirmed winner' if c is win else 'confirmed faster than the baseline'}: speedup {_ci(c)} over "
+            f"{c.pairs} A/B pairs")
   if not unconfirmed:
-    state = "not confirmed" if c is None else f"confirmed at {_ci(c)} over {c.pairs} A/B pairs, which does not show it faster"
-    raise ValueError(f"trial {t.number} is {state} (`search confirm --study {study.name}`, or export it with --unconfirmed)")
+    state = ("not confirmed" if c is None
+             else f"confirmed at {_ci(c)} over {c.pairs} A/B pairs, which does not show it faster")
+    raise ValueError(f"trial {t.number} is {state} (`search confirm --study {study.name}`, or export it with "
+                     "--unconfirmed)")
   return t, _unconfirmed(s, study, t, c, force)
 
 
@@ -76,9 +83,12 @@ def _unconfirmed(s: Session, study: Study, t: Trial, c: Confirmation | None, for
                f"the baseline {interval(base)} over {base.n})")
     above = e.median > (base.high if base.high is not None else base.median)
   if not above and not force:
-    raise ValueError(f"trial {t.number} is not confirmed and its estimate is not above the baseline's interval ({weak}{figures}): it may "
-                     f"be slower; `search confirm --study {study.name}` measures it, --force exports it anyway")
-  return f"UNCONFIRMED{'' if above else ', FORCED'}: {weak}{figures}{', above its interval' if above else ', NOT above its interval'}"
+    raise ValueError(f"trial {t.number} is not confirmed and its estimate is not above the baseline's interval "
+                     f"({weak}{figures}): it may be slower; `search confirm --study {study.name}` measures it, --force "
+                     "exports it anyway")
+  return (
+      f"UNCONFIRMED{'' if above else ', FORCED'}: "
+          f"{weak}{figures}{', above its interval' if above else ', NOT above its interval'}")
 
 
 def _slower(c: Confirmation | None) -> bool: return c is not None and (c.status != "ok" or c.speedup <= 1.0)
@@ -94,8 +104,9 @@ def render(s: Session, study: Study, t: Trial, why: str, url: str) -> str:
   m, env, code = t.metrics or {}, t.environment, t.git_state
   fig = f"{interval(e)} tok/s over {e.n} measurements" if e else f"{t.tok_s:.2f} tok/s"
   lines = [f"structsearch production config: study {study.name!r}, trial {t.number}, {why}",
-           f"model {study.model_name}: {study.model_path} ({study.model_bytes / 1e6:.1f} MB, {study.layers} blocks)", None,
-           f"measured: {fig}" + (f", baseline {base.median:.2f} tok/s ({e.median / base.median:.3f}x)" if e and base else "")
+           f"model {study.model_name}: {study.model_path} ({study.model_bytes / 1e6:.1f} MB, {study.layers} blocks)",
+           None, f"measured: {fig}" + (f", baseline {base.median:.2f} tok/s ({e.median / base.median:.3f}x)" if e
+                                       and base else "")
            + f", {m.get('kernels_per_token', '?')} kernels/token, {m.get('bytes_per_token', 0) / 1e6:.1f} MB/token",
            f"device: {study.device_name or study.device} ({study.device})",
            f"precision: {(p := precision(StructureConfig.from_json(t.config_json)))} ({PRECISION[p]})"]
@@ -117,7 +128,8 @@ def repository(path: pathlib.Path) -> pathlib.Path:
   return pathlib.Path(root).resolve()
 
 
-def commit(root: pathlib.Path, rel: pathlib.Path, source: pathlib.Path, message: str, branch: str) -> tuple[str, str, str]:
+def commit(root: pathlib.Path, rel: pathlib.Path, source: pathlib.Path, message: str,
+           branch: str) -> tuple[str, str, str]:
   """Commit the content of `source` as the file `rel` on a new branch (from HEAD) of the repository at root, through a
   private index, touching no file: the user's index, working tree and current branch stay as they are; returns (commit,
   branch, diff)."""
@@ -133,13 +145,15 @@ def commit(root: pathlib.Path, rel: pathlib.Path, source: pathlib.Path, message:
       sha = repo.git.commit_tree(repo.git.write_tree(env=env), *parent, "-m", message, env=env)
       repo.git.branch(name, sha)
       diff = repo.git.show("--format=", "--no-color", sha)
-    except git.GitCommandError as e: raise ValueError(f"--commit: git failed: {(e.stderr or str(e)).strip().splitlines()[-1]}") from None
+    except git.GitCommandError as e:
+      raise ValueError(f"--commit: git failed: {(e.stderr or str(e)).strip().splitlines()[-1]}") from None
   return sha, name, diff
 
 
 def _staged(path: pathlib.Path, text: str) -> pathlib.Path:
-  """text in a new temporary file beside path (its directories made), to be renamed onto path: every reason path cannot be
-  written (a directory, a directory that is a file, no permission, a read-only or special file system) is one line here."""
+  """text in a new temporary file beside path (its directories made), to be renamed onto path: every reason path cannot
+  be written (a directory, a directory that is a file, no permission, a read-only or special file system) is one line
+  here."""
   if path.is_dir(): raise ValueError(f"cannot write {path}: it is a directory (name the .toml file to write)")
   if (up := next((p for p in path.parents if p.exists()), None)) is not None and not up.is_dir():
     raise ValueError(f"cannot write {path}: {up} is a file, not a directory")
@@ -157,8 +171,8 @@ def _staged(path: pathlib.Path, text: str) -> pathlib.Path:
 
 def export(s: Session, study: Study, url: str, which: str | None, unconfirmed: bool, to: str | None, do_commit: bool,
            force: bool = False) -> tuple[pathlib.Path, str]:
-  """Write (and with do_commit commit) the chosen config; returns its path and a line saying what was written. Nothing is
-  written where anything fails: the file appears once it is committed."""
+  """Write (and with do_commit commit) the chosen config; returns its path and a line saying what was written. Nothing
+  is written where anything fails: the file appears once it is committed."""
   t, why = choose(s, study, which, unconfirmed, force)
   path = pathlib.Path(to).expanduser() if to else default_path(study)
   text, root = render(s, study, t, why, url), repository(path) if do_commit else None
@@ -169,13 +183,16 @@ def export(s: Session, study: Study, url: str, which: str | None, unconfirmed: b
       est = store.estimates(s, study)
       e, base = est.get(t.config_hash), est.get(study.baseline_hash)
       measured = f"; measured {e.median / base.median:.3f}x the baseline" if e and base else ""
-      message = f"structsearch: export study {study.name}, trial {t.number}: {why}{measured}, on {study.device_name or study.device}"
+      message = (
+          f"structsearch: export study {study.name}, trial {t.number}: {why}{measured}, on "
+                 f"{study.device_name or study.device}")
       branch_name = "structsearch/" + re.sub(r"[^A-Za-z0-9._-]+", "-", study.name) + f"-trial{t.number}"
       sha, branch, diff = commit(root, path.resolve().relative_to(root), tmp, message, branch_name)
     os.replace(tmp, path)
   finally: tmp.unlink(missing_ok=True)
   store.add_export(s, study, t, str(path.resolve()), sha, branch, diff)
-  return path, f"wrote {path}: trial {t.number} of {study.name}, {why}" + (f"; committed {sha[:12]} on branch {branch}" if sha else "")
+  return (path, f"wrote {path}: trial {t.number} of {study.name}, {why}"
+          + (f"; committed {sha[:12]} on branch {branch}" if sha else ""))
 
 
 def exports_doc(s: Session, name: str | None = None) -> dict:

@@ -1,5 +1,5 @@
-"""One view, four formats: a rich table for people, JSON for scripts (the view's own document), CSV and Markdown. A view is a
-list of sections (a table or a code block) and its JSON document; notes are sentences said after the tables."""
+"""One view, four formats: a rich table for people, JSON for scripts (the view's own document), CSV and Markdown. A view
+is a list of sections (a table or a code block) and its JSON document; notes are sentences said after the tables."""
 from __future__ import annotations
 
 import csv
@@ -34,10 +34,12 @@ def _cell(v: Any) -> str: return "" if v is None else str(v)
 
 def fitting(sec: Section, width: int) -> list[int]:
   """The indices of the columns the rich table shows at this console width: all of them where every value fits whole (a
-  wrapping column at its longest word, folded past WRAP_MIN), else without the `drop` columns, in their order, until it does."""
+  wrapping column at its longest word, folded past WRAP_MIN), else without the `drop` columns, in their order, until it
+  does."""
   def need(i: int) -> int:  # the column's width with its padding and border
     cells = [sec.columns[i], *(_cell(r[i]) for r in sec.rows)]
-    if sec.columns[i] in sec.wrap: return 3 + min(WRAP_MIN, max((cell_len(w) for c in cells for w in c.split()), default=0))
+    if sec.columns[i] in sec.wrap:
+      return 3 + min(WRAP_MIN, max((cell_len(w) for c in cells for w in c.split()), default=0))
     return 3 + max((cell_len(line) for c in cells for line in c.splitlines()), default=0)
   cols, gone = list(range(len(sec.columns))), iter(sec.drop)
   while 1 + sum(map(need, cols)) > width and (c := next(gone, None)) is not None:
@@ -58,8 +60,8 @@ def markdown(sections: list[Section], notes: list[str] = (), level: int = 3) -> 
 
 
 def emit(fmt: str, sections: list[Section], data: Any, console: Console, notes: list[str] = ()) -> None:
-  """Print the view in fmt: JSON is `data` alone; CSV is the sections' rows (a multi-section view's rows start with their
-  section's title); table and Markdown add the notes."""
+  """Print the view in fmt: JSON is `data` alone; CSV is the sections' rows (a multi-section view's rows start with
+  their section's title); table and Markdown add the notes."""
   if fmt == "json": print(json.dumps(data, indent=1, default=str))
   elif fmt == "csv":
     w = csv.writer(sys.stdout, lineterminator="\n")
@@ -83,10 +85,12 @@ def emit(fmt: str, sections: list[Section], data: Any, console: Console, notes: 
         console.print(Syntax(sec.code, sec.lang, word_wrap=True) if sec.code else "(empty)")
         continue
       t, cols = Table(title=sec.title), fitting(sec, console.width)
-      for c in (sec.columns[i] for i in cols): t.add_column(c, overflow="fold", no_wrap=c not in sec.wrap, max_width=90 if c in sec.wrap else None)
+      for c in (sec.columns[i] for i in cols):
+        t.add_column(c, overflow="fold", no_wrap=c not in sec.wrap, max_width=90 if c in sec.wrap else None)
       for r in sec.rows: t.add_row(*(_cell(r[i]) for i in cols))
       console.print(t)
       if left := [c for i, c in enumerate(sec.columns) if i not in cols]:
-        console.print(f"left out at {console.width} columns: {', '.join(left)} (a wider terminal, COLUMNS=N or --format csv shows them)")
+        console.print(f"left out at {console.width} columns: {', '.join(left)} (a wider terminal, COLUMNS=N or "
+                      "--format csv shows them)")
     for n in notes: console.print(n)
   else: raise ValueError(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")

@@ -1,6 +1,6 @@
-"""The views of stored studies, as JSON-able documents first and then as sections for search.formats: the leaderboard, the
-list of studies, one trial in full, two trials side by side. Every figure comes from db.store (the robust estimate of each
-config, its confirmations), so all views agree. The documents (`--format json`) are described in docs/json.md.
+"""The views of stored studies, as JSON-able documents first and then as sections for search.formats: the leaderboard,
+the list of studies, one trial in full, two trials side by side. Every figure comes from db.store (the robust estimate
+of each config, its confirmations), so all views agree. The documents (`--format json`) are described in docs/json.md.
 """
 from __future__ import annotations
 
@@ -36,9 +36,10 @@ def baseline(study: Study) -> StructureConfig:
 
 
 def winner(confirmed: list[Confirmation]) -> Confirmation | None:
-  """The confirmed config (over at least MIN_PAIRS A/B pairs) with the best lower bound of its speedup over the baseline,
-  if that bound is above 1."""
-  best = max((c for c in confirmed if c.status == "ok" and c.pairs >= MIN_PAIRS), key=lambda c: c.speedup_low, default=None)
+  """The confirmed config (over at least MIN_PAIRS A/B pairs) with the best lower bound of its speedup over the
+  baseline, if that bound is above 1."""
+  best = max((c for c in confirmed if c.status == "ok" and c.pairs >= MIN_PAIRS), key=lambda c: c.speedup_low,
+             default=None)
   return best if best is not None and best.speedup_low > 1.0 else None
 
 
@@ -49,17 +50,20 @@ def parse_where(pins: list[str]) -> dict[str, str]:
   for p in pins:
     k, eq, v = p.partition("=")
     if not eq: raise ValueError(f"--where {p!r}: expected KNOB=VALUE")
-    if (name := k.replace(":", ".")) not in known: raise ValueError(f"--where: unknown knob {k!r}; knobs: {', '.join(known)}")
+    if (name := k.replace(":", ".")) not in known:
+      raise ValueError(f"--where: unknown knob {k!r}; knobs: {', '.join(known)}")
     out[name] = v
   return out
 
 
 def _latest(s: Session, study: Study) -> dict[str, Confirmation]:
-  return {c.config_hash: c for c in store.confirmations(s, study)}  # in id order: the latest confirmation of each config wins
+  # in id order: the latest confirmation of each config wins
+  return {c.config_hash: c for c in store.confirmations(s, study)}
 
 
 def verdict(s: Session, study: Study) -> str:
-  """One sentence: the confirmed winner, or plainly that no config beats the baseline (or that nothing is confirmed yet)."""
+  """One sentence: the confirmed winner, or plainly that no config beats the baseline (or that nothing is confirmed
+  yet)."""
   conf, trials = _latest(s, study), {t.id: t for t in store.trials(s, study)}
   if (win := winner(list(conf.values()))) is not None:
     return (f"trial {trials[win.trial_id].number} beats the baseline: confirmed speedup {win.speedup:.3f}x "
@@ -67,30 +71,34 @@ def verdict(s: Session, study: Study) -> str:
   ok = [c for c in conf.values() if c.status == "ok" and c.config_hash != study.baseline_hash]
   if ok:
     best = max(ok, key=lambda c: c.speedup_low)
-    return (f"no config beats the baseline: the best confirmed, trial {trials[best.trial_id].number}, runs at {best.speedup:.3f}x "
-            f"[{best.speedup_low:.3f}, {best.speedup_high:.3f}] of it; keep the baseline")
+    return (f"no config beats the baseline: the best confirmed, trial {trials[best.trial_id].number}, runs at "
+            f"{best.speedup:.3f}x [{best.speedup_low:.3f}, {best.speedup_high:.3f}] of it; keep the baseline")
   cand = next((t for t in store.leaderboard(s, study, 2) if t.config_hash != study.baseline_hash), None)
   if cand is None: return "no config beats the baseline: no other config finished ok"
   est = store.estimates(s, study)
   e, base = est[cand.config_hash], est.get(study.baseline_hash)
   if base is not None and e.median <= base.median:
-    return f"no config beats the baseline: the best other config, trial {cand.number}, measures {e.median / base.median:.3f}x of it (unconfirmed)"
+    return (
+        f"no config beats the baseline: the best other config, trial {cand.number}, measures "
+            f"{e.median / base.median:.3f}x of it (unconfirmed)")
   return (f"nothing confirmed yet: the best measured config, trial {cand.number}, "
           f"{f'measures {e.median / base.median:.3f}x the baseline' if base else 'has no baseline to compare with'} "
           f"(`search confirm --study {study.name}`)")
 
 
-def _row(t: Trial, est: store.Estimate | None, base: store.Estimate | None, c: Confirmation | None, win: Confirmation | None,
-         base_cfg: StructureConfig) -> dict[str, Any]:
+def _row(t: Trial, est: store.Estimate | None, base: store.Estimate | None, c: Confirmation | None, win: Confirmation
+         | None, base_cfg: StructureConfig) -> dict[str, Any]:
   m = t.metrics or {}
   tok = est.median if est is not None and t.state == "ok" else None
   return {"rank": None, "trial": t.number, "trials": [t.number], "config_hash": t.config_hash, "state": t.state,
-          "tok_s": tok, "tok_s_low": est.low if tok else None, "tok_s_high": est.high if tok else None, "measurements": est.n if tok else 0,
-          "speedup": tok / base.median if tok and base else None,
-          "confirmed": {"speedup": c.speedup, "low": c.speedup_low, "high": c.speedup_high, "pairs": c.pairs, "status": c.status} if c else None,
-          "winner": win is not None and c is win, "block_tok_s": t.block_tok_s, "ms_per_token": 1e3 / tok if tok else None,
-          "kernels_per_token": m.get("kernels_per_token"), "mb_per_token": m["bytes_per_token"] / 1e6 if m.get("bytes_per_token") else None,
-          "bandwidth_share": m.get("bandwidth_share"), "peak_memory_mb": m["peak_device_bytes"] / 1e6 if m.get("peak_device_bytes") else None,
+          "tok_s": tok, "tok_s_low": est.low if tok else None, "tok_s_high": est.high if tok
+          else None, "measurements": est.n if tok else 0, "speedup": tok / base.median if tok and base else None,
+          "confirmed": {"speedup": c.speedup, "low": c.speedup_low, "high": c.speedup_high, "pairs": c.pairs,
+                        "status": c.status} if c else None,
+          "winner": win is not None and c is win, "block_tok_s": t.block_tok_s, "ms_per_token": 1e3 / tok if tok
+          else None, "kernels_per_token": m.get("kernels_per_token"), "mb_per_token": m["bytes_per_token"] / 1e6
+          if m.get("bytes_per_token") else None, "bandwidth_share": m.get("bandwidth_share"),
+          "peak_memory_mb": m["peak_device_bytes"] / 1e6 if m.get("peak_device_bytes") else None,
           "failure": (t.error_text or t.failure_class or "").strip().splitlines()[0][:200] if t.failure_class else None,
           "precision": precision(cfg := StructureConfig.from_json(t.config_json)), "changes": changes(cfg, base_cfg)}
 
@@ -114,42 +122,50 @@ def leaderboard(s: Session, study: Study, states: tuple[str, ...] = ("ok",), whe
   for t in trials:
     if t.state == "reused": continue
     if t.state == "ok" and t.config_hash in ok: ok[t.config_hash]["trials"].append(t.number)
-    elif t.state == "ok": ok[t.config_hash] = _row(t, est.get(t.config_hash), base, conf.get(t.config_hash), win, base_cfg)
+    elif t.state == "ok":
+      ok[t.config_hash] = _row(t, est.get(t.config_hash), base, conf.get(t.config_hash), win, base_cfg)
     else: rest.append(_row(t, None, base, None, None, base_cfg))
   ranked = sorted(ok.values(), key=lambda r: (-figure(r, base.median if base else None), r["trial"]))
   for i, r in enumerate(ranked): r["rank"] = i + 1
   flats = {t.number: flat(StructureConfig.from_json(t.config_json)) for t in trials}
-  rows = [r for r in ranked + rest if r["state"] in states and all(str(flats[r["trial"]][k]).lower() == v.lower() for k, v in (where or {}).items())]
+  rows = [r for r in ranked + rest if r["state"] in states
+          and all(str(flats[r["trial"]][k]).lower() == v.lower() for k, v in (where or {}).items())]
   bt = next((t for t in trials if t.config_hash == study.baseline_hash and t.state == "ok"), None)
-  return {"schema": SCHEMA, "study": study.name, "model": study.model_name, "model_sha256": study.model_sha256, "device": study.device,
-          "device_name": study.device_name, "layers": study.layers, "objectives": study.objectives, "baseline_hash": study.baseline_hash,
+  return {"schema": SCHEMA, "study": study.name, "model": study.model_name, "model_sha256": study.model_sha256,
+          "device": study.device, "device_name": study.device_name, "layers": study.layers,
+          "objectives": study.objectives, "baseline_hash": study.baseline_hash,
           "states": dict(collections.Counter(t.state for t in trials).most_common()),
-          "baseline": {"trial": bt.number if bt else None, "tok_s": base.median, "tok_s_low": base.low, "tok_s_high": base.high,
+          "baseline": {"trial": bt.number if bt
+                       else None, "tok_s": base.median, "tok_s_low": base.low, "tok_s_high": base.high,
                        "measurements": base.n} if base else None,
-          "winner": next((r["trial"] for r in ranked if r["winner"]), None), "verdict": verdict(s, study), "rows": rows[:top]}
+          "winner": next((r["trial"] for r in ranked if r["winner"]), None), "verdict": verdict(s, study),
+          "rows": rows[:top]}
 
 
 def _f(v: float | None, spec: str = ".2f", suffix: str = "") -> str: return "" if v is None else f"{v:{spec}}{suffix}"
 
 
 def leaderboard_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
-  cols = ["rank", "trial", "tok/s [90%] n", "speedup", "confirmed [low, high]", "ms/token", "kernels/token", "MB/token", "BW share",
-          "peak MB", "precision", "state", "changes from the baseline"]
+  cols = ["rank", "trial", "tok/s [90%] n", "speedup", "confirmed [low, high]", "ms/token", "kernels/token", "MB/token",
+          "BW share", "peak MB", "precision", "state", "changes from the baseline"]
   rows = []
   for r in doc["rows"]:
     c = r["confirmed"]
-    conf = (f"{c['speedup']:.3f}x [{c['low']:.3f}, {c['high']:.3f}]{' *' if r['winner'] else ''}" if c and c["status"] == "ok" else
+    conf = (f"{c['speedup']:.3f}x [{c['low']:.3f}, {c['high']:.3f}]{' *' if r['winner'] else ''}" if c
+            and c["status"] == "ok" else
             c["status"] if c else "")
-    tok = (f"{interval(store.Estimate(r['tok_s'], r['tok_s_low'], r['tok_s_high'], r['measurements']))} {r['measurements']}" if r["tok_s"] else
+    tok = (f"{interval(store.Estimate(r['tok_s'], r['tok_s_low'], r['tok_s_high'], r['measurements']))} "
+           f"{r['measurements']}" if r["tok_s"] else
            _f(r["block_tok_s"], ".2f", " (block)"))
-    rows.append([r["rank"] or "", r["trial"], tok, _f(r["speedup"], ".3f", "x"), conf, _f(r["ms_per_token"]), _f(r["kernels_per_token"], "d"),
-                 _f(r["mb_per_token"], ".1f"), _f(r["bandwidth_share"], ".1%"), _f(r["peak_memory_mb"], ".1f"),
-                 r["precision"],
+    rows.append([r["rank"] or "", r["trial"], tok, _f(r["speedup"], ".3f", "x"), conf, _f(r["ms_per_token"]),
+                 _f(r["kernels_per_token"], "d"), _f(r["mb_per_token"], ".1f"), _f(r["bandwidth_share"], ".1%"),
+                 _f(r["peak_memory_mb"], ".1f"), r["precision"],
                  r["state"] if not r["failure"] else f"{r['state']}: {r['failure'][:60]}",
                  " ".join(f"{k}={v}" for k, v in r["changes"].items()) or "baseline"])
   records = [{**{k: v for k, v in r.items() if k not in ("confirmed", "changes", "trials")},
               "trials": " ".join(map(str, r["trials"])),
-              **{f"confirmed_{k}": (r["confirmed"] or {}).get(k) for k in ("speedup", "low", "high", "pairs", "status")},
+              **{f"confirmed_{k}": (r["confirmed"] or {}).get(k)
+                 for k in ("speedup", "low", "high", "pairs", "status")},
               "changes": " ".join(f"{k}={v}" for k, v in r["changes"].items())} for r in doc["rows"]]
   title = (f"{doc['study']}: {doc['model']} ({doc['layers']} blocks) on {doc['device_name'] or doc['device']}  "
            f"[{', '.join(f'{k} {v}' for k, v in doc['states'].items())}]")
@@ -164,12 +180,13 @@ def studies(s: Session) -> dict[str, Any]:
   for st in store.studies(s):
     trials, est = store.trials(s, st), store.estimates(s, st)
     base = est.get(st.baseline_hash)
-    best = max((e for h, e in est.items() if any(t.config_hash == h and t.state == "ok" for t in trials)), key=lambda e: e.median, default=None)
+    best = max((e for h, e in est.items() if any(t.config_hash == h and t.state == "ok" for t in trials)),
+               key=lambda e: e.median, default=None)
     out.append({"study": st.name, "model": st.model_name, "device": st.device, "device_name": st.device_name,
                 "trials": len(trials), "ok": sum(t.state == "ok" for t in trials),
                 "failed": sum(bool(t.failure_class) for t in trials),
-                "best_tok_s": best.median if best else None, "speedup": best.median / base.median if best and base else None,
-                "verdict": verdict(s, st), "created": _day(st.created_at), "finished": _day(st.finished_at)})
+                "best_tok_s": best.median if best else None, "speedup": best.median / base.median if best and base
+                else None, "verdict": verdict(s, st), "created": _day(st.created_at), "finished": _day(st.finished_at)})
   return {"schema": SCHEMA, "study": None, "studies": out}
 
 
@@ -177,8 +194,8 @@ def studies_view(doc: dict[str, Any]) -> list[Section]:
   cols = ["study", "model", "device", "trials", "ok", "failed", "best tok/s", "speedup", "created", "finished"]
   rows = [[d["study"], d["model"], d["device_name"] or d["device"], d["trials"], d["ok"], d["failed"],
            _f(d["best_tok_s"]), _f(d["speedup"], ".3f", "x"), d["created"], d["finished"]] for d in doc["studies"]]
-  return [Section("studies", cols, rows, records=[{k: v for k, v in d.items()} for d in doc["studies"]], wrap=("model",),
-                  drop=("finished", "created", "failed", "ok", "best tok/s"))]
+  return [Section("studies", cols, rows, records=[{k: v for k, v in d.items()} for d in doc["studies"]],
+                  wrap=("model",), drop=("finished", "created", "failed", "ok", "best tok/s"))]
 
 
 def _day(d: datetime.datetime | None) -> str: return d.strftime("%Y-%m-%d %H:%M") if d else ""
@@ -206,23 +223,28 @@ def trial_doc(s: Session, study: Study, t: Trial) -> dict[str, Any]:
   cfg = StructureConfig.from_json(t.config_json)
   env, git = src.environment, src.git_state
   numbers = {x.id: x.number for x in store.trials(s, study)}
-  return {"schema": SCHEMA, "study": study.name, "trial": t.number, "state": t.state, "stage": t.stage, "config_hash": t.config_hash,
-          "config": cfg.to_dict(), "precision": precision(cfg), "changes": changes(cfg, baseline(study)),
-          "baseline": baseline(study).to_dict(),
+  return {"schema": SCHEMA, "study": study.name, "trial": t.number, "state": t.state, "stage": t.stage,
+          "config_hash": t.config_hash, "config": cfg.to_dict(), "precision": precision(cfg),
+          "changes": changes(cfg, baseline(study)), "baseline": baseline(study).to_dict(),
           "reused_from": t.reused_from.number if t.reused_from else None,
           "estimate": {"tok_s": e.median, "low": e.low, "high": e.high, "measurements": e.n} if e else None,
-          "speedup": e.median / base.median if e and base and t.state in ("ok", "reused") and src.state == "ok" else None,
-          "confirmed": {"speedup": c.speedup, "low": c.speedup_low, "high": c.speedup_high, "pairs": c.pairs, "status": c.status} if c else None,
-          "tok_s": src.tok_s, "block_tok_s": src.block_tok_s, "metrics": src.metrics or {}, "phases": src.phases or {}, "check": src.check or {},
-          "failure_class": src.failure_class, "error_text": src.error_text,
-          "measurements": [{"kind": m.kind, "stage": m.stage, "tok_s": m.tok_s, "rounds": m.rounds, "trial": numbers.get(m.trial_id),
-                            "at": m.created_at.isoformat()} for m in store.measurements(s, study, None) if m.config_hash == t.config_hash],
-          "profile": [{"rank": p.rank, "name": p.name, "count": p.count, "us_per_token": p.us_per_token, "gb_s": p.gb_s, "share": p.share}
+          "speedup": e.median / base.median if e and base and t.state in ("ok", "reused") and src.state == "ok"
+          else None, "confirmed": {"speedup": c.speedup, "low": c.speedup_low, "high": c.speedup_high, "pairs": c.pairs,
+                                   "status": c.status} if c else None,
+          "tok_s": src.tok_s, "block_tok_s": src.block_tok_s, "metrics": src.metrics or {}, "phases": src.phases
+          or {}, "check": src.check or {}, "failure_class": src.failure_class, "error_text": src.error_text,
+          "measurements": [{"kind": m.kind, "stage": m.stage, "tok_s": m.tok_s, "rounds": m.rounds,
+                            "trial": numbers.get(m.trial_id), "at": m.created_at.isoformat()}
+                           for m in store.measurements(s, study, None) if m.config_hash == t.config_hash],
+          "profile": [{"rank": p.rank, "name": p.name, "count": p.count, "us_per_token": p.us_per_token, "gb_s": p.gb_s,
+                       "share": p.share}
                       for p in src.profile],
-          "environment": {k: getattr(env, k) for k in ("device", "device_name", "driver", "tinygrad_version", "tinygrad_commit", "python", "host",
-                                                       "platform")} if env else None,
-          "git": {"commit": git.commit, "branch": git.branch, "dirty": git.dirty, "diff": git.diff} if git else None,
-          "worker": t.worker, "started_at": t.started_at.isoformat(), "finished_at": t.finished_at.isoformat() if t.finished_at else None}
+          "environment": {k: getattr(env, k) for k in ("device", "device_name", "driver", "tinygrad_version",
+                                                       "tinygrad_commit", "python", "host", "platform")} if env
+          else None, "git":
+            {"commit": git.commit, "branch": git.branch, "dirty": git.dirty, "diff": git.diff} if git else None,
+          "worker": t.worker, "started_at": t.started_at.isoformat(), "finished_at": t.finished_at.isoformat()
+          if t.finished_at else None}
 
 
 def _kv(d: dict[str, Any], prefix: str = "") -> list[list[Any]]:
@@ -235,31 +257,42 @@ def _kv(d: dict[str, Any], prefix: str = "") -> list[list[Any]]:
 
 def trial_view(doc: dict[str, Any]) -> list[Section]:
   e, c = doc["estimate"], doc["confirmed"]
-  head = [["state", doc["state"] + (f" (result of trial {doc['reused_from']})" if doc["reused_from"] is not None else "")],
+  head = [["state", doc["state"] + (f" (result of trial {doc['reused_from']})" if doc["reused_from"] is not None
+                                    else "")],
           ["stage", doc["stage"]], ["config hash", doc["config_hash"]],
           ["precision", f"{doc['precision']}: {PRECISION[doc['precision']]}"],
-          ["tok/s", f"{interval(store.Estimate(e['tok_s'], e['low'], e['high'], e['measurements']))} ({e['measurements']} measurements)"
+          ["tok/s",
+           f"{interval(store.Estimate(e['tok_s'], e['low'], e['high'], e['measurements']))} ({e['measurements']} "
+           "measurements)"
            if e else ""],
           ["speedup", _f(doc["speedup"], ".3f", "x")],
-          ["confirmed", f"{c['speedup']:.3f}x [{c['low']:.3f}, {c['high']:.3f}] over {c['pairs']} A/B pairs ({c['status']})" if c else ""],
-          ["failure", doc["failure_class"] or ""], ["worker", doc["worker"]], ["started", doc["started_at"]], ["finished", doc["finished_at"]]]
+          ["confirmed",
+           f"{c['speedup']:.3f}x [{c['low']:.3f}, {c['high']:.3f}] over {c['pairs']} A/B pairs ({c['status']})" if c
+           else ""],
+          ["failure", doc["failure_class"] or ""], ["worker", doc["worker"]], ["started", doc["started_at"]],
+          ["finished", doc["finished_at"]]]
   base = flat(StructureConfig.from_dict(doc["baseline"]))
   secs = [Section(f"trial {doc['trial']} of {doc['study']}", ["", ""], head),
-          Section("config: changes from the baseline", ["knob", "value", "baseline"], [[k, v, base[k]] for k, v in doc["changes"].items()]),
+          Section("config: changes from the baseline", ["knob", "value", "baseline"],
+                  [[k, v, base[k]] for k, v in doc["changes"].items()]),
           Section("config (TOML)", code=StructureConfig.from_dict(doc["config"]).to_toml(), lang="toml"),
-          Section("metrics", ["metric", "value"], _kv(doc["metrics"])), Section("phases (s)", ["phase", "seconds"], _kv(doc["phases"])),
+          Section("metrics", ["metric", "value"], _kv(doc["metrics"])),
+          Section("phases (s)", ["phase", "seconds"], _kv(doc["phases"])),
           Section("correctness check", ["", ""], _kv(doc["check"])),
           Section("measurements", ["kind", "stage", "tok/s", "rounds", "at"],
-                  [[m["kind"], m["stage"], f"{m['tok_s']:.2f}", " ".join(f"{x:.2f}" for x in m["rounds"] or ()), m["at"][:19]]
+                  [[m["kind"], m["stage"], f"{m['tok_s']:.2f}", " ".join(f"{x:.2f}" for x in m["rounds"] or ()),
+                    m["at"][:19]]
                    for m in doc["measurements"]])]
   if doc["error_text"]: secs.append(Section("failure text", code=doc["error_text"], lang="text"))
   if doc["profile"]:
     secs.append(Section("per-kernel profile", ["rank", "kernel", "count", "us/token", "GB/s", "share"],
-                        [[p["rank"], p["name"], p["count"], f"{p['us_per_token']:.1f}", _f(p["gb_s"], ".1f"), f"{p['share']:.1%}"]
+                        [[p["rank"], p["name"], p["count"], f"{p['us_per_token']:.1f}", _f(p["gb_s"], ".1f"),
+                          f"{p['share']:.1%}"]
                          for p in doc["profile"]]))
   if doc["environment"]: secs.append(Section("environment", ["", ""], _kv(doc["environment"])))
   if g := doc["git"]:
-    secs.append(Section("git state", ["", ""], [["commit", g["commit"]], ["branch", g["branch"] or "(detached)"], ["dirty", g["dirty"]]]))
+    secs.append(Section("git state", ["", ""],
+                        [["commit", g["commit"]], ["branch", g["branch"] or "(detached)"], ["dirty", g["dirty"]]]))
     if g["diff"]: secs.append(Section("git diff", code=g["diff"], lang="diff"))
   return secs
 
@@ -282,13 +315,16 @@ def compare_doc(s: Session, study: Study, a: Trial, b: Trial, study_b: Study | N
     if k == "ms_per_token": return 1e3 / d["estimate"]["tok_s"] if d["estimate"] else None
     return d["metrics"].get(k)
   metrics = [{"metric": k, "a": metric(da, k), "b": metric(db, k)} for k, _ in COMPARED]
-  metrics += [{"metric": f"phase {k}", "a": da["phases"].get(k), "b": db["phases"].get(k)} for k in ("load_s", "compile_s", "wall_s")]
-  for m in metrics: m["ratio"] = m["b"] / m["a"] if isinstance(m["a"], int | float) and isinstance(m["b"], int | float) and m["a"] else None
+  metrics += [{"metric": f"phase {k}", "a": da["phases"].get(k), "b": db["phases"].get(k)}
+              for k in ("load_s", "compile_s", "wall_s")]
+  for m in metrics: m["ratio"] = (m["b"] / m["a"] if isinstance(m["a"], int | float) and isinstance(m["b"], int | float)
+                                  and m["a"] else None)
   return {"schema": SCHEMA, "study": study.name, "study_b": sb.name, "a": a.number, "b": b.number,
           "state": {"a": a.state, "b": b.state},
           "where": {x: f"{st.model_name} on {st.device_name or st.device}" for x, st in (("a", study), ("b", sb))},
           "precision": {"a": da["precision"], "b": db["precision"]},
-          "estimate": {"a": da["estimate"], "b": db["estimate"]}, "confirmed": {"a": da["confirmed"], "b": db["confirmed"]},
+          "estimate": {"a": da["estimate"], "b": db["estimate"]},
+          "confirmed": {"a": da["confirmed"], "b": db["confirmed"]},
           "knobs": [{"knob": k, "a": fa[k], "b": fb[k]} for k in fa if fa[k] != fb[k]], "metrics": metrics,
           "kernels": kernels(da["profile"], db["profile"])}
 
@@ -326,7 +362,8 @@ def compare_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
   rows += [["precision", doc["precision"]["a"], doc["precision"]["b"], ""],
            ["tok/s estimate [90%] over measurements", est(ea), est(eb), ""],
            ["A/B-confirmed against the baseline", _conf(ca), _conf(cb), ""]]
-  rows += [[names.get(m["metric"], m["metric"]), fmt(m["a"]), fmt(m["b"]), _f(m["ratio"], ".3f", "x")] for m in doc["metrics"]]
+  rows += [[names.get(m["metric"], m["metric"]), fmt(m["a"]), fmt(m["b"]), _f(m["ratio"], ".3f", "x")]
+           for m in doc["metrics"]]
   said = lambda c: ("failed" if c["status"] != "ok" else "faster" if c["low"] > 1 else
                     "not faster" if c["speedup"] <= 1 else "inconclusive")
   notes = [f"{side} ({x}) is A/B-confirmed at {_conf(c)} of the baseline: {said(c)}"

@@ -1,8 +1,8 @@
-"""The plots of a study (matplotlib), shared by `search report` and notebooks/leaderboard.ipynb: optimisation history with the
-baseline's noise band, knob importance and the single changes of a one-knob-at-a-time climb (search/effects.py), tok/s
-per value of each knob, kernels/token against tok/s, block proxy against full model (with Spearman's rank correlation),
-and the Pareto front of a two-objective study. Each returns a Figure, or None where the study cannot show it (say why
-with `missing`)."""
+"""The plots of a study (matplotlib), shared by `search report` and notebooks/leaderboard.ipynb: optimisation history
+with the baseline's noise band, knob importance and the single changes of a one-knob-at-a-time climb
+(search/effects.py), tok/s per value of each knob, kernels/token against tok/s, block proxy against full model (with
+Spearman's rank correlation), and the Pareto front of a two-objective study. Each returns a Figure, or None where the
+study cannot show it (say why with `missing`)."""
 from __future__ import annotations
 
 import collections
@@ -85,7 +85,8 @@ def history(d: StudyData) -> Figure | None:
           label="best so far (as ranked)")
   if b is not None:
     ax.axhline(b["tok_s"], color="gray", ls="--", label=f"baseline, median of {b['measurements']}")
-    if b["tok_s_low"] is not None: ax.axhspan(b["tok_s_low"], b["tok_s_high"], color="gray", alpha=0.2, label="baseline 90% interval")
+    if b["tok_s_low"] is not None:
+      ax.axhspan(b["tok_s_low"], b["tok_s_high"], color="gray", alpha=0.2, label="baseline 90% interval")
   ax.set(xlabel="trial (a config's first)", ylabel="decode tok/s", title=f"{d.name}: optimisation history")
   ax.legend(fontsize="small")
   return fig
@@ -156,7 +157,8 @@ def proxy(d: StudyData) -> Figure | None:
   fig, ax = _fig()
   ax.plot(*zip(*pts, strict=True), "o")
   rho = spearmanr(*zip(*pts, strict=True)).statistic if len(pts) > 2 else float("nan")
-  ax.set(xlabel="block proxy tok/s", ylabel="full model tok/s", title=f"{d.name}: proxy against full model (Spearman {rho:.2f}, {len(pts)} trials)")
+  ax.set(xlabel="block proxy tok/s", ylabel="full model tok/s",
+         title=f"{d.name}: proxy against full model (Spearman {rho:.2f}, {len(pts)} trials)")
   return fig
 
 

@@ -1,9 +1,9 @@
-"""Is the ladder's stage-1 proxy (the leading blocks) worth pruning by? Judged per study from the trials that ran both stages
-whatever the proxy said: the first MIN_PAIRS trials and every SAMPLE_EVERY-th trial after (an unbiased sample; a trial
-that survived pruning is not). Pruning is on only while the proxy's rank correlation with the full model is high.
+"""Is the ladder's stage-1 proxy (the leading blocks) worth pruning by? Judged per study from the trials that ran both
+stages whatever the proxy said: the first MIN_PAIRS trials and every SAMPLE_EVERY-th trial after (an unbiased sample; a
+trial that survived pruning is not). Pruning is on only while the proxy's rank correlation with the full model is high.
 
-At full depth the proxy's embedding and output head weigh as much as at 3 blocks while the blocks do not, so how well the
-proxy ranks configs is a property of the model and the space, measured, not assumed."""
+At full depth the proxy's embedding and output head weigh as much as at 3 blocks while the blocks do not, so how well
+the proxy ranks configs is a property of the model and the space, measured, not assumed."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -46,7 +46,8 @@ class ProxyFit:
 
   def summary(self) -> str:
     rho = f"Spearman rho {self.rho:.2f}" if self.rho is not None else "no rank correlation yet"
-    verdict = ("prunes the bottom quarter" if self.predicts else f"validating (pruning needs {MIN_PAIRS} sampled trials)" if self.pairs < MIN_PAIRS
+    verdict = ("prunes the bottom quarter" if self.predicts
+               else f"validating (pruning needs {MIN_PAIRS} sampled trials)" if self.pairs < MIN_PAIRS
                else f"does not predict (rho < {RHO_MIN}): skipped but for every {SAMPLE_EVERY}th trial")
     share = f"; proxy stage {100 * self.proxy_s / self.total_s:.0f}% of trial time" if self.total_s else ""
     return f"block proxy vs full model: {rho} over {self.pairs} sampled trials, {verdict}{share}"
@@ -54,7 +55,8 @@ class ProxyFit:
 
 def proxy_fit(trials: Sequence[Trial]) -> ProxyFit:
   """How the proxy ranks configs against the full model in these trials (one study's), and what it cost."""
-  pairs = [(t.block_tok_s, t.tok_s) for t in trials if t.state == "ok" and (t.metrics or {}).get("ladder") == "sample" and t.block_tok_s and t.tok_s]
+  pairs = [(t.block_tok_s, t.tok_s) for t in trials if t.state == "ok" and (t.metrics or {}).get("ladder") == "sample"
+           and t.block_tok_s and t.tok_s]
   ran = [(t.state, t.phases or {}) for t in trials if t.state != "reused"]
   proxy = sum(p.get("wall_s", 0) if state == "pruned" else p.get("block_wall_s", 0) for state, p in ran)
   return ProxyFit(len(pairs), spearman(*zip(*pairs, strict=True)) if pairs else None, proxy,
@@ -62,7 +64,7 @@ def proxy_fit(trials: Sequence[Trial]) -> ProxyFit:
 
 
 def ladder(number: int, fit: ProxyFit, baseline: bool) -> str:
-  """How trial `number` uses the two-stage ladder: "sample" (both stages, never pruned), "prune" (the proxy may prune it),
-  or "full" (the full model only: the proxy does not predict)."""
+  """How trial `number` uses the two-stage ladder: "sample" (both stages, never pruned), "prune" (the proxy may prune
+  it), or "full" (the full model only: the proxy does not predict)."""
   if baseline or fit.pairs < MIN_PAIRS or number % SAMPLE_EVERY == 0: return "sample"
   return "prune" if fit.predicts else "full"

@@ -1,8 +1,9 @@
-"""Replay: a finished study's search re-run offline against its recorded measurements, to compare samplers with evidence.
+"""Replay: a finished study's search re-run offline against its recorded measurements, to compare samplers with
+evidence.
 
-Each replayed trial asks the sampler for a config as the live search would; its value is the one recorded for that config
-(no device involved). A config the study never measured is unavailable: the trial fails and the sampler moves on, as after
-a crash. The figure is how many trials a sampler needs to reach 95% of the best tok/s the study knows.
+Each replayed trial asks the sampler for a config as the live search would; its value is the one recorded for that
+config (no device involved). A config the study never measured is unavailable: the trial fails and the sampler moves on,
+as after a crash. The figure is how many trials a sampler needs to reach 95% of the best tok/s the study knows.
 
 A study's own sampler proposes what it measured; any other sampler meets unavailable configs, counted against it. So
 replay compares samplers only on a study measured densely (MIN_COVERAGE of its space, e.g. a random study of a small
@@ -55,14 +56,17 @@ def coverage(url: str, name: str) -> tuple[int, int]:
   return len(recorded(url, name)), size(info, setup.device, setup.fixed, setup.family)
 
 
-def replay(url: str, name: str, samplers: list[str], trials: int, repeats: int, share: float = 0.95) -> list[ReplayResult]:
+def replay(url: str, name: str, samplers: list[str], trials: int, repeats: int,
+           share: float = 0.95) -> list[ReplayResult]:
   setup, info = load_setup(name, url)
   measured, space = coverage(url, name)
   if measured < MIN_COVERAGE * space:
-    raise ValueError(f"study {name!r} measured {measured} of the {space:,} configs of its space ({100 * measured / space:.2g}%): replay compares "
-                     f"samplers only on a study that measured at least {100 * MIN_COVERAGE:.0f}% of its space, or the configs its own sampler "
-                     "never proposed count against the others; make one of a small sub-space, e.g. `search start --sampler random` "
-                     "with --fix on all but a few knobs and --trials about three times the sub-space's size")
+    raise ValueError(f"study {name!r} measured {measured} of the {space:,} configs of its space "
+                     f"({100 * measured / space:.2g}%): replay compares samplers only on a study that measured at "
+                     f"least {100 * MIN_COVERAGE:.0f}% of its space, or the configs its own sampler "
+                     "never proposed count against the others; make one of a small sub-space, e.g. `search start "
+                     "--sampler random` with --fix on all but a few knobs and --trials about three times the "
+                     "sub-space's size")
   values, base = recorded(url, name), stored_baseline(url, setup, info)
   best = max((v for v in values.values() if v), default=None)
   if best is None: raise ValueError(f"study {name!r} has no successful trial to replay against")
@@ -70,7 +74,8 @@ def replay(url: str, name: str, samplers: list[str], trials: int, repeats: int, 
   for sname in samplers:
     reached, missing, asked = [], 0, 0
     for r in range(repeats):
-      study = optuna.create_study(direction="maximize", sampler=sampler(sname, r, min(8, trials // 3 or 1), setup.knobs(info), setup.fixed))
+      study = optuna.create_study(direction="maximize",
+                                  sampler=sampler(sname, r, min(8, trials // 3 or 1), setup.knobs(info), setup.fixed))
       study.enqueue_trial(setup.params(base, info))  # as the live search starts from the baseline
       first: list[int] = []
       def objective(trial: optuna.Trial, first: list[int] = first) -> float:

@@ -1,6 +1,6 @@
-"""`search report`: a study for sharing, in one directory: report.md (Markdown beside its PNG plots) and report.html (the same,
-self-contained: the plots are embedded), with the leaderboard, the verdict (the confirmed winner, or that no config beats
-the baseline), the noise figure, the proxy's rank correlation and the plots of search.plots."""
+"""`search report`: a study for sharing, in one directory: report.md (Markdown beside its PNG plots) and report.html
+(the same, self-contained: the plots are embedded), with the leaderboard, the verdict (the confirmed winner, or that no
+config beats the baseline), the noise figure, the proxy's rank correlation and the plots of search.plots."""
 from __future__ import annotations
 
 import base64
@@ -23,9 +23,11 @@ CAPTIONS = {"history": "Optimisation history: each config's estimate with its 90
                        "one knob away, with its 90% interval",
             "per_knob": "The estimate of each ok config per value of each knob",
             "kernels": "Kernels per token against tok/s",
-            "proxy": "Block proxy tok/s against full-model tok/s", "pareto": "tok/s against peak device memory: the Pareto front"}
-CSS = "body{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em}table{border-collapse:collapse;font-size:small}" \
-      "td,th{border:1px solid #ccc;padding:2px 6px}img{max-width:100%}code,pre{background:#f4f4f4}"
+            "proxy": "Block proxy tok/s against full-model tok/s",
+            "pareto": "tok/s against peak device memory: the Pareto front"}
+CSS = ("body{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em}"
+       "table{border-collapse:collapse;font-size:small}"
+       "td,th{border:1px solid #ccc;padding:2px 6px}img{max-width:100%}code,pre{background:#f4f4f4}")
 
 
 def report(url: str, name: str, out: pathlib.Path) -> pathlib.Path:
@@ -35,15 +37,17 @@ def report(url: str, name: str, out: pathlib.Path) -> pathlib.Path:
   b = d.board
   secs, notes = leaderboard_view(b)
   base = (f"the baseline was measured {b['baseline']['measurements']} times: {b['baseline']['tok_s']:.2f} tok/s"
-          + (f" [{b['baseline']['tok_s_low']:.2f}, {b['baseline']['tok_s_high']:.2f}]" if b["baseline"]["tok_s_low"] is not None else "")
+          + (f" [{b['baseline']['tok_s_low']:.2f}, {b['baseline']['tok_s_high']:.2f}]"
+             if b["baseline"]["tok_s_low"] is not None else "")
           if b["baseline"] else "the baseline has no ok measurement")
   lines = [f"# structsearch report: {name}", "",
-           f"{b['model']} ({b['layers']} blocks, sha256 {b['model_sha256'][:16]}) on {b['device_name'] or b['device']}; "
-           f"objectives {b['objectives']}; trials: {', '.join(f'{k} {v}' for k, v in b['states'].items())}. "
-           f"Written {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC.", "",
+           f"{b['model']} ({b['layers']} blocks, sha256 {b['model_sha256'][:16]}) on "
+           f"{b['device_name'] or b['device']}; objectives {b['objectives']}; trials: "
+           f"{', '.join(f'{k} {v}' for k, v in b['states'].items())}. Written "
+           f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC.", "",
            f"**{b['verdict'][:1].upper() + b['verdict'][1:]}.**", "",
-           f"Noise: {base}. tok/s is the median of a config's measurements with a 90% interval (db.store.estimates).", "",
-           markdown(secs, level=2), ""]
+           f"Noise: {base}. tok/s is the median of a config's measurements with a 90% interval (db.store.estimates).",
+           "", markdown(secs, level=2), ""]
   for key, plot in PLOTS.items():
     if (fig := plot(d)) is None: continue
     fig.savefig(out / f"{key}.png", dpi=100)
@@ -53,6 +57,6 @@ def report(url: str, name: str, out: pathlib.Path) -> pathlib.Path:
   (out / "report.md").write_text(text)
   embed = lambda m: f'src="data:image/png;base64,{base64.b64encode((out / m.group(1)).read_bytes()).decode()}"'
   body = re.sub(r'src="([a-z_]+\.png)"', embed, md.markdown(text, extensions=["tables", "fenced_code"]))
-  (html := out / "report.html").write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>{name}</title><style>{CSS}</style>"
-                                           f"</head><body>{body}</body></html>")
+  head = f"<meta charset='utf-8'><title>{name}</title><style>{CSS}</style>"
+  (html := out / "report.html").write_text(f"<!doctype html><html><head>{head}</head><body>{body}</body></html>")
   return html

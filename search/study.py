@@ -1,5 +1,5 @@
-"""A study as it is defined: one model file on one device model, its measurement protocol and its one baseline config, fixed
-when it is created and read back by every worker that joins it (search/worker.py) and every command that reads it.
+"""A study as it is defined: one model file on one device model, its measurement protocol and its one baseline config,
+fixed when it is created and read back by every worker that joins it (search/worker.py) and every command that reads it.
 
 Optuna's RDB storage and our ss_ tables share one database URL. Optuna's study keeps the protocol (its user attributes:
 Setup's fields) and the trials' parameters and states; ss_study keeps what the views read: the model file, the device
@@ -35,11 +35,12 @@ from space.knobs import SPACE_VERSION, Knob, ModelInfo, defaults, device_kind, k
 
 SAMPLERS = ("coordinate", "tpe", "random", "gp", "nsga2")
 METRICS = ("tok/s", "peak device bytes")  # the objectives of a study, in Optuna's order
-HEARTBEAT_S = 10  # a worker that stops beating for 6 heartbeats is dead: its trial fails and its config is enqueued again
+# a worker that stops beating for 6 heartbeats is dead: its trial fails and its config is enqueued again
+HEARTBEAT_S = 10
 # the measurement protocol: Setup fields fixed when a study is created, and the `search start` option that sets each
-PROTOCOL = {"n": "-n", "rounds": "--rounds", "prefill": "--no-prefill", "block_layers": "--block-layers", "sampler": "--sampler",
-            "seed": "--seed", "objectives": "--objectives", "fixed": "--fix", "beam_budget": "--beam-budget",
-            "family": "--family", "exact": "--exact"}
+PROTOCOL = {"n": "-n", "rounds": "--rounds", "prefill": "--no-prefill", "block_layers": "--block-layers",
+            "sampler": "--sampler", "seed": "--seed", "objectives": "--objectives", "fixed": "--fix",
+            "beam_budget": "--beam-budget", "family": "--family", "exact": "--exact"}
 
 
 class StudyMismatch(ValueError):
@@ -47,32 +48,37 @@ class StudyMismatch(ValueError):
 
 
 def storage(url: str, heartbeat: float = HEARTBEAT_S, create: bool = False) -> RDBStorage:
-  """Optuna's storage on our database (our schema migrated first, so an unreachable or foreign database fails with one line;
-  without `create`, a database that does not exist is an error)."""
+  """Optuna's storage on our database (our schema migrated first, so an unreachable or foreign database fails with one
+  line; without `create`, a database that does not exist is an error)."""
   open_db(url, create).dispose()
   for attempt in range(3):  # two processes creating Optuna's tables at once: the one that finds them made tries again
     try:
       with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         return RDBStorage(url, heartbeat_interval=max(1, round(heartbeat)), grace_period=max(3, round(6 * heartbeat)),
-                          heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=store.RETRIES), engine_kwargs=engine_kwargs(url))
+                          heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=store.RETRIES),
+                          engine_kwargs=engine_kwargs(url))
     except Exception as e:  # noqa: BLE001 - Optuna raises bare SQLAlchemy or RuntimeErrors here
-      raced = isinstance(e, sqlalchemy.exc.IntegrityError) or isinstance(e, sqlalchemy.exc.SQLAlchemyError) and "already exists" in str(e)
+      raced = (isinstance(e, sqlalchemy.exc.IntegrityError) or isinstance(e, sqlalchemy.exc.SQLAlchemyError)
+               and "already exists" in str(e))
       if attempt == 2 or not raced: raise DBError(f"Optuna cannot use the database: {str(e).splitlines()[0]}") from None
     time.sleep(0.2)
 
 
-def sampler(name: str, seed: int | None, n_startup: int, ks: list[Knob], fixed: dict[str, Any]) -> optuna.samplers.BaseSampler:
+def sampler(name: str, seed: int | None, n_startup: int, ks: list[Knob],
+            fixed: dict[str, Any]) -> optuna.samplers.BaseSampler:
   """A study's sampler over its knobs `ks` and pins."""
   warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # TPE's group option
-  tpe = lambda: optuna.samplers.TPESampler(multivariate=True, group=True, constant_liar=True, seed=seed, n_startup_trials=n_startup)
+  tpe = lambda: optuna.samplers.TPESampler(multivariate=True, group=True, constant_liar=True, seed=seed,
+                                           n_startup_trials=n_startup)
   if name == "coordinate": return CoordinateSampler(ks, fixed, tpe())
   if name == "tpe": return tpe()
   if name == "random": return optuna.samplers.RandomSampler(seed=seed)
   if name == "nsga2": return optuna.samplers.NSGAIISampler(seed=seed)
   if name == "gp":
     if missing := [m for m in ("torch", "scipy") if importlib.util.find_spec(m) is None]:
-      raise ConfigError(f"the gp sampler needs {' and '.join(missing)}, which are not installed: pip install {' '.join(missing)}")
+      raise ConfigError(f"the gp sampler needs {' and '.join(missing)}, which are not installed: pip install "
+                        f"{' '.join(missing)}")
     return optuna.samplers.GPSampler(seed=seed)
   raise ConfigError(f"unknown sampler {name!r}; choose one of: {', '.join(SAMPLERS)}")
 
@@ -93,9 +99,12 @@ class Setup:
   rounds: int = 3
   prefill: bool = True
   block_layers: int | None = None  # the ladder's stage-1 proxy size (default: the leading dense blocks + 2)
-  beam_budget: float = 0.0  # BEAM search seconds per trial (past them, kernels not searched before get BEAM=0's heuristics); 0: no limit
+  # BEAM search seconds per trial (past them, kernels not searched before get BEAM=0's heuristics); 0: no limit
+  beam_budget: float = 0.0
   exact: bool = False  # held to exact configs (--exact): exact_pins are among `fixed`
-  family: str = "all"  # the backends the study searches (model/backends/catalog.py FAMILIES): all that run on its device, or the portable ones
+  # the backends the study searches (model/backends/catalog.py FAMILIES): all that run on its device, or the portable
+  # ones
+  family: str = "all"
   cache_key: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names the study's own tinygrad cache
 
   @property
@@ -105,10 +114,12 @@ class Setup:
     return str(cache_dir() / "tinygrad" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', self.name)}-{self.cache_key}")
 
   def evaluator(self, timeout: float = 900, rounds: int | None = None) -> Evaluator:
-    ev = Evaluator.for_model(self.model, self.device, n=self.n, rounds=rounds or self.rounds, prefill=self.prefill, timeout=timeout,
-                             tinygrad_cache=self.tinygrad_cache, beam_budget=self.beam_budget)
+    ev = Evaluator.for_model(self.model, self.device, n=self.n, rounds=rounds
+                             or self.rounds, prefill=self.prefill, timeout=timeout, tinygrad_cache=self.tinygrad_cache,
+                             beam_budget=self.beam_budget)
     if self.block_layers: ev.block_layers = min(self.block_layers, ev.total_layers)
-    if "," in self.objectives: ev.block_layers = ev.total_layers  # two objectives: no pruning, so no proxy stage to pay for
+    # two objectives: no pruning, so no proxy stage to pay for
+    if "," in self.objectives: ev.block_layers = ev.total_layers
     return ev
 
   def knobs(self, info: ModelInfo) -> list[Knob]:
@@ -125,26 +136,30 @@ class Setup:
 
 
 def bind_device(s, row: Study, device: str) -> Study:
-  """A study belongs to one device model: the first worker's binds it; a worker on a device of another model is refused."""
+  """A study belongs to one device model: the first worker's binds it; a worker on a device of another model is
+  refused."""
   name = physical(device).name
   if row.device_name and name and row.device_name != name:
-    raise StudyMismatch(f"study {row.name!r} is measured on {row.device_name}; {device} here is {name}: results of two device models never "
-                        "share a ranking (start a study of its own with --study NEW_NAME)")
+    raise StudyMismatch(f"study {row.name!r} is measured on {row.device_name}; {device} here is {name}: results of two "
+                        "device models never share a ranking (start a study of its own with --study NEW_NAME)")
   if name and not row.device_name: s.get(Study, row.id).device_name = row.device_name = name
   return row
 
 
 def check_model(row: Study, path: str) -> None:
-  """Every command that measures checks that its model file is the study's, by SHA-256 (cached by path, size and mtime)."""
+  """Every command that measures checks that its model file is the study's, by SHA-256 (cached by path, size and
+  mtime)."""
   if not os.path.isfile(path):
-    raise StudyMismatch(f"study {row.name!r} measures {row.model_path}, which is not on this host: pass --model with the path of that file here")
+    raise StudyMismatch(f"study {row.name!r} measures {row.model_path}, which is not on this host: pass --model with "
+                        "the path of that file here")
   if (sha := file_sha256(path)) != row.model_sha256:
-    raise StudyMismatch(f"{path} (sha256 {sha[:12]}) is not the model file of study {row.name!r} ({row.model_path}, sha256 {row.model_sha256[:12]})")
+    raise StudyMismatch(f"{path} (sha256 {sha[:12]}) is not the model file of study {row.name!r} ({row.model_path}, "
+                        f"sha256 {row.model_sha256[:12]})")
 
 
 def study_exists(url: str, name: str) -> bool:
-  """Whether the storage holds a study of this name (a storage that does not exist yet holds none; nothing is created); one
-  that another process is creating at this moment is waited for."""
+  """Whether the storage holds a study of this name (a storage that does not exist yet holds none; nothing is created);
+  one that another process is creating at this moment is waited for."""
   try: engine = open_db(url, create=False)
   except NoDatabase: return False
   with session(engine) as s: found = store.get_study(s, name) is not None
@@ -154,21 +169,23 @@ def study_exists(url: str, name: str) -> bool:
 
 
 def _wait_created(url: str, name: str, wait_s: float = 60) -> None:
-  """Wait, up to wait_s, until the study has its last setting (create writes our row first, Optuna's study and its settings after)."""
+  """Wait, up to wait_s, until the study has its last setting (create writes our row first, Optuna's study and its
+  settings after)."""
   st, deadline = storage(url), time.monotonic() + wait_s
   while True:
     try:
       if "model_info" in st.get_study_user_attrs(st.get_study_id_from_name(name)): return
     except KeyError: pass
     if time.monotonic() > deadline:
-      raise StudyMismatch(f"study {name!r} in {hide_password(url)} is incomplete: the process creating it stopped before it set up Optuna's study")
+      raise StudyMismatch(f"study {name!r} in {hide_password(url)} is incomplete: the process creating it stopped "
+                          "before it set up Optuna's study")
     time.sleep(0.2)
 
 
 def create(setup: Setup, url: str, info: ModelInfo, ev: Evaluator) -> bool:
-  """Create the study, ours and Optuna's, with its measurement protocol and its baseline (fixed from now on); False when another process
-  created it first (once that one has finished: the caller joins it). Checks what can be checked before anything is
-  written: the sampler can be built."""
+  """Create the study, ours and Optuna's, with its measurement protocol and its baseline (fixed from now on); False when
+  another process created it first (once that one has finished: the caller joins it). Checks what can be checked before
+  anything is written: the sampler can be built."""
   if setup.sampler == "coordinate" and "," in setup.objectives:
     raise ConfigError("the coordinate sampler climbs one objective (tok/s): with two, use nsga2 (their default) or tpe")
   sampler(setup.sampler, setup.seed, 8, setup.knobs(info), setup.fixed)
@@ -176,9 +193,9 @@ def create(setup: Setup, url: str, info: ModelInfo, ev: Evaluator) -> bool:
   try:
     with session(open_db(url)) as s:
       store.create_study(s, name=setup.name, model_name=setup.model_name, model_path=setup.model, model_sha256=sha,
-                         model_bytes=os.path.getsize(setup.model), layers=ev.total_layers, device=setup.device, device_name="",
-                         space_version=SPACE_VERSION, objectives=setup.objectives, sampler=setup.sampler,
-                         baseline_config=base.to_json(), baseline_hash=base.hash)
+                         model_bytes=os.path.getsize(setup.model), layers=ev.total_layers, device=setup.device,
+                         device_name="", space_version=SPACE_VERSION, objectives=setup.objectives,
+                         sampler=setup.sampler, baseline_config=base.to_json(), baseline_hash=base.hash)
   except sqlalchemy.exc.IntegrityError:  # our row is the claim: another `search start` made it first
     _wait_created(url, setup.name)
     return False
@@ -201,17 +218,21 @@ def exact_pins(info: ModelInfo, device: str, family: str = "all") -> dict[str, A
 
 
 def check_protocol(setup: Setup, given: dict[str, Any]) -> None:
-  """A later run may not change how the study measures: any given setting that differs from the stored one is refused."""
+  """A later run may not change how the study measures: any given setting that differs from the stored one is
+  refused."""
   for name, value in given.items():
     if value is None or value == getattr(setup, name): continue
     flag, was = PROTOCOL[name], getattr(setup, name)
-    show = lambda v, flag=flag: (("--no-prefill" if not v else "the prefill graph timed (no --no-prefill)") if flag == "--no-prefill" else
+    show = lambda v, flag=flag: (("--no-prefill" if not v else "the prefill graph timed (no --no-prefill)")
+                                 if flag == "--no-prefill" else
                                  ("--exact" if v else "8-bit activations allowed (no --exact)")
                                  if flag == "--exact" else
-                                 (" ".join(f"--fix {k}={x}" for k, x in v.items()) or "no --fix") if flag == "--fix" else
+                                 (" ".join(f"--fix {k}={x}" for k, x in v.items()) or "no --fix") if flag == "--fix"
+                                 else
                                  f"{flag} {v}" if v is not None else f"no {flag}")
-    raise StudyMismatch(f"study {setup.name!r} measures with {show(was)}, not {show(value)}: a study's measurement protocol is fixed when "
-                        f"it is created; leave {flag} out to continue it, or start a new study with --study NEW_NAME")
+    raise StudyMismatch(f"study {setup.name!r} measures with {show(was)}, not {show(value)}: a study's measurement "
+                        f"protocol is fixed when it is created; leave {flag} out to continue it, or start a new study "
+                        "with --study NEW_NAME")
 
 
 def set_target(setup: Setup, url: str, trials: int) -> None:
@@ -225,7 +246,8 @@ def stored_baseline(url: str, setup: Setup, info: ModelInfo) -> StructureConfig:
   take it from, stores its defaults and pins now)."""
   with session(open_db(url, create=False)) as s:
     row = s.get(Study, store.get_study(s, setup.name).id)
-    if row.baseline_config is None: row.baseline_config, row.baseline_hash = (base := setup.baseline(info)).to_json(), base.hash
+    if row.baseline_config is None:
+      row.baseline_config, row.baseline_hash = (base := setup.baseline(info)).to_json(), base.hash
     return StructureConfig.from_json(row.baseline_config)
 
 
@@ -233,32 +255,39 @@ def check_configs(setup: Setup, info: ModelInfo, configs: list[StructureConfig])
   """Configs to enqueue must lie in the study's space and agree with its pinned knobs (checked before anything runs)."""
   for cfg in configs:
     params = to_params(cfg, info, setup.device, setup.family)
-    if any(params.get(k, v) != v for k, v in setup.fixed.items()): raise ConfigError(f"an enqueued config contradicts the pinned knobs {setup.fixed}")
+    if any(params.get(k, v) != v for k, v in setup.fixed.items()):
+      raise ConfigError(f"an enqueued config contradicts the pinned knobs {setup.fixed}")
 
 
 def enqueue(setup: Setup, url: str, info: ModelInfo, configs: list[StructureConfig]) -> None:
   """Queue the baseline and the given configs, each once per study."""
   check_configs(setup, info, configs)
   study = optuna.load_study(study_name=setup.name, storage=storage(url))
-  for cfg in [stored_baseline(url, setup, info), *configs]: study.enqueue_trial(setup.params(cfg, info), skip_if_exists=True)
+  for cfg in [stored_baseline(url, setup, info), *configs]:
+    study.enqueue_trial(setup.params(cfg, info), skip_if_exists=True)
 
 
 def load_setup(name: str, url: str, device: str | None = None) -> tuple[Setup, ModelInfo]:
-  """A study's setup as its creator stored it; the device may be another of the same kind (a worker checks its model)."""
+  """A study's setup as its creator stored it; the device may be another of the same kind (a worker checks its
+  model)."""
   try: study = optuna.load_study(study_name=name, storage=storage(url))
   except KeyError: raise StudyMismatch(f"no study named {name!r} in {hide_password(url)}") from None
   attrs = study.user_attrs
-  if "cache_key" not in attrs: study.set_user_attr("cache_key", attrs.setdefault("cache_key", uuid.uuid4().hex[:12]))  # a study made before
-  setup = Setup(name, **{f.name: attrs[f.name] for f in fields(Setup) if f.name != "name" and f.name in attrs})  # a later field: its default
+  # a study made before
+  if "cache_key" not in attrs: study.set_user_attr("cache_key", attrs.setdefault("cache_key", uuid.uuid4().hex[:12]))
+  # a later field: its default
+  setup = Setup(name, **{f.name: attrs[f.name] for f in fields(Setup) if f.name != "name" and f.name in attrs})
   if device is not None:
-    if device_kind(device) != device_kind(setup.device): raise StudyMismatch(f"study {name!r} runs on {device_kind(setup.device)}, not {device}")
+    if device_kind(device) != device_kind(setup.device):
+      raise StudyMismatch(f"study {name!r} runs on {device_kind(setup.device)}, not {device}")
     setup.device = device
   return setup, info_from_json(attrs["model_info"])
 
 
-def measuring_setup(name: str, url: str, device: str | None = None, model: str | None = None) -> tuple[Setup, ModelInfo]:
-  """The setup of a study about to be measured on this host: its model file (the stored path, or `model`, this host's copy)
-  checked against the study's by SHA-256 first."""
+def measuring_setup(name: str, url: str, device: str | None = None, model: str
+                    | None = None) -> tuple[Setup, ModelInfo]:
+  """The setup of a study about to be measured on this host: its model file (the stored path, or `model`, this host's
+  copy) checked against the study's by SHA-256 first."""
   setup, info = load_setup(name, url, device)
   setup.model = model or setup.model
   with session(open_db(url, create=False)) as s: check_model(store.get_study(s, name), setup.model)
@@ -267,14 +296,17 @@ def measuring_setup(name: str, url: str, device: str | None = None, model: str |
 
 def info_to_json(info: ModelInfo) -> str:
   """Every field of the model's ModelInfo: a worker that joins or continues the study sees the space its creator saw."""
-  return json.dumps({f.name: sorted(v) if isinstance(v := getattr(info, f.name), frozenset) else v for f in fields(ModelInfo)})
+  return json.dumps({f.name: sorted(v) if isinstance(v := getattr(info, f.name), frozenset) else v
+                     for f in fields(ModelInfo)})
 
 
 def info_from_json(text: str) -> ModelInfo:
   """A stored ModelInfo; a field an older study did not store keeps its default."""
   d = json.loads(text)
-  tuples = lambda v: {k: tuple(x) for k, x in v.items()} if isinstance(v, dict) else tuple(v) if isinstance(v, list) else v
-  return ModelInfo(**{f.name: frozenset(d[f.name]) if f.name == "mergeable" else tuples(d[f.name]) for f in fields(ModelInfo) if f.name in d})
+  tuples = (lambda v: {k: tuple(x) for k, x in v.items()} if isinstance(v, dict) else tuple(v) if isinstance(v, list)
+            else v)
+  return ModelInfo(**{f.name: frozenset(d[f.name]) if f.name == "mergeable" else tuples(d[f.name])
+                      for f in fields(ModelInfo) if f.name in d})
 
 
 def model_info(path: str) -> ModelInfo: return ModelInfo.from_gguf(GGUFFile(path))

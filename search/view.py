@@ -1,6 +1,7 @@
 """The live view of a running study (rich): progress, the current trial's phase, the study's leader (the leaderboard's
 first: its estimate with its interval and count, its speedup over the baseline's estimate, confirmed or not), recent
-results, failures, ETA. On a terminal it redraws in place; elsewhere (logs, CI) it prints one line per finished trial."""
+results, failures, ETA. On a terminal it redraws in place; elsewhere (logs, CI) it prints one line per finished
+trial."""
 from __future__ import annotations
 
 import collections
@@ -36,7 +37,8 @@ class LiveView:
   """Listens to a worker's events (search/events.py); starts from the study's trials so far and its baseline, and reads
   the study's leader from its database (url) at each trial's end and each re-measurement."""
 
-  def __init__(self, console: Console, study: str, total: int, finished: list[Trial], baseline: StructureConfig, url: str):
+  def __init__(self, console: Console, study: str, total: int, finished: list[Trial], baseline: StructureConfig,
+               url: str):
     self.console, self.study, self.total, self.base = console, study, total, baseline
     self.engine = open_db(url, create=False)
     self.done = len([t for t in finished if t.state not in ("running", "interrupted")])

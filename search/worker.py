@@ -1,6 +1,6 @@
-"""A worker of a study: Optuna proposes configs, the evaluator measures them (block proxy, then the full model), and every
-trial is recorded with the code that produced it beside Optuna's own tables. The worker also measures the noise: the
-baseline again at intervals, and the configs within the noise of the best before the study ends (search/noise.py).
+"""A worker of a study: Optuna proposes configs, the evaluator measures them (block proxy, then the full model), and
+every trial is recorded with the code that produced it beside Optuna's own tables. The worker also measures the noise:
+the baseline again at intervals, and the configs within the noise of the best before the study ends (search/noise.py).
 
 Several workers (`search worker`, or `search start --devices`) may join one study on PostgreSQL; the evaluator's device
 lock keeps the benchmarks of one device sequential. A worker that dies stops beating: after the grace period any worker
@@ -57,15 +57,17 @@ class Runner:
   """One worker of a study: proposes configs through Optuna, measures them with the evaluator, records everything, and
   tells its listeners (search/events.py) as it goes."""
 
-  def __init__(self, setup: Setup, url: str, ev: Evaluator, info: ModelInfo, remeasure: bool = False, listeners: Sequence[Listener] = (),
-               heartbeat: float = HEARTBEAT_S):
-    self.setup, self.ev, self.info, self.remeasure, self.listeners, self.heartbeat = setup, ev, info, remeasure, listeners, heartbeat
+  def __init__(self, setup: Setup, url: str, ev: Evaluator, info: ModelInfo, remeasure: bool = False,
+               listeners: Sequence[Listener] = (), heartbeat: float = HEARTBEAT_S):
+    self.setup, self.ev, self.info, self.remeasure, self.listeners, self.heartbeat = (setup, ev, info, remeasure,
+                                                                                      listeners, heartbeat)
     self.engine = open_db(url, create=False)
     self.multi = "," in setup.objectives
     self.storage = storage(url, heartbeat)
     self.study = optuna.load_study(study_name=setup.name, storage=self.storage)
     self.study_id = self.storage.get_study_id_from_name(setup.name)
-    # a resumed or second worker must not replay the proposals of the first: its sampler's seed moves with the study's size
+    # a resumed or second worker must not replay the proposals of the first: its sampler's seed moves with the study's
+    # size
     seed = None if setup.seed is None else setup.seed + len(self.study.trials)
     self.study.sampler = sampler(setup.sampler, seed, 8, setup.knobs(info), setup.fixed)
     if not self.multi: self.study.pruner = optuna.pruners.PercentilePruner(25.0, n_startup_trials=5, n_warmup_steps=0)
@@ -80,9 +82,9 @@ class Runner:
 
   def optimize(self, timeout: float | None = None) -> None:
     """Run trials until the study has its target number of finished trials (all workers together) and no trial is left
-    running or queued again after a dead worker; or until the timeout passes (no new trial starts after it). The baseline
-    is measured again every noise.repeat_every(target) finished trials, and the configs within the noise of the best
-    before the end."""
+    running or queued again after a dead worker; or until the timeout passes (no new trial starts after it). The
+    baseline is measured again every noise.repeat_every(target) finished trials, and the configs within the noise of the
+    best before the end."""
     t0, said = time.monotonic(), ""
     self._baseline_first()
     while timeout is None or time.monotonic() - t0 < timeout:
@@ -93,12 +95,13 @@ class Runner:
                  if t.state == TrialState.WAITING and ("failed_trial" in t.system_attrs or "retry_of" in t.user_attrs)]
       done = self.finished(trials)
       if done >= self.setup.trials and not running and not retries:
-        if not self.multi and noise.settle(self.ev, self.engine, self.row, self.baseline.hash, max(2, self.setup.trials // 10),
-                                           self.say):
+        if not self.multi and noise.settle(self.ev, self.engine, self.row, self.baseline.hash,
+                                           max(2, self.setup.trials // 10), self.say):
           self.emit(Event("measured", -1, "the configs within the noise of the best"))
         return
       if done + len(running) >= self.setup.trials and not retries:
-        if said != (said := f"waiting for trial{'s' * (len(running) > 1)} {', '.join(str(t.number) for t in running)} of other workers "
+        if said != (said := f"waiting for trial{'s' * (len(running) > 1)} {', '.join(str(t.number) for t in running)} "
+                    "of other workers "
                             "to finish, or to fail when their worker stops beating"): self.emit(Event("wait", -1, said))
         time.sleep(self.heartbeat)
         continue
@@ -115,13 +118,14 @@ class Runner:
     """Trials with an outcome: completed, pruned, or failed by the evaluator (not interrupted, not lost with a dead
     worker, not killed from outside while the config has retries left: those configs are enqueued again)."""
     if trials is None: trials = self.study.get_trials(deepcopy=False)
-    return sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) or (t.state == TrialState.FAIL and "failure" in t.user_attrs) for t in trials)
+    return sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+               or (t.state == TrialState.FAIL and "failure" in t.user_attrs) for t in trials)
 
   def _fail_unclaimed(self) -> None:
-    """Fail the RUNNING trials that no worker took up, once the grace period has passed since they started: a trial a worker
-    takes up has its ss_trial row, written after Optuna's heartbeat thread started beating for it, so Optuna's heartbeat
-    fails it when its worker dies; a worker that died before that leaves a trial that never beat, which Optuna's
-    fail_stale_trials does not see."""
+    """Fail the RUNNING trials that no worker took up, once the grace period has passed since they started: a trial a
+    worker takes up has its ss_trial row, written after Optuna's heartbeat thread started beating for it, so Optuna's
+    heartbeat fails it when its worker dies; a worker that died before that leaves a trial that never beat, which
+    Optuna's fail_stale_trials does not see."""
     now = datetime.datetime.now()
     old = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
            if t.datetime_start is not None and (now - t.datetime_start).total_seconds() > self.storage.grace_period]
@@ -137,8 +141,8 @@ class Runner:
       except optuna.exceptions.UpdateFinishedTrialError: pass  # another worker failed it first
 
   def reap(self) -> None:
-    """Fail the trials whose worker stopped beating (Optuna's heartbeat; its retry callback queues their configs again) and
-    mark them interrupted in our table."""
+    """Fail the trials whose worker stopped beating (Optuna's heartbeat; its retry callback queues their configs again)
+    and mark them interrupted in our table."""
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
       optuna.storages.fail_stale_trials(self.study)
@@ -152,11 +156,13 @@ class Runner:
           self.emit(Event("note", t.number, f"trial {t.number} of worker {t.worker}: {why}"))
 
   def _baseline_first(self) -> None:
-    """Queue the baseline again when the study has no ok measurement of it and none is queued or running (it failed before)."""
+    """Queue the baseline again when the study has no ok measurement of it and none is queued or running (it failed
+    before)."""
     params = self.setup.params(self.baseline, self.info)
     with session(self.engine) as s: rows = [t for t in store.trials(s, self.row) if t.config_hash == self.baseline.hash]
     if any(t.state in ("ok", "running") for t in rows): return
-    if any(t.system_attrs.get("fixed_params") == params for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))): return
+    if any(t.system_attrs.get("fixed_params") == params
+           for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))): return
     self.study.enqueue_trial(params)
 
   def objective(self, trial: optuna.Trial) -> float | tuple[float, float]:
@@ -164,11 +170,12 @@ class Runner:
     h, is_base = cfg.hash, cfg == self.baseline
     trial_id = self.storage.get_trial_id_from_study_id_trial_number(self.study_id, trial.number)
     with session(self.engine) as s:
-      row = store.start_trial(s, self.row, trial.number, cfg.to_json(), h, _git(s), f"{socket.gethostname()}:{os.getpid()}",
-                              optuna_trial_id=trial_id)
+      row = store.start_trial(s, self.row, trial.number, cfg.to_json(), h, _git(s),
+                              f"{socket.gethostname()}:{os.getpid()}", optuna_trial_id=trial_id)
       prior = None if self.remeasure else store.find_measured(s, self.row, h)
       mode = ladder(trial.number, proxy_fit(store.trials(s, self.row)), is_base) if len(self.ev.stages) > 1 else "full"
-    if is_base and prior is not None and prior.state != "ok": prior = None  # a failed baseline is measured again, never reused
+    # a failed baseline is measured again, never reused
+    if is_base and prior is not None and prior.state != "ok": prior = None
     trial.set_user_attr("config_hash", h)
     self.emit(Event("start", trial.number, cfg.to_json(), row))
     try:
@@ -176,15 +183,18 @@ class Runner:
       return self._measure(trial, row, cfg, mode, is_base)
     except LateResult: raise  # even the baseline's: its retry is measured
     except TrialFailed as e:
-      if is_base: raise BaselineFailed(f"the baseline config failed in trial {trial.number} ({e}): the study stops") from None
+      if is_base:
+        raise BaselineFailed(f"the baseline config failed in trial {trial.number} ({e}): the study stops") from None
       raise
-    except ReferenceFailed as e:  # the baseline run that makes the correctness reference failed: this trial cannot be checked
+    # the baseline run that makes the correctness reference failed: this trial cannot be checked
+    except ReferenceFailed as e:
       r = e.result
       with session(self.engine) as s:
-        row = store.finish_trial(s, row, state=r.status if is_base else "interrupted", failure_class=r.status if is_base else None,
-                                 error_text=str(e))
+        row = store.finish_trial(s, row, state=r.status if is_base else "interrupted", failure_class=r.status if is_base
+                                 else None, error_text=str(e))
       if is_base: self.emit(Event("end", trial.number, r.status, row))
-      raise BaselineFailed(f"the baseline config failed to make the reference in trial {trial.number} ({r.status}: {r.error}): "
+      raise BaselineFailed(f"the baseline config failed to make the reference in trial {trial.number} ({r.status}: "
+                           f"{r.error}): "
                            "the study stops") from None
     except (KeyboardInterrupt, SystemExit):
       with session(self.engine) as s: store.finish_trial(s, row, state="interrupted", error_text="stopped by the user")
@@ -193,15 +203,17 @@ class Runner:
 
   def _reuse(self, trial: optuna.Trial, row: Trial, prior: Trial, is_base: bool) -> float | tuple[float, float]:
     with session(self.engine) as s:
-      row = store.finish_trial(s, row, state="reused", stage=prior.stage, tok_s=prior.tok_s, block_tok_s=prior.block_tok_s,
-                               metrics=prior.metrics, check=prior.check, failure_class=prior.failure_class, error_text=prior.error_text,
-                               reused_from=prior)
-      est = store.estimates(s, self.row).get(prior.config_hash)  # all its measurements so far, not the first figure alone
+      row = store.finish_trial(s, row, state="reused", stage=prior.stage, tok_s=prior.tok_s,
+                               block_tok_s=prior.block_tok_s, metrics=prior.metrics, check=prior.check,
+                               failure_class=prior.failure_class, error_text=prior.error_text, reused_from=prior)
+      # all its measurements so far, not the first figure alone
+      est = store.estimates(s, self.row).get(prior.config_hash)
     self.emit(Event("end", trial.number, f"config already measured in trial {prior.number}: its result is reused", row))
-    return self._value(trial, prior.state, est.median if est else prior.tok_s, (prior.metrics or {}).get("peak_device_bytes"), prior.error_text,
-                       is_base)
+    return self._value(trial, prior.state, est.median if est
+                       else prior.tok_s, (prior.metrics or {}).get("peak_device_bytes"), prior.error_text, is_base)
 
-  def _measure(self, trial: optuna.Trial, row: Trial, cfg: StructureConfig, mode: str, is_base: bool) -> float | tuple[float, float]:
+  def _measure(self, trial: optuna.Trial, row: Trial, cfg: StructureConfig, mode: str,
+               is_base: bool) -> float | tuple[float, float]:
     t0, spent, block = time.perf_counter(), 0.0, None
     phase = lambda stage: lambda p: self.emit(Event("phase", trial.number, f"{stage}: {p}"))
     wait = lambda msg: self.emit(Event("wait", trial.number, msg))
@@ -261,21 +273,26 @@ class Runner:
     value = tok_s if state == "ok" else 0.0
     return (value, float(peak or 0)) if self.multi else value
 
-  def _record(self, row: Trial, state: str, res: TrialResult, block: TrialResult | None, overhead: float, mode: str) -> None:
+  def _record(self, row: Trial, state: str, res: TrialResult, block: TrialResult | None, overhead: float,
+              mode: str) -> None:
     with session(self.engine) as s:
       env = store.get_or_create_environment(s, _environment(res.env)) if res.env else None
       metrics = {k: v for k, v in res.metrics.items() if k not in ("traceback", "log_tail")}
       metrics["search_overhead_s"], metrics["ladder"] = round(overhead, 3), mode
       if block is not None:
-        metrics["block"] = {k: block.metrics.get(k) for k in ("tok_s", "tok_s_min", "tok_s_max", "layers", "kernels_per_token", "beam")}
-      phases = {**res.phases, **({f"block_{k}": v for k, v in block.phases.items()} if block is not None and block is not res else {})}
+        metrics["block"] = {k: block.metrics.get(k)
+                            for k in ("tok_s", "tok_s_min", "tok_s_max", "layers", "kernels_per_token", "beam")}
+      phases = {**res.phases, **({f"block_{k}": v for k, v in block.phases.items()} if block is not None
+                                 and block is not res else {})}
       row = store.finish_trial(
         s, row, state=state, stage=res.spec["stage"], tok_s=res.tok_s if state == "ok" else None,
-        block_tok_s=block.metrics.get("tok_s") if block is not None and block.ok else None, metrics=metrics, phases=phases, check=res.check,
-        failure_class=state if state not in ("ok", "pruned") else None,
-        error_text=(res.error or "") + ("\n" + res.metrics.get("traceback", "") if res.metrics.get("traceback") else "") or None,
-        profile=res.profile or None, environment=env)
-      if self.row.device_name in ("", None) and res.env: s.get(Study, self.row.id).device_name = self.row.device_name = res.env.get("device_name", "")
+        block_tok_s=block.metrics.get("tok_s") if block is not None and block.ok
+        else None, metrics=metrics, phases=phases, check=res.check, failure_class=state if state not in ("ok", "pruned")
+        else None, error_text=(res.error or "")
+        + ("\n" + res.metrics.get("traceback", "") if res.metrics.get("traceback") else "") or None, profile=res.profile
+        or None, environment=env)
+      if self.row.device_name in ("", None) and res.env:
+        s.get(Study, self.row.id).device_name = self.row.device_name = res.env.get("device_name", "")
     self.emit(Event("end", row.number, state, row))
 
 
@@ -285,9 +302,11 @@ def _git(s) -> GitState | None:
 
 
 def _environment(env: dict) -> dict:
-  """The trial process's environment as an ss_environment row: tinygrad's commit and diff when it runs from a git checkout."""
+  """The trial process's environment as an ss_environment row: tinygrad's commit and diff when it runs from a git
+  checkout."""
   tg = pathlib.Path(env.get("tinygrad_path", ""))
   state = git_state(tg) if (tg / ".git").exists() else None
   return {"device": env["device"], "device_name": env.get("device_name", ""), "driver": env.get("driver", ""),
           "tinygrad_version": env.get("tinygrad_version", ""), "tinygrad_commit": state["commit"] if state else None,
-          "tinygrad_diff": state["diff"] if state else None, "python": env["python"], "host": env["host"], "platform": env["platform"]}
+          "tinygrad_diff": state["diff"] if state
+          else None, "python": env["python"], "host": env["host"], "platform": env["platform"]}

@@ -39,7 +39,8 @@ def test_truncated_file_names_the_tensor(gguf_file, tmp_path) -> None:
   src = open(gguf_file("tiny", "q4_0"), "rb").read()
   cut = tmp_path / "cut.gguf"
   cut.write_bytes(src[:len(src) - 5000])
-  with pytest.raises(GGUFError, match=r"tensor \S+ \(\w+\) ends at byte \d+ but the file has \d+ bytes: the file is truncated"):
+  with pytest.raises(GGUFError,
+                     match=r"tensor \S+ \(\w+\) ends at byte \d+ but the file has \d+ bytes: the file is truncated"):
     GGUFFile(cut)
 
 
@@ -72,7 +73,8 @@ def test_configured_model_resolves(gguf_file, tmp_path, monkeypatch) -> None:
 
 
 def test_config_validation(tmp_path) -> None:
-  with pytest.raises(ConfigError, match="topk='bubble' is not allowed; choose one of: pairwise, sort, argmax"): StructureConfig(topk="bubble")
+  with pytest.raises(ConfigError, match="topk='bubble' is not allowed; choose one of: pairwise, sort, argmax"):
+    StructureConfig(topk="bubble")
   with pytest.raises(ConfigError, match="unknown field"): StructureConfig.from_json('{"topkk": "sort"}')
   with pytest.raises(ConfigError, match="barriers point"): StructureConfig(barriers={"nowhere": "contiguous"})
   cfg = StructureConfig(topk="sort", backends={"Q4_0:expert": "fp16_cache"}, barriers={"kv_a": "realize"})
@@ -90,7 +92,8 @@ def test_synth_run_and_bench(tmp_path) -> None:
   r = run_model("run", "--model", str(out), "--prompt", "Hello world", "-n", "6", "--max-context", "64")
   assert r.returncode == 0, r.stderr
   assert "[6 tokens in" in r.stderr or "tokens in" in r.stderr
-  r = run_model("bench", "--model", str(out), "-n", "4", "--rounds", "1", "--prompt-len", "8", "--max-context", "64", "--json")
+  r = run_model("bench", "--model", str(out), "-n", "4", "--rounds", "1", "--prompt-len", "8", "--max-context", "64",
+                "--json")
   assert r.returncode == 0, r.stderr
   d = json.loads(r.stdout.strip().splitlines()[-1])
   assert d["tok_s"] > 0 and d["kernels_per_token"] > 0 and d["layers"] == 2 and len(d["tokens"]) == 4

@@ -1,6 +1,8 @@
-"""db/: migrations, open_db's errors, the query API; on SQLite and on PostgreSQL ($STRUCTSEARCH_TEST_PG, from .ci/postgres.sh).
+"""db/: migrations, open_db's errors, the query API; on SQLite and on PostgreSQL ($STRUCTSEARCH_TEST_PG, from
+.ci/postgres.sh).
 
-Each PostgreSQL test gets a database of its own, made on that server and dropped after, so tests run in any order and in parallel."""
+Each PostgreSQL test gets a database of its own, made on that server and dropped after, so tests run in any order and in
+parallel."""
 from __future__ import annotations
 
 import os
@@ -22,12 +24,13 @@ from db.capture import fingerprint_hash, git_state
 from db.engine import DBError, NoDatabase, alembic_config, default_url, open_db, session
 from db.models import VERSION_TABLE, Base, include_name
 
-OURS = {"ss_environment", "ss_git_state", "ss_study", "ss_trial", "ss_kernel_profile", "ss_confirmation", "ss_measurement", "ss_export"}
+OURS = {"ss_environment", "ss_git_state", "ss_study", "ss_trial", "ss_kernel_profile", "ss_confirmation",
+        "ss_measurement", "ss_export"}
 PG = os.environ.get("STRUCTSEARCH_TEST_PG")
-ENV = {"device": "CPU", "device_name": "cpu", "driver": "clang 16", "tinygrad_version": "0.14.0", "python": "3.11.7", "host": "h1",
-       "platform": "Linux-6-x86_64"}
-STUDY = dict(model_name="tiny", model_path="/m/tiny.gguf", model_sha256="0" * 64, model_bytes=5 << 30, layers=2, device="CPU",
-             device_name="cpu", space_version=1, objectives="tok_s", sampler="tpe")
+ENV = {"device": "CPU", "device_name": "cpu", "driver": "clang 16", "tinygrad_version": "0.14.0", "python": "3.11.7",
+       "host": "h1", "platform": "Linux-6-x86_64"}
+STUDY = dict(model_name="tiny", model_path="/m/tiny.gguf", model_sha256="0" * 64, model_bytes=5 << 30, layers=2,
+             device="CPU", device_name="cpu", space_version=1, objectives="tok_s", sampler="tpe")
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -52,7 +55,8 @@ def test_migrations_create_our_tables(engine):
   tables = set(inspect(engine).get_table_names())
   assert tables == OURS | {VERSION_TABLE}
   with engine.connect() as c:
-    assert c.scalar(text(f"SELECT version_num FROM {VERSION_TABLE}")) == ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    assert (c.scalar(text(f"SELECT version_num FROM {VERSION_TABLE}"))
+            == ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head())
     ctx = MigrationContext.configure(c, opts={"include_name": include_name, "version_table": VERSION_TABLE})
     assert compare_metadata(ctx, Base.metadata) == []  # the migrations make exactly the models' tables
 
@@ -70,13 +74,15 @@ def _old_schema(url: str, revision: str, *statements: str) -> None:
 
 
 def _old_study(name: str) -> str:
-  return ("INSERT INTO ss_study (name, model_name, model_path, model_sha256, model_bytes, layers, device, device_name, space_version, "
-          f"objectives, sampler, created_at) VALUES ('{name}', 'tiny', '/m', 'ab', 1, 2, 'CPU', 'cpu', 3, 'tok_s', 'tpe', '2026-01-01')")
+  return ("INSERT INTO ss_study (name, model_name, model_path, model_sha256, model_bytes, layers, device, device_name, "
+          f"space_version, objectives, sampler, created_at) VALUES ('{name}', 'tiny', '/m', 'ab', 1, 2, 'CPU', 'cpu', "
+          "3, 'tok_s', 'tpe', '2026-01-01')")
 
 
 def test_upgrade_from_the_first_schema_keeps_the_data(url):
   _old_schema(url, "0001", _old_study("old"))
-  with session(e := open_db(url)) as s: assert [(st.name, st.model_sha256) for st in store.studies(s)] == [("old", "ab")]
+  with session(e := open_db(url)) as s:
+    assert [(st.name, st.model_sha256) for st in store.studies(s)] == [("old", "ab")]
   assert "environment_id" not in {c["name"] for c in inspect(e).get_columns("ss_study")}
   e.dispose()
 
@@ -87,7 +93,8 @@ def test_a_study_made_before_its_baseline_was_stored_takes_its_first_trial(url):
             for n, cfg_json, h in ((0, '{"beam": 0}', "b0"), (1, '{"topk": "sort"}', "c1"))]
   _old_schema(url, "0003_cost", _old_study("ran"), _old_study("new"), *trials)
   with session(e := open_db(url)) as s:
-    assert [(st.name, st.baseline_config, st.baseline_hash) for st in store.studies(s)] == [("ran", '{"beam": 0}', "b0"), ("new", None, None)]
+    assert [(st.name, st.baseline_config, st.baseline_hash)
+            for st in store.studies(s)] == [("ran", '{"beam": 0}', "b0"), ("new", None, None)]
   e.dispose()
 
 
@@ -138,7 +145,8 @@ def test_optuna_tables_beside_ours(url, optuna_first):
   with session(engine) as s:
     ours = store.create_study(s, name="s", **STUDY)
     for t in study.trials: store.start_trial(s, ours, t.number, "{}", "c0", None, "host:1", optuna_trial_id=t._trial_id)
-  with session(engine) as s: assert [t.optuna_trial_id for t in store.trials(s, ours)] == [t._trial_id for t in study.trials]
+  with session(engine) as s:
+    assert [t.optuna_trial_id for t in store.trials(s, ours)] == [t._trial_id for t in study.trials]
   tables = set(inspect(engine).get_table_names())
   assert OURS | {VERSION_TABLE, "alembic_version", "studies", "trials", "trial_params", "version_info"} <= tables
   assert len(optuna.load_study(study_name="s", storage=storage).trials) == 3
@@ -156,7 +164,8 @@ def test_git_state_dedupe(engine, tmp_path):
   assert git_state(tmp_path) is None
   clean = git_state(f.parent)
   assert clean == {"commit": repo.head.commit.hexsha, "branch": "main", "dirty": False, "diff": ""}
-  with session(engine) as s: a, b = store.get_or_create_git_state(s, clean), store.get_or_create_git_state(s, git_state(f.parent))
+  with session(engine) as s:
+    a, b = store.get_or_create_git_state(s, clean), store.get_or_create_git_state(s, git_state(f.parent))
   assert a.id == b.id
   f.write_text("two\n")
   (tmp_path / "repo" / "new.txt").write_text("x")
@@ -171,14 +180,16 @@ def test_git_state_dedupe(engine, tmp_path):
 def test_stored_diffs_leave_out_ignored_files_and_secrets(tmp_path):
   root = tmp_path / "repo"
   repo = git.Repo.init(root, initial_branch="main")
-  files = {".gitignore": "*.log\n", "code.py": "x = 1\n", ".env": "A=1\n", "conf/db_password.txt": "p\n", "keys/server.pem": "k\n", "run.log": "l\n"}
+  files = {".gitignore": "*.log\n", "code.py": "x = 1\n", ".env": "A=1\n", "conf/db_password.txt": "p\n",
+           "keys/server.pem": "k\n", "run.log": "l\n"}
   for name, body in files.items():
     (root / name).parent.mkdir(parents=True, exist_ok=True)
     (root / name).write_text(body)
   repo.git.add("-f", *files)  # run.log is tracked although .gitignore matches it
   who = git.Actor("t", "t@example.com")
   repo.index.commit("init", author=who, committer=who)
-  for name in files: (root / name).write_text({"code.py": "x = 2\n", ".gitignore": "*.log\nbuild/\n"}.get(name, "SECRET-VALUE changed\n"))
+  for name in files: (root / name).write_text({"code.py": "x = 2\n",
+                                               ".gitignore": "*.log\nbuild/\n"}.get(name, "SECRET-VALUE changed\n"))
   for name in ("API_TOKEN.txt", "notes.txt", "build.log"): (root / name).write_text("SECRET-VALUE\n")
   d = git_state(root)["diff"]
   assert "+x = 2" in d and "# untracked: notes.txt" in d and "SECRET-VALUE" not in d and "build.log" not in d
@@ -186,20 +197,22 @@ def test_stored_diffs_leave_out_ignored_files_and_secrets(tmp_path):
   assert left_out == {".env", "conf/db_password.txt", "keys/server.pem", "run.log", "API_TOKEN.txt"}
 
 
-CREDENTIAL_FILES = (".netrc", "netrc", ".pgpass", "home/.ssh/config", "id_rsa", "id_dsa", "id_ecdsa", "id_ecdsa_sk", "id_ed25519",
-                    "id_ed25519.pub", "deploy/ci_rsa", "keys/client.p12", "keys/client.pfx", ".npmrc", ".pypirc", "cfg/.aws/credentials",
-                    ".docker/config.json", ".config/gcloud/application_default_credentials.json", ".config/gcloud/credentials.db",
+CREDENTIAL_FILES = (".netrc", "netrc", ".pgpass", "home/.ssh/config", "id_rsa", "id_dsa", "id_ecdsa", "id_ecdsa_sk",
+                    "id_ed25519", "id_ed25519.pub", "deploy/ci_rsa", "keys/client.p12", "keys/client.pfx", ".npmrc",
+                    ".pypirc", "cfg/.aws/credentials", ".docker/config.json",
+                    ".config/gcloud/application_default_credentials.json", ".config/gcloud/credentials.db",
                     "infra/prod.tfvars", "prod.env", "Secrets.yaml")
 # (fake) secrets of the forms a scanner finds in any file, one per line of a hunk
-SECRET_LINES = ("-----BEGIN OPENSSH " + "PRIVATE KEY-----", "-----BEGIN EC " + "PRIVATE KEY-----", "gh_token = 'ghp_" + "a1B2" * 9 + "'",
-                "url = 'https://x-access-token:" + "Zz9" * 7 + "@github.com/o/r'", "aws_key = 'AKIA" + "ABCDEFGH23456789" + "'",
-                "slack = 'xoxb-" + "1234567890-abcdefghij" + "'", "headers = {'Authorization': 'Bearer " + "eyAbC.dEf-" * 4 + "'}",
-                "PASSWORD = 'hunter22-" + "secret'", "github_pat_" + "11ABCDEFG" * 4)
+SECRET_LINES = ("-----BEGIN OPENSSH " + "PRIVATE KEY-----", "-----BEGIN EC " + "PRIVATE KEY-----", "gh_token = 'ghp_"
+                + "a1B2" * 9 + "'", "url = 'https://x-access-token:" + "Zz9" * 7 + "@github.com/o/r'", "aws_key = 'AKIA"
+                + "ABCDEFGH23456789" + "'", "slack = 'xoxb-" + "1234567890-abcdefghij" + "'",
+                "headers = {'Authorization': 'Bearer " + "eyAbC.dEf-" * 4 + "'}", "PASSWORD = 'hunter22-" + "secret'",
+                "github_pat_" + "11ABCDEFG" * 4)
 
 
 def test_stored_diffs_leave_out_credential_files_and_secret_hunks(tmp_path):
-  """Every file a credential scanner flags by name (tracked and modified, newly staged, untracked) and every hunk that holds
-  a private key block or a token is left out of the stored diff; the rest of the change stays."""
+  """Every file a credential scanner flags by name (tracked and modified, newly staged, untracked) and every hunk that
+  holds a private key block or a token is left out of the stored diff; the rest of the change stays."""
   root = tmp_path / "repo"
   repo = git.Repo.init(root, initial_branch="main")
   tracked = CREDENTIAL_FILES[:12]
@@ -225,7 +238,8 @@ def test_stored_diffs_leave_out_credential_files_and_secret_hunks(tmp_path):
   for s in SECRET_LINES: assert s not in d, s
   left_out = {line.removeprefix("# left out: ") for line in d.splitlines() if line.startswith("# left out: ")}
   assert {n for n in left_out if not n.startswith("a hunk")} == set(CREDENTIAL_FILES)
-  assert sorted(n.split(" (")[0] for n in left_out if n.startswith("a hunk")) == ["a hunk of code.py", "a hunk of other.py"]
+  assert sorted(n.split(" (")[0] for n in left_out
+                if n.startswith("a hunk")) == ["a hunk of code.py", "a hunk of other.py"]
   for s in SECRET_LINES[1:]:  # each pattern alone is enough
     (root / "other.py").write_text(code + s + "\n")
     assert s not in git_state(root)["diff"], s
@@ -235,9 +249,11 @@ def test_environment_dedupe(engine):
   with session(engine) as s:
     a, b = store.get_or_create_environment(s, ENV), store.get_or_create_environment(s, dict(ENV, tinygrad_commit=None))
     c = store.get_or_create_environment(s, ENV | {"tinygrad_diff": "--- a"})
-    assert a.id == b.id != c.id and a.hash == fingerprint_hash({k: ENV.get(k) for k in ENV | {"tinygrad_commit": 0, "tinygrad_diff": 0}})
+    assert (a.id == b.id != c.id and a.hash
+            == fingerprint_hash({k: ENV.get(k) for k in ENV | {"tinygrad_commit": 0, "tinygrad_diff": 0}}))
     with pytest.raises(ValueError, match="unknown fields gpu"): store.get_or_create_environment(s, ENV | {"gpu": "x"})
-    with pytest.raises(ValueError, match="missing fields driver"): store.get_or_create_environment(s, {k: v for k, v in ENV.items() if k != "driver"})
+    with pytest.raises(ValueError, match="missing fields driver"):
+      store.get_or_create_environment(s, {k: v for k, v in ENV.items() if k != "driver"})
 
 
 def test_trial_lifecycle(engine):
@@ -249,17 +265,20 @@ def test_trial_lifecycle(engine):
     gs = store.get_or_create_git_state(s, {"commit": "f" * 40, "branch": None, "dirty": False, "diff": ""})
     t = store.start_trial(s, study, 0, '{"topk": "sort"}', "abcd", gs, "host:42", optuna_trial_id=7)
   assert t.state == "running" and t.finished_at is None and t.started_at.tzinfo is not None
-  with session(engine) as s: store.finish_trial(s, t, state="ok", stage="full", tok_s=12.5, block_tok_s=99.0, metrics={"ms_p50": 80.0},
+  with session(engine) as s:
+    store.finish_trial(s, t, state="ok", stage="full", tok_s=12.5, block_tok_s=99.0, metrics={"ms_p50": 80.0},
                                                 phases={"load": 1.5}, check={"max_abs": 1e-3}, profile=profile,
                                                 environment=store.get_or_create_environment(s, ENV))
   with session(engine) as s:
     t = store.trials(s, study)[0]
-    assert (t.state, t.stage, t.tok_s, t.metrics, t.phases, t.check) == ("ok", "full", 12.5, {"ms_p50": 80.0}, {"load": 1.5}, {"max_abs": 1e-3})
+    assert (t.state, t.stage, t.tok_s, t.metrics, t.phases,
+            t.check) == ("ok", "full", 12.5, {"ms_p50": 80.0}, {"load": 1.5}, {"max_abs": 1e-3})
     assert [(p.rank, p.name, p.gb_s) for p in t.profile] == [(1, "r_matvec", 850.0), (2, "E_add", None)]
     assert t.git_state.commit == "f" * 40 and t.environment.host == ENV["host"] and t.optuna_trial_id == 7
     assert t.finished_at.tzinfo == UTC and t.finished_at >= t.started_at
     with pytest.raises(ValueError): store.finish_trial(s, t, state="done")
-  with pytest.raises(IntegrityError), session(engine) as s: store.start_trial(s, study, 0, "{}", "abcd", None, "host:43")
+  with pytest.raises(IntegrityError), session(engine) as s:
+    store.start_trial(s, study, 0, "{}", "abcd", None, "host:43")
 
 
 def test_find_measured_and_interrupted(engine):
@@ -296,14 +315,16 @@ def test_killed_and_timed_out_configs_are_measured_again_up_to_the_retry_limit(e
 def test_leaderboard_and_confirmations(engine):
   with session(engine) as s:
     study = store.create_study(s, name="s", **STUDY)
-    for n, (state, tok_s) in enumerate([("ok", 10.0), ("ok", 30.0), ("wrong_output", 50.0), ("oom", None), ("ok", 20.0), ("reused", 30.0)]):
+    for n, (state, tok_s) in enumerate([("ok", 10.0), ("ok", 30.0), ("wrong_output", 50.0), ("oom", None), ("ok", 20.0),
+                                        ("reused", 30.0)]):
       make_trial(s, study, n, state, tok_s, config_hash=f"c{n}")
     assert [t.tok_s for t in store.leaderboard(s, study)] == [30.0, 20.0, 10.0]
     assert [t.number for t in store.leaderboard(s, study, limit=1)] == [1]
     best = store.leaderboard(s, study)[0]
-    store.add_confirmation(s, study, best, pairs=5, rounds=3, tok_s=30.0, baseline_tok_s=10.0, speedup=3.0, speedup_low=2.8,
-                           speedup_high=3.2, status="confirmed")
-  with session(engine) as s: assert [(c.config_hash, c.trial.number, c.speedup) for c in store.confirmations(s, study)] == [("c1", 1, 3.0)]
+    store.add_confirmation(s, study, best, pairs=5, rounds=3, tok_s=30.0, baseline_tok_s=10.0, speedup=3.0,
+                           speedup_low=2.8, speedup_high=3.2, status="confirmed")
+  with session(engine) as s:
+    assert [(c.config_hash, c.trial.number, c.speedup) for c in store.confirmations(s, study)] == [("c1", 1, 3.0)]
 
 
 def test_unreachable_server():
@@ -311,7 +332,8 @@ def test_unreachable_server():
   with pytest.raises(DBError) as e: open_db("postgresql+psycopg://me:secret@127.0.0.1:1/db?connect_timeout=3")
   assert time.monotonic() - t0 < 5
   msg = str(e.value)
-  assert msg.startswith("cannot reach the database at postgresql+psycopg://me:***@127.0.0.1:1/db") and "connection refused" in msg
+  assert (msg.startswith("cannot reach the database at postgresql+psycopg://me:***@127.0.0.1:1/db")
+          and "connection refused" in msg)
   assert "secret" not in msg and "\n" not in msg
 
 
@@ -319,7 +341,8 @@ def test_not_a_sqlite_file(tmp_path):
   (f := tmp_path / "x.db").write_bytes(junk := os.urandom(8192))
   with pytest.raises(DBError, match=r"x\.db is not a SQLite database$"): open_db(f"sqlite:///{f}")
   assert f.read_bytes() == junk and os.listdir(tmp_path) == ["x.db"]
-  with pytest.raises(DBError, match="^cannot open the SQLite database"): open_db(f"sqlite:///{tmp_path}/no/such/dir/x.db")
+  with pytest.raises(DBError, match="^cannot open the SQLite database"):
+    open_db(f"sqlite:///{tmp_path}/no/such/dir/x.db")
 
 
 @pytest.mark.parametrize("bad", ["nosuch://host/db", "mysql://u@h/db", "postgresql+nosuchdriver://u@h/db", "not a url"])

@@ -1,9 +1,10 @@
-"""The dsl backend (model/dsl.py): its custom kernels compute the tensor backend's products, and a model built on them decodes
-the baseline's logits with the custom kernels in place of the tensor path's gathered products.
+"""The dsl backend (model/dsl.py): its custom kernels compute the tensor backend's products, and a model built on them
+decodes the baseline's logits with the custom kernels in place of the tensor path's gathered products.
 
 Model logits are compared with an fp32 KV cache on both sides: with the baseline's fp16 cache, any reordering of the
 float32 sums that feed the cache (the kv_a projection) moves some entries across an fp16 rounding boundary, an error of
-~1e-3 of the logits' std that has nothing to do with the kernels (tests/test_space.py holds backend knobs to 2e-2 for it).
+~1e-3 of the logits' std that has nothing to do with the kernels (tests/test_space.py holds backend knobs to 2e-2 for
+it).
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def test_space_offers_dsl_exactly_for_supported_types(gguf_file, monkeypatch) ->
   assert catalog.get("dsl").quants == set(QUANT_NAMES) and "dsl" in catalog.names()
   info = ModelInfo.from_gguf(GGUFFile(gguf_file("tiny", "q4_k_m")))
   domains = {k.name: k.choices for k in knobs(info) if k.name.startswith("backend.")}
-  assert domains and all(c == ("tensor", "fp16_cache", "dsl") for c in domains.values())  # native: CUDA only (tests/test_native.py)
+  # native: CUDA only (tests/test_native.py)
+  assert domains and all(c == ("tensor", "fp16_cache", "dsl") for c in domains.values())
   monkeypatch.setitem(catalog.CATALOG, "dsl", dataclasses.replace(catalog.get("dsl"), quants=frozenset({"Q4_K"})))
   domains = {k.name: k.choices for k in knobs(info) if k.name.startswith("backend.")}
   assert domains["backend.Q4_K.expert"] == domains["backend.Q4_K.dense"] == ("tensor", "fp16_cache", "dsl")
@@ -44,14 +46,15 @@ def test_space_offers_dsl_exactly_for_supported_types(gguf_file, monkeypatch) ->
 
 @functools.cache
 def run(path: str, cfg_json: str) -> tuple[np.ndarray, np.ndarray, tuple[tuple[str, str], ...], frozenset[int]]:
-  """Teacher-forced prefill logits, decode step logits, the decode step's kernels, and the sizes of the expert weights' largest
-  planes (their codes; no other buffer of the tiny models has those sizes)."""
+  """Teacher-forced prefill logits, decode step logits, the decode step's kernels, and the sizes of the expert weights'
+  largest planes (their codes; no other buffer of the tiny models has those sizes)."""
   model = Transformer(GGUFFile(path), StructureConfig.from_json(cfg_json), max_context=32)
   gen = Generator(model, chunk=len(TOKENS))
   prefill = gen.prefill(TOKENS).astype(np.float64)
   steps = np.stack([gen.step_logits(1, len(TOKENS) + i) for i in range(3)]).astype(np.float64)
   for i in range(3): gen.step(1, len(TOKENS) + i)
-  exps = frozenset(max(p.numel() for p in w.planes.values()) for b in model.blocks if b.moe for w in (b.gate_exps, b.up_exps, b.down_exps))
+  exps = frozenset(max(p.numel() for p in w.planes.values()) for b in model.blocks if b.moe
+                   for w in (b.gate_exps, b.up_exps, b.down_exps))
   return prefill, steps, tuple(jit_kernels(gen.step_jit)), exps
 
 
@@ -68,7 +71,8 @@ def test_decode_matches_the_baseline_with_custom_kernels(gguf_file, quant: str) 
   if quant == "q4_0": assert backends == {"Q4_0:expert": "dsl", "Q4_0:dense": "dsl"}
   base_prefill, base_steps, base_kernels, exps = run(path, StructureConfig(kv_dtype="float32").to_json())
   prefill, steps, kernels, _ = run(path, StructureConfig(kv_dtype="float32", backends=backends).to_json())
-  for got, want in ((prefill, base_prefill), (steps, base_steps)): assert_close("dsl backends, fp32 KV cache", got, want, 1e-4)
+  for got, want in ((prefill, base_prefill), (steps, base_steps)):
+    assert_close("dsl backends, fp32 KV cache", got, want, 1e-4)
   names = [n for n, _ in kernels]
   n_moe = sum(n.endswith(".ffn_gate_exps.weight") for n in GGUFFile(path).tensors)
   assert not any(n.startswith("dsl_") for n, _ in base_kernels)

@@ -1,7 +1,7 @@
-"""The portable kernels (model/backends/dsl.py) are portable by construction: each renders for tinygrad's CUDA, METAL and AMD
-renderers with its workgroup schedule, runs correctly under tinygrad's Python emulator of Metal (workgroups, shared
-memory), and nothing in them reads the device's name. No Metal or AMD hardware is involved: rendering proves the source
-is produced, the emulator that it computes the right numbers with Metal's features."""
+"""The portable kernels (model/backends/dsl.py) are portable by construction: each renders for tinygrad's CUDA, METAL
+and AMD renderers with its workgroup schedule, runs correctly under tinygrad's Python emulator of Metal (workgroups,
+shared memory), and nothing in them reads the device's name. No Metal or AMD hardware is involved: rendering proves the
+source is produced, the emulator that it computes the right numbers with Metal's features."""
 from __future__ import annotations
 
 import ast
@@ -25,7 +25,8 @@ import model.backends.dsl as dsl
 from model.backends import catalog
 from model.deepseek2 import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, SQRT_SOFTPLUS, Block
 
-RENDERERS = {"CUDA": (CUDARenderer, Target("CUDA", "CUDA", "sm_90")), "METAL": (MetalRenderer, Target("METAL", "METAL", "Apple9")),
+RENDERERS = {"CUDA": (CUDARenderer, Target("CUDA", "CUDA", "sm_90")),
+             "METAL": (MetalRenderer, Target("METAL", "METAL", "Apple9")),
              "AMD": (HIPRenderer, Target("AMD", "HIP", "gfx1100"))}
 
 
@@ -50,8 +51,8 @@ def kernels(*outs: Tensor) -> list:
 
 
 def portable_outputs(quant: str) -> list[Tensor]:
-  """Every portable kernel kind at small shapes, built with workgroups (as on a GPU): dense (prefill rows), per head, the
-  selected experts' products, the one-token product with a residual, and down over the selected experts."""
+  """Every portable kernel kind at small shapes, built with workgroups (as on a GPU): dense (prefill rows), per head,
+  the selected experts' products, the one-token product with a residual, and down over the selected experts."""
   rng, t = np.random.default_rng(TYPES[quant]), TYPES[quant]
   x = lambda *s: Tensor(rng.standard_normal(s).astype(np.float32))
   w = lambda shape: dsl.to_words(random_weight(rng, t, shape, "dsl"))
@@ -59,8 +60,9 @@ def portable_outputs(quant: str) -> list[Tensor]:
   sel, wts = Tensor(np.array([[[4, 0, 2]]], dtype=np.int32)), x(3)
   norm = (x(512), x(1))
   return [dsl.linear(x(1, 5, 512), dense), dsl.per_head(x(1, 1, 4, 512), heads), dsl.expert(x(1, 1, 1, 512), sel, exps),
-          dsl._vec(x(512), dense, res=x(64)), dsl._vec(x(512), dense, norm), dsl._glu(x(512), norm, None, None, exps, sel),
-          dsl._glu(x(512), None, dense, dense, None), dsl._down(x(64), x(3, 512), w((5, 64, 512)), sel, wts)]
+          dsl._vec(x(512), dense, res=x(64)), dsl._vec(x(512), dense, norm),
+          dsl._glu(x(512), norm, None, None, exps, sel), dsl._glu(x(512), None, dense, dense, None),
+          dsl._down(x(64), x(3, 512), w((5, 64, 512)), sel, wts)]
 
 
 @pytest.mark.parametrize("quant", sorted(catalog.get("dsl").quants))
@@ -73,7 +75,8 @@ def test_every_portable_kernel_renders_for_cuda_metal_and_amd(quant: str, monkey
       src = render_source(a, renderer(kind))
       assert a.arg.name in src
       shared = {"CUDA": "__shared__", "METAL": "threadgroup", "AMD": "__attribute__((shared"}[kind]
-      assert shared in src, f"{a.arg.name} on {kind}: no workgroup reduction"  # every block count here splits over a group
+      # every block count here splits over a group
+      assert shared in src, f"{a.arg.name} on {kind}: no workgroup reduction"
 
 
 EMULATED = """
@@ -101,7 +104,8 @@ for quant in sys.argv[1:]:
   gamma, xg, up = x(512), x(512), random_weight(rng, t, (5, 16, 512))
   xn = xg * (xg.square().mean() + 1e-5).rsqrt() * gamma
   g, u = (tensor.BACKEND.expert(xn.reshape(1, 1, 1, 512), sel, r)[0, 0] for r in (ref, up))
-  merged = dsl.to_words(concat_rows(QWeight(dict(ref.planes), t, ref.shape, backend="dsl"), QWeight(dict(up.planes), t, up.shape, backend="dsl")))
+  dslw = lambda r: QWeight(dict(r.planes), t, r.shape, backend="dsl")
+  merged = dsl.to_words(concat_rows(dslw(ref), dslw(up)))
   got = dsl._glu(xg, (gamma, dsl._rs(xg, 1e-5)), None, None, merged, sel)
   print(quant, "glu", rel_err(got, g.silu() * u))
 """
@@ -109,8 +113,8 @@ for quant in sys.argv[1:]:
 
 def test_portable_kernels_compute_the_reference_under_the_metal_emulator() -> None:
   """tinygrad's Python emulator with Metal's features (workgroups, shared memory): the experts' product, SiLU(gate) * up
-  of merged gate+up weights (one kernel) with the norm folded in and down over the selected experts equal the tensor backend's, for the types of
-  the Q4_0 seed files and a K-quant."""
+  of merged gate+up weights (one kernel) with the norm folded in and down over the selected experts equal the tensor
+  backend's, for the types of the Q4_0 seed files and a K-quant."""
   quants = ["Q4_0", "Q8_0", "Q6_K", "Q4_K"]
   env = {**os.environ, "DEV": "PYTHON::METAL"}
   out = subprocess.run([sys.executable, "-c", EMULATED, *quants], env=env, capture_output=True, text=True, timeout=600)
@@ -147,15 +151,16 @@ def test_routing_kernels_select_and_weigh_as_the_per_op_path(gating: int) -> Non
     for f in (None, forced):
       sel, w, own = blk.route(lt.reshape(1, 1, E), None if f is None else f.reshape(1, 1, K))
       got_own = dsl._custom(dsl.topk_kernel, (K,), [lt, *b], dtype=dtypes.int32, gating=gating)
-      got_w = dsl._custom(dsl.weights_kernel, (K,), [lt, got_own if f is None else f], gating=gating, norm=norm_w, scale=scale)
+      got_w = dsl._custom(dsl.weights_kernel, (K,), [lt, got_own if f is None else f], gating=gating, norm=norm_w,
+                          scale=scale)
       assert got_own.tolist() == own.reshape(-1).tolist()
       np.testing.assert_allclose(got_w.numpy(), w.reshape(-1).numpy(), rtol=1e-6, atol=1e-7)
 
 
 def test_every_stage_kernel_renders_for_cuda_metal_and_amd(monkeypatch) -> None:
-  """The attention's and the router's UOp kernels (1/rms, the cache write, the scores, softmax @ c_kv, top-k, the routing
-  weights) render for each target, the decode position a bound variable, and the workgroup reductions (1/rms, scores,
-  top-k) in shared memory."""
+  """The attention's and the router's UOp kernels (1/rms, the cache write, the scores, softmax @ c_kv, top-k, the
+  routing weights) render for each target, the decode position a bound variable, and the workgroup reductions (1/rms,
+  scores, top-k) in shared memory."""
   monkeypatch.setattr(dsl, "_local", lambda device: True)
   rng, (H, kvl, rope, nope, ctx) = np.random.default_rng(0), (4, 128, 32, 32, 64)
   x = lambda *s: Tensor(rng.standard_normal(s).astype(np.float32)).realize()
@@ -163,8 +168,10 @@ def test_every_stage_kernel_renders_for_cuda_metal_and_amd(monkeypatch) -> None:
   kv, gamma, cos, sin, qa = x(kvl + rope), x(kvl), x(ctx, rope // 2), x(ctx, rope // 2), x(96)
   pos, bind = dsl._position(UOp.variable("start_pos", 0, ctx - 1).bind(5))
   rs = dsl._custom(dsl.rms_kernel, (2,), [qa, kv], lengths=(96, kvl), eps=1e-5)
-  c = cache.custom_kernel(kv, gamma, rs, cos, sin, *bind, fxn=partial(dsl.kv_write_kernel, pos=pos, slot=1, local=True))[0]
-  s = dsl._custom(dsl.scores_kernel, (H, ctx), [x(H * (nope + rope)), x(H, kvl), c, cos, sin, *bind], pos=pos, scale=0.1, nope=nope)
+  c = cache.custom_kernel(kv, gamma, rs, cos, sin, *bind,
+                          fxn=partial(dsl.kv_write_kernel, pos=pos, slot=1, local=True))[0]
+  s = dsl._custom(dsl.scores_kernel, (H, ctx), [x(H * (nope + rope)), x(H, kvl), c, cos, sin, *bind], pos=pos,
+                  scale=0.1, nope=nope)
   o = dsl._custom(dsl.pv_kernel, (H, kvl), [s, c, *bind], pos=pos)
   lt = x(16)
   own = dsl._custom(dsl.topk_kernel, (4,), [lt, x(16)], dtype=dtypes.int32, gating=SIGMOID)
@@ -175,7 +182,8 @@ def test_every_stage_kernel_renders_for_cuda_metal_and_amd(monkeypatch) -> None:
     for name, a in asts.items():
       src = render_source(a, renderer(kind))
       if name in ("dsl_rms", "dsl_scores", "dsl_topk"):
-        assert {"CUDA": "__shared__", "METAL": "threadgroup_barrier", "AMD": "__attribute__((shared"}[kind] in src, (kind, name)
+        assert {"CUDA": "__shared__", "METAL": "threadgroup_barrier",
+                "AMD": "__attribute__((shared"}[kind] in src, (kind, name)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-lite"])

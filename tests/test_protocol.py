@@ -17,7 +17,8 @@ from model.backends import catalog
 from model.structure import StructureConfig
 from search.cli import main as search_main
 
-FAST = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--fix", "beam=0", "--confirm", "0", "--seed", "0"]
+FAST = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--fix", "beam=0", "--confirm", "0", "--seed",
+        "0"]
 
 
 def search(*argv: str) -> int:
@@ -64,16 +65,19 @@ def test_a_study_continues_from_its_name_with_its_stored_settings(study) -> None
   assert search("start", "--study", "p", "--storage", url, "--trials", "3") == 0
   assert len(rows(url, "SELECT 1 FROM ss_trial")) == 3
   attrs = optuna.load_study(study_name="p", storage=url).user_attrs
-  assert (attrs["n"], attrs["rounds"], attrs["prefill"], attrs["seed"], attrs["fixed"], attrs["trials"]) == (6, 1, False, 0, {"beam": 0}, 3)
+  assert (attrs["n"], attrs["rounds"], attrs["prefill"], attrs["seed"], attrs["fixed"],
+          attrs["trials"]) == (6, 1, False, 0, {"beam": 0}, 3)
   # a study made before a setting existed continues with that setting's default
   e = create_engine(url)
   with e.begin() as c:
     c.execute(text("DELETE FROM study_user_attributes WHERE key = 'beam_budget'"))
-    c.execute(text("UPDATE ss_study SET baseline_config = NULL, baseline_hash = NULL"))  # and before its baseline was stored
+    # and before its baseline was stored
+    c.execute(text("UPDATE ss_study SET baseline_config = NULL, baseline_hash = NULL"))
   e.dispose()
   assert search("start", "--study", "p", "--storage", url, "--trials", "4") == 0
   assert len(rows(url, "SELECT 1 FROM ss_trial")) == 4
-  assert rows(url, "SELECT baseline_hash FROM ss_study") == [(StructureConfig().hash,)]  # the defaults and its pin beam=0
+  # the defaults and its pin beam=0
+  assert rows(url, "SELECT baseline_hash FROM ss_study") == [(StructureConfig().hash,)]
 
 
 @pytest.mark.parametrize("change, message", [
@@ -93,14 +97,16 @@ def test_a_later_run_cannot_change_the_protocol(kept_study, capsys, change, mess
   assert search("start", "--study", "p", "--storage", url, *change) == 2
   err = capsys.readouterr().err.strip()
   assert message in err and "start a new study with --study NEW_NAME" in err and len(err.splitlines()) == 1, err
-  assert (optuna.load_study(study_name="p", storage=url).user_attrs, rows(url, "SELECT number, state FROM ss_trial")) == before
+  assert ((optuna.load_study(study_name="p", storage=url).user_attrs, rows(url, "SELECT number, state FROM ss_trial"))
+          == before)
 
 
 def test_a_studys_beam_budget_reaches_its_trials(gguf_file, tmp_path, monkeypatch) -> None:
   from search.study import load_setup
   install_fake_trials(monkeypatch.setattr)
   url = f"sqlite:///{tmp_path / 's.db'}"
-  assert search("start", "--model", gguf_file("tiny", "q4_0"), "--study", "b", "--storage", url, "--trials", "1", *FAST, "--beam-budget", "60") == 0
+  assert search("start", "--model", gguf_file("tiny", "q4_0"), "--study", "b", "--storage", url, "--trials", "1", *FAST,
+                "--beam-budget", "60") == 0
   ev = load_setup("b", url)[0].evaluator()
   assert ev.beam_budget == 60.0 and ev.spec({}).beam_budget_s == 60.0
 
@@ -111,23 +117,26 @@ def test_one_baseline_with_the_pins_and_a_portable_study_on_cuda(gguf_file, tmp_
   portable holds a CUDA study to the portable backends (the coordinate sampler's first changes would be native)."""
   install_fake_trials(monkeypatch.setattr)
   url, model = f"sqlite:///{tmp_path / 's.db'}", gguf_file("tiny", "q4_0")
-  argv = ["--device", "CUDA", "--no-prefill", "-n", "6", "--rounds", "1", "--fix", "beam=0", "--fix", "topk=sort", "--seed", "0",
-          "--family", "portable", "--confirm", "1", "--pairs", "2"]
+  argv = ["--device", "CUDA", "--no-prefill", "-n", "6", "--rounds", "1", "--fix", "beam=0", "--fix", "topk=sort",
+          "--seed", "0", "--family", "portable", "--confirm", "1", "--pairs", "2"]
   assert search("start", "--model", model, "--study", "b", "--storage", url, "--trials", "6", *argv) == 0
   capsys.readouterr()
   base = StructureConfig(topk="sort")
   assert rows(url, "SELECT baseline_hash, baseline_config FROM ss_study") == [(base.hash, base.to_json())]
   trials = rows(url, "SELECT number, config_json, config_hash FROM ss_trial ORDER BY number")
   assert trials[0][2] == base.hash and len({h for _, _, h in trials}) == len(trials) >= 6
-  used = {b for _, c, _ in trials for b in (*StructureConfig.from_json(c).fused.values(), *StructureConfig.from_json(c).backends.values())}
+  used = {b for _, c, _ in trials for b in (*StructureConfig.from_json(c).fused.values(),
+                                            *StructureConfig.from_json(c).backends.values())}
   assert "dsl" in used and all(catalog.get(b).portable for b in used)
-  untried = {kind: {h for k, h, t in rows(url, "SELECT kind, config_hash, trial_id FROM ss_measurement") if k == kind and t is None}
+  untried = {kind: {h for k, h, t in rows(url, "SELECT kind, config_hash, trial_id FROM ss_measurement") if k == kind
+                    and t is None}
              for kind in ("repeat", "confirm")}
   assert untried == {"repeat": {base.hash}, "confirm": {base.hash}}  # the baseline's repeats and A/B runs
   assert search("leaderboard", "--study", "b", "--storage", url, "--state", "all", "--format", "json") == 0
   doc = json.loads(capsys.readouterr().out)
   assert doc["baseline_hash"] == base.hash and doc["baseline"]["trial"] == 0
-  assert all((r["changes"] == {}) == (r["config_hash"] == base.hash) and "topk" not in r["changes"] for r in doc["rows"])
+  assert all((r["changes"] == {}) == (r["config_hash"] == base.hash) and "topk" not in r["changes"]
+             for r in doc["rows"])
   assert search("show", "--study", "b", "--storage", url, "baseline", "--format", "json") == 0
   assert json.loads(capsys.readouterr().out)["trial"] == 0
   assert search("start", "--study", "b", "--storage", url, "--device", "CUDA", "--family", "all") == 2
@@ -147,7 +156,8 @@ def test_search_space_lists_what_runs_on_the_device(gguf_file, capsys, device: s
 def test_prefill_is_part_of_the_protocol(gguf_file, tmp_path, monkeypatch, capsys) -> None:
   install_fake_trials(monkeypatch.setattr)
   url, model = f"sqlite:///{tmp_path / 's.db'}", gguf_file("tiny", "q4_0")
-  assert search("start", "--model", model, "--study", "q", "--storage", url, "--trials", "1", *FAST[:2], "--confirm", "0") == 0
+  assert search("start", "--model", model, "--study", "q", "--storage", url, "--trials", "1", *FAST[:2], "--confirm",
+                "0") == 0
   assert search("start", "--study", "q", "--storage", url, "--no-prefill") == 2
   assert "measures with the prefill graph timed (no --no-prefill), not --no-prefill" in capsys.readouterr().err
 
@@ -164,7 +174,8 @@ def test_every_measuring_command_checks_the_model_file(study, tmp_path, capsys) 
   assert search("start", "--study", "p", "--storage", url) == 2
   assert "which is not on this host: pass --model" in capsys.readouterr().err
   assert len(rows(url, "SELECT 1 FROM ss_trial")) == 2  # nothing measured
-  assert search("start", "--study", "p", "--storage", url, "--model", str(copy), "--trials", "3") == 0  # this host's copy of the file
+  # this host's copy of the file
+  assert search("start", "--study", "p", "--storage", url, "--model", str(copy), "--trials", "3") == 0
   assert len(rows(url, "SELECT 1 FROM ss_trial")) == 3
 
 
@@ -177,7 +188,8 @@ def test_every_measuring_command_checks_the_model_file(study, tmp_path, capsys) 
   (["start", "--model", "tiny", "--beam-budget", "-1"], "--beam-budget: -1 is below 0"),
   (["start", "--model", "tiny", "--timeout", "0"], "--timeout: 0 is not a positive number of seconds"),
   (["worker", "--study", "x", "--heartbeat", "0"], "--heartbeat: 0 is not a positive number of seconds"),
-  (["confirm", "--study", "x", "--pairs", "1"], "--pairs: 1 is below 2"),  # one A/B pair has no spread: its interval is a point
+  # one A/B pair has no spread: its interval is a point
+  (["confirm", "--study", "x", "--pairs", "1"], "--pairs: 1 is below 2"),
   (["start", "--model", "tiny", "--pairs", "1"], "--pairs: 1 is below 2"),
   (["leaderboard", "--study", "x", "--top", "0"], "--top: 0 is below 1"),
   (["leaderboard", "--study", "x", "--top", "-1"], "--top: -1 is below 1"),
@@ -192,19 +204,23 @@ def test_numbers_are_checked_when_the_command_line_is_read(argv, message, tmp_pa
   assert message in capsys.readouterr().err and os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("argv", [["status"], ["status", "--study", "x"], ["list"], ["export", "--study", "x"], ["replay", "--study", "x"],
-                                  ["confirm", "--study", "x"], ["start", "--study", "x"], ["report", "--study", "x", "--out", "rep"],
-                                  ["dashboard"], ["leaderboard", "--study", "x"], ["show", "--study", "x", "0"], ["cost", "--study", "x"]])
+@pytest.mark.parametrize("argv", [["status"], ["status", "--study", "x"], ["list"], ["export", "--study", "x"],
+                                  ["replay", "--study", "x"], ["confirm", "--study", "x"], ["start", "--study", "x"],
+                                  ["report", "--study", "x", "--out", "rep"], ["dashboard"],
+                                  ["leaderboard", "--study", "x"], ["show", "--study", "x", "0"],
+                                  ["cost", "--study", "x"]])
 def test_reading_commands_never_create_a_database(argv, tmp_path, capsys, monkeypatch) -> None:
   monkeypatch.chdir(tmp_path)
   path = tmp_path / "typo.db"
   assert search(*argv, "--storage", f"sqlite:///{path}") == 2
   err = capsys.readouterr().err.strip()
-  assert err in (f"search: error: no database at {path}", f"search: error: no study named 'x' in sqlite:///{path}: pass --model to create it")
+  assert err in (f"search: error: no database at {path}",
+                 f"search: error: no study named 'x' in sqlite:///{path}: pass --model to create it")
   assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="PyTorch is installed: the gp sampler can run")
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None,
+                    reason="PyTorch is installed: the gp sampler can run")
 def test_a_sampler_that_cannot_run_is_refused_before_anything_is_made(gguf_file, tmp_path, capsys) -> None:
   url = f"sqlite:///{tmp_path / 's.db'}"
   assert search("start", "--model", gguf_file("tiny", "q4_0"), "--storage", url, "--sampler", "gp", *FAST) == 2

@@ -36,8 +36,9 @@ from search.noise import near_best
 PROJECT = pathlib.Path(__file__).resolve().parents[1]
 BASELINE = StructureConfig().hash  # the study's baseline: it pins beam=0, the default
 FAST = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--fix", "beam=0", "--seed", "0"]
-CHROMIUM = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--virtual-time-budget=15000"]
+CHROMIUM = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            "--virtual-time-budget=15000"]
 
 
 def search(*argv: str) -> int:
@@ -77,15 +78,18 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def live(gguf_file, tmp_path_factory):
-  """A 3-trial study (full model only), its best config confirmed with two A/B pairs, while optuna-dashboard serves its file."""
+  """A 3-trial study (full model only), its best config confirmed with two A/B pairs, while optuna-dashboard serves its
+  file."""
   d, model = tmp_path_factory.mktemp("review"), gguf_file("tiny", "q4_0")
   url = f"sqlite:///{d / 's.db'}"
-  proc = subprocess.Popen([sys.executable, "-m", "search", "start", "--model", model, "--study", "r", "--storage", url, "--trials", "3", *FAST,
-                           "--confirm", "1", "--pairs", "2"], stdout=open(d / "search.log", "w"), stderr=subprocess.STDOUT)
+  proc = subprocess.Popen([sys.executable, "-m", "search", "start", "--model", model, "--study", "r", "--storage", url,
+                           "--trials", "3", *FAST, "--confirm", "1", "--pairs", "2"],
+                          stdout=open(d / "search.log", "w"), stderr=subprocess.STDOUT)
   deadline = time.time() + 120
   while time.time() < deadline and not _has_study(d / "s.db"): time.sleep(0.5)
   port = free_port()
-  dash = subprocess.Popen([sys.executable, "-m", "search", "dashboard", "--storage", url, "--study", "r", "--port", str(port)],
+  dash = subprocess.Popen([sys.executable, "-m", "search", "dashboard", "--storage", url, "--study", "r", "--port",
+                           str(port)],
                           stdout=open(d / "dashboard.log", "w"), stderr=subprocess.STDOUT)
   lv = Live(url, d / "s.db", model, proc, dash, port, d)
   while time.time() < deadline:
@@ -101,7 +105,8 @@ def live(gguf_file, tmp_path_factory):
 
 def _has_study(db: pathlib.Path) -> bool:
   try:
-    with sqlite3.connect(db, timeout=30) as c: return bool(c.execute("SELECT 1 FROM studies WHERE study_name='r'").fetchall())
+    with sqlite3.connect(db, timeout=30) as c:
+      return bool(c.execute("SELECT 1 FROM studies WHERE study_name='r'").fetchall())
   except sqlite3.Error: return False
 
 
@@ -111,7 +116,8 @@ def _chromium(*args: str) -> subprocess.CompletedProcess:
     if os.environ.get("CI"): pytest.fail("chromium is missing: .ci/run sources .ci/chromium.sh to install it")
     pytest.skip("headless Chromium: `. .ci/chromium.sh` installs Debian's chromium")
   with tempfile.TemporaryDirectory() as profile:
-    return subprocess.run([exe, *CHROMIUM, f"--user-data-dir={profile}", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([exe, *CHROMIUM, f"--user-data-dir={profile}", *args], capture_output=True, text=True,
+                          timeout=120)
 
 
 def test_dashboard_renders_while_the_search_writes(live, capsys) -> None:
@@ -119,7 +125,8 @@ def test_dashboard_renders_while_the_search_writes(live, capsys) -> None:
   artifacts, the API answers throughout, the search finishes without "database is locked", and the page's best trial
   is then the leaderboard's first."""
   deadline = time.time() + 300
-  while time.time() < deadline and not any(t["state"] == "Complete" for t in json.loads(live.get("/api/studies/1"))["trials"]):
+  while time.time() < deadline and not any(t["state"] == "Complete"
+                                           for t in json.loads(live.get("/api/studies/1"))["trials"]):
     time.sleep(1)
   assert live.proc.poll() is None, "the search ended before the dashboard could be tested beside it"
   dom = _chromium("--dump-dom", f"http://127.0.0.1:{live.port}/dashboard/studies/1/trials").stdout
@@ -151,7 +158,8 @@ def test_leaderboard_in_four_formats(live, capsys) -> None:
   assert "review: `search leaderboard --study r" in out and "search dashboard --study r" in out
   assert search("leaderboard", "--study", "r", "--storage", live.url, "--format", "json") == 0
   doc = json.loads(capsys.readouterr().out)
-  assert doc["schema"] == 2 and doc["study"] == "r" and doc["verdict"] in out  # start ends saying who wins, or that none does
+  # start ends saying who wins, or that none does
+  assert doc["schema"] == 2 and doc["study"] == "r" and doc["verdict"] in out
   rows = doc["rows"]
   assert [r["rank"] for r in rows] == list(range(1, len(rows) + 1)) and all(r["state"] == "ok" for r in rows)
   assert doc["baseline"]["measurements"] >= 3  # its trial, a repeat between trials, its side of the A/B pair
@@ -159,24 +167,30 @@ def test_leaderboard_in_four_formats(live, capsys) -> None:
   conf = [r for r in rows if r["confirmed"]]
   assert len(conf) == 1 and conf[0]["confirmed"]["pairs"] == 2
   key = lambda r: r["confirmed"]["speedup"] if r["confirmed"] else r["speedup"]
-  assert [key(r) for r in rows] == sorted((key(r) for r in rows), reverse=True)  # confirmed speedup first, else estimated
+  # confirmed speedup first, else estimated
+  assert [key(r) for r in rows] == sorted((key(r) for r in rows), reverse=True)
   assert search("leaderboard", "--study", "r", "--storage", live.url, "--format", "csv") == 0
   table = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
   assert [int(r["trial"]) for r in table] == [r["trial"] for r in rows] and "confirmed_speedup" in table[0]
   assert search("leaderboard", "--study", "r", "--storage", live.url, "--format", "markdown", "--top", "1") == 0
   md = capsys.readouterr().out.splitlines()
-  assert md[2].startswith("| rank | trial |") and md[3].startswith("|---|") and md[4].startswith("| 1 |") and not md[5].startswith("|")
+  assert (md[2].startswith("| rank | trial |") and md[3].startswith("|---|") and md[4].startswith("| 1 |")
+          and not md[5].startswith("|"))
   assert search("leaderboard", "--study", "r", "--storage", live.url, "--where", "topk=nosuch", "--format", "json") == 2
-  assert "--where topk=nosuch: no trial of this study has it; its trials have topk=" in capsys.readouterr().err  # not an empty list
-  assert search("leaderboard", "--study", "r", "--storage", live.url, "--where", "kv_dtype=float16", "--state", "all", "--format", "json") == 0
+  # not an empty list
+  assert "--where topk=nosuch: no trial of this study has it; its trials have topk=" in capsys.readouterr().err
+  assert search("leaderboard", "--study", "r", "--storage", live.url, "--where", "kv_dtype=float16", "--state", "all",
+                "--format", "json") == 0
   assert BASELINE in [r["config_hash"] for r in json.loads(capsys.readouterr().out)["rows"]]
   assert search("leaderboard", "--study", "r", "--storage", live.url, "--where", "nosuch=1") == 2
   assert "unknown knob" in capsys.readouterr().err
   assert search("status", "--storage", live.url, "--format", "json") == 0
   assert [s["study"] for s in json.loads(capsys.readouterr().out)["studies"]] == ["r"]
-  # a reader that closes the pipe early (`| head`) gets no traceback and no failure, from the table (rich) or a document (print)
+  # a reader that closes the pipe early (`| head`) gets no traceback and no failure, from the table (rich) or a document
+  # (print)
   for fmt in ("table", "json"):
-    p = subprocess.Popen([sys.executable, "-m", "search", "leaderboard", "--study", "r", "--storage", live.url, "--format", fmt],
+    p = subprocess.Popen([sys.executable, "-m", "search", "leaderboard", "--study", "r", "--storage", live.url,
+                          "--format", fmt],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     p.stdout.close()
     err = p.stderr.read()
@@ -188,13 +202,16 @@ def test_show_and_compare(live, capsys) -> None:
   assert search("show", "--study", "r", "--storage", live.url, "baseline", "--format", "json") == 0
   doc = json.loads(capsys.readouterr().out)
   assert doc["trial"] == 0 and doc["changes"] == {} and StructureConfig.from_dict(doc["config"]) == StructureConfig()
-  assert {m["kind"] for m in doc["measurements"]} == {"trial", "repeat", "confirm"} and doc["estimate"]["measurements"] == len(doc["measurements"])
-  assert doc["metrics"]["kernels_per_token"] > 0 and doc["phases"]["compile_s"] > 0 and doc["environment"]["device"] == "CPU"
+  assert ({m["kind"] for m in doc["measurements"]} == {"trial", "repeat", "confirm"}
+          and doc["estimate"]["measurements"] == len(doc["measurements"]))
+  assert (doc["metrics"]["kernels_per_token"] > 0 and doc["phases"]["compile_s"] > 0
+          and doc["environment"]["device"] == "CPU")
   assert doc["git"]["commit"] and "diff" in doc["git"]
   assert search("show", "--study", "r", "--storage", live.url, "1") == 0
   out = capsys.readouterr().out
   assert "config: changes from the baseline" in out and "phases (s)" in out and "git state" in out
-  for fmt in ("markdown", "csv"): assert search("show", "--study", "r", "--storage", live.url, "2", "--format", fmt) == 0
+  for fmt in ("markdown", "csv"):
+    assert search("show", "--study", "r", "--storage", live.url, "2", "--format", fmt) == 0
   assert search("show", "--study", "r", "--storage", live.url, "9") == 2 and "no trial 9" in capsys.readouterr().err
   assert search("compare", "--study", "r", "--storage", live.url, "baseline", "1", "--format", "json") == 0
   cmp = json.loads(capsys.readouterr().out)
@@ -219,15 +236,17 @@ def test_every_measurement_is_stored_and_estimated(live) -> None:
 
 
 def test_estimate_pools_the_noise(tmp_path) -> None:
-  """Unit: no interval before a config is measured twice; then every config gets one from the pooled spread, narrower with n."""
+  """Unit: no interval before a config is measured twice; then every config gets one from the pooled spread, narrower
+  with n."""
   with session(open_db(f"sqlite:///{tmp_path / 'e.db'}")) as s:
-    st = store.create_study(s, name="e", model_name="m", model_path="/m.gguf", model_sha256="0" * 64, model_bytes=1, layers=1, device="CPU",
-                            device_name="", space_version=1, objectives="tok_s", sampler="tpe")
+    st = store.create_study(s, name="e", model_name="m", model_path="/m.gguf", model_sha256="0" * 64, model_bytes=1,
+                            layers=1, device="CPU", device_name="", space_version=1, objectives="tok_s", sampler="tpe")
     store.add_measurement(s, st.id, "a", "full", 100.0, "trial")
     store.add_measurement(s, st.id, "b", "full", 97.0, "trial")
     store.add_measurement(s, st.id, "c", "full", 80.0, "trial")
     assert store.estimates(s, st)["a"] == store.Estimate(100.0, None, None, 1)
-    for x in (101.0, 97.0, 104.0, 95.0, 99.0, 103.0, 98.0, 102.0): store.add_measurement(s, st.id, "a", "full", x, "repeat")
+    for x in (101.0, 97.0, 104.0, 95.0, 99.0, 103.0, 98.0, 102.0):
+      store.add_measurement(s, st.id, "a", "full", x, "repeat")
     store.add_measurement(s, st.id, "block-only", "block", 50.0, "trial")
     est = store.estimates(s, st)
     a, b = est["a"], est["b"]
@@ -257,9 +276,11 @@ def test_notebook_runs(live) -> None:
   assert all(c.get("outputs", []) == [] for c in nb.cells)  # committed without outputs
   params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
   params.source = f"storage = {live.url!r}\nstudy = 'r'"
-  nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(PROJECT)}}).execute()
+  nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                          resources={"metadata": {"path": str(PROJECT)}}).execute()
   outs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
-  assert sum("image/png" in o.get("data", {}) for o in outs) >= 4 and any("text/markdown" in o.get("data", {}) for o in outs)
+  assert (sum("image/png" in o.get("data", {}) for o in outs) >= 4
+          and any("text/markdown" in o.get("data", {}) for o in outs))
   assert not any(o.output_type == "error" for o in outs)
 
 
@@ -298,16 +319,20 @@ def test_export_to_production_that_bench_uses(live, tmp_path, capsys) -> None:
     other = [t for t in trials if t.state == "ok" and t.config_hash != BASELINE]
     confirmed = {c.config_hash for c in store.confirmations(s, st)}
     fresh = next(t for t in other if t.config_hash not in confirmed)
-    slow = next(t for t in other if t is not fresh)  # confirmed slower than the baseline (the latest confirmation of a config counts)
-    store.add_confirmation(s, st, slow, pairs=3, rounds=5, tok_s=1.0, baseline_tok_s=1.2, speedup=0.84, speedup_low=0.8, speedup_high=0.9,
-                           status="ok")
+    # confirmed slower than the baseline (the latest confirmation of a config counts)
+    slow = next(t for t in other if t is not fresh)
+    store.add_confirmation(s, st, slow, pairs=3, rounds=5, tok_s=1.0, baseline_tok_s=1.2, speedup=0.84, speedup_low=0.8,
+                           speedup_high=0.9, status="ok")
     for n, state in ((7, "wrong_output"), (8, "pruned"), (9, "interrupted"), (10, "timeout")):
       t = store.start_trial(s, st, n, fresh.config_json, fresh.config_hash, None, "h:1")
-      if state != "interrupted": store.finish_trial(s, t, state=state, failure_class=state if state in ("wrong_output", "timeout") else None)
+      if state != "interrupted":
+        store.finish_trial(s, t, state=state, failure_class=state if state in ("wrong_output", "timeout") else None)
       else: store.mark_interrupted(s, st, [n], "stopped by the test")
-    base = store.estimates(s, st)[BASELINE]  # the baseline and fresh measured again, fresh clearly faster: an unconfirmed export may ship it
+    # the baseline and fresh measured again, fresh clearly faster: an unconfirmed export may ship it
+    base = store.estimates(s, st)[BASELINE]
     for _ in range(8): store.add_measurement(s, st.id, BASELINE, "full", base.median, "repeat")
-    for _ in range(6): store.add_measurement(s, st.id, fresh.config_hash, "full", 2 * base.median, "repeat", trial=fresh)
+    for _ in range(6):
+      store.add_measurement(s, st.id, fresh.config_hash, "full", 2 * base.median, "repeat", trial=fresh)
 
   def refused(*args: str, why: str) -> None:
     assert search("export", "--study", "r", "--storage", url, *args) == 2
@@ -322,29 +347,35 @@ def test_export_to_production_that_bench_uses(live, tmp_path, capsys) -> None:
   path = production_dir() / f"{pathlib.Path(live.model).stem}.toml"
   assert str(path) in capsys.readouterr().out
   text = path.read_text()
-  assert text.startswith("# structsearch production config: study 'r'") and "UNCONFIRMED: estimated " in text and "device: " in text
+  assert (text.startswith("# structsearch production config: study 'r'") and "UNCONFIRMED: estimated " in text
+          and "device: " in text)
   assert "the baseline" in text.splitlines()[0] and "above its interval" in text.splitlines()[0]
   assert StructureConfig.load(str(path)) == StructureConfig.from_json(fresh.config_json)
 
   # model bench loads it by default and says so; --baseline ignores it; a config for another file is not applied
-  r = subprocess.run([sys.executable, "-m", "model", "bench", "--model", live.model, "-n", "2", "--rounds", "1", "--layers", "1", "--json"],
+  r = subprocess.run([sys.executable, "-m", "model", "bench", "--model", live.model, "-n", "2", "--rounds", "1",
+                      "--layers", "1", "--json"],
                      capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr
   assert f"config: production config {path}" in r.stderr
   assert StructureConfig.from_dict(json.loads(r.stdout)["config"]) == StructureConfig.from_json(fresh.config_json)
-  assert select(pathlib.Path(live.model), live.model, None, True) == (StructureConfig(), "config: the baseline (--baseline)")
+  assert (select(pathlib.Path(live.model), live.model, None, True)
+          == (StructureConfig(), "config: the baseline (--baseline)"))
   path.write_text(text.replace(sha_line(st.model_sha256), sha_line("f" * 64)))
   cfg, line = select(pathlib.Path(live.model), live.model, None, False)
-  assert cfg == StructureConfig() and line.startswith("warning: ") and "ffffffffffffffff" in line and st.model_sha256[:16] in line
+  assert (cfg == StructureConfig() and line.startswith("warning: ") and "ffffffffffffffff" in line
+          and st.model_sha256[:16] in line)
 
-  # --commit: a new branch of the repository holding the file; the user's branch and index untouched; recorded with the study
+  # --commit: a new branch of the repository holding the file; the user's branch and index untouched; recorded with the
+  # study
   repo = git.Repo.init(tmp_path / "repo")
   with repo.config_writer() as c: c.set_value("user", "name", "t").set_value("user", "email", "t@example.com")
   (tmp_path / "repo" / "README").write_text("x\n")
   repo.index.add(["README"])
   head = repo.index.commit("init").hexsha
   to = tmp_path / "repo" / "production" / "tiny.toml"
-  assert search("export", "--study", "r", "--storage", url, "--trial", str(fresh.number), "--unconfirmed", "--to", str(to), "--commit") == 0
+  assert search("export", "--study", "r", "--storage", url, "--trial", str(fresh.number), "--unconfirmed", "--to",
+                str(to), "--commit") == 0
   assert "committed" in capsys.readouterr().out
   branch = repo.heads[f"structsearch/r-trial{fresh.number}"]
   assert repo.head.commit.hexsha == head and branch.commit.parents[0].hexsha == head and not repo.index.diff("HEAD")
@@ -352,4 +383,5 @@ def test_export_to_production_that_bench_uses(live, tmp_path, capsys) -> None:
   assert f"trial {fresh.number}" in branch.commit.message and "the baseline, on " in branch.commit.message
   with session(open_db(url)) as s:
     ex = store.exports(s, store.get_study(s, "r"))
-    assert ex[-1].commit == branch.commit.hexsha and ex[-1].branch == branch.name and "+++ b/production/tiny.toml" in ex[-1].diff
+    assert (ex[-1].commit == branch.commit.hexsha and ex[-1].branch == branch.name
+            and "+++ b/production/tiny.toml" in ex[-1].diff)

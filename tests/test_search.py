@@ -1,5 +1,5 @@
-"""The search agent end to end on the tiny model (CPU, real trial processes): SQLite study with the ladder, resume, reuse
-of measured configs, the study's own tinygrad cache, confirmation, views and export; Ctrl-C; bad storage. (Killed
+"""The search agent end to end on the tiny model (CPU, real trial processes): SQLite study with the ladder, resume,
+reuse of measured configs, the study's own tinygrad cache, confirmation, views and export; Ctrl-C; bad storage. (Killed
 workers, protocol checks, the proxy's validation, replay and scaling out: tests/test_faults.py, test_protocol.py,
 test_ladder.py, test_scaleout.py, with fake trials.)"""
 from __future__ import annotations
@@ -18,7 +18,8 @@ from model.registry import cache_dir
 from model.structure import StructureConfig
 from search.cli import main as search_main
 
-FAST = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--fix", "beam=0", "--confirm", "0", "--seed", "0"]
+FAST = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--fix", "beam=0", "--confirm", "0", "--seed",
+        "0"]
 
 
 def search(*argv: str) -> int:
@@ -34,8 +35,8 @@ def rows(url: str, sql: str) -> list:
 def cli(*argv: str) -> subprocess.Popen:
   """`search` in a process of its own, with Ctrl-C's default action (a pytest-xdist worker ignores SIGINT, and a process
   started with a signal ignored keeps it ignored)."""
-  return subprocess.Popen([sys.executable, "-m", "search", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+  return subprocess.Popen([sys.executable, "-m", "search", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 @pytest.fixture(scope="module")
@@ -44,33 +45,43 @@ def model(gguf_file) -> str: return gguf_file("tiny", "q4_0")
 
 def test_sqlite_study_end_to_end(model, tmp_path, capsys) -> None:
   url = f"sqlite:///{tmp_path / 's.db'}"
-  assert search("start", "--model", model, "--study", "t", "--storage", url, "--trials", "3", "--block-layers", "2", *FAST) == 0
+  assert search("start", "--model", model, "--study", "t", "--storage", url, "--trials", "3", "--block-layers", "2",
+                *FAST) == 0
   out = capsys.readouterr().out
   assert "trial   0" in out and "baseline" in out and "tiny" in out
-  trials = rows(url, "SELECT number, state, stage, tok_s, block_tok_s, git_state_id, environment_id, config_json FROM ss_trial ORDER BY number")
+  trials = rows(url,
+                "SELECT number, state, stage, tok_s, block_tok_s, git_state_id, environment_id, config_json FROM "
+                "ss_trial ORDER BY number")
   assert [t[0] for t in trials] == [0, 1, 2] and all(t[1] in ("ok", "wrong_output", "pruned") or t[1] in
-                                                        ("compile_error", "runtime_error", "oom", "timeout") for t in trials)
+                                                        ("compile_error", "runtime_error", "oom", "timeout")
+                                                     for t in trials)
   assert StructureConfig.from_json(trials[0][7]) == StructureConfig()  # the baseline is measured first
   ok = [t for t in trials if t[1] == "ok"]
   assert ok and all(t[2] == "full" and t[3] > 0 and t[4] > 0 and t[5] and t[6] for t in ok)  # ladder: block, then full
-  assert rows(url, "SELECT count(*) FROM ss_git_state")[0][0] == 1 and rows(url, "SELECT count(*) FROM ss_environment")[0][0] >= 1
+  assert (rows(url, "SELECT count(*) FROM ss_git_state")[0][0] == 1
+          and rows(url, "SELECT count(*) FROM ss_environment")[0][0] >= 1)
   study = optuna.load_study(study_name="t", storage=url)
   assert all(0 in t.intermediate_values for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE)
 
   # resume: the same study goes on numbering; a config measured before is reused, not benchmarked again
   study.enqueue_trial(study.trials[0].params)
-  assert search("start", "--model", model, "--study", "t", "--storage", url, "--trials", "5", "--block-layers", "2", *FAST) == 0
+  assert search("start", "--model", model, "--study", "t", "--storage", url, "--trials", "5", "--block-layers", "2",
+                *FAST) == 0
   assert "config already measured in trial 0" in capsys.readouterr().out
   trials = rows(url, "SELECT number, state, reused_from_id, tok_s FROM ss_trial ORDER BY number")
   assert [t[0] for t in trials] == list(range(5))
   reused = [t for t in trials if t[1] == "reused"]
-  assert len(reused) == 1 and reused[0][2] == 1  # a reused row points at its source (and is left out of the leaderboard)
-  assert all(b for (b,) in rows(url, "SELECT block_tok_s FROM ss_trial WHERE state='pruned'"))  # a pruned trial keeps its proxy figure
+  # a reused row points at its source (and is left out of the leaderboard)
+  assert len(reused) == 1 and reused[0][2] == 1
+  # a pruned trial keeps its proxy figure
+  assert all(b for (b,) in rows(url, "SELECT block_tok_s FROM ss_trial WHERE state='pruned'"))
 
   # a changed space is refused for an existing study; the leaderboard, list and export
-  assert search("start", "--model", model, "--study", "t", "--storage", url, "--trials", "5", *FAST[:-4], "--fix", "topk=sort") == 2
+  assert search("start", "--model", model, "--study", "t", "--storage", url, "--trials", "5", *FAST[:-4], "--fix",
+                "topk=sort") == 2
   assert "measures with --fix beam=0, not --fix beam=0 --fix topk=sort" in capsys.readouterr().err
-  attrs = optuna.load_study(study_name="t", storage=url).user_attrs  # its own tinygrad cache (BEAM choices, compiled programs)
+  # its own tinygrad cache (BEAM choices, compiled programs)
+  attrs = optuna.load_study(study_name="t", storage=url).user_attrs
   assert (cache_dir() / "tinygrad" / f"t-{attrs['cache_key']}" / "cache.db").stat().st_size > 0
   assert search("status", "--study", "t", "--storage", url) == 0 and "baseline" in capsys.readouterr().out
   assert search("list", "--storage", url) == 0 and "t" in capsys.readouterr().out
@@ -81,12 +92,14 @@ def test_sqlite_study_end_to_end(model, tmp_path, capsys) -> None:
   assert search("confirm", "--study", "t", "--storage", url, "--top", "1", "--pairs", "2", "--rounds", "1") == 0
   conf = rows(url, "SELECT status, pairs, speedup, speedup_low FROM ss_confirmation")
   assert len(conf) == 1 and conf[0][0] == "ok" and conf[0][2] > 0
-  assert search("export", "--study", "t", "--storage", url, "--out", str(tmp_path / "x.toml"), "--unconfirmed", "--force") == 0
+  assert search("export", "--study", "t", "--storage", url, "--out", str(tmp_path / "x.toml"), "--unconfirmed",
+                "--force") == 0
   measured = [StructureConfig.from_json(c) for (c,) in rows(url, "SELECT config_json FROM ss_trial WHERE state='ok'")]
   assert StructureConfig.load(str(tmp_path / "x.toml")) in measured
 
   # another study warm-started from this one: the baseline first, then this study's best configs, enqueued
-  assert search("start", "--model", model, "--study", "w", "--storage", url, "--trials", "1", "--warm-start-from", "t", *FAST) == 0
+  assert search("start", "--model", model, "--study", "w", "--storage", url, "--trials", "1", "--warm-start-from", "t",
+                *FAST) == 0
   waiting = optuna.load_study(study_name="w", storage=url).get_trials(states=(optuna.trial.TrialState.WAITING,))
   best = rows(url, "SELECT config_json FROM ss_trial WHERE state='ok' AND study_id=1 ORDER BY tok_s DESC")
   assert waiting and len(waiting) <= len(best)
@@ -95,7 +108,8 @@ def test_sqlite_study_end_to_end(model, tmp_path, capsys) -> None:
 
 def test_two_objectives_with_nsga2(model, tmp_path) -> None:
   url = f"sqlite:///{tmp_path / 'm.db'}"
-  assert search("start", "--model", model, "--study", "m", "--storage", url, "--trials", "2", "--objectives", "tok_s,peak_memory", *FAST) == 0
+  assert search("start", "--model", model, "--study", "m", "--storage", url, "--trials", "2", "--objectives",
+                "tok_s,peak_memory", *FAST) == 0
   study = optuna.load_study(study_name="m", storage=url)
   assert study.user_attrs["sampler"] == "nsga2" and len(study.directions) == 2
   done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
@@ -114,7 +128,8 @@ def test_ctrl_c_stops_cleanly_and_the_study_continues(model, tmp_path) -> None:
   assert rows(url, "SELECT number, state FROM ss_trial") == [(0, "interrupted")]
   assert search("start", "--study", "c", "--storage", url, "--confirm", "0") == 0  # the command the stop message gives
   trials = rows(url, "SELECT number, state, config_json FROM ss_trial ORDER BY number")
-  assert [(n, s) for n, s, _ in trials][0] == (0, "interrupted") and len([t for t in trials if t[1] != "interrupted"]) == 2
+  assert ([(n, s) for n, s, _ in trials][0] == (0, "interrupted")
+          and len([t for t in trials if t[1] != "interrupted"]) == 2)
   assert StructureConfig.from_json(trials[1][2]) == StructureConfig()  # the interrupted config runs first on resume
 
 
@@ -153,9 +168,11 @@ def test_a_joining_worker_sees_the_creators_space() -> None:
 
   from search.study import info_from_json, info_to_json
   from space.knobs import ModelInfo
-  info = ModelInfo(moe=True, dense_blocks=True, shared_experts=True, quants={"dense": ("Q4_0", "Q8_0"), "expert": ("Q4_0",)},
-                   mergeable=frozenset({"routed", "dense"}), split_kv_b=False, ffn_quants=("Q4_0", "Q8_0"))
-  assert all(getattr(info, f.name) != f.default for f in fields(ModelInfo))  # no field at its default: each one is tested
+  info = ModelInfo(moe=True, dense_blocks=True, shared_experts=True,
+                   quants={"dense": ("Q4_0", "Q8_0"), "expert": ("Q4_0",)}, mergeable=frozenset({"routed", "dense"}),
+                   split_kv_b=False, ffn_quants=("Q4_0", "Q8_0"))
+  # no field at its default: each one is tested
+  assert all(getattr(info, f.name) != f.default for f in fields(ModelInfo))
   assert info_from_json(info_to_json(info)) == info
   old = '{"moe": true, "dense_blocks": false, "shared_experts": false, "quants": {"expert": ["Q4_0"]}, "mergeable": []}'
   assert info_from_json(old) == ModelInfo(True, False, False, {"expert": ("Q4_0",)})

@@ -3,13 +3,14 @@ block planes directly, each with an explicit schedule, rendered by tinygrad for 
 
 A product is one kernel: a range per output index and REDUCE ranges over the weight's blocks, over the scale groups of a
 block and over the elements of a group (see `_SPECS`). Each group's codes are summed against the input first and scaled
-once (a packed dot). The integer planes are kept as 32-bit words (`to_words`, at load), so a thread reads a block's codes
-with a few wide loads instead of one load per byte.
+once (a packed dot). The integer planes are kept as 32-bit words (`to_words`, at load), so a thread reads a block's
+codes with a few wide loads instead of one load per byte.
 
-The schedule (the types of a kernel's ranges) is the same on every device that has workgroups: the elements of a block are unrolled, the blocks
-of a row are split over a workgroup (GROUP: consecutive threads read consecutive blocks, and the partial sums meet in
-shared memory), and each thread computes `ROWS` output rows, so one read of the input serves them all. Where the device
-has no workgroups (the CPU) the blocks stay a loop. The arithmetic never depends on the device.
+The schedule (the types of a kernel's ranges) is the same on every device that has workgroups: the elements of a block
+are unrolled, the blocks of a row are split over a workgroup (GROUP: consecutive threads read consecutive blocks, and
+the partial sums meet in shared memory), and each thread computes `ROWS` output rows, so one read of the input serves
+them all. Where the device has no workgroups (the CPU) the blocks stay a loop. The arithmetic never depends on the
+device.
 
 The expert kernel loads the selected expert ids inside the kernel and indexes the weight's rows by them: one kernel
 computes the rows of all K selected experts, with no gather. A custom kernel fuses with nothing: its input is realized
@@ -60,8 +61,10 @@ def to_words(w: QWeight) -> QWeight:
   """w's code planes (WORDS) as 32-bit words (each field's bytes, little-endian), realized once."""
   for k in WORDS.get(w.ggml_type, ()):
     if (v := w.planes[k]).dtype == dtypes.uint32: continue
-    # a buffer of its own: bitcast(...).contiguous() of a realized buffer stays a lazy view, copied by every kernel reading it
-    w.planes[k] = Tensor.empty(*v.shape[:-1], v.shape[-1] * v.dtype.itemsize // 4, dtype=dtypes.uint32, device=v.device) \
+    # a buffer of its own: bitcast(...).contiguous() of a realized buffer stays a lazy view, copied by every kernel
+    # reading it
+    w.planes[k] = Tensor.empty(*v.shape[:-1], v.shape[-1] * v.dtype.itemsize // 4, dtype=dtypes.uint32,
+                               device=v.device) \
       .assign(v.bitcast(dtypes.uint32)).realize()
   return w
 
@@ -78,7 +81,8 @@ def _byte(p: Planes, name: str, ggml_type: int, r: UOp, b: UOp, word: UOp | int,
 
 @dataclass(frozen=True)
 class _Spec:
-  """How a block splits: `outer` ranges pick a scale group, `inner` ranges an element of it. code(p, r, b, *outer, *inner)
+  """How a block splits: `outer` ranges pick a scale group, `inner` ranges an element of it. code(p, r, b, *outer,
+  *inner)
   -> (the element's offset in the block, its integer code as float32); scale(p, r, b, *outer) -> (scale, bias or None):
   the element's value is scale * code + bias."""
   outer: tuple[int, ...]
@@ -102,8 +106,8 @@ def _q8_0(p: Planes, r: UOp, b: UOp, wi: UOp, bi: UOp) -> tuple[UOp, UOp]:
 
 def _k_code(t: int):
   def code(p: Planes, r: UOp, b: UOp, c1: UOp, c0: UOp, h: UOp, ew: UOp, eb: UOp) -> tuple[UOp, UOp]:
-    """Q4_K and Q5_K: group g = 4*c1 + 2*c0 + h of 32 elements, the low (h=0) or high nibbles of qs bytes 32*(2*c1+c0)..;
-    Q5_K's fifth bit is bit g of qh byte e."""
+    """Q4_K and Q5_K: group g = 4*c1 + 2*c0 + h of 32 elements, the low (h=0) or high nibbles of qs bytes
+    32*(2*c1+c0)..; Q5_K's fifth bit is bit g of qh byte e."""
     e, g = ew * 4 + eb, c1 * 4 + c0 * 2 + h
     q = (_byte(p, "qs", t, r, b, (c1 * 2 + c0) * 8 + ew, eb) >> _i(h * 4)) & 15
     if "qh" in p: q = q + ((_byte(p, "qh", t, r, b, ew, eb) >> _i(g)) & 1) * 16
@@ -113,7 +117,8 @@ def _k_code(t: int):
 
 def _k_scale(t: int):
   def scale(p: Planes, r: UOp, b: UOp, c1: UOp, c0: UOp, h: UOp) -> tuple[UOp, UOp]:
-    """Group g's 6-bit scale and min sit in sc bytes j, j+4, j+8 (j = g % 4), split differently for the first and last 4."""
+    """Group g's 6-bit scale and min sit in sc bytes j, j+4, j+8 (j = g % 4), split differently for the first and last
+    4."""
     j = c0 * 2 + h
     a, m, hi = (_byte(p, "sc", t, r, b, word, j) for word in (0, 1, 2))
     first = c1 < 1
@@ -139,13 +144,14 @@ def _q6_k_scale(p: Planes, r: UOp, b: UOp, hh: UOp, j1: UOp, j0: UOp, eh: UOp) -
 
 def _float(p: Planes, r: UOp, b: UOp) -> tuple[UOp, UOp]:
   w = p["w"][r, b, 0]
-  return UOp.const(0, dtypes.weakint), (_i(w).cast(dtypes.uint32) << 16).bitcast(dtypes.float32) if w.dtype == dtypes.uint16 else _f(w)
+  return (UOp.const(0, dtypes.weakint), (_i(w).cast(dtypes.uint32) << 16).bitcast(dtypes.float32)
+          if w.dtype == dtypes.uint16 else _f(w))
 
 
 _SPECS: dict[int, _Spec] = {
   Q4_0: _Spec((), (2, 4, 4), _q4_0, _d), Q8_0: _Spec((), (8, 4), _q8_0, _d),
-  Q4_K: _Spec((2, 2, 2), (8, 4), _k_code(Q4_K), _k_scale(Q4_K)), Q5_K: _Spec((2, 2, 2), (8, 4), _k_code(Q5_K), _k_scale(Q5_K)),
-  Q6_K: _Spec((2, 2, 2, 2), (4, 4), _q6_k, _q6_k_scale),
+  Q4_K: _Spec((2, 2, 2), (8, 4), _k_code(Q4_K), _k_scale(Q4_K)),
+  Q5_K: _Spec((2, 2, 2), (8, 4), _k_code(Q5_K), _k_scale(Q5_K)), Q6_K: _Spec((2, 2, 2, 2), (4, 4), _q6_k, _q6_k_scale),
   F32: _Spec((), (), _float, lambda *_: (None, None)), F16: _Spec((), (), _float, lambda *_: (None, None)),
   BF16: _Spec((), (), _float, lambda *_: (None, None))}
 
@@ -157,12 +163,13 @@ def _group(blocks: int, local: bool) -> int:
 
 def _rows(n: int, ids: Iterator[int], local: bool, group: int, lead: int = 1) -> tuple[UOp, tuple[UOp, ...]]:
   """The row index of n output rows (of each of `lead` leading outputs) and its ranges: ROWS rows per thread (UPCAST)
-  where that leaves MIN_THREADS threads, spread over workgroup threads (LOCAL) until a workgroup has THREADS threads with
-  the group, the rest over workgroups (GLOBAL, or a loop without workgroups)."""
+  where that leaves MIN_THREADS threads, spread over workgroup threads (LOCAL) until a workgroup has THREADS threads
+  with the group, the rest over workgroups (GLOBAL, or a loop without workgroups)."""
   per = ROWS if n % ROWS == 0 and lead * n // ROWS * group >= MIN_THREADS else 1
   spread = max(1, THREADS // group) if local else 1
   while spread > 1 and (n // per) % spread: spread //= 2
-  parts = ((n // (per * spread), AxisType.GLOBAL if local else AxisType.WEAK), (spread, AxisType.LOCAL), (per, AxisType.UPCAST))
+  parts = ((n // (per * spread), AxisType.GLOBAL if local else AxisType.WEAK), (spread, AxisType.LOCAL),
+           (per, AxisType.UPCAST))
   idx, ranges = UOp.const(0, dtypes.weakint), []
   for size, kind in parts:
     if size > 1:
@@ -196,7 +203,8 @@ def _dot(xv: Callable[[UOp], UOp], p: Planes, ggml_type: int, r: UOp, ids: Itera
 
 def _sink(store: UOp, ranges: tuple[UOp, ...], role: str, ggml_type: int) -> UOp:
   """The kernel's schedule is in its ranges' types: no heuristic or BEAM search changes it."""
-  return store.end(*ranges).sink(arg=KernelInfo(name=f"dsl_{role}_{QUANT_TYPES[ggml_type].name.lower()}", opts_to_apply=()))
+  return store.end(*ranges).sink(arg=KernelInfo(name=f"dsl_{role}_{QUANT_TYPES[ggml_type].name.lower()}",
+                                                opts_to_apply=()))
 
 
 def _axis(size: int, ids: Iterator[int], kind: AxisType) -> tuple[UOp, ...]:
@@ -259,17 +267,20 @@ def _local(device: str) -> bool:
   return bool(ren.has_local and ren.has_shared)
 
 
-def _run(kernel: Callable[..., UOp], out_shape: tuple[int, ...], x: Tensor, srcs: tuple[Tensor, ...], w: QWeight, **kw) -> Tensor:
+def _run(kernel: Callable[..., UOp], out_shape: tuple[int, ...], x: Tensor, srcs: tuple[Tensor, ...], w: QWeight,
+         **kw) -> Tensor:
   names = tuple(w.planes)
   out = Tensor.empty(*out_shape, dtype=dtypes.float32, device=x.device)
   fxn = partial(kernel, names=names, ggml_type=w.ggml_type, local=_local(x.device), **kw)
   return out.custom_kernel(x, *srcs, *(w.planes[k] for k in names), fxn=fxn)[0]
 
 
-# ------------------------------------------------------------------ fused decode stages (one token) ----------------------
+# ------------------------------------------------------------------ fused decode stages (one token)
+# ----------------------
 # The same stage boundaries as the native kernels where a product carries them: the norms run once per stage as tinygrad
 # ops and every product reads the normalised input; the routing weights, the sum over the selected experts and the
-# residual add sit in down's kernel (the residual in the output projection's). Attention's softmax and the router's top-k
+# residual add sit in down's kernel (the residual in the output projection's). Attention's softmax and the router's
+# top-k
 # stay tinygrad ops (a UOp kernel cannot rank the outputs of its own reduce).
 
 def _normed(x: UOp, norm: tuple[UOp, UOp] | None) -> Callable[[UOp], UOp]:
@@ -283,7 +294,8 @@ def _norm_srcs(srcs: tuple[UOp, ...], norm: bool) -> tuple[tuple[UOp, UOp] | Non
 
 
 def vector_kernel(out: UOp, x: UOp, *srcs: UOp, w: QWeight, norm: bool, residual: bool, local: bool) -> UOp:
-  """out (O,) = [res +] w . [rmsnorm(x) * gamma] for one token: srcs = [gamma, rs], [res], planes; rs (1,) is 1/rms(x)."""
+  """out (O,) = [res +] w . [rmsnorm(x) * gamma] for one token: srcs = [gamma, rs], [res], planes; rs (1,) is
+  1/rms(x)."""
   nrm, srcs = _norm_srcs(srcs, norm)
   res, srcs = (srcs[0], srcs[1:]) if residual else (None, srcs)
   ids, p = count(), dict(zip(w.planes, srcs, strict=True))
@@ -296,10 +308,10 @@ def vector_kernel(out: UOp, x: UOp, *srcs: UOp, w: QWeight, norm: bool, residual
 
 
 def gate_up_kernel(out: UOp, x: UOp, *srcs: UOp, w: QWeight, norm: bool, experts: int, glu: bool, local: bool) -> UOp:
-  """out (S, R) = w[sel[s]] . xn for S selected experts (srcs = [gamma, rs], sel, planes; R rows per expert) or one plain
-  FFN (S = 1, no sel); xn = rmsnorm(x) * gamma where the norm is folded in, else x. glu: w is merged gate+up (2R rows per
-  expert) and out = SiLU(gate . xn) * (up . xn): a thread computes a gate row and its up row in one pass over the input
-  (an unrolled pair of rows), and their product is a multiplying reduction over the pair."""
+  """out (S, R) = w[sel[s]] . xn for S selected experts (srcs = [gamma, rs], sel, planes; R rows per expert) or one
+  plain FFN (S = 1, no sel); xn = rmsnorm(x) * gamma where the norm is folded in, else x. glu: w is merged gate+up (2R
+  rows per expert) and out = SiLU(gate . xn) * (up . xn): a thread computes a gate row and its up row in one pass over
+  the input (an unrolled pair of rows), and their product is a multiplying reduction over the pair."""
   nrm, srcs = _norm_srcs(srcs, norm)
   sel, srcs = (srcs[0], srcs[1:]) if experts else (None, srcs)
   ids, p = count(), dict(zip(w.planes, srcs, strict=True))
@@ -332,7 +344,8 @@ def down_kernel(out: UOp, res: UOp, act: UOp, *srcs: UOp, w: QWeight, slots: int
   return _sink(out[o].store(_f(res[o]) + acc), rows, "down", w.ggml_type)
 
 
-def _custom(kernel: Callable[..., UOp], shape: tuple[int, ...], srcs: list[Tensor], dtype=dtypes.float32, **kw) -> Tensor:
+def _custom(kernel: Callable[..., UOp], shape: tuple[int, ...], srcs: list[Tensor], dtype=dtypes.float32,
+            **kw) -> Tensor:
   out = Tensor.empty(*shape, dtype=dtype, device=srcs[0].device)
   return out.custom_kernel(*srcs, fxn=partial(kernel, local=_local(srcs[0].device), **kw))[0]
 
@@ -357,9 +370,9 @@ def _vec(x: Tensor, w: QWeight, norm: Norm | None = None, res: Tensor | None = N
 
 
 def attention(blk: Block, x: Tensor, start_pos, pos: Tensor | None) -> Tensor:
-  """h = x + attention(x) for one token, in UOp kernels: the projections with the norms folded in (q_a's and c_kv's 1/rms
-  one kernel), the KV cache write, k_b reading q in place, the scores (q_pe rotated as they are read), softmax(scores) @ c_kv, v_b, and the
-  output projection with the residual add folded in."""
+  """h = x + attention(x) for one token, in UOp kernels: the projections with the norms folded in (q_a's and c_kv's
+  1/rms one kernel), the KV cache write, k_b reading q in place, the scores (q_pe rotated as they are read),
+  softmax(scores) @ c_kv, v_b, and the output projection with the residual add folded in."""
   hp = blk.hp
   H, nope, rope, dim = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.dim
   xf = x.reshape(dim).float()
@@ -368,21 +381,23 @@ def attention(blk: Block, x: Tensor, start_pos, pos: Tensor | None) -> Tensor:
   kv = _vec(xf, blk.kv_a, norm)
   pos, bind = _position(start_pos)
   vecs, lengths = ([qa], (hp.q_lora,)) if hp.q_lora else ([], ())
-  rs = _custom(rms_kernel, (len(vecs) + 1,), [*vecs, kv], lengths=(*lengths, hp.kv_lora), eps=hp.eps)  # [q_a's,] c_kv's 1/rms
+  # [q_a's,] c_kv's 1/rms
+  rs = _custom(rms_kernel, (len(vecs) + 1,), [*vecs, kv], lengths=(*lengths, hp.kv_lora), eps=hp.eps)
   cache = blk.cache.custom_kernel(kv, blk.kv_a_norm, rs, blk.cos, blk.sin, *bind, fxn=partial(
     kv_write_kernel, pos=pos, slot=len(vecs), local=_local(kv.device)))[0]
   q = _vec(qa, blk.q_b, (blk.q_a_norm, rs)) if hp.q_lora else _vec(xf, blk.q_b, norm)
   q_abs = per_head(q.reshape(1, 1, H, nope + rope), blk.k_b).reshape(H, hp.kv_lora)  # k_b reads q's nope part in place
   ctx = blk.cache.shape[1]
-  s = _custom(scores_kernel, (H, ctx), [q, q_abs, cache, blk.cos, blk.sin, *bind], pos=pos, scale=hp.kq_scale, nope=nope)
+  s = _custom(scores_kernel, (H, ctx), [q, q_abs, cache, blk.cos, blk.sin, *bind], pos=pos, scale=hp.kq_scale,
+              nope=nope)
   o = _custom(pv_kernel, (H, hp.kv_lora), [s, cache, *bind], pos=pos)
   out = per_head(o.reshape(1, H, hp.kv_lora), blk.v_b)
   return _vec(out.reshape(-1), blk.wo, res=xf).reshape(1, 1, dim)
 
 
 def _gating(logits: UOp, gating: int, ids: Iterator[int]) -> Callable[[UOp], UOp]:
-  """The gating function's value at expert i, with the per-op path's arithmetic; softmax's max and sum over the experts are
-  reductions of the kernel (each thread computes them)."""
+  """The gating function's value at expert i, with the per-op path's arithmetic; softmax's max and sum over the experts
+  are reductions of the kernel (each thread computes them)."""
   n, logit = logits.shape[0], lambda i: _f(logits[i])
   if gating == SOFTMAX:
     r = UOp.range(n, next(ids), AxisType.REDUCE)
@@ -395,15 +410,16 @@ def _gating(logits: UOp, gating: int, ids: Iterator[int]) -> Callable[[UOp], UOp
 
 
 def topk_kernel(own: UOp, logits: UOp, *bias: UOp, gating: int, local: bool) -> UOp:
-  """own (K,): the K experts of highest score (the gating function of the logits plus the selection bias), in rank order. A
-  thread per expert counts the experts that beat its score (higher, or equal at a lower index: the per-op pairwise rule)
-  and writes its id at that rank when the rank is below K."""
+  """own (K,): the K experts of highest score (the gating function of the logits plus the selection bias), in rank
+  order. A thread per expert counts the experts that beat its score (higher, or equal at a lower index: the per-op
+  pairwise rule) and writes its id at that rank when the rank is below K."""
   ids, n, k = count(), logits.shape[0], own.shape[0]
   e, *er = _axis(n, ids, AxisType.LOCAL if local else AxisType.WEAK)
   p = _gating(logits, gating, ids)
   score = (lambda i: p(i) + _f(bias[0][i])) if bias else p
   u = _pow2(n, 4)  # the other experts compared in unrolled steps, split over g threads of a workgroup
-  j, red = _split(n, ids, (AxisType.REDUCE, AxisType.GROUP_REDUCE, AxisType.UNROLL), (_pow2(n // u, 8) if local else 1, u))
+  j, red = _split(n, ids, (AxisType.REDUCE, AxisType.GROUP_REDUCE, AxisType.UNROLL),
+                  (_pow2(n // u, 8) if local else 1, u))
   beats = (score(e) < score(j)) | (score(j).eq(score(e)) & (j < e))
   rank = beats.where(UOp.const(1, dtypes.int32), UOp.const(0, dtypes.int32)).reduce(*red, arg=Ops.ADD)
   store = own[rank.cast(dtypes.weakint).valid(rank < k)].store(_i(e))
@@ -412,7 +428,8 @@ def topk_kernel(own: UOp, logits: UOp, *bias: UOp, gating: int, local: bool) -> 
 
 def weights_kernel(w: UOp, logits: UOp, sel: UOp, *, gating: int, norm: bool, scale: float, local: bool) -> UOp:
   """w (K,): the routing weights of the selected experts sel (K,): the gating function's values (softmax over the K
-  selected logits where gating says so), normalised to sum 1 where `norm`, times `scale`; as the per-op path computes them."""
+  selected logits where gating says so), normalised to sum 1 where `norm`, times `scale`; as the per-op path computes
+  them."""
   ids, n, k = count(), logits.shape[0], w.shape[0]
   s, *sr = _axis(k, ids, AxisType.LOCAL if local else AxisType.WEAK)
   p = _gating(logits, gating, ids)
@@ -441,10 +458,12 @@ def _position(start_pos: int | UOp) -> tuple[int | UOp, list[Tensor]]:
 def _roped(x: Callable[[UOp], UOp], cos: UOp, sin: UOp, pos: UOp | int, i: UOp, j: UOp) -> UOp:
   """Element 2i + j of x (its values x(0..)) rotated by RoPE at position pos (adjacent pairs, as apply_rope)."""
   x0, x1, c, s = x(i * 2), x(i * 2 + 1), _f(cos[pos, i]), _f(sin[pos, i])
-  return j.eq(0).where(x0 * c - x1 * s, x0 * s + x1 * c) if isinstance(j, UOp) else (x0 * c - x1 * s if j == 0 else x0 * s + x1 * c)
+  return (j.eq(0).where(x0 * c - x1 * s, x0 * s + x1 * c) if isinstance(j, UOp)
+          else (x0 * c - x1 * s if j == 0 else x0 * s + x1 * c))
 
 
-def _split(n: int, ids: Iterator[int], kinds: tuple[AxisType, ...], sizes: tuple[int, ...]) -> tuple[UOp, tuple[UOp, ...]]:
+def _split(n: int, ids: Iterator[int], kinds: tuple[AxisType, ...],
+           sizes: tuple[int, ...]) -> tuple[UOp, tuple[UOp, ...]]:
   """An index over n made of ranges of the given kinds and sizes (innermost last; the first takes what is left), and
   its ranges: a loop split into threads of a workgroup and unrolled steps, without division in the kernel."""
   idx, ranges = UOp.const(0, dtypes.weakint), []
@@ -487,11 +506,11 @@ def kv_write_kernel(cache: UOp, kv: UOp, gamma: UOp, rs: UOp, cos: UOp, sin: UOp
   return store.end(*cr).sink(arg=KernelInfo(name="dsl_kv_write", opts_to_apply=()))
 
 
-def scores_kernel(out: UOp, q: UOp, q_abs: UOp, cache: UOp, cos: UOp, sin: UOp, *_var: UOp, pos: UOp | int, scale: float,
-                  nope: int, local: bool) -> UOp:
-  """out (H, context): the attention scores of the positions 0..pos, scale * (q_abs[h] . c_kv[t] + rope(q_pe[h]) . k_pe[t]);
-  q (H * (nope + rope),) is q_b's output, whose rope part is rotated as it is read. A workgroup per head and position: its
-  threads split the row of the cache (GROUP_REDUCE), each reading pairs of values in unrolled steps."""
+def scores_kernel(out: UOp, q: UOp, q_abs: UOp, cache: UOp, cos: UOp, sin: UOp, *_var: UOp, pos: UOp | int,
+                  scale: float, nope: int, local: bool) -> UOp:
+  """out (H, context): the attention scores of the positions 0..pos, scale * (q_abs[h] . c_kv[t] + rope(q_pe[h]) .
+  k_pe[t]); q (H * (nope + rope),) is q_b's output, whose rope part is rotated as it is read. A workgroup per head and
+  position: its threads split the row of the cache (GROUP_REDUCE), each reading pairs of values in unrolled steps."""
   ids, (H, kvl), width = count(), q_abs.shape, cache.shape[-1]
   rope = width - kvl
   h, *hr = _axis(H, ids, AxisType.GLOBAL if local else AxisType.WEAK)
@@ -523,8 +542,8 @@ def pv_kernel(out: UOp, s: UOp, cache: UOp, *_var: UOp, pos: UOp | int, local: b
 
 
 def router(blk: Block, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-  """The router logits with the norm folded in, the top-k (its own ids) and the routing weights of the ids used (its own,
-  or `forced`): three UOp kernels."""
+  """The router logits with the norm folded in, the top-k (its own ids) and the routing weights of the ids used (its
+  own, or `forced`): three UOp kernels."""
   hp = blk.hp
   hf = h.reshape(hp.dim).float()
   logits = _vec(hf, blk.gate_inp, (blk.ffn_norm, _rs(hf, hp.eps)))
@@ -537,8 +556,8 @@ def router(blk: Block, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor,
 
 
 def q8_round(x: Tensor) -> Tensor:
-  """x rounded to 8 bits per 32 consecutive values (scale max|x| / 127, to nearest even), back in float32: what the native
-  kernels' integer dot products read with ffn_act=q8 (model/backends/cuda_src.py quantize_x), as tensor ops."""
+  """x rounded to 8 bits per 32 consecutive values (scale max|x| / 127, to nearest even), back in float32: what the
+  native kernels' integer dot products read with ffn_act=q8 (model/backends/cuda_src.py quantize_x), as tensor ops."""
   b = x.float().reshape(-1, 32)
   am = b.abs().max(-1, keepdim=True)
   return ((b * (am > 0).where(127 / am, 0)).round() * (am / 127)).reshape(x.shape)
@@ -561,7 +580,8 @@ def _down(res: Tensor, act: Tensor, w: QWeight, sel: Tensor | None = None, wts: 
   """res + down . act [weighted by wts over the selected experts sel]."""
   srcs = [res.float(), act]
   if sel is not None: srcs += [sel.reshape(-1).cast(dtypes.int32), wts.reshape(-1).float()]
-  return _custom(down_kernel, (res.shape[0],), srcs + list(w.planes.values()), w=w, slots=0 if sel is None else sel.numel())
+  return _custom(down_kernel, (res.shape[0],), srcs + list(w.planes.values()), w=w, slots=0 if sel is None
+                 else sel.numel())
 
 
 def _ffn_input(hf: Tensor, gamma: Tensor, eps: float, q8: bool) -> tuple[Tensor, Norm | None]:
@@ -572,8 +592,8 @@ def _ffn_input(hf: Tensor, gamma: Tensor, eps: float, q8: bool) -> tuple[Tensor,
 
 
 def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor) -> Tensor:
-  """h + MoE FFN(h) for one token: SiLU(gate) * up of the selected experts (one kernel), the shared expert's (one kernel),
-  the shared expert's down with the residual add, then the experts' down with their routing weights."""
+  """h + MoE FFN(h) for one token: SiLU(gate) * up of the selected experts (one kernel), the shared expert's (one
+  kernel), the shared expert's down with the residual add, then the experts' down with their routing weights."""
   hp, q8 = blk.hp, blk.cfg.ffn_act == "q8"
   hf = h.reshape(hp.dim).float()
   x, norm = _ffn_input(hf, blk.ffn_norm, hp.eps, q8)

@@ -1,5 +1,6 @@
 """ss_study gains its baseline config (baseline_config, baseline_hash): the one config every view, confirmation and
-re-measurement of the study compares with; a study made before holds its first trial's config, the baseline it measured first
+re-measurement of the study compares with; a study made before holds its first trial's config, the baseline it measured
+first
 
 Revision ID: 0004_baseline
 Revises: 0003_cost
@@ -19,7 +20,8 @@ def upgrade() -> None:
     b.add_column(sa.Column("baseline_config", sa.Text(), nullable=True))
     b.add_column(sa.Column("baseline_hash", sa.String(16), nullable=True))
   for ours, theirs in (("baseline_config", "config_json"), ("baseline_hash", "config_hash")):
-    op.execute(f"UPDATE ss_study SET {ours} = (SELECT {theirs} FROM ss_trial WHERE ss_trial.study_id = ss_study.id AND ss_trial.number = 0)")
+    op.execute(f"UPDATE ss_study SET {ours} = (SELECT {theirs} FROM ss_trial WHERE ss_trial.study_id = ss_study.id AND "
+               "ss_trial.number = 0)")
 
 
 def downgrade() -> None:

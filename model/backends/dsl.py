@@ -275,13 +275,11 @@ def _run(kernel: Callable[..., UOp], out_shape: tuple[int, ...], x: Tensor, srcs
   return out.custom_kernel(x, *srcs, *(w.planes[k] for k in names), fxn=fxn)[0]
 
 
-# ------------------------------------------------------------------ fused decode stages (one token)
-# ----------------------
-# The same stage boundaries as the native kernels where a product carries them: the norms run once per stage as tinygrad
-# ops and every product reads the normalised input; the routing weights, the sum over the selected experts and the
-# residual add sit in down's kernel (the residual in the output projection's). Attention's softmax and the router's
-# top-k
-# stay tinygrad ops (a UOp kernel cannot rank the outputs of its own reduce).
+# ------------------------------------------------------------- fused decode stages (one token) -------------------
+# The same stage boundaries as the native kernels where a product carries them: each RMSNorm is folded into the products
+# that read it (its 1/rms one small reduction); the routing weights, the sum over the selected experts and the residual
+# add sit in down's kernel (the residual in the output projection's). Attention's softmax and the router's top-k are
+# kernels of their own: a UOp kernel cannot rank or normalise the outputs of its own reduce.
 
 def _normed(x: UOp, norm: tuple[UOp, UOp] | None) -> Callable[[UOp], UOp]:
   """x's value at i, times gamma[i] where an RMSNorm is folded in (its 1/rms scales the dot product afterwards)."""

@@ -58,11 +58,12 @@ def portable_outputs(quant: str) -> list[Tensor]:
   w = lambda shape: dsl.to_words(random_weight(rng, t, shape, "dsl"))
   dense, heads, exps = w((64, 512)), w((4, 32, 512)), w((5, 64, 512))
   sel, wts = Tensor(np.array([[[4, 0, 2]]], dtype=np.int32)), x(3)
-  norm = (x(512), x(1))
+  norm, shared = (x(512), 1e-5), w((2 * 64, 512))
   return [dsl.linear(x(1, 5, 512), dense), dsl.per_head(x(1, 1, 4, 512), heads), dsl.expert(x(1, 1, 1, 512), sel, exps),
-          dsl._vec(x(512), dense, res=x(64)), dsl._vec(x(512), dense, norm),
-          dsl._glu(x(512), norm, None, None, exps, sel), dsl._glu(x(512), None, dense, dense, None),
-          dsl._down(x(64), x(3, 512), w((5, 64, 512)), sel, wts)]
+          dsl._vec(x(512), (dense,), res=x(64)), dsl._vec(x(512), (dense, shared), norm),
+          dsl._glu(x(512), norm, (None, None, exps), sel, (None, None, shared), 2),
+          dsl._glu(x(512), None, (dense, dense, None)),
+          dsl._down(x(64), x(5, 512), w((5, 64, 512)), sel, wts, w((64, 1024)))]
 
 
 @pytest.mark.parametrize("quant", sorted(catalog.get("dsl").quants))
@@ -106,7 +107,7 @@ for quant in sys.argv[1:]:
   g, u = (tensor.BACKEND.expert(xn.reshape(1, 1, 1, 512), sel, r)[0, 0] for r in (ref, up))
   dslw = lambda r: QWeight(dict(r.planes), t, r.shape, backend="dsl")
   merged = dsl.to_words(concat_rows(dslw(ref), dslw(up)))
-  got = dsl._glu(xg, (gamma, dsl._rs(xg, 1e-5)), None, None, merged, sel)
+  got = dsl._glu(xg, (gamma, 1e-5), (None, None, merged), sel)
   print(quant, "glu", rel_err(got, g.silu() * u))
 """
 
@@ -158,18 +159,17 @@ def test_routing_kernels_select_and_weigh_as_the_per_op_path(gating: int) -> Non
 
 
 def test_every_stage_kernel_renders_for_cuda_metal_and_amd(monkeypatch) -> None:
-  """The attention's and the router's UOp kernels (1/rms, the cache write, the scores, softmax @ c_kv, top-k, the
-  routing weights) render for each target, the decode position a bound variable, and the workgroup reductions (1/rms,
-  scores, top-k) in shared memory."""
+  """The attention's and the router's UOp kernels (the cache write, the scores, softmax @ c_kv, top-k, the routing
+  weights) render for each target, the decode position a bound variable, and the workgroup reductions (the cache
+  write's 1/rms, the scores, top-k) in shared memory."""
   monkeypatch.setattr(dsl, "_local", lambda device: True)
   rng, (H, kvl, rope, nope, ctx) = np.random.default_rng(0), (4, 128, 32, 32, 64)
   x = lambda *s: Tensor(rng.standard_normal(s).astype(np.float32)).realize()
   cache = Tensor.zeros(1, ctx, kvl + rope, dtype=dtypes.float16).contiguous().realize()
-  kv, gamma, cos, sin, qa = x(kvl + rope), x(kvl), x(ctx, rope // 2), x(ctx, rope // 2), x(96)
+  qkv, gamma, cos, sin = x(96 + kvl + rope), x(kvl), x(ctx, rope // 2), x(ctx, rope // 2)
   pos, bind = dsl._position(UOp.variable("start_pos", 0, ctx - 1).bind(5))
-  rs = dsl._custom(dsl.rms_kernel, (2,), [qa, kv], lengths=(96, kvl), eps=1e-5)
-  c = cache.custom_kernel(kv, gamma, rs, cos, sin, *bind,
-                          fxn=partial(dsl.kv_write_kernel, pos=pos, slot=1, local=True))[0]
+  c = cache.custom_kernel(qkv, gamma, cos, sin, *bind,
+                          fxn=partial(dsl.kv_write_kernel, pos=pos, at=96, eps=1e-5, local=True))[0]
   s = dsl._custom(dsl.scores_kernel, (H, ctx), [x(H * (nope + rope)), x(H, kvl), c, cos, sin, *bind], pos=pos,
                   scale=0.1, nope=nope)
   o = dsl._custom(dsl.pv_kernel, (H, kvl), [s, c, *bind], pos=pos)
@@ -177,11 +177,11 @@ def test_every_stage_kernel_renders_for_cuda_metal_and_amd(monkeypatch) -> None:
   own = dsl._custom(dsl.topk_kernel, (4,), [lt, x(16)], dtype=dtypes.int32, gating=SIGMOID)
   w = dsl._custom(dsl.weights_kernel, (4,), [lt, own], gating=SIGMOID, norm=True, scale=1.8)
   asts = {a.arg.name: a for a in kernels(o, w) if a.arg.name.startswith("dsl_")}
-  assert set(asts) == {"dsl_rms", "dsl_kv_write", "dsl_scores", "dsl_pv", "dsl_topk", "dsl_weights"}
+  assert set(asts) == {"dsl_kv_write", "dsl_scores", "dsl_pv", "dsl_topk", "dsl_weights"}
   for kind in RENDERERS:
     for name, a in asts.items():
       src = render_source(a, renderer(kind))
-      if name in ("dsl_rms", "dsl_scores", "dsl_topk"):
+      if name in ("dsl_kv_write", "dsl_scores", "dsl_topk"):
         assert {"CUDA": "__shared__", "METAL": "threadgroup_barrier",
                 "AMD": "__attribute__((shared"}[kind] in src, (kind, name)
 

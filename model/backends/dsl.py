@@ -35,6 +35,7 @@ from model.quants import BF16, F16, F32, LAYOUTS, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, 
 if TYPE_CHECKING:
   from model.deepseek2 import Block
   from model.weights import QWeight
+  Ffn = tuple[QWeight | None, QWeight | None, QWeight | None]  # gate, up, merged gate+up (merged, or the others)
 
 Planes = dict[str, UOp]  # each (rows, nblocks, field_len), as QWeight keeps them
 
@@ -179,9 +180,12 @@ def _rows(n: int, ids: Iterator[int], local: bool, group: int, lead: int = 1) ->
 
 
 def _dot(xv: Callable[[UOp], UOp], p: Planes, ggml_type: int, r: UOp, ids: Iterator[int], group: int,
-         extra: tuple[UOp, ...] = (), weight: UOp | None = None) -> UOp:
+         extra: tuple[UOp, ...] = (), weight: UOp | None = None,
+         ss: tuple[UOp, Callable[[UOp], UOp]] | None = None) -> UOp:
   """sum over the input of x[i] * w[r, i] (float32), times `weight` per term, summed over the `extra` ranges too: the
-  blocks split over `group` threads (GROUP_REDUCE), the ranges inside a block unrolled."""
+  blocks split over `group` threads (GROUP_REDUCE), the ranges inside a block unrolled. ss = (pair, raw): the sum of
+  raw(i)^2 over the same input rides along as element 1 of an unrolled pair (element 0 the product), so one reduction
+  carries both (see `_rms_folded`)."""
   spec = _SPECS[ggml_type]
   nb = next(iter(p.values())).shape[1]
   per = nb // group  # a thread's blocks, read in unrolled steps of `step` (their loads issued together)
@@ -192,13 +196,46 @@ def _dot(xv: Callable[[UOp], UOp], p: Planes, ggml_type: int, r: UOp, ids: Itera
   outer = tuple(UOp.range(n, next(ids), AxisType.UNROLL) for n in spec.outer)
   inner = tuple(UOp.range(n, next(ids), AxisType.UNROLL) for n in spec.inner)
   off, code = spec.code(p, r, b, *outer, *inner)
-  x = _f(xv(b * QUANT_TYPES[ggml_type].block + off))
+  x = _f(xv(i := b * QUANT_TYPES[ggml_type].block + off))
   scale, bias = spec.scale(p, r, b, *outer)
-  term = (x * code).reduce(*inner, arg=Ops.ADD) if inner else x * code
-  if scale is not None: term = term * scale
-  if bias is not None: term = term + x.reduce(*inner, arg=Ops.ADD) * bias
-  if weight is not None: term = term * weight
+  inner_sum = lambda v: v.reduce(*inner, arg=Ops.ADD) if inner else v
+  first = (lambda v, sq: ss[0].eq(0).where(v, sq)) if ss is not None else (lambda v, sq: v)
+  term = inner_sum(first(x * code, _f(ss[1](i)) * _f(ss[1](i)) if ss is not None else None))
+  one = UOp.const(1.0, dtypes.float32)
+  if scale is not None: term = term * first(scale, one)
+  if bias is not None: term = term + inner_sum(x) * first(bias, UOp.const(0.0, dtypes.float32))
+  if weight is not None: term = term * first(weight, one)
   return term.reduce(*red, *outer, *extra, arg=Ops.ADD) if (red or outer or extra) else term
+
+
+def _rms_folded(acc: UOp, pair: UOp, n: int, eps: float) -> UOp:
+  """The product times 1/rms of its input, from `_dot`'s pair (product, sum of squares over the n input values)."""
+  return pair.eq(0).where(acc, (acc * (1 / n) + eps).rsqrt()).reduce(pair, arg=Ops.MUL)
+
+
+@dataclass(frozen=True)
+class _Pick:
+  """The planes of two weights read as one: where `first` holds, a's at (row, block); elsewhere b's at to_b(row, block).
+  Both loads are gated, so a thread reads only the weight its row is in."""
+  first: UOp
+  a: UOp
+  b: UOp
+  to_b: Callable[[UOp, UOp], tuple[UOp, UOp]]
+
+  @property
+  def dtype(self): return self.a.dtype
+
+  @property
+  def shape(self) -> tuple[int, ...]: return self.a.shape
+
+  def __getitem__(self, idx: tuple[UOp, UOp, UOp | int]) -> UOp:
+    r, blk, w = idx
+    rb, bb = self.to_b(r, blk)
+    return self.first.where(self.a[r.valid(self.first), blk, w], self.b[rb.valid(self.first.logical_not()), bb, w])
+
+
+def _picked(first: UOp, a: Planes, b: Planes, to_b: Callable[[UOp, UOp], tuple[UOp, UOp]]) -> Planes:
+  return {k: _Pick(first, a[k], b[k], to_b) for k in a}
 
 
 def _sink(store: UOp, ranges: tuple[UOp, ...], role: str, ggml_type: int) -> UOp:
@@ -277,66 +314,102 @@ def _run(kernel: Callable[..., UOp], out_shape: tuple[int, ...], x: Tensor, srcs
 
 # ------------------------------------------------------------- fused decode stages (one token) -------------------
 # The same stage boundaries as the native kernels where a product carries them: each RMSNorm is folded into the products
-# that read it (its 1/rms one small reduction); the routing weights, the sum over the selected experts and the residual
-# add sit in down's kernel (the residual in the output projection's). Attention's softmax and the router's top-k are
-# kernels of their own: a UOp kernel cannot rank or normalise the outputs of its own reduce.
+# that read it, whose reduction computes its 1/rms alongside the product; the routing weights, the sum over the selected
+# experts, the shared expert and the residual add sit in down's kernel (the residual in the output projection's).
+# Attention's softmax and the router's top-k are kernels of their own: a UOp kernel cannot rank or normalise the outputs
+# of its own reduce.
 
-def _normed(x: UOp, norm: tuple[UOp, UOp] | None) -> Callable[[UOp], UOp]:
+Norm = tuple[Tensor, float]  # an RMSNorm folded into a product: gamma and eps (the product reduces the 1/rms itself)
+
+
+def _normed(x: UOp, gamma: UOp | None) -> Callable[[UOp], UOp]:
   """x's value at i, times gamma[i] where an RMSNorm is folded in (its 1/rms scales the dot product afterwards)."""
-  return (lambda i: _f(x[i]) * _f(norm[0][i])) if norm is not None else (lambda i: x[i])
+  return (lambda i: _f(x[i]) * _f(gamma[i])) if gamma is not None else (lambda i: x[i])
 
 
-def _norm_srcs(srcs: tuple[UOp, ...], norm: bool) -> tuple[tuple[UOp, UOp] | None, tuple[UOp, ...]]:
-  """(gamma, rs) from the front of srcs where a norm is folded in, and the rest."""
-  return ((srcs[0], srcs[1]), srcs[2:]) if norm else (None, srcs)
+def _norm_dot(x: UOp, gamma: UOp | None, eps: float | None, p: Planes, ggml_type: int, r: UOp, ids: Iterator[int],
+              group: int) -> UOp:
+  """w[r] . (rmsnorm(x) * gamma), the 1/rms reduced alongside the product; w[r] . x where gamma is None."""
+  if gamma is None: return _dot(_normed(x, None), p, ggml_type, r, ids, group)
+  pair = UOp.range(2, next(ids), AxisType.UNROLL)
+  acc = _dot(_normed(x, gamma), p, ggml_type, r, ids, group, ss=(pair, lambda i: x[i]))
+  return _rms_folded(acc, pair, _blocks(p) * QUANT_TYPES[ggml_type].block, eps)
 
 
-def vector_kernel(out: UOp, x: UOp, *srcs: UOp, w: QWeight, norm: bool, residual: bool, local: bool) -> UOp:
-  """out (O,) = [res +] w . [rmsnorm(x) * gamma] for one token: srcs = [gamma, rs], [res], planes; rs (1,) is
-  1/rms(x)."""
-  nrm, srcs = _norm_srcs(srcs, norm)
-  res, srcs = (srcs[0], srcs[1:]) if residual else (None, srcs)
-  ids, p = count(), dict(zip(w.planes, srcs, strict=True))
+def _front(srcs: tuple[UOp, ...], present: bool) -> tuple[UOp | None, tuple[UOp, ...]]:
+  """The first of srcs where it is present, and the rest."""
+  return (srcs[0], srcs[1:]) if present else (None, srcs)
+
+
+def _planes(w: QWeight, srcs: tuple[UOp, ...]) -> tuple[Planes, tuple[UOp, ...]]:
+  """w's planes from the front of srcs, and the rest."""
+  n = len(w.planes)
+  return dict(zip(w.planes, srcs[:n], strict=True)), srcs[n:]
+
+
+def vector_kernel(out: UOp, x: UOp, *srcs: UOp, ws: tuple[QWeight, ...], eps: float | None, residual: bool,
+                  local: bool) -> UOp:
+  """out (O,) = [res +] w . [rmsnorm(x) * gamma] for one token: srcs = [gamma], [res], the planes of each weight of ws.
+  Two weights (of one type and width) are one product over their rows stacked, the second's after the first's."""
+  gamma, srcs = _front(srcs, eps is not None)
+  res, srcs = _front(srcs, residual)
+  ids, (p, srcs) = count(), _planes(ws[0], srcs)
   group = _group(_blocks(p), local)
   o, rows = _rows(out.shape[0], ids, local, group)
-  acc = _dot(_normed(x, nrm), p, w.ggml_type, o, ids, group)
-  if nrm is not None: acc = acc * _f(nrm[1][0])
+  if len(ws) == 2:
+    n0 = ws[0].shape[0]
+    p = _picked(o < n0, p, _planes(ws[1], srcs)[0], lambda r, b: (r - n0, b))
+  acc = _norm_dot(x, gamma, eps, p, ws[0].ggml_type, o, ids, group)
   if res is not None: acc = _f(res[o]) + acc
-  return _sink(out[o].store(acc), rows, "res" if residual else "vec", w.ggml_type)
+  return _sink(out[o].store(acc), rows, "res" if residual else "vec", ws[0].ggml_type)
 
 
-def gate_up_kernel(out: UOp, x: UOp, *srcs: UOp, w: QWeight, norm: bool, experts: int, glu: bool, local: bool) -> UOp:
-  """out (S, R) = w[sel[s]] . xn for S selected experts (srcs = [gamma, rs], sel, planes; R rows per expert) or one
-  plain FFN (S = 1, no sel); xn = rmsnorm(x) * gamma where the norm is folded in, else x. glu: w is merged gate+up (2R
-  rows per expert) and out = SiLU(gate . xn) * (up . xn): a thread computes a gate row and its up row in one pass over
-  the input (an unrolled pair of rows), and their product is a multiplying reduction over the pair."""
-  nrm, srcs = _norm_srcs(srcs, norm)
-  sel, srcs = (srcs[0], srcs[1:]) if experts else (None, srcs)
-  ids, p = count(), dict(zip(w.planes, srcs, strict=True))
+def gate_up_kernel(out: UOp, x: UOp, *srcs: UOp, w: QWeight, shared: QWeight | None, eps: float | None, experts: int,
+                   glu: bool, local: bool) -> UOp:
+  """out (S, R) = w[sel[s]] . xn for the K selected experts (srcs = [gamma], sel (K,), the planes of w [and of shared];
+  R rows per expert), then for S - K pseudo-experts the rows of the shared expert `shared`, R each; or one plain FFN
+  (S = 1, no sel). xn = rmsnorm(x) * gamma where the norm is folded in, else x. glu: the weights are merged gate+up (an
+  expert's gate rows, then its up rows) and out = SiLU(gate . xn) * (up . xn): a thread computes a gate row and its up
+  row in one pass over the input (an unrolled pair of rows), and their product is a multiplying reduction over the
+  pair."""
+  gamma, srcs = _front(srcs, eps is not None)
+  sel, srcs = _front(srcs, experts > 0)
+  ids, (p, srcs) = count(), _planes(w, srcs)
   group = _group(_blocks(p), local)
   y, R = _lead(out.shape[0], ids), out.shape[1]
   o, rows = _rows(R, ids, local, group, out.shape[0] * (2 if glu else 1))
-  base = _expert_id(sel, experts, y) * (2 * R if glu else R) if sel is not None else UOp.const(0, dtypes.weakint)
-  if glu:
-    half = UOp.range(2, next(ids), AxisType.UNROLL)
-    base = base + half * R
-  acc = _dot(_normed(x, nrm), p, w.ggml_type, base + o, ids, group)
-  if nrm is not None: acc = acc * _f(nrm[1][0])
+  half = UOp.range(2, next(ids), AxisType.UNROLL) if glu else UOp.const(0, dtypes.weakint)
+  row = half * R + o
+  if sel is not None:
+    K = sel.shape[0]
+    row = _expert_id(sel, experts, y.minimum(K - 1)) * (2 * R if glu else R) + row
+    if shared is not None:
+      sh_row = half * ((out.shape[0] - K) * R) + (y - K) * R + o
+      p = _picked(y < K, p, _planes(shared, srcs)[0], lambda r, b: (sh_row, b))
+  acc = _norm_dot(x, gamma, eps, p, w.ggml_type, row, ids, group)
   if glu: acc = half.eq(0).where(acc.silu(), acc).reduce(half, arg=Ops.MUL)
   return _sink(out[y, o].store(acc), (*_ranges(y), *rows), "glu" if glu else "gate_up", w.ggml_type)
 
 
-def down_kernel(out: UOp, res: UOp, act: UOp, *srcs: UOp, w: QWeight, slots: int, local: bool) -> UOp:
-  """out (D,) = res + sum_k wts[k] * (down[sel[k]] . act[k]) over the selected experts (srcs = sel, wts, planes), or
-  res + down . act for a plain FFN (slots 0; srcs = planes)."""
+def down_kernel(out: UOp, res: UOp, act: UOp, *srcs: UOp, w: QWeight, shared: QWeight | None, slots: int,
+                local: bool) -> UOp:
+  """out (D,) = res + sum_k wts[k] * (down[sel[k]] . act[k]) over the K = slots selected experts (srcs = sel, wts, the
+  planes of w [and of shared]), plus, with `shared`, the shared expert's down . act over act's rows after the K (its
+  input split into pseudo-experts of act's width); or res + down . act for a plain FFN (slots 0; srcs = planes)."""
   ids = count()
-  sel, wts, srcs = (srcs[0], srcs[1], srcs[2:]) if slots else (None, None, srcs)
-  p = dict(zip(w.planes, srcs, strict=True))
+  sel, srcs = _front(srcs, slots > 0)
+  wts, srcs = _front(srcs, slots > 0)
+  p, srcs = _planes(w, srcs)
   group = _group(_blocks(p), local)
   o, rows = _rows(out.shape[0], ids, local, group)
   if slots:
-    k, *extra = _axis(slots, ids, AxisType.UNROLL)
-    row, weight = _expert_id(sel, w.shape[0], k) * out.shape[0] + o, _f(wts[k])
+    k, *extra = _axis(act.shape[0], ids, AxisType.UNROLL)
+    ks = k.minimum(slots - 1)
+    row, weight = _expert_id(sel, w.shape[0], ks) * out.shape[0] + o, _f(wts[ks])
+    if shared is not None:
+      nb = _blocks(p)
+      p = _picked(k < slots, p, _planes(shared, srcs)[0], lambda r, b: (o, b + (k - slots) * nb))
+      weight = (k < slots).where(weight, UOp.const(1.0, dtypes.float32))
   else: k, row, extra, weight = UOp.const(0, dtypes.weakint), o, (), None
   acc = _dot(lambda i: act[k, i], p, w.ggml_type, row, ids, group, tuple(extra), weight)
   return _sink(out[o].store(_f(res[o]) + acc), rows, "down", w.ggml_type)
@@ -348,49 +421,43 @@ def _custom(kernel: Callable[..., UOp], shape: tuple[int, ...], srcs: list[Tenso
   return out.custom_kernel(*srcs, fxn=partial(kernel, local=_local(srcs[0].device), **kw))[0]
 
 
-Norm = tuple[Tensor, Tensor]  # an RMSNorm folded into a product: gamma, and 1/rms of the product's input (1,)
-
-
-def _rs(x: Tensor, eps: float) -> Tensor:
-  """1 / rms(x): one small kernel; the products that read the normalised x fold the rest of the norm in."""
-  xf = x.float()
-  return (xf.square().mean() + eps).rsqrt().reshape(1)
-
-
 def _norm(x: Tensor, gamma: Tensor, eps: float) -> Tensor:
-  return (x.float() * _rs(x, eps) * gamma).contiguous()
+  """rmsnorm(x) * gamma in tensor ops, for the 8-bit rounding to read (_ffn_input)."""
+  xf = x.float()
+  return (xf * (xf.square().mean() + eps).rsqrt() * gamma).contiguous()
 
 
-def _vec(x: Tensor, w: QWeight, norm: Norm | None = None, res: Tensor | None = None) -> Tensor:
-  """[res +] w . [rmsnorm(x) * gamma] for one token: x (in,) -> (out,) float32."""
-  srcs = [x.float(), *(norm or ())] + ([res.float()] if res is not None else []) + list(w.planes.values())
-  return _custom(vector_kernel, (w.shape[0],), srcs, w=w, norm=norm is not None, residual=res is not None)
+def _vec(x: Tensor, ws: tuple[QWeight, ...], norm: Norm | None = None, res: Tensor | None = None) -> Tensor:
+  """[res +] w . [rmsnorm(x) * gamma] for one token: x (in,) -> (out,) float32; two weights' rows stacked."""
+  srcs = [x.float(), *norm[:1]] if norm else [x.float()]
+  srcs += ([res.float()] if res is not None else []) + [t for w in ws for t in w.planes.values()]
+  return _custom(vector_kernel, (sum(w.shape[0] for w in ws),), srcs, ws=ws, eps=norm[1] if norm else None,
+                 residual=res is not None)
 
 
 def attention(blk: Block, x: Tensor, start_pos, pos: Tensor | None) -> Tensor:
-  """h = x + attention(x) for one token, in UOp kernels: the projections with the norms folded in (q_a's and c_kv's
-  1/rms one kernel), the KV cache write, k_b reading q in place, the scores (q_pe rotated as they are read),
-  softmax(scores) @ c_kv, v_b, and the output projection with the residual add folded in."""
+  """h = x + attention(x) for one token, in UOp kernels: q_a (or q) and kv_a as one product with the norm folded in,
+  the KV cache write (each workgroup reduces c_kv's 1/rms), q_b with q_a's norm folded in, k_b reading q in place, the
+  scores (q_pe rotated as they are read), softmax(scores) @ c_kv, v_b, and the output projection with the residual add
+  folded in."""
   hp = blk.hp
   H, nope, rope, dim = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.dim
-  xf = x.reshape(dim).float()
-  norm = (blk.attn_norm, _rs(xf, hp.eps))
-  qa = _vec(xf, blk.q_a, norm) if hp.q_lora else None
-  kv = _vec(xf, blk.kv_a, norm)
+  xf, norm = x.reshape(dim).float(), (blk.attn_norm, hp.eps)
+  first = blk.q_a if hp.q_lora else blk.q_b
+  nq = first.shape[0]
+  if first.ggml_type == blk.kv_a.ggml_type: qkv = kv = _vec(xf, (first, blk.kv_a), norm)  # [q_a or q; kv]
+  else: qkv, kv, nq = _vec(xf, (first,), norm), _vec(xf, (blk.kv_a,), norm), 0
   pos, bind = _position(start_pos)
-  vecs, lengths = ([qa], (hp.q_lora,)) if hp.q_lora else ([], ())
-  # [q_a's,] c_kv's 1/rms
-  rs = _custom(rms_kernel, (len(vecs) + 1,), [*vecs, kv], lengths=(*lengths, hp.kv_lora), eps=hp.eps)
-  cache = blk.cache.custom_kernel(kv, blk.kv_a_norm, rs, blk.cos, blk.sin, *bind, fxn=partial(
-    kv_write_kernel, pos=pos, slot=len(vecs), local=_local(kv.device)))[0]
-  q = _vec(qa, blk.q_b, (blk.q_a_norm, rs)) if hp.q_lora else _vec(xf, blk.q_b, norm)
+  cache = blk.cache.custom_kernel(kv, blk.kv_a_norm, blk.cos, blk.sin, *bind, fxn=partial(
+    kv_write_kernel, pos=pos, at=nq, eps=hp.eps, local=_local(kv.device)))[0]
+  q = _vec(qkv, (blk.q_b,), (blk.q_a_norm, hp.eps)) if hp.q_lora else qkv[:first.shape[0]]
   q_abs = per_head(q.reshape(1, 1, H, nope + rope), blk.k_b).reshape(H, hp.kv_lora)  # k_b reads q's nope part in place
   ctx = blk.cache.shape[1]
   s = _custom(scores_kernel, (H, ctx), [q, q_abs, cache, blk.cos, blk.sin, *bind], pos=pos, scale=hp.kq_scale,
               nope=nope)
   o = _custom(pv_kernel, (H, hp.kv_lora), [s, cache, *bind], pos=pos)
   out = per_head(o.reshape(1, H, hp.kv_lora), blk.v_b)
-  return _vec(out.reshape(-1), blk.wo, res=xf).reshape(1, 1, dim)
+  return _vec(out.reshape(-1), (blk.wo,), res=xf).reshape(1, 1, dim)
 
 
 def _gating(logits: UOp, gating: int, ids: Iterator[int]) -> Callable[[UOp], UOp]:
@@ -474,32 +541,20 @@ def _split(n: int, ids: Iterator[int], kinds: tuple[AxisType, ...],
 def _pow2(n: int, most: int) -> int: return next(g for g in (64, 32, 16, 8, 4, 2, 1) if g <= most and n % g == 0)
 
 
-def rms_kernel(out: UOp, *vecs: UOp, lengths: tuple[int, ...], eps: float, local: bool) -> UOp:
-  """out (V,): 1/rms of the first lengths[j] values of each vector j, a workgroup per vector (its threads split the sum
-  of squares; GROUP_REDUCE), loads past a vector's length masked."""
-  ids, n = count(), max(lengths)
-  j, *jr = _axis(len(vecs), ids, AxisType.GLOBAL if local else AxisType.WEAK)
-  g = _pow2(n, 64) if local else 1
-  i, red = _split(n, ids, (AxisType.REDUCE, AxisType.GROUP_REDUCE), (g,))
-  def pick(k: int) -> UOp: return _f(vecs[k][i.valid(i < lengths[k])] if lengths[k] < n else vecs[k][i])
-  val = pick(len(vecs) - 1)
-  for k in range(len(vecs) - 2, -1, -1): val = j.eq(k).where(pick(k), val)
-  inv = UOp.const(1 / lengths[-1], dtypes.float32)
-  for k in range(len(vecs) - 1): inv = j.eq(k).where(1 / lengths[k], inv)
-  ss = (val * val).reduce(*red, arg=Ops.ADD)
-  return out[j].store((ss * inv + eps).rsqrt()).end(*jr).sink(arg=KernelInfo(name="dsl_rms", opts_to_apply=()))
-
-
-def kv_write_kernel(cache: UOp, kv: UOp, gamma: UOp, rs: UOp, cos: UOp, sin: UOp, *_var: UOp, pos: UOp | int, slot: int,
-                    local: bool) -> UOp:
-  """The KV cache's row at `pos` from kv_a's output kv (kv_lora + rope,): the first kv_lora values times rs[slot] (their
-  1/rms) and gamma, the last rope values rotated, stored in the cache's dtype; a thread per value."""
+def kv_write_kernel(cache: UOp, kv: UOp, gamma: UOp, cos: UOp, sin: UOp, *_var: UOp, pos: UOp | int, at: int,
+                    eps: float, local: bool) -> UOp:
+  """The KV cache's row at `pos` from kv_a's output, at offset `at` of kv (kv_lora + rope values): the first kv_lora
+  values normalised (times their 1/rms and gamma), the last rope values rotated, stored in the cache's dtype. A thread
+  computes UPCAST consecutive values; each workgroup reduces the 1/rms, its threads splitting the sum of squares."""
   ids, kvl, width = count(), gamma.shape[0], cache.shape[-1]
-  c, *cr = _axis(width, ids, AxisType.LOCAL if local else AxisType.WEAK)
+  u = _pow2(width, 8)
+  c, cr = _split(width, ids, (AxisType.GLOBAL if local else AxisType.WEAK, AxisType.UPCAST), (u,))
+  j, red = _split(kvl, ids, (AxisType.REDUCE, AxisType.GROUP_REDUCE), (_pow2(kvl, 64) if local else 1,))
+  rs = ((_f(kv[at + j]) * _f(kv[at + j])).reduce(*red, arg=Ops.ADD) * (1 / kvl) + eps).rsqrt()
   rope = width - kvl
   i = ((c - kvl) // 2).maximum(0).minimum(rope // 2 - 1)
-  rot = _roped(lambda k: _f(kv[kvl + k]), cos, sin, pos, i, (c - kvl) % 2)
-  normed = _f(kv[c.minimum(kvl - 1)]) * _f(rs[slot]) * _f(gamma[c.minimum(kvl - 1)])
+  rot = _roped(lambda k: _f(kv[at + kvl + k]), cos, sin, pos, i, (c - kvl) % 2)
+  normed = _f(kv[at + c.minimum(kvl - 1)]) * rs * _f(gamma[c.minimum(kvl - 1)])
   store = cache[0, pos, c].store((c < kvl).where(normed, rot).cast(cache.dtype))
   return store.end(*cr).sink(arg=KernelInfo(name="dsl_kv_write", opts_to_apply=()))
 
@@ -543,8 +598,7 @@ def router(blk: Block, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor,
   """The router logits with the norm folded in, the top-k (its own ids) and the routing weights of the ids used (its
   own, or `forced`): three UOp kernels."""
   hp = blk.hp
-  hf = h.reshape(hp.dim).float()
-  logits = _vec(hf, blk.gate_inp, (blk.ffn_norm, _rs(hf, hp.eps)))
+  logits = _vec(h.reshape(hp.dim).float(), (blk.gate_inp,), (blk.ffn_norm, hp.eps))
   bias = [blk.probs_b] if blk.probs_b is not None else []
   own = _custom(topk_kernel, (hp.n_used,), [logits, *bias], dtype=dtypes.int32, gating=hp.gating)
   sel = own if forced is None else forced.reshape(-1).cast(dtypes.int32)
@@ -561,45 +615,68 @@ def q8_round(x: Tensor) -> Tensor:
   return ((b * (am > 0).where(127 / am, 0)).round() * (am / 127)).reshape(x.shape)
 
 
-def _glu(x: Tensor, norm: Norm | None, gate: QWeight | None, up: QWeight | None, gate_up: QWeight | None,
-         sel: Tensor | None = None) -> Tensor:
-  """SiLU(gate . xn) * (up . xn): (S, hidden) for the S selected experts (sel), or (1, hidden) for one plain FFN. Merged
-  gate+up is one kernel with SiLU(gate) * up inside; separate gate and up are a kernel each and an elementwise one."""
-  slots = sel.numel() if sel is not None else 1
-  srcs = [x, *(norm or ())] + ([sel.reshape(-1).cast(dtypes.int32)] if sel is not None else [])
-  def prod_(w: QWeight, glu: bool) -> Tensor:
-    return _custom(gate_up_kernel, (slots, w.shape[-2] // (2 if glu else 1)), srcs + list(w.planes.values()), w=w,
-                   norm=norm is not None, experts=w.shape[0] if sel is not None else 0, glu=glu)
-  if gate_up is not None: return prod_(gate_up, True)
-  return prod_(gate, False).silu() * prod_(up, False)
+def _glu(x: Tensor, norm: Norm | None, w: Ffn, sel: Tensor | None = None, shared: Ffn | None = None,
+         pseudo: int = 0) -> Tensor:
+  """SiLU(gate . xn) * (up . xn): (S, hidden) for the S selected experts (sel) followed by the shared expert's rows as
+  `pseudo` experts, or (1, hidden) for one plain FFN. Merged gate+up is one kernel with SiLU(gate) * up inside;
+  separate gate and up are a kernel each and an elementwise one."""
+  slots = sel.numel() + pseudo if sel is not None else 1
+  srcs = [x, *norm[:1]] if norm else [x]
+  if sel is not None: srcs.append(sel.reshape(-1).cast(dtypes.int32))
+  def prod_(w: QWeight, sh: QWeight | None, glu: bool) -> Tensor:
+    planes = list(w.planes.values()) + (list(sh.planes.values()) if sh is not None else [])
+    return _custom(gate_up_kernel, (slots, w.shape[-2] // (2 if glu else 1)), srcs + planes, w=w, shared=sh,
+                   eps=norm[1] if norm else None, experts=w.shape[0] if sel is not None else 0, glu=glu)
+  (gate, up, gate_up), (sg, su, sgu) = w, shared or (None, None, None)
+  if gate_up is not None: return prod_(gate_up, sgu, True)
+  return prod_(gate, sg, False).silu() * prod_(up, su, False)
 
 
-def _down(res: Tensor, act: Tensor, w: QWeight, sel: Tensor | None = None, wts: Tensor | None = None) -> Tensor:
-  """res + down . act [weighted by wts over the selected experts sel]."""
+def _down(res: Tensor, act: Tensor, w: QWeight, sel: Tensor | None = None, wts: Tensor | None = None,
+          shared: QWeight | None = None) -> Tensor:
+  """res + down . act [weighted by wts over the selected experts sel, then the shared expert's down over act's rows
+  after theirs]."""
   srcs = [res.float(), act]
   if sel is not None: srcs += [sel.reshape(-1).cast(dtypes.int32), wts.reshape(-1).float()]
-  return _custom(down_kernel, (res.shape[0],), srcs + list(w.planes.values()), w=w, slots=0 if sel is None
-                 else sel.numel())
+  srcs += list(w.planes.values()) + (list(shared.planes.values()) if shared is not None else [])
+  return _custom(down_kernel, (res.shape[0],), srcs, w=w, shared=shared, slots=0 if sel is None else sel.numel())
 
 
 def _ffn_input(hf: Tensor, gamma: Tensor, eps: float, q8: bool) -> tuple[Tensor, Norm | None]:
   """What the gate and up products read: h with the norm folded in, or with q8 the normalised h rounded to 8 bits (the
   native kernels' ffn_act=q8), which their output is rounded like before down reads it."""
   if q8: return q8_round(_norm(hf, gamma, eps)).contiguous(), None
-  return hf, (gamma, _rs(hf, eps))
+  return hf, (gamma, eps)
+
+
+def pseudo_experts(blk: Block) -> int:
+  """How many pseudo-experts of the routed experts' width the shared expert runs as, inside the routed experts' kernels:
+  its hidden width over theirs, where its weights have their types and form (merged gate+up or not); 0 where they do
+  not (it runs kernels of its own)."""
+  if not blk.shared: return 0
+  routed = (blk.gate_exps, blk.up_exps, blk.gate_up_exps, blk.down_exps)
+  shared = (blk.gate_sh, blk.up_sh, blk.gate_up_sh, blk.down_sh)
+  kinds = lambda ws: [None if w is None else w.ggml_type for w in ws]
+  if kinds(routed) != kinds(shared): return 0
+  hidden, width = blk.down_sh.shape[-1], blk.n_ff_exp
+  return hidden // width if hidden % width == 0 else 0
 
 
 def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor) -> Tensor:
-  """h + MoE FFN(h) for one token: SiLU(gate) * up of the selected experts (one kernel), the shared expert's (one
-  kernel), the shared expert's down with the residual add, then the experts' down with their routing weights."""
+  """h + MoE FFN(h) for one token: SiLU(gate) * up of the selected experts and the shared expert (one kernel), then
+  down over both with the routing weights and the residual add (another). A shared expert that cannot run as the routed
+  experts' pseudo-experts (pseudo_experts) has a kernel pair of its own."""
   hp, q8 = blk.hp, blk.cfg.ffn_act == "q8"
   hf = h.reshape(hp.dim).float()
   x, norm = _ffn_input(hf, blk.ffn_norm, hp.eps, q8)
   rnd = (lambda a: q8_round(a)) if q8 else (lambda a: a)
+  routed, shared, n = (blk.gate_exps, blk.up_exps, blk.gate_up_exps), None, pseudo_experts(blk)
   res = hf
-  if blk.shared: res = _down(hf, rnd(_glu(x, norm, blk.gate_sh, blk.up_sh, blk.gate_up_sh)), blk.down_sh)
-  act = rnd(_glu(x, norm, blk.gate_exps, blk.up_exps, blk.gate_up_exps, sel))
-  return _down(res, act, blk.down_exps, sel, wts).reshape(1, 1, hp.dim)
+  if blk.shared:
+    shared = (blk.gate_sh, blk.up_sh, blk.gate_up_sh)
+    if not n: res, shared = _down(hf, rnd(_glu(x, norm, shared)), blk.down_sh), None
+  act = rnd(_glu(x, norm, routed, sel, shared, n))
+  return _down(res, act, blk.down_exps, sel, wts, blk.down_sh if n else None).reshape(1, 1, hp.dim)
 
 
 def ffn(blk: Block, h: Tensor) -> Tensor:
@@ -607,7 +684,7 @@ def ffn(blk: Block, h: Tensor) -> Tensor:
   hp, q8 = blk.hp, blk.cfg.ffn_act == "q8"
   hf = h.reshape(hp.dim).float()
   x, norm = _ffn_input(hf, blk.ffn_norm, hp.eps, q8)
-  act = _glu(x, norm, blk.gate, blk.up, blk.gate_up)
+  act = _glu(x, norm, (blk.gate, blk.up, blk.gate_up))
   return _down(hf, q8_round(act) if q8 else act, blk.down).reshape(1, 1, hp.dim)
 
 

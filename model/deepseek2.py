@@ -336,7 +336,7 @@ class Block:
     if check is not None:
       check.own, check.logits = own.reshape(-1, hp.n_used), logits.float().reshape(-1, hp.n_experts)
       check.scores = self.scores(logits.float()).reshape(-1, hp.n_experts)
-    if (b := stage("moe")) is not None: return b.moe(self, h, sel, w).cast(act)
+    if (b := stage("moe")) is not None: return b.moe(self, h, sel, w, logits).cast(act)
     return self.barrier(h + self.experts(norm(), sel, w).cast(act), "block_out")
 
 

@@ -57,13 +57,13 @@ def portable_outputs(quant: str) -> list[Tensor]:
   x = lambda *s: Tensor(rng.standard_normal(s).astype(np.float32))
   w = lambda shape: dsl.to_words(random_weight(rng, t, shape, "dsl"))
   dense, heads, exps = w((64, 512)), w((4, 32, 512)), w((5, 64, 512))
-  sel, wts = Tensor(np.array([[[4, 0, 2]]], dtype=np.int32)), x(3)
+  sel = Tensor(np.array([[[4, 0, 2]]], dtype=np.int32))
   norm, shared = (x(512), 1e-5), w((2 * 64, 512))
   return [dsl.linear(x(1, 5, 512), dense), dsl.per_head(x(1, 1, 4, 512), heads), dsl.expert(x(1, 1, 1, 512), sel, exps),
           dsl._vec(x(512), (dense,), res=x(64)), dsl._vec(x(512), (dense, shared), norm),
           dsl._glu(x(512), norm, (None, None, exps), sel, (None, None, shared), 2),
           dsl._glu(x(512), None, (dense, dense, None)),
-          dsl._down(x(64), x(5, 512), w((5, 64, 512)), sel, wts, w((64, 1024)))]
+          dsl._down(x(64), x(5, 512), w((5, 64, 512)), (sel, x(5), (SIGMOID, True, 1.8)), w((64, 1024)))]
 
 
 @pytest.mark.parametrize("quant", sorted(catalog.get("dsl").quants))
@@ -98,9 +98,10 @@ for quant in sys.argv[1:]:
   port = dsl.to_words(QWeight(dict(ref.planes), t, ref.shape, backend="dsl"))
   sel, xe = Tensor(np.array([[[4, 0]]], dtype=np.int32)), x(1, 1, 1, 512)
   print(quant, "expert", rel_err(dsl.expert(xe, sel, port), tensor.BACKEND.expert(xe, sel, ref)))
-  act, wts, res = x(2, 512), Tensor(np.array([0.25, 2.0], dtype=np.float32)), x(16)
+  act, logits, res = x(2, 512), x(5), x(16)
+  wts = logits[sel.reshape(-1)].softmax()  # softmax over the selected experts' logits (gating 3)
   want = res + (tensor.BACKEND.expert(act.reshape(1, 1, 2, 512), sel, ref)[0, 0] * wts.unsqueeze(-1)).sum(0)
-  got = dsl._down(res, act, port, sel, wts)
+  got = dsl._down(res, act, port, (sel, logits, (3, False, 1.0)))
   print(quant, "down", rel_err(got, want))
   gamma, xg, up = x(512), x(512), random_weight(rng, t, (5, 16, 512))
   xn = xg * (xg.square().mean() + 1e-5).rsqrt() * gamma
@@ -152,8 +153,7 @@ def test_routing_kernels_select_and_weigh_as_the_per_op_path(gating: int) -> Non
     for f in (None, forced):
       sel, w, own = blk.route(lt.reshape(1, 1, E), None if f is None else f.reshape(1, 1, K))
       got_own = dsl._custom(dsl.topk_kernel, (K,), [lt, *b], dtype=dtypes.int32, gating=gating)
-      got_w = dsl._custom(dsl.weights_kernel, (K,), [lt, got_own if f is None else f], gating=gating, norm=norm_w,
-                          scale=scale)
+      got_w = dsl._custom(dsl.weights_kernel, (K,), [lt, got_own if f is None else f], route=(gating, norm_w, scale))
       assert got_own.tolist() == own.reshape(-1).tolist()
       np.testing.assert_allclose(got_w.numpy(), w.reshape(-1).numpy(), rtol=1e-6, atol=1e-7)
 
@@ -175,7 +175,7 @@ def test_every_stage_kernel_renders_for_cuda_metal_and_amd(monkeypatch) -> None:
   o = dsl._custom(dsl.pv_kernel, (H, kvl), [s, c, *bind], pos=pos)
   lt = x(16)
   own = dsl._custom(dsl.topk_kernel, (4,), [lt, x(16)], dtype=dtypes.int32, gating=SIGMOID)
-  w = dsl._custom(dsl.weights_kernel, (4,), [lt, own], gating=SIGMOID, norm=True, scale=1.8)
+  w = dsl._custom(dsl.weights_kernel, (4,), [lt, own], route=(SIGMOID, True, 1.8))
   asts = {a.arg.name: a for a in kernels(o, w) if a.arg.name.startswith("dsl_")}
   assert set(asts) == {"dsl_kv_write", "dsl_scores", "dsl_pv", "dsl_topk", "dsl_weights"}
   for kind in RENDERERS:
@@ -186,10 +186,12 @@ def test_every_stage_kernel_renders_for_cuda_metal_and_amd(monkeypatch) -> None:
                 "AMD": "__attribute__((shared"}[kind] in src, (kind, name)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-lite"])
-def test_portable_stages_decode_as_the_per_op_path(tmp_path, preset: str) -> None:
+@pytest.mark.parametrize("preset,change", [("tiny", {}), ("tiny-lite", {}), ("tiny", {"merge_gate_up_shared": False})])
+def test_portable_stages_decode_as_the_per_op_path(tmp_path, preset: str, change: dict) -> None:
   """Every stage on dsl (attention, router, moe, ffn: UOp kernels end to end) gives the per-op path's logits at each
-  position, with and without q_lora, sigmoid gating with a selection bias and softmax gating (fp32 KV cache)."""
+  position, with and without q_lora, sigmoid gating with a selection bias and softmax gating (fp32 KV cache), the
+  shared expert as one or two pseudo-experts of the routed experts' kernels, or in kernels of its own where its weights
+  are not merged like theirs."""
   import json
 
   from model.deepseek2 import Transformer
@@ -200,7 +202,7 @@ def test_portable_stages_decode_as_the_per_op_path(tmp_path, preset: str) -> Non
   path = write_synthetic(tmp_path / "m.gguf", preset, quant="q4_0", layers=3, routing="decisive")
   portable = json.loads(open("benchmarks/configs/portable.json").read())
   outs = []
-  for cfg in ({"kv_dtype": "float32"}, {**portable, "kv_dtype": "float32"}):
+  for cfg in ({"kv_dtype": "float32"}, {**portable, **change, "kv_dtype": "float32"}):
     g = Generator(Transformer(GGUFFile(path), StructureConfig.from_dict(cfg), max_context=64))
     g.prefill([1, 2, 3, 4, 5, 6, 7, 8])
     outs.append(np.stack([g.step_logits(t, 8 + i) for i, t in enumerate([9, 10, 11, 12])]))

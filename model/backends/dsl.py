@@ -180,10 +180,9 @@ def _rows(n: int, ids: Iterator[int], local: bool, group: int, lead: int = 1) ->
 
 
 def _dot(xv: Callable[[UOp], UOp], p: Planes, ggml_type: int, r: UOp, ids: Iterator[int], group: int,
-         extra: tuple[UOp, ...] = (), weight: UOp | None = None,
          ss: tuple[UOp, Callable[[UOp], UOp]] | None = None) -> UOp:
-  """sum over the input of x[i] * w[r, i] (float32), times `weight` per term, summed over the `extra` ranges too: the
-  blocks split over `group` threads (GROUP_REDUCE), the ranges inside a block unrolled. ss = (pair, raw): the sum of
+  """sum over the input of x[i] * w[r, i] (float32): the blocks split over `group` threads (GROUP_REDUCE), the ranges
+  inside a block unrolled. ss = (pair, raw): the sum of
   raw(i)^2 over the same input rides along as element 1 of an unrolled pair (element 0 the product), so one reduction
   carries both (see `_rms_folded`)."""
   spec = _SPECS[ggml_type]
@@ -204,8 +203,7 @@ def _dot(xv: Callable[[UOp], UOp], p: Planes, ggml_type: int, r: UOp, ids: Itera
   one = UOp.const(1.0, dtypes.float32)
   if scale is not None: term = term * first(scale, one)
   if bias is not None: term = term + inner_sum(x) * first(bias, UOp.const(0.0, dtypes.float32))
-  if weight is not None: term = term * first(weight, one)
-  return term.reduce(*red, *outer, *extra, arg=Ops.ADD) if (red or outer or extra) else term
+  return term.reduce(*red, *outer, arg=Ops.ADD) if (red or outer) else term
 
 
 def _rms_folded(acc: UOp, pair: UOp, n: int, eps: float) -> UOp:
@@ -391,27 +389,35 @@ def gate_up_kernel(out: UOp, x: UOp, *srcs: UOp, w: QWeight, shared: QWeight | N
   return _sink(out[y, o].store(acc), (*_ranges(y), *rows), "glu" if glu else "gate_up", w.ggml_type)
 
 
-def down_kernel(out: UOp, res: UOp, act: UOp, *srcs: UOp, w: QWeight, shared: QWeight | None, slots: int,
+Route = tuple[int, bool, float]  # how routing weights are computed: the gating function, normalisation, scale
+
+
+def down_kernel(out: UOp, res: UOp, act: UOp, *srcs: UOp, w: QWeight, shared: QWeight | None, route: Route | None,
                 local: bool) -> UOp:
-  """out (D,) = res + sum_k wts[k] * (down[sel[k]] . act[k]) over the K = slots selected experts (srcs = sel, wts, the
-  planes of w [and of shared]), plus, with `shared`, the shared expert's down . act over act's rows after the K (its
-  input split into pseudo-experts of act's width); or res + down . act for a plain FFN (slots 0; srcs = planes)."""
+  """out (D,) = res + sum_k weight_k * (down[sel[k]] . act[k]) over the K selected experts (srcs = sel (K,), the router
+  logits, the planes of w [and of shared]), their routing weights computed from the logits (`_routing_weight`), plus,
+  with `shared`, the shared expert's down . act over act's rows after the K (its input split into pseudo-experts of
+  act's width); or res + down . act for a plain FFN (route None; srcs = planes). A thread's sums per slot (an unrolled
+  range) are weighted after their reduction."""
   ids = count()
-  sel, srcs = _front(srcs, slots > 0)
-  wts, srcs = _front(srcs, slots > 0)
+  sel, srcs = _front(srcs, route is not None)
+  logits, srcs = _front(srcs, route is not None)
   p, srcs = _planes(w, srcs)
   group = _group(_blocks(p), local)
   o, rows = _rows(out.shape[0], ids, local, group)
-  if slots:
-    k, *extra = _axis(act.shape[0], ids, AxisType.UNROLL)
-    ks = k.minimum(slots - 1)
-    row, weight = _expert_id(sel, w.shape[0], ks) * out.shape[0] + o, _f(wts[ks])
-    if shared is not None:
-      nb = _blocks(p)
-      p = _picked(k < slots, p, _planes(shared, srcs)[0], lambda r, b: (o, b + (k - slots) * nb))
-      weight = (k < slots).where(weight, UOp.const(1.0, dtypes.float32))
-  else: k, row, extra, weight = UOp.const(0, dtypes.weakint), o, (), None
-  acc = _dot(lambda i: act[k, i], p, w.ggml_type, row, ids, group, tuple(extra), weight)
+  if route is None:
+    acc = _dot(lambda i: act[0, i], p, w.ggml_type, o, ids, group)
+    return _sink(out[o].store(_f(res[o]) + acc), rows, "down", w.ggml_type)
+  K = sel.shape[0]
+  k, *kr = _axis(act.shape[0], ids, AxisType.UNROLL)
+  ks = k.minimum(K - 1)
+  weight = _routing_weight(logits, sel, ks, route, ids)
+  if shared is not None:
+    nb = _blocks(p)
+    p = _picked(k < K, p, _planes(shared, srcs)[0], lambda r, b: (o, b + (k - K) * nb))
+    weight = (k < K).where(weight, UOp.const(1.0, dtypes.float32))
+  acc = _dot(lambda i: act[k, i], p, w.ggml_type, _expert_id(sel, w.shape[0], ks) * out.shape[0] + o, ids, group)
+  acc = (acc * weight).reduce(*kr, arg=Ops.ADD) if kr else acc * weight
   return _sink(out[o].store(_f(res[o]) + acc), rows, "down", w.ggml_type)
 
 
@@ -491,12 +497,11 @@ def topk_kernel(own: UOp, logits: UOp, *bias: UOp, gating: int, local: bool) -> 
   return store.end(*er).sink(arg=KernelInfo(name="dsl_topk", opts_to_apply=()))
 
 
-def weights_kernel(w: UOp, logits: UOp, sel: UOp, *, gating: int, norm: bool, scale: float, local: bool) -> UOp:
-  """w (K,): the routing weights of the selected experts sel (K,): the gating function's values (softmax over the K
-  selected logits where gating says so), normalised to sum 1 where `norm`, times `scale`; as the per-op path computes
-  them."""
-  ids, n, k = count(), logits.shape[0], w.shape[0]
-  s, *sr = _axis(k, ids, AxisType.LOCAL if local else AxisType.WEAK)
+def _routing_weight(logits: UOp, sel: UOp, s: UOp, route: Route, ids: Iterator[int]) -> UOp:
+  """The routing weight of slot s of the selected experts sel (K,): the gating function's value (softmax over the K
+  selected logits where gating says so), normalised to sum 1 over the K where the route says so, times its scale; as the
+  per-op path computes it."""
+  (gating, norm, scale), n, k = route, logits.shape[0], sel.shape[0]
   p = _gating(logits, gating, ids)
   val = lambda i: p(_expert_id(sel, n, i))
   if gating == SOFTMAX_WEIGHT:
@@ -509,7 +514,14 @@ def weights_kernel(w: UOp, logits: UOp, sel: UOp, *, gating: int, norm: bool, sc
   if norm:
     r = UOp.range(k, next(ids), AxisType.REDUCE)
     v = v / val(r).reduce(r, arg=Ops.ADD).maximum(6.103515625e-5)
-  if scale not in (0.0, 1.0): v = v * scale
+  return v * scale if scale not in (0.0, 1.0) else v
+
+
+def weights_kernel(w: UOp, logits: UOp, sel: UOp, *, route: Route, local: bool) -> UOp:
+  """w (K,): the routing weights of the selected experts sel (K,), a thread each (`_routing_weight`)."""
+  ids = count()
+  s, *sr = _axis(w.shape[0], ids, AxisType.LOCAL if local else AxisType.WEAK)
+  v = _routing_weight(logits, sel, s, route, ids)
   return w[s].store(v).end(*sr).sink(arg=KernelInfo(name="dsl_weights", opts_to_apply=()))
 
 
@@ -594,6 +606,9 @@ def pv_kernel(out: UOp, s: UOp, cache: UOp, *_var: UOp, pos: UOp | int, local: b
   return out[h, c].store(o).end(*hr, *rows).sink(arg=KernelInfo(name="dsl_pv", opts_to_apply=()))
 
 
+def _route(blk: Block) -> Route: return blk.hp.gating, blk.hp.norm_w, blk.hp.w_scale
+
+
 def router(blk: Block, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
   """The router logits with the norm folded in, the top-k (its own ids) and the routing weights of the ids used (its
   own, or `forced`): three UOp kernels."""
@@ -602,7 +617,7 @@ def router(blk: Block, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor,
   bias = [blk.probs_b] if blk.probs_b is not None else []
   own = _custom(topk_kernel, (hp.n_used,), [logits, *bias], dtype=dtypes.int32, gating=hp.gating)
   sel = own if forced is None else forced.reshape(-1).cast(dtypes.int32)
-  w = _custom(weights_kernel, (hp.n_used,), [logits, sel], gating=hp.gating, norm=hp.norm_w, scale=hp.w_scale)
+  w = _custom(weights_kernel, (hp.n_used,), [logits, sel], route=_route(blk))
   K = lambda t: t.reshape(1, 1, hp.n_used)
   return K(sel), K(w), K(own), logits.reshape(1, 1, hp.n_experts)
 
@@ -632,14 +647,14 @@ def _glu(x: Tensor, norm: Norm | None, w: Ffn, sel: Tensor | None = None, shared
   return prod_(gate, sg, False).silu() * prod_(up, su, False)
 
 
-def _down(res: Tensor, act: Tensor, w: QWeight, sel: Tensor | None = None, wts: Tensor | None = None,
+def _down(res: Tensor, act: Tensor, w: QWeight, routed: tuple[Tensor, Tensor, Route] | None = None,
           shared: QWeight | None = None) -> Tensor:
-  """res + down . act [weighted by wts over the selected experts sel, then the shared expert's down over act's rows
-  after theirs]."""
+  """res + down . act [over the selected experts of routed = (sel, router logits, route), weighted by their routing
+  weights, then the shared expert's down over act's rows after theirs]."""
   srcs = [res.float(), act]
-  if sel is not None: srcs += [sel.reshape(-1).cast(dtypes.int32), wts.reshape(-1).float()]
+  if routed is not None: srcs += [routed[0].reshape(-1).cast(dtypes.int32), routed[1].reshape(-1).float()]
   srcs += list(w.planes.values()) + (list(shared.planes.values()) if shared is not None else [])
-  return _custom(down_kernel, (res.shape[0],), srcs, w=w, shared=shared, slots=0 if sel is None else sel.numel())
+  return _custom(down_kernel, (res.shape[0],), srcs, w=w, shared=shared, route=routed[2] if routed else None)
 
 
 def _ffn_input(hf: Tensor, gamma: Tensor, eps: float, q8: bool) -> tuple[Tensor, Norm | None]:
@@ -662,10 +677,11 @@ def pseudo_experts(blk: Block) -> int:
   return hidden // width if hidden % width == 0 else 0
 
 
-def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor) -> Tensor:
+def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tensor:
   """h + MoE FFN(h) for one token: SiLU(gate) * up of the selected experts and the shared expert (one kernel), then
-  down over both with the routing weights and the residual add (another). A shared expert that cannot run as the routed
-  experts' pseudo-experts (pseudo_experts) has a kernel pair of its own."""
+  down over both with the routing weights (computed there from the router logits; wts is not read) and the residual add
+  (another). A shared expert that cannot run as the routed experts' pseudo-experts (pseudo_experts) has a kernel pair of
+  its own."""
   hp, q8 = blk.hp, blk.cfg.ffn_act == "q8"
   hf = h.reshape(hp.dim).float()
   x, norm = _ffn_input(hf, blk.ffn_norm, hp.eps, q8)
@@ -676,7 +692,7 @@ def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor) -> Tensor:
     shared = (blk.gate_sh, blk.up_sh, blk.gate_up_sh)
     if not n: res, shared = _down(hf, rnd(_glu(x, norm, shared)), blk.down_sh), None
   act = rnd(_glu(x, norm, routed, sel, shared, n))
-  return _down(res, act, blk.down_exps, sel, wts, blk.down_sh if n else None).reshape(1, 1, hp.dim)
+  return _down(res, act, blk.down_exps, (sel, logits, _route(blk)), blk.down_sh if n else None).reshape(1, 1, hp.dim)
 
 
 def ffn(blk: Block, h: Tensor) -> Tensor:

@@ -152,9 +152,10 @@ def _ffn_planes(gate: QWeight | None, up: QWeight | None, gate_up: QWeight | Non
   return planes(gate_up) if gate_up is not None else planes(gate) + planes(up)
 
 
-def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor) -> Tensor:
-  """h + MoE FFN(h) for one token, routed by sel/wts: the selected experts' and the shared expert's gate+up+SiLU in one
-  kernel, their down projections with the routing weights, the shared expert and the residual add in another."""
+def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tensor:
+  """h + MoE FFN(h) for one token, routed by sel/wts (the router logits they come from are not read): the selected
+  experts' and the shared expert's gate+up+SiLU in one kernel, their down projections with the routing weights, the
+  shared expert and the residual add in another."""
   hp, dev, K, F = blk.hp, h.device, blk.hp.n_used, blk.n_ff_exp
   routed = _ffn(blk.gate_exps, blk.up_exps, blk.down_exps, blk.gate_up_exps, F, hp.n_experts)
   rp = _ffn_planes(blk.gate_exps, blk.up_exps, blk.gate_up_exps)

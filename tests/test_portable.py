@@ -52,18 +52,22 @@ def kernels(*outs: Tensor) -> list:
 
 def portable_outputs(quant: str) -> list[Tensor]:
   """Every portable kernel kind at small shapes, built with workgroups (as on a GPU): dense (prefill rows), per head,
-  the selected experts' products, the one-token product with a residual, and down over the selected experts."""
+  the selected experts' products, the one-token product with a residual and with a folded norm, merged gate+up, and
+  down over the selected experts. For the seed files' types (Q4_0, Q8_0) the products also read a second weight in the
+  same kernel (two projections stacked, the shared expert as pseudo-experts); a K-quant's unrolled blocks read twice
+  take minutes to render, and the second weight's reads do not depend on the type."""
   rng, t = np.random.default_rng(TYPES[quant]), TYPES[quant]
   x = lambda *s: Tensor(rng.standard_normal(s).astype(np.float32))
   w = lambda shape: dsl.to_words(random_weight(rng, t, shape, "dsl"))
   dense, heads, exps = w((64, 512)), w((4, 32, 512)), w((5, 64, 512))
   sel = Tensor(np.array([[[4, 0, 2]]], dtype=np.int32))
-  norm, shared = (x(512), 1e-5), w((2 * 64, 512))
+  route, two = (sel, x(5), (SIGMOID, True, 1.8)), quant in ("Q4_0", "Q8_0")
+  norm, shared, pseudo = (x(512), 1e-5), w((2 * 64, 512)) if two else None, 2 if two else 0
   return [dsl.linear(x(1, 5, 512), dense), dsl.per_head(x(1, 1, 4, 512), heads), dsl.expert(x(1, 1, 1, 512), sel, exps),
-          dsl._vec(x(512), (dense,), res=x(64)), dsl._vec(x(512), (dense, shared), norm),
-          dsl._glu(x(512), norm, (None, None, exps), sel, (None, None, shared), 2),
+          dsl._vec(x(512), (dense,), res=x(64)), dsl._vec(x(512), (dense, shared) if two else (dense,), norm),
+          dsl._glu(x(512), norm, (None, None, exps), sel, (None, None, shared) if two else None, pseudo),
           dsl._glu(x(512), None, (dense, dense, None)),
-          dsl._down(x(64), x(5, 512), w((5, 64, 512)), (sel, x(5), (SIGMOID, True, 1.8)), w((64, 1024)))]
+          dsl._down(x(64), x(3 + pseudo, 512), w((5, 64, 512)), route, w((64, 1024)) if two else None)]
 
 
 @pytest.mark.parametrize("quant", sorted(catalog.get("dsl").quants))

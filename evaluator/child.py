@@ -107,7 +107,8 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
   if spec.reference:
     rec.phase("check")
     ref = gate.Reference.load(spec.reference)
-    res.check = gate.check(gen, ref, tol, ffn_tol)
+    exact = gate.Reference.load(spec.exact_reference) if spec.exact_reference else None
+    res.check = gate.check(gen, ref, tol, ffn_tol, exact)
     if not res.check["ok"]:
       res.status, res.error = "wrong_output", gate.verdict(res.check)
       return

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from evaluator.compare import compare
-from evaluator.gate import tolerance_text
+from evaluator.gate import accuracy_text, tolerance_text
 from evaluator.result import STAGES, TrialResult
 from evaluator.runner import Evaluator, bandwidth, default_device
 from model.gguf_file import GGUFError
@@ -54,6 +54,7 @@ def summary(r: TrialResult) -> Table:
               f"{c['routing_decisions']} decisions; chained: "
                        f"drift {drift} std; timed run: {c.get('tokens_compared', 0)} tokens compared, "
               f"{c.get('tokens_differ', 0)} differ")
+    t.add_row("accuracy", f"{accuracy_text(c.get('accuracy'))} against the exact reference")
   if (b := m.get("beam")) and b["kernels"] + b.get("unsearched", 0):
     past = f", {b['unsearched']} past the budget at BEAM=0's heuristics" if b.get("unsearched") else ""
     t.add_row("BEAM", f"{b['search_s']:.1f}s searching {b['kernels']} kernels{past}")

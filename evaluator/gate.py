@@ -12,9 +12,18 @@ and the blocks carry it on; 8-bit activations compound over the blocks), so each
   logits must stay within the tolerance of the reference's; its own top-k must equal the reference's where the
   reference's margin exceeds twice the tolerance (nearer ones are near-ties, counted); its router logits must stay
   within the tolerance.
-- `_chained`: a second pass chains the stages under the reference's routing; while its routing is the reference's with
-  clear margins, its greedy tokens are what the timed run must produce (`check_tokens`), and its distance from the
-  reference's logits is the trial's drift, a figure.
+- `chained`: a second pass chains the stages under the reference's routing, at every check position; while its own
+  routing is the reference's with clear margins, its greedy tokens are what the timed run must produce
+  (`check_tokens`), and its distance from the reference's logits is the trial's drift, a figure.
+- `accuracy` (the check's `accuracy`, which every view shows beside the precision class): how far the trial's output is
+  from the EXACT reference, the baseline's, whatever its twin. It is the chained pass against the exact reference (for
+  a config whose twin is the baseline, the pass above; for a q8 config, a pass of its own): from the exact reference's
+  prompt cache, its tokens fed and its routing forced, so it covers every check position, wherever the trial's own
+  routing would part. Over those positions, its logits against the exact reference's: `top1`, the share of positions
+  whose argmax is the reference's; `max_rel_err` and `median_rel_err`, the per-position error as the gate measures it
+  (rel_err: max |diff| over the reference's std); `mean_kl` and `max_kl`, KL(p_exact || p_trial) of the softmax
+  distributions in nats (float64, log-softmax). A position whose logits are not finite counts as wrong, at infinite
+  error and divergence.
 
 Tolerances are of the reference's standard deviation at each position, errors the maximum over the elements. The
 config's precision class (StructureConfig.precision) picks them: FP32_TOL where it reorders float32 work, FP16_TOL where
@@ -173,10 +182,11 @@ def stage_errors(outs: np.ndarray, states: np.ndarray) -> np.ndarray:
   return np.where(diff == 0, 0.0, np.nan_to_num(err, nan=np.inf))
 
 
-def check(gen, ref: Reference, tol: float, ffn_tol: float | None = None) -> dict:
-  """The trial's arithmetic stage by stage, its routing, and its own chained run (see the module docstring): figures,
-  `ok`, and what the timed run must produce (check_tokens). ffn_tol: the FFN stages' tolerance (default: tol). Positions
-  are reported as positions in the sequence (prompt_len + j)."""
+def check(gen, ref: Reference, tol: float, ffn_tol: float | None = None, exact: Reference | None = None) -> dict:
+  """The trial's arithmetic stage by stage, its routing, its own chained run and its accuracy (see the module
+  docstring): figures, `ok`, and what the timed run must produce (check_tokens). ffn_tol: the FFN stages' tolerance
+  (default: tol). exact: the exact reference where `ref` is a twin's (None: `ref` is the exact one). Positions are
+  reported as positions in the sequence (prompt_len + j)."""
   ffn_tol = tol if ffn_tol is None else ffn_tol
   n_moe, C, P = ref.sel.shape[1], ref.positions, ref.prompt_len
   forced = lambda j: ref.sel[j] if n_moe else None
@@ -207,28 +217,56 @@ def check(gen, ref: Reference, tol: float, ffn_tol: float | None = None) -> dict
              "routing_decisions": int(flipped.size), "near_ties": int(near.sum()),
              "near_tie_flips": int((flipped & near).sum()), "wrong_routing": int(wrong_route.sum()),
              "max_router_err": router_err}
-  return figures | _chained(gen, ref, tol, forced)
+  logits, agreed = chained(gen, ref, tol)
+  exact_logits = logits if exact is None else chained(gen, exact, tol)[0]
+  return figures | _drift(ref, logits[:agreed], tol) | {"accuracy": accuracy(exact_logits, (exact or ref).logits)}
 
 
-def _chained(gen, ref: Reference, tol: float, forced) -> dict:
-  """The second pass: stages chained under the reference's routing from the reference's prompt cache, until its own
-  routing parts from the reference's or comes within a near-tie (past that point the timed run may route otherwise, so
-  nothing after it is compared, and the pass stops). Its greedy tokens, how many of them, from the first, it decides
-  clearly (what the timed run must reproduce), and its end-to-end drift from the reference's logits where it got that
-  far."""
-  n_moe, P, logits = ref.sel.shape[1], ref.prompt_len, []
+def chained(gen, ref: Reference, tol: float) -> tuple[np.ndarray, int]:
+  """The chained pass: stages chained under the reference's routing from the reference's prompt cache, its tokens fed,
+  at every check position. Its logits (positions, vocab), and for how many positions, from the first, its own routing
+  is the reference's with margins above twice tol (past that point the timed run may route otherwise)."""
+  n_moe, P, logits, agree = ref.sel.shape[1], ref.prompt_len, [], []
   gen.set_cache(ref.cache)
   for j in range(ref.positions):
-    lg, *per_block, _ = gen.check_step(int(ref.tokens[P + j]), P + j, forced(j), ref.states[j], per_stage=False)
+    lg, *per_block, _ = gen.check_step(int(ref.tokens[P + j]), P + j, ref.sel[j] if n_moe else None, ref.states[j],
+                                       per_stage=False)
     o, s, _ = _split(n_moe, *per_block)
-    if n_moe and not ((np.sort(o, -1) == np.sort(ref.sel[j], -1)).all() and (margins(s, o.shape[-1]) > 2 * tol).all()):
-      break
     logits.append(lg)
-  if not logits: return {"drift": None, "own_tokens": [], "own_decided": 0}
-  logits = np.stack(logits)
+    agree.append(not n_moe or bool((np.sort(o, -1) == np.sort(ref.sel[j], -1)).all()
+                                   and (margins(s, o.shape[-1]) > 2 * tol).all()))
+  return np.stack(logits), (agree + [False]).index(False)
+
+
+def _drift(ref: Reference, logits: np.ndarray, tol: float) -> dict:
+  """From the chained pass's logits while its routing agreed with the reference's: its greedy tokens, how many of them,
+  from the first, it decides clearly (what the timed run must reproduce), and its end-to-end drift from the reference's
+  logits where it got that far."""
+  if not len(logits): return {"drift": None, "own_tokens": [], "own_decided": 0}
   decided = [lead > tol for lead in leads(logits)] + [False]
   return {"drift": float(np.nan_to_num(rel_err(logits, ref.logits[:len(logits)]).max(), nan=np.inf)),
           "own_tokens": logits.argmax(-1).tolist(), "own_decided": decided.index(False)}
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+  """Per row, in float64: logits minus their log-sum-exp, shifted by the row's maximum so that nothing overflows."""
+  x = logits.astype(np.float64)
+  x = x - x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def accuracy(logits: np.ndarray, exact: np.ndarray) -> dict:
+  """The accuracy figures (see the module docstring) of a trial's chained logits (positions, vocab) against the exact
+  reference's at the same positions; a position whose logits are not finite counts as wrong, at infinite error."""
+  finite = np.isfinite(logits).all(-1)
+  with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+    err = np.where(finite, np.nan_to_num(rel_err(logits, exact), nan=np.inf), np.inf)
+    lp, lq = log_softmax(exact), log_softmax(np.where(finite[:, None], logits, 0))
+    # a sum of float64 roundings may come out a hair below zero where the distributions are one
+    kl = np.where(finite, np.maximum((np.exp(lp) * (lp - lq)).sum(-1), 0.0), np.inf)
+  top1 = (logits.argmax(-1) == exact.argmax(-1)) & finite
+  return {"positions": len(exact), "top1": float(top1.mean()), "max_rel_err": float(err.max()),
+          "median_rel_err": float(np.median(err)), "mean_kl": float(kl.mean()), "max_kl": float(kl.max())}
 
 
 def check_tokens(ref: Reference, chk: dict, tokens: list[int]) -> dict:
@@ -245,6 +283,22 @@ def tolerance_text(check: dict) -> str:
   """The check's tolerances, as its verdict and the evaluator's report print them."""
   tol, ffn = check["tolerance"], check.get("ffn_tolerance", check["tolerance"])
   return f"{tol:.0e}" + (f", FFN stages {ffn:.1e}" if ffn != tol else "")
+
+
+def accuracy_text(acc: dict | None) -> str:
+  """The accuracy figures as every view prints them beside the precision class, compactly: the top-1 agreement, the
+  largest error and the mean KL divergence ("top1 100% · err 2.1e-3 · KL 4e-6"); "-" for a result without them (stored
+  before they were recorded, or not checked)."""
+  if not acc: return "-"
+  top1 = "100%" if acc["top1"] == 1 else f"{min(acc['top1'], 0.99):.0%}"  # never rounded up to all of them
+  return f"top1 {top1} · err {_short(acc['max_rel_err'], 1)} · KL {_short(acc['mean_kl'], 0)}"
+
+
+def _short(v: float, decimals: int) -> str:
+  """v in scientific notation without the exponent's padding (2.1e-3); 0 and inf as such."""
+  if v == 0 or not math.isfinite(v): return "0" if v == 0 else str(v)
+  mant, exp = f"{v:.{decimals}e}".split("e")
+  return f"{mant}e{int(exp)}"
 
 
 def verdict(check: dict) -> str:

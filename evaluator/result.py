@@ -28,6 +28,8 @@ class TrialSpec:
   warmup: int = 3
   check_positions: int = 16  # teacher-forced decode positions compared against the reference
   reference: str | None = None  # the reference .npz to check against; None: no correctness gate
+  # the exact (baseline) reference .npz for the accuracy figures, where `reference` is a twin's; None: it is exact
+  exact_reference: str | None = None
   # make the reference instead (the baseline config): decode logits along its greedy tokens
   write_reference: str | None = None
   bandwidth_gbs: float | None = None  # the device's measured streaming bandwidth, for the share figure

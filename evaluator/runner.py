@@ -240,14 +240,16 @@ class Evaluator:
 
   def run(self, config: dict, stage: str = "full", profile: bool = False, check: bool = True,
           on_phase: Phase | None = None, on_wait: Phase | None = None) -> TrialResult:
-    """One trial of `config` at `stage`, checked against its reference unless `check` is false. A failed baseline
+    """One trial of `config` at `stage`, checked against its reference unless `check` is false; a config checked
+    against a twin is also given the baseline's (exact) reference, for its accuracy figures. A failed baseline
     reference raises ReferenceFailed (no trial can be checked); a failed twin reference fails this trial alone."""
     from evaluator.gate import twin
-    t0, ref = time.perf_counter(), None
+    t0, ref, exact = time.perf_counter(), None, None
     if check:
       try: ref_cfg = twin(StructureConfig.from_dict(config))
       # the trial process reports the config as invalid
       except (ValueError, TypeError, KeyError): ref_cfg = StructureConfig()
+      if ref_cfg != StructureConfig(): exact = self.reference(stage, None, on_phase, on_wait)
       try: ref = self.reference(stage, ref_cfg, on_phase, on_wait)
       except ReferenceFailed as e:
         if ref_cfg == StructureConfig(): raise
@@ -255,7 +257,7 @@ class Evaluator:
                            phases={"setup_s": round(time.perf_counter() - t0, 3)}, error=str(e))
     bw = bandwidth(self.device, on_wait=on_wait)
     setup = time.perf_counter() - t0
-    res = evaluate(self.spec(config, stage, reference=ref, bandwidth_gbs=bw, profile=profile), self.timeout, on_phase,
-                   on_wait)
+    res = evaluate(self.spec(config, stage, reference=ref, exact_reference=exact, bandwidth_gbs=bw, profile=profile),
+                   self.timeout, on_phase, on_wait)
     res.phases["setup_s"] = round(setup, 3)  # the references and bandwidth figures: made on first use, cached after
     return res

@@ -17,11 +17,12 @@ from db import store
 from db.engine import hide_password
 from db.models import Confirmation, Study, Trial
 from db.store import interval
+from evaluator.gate import accuracy_text
 from model.production import model_key as production_key
 from model.production import production_dir, sha_line
 from model.structure import StructureConfig
 from search.formats import Section
-from search.leaderboard import MIN_PAIRS, PRECISION, SCHEMA, find_trial, leaderboard, precision, winner
+from search.leaderboard import MIN_PAIRS, PRECISION, SCHEMA, accuracy, find_trial, leaderboard, precision, winner
 
 
 def choose(s: Session, study: Study, which: str | None, unconfirmed: bool, force: bool = False) -> tuple[Trial, str]:
@@ -109,7 +110,8 @@ def render(s: Session, study: Study, t: Trial, why: str, url: str) -> str:
                                        and base else "")
            + f", {m.get('kernels_per_token', '?')} kernels/token, {m.get('bytes_per_token', 0) / 1e6:.1f} MB/token",
            f"device: {study.device_name or study.device} ({study.device})",
-           f"precision: {(p := precision(StructureConfig.from_json(t.config_json)))} ({PRECISION[p]})"]
+           f"precision: {(p := precision(StructureConfig.from_json(t.config_json)))} ({PRECISION[p]})",
+           f"accuracy against the exact reference: {accuracy_text(accuracy(t))}"]
   if env: lines.append(f"environment: tinygrad {env.tinygrad_version}, python {env.python}, {env.host}, {env.platform}")
   if code: lines.append(f"code: git {code.commit[:12]} ({code.branch or 'detached'}{', dirty' if code.dirty else ''})")
   lines.append(f"storage {hide_password(url)}; exported {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 from db import store
 from db.models import Confirmation, Study, Trial
 from db.store import interval
+from evaluator.gate import accuracy_text
 from model.structure import StructureConfig
 from search.formats import Section
 from space.knobs import changes, flat
@@ -21,6 +22,8 @@ SCHEMA = 2  # of every JSON document (docs/json.md)
 MIN_PAIRS = 2  # a confirmation needs this many A/B pairs: one pair has no spread
 
 
+# the accuracy figures (evaluator/gate.py accuracy), as the CSV's accuracy_* columns
+ACCURACY = ("positions", "top1", "max_rel_err", "median_rel_err", "mean_kl", "max_kl")
 PRECISION = {"exact": "float arithmetic, checked against the exact reference at float tolerances",
              "q8": "8-bit activations with integer dot products, like llama.cpp's"}
 
@@ -28,6 +31,12 @@ PRECISION = {"exact": "float arithmetic, checked against the exact reference at 
 def precision(cfg: StructureConfig) -> str:
   """A config's precision class (PRECISION): "q8" where a knob rounds activations to 8 bits, else "exact"."""
   return "q8" if "q8" in cfg.precision() else "exact"
+
+
+def accuracy(t: Trial) -> dict[str, Any] | None:
+  """A trial's accuracy figures against the exact reference (evaluator/gate.py accuracy); None for a result stored
+  before they were recorded, or one that was not checked."""
+  return ((t.reused_from or t).check or {}).get("accuracy")
 
 
 def baseline(study: Study) -> StructureConfig:
@@ -100,7 +109,8 @@ def _row(t: Trial, est: store.Estimate | None, base: store.Estimate | None, c: C
           if m.get("bytes_per_token") else None, "bandwidth_share": m.get("bandwidth_share"),
           "peak_memory_mb": m["peak_device_bytes"] / 1e6 if m.get("peak_device_bytes") else None,
           "failure": (t.error_text or t.failure_class or "").strip().splitlines()[0][:200] if t.failure_class else None,
-          "precision": precision(cfg := StructureConfig.from_json(t.config_json)), "changes": changes(cfg, base_cfg)}
+          "precision": precision(cfg := StructureConfig.from_json(t.config_json)), "accuracy": accuracy(t),
+          "changes": changes(cfg, base_cfg)}
 
 
 def figure(row: dict[str, Any], base: float | None) -> float:
@@ -147,7 +157,7 @@ def _f(v: float | None, spec: str = ".2f", suffix: str = "") -> str: return "" i
 
 def leaderboard_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
   cols = ["rank", "trial", "tok/s [90%] n", "speedup", "confirmed [low, high]", "ms/token", "kernels/token", "MB/token",
-          "BW share", "peak MB", "precision", "state", "changes from the baseline"]
+          "BW share", "peak MB", "precision", "accuracy", "state", "changes from the baseline"]
   rows = []
   for r in doc["rows"]:
     c = r["confirmed"]
@@ -159,17 +169,18 @@ def leaderboard_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
            _f(r["block_tok_s"], ".2f", " (block)"))
     rows.append([r["rank"] or "", r["trial"], tok, _f(r["speedup"], ".3f", "x"), conf, _f(r["ms_per_token"]),
                  _f(r["kernels_per_token"], "d"), _f(r["mb_per_token"], ".1f"), _f(r["bandwidth_share"], ".1%"),
-                 _f(r["peak_memory_mb"], ".1f"), r["precision"],
+                 _f(r["peak_memory_mb"], ".1f"), r["precision"], accuracy_text(r["accuracy"]),
                  r["state"] if not r["failure"] else f"{r['state']}: {r['failure'][:60]}",
                  " ".join(f"{k}={v}" for k, v in r["changes"].items()) or "baseline"])
-  records = [{**{k: v for k, v in r.items() if k not in ("confirmed", "changes", "trials")},
+  records = [{**{k: v for k, v in r.items() if k not in ("confirmed", "accuracy", "changes", "trials")},
               "trials": " ".join(map(str, r["trials"])),
               **{f"confirmed_{k}": (r["confirmed"] or {}).get(k)
                  for k in ("speedup", "low", "high", "pairs", "status")},
+              **{f"accuracy_{k}": (r["accuracy"] or {}).get(k) for k in ACCURACY},
               "changes": " ".join(f"{k}={v}" for k, v in r["changes"].items())} for r in doc["rows"]]
   title = (f"{doc['study']}: {doc['model']} ({doc['layers']} blocks) on {doc['device_name'] or doc['device']}  "
            f"[{', '.join(f'{k} {v}' for k, v in doc['states'].items())}]")
-  drop = ("peak MB", "BW share", "MB/token", "kernels/token", "ms/token", "precision", "tok/s [90%] n",
+  drop = ("peak MB", "BW share", "MB/token", "kernels/token", "ms/token", "accuracy", "precision", "tok/s [90%] n",
           "confirmed [low, high]")
   wrap = ("state", "changes from the baseline")
   return [Section(title, cols, rows, records=records, wrap=wrap, drop=drop)], [doc["verdict"]]
@@ -224,7 +235,7 @@ def trial_doc(s: Session, study: Study, t: Trial) -> dict[str, Any]:
   env, git = src.environment, src.git_state
   numbers = {x.id: x.number for x in store.trials(s, study)}
   return {"schema": SCHEMA, "study": study.name, "trial": t.number, "state": t.state, "stage": t.stage,
-          "config_hash": t.config_hash, "config": cfg.to_dict(), "precision": precision(cfg),
+          "config_hash": t.config_hash, "config": cfg.to_dict(), "precision": precision(cfg), "accuracy": accuracy(t),
           "changes": changes(cfg, baseline(study)), "baseline": baseline(study).to_dict(),
           "reused_from": t.reused_from.number if t.reused_from else None,
           "estimate": {"tok_s": e.median, "low": e.low, "high": e.high, "measurements": e.n} if e else None,
@@ -261,6 +272,8 @@ def trial_view(doc: dict[str, Any]) -> list[Section]:
                                     else "")],
           ["stage", doc["stage"]], ["config hash", doc["config_hash"]],
           ["precision", f"{doc['precision']}: {PRECISION[doc['precision']]}"],
+          ["accuracy", accuracy_text(a := doc["accuracy"]) + (f" (against the exact reference over {a['positions']} "
+                                                             "positions)" if a else "")],
           ["tok/s",
            f"{interval(store.Estimate(e['tok_s'], e['low'], e['high'], e['measurements']))} ({e['measurements']} "
            "measurements)"
@@ -323,6 +336,7 @@ def compare_doc(s: Session, study: Study, a: Trial, b: Trial, study_b: Study | N
           "state": {"a": a.state, "b": b.state},
           "where": {x: f"{st.model_name} on {st.device_name or st.device}" for x, st in (("a", study), ("b", sb))},
           "precision": {"a": da["precision"], "b": db["precision"]},
+          "accuracy": {"a": da["accuracy"], "b": db["accuracy"]},
           "estimate": {"a": da["estimate"], "b": db["estimate"]},
           "confirmed": {"a": da["confirmed"], "b": db["confirmed"]},
           "knobs": [{"knob": k, "a": fa[k], "b": fb[k]} for k in fa if fa[k] != fb[k]], "metrics": metrics,
@@ -360,6 +374,7 @@ def compare_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
                    f"over {e['measurements']}" if e else "")
   rows = [[f"knob {k['knob']}", k["a"], k["b"], ""] for k in doc["knobs"]]
   rows += [["precision", doc["precision"]["a"], doc["precision"]["b"], ""],
+           ["accuracy against the exact reference", *(accuracy_text(doc["accuracy"][x]) for x in "ab"), ""],
            ["tok/s estimate [90%] over measurements", est(ea), est(eb), ""],
            ["A/B-confirmed against the baseline", _conf(ca), _conf(cb), ""]]
   rows += [[names.get(m["metric"], m["metric"]), fmt(m["a"]), fmt(m["b"]), _f(m["ratio"], ".3f", "x")]

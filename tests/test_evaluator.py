@@ -35,6 +35,10 @@ def test_trial_reports_every_figure_and_repeats(baseline) -> None:
     assert r.ok, r.error
     assert r.check["ok"] and r.check["max_rel_err"] < 1e-4 and r.check["positions"] == 16 and r.check[
       "tokens_compared"] >= 0
+    # against the exact reference, which is its own
+    acc = r.check["accuracy"]
+    assert acc["positions"] == 16 and acc["top1"] == 1.0 and acc["max_rel_err"] < 1e-4 and acc["max_kl"] < 1e-9, acc
+    assert r.spec["exact_reference"] is None
     m = r.metrics
     assert m["tok_s_min"] <= m["tok_s"] <= m["tok_s_max"] and len(m["tok_s_rounds"]) == 2 and m["deterministic"]
     assert m["kernels_per_token"] > 10 and m["bytes_per_token"] > 1e5 and 0 < m["bandwidth_share"] < 1
@@ -68,6 +72,19 @@ def test_a_different_config_passes_the_gate_with_its_own_kernels(ev, baseline) -
   assert 0 < fp16.check["max_rel_err"] <= fp16.check["tolerance"] == 5e-2
   assert fp16.metrics["kernels_per_token"] != base.metrics["kernels_per_token"] or fp16.metrics[
     "bytes_per_token"] != base.metrics["bytes_per_token"]
+
+
+def test_an_8bit_config_is_measured_against_the_exact_reference(ev, baseline) -> None:
+  """A q8 config passes the gate against its twin, and its accuracy figures are against the exact reference (the
+  baseline's, the one cached reference its trial process is also given): far from it, where the twin is not."""
+  q8 = ev.run({"fused": {"moe": "dsl", "ffn": "dsl"}, "ffn_act": "q8"})
+  assert q8.ok, q8.error
+  exact = baseline[0].spec["reference"]
+  assert q8.spec["exact_reference"] == exact and q8.spec["reference"] not in (None, exact)
+  acc, base = q8.check["accuracy"], baseline[0].check["accuracy"]
+  assert acc["positions"] == 16 and acc["max_rel_err"] > max(100 * base["max_rel_err"], 2 * q8.check["tolerance"])
+  assert acc["mean_kl"] > max(100 * base["mean_kl"], 1e-7) and acc["max_kl"] >= acc["mean_kl"], acc
+  assert q8.check["drift"] is None or q8.check["drift"] < acc["max_rel_err"] / 10, q8.check  # the twin's
 
 
 @pytest.mark.parametrize("fault, config, status", [

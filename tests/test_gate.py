@@ -65,10 +65,43 @@ def test_legitimate_configs_pass_the_gate(deep, ref, cfg: str) -> None:
   if "barriers" in cfg:
     assert (gate.rel_err(free_logits(m, ref.tokens), ref.logits)
             > tol).any(), "depth no longer breaks the free-running comparison here"
-  c = gate.check(Generator(m), reference(deep, twin.to_json()) if twin != StructureConfig() else ref, tol, ffn_tol)
+  c = gate.check(Generator(m), reference(deep, twin.to_json()) if twin != StructureConfig() else ref, tol, ffn_tol,
+                 ref if twin != StructureConfig() else None)
   assert c["ok"] and c["failed_positions"] == 0 and c["wrong_routing"] == 0, c
   assert c["max_rel_err"] <= tol and c["max_router_err"] <= tol and c["routing_decisions"] == POSITIONS * 30
   assert c["positions"] == POSITIONS and c["stages"] == 2 * 32 + 2
+  acc = c["accuracy"]
+  assert acc["positions"] == POSITIONS and acc["top1"] == 1.0, acc
+  if "barriers" in cfg:  # a float32 reordering: the exact reference's logits, up to rounding
+    assert acc["median_rel_err"] <= acc["max_rel_err"] < gate.FP32_TOL / 5 and acc["max_kl"] < 1e-7, acc
+  if cfg == Q8:
+    # against the exact reference, not the twin (from which it does not move at all: the twin computes alike)
+    assert acc["max_rel_err"] > 10 * gate.FP32_TOL and acc["mean_kl"] > 1e-5, acc
+    twin_acc = gate.accuracy(gate.chained(Generator(m), reference(deep, twin.to_json()), tol)[0],
+                             reference(deep, twin.to_json()).logits)
+    assert twin_acc["max_rel_err"] < acc["max_rel_err"] / 100, twin_acc
+
+
+def test_accuracy_figures() -> None:
+  """top-1 agreement, the error as the gate measures it and KL(p_exact || p_trial) in float64, on logits whose softmax
+  overflows when taken naively (1e4 added to each): one position surer of the same top token, one whose top token is the
+  other one, one alike; then one not finite."""
+  softmax = lambda x: np.exp(x) / np.exp(x).sum()
+  kl = lambda a, b: float((softmax(a) * np.log(softmax(a) / softmax(b))).sum())
+  exact, trial = (np.array([[0.0, 1.0], [1.0, 0.0], [0.0, 2.0]]),
+                  np.array([[0.0, 1.0 + np.log(3.0)], [0.0, 1.0], [0.0, 2.0]]))
+  assert gate.accuracy(exact + 1e4, exact + 1e4) == {"positions": 3, "top1": 1.0, "max_rel_err": 0.0,
+                                                     "median_rel_err": 0.0, "mean_kl": 0.0, "max_kl": 0.0}
+  acc = gate.accuracy(trial + 1e4, exact + 1e4)
+  kls = [kl(e, t) for e, t in zip(exact, trial, strict=True)]
+  assert acc["top1"] == pytest.approx(2 / 3) and acc["mean_kl"] == pytest.approx(np.mean(kls)) and acc[
+    "max_kl"] == pytest.approx(max(kls))
+  # max |diff| over the exact row's std (0.5, 0.5, 1)
+  assert acc["max_rel_err"] == pytest.approx(2 * np.log(3.0)) and acc["median_rel_err"] == pytest.approx(2.0)
+  assert gate.accuracy_text(acc) == "top1 67% · err 2.2e0 · KL 2e-1" and gate.accuracy_text(None) == "-"
+  trial[2, 1] = np.nan
+  bad = gate.accuracy(trial + 1e4, exact + 1e4)
+  assert bad["top1"] == pytest.approx(1 / 3) and bad["max_rel_err"] == bad["max_kl"] == np.inf
 
 
 def test_8bit_activations_are_as_far_from_float32_as_a_fault(deep, ref) -> None:

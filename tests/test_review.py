@@ -267,6 +267,8 @@ def test_report(live, tmp_path, capsys) -> None:
       im.verify()
       assert im.format == "PNG" and im.size[0] > 300
   assert "| rank | trial |" in md and all(f"({p.name})" in md for p in pngs) and "Not drawn: proxy" in md
+  # each trial's accuracy against the exact reference, beside its precision class: the baseline is the reference
+  assert "| exact | top1 100% · err 0 · KL 0 |" in md
   assert "<table>" in html and html.count("data:image/png;base64,") == len(pngs)
 
 

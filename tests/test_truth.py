@@ -4,7 +4,10 @@ storage, the history plot, `compare`, the trials' artifacts and `export` all sho
 confirmation, on SQLite and PostgreSQL."""
 from __future__ import annotations
 
+import csv
+import io
 import json
+import re
 
 import optuna
 import pytest
@@ -220,9 +223,17 @@ def test_every_json_document_says_its_schema_and_study_with_one_spelling(demo, t
     assert set(devices(doc)) <= {"CPU"}, (argv, devices(doc))  # where a document names one
 
 
-def test_precision_class_in_every_view_and_a_study_held_to_exact(demo, gguf_file, tmp_path, capsys) -> None:
-  """Each config's precision class (exact, or q8: 8-bit activations) in the leaderboard, show, compare and the export
-  header; `search start --exact` pins every knob with an 8-bit value, and a study's --exact is part of its protocol."""
+ACC = {"positions": 16, "top1": 0.9375, "max_rel_err": 0.106, "median_rel_err": 0.079, "mean_kl": 3.3e-4,
+       "max_kl": 5e-4}
+ACC_TEXT = "top1 94% · err 1.1e-1 · KL 3e-4"
+
+
+def test_precision_class_and_accuracy_in_every_view_and_a_study_held_to_exact(demo, gguf_file, tmp_path,
+                                                                              capsys) -> None:
+  """Each config's precision class (exact, or q8: 8-bit activations) and its accuracy against the exact reference in the
+  leaderboard (every format), show, compare, the report and the export header; the fake trials' results, stored without
+  accuracy figures (as results were before they were recorded), show "-". `search start --exact` pins every knob with an
+  8-bit value, and a study's --exact is part of its protocol."""
   import dataclasses
 
   from model.structure import StructureConfig
@@ -234,17 +245,39 @@ def test_precision_class_in_every_view_and_a_study_held_to_exact(demo, gguf_file
     base = StructureConfig.from_json(st.baseline_config)
     q8 = dataclasses.replace(base, fused={**base.fused, "moe": "dsl"}, ffn_act="q8")
     t = store.start_trial(s, st, 99, q8.to_json(), q8.hash, None, "h:1")
-    store.finish_trial(s, t, state="ok", stage="full", tok_s=500.0, metrics={"tok_s": 500.0})
+    store.finish_trial(s, t, state="ok", stage="full", tok_s=500.0, metrics={"tok_s": 500.0},
+                       check={"ok": True, "accuracy": ACC})
     board = {r["trial"]: r for r in leaderboard(s, st)["rows"]}
     assert board[99]["precision"] == "q8" and board[0]["precision"] == "exact"
-    assert trial_doc(s, st, t)["precision"] == "q8"
+    assert board[99]["accuracy"] == ACC and board[0]["accuracy"] is None
+    assert trial_doc(s, st, t)["precision"] == "q8" and trial_doc(s, st, t)["accuracy"] == ACC
     cmp = compare_doc(s, st, find_trial(s, st, "0"), t)
-  assert cmp["precision"] == {"a": "exact", "b": "q8"}
-  assert search("leaderboard", "--study", "d", "--storage", url) == 0 and " q8 " in capsys.readouterr().out
+  assert cmp["precision"] == {"a": "exact", "b": "q8"} and cmp["accuracy"] == {"a": None, "b": ACC}
+  capsys.readouterr()
+  assert search("leaderboard", "--study", "d", "--storage", url) == 0
+  out = capsys.readouterr().out
+  assert " q8 " in out and ACC_TEXT in out
+  assert search("leaderboard", "--study", "d", "--storage", url, "--format", "markdown") == 0
+  out = capsys.readouterr().out
+  assert f"| q8 | {ACC_TEXT} |" in out and "| exact | - |" in out
+  assert search("leaderboard", "--study", "d", "--storage", url, "--format", "csv") == 0
+  rows = {r["trial"]: r for r in csv.DictReader(io.StringIO(capsys.readouterr().out))}
+  assert rows["99"]["accuracy_top1"] == "0.9375" and rows["99"]["accuracy_mean_kl"] == "0.00033"
+  assert rows["0"]["accuracy_top1"] == ""
+  assert search("show", "--study", "d", "--storage", url, "99") == 0
+  out = capsys.readouterr().out
+  assert f"{ACC_TEXT} (against the exact reference over 16 positions)" in out
+  assert search("show", "--study", "d", "--storage", url, "0") == 0
+  assert re.search(r"accuracy\s+│\s+-\s", capsys.readouterr().out)
+  assert search("compare", "--study", "d", "--storage", url, "0", "99") == 0
+  assert re.search(rf"accuracy against the exact reference\s+│\s+-\s+│\s+{ACC_TEXT}", capsys.readouterr().out)
+  assert search("report", "--study", "d", "--storage", url, "--out", str(tmp_path / "rep")) == 0
+  assert f"| q8 | {ACC_TEXT} |" in (tmp_path / "rep" / "report.md").read_text()
   to = str(tmp_path / "q.toml")
   assert search("export", "--study", "d", "--storage", url, "--trial", "99", "--unconfirmed", "--to", to) == 0
   header = (tmp_path / "q.toml").read_text()
   assert "# precision: q8 (8-bit activations with integer dot products, like llama.cpp's)" in header
+  assert f"# accuracy against the exact reference: {ACC_TEXT}\n" in header
 
   model = gguf_file("tiny", "q4_0")
   assert search("start", "--model", model, "--study", "x", "--storage", url, "--trials", "2", "--exact", *FAST) == 0

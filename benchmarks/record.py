@@ -1,12 +1,14 @@
 """The one converter from measurements to benchmarks/results.jsonl lines: an evaluator trial's JSON
-(evaluator/result.py's TrialResult, as `evaluator run --json` writes it) and llama.cpp's `llama-bench -o json` output.
-Lines go to stdout.
+(evaluator/result.py's TrialResult, as `evaluator run --json` writes it), llama.cpp's `llama-bench -o json` output and
+upstream tinygrad.llm's decode (benchmarks/upstream_llm.py's JSON). Lines go to stdout.
 
   # decode, trial, gate, profile
   python benchmarks/record.py trial RESULT.json --device "NVIDIA H100 80GB HBM3 (CUDA)"
          --model-name "glm-4.7-flash (synthetic, exact shapes)" --quant Q4_0 [--config-name best] --command "..."
          [--llama LLAMA.json]
   python benchmarks/record.py llama LLAMA.json --model FILE --device ... --model-name ... --quant Q4_0 --command "..."
+  python benchmarks/record.py upstream UPSTREAM.json --model FILE --device ... --model-name ... --quant Q4_0
+         --command "..."
   # a study's trials (trial, gate) and its cost (study)
   python benchmarks/record.py study --storage URL --study NAME --device ... --model-name ... --quant Q4_0
          --command "..."
@@ -19,8 +21,9 @@ A trial gives: a `decode` line (the figure, with `llama_cpp_tok_s` and its stdde
 verdict and figures) when the check ran, and one `profile` line per kernel of the per-kernel profile. A study gives a
 `trial` line per measured trial (its stages' and phases' seconds, search/cost.py; its tok/s), a `gate` line per
 full-model verdict, a `confirmation` line per A/B confirmation against the baseline (search confirm), and one `study`
-line: what its trials cost and the projected wall time of 200. benchmarks/render.py holds the fields every kind of line
-must have (REQUIRED).
+line: what its trials cost and the projected wall time of 200. llama-bench's output gives a `llama_cpp` line,
+upstream_llm.py's an `upstream` line (config "tinygrad.llm (upstream)"). benchmarks/render.py holds the fields every
+kind of line must have (REQUIRED).
 """
 from __future__ import annotations
 
@@ -60,6 +63,16 @@ def llama_line(bench: list[dict], model_file: str | None, device: str, model_nam
   layers = layers or int(GGUFFile(model_file).key("block_count"))
   return (common("llama_cpp", device, model_name, layers, quant, "llama.cpp") | llama_figures(bench)
           | {"command": command})
+
+
+def upstream_line(u: dict[str, Any], model_file: str | None, device: str, model_name: str, quant: str, command: str,
+                  layers: int | None = None) -> dict[str, Any]:
+  """upstream_llm.py's figures (the tokens after its warm-up) as an `upstream` line; layers as llama_line's."""
+  layers = layers or int(GGUFFile(model_file).key("block_count"))
+  keep = ("tok_s", "tok_s_min", "tok_s_max", "ms_per_token", "kernels_per_token", "bytes_per_token", "gb_s",
+          "n_measured", "warmup_dropped", "tinygrad", "tokenizer_pre_substituted")
+  return (common("upstream", device, model_name, layers, quant, "tinygrad.llm (upstream)")
+          | {k: u.get(k) for k in keep} | {"command": command})
 
 
 def check_figures(check: dict[str, Any]) -> dict[str, Any]:
@@ -161,13 +174,16 @@ def main() -> None:
   t.add_argument("--llama", help="llama-bench's JSON output for the same file, run in the same call")
   ll = sub.add_parser("llama", parents=[base])
   ll.add_argument("bench")
-  ll.add_argument("--model", help="the GGUF file llama-bench ran (its block count is read from it)")
-  ll.add_argument("--layers", type=int, help="the file's block count, where the file is not at hand")
+  up = sub.add_parser("upstream", parents=[base])
+  up.add_argument("result")
+  for q in (ll, up):
+    q.add_argument("--model", help="the GGUF file it ran (its block count is read from it)")
+    q.add_argument("--layers", type=int, help="the file's block count, where the file is not at hand")
   st = sub.add_parser("study", parents=[base])
   st.add_argument("--storage", required=True)
   st.add_argument("--study", required=True)
   e = sub.add_parser("error", parents=[base])
-  e.add_argument("--kind", required=True, choices=("trial", "llama_cpp"))
+  e.add_argument("--kind", required=True, choices=("trial", "llama_cpp", "upstream"))
   e.add_argument("--model", help="the GGUF file, when it exists")
   e.add_argument("--config-name", required=True)
   e.add_argument("--error", required=True)
@@ -176,9 +192,11 @@ def main() -> None:
     r = TrialResult.from_dict(json.load(open(a.result)))
     lines = trial_lines(r, a.device, a.model_name, a.quant, a.config_name, a.command,
                         json.load(open(a.llama)) if a.llama else None)
-  elif a.cmd == "llama":
-    if not (a.model or a.layers): p.error("llama needs --model or --layers")
-    lines = [llama_line(json.load(open(a.bench)), a.model, a.device, a.model_name, a.quant, a.command, a.layers)]
+  elif a.cmd in ("llama", "upstream"):
+    if not (a.model or a.layers): p.error(f"{a.cmd} needs --model or --layers")
+    lines = [llama_line(json.load(open(a.bench)), a.model, a.device, a.model_name, a.quant, a.command, a.layers)
+             if a.cmd == "llama" else
+             upstream_line(json.load(open(a.result)), a.model, a.device, a.model_name, a.quant, a.command, a.layers)]
   elif a.cmd == "study": lines = study_lines(a.storage, a.study, a.device, a.model_name, a.quant, a.command)
   else: lines = [error_line(a.kind, a.model, a.device, a.model_name, a.quant, a.config_name, a.command, a.error)]
   sys.stdout.write("".join(json.dumps(line | ({"note": a.note} if a.note else {})) + "\n" for line in lines))

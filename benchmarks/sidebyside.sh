@@ -3,9 +3,10 @@
 #   bash benchmarks/sidebyside.sh        # on the device, carrying .whl (benchmarks/wheels.sh) and .llama (benchmarks/llama_cpp.sh)
 #
 # Starts building llama-bench in the background first, meanwhile writes the synthetic files (`model synth`) and makes each
-# file's correctness reference (nothing is timed while the build runs), then per model: llama-bench and each config of
-# $CONFIGS through `evaluator run` (then $FAULTS). Every figure goes through benchmarks/record.py into $OUT/results.jsonl
-# (append it to benchmarks/results.jsonl, then `python -m benchmarks.render`). A failed step is recorded and the rest goes on.
+# file's correctness reference (nothing is timed while the build runs), then per model: llama-bench, upstream tinygrad's
+# own decoder when $UPSTREAM is set, and each config of $CONFIGS through `evaluator run` (then $FAULTS). Every figure goes
+# through benchmarks/record.py into $OUT/results.jsonl (append it to benchmarks/results.jsonl, then `python -m
+# benchmarks.render`). A failed step is recorded and the rest goes on.
 #
 # Environment [default]:
 #   MODELS    presets, each written as a synthetic file with exact shapes [glm-4.7-flash deepseek-v2-lite]
@@ -18,6 +19,8 @@
 #   N ROUNDS  evaluator tokens per measured round and rounds [32 3]      LLAMA_N LLAMA_REPS  llama-bench -n and -r [128 5]
 #   DEVICE    [CUDA]   LLAMA_BENCH  a llama-bench binary to use instead of building one from .llama/llama.cpp.tar.gz;
 #             none: no llama.cpp figures (the configs only)
+#   UPSTREAM  1: after llama-bench, upstream tinygrad.llm's decoder on the same file (benchmarks/upstream_llm.py,
+#             UPSTREAM_N tokens [20], the first 3 not timed), an `upstream` line [off]
 #   WORK      files, references and the build [/tmp/sidebyside]; reused when the machine is still warm
 #   DEADLINE  seconds after the start past which no step starts, and by which each step is stopped [570]
 #   PYTHON    [python3]
@@ -27,7 +30,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODELS=${MODELS:-glm-4.7-flash deepseek-v2-lite} QUANT=${QUANT:-q4_0} LAYERS=${LAYERS:-} ROUTING=${ROUTING:-random} CONFIGS=${CONFIGS:-baseline best=benchmarks/configs/best.json}
-N=${N:-32} ROUNDS=${ROUNDS:-3} LLAMA_N=${LLAMA_N:-128} LLAMA_REPS=${LLAMA_REPS:-5} DEVICE=${DEVICE:-CUDA} WORK=${WORK:-/tmp/sidebyside}
+N=${N:-32} ROUNDS=${ROUNDS:-3} LLAMA_N=${LLAMA_N:-128} LLAMA_REPS=${LLAMA_REPS:-5} UPSTREAM=${UPSTREAM:-} UPSTREAM_N=${UPSTREAM_N:-20} DEVICE=${DEVICE:-CUDA} WORK=${WORK:-/tmp/sidebyside}
 DEADLINE=${DEADLINE:-570} PY=${PYTHON:-python3} OUT=${OUT:-$WORK/out} LAST=${MODELS##* }
 shopt -s extglob
 mkdir -p "$WORK" "$OUT"
@@ -113,6 +116,25 @@ for m in $MODELS; do
         --error "llama-bench failed: $(tail -2 "$WORK/llama-bench.err" | tr '\n' ' ')"
     fi
   fi
+  if [ -n "$UPSTREAM" ]; then  # upstream tinygrad's own deepseek2 decoder (python -m tinygrad.llm --benchmark) on the file
+    up=$WORK/$m.upstream.json
+    cmd="DEV=$DEVICE python -m benchmarks.upstream_llm --model $(basename "$f") --tokens $UPSTREAM_N  ($(basename "$f"): model synth --preset $m $SYNTH; via bash benchmarks/sidebyside.sh)"
+    rm -f "$up"
+    if [ "$(left)" -lt 30 ]; then
+      rec error --kind upstream --model "$f" --model-name "$(name "$m")" --config-name "tinygrad.llm (upstream)" --command "$cmd" --error "skipped: deadline"
+    else
+      log "upstream tinygrad.llm $m"
+      DEV=$DEVICE timeout "$(($(left) - 10))" "$PY" -m benchmarks.upstream_llm --model "$f" --tokens "$UPSTREAM_N" --json "$up" 2> "$WORK/upstream.err"
+      rc=$?
+      if [ "$rc" = 0 ] && [ -f "$up" ]; then
+        rec upstream "$up" --model "$f" --model-name "$(name "$m")" --command "$cmd"
+        "$PY" -c "import json, sys; print(json.dumps(json.load(open(sys.argv[1]))))" "$up" >> "$OUT/trials.jsonl"
+      else
+        rec error --kind upstream --model "$f" --model-name "$(name "$m")" --config-name "tinygrad.llm (upstream)" --command "$cmd" \
+          --error "upstream_llm failed (exit $rc; 124: stopped at the deadline): $(tail -1 "$WORK/upstream.err")"
+      fi
+    fi
+  fi
   for spec in $CONFIGS $( [ "$m" = "$LAST" ] && echo "${FAULTS:-}" ); do
     fault=
     case $spec in  # FAULT:NAME: config NAME of $CONFIGS with a fault of tests/inject, which the gate must reject
@@ -148,6 +170,6 @@ log "done: $(wc -l < "$OUT/results.jsonl") lines in results.jsonl"
 import json, sys
 for l in open(sys.argv[1]):
   r = json.loads(l)
-  if r['kind'] in ('decode', 'llama_cpp') or 'error' in r:
+  if r['kind'] in ('decode', 'llama_cpp', 'upstream') or 'error' in r:
     print(f\"{r['model'][:24]:24s} {r['config']:12s} {r.get('tok_s', ''):>8} tok/s  llama.cpp {r.get('llama_cpp_tok_s', '')}  {r.get('error', '')}\")
 " "$OUT/results.jsonl"

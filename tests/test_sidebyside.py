@@ -2,7 +2,7 @@
 the device; `bash benchmarks/llama_cpp.sh pack --check` proves the packed source builds it), every figure turned into
 results.jsonl lines by benchmarks/record.py, a broken config recorded without stopping the rest, a faulted config
 rejected by the correctness gate, and the side-by-side tables of docs/benchmarks.template.md rendered from those
-lines."""
+lines. Upstream tinygrad.llm's decoder as a peer (benchmarks/upstream_llm.py) on a tiny file, its JSON made a line."""
 import collections
 import json
 import os
@@ -15,6 +15,7 @@ import pytest
 
 from benchmarks import render
 from model.structure import StructureConfig
+from model.synth import write_synthetic
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # llama-bench -o json of this llama.cpp (llama-cpp-python 0.3.36's), the fields record.py reads and a few beside them
@@ -98,16 +99,18 @@ def test_the_template_renders_the_run(out):
 
 
 def test_no_llama_cpp_when_told_and_decisive_routing(tmp_path):
-  """LLAMA_BENCH=none: the configs alone, no llama.cpp line and no build. ROUTING=decisive writes the file with decisive
-  routers, where the gate's chained pass decides the check positions, so the timed run's tokens are compared."""
+  """LLAMA_BENCH=none: no llama.cpp line and no build; UPSTREAM=1: upstream tinygrad.llm's line before the configs'.
+  ROUTING=decisive writes the file with decisive routers, where the gate's chained pass decides the check positions, so
+  the timed run's tokens are compared."""
   env = os.environ | {"MODELS": "tiny", "DEVICE": "CPU", "CONFIGS": "baseline", "N": "4", "ROUNDS": "1",
                       "WORK": str(tmp_path), "OUT": str(tmp_path / "out"), "LLAMA_BENCH": "none", "ROUTING": "decisive",
-                      "PYTHON": sys.executable}
+                      "UPSTREAM": "1", "UPSTREAM_N": "4", "PYTHON": sys.executable}
   r = subprocess.run(["bash", "benchmarks/sidebyside.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                      timeout=900)
   assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-  lines = render.load(tmp_path / "out" / "results.jsonl")
+  up, *lines = render.load(tmp_path / "out" / "results.jsonl")
   assert [x["kind"] for x in lines] == ["decode", "trial", "gate"] and "llama_cpp_tok_s" not in lines[0]
+  assert (up["kind"], up["n_measured"], up["layers"]) == ("upstream", 1, 3) and render.missing(up) == [], up
   assert not (tmp_path / "llama").exists() and not (tmp_path / "out" / "llama-build.log").exists()
   assert ({x["model"] for x in lines} == {"tiny (synthetic, exact shapes, decisive routing)"}
           and "--routing decisive" in lines[0]["command"])
@@ -142,3 +145,72 @@ def test_a_carried_llama_bench_is_unpacked_not_built(tmp_path):
   subprocess.run(["tar", "-czf", cache / "llama.cpp.tar.gz", "-C", built, "llama.cpp/SOURCE"], check=True)
   stale = sh("unpack", str(tmp_path / "again"))
   assert stale.returncode == 1 and "the carried llama-bench is of llama-cpp-python 0.3.36" in stale.stderr, stale.stderr
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path, subprocess.CompletedProcess]:
+  """benchmarks/upstream_llm.py on a 2-block tiny file (a dense block, an MoE block), the GLM-4.7-Flash layout: q_lora,
+  sigmoid routing with a selection bias, a shared expert."""
+  tmp = tmp_path_factory.mktemp("upstream")
+  f = write_synthetic(tmp / "tiny-q4_0.gguf", "tiny", quant="q4_0", layers=2)
+  r = subprocess.run([sys.executable, "-m", "benchmarks.upstream_llm", "--model", str(f), "--tokens", "5", "--warmup",
+                      "3", "--json", str(tmp / "up.json")], cwd=ROOT, env=os.environ | {"DEV": "CPU"},
+                     capture_output=True, text=True, timeout=300)
+  return f, tmp / "up.json", r
+
+
+def test_upstream_decoder_runs_the_synthetic_file(upstream):
+  """Upstream tinygrad.llm (with the stand-in for its missing tinygrad.llm.kernels.amd) decodes the file; the figures
+  are those of the tokens its rollout JIT replays, after the prefill, the unjitted rollout call and the capture."""
+  f, up, r = upstream
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+  doc = json.loads(up.read_text())
+  per, rest = doc["tok_s_per_token"], doc["tok_s_per_token"][3:]
+  assert len(per) == 5 and doc["warmup_dropped"] == 3 and doc["n_measured"] == 2 and min(rest) > max(per[:3])
+  assert (doc["tok_s_min"], doc["tok_s_max"]) == (min(rest), max(rest)) and doc["tok_s"] == round(sum(rest) / 2, 2)
+  assert abs(doc["ms_per_token"] - 1e3 / doc["tok_s"]) < 0.02 * doc["ms_per_token"]
+  assert doc["kernels_per_token"] > 0 and doc["bytes_per_token"] > 0 and doc["gb_s"] >= 0
+  assert (doc["device"], doc["tinygrad"], doc["tokenizer_pre_substituted"]) == ("CPU", "0.14.0", None)
+  assert doc["upstream_command"] == f"DEV=CPU python -m tinygrad.llm --model {f} --benchmark 5"
+  assert r.stdout.count(" tok/s, ") == 5 and '"tiny (synthetic)"' in doc["loaded"]
+
+
+def test_upstream_json_is_a_results_line(upstream):
+  f, up, _ = upstream
+  rec = lambda *a: subprocess.run([sys.executable, "-m", "benchmarks.record", *a, "--device", "EPYC (CPU)", "--quant",
+                                   "Q4_0", "--model-name", "tiny (synthetic, exact shapes)", "--command", "c"],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=60, check=True).stdout
+  line = json.loads(rec("upstream", str(up), "--model", str(f)))
+  assert render.missing(line) == [] and (line["kind"], line["config"], line["layers"]) == (
+    "upstream", "tinygrad.llm (upstream)", 2)
+  assert {k: line[k] for k in ("tok_s", "kernels_per_token", "bytes_per_token")} == {
+    k: json.loads(up.read_text())[k] for k in ("tok_s", "kernels_per_token", "bytes_per_token")}
+  spec = "where: kind=upstream\n| config | tok/s |\n|---|---:|\n| {config} | {tok_s:.1f} |\n"
+  assert render.table(spec, [line]).endswith(f"| tinygrad.llm (upstream) | {line['tok_s']:.1f} |\n")
+  err = json.loads(rec("error", "--kind", "upstream", "--model", str(f), "--config-name", "tinygrad.llm (upstream)",
+                       "--error", "upstream_llm failed"))
+  assert render.missing(err) == [] and err["status"] == "error" and err["layers"] == 2
+
+
+def test_upstream_failure_is_one_line(tmp_path):
+  (bad := tmp_path / "bad.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+  r = subprocess.run([sys.executable, "-m", "benchmarks.upstream_llm", "--model", str(bad), "--json",
+                      str(tmp_path / "up.json")], cwd=ROOT, env=os.environ | {"DEV": "CPU"}, capture_output=True,
+                     text=True, timeout=120)
+  assert r.returncode == 1 and not (tmp_path / "up.json").exists()
+  assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith(
+    f"upstream_llm: error: tinygrad.llm on {bad}: struct.error: unpack requires"), r.stderr
+
+
+def test_upstream_reads_an_unknown_tokenizer_preset_as_llama3():
+  """DeepSeek-V2(-Lite) files say deepseek-llm, which upstream's tokenizer refuses; a decode from BOS needs none."""
+  code = """from benchmarks.upstream_llm import install_kernels_stand_in, _lenient_tokenizer
+install_kernels_stand_in()
+from tinygrad.llm import cli
+kv = {"tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.token_type": [1, 1], "tokenizer.ggml.pre": "deepseek-llm"}
+try: cli.SimpleTokenizer.from_gguf_kv(kv)
+except ValueError as e: print(e)
+_lenient_tokenizer(cli, seen := [])
+print(cli.SimpleTokenizer.from_gguf_kv(kv).preset, seen)"""
+  r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert r.stdout.splitlines() == ["Invalid tokenizer preset 'deepseek-llm'", "llama3 ['deepseek-llm']"], r.stderr

@@ -69,7 +69,7 @@ def upstream_line(u: dict[str, Any], model_file: str | None, device: str, model_
                   layers: int | None = None) -> dict[str, Any]:
   """upstream_llm.py's figures (the tokens after its warm-up) as an `upstream` line; layers as llama_line's."""
   layers = layers or int(GGUFFile(model_file).key("block_count"))
-  keep = ("tok_s", "tok_s_min", "tok_s_max", "ms_per_token", "kernels_per_token", "bytes_per_token", "gb_s",
+  keep = ("tok_s", "tok_s_min", "tok_s_max", "ms_per_token", "launches_per_token", "bytes_per_token", "gb_s",
           "n_measured", "warmup_dropped", "tinygrad", "tokenizer_pre_substituted")
   return (common("upstream", device, model_name, layers, quant, "tinygrad.llm (upstream)")
           | {k: u.get(k) for k in keep} | {"command": command})

@@ -50,7 +50,7 @@ REQUIRED = {
              "kernels_per_token", "bytes_per_token"),
   "llama_cpp": ("layers", "config", "tok_s", "tok_s_stddev", "tok_s_min", "tok_s_max", "ms_per_token", "n_gen",
                 "build"),
-  "upstream": ("layers", "config", "tok_s", "tok_s_min", "tok_s_max", "ms_per_token", "kernels_per_token",
+  "upstream": ("layers", "config", "tok_s", "tok_s_min", "tok_s_max", "ms_per_token", "launches_per_token",
                "bytes_per_token", "tinygrad"),
   "trial": ("layers", "config", "config_hash", "beam", "status", "wall_s"),
   "gate": ("layers", "config", "name", "config_hash", "beam", "state", "check_ok", "check_s"),

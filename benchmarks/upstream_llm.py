@@ -9,8 +9,9 @@ The first --warmup tokens (3) are left out of the figures: token 0 is the prompt
 unjitted call, token 1 the rollout JIT's first call (unjitted: every decode kernel compiled), token 2 its capture; only
 from token 3 on does the rollout JIT replay, which is what decode speed means. A tokenizer preset upstream does not know
 (deepseek-llm: DeepSeek-V2(-Lite) files) is read as llama3's, recorded as `tokenizer_pre_substituted`: the benchmark
-decodes from BOS, so the preset only changes the text it prints. kernels_per_token and bytes_per_token are the last
-token's (tinygrad's GlobalCounters: launches and the bytes its kernels' estimates move).
+decodes from BOS, so the preset only changes the text it prints. launches_per_token and bytes_per_token are the
+last token's (tinygrad's GlobalCounters: its launches, which count a whole graph once where the JIT batches kernels into
+graphs, as on CUDA, and the bytes its kernels' estimates move).
 """
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def run(model: str, tokens: int) -> tuple[str, str | None, dict[str, int]]:
   finally:
     sys.argv = argv
     sys.stdout.write(out.getvalue())
-  last = {"kernels_per_token": GlobalCounters.kernel_count, "bytes_per_token": int(GlobalCounters.global_mem)}
+  last = {"launches_per_token": GlobalCounters.kernel_count, "bytes_per_token": int(GlobalCounters.global_mem)}
   return out.getvalue(), next(iter(substituted), None), last
 
 

@@ -169,7 +169,7 @@ def test_upstream_decoder_runs_the_synthetic_file(upstream):
   assert len(per) == 5 and doc["warmup_dropped"] == 3 and doc["n_measured"] == 2 and min(rest) > max(per[:3])
   assert (doc["tok_s_min"], doc["tok_s_max"]) == (min(rest), max(rest)) and doc["tok_s"] == round(sum(rest) / 2, 2)
   assert abs(doc["ms_per_token"] - 1e3 / doc["tok_s"]) < 0.02 * doc["ms_per_token"]
-  assert doc["kernels_per_token"] > 0 and doc["bytes_per_token"] > 0 and doc["gb_s"] >= 0
+  assert doc["launches_per_token"] > 0 and doc["bytes_per_token"] > 0 and doc["gb_s"] >= 0
   assert (doc["device"], doc["tinygrad"], doc["tokenizer_pre_substituted"]) == ("CPU", "0.14.0", None)
   assert doc["upstream_command"] == f"DEV=CPU python -m tinygrad.llm --model {f} --benchmark 5"
   assert r.stdout.count(" tok/s, ") == 5 and '"tiny (synthetic)"' in doc["loaded"]
@@ -183,8 +183,8 @@ def test_upstream_json_is_a_results_line(upstream):
   line = json.loads(rec("upstream", str(up), "--model", str(f)))
   assert render.missing(line) == [] and (line["kind"], line["config"], line["layers"]) == (
     "upstream", "tinygrad.llm (upstream)", 2)
-  assert {k: line[k] for k in ("tok_s", "kernels_per_token", "bytes_per_token")} == {
-    k: json.loads(up.read_text())[k] for k in ("tok_s", "kernels_per_token", "bytes_per_token")}
+  assert {k: line[k] for k in ("tok_s", "launches_per_token", "bytes_per_token")} == {
+    k: json.loads(up.read_text())[k] for k in ("tok_s", "launches_per_token", "bytes_per_token")}
   spec = "where: kind=upstream\n| config | tok/s |\n|---|---:|\n| {config} | {tok_s:.1f} |\n"
   assert render.table(spec, [line]).endswith(f"| tinygrad.llm (upstream) | {line['tok_s']:.1f} |\n")
   err = json.loads(rec("error", "--kind", "upstream", "--model", str(f), "--config-name", "tinygrad.llm (upstream)",

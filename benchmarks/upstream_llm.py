@@ -85,7 +85,7 @@ def summary(rows: list[tuple[float, float, float]], warmup: int) -> dict[str, An
 
 def run(model: str, tokens: int) -> tuple[str, str | None, dict[str, int]]:
   """Upstream's CLI benchmark in this process (its output echoed): what it printed, the tokenizer preset read as
-  llama3's (if any), and the last token's kernels and bytes (cli.main resets GlobalCounters before each token and exits
+  llama3's (if any), and the last token's launches and bytes (cli.main resets GlobalCounters before each token and exits
   after the last; its printed GB/s has two decimals)."""
   install_kernels_stand_in()
   from tinygrad.llm import cli

@@ -29,7 +29,7 @@ from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
 from model.backends.registry import Backend, register
-from model.deepseek2 import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, SQRT_SOFTPLUS
+from model.deepseek2 import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, SQRT_SOFTPLUS, rms_norm
 from model.quants import BF16, F16, F32, LAYOUTS, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, QUANT_TYPES
 
 if TYPE_CHECKING:
@@ -182,9 +182,8 @@ def _rows(n: int, ids: Iterator[int], local: bool, group: int, lead: int = 1) ->
 def _dot(xv: Callable[[UOp], UOp], p: Planes, ggml_type: int, r: UOp, ids: Iterator[int], group: int,
          ss: tuple[UOp, Callable[[UOp], UOp]] | None = None) -> UOp:
   """sum over the input of x[i] * w[r, i] (float32): the blocks split over `group` threads (GROUP_REDUCE), the ranges
-  inside a block unrolled. ss = (pair, raw): the sum of
-  raw(i)^2 over the same input rides along as element 1 of an unrolled pair (element 0 the product), so one reduction
-  carries both (see `_rms_folded`)."""
+  inside a block unrolled. ss = (pair, raw): the sum of raw(i)^2 over the same input rides along as element 1 of an
+  unrolled pair (element 0 the product), so one reduction carries both (see `_rms_folded`)."""
   spec = _SPECS[ggml_type]
   nb = next(iter(p.values())).shape[1]
   per = nb // group  # a thread's blocks, read in unrolled steps of `step` (their loads issued together)
@@ -198,11 +197,12 @@ def _dot(xv: Callable[[UOp], UOp], p: Planes, ggml_type: int, r: UOp, ids: Itera
   x = _f(xv(i := b * QUANT_TYPES[ggml_type].block + off))
   scale, bias = spec.scale(p, r, b, *outer)
   inner_sum = lambda v: v.reduce(*inner, arg=Ops.ADD) if inner else v
-  first = (lambda v, sq: ss[0].eq(0).where(v, sq)) if ss is not None else (lambda v, sq: v)
-  term = inner_sum(first(x * code, _f(ss[1](i)) * _f(ss[1](i)) if ss is not None else None))
-  one = UOp.const(1.0, dtypes.float32)
-  if scale is not None: term = term * first(scale, one)
-  if bias is not None: term = term + inner_sum(x) * first(bias, UOp.const(0.0, dtypes.float32))
+  # product(v, sq): v in the product's element of the pair, sq in the sum of squares' (v alone without a pair)
+  product = (lambda v, sq: ss[0].eq(0).where(v, sq)) if ss is not None else (lambda v, sq: v)
+  raw = _f(ss[1](i)) if ss is not None else None
+  term = inner_sum(product(x * code, raw * raw if raw is not None else None))
+  if scale is not None: term = term * product(scale, UOp.const(1.0, dtypes.float32))
+  if bias is not None: term = term + inner_sum(x) * product(bias, UOp.const(0.0, dtypes.float32))
   return term.reduce(*red, *outer, arg=Ops.ADD) if (red or outer) else term
 
 
@@ -427,12 +427,6 @@ def _custom(kernel: Callable[..., UOp], shape: tuple[int, ...], srcs: list[Tenso
   return out.custom_kernel(*srcs, fxn=partial(kernel, local=_local(srcs[0].device), **kw))[0]
 
 
-def _norm(x: Tensor, gamma: Tensor, eps: float) -> Tensor:
-  """rmsnorm(x) * gamma in tensor ops, for the 8-bit rounding to read (_ffn_input)."""
-  xf = x.float()
-  return (xf * (xf.square().mean() + eps).rsqrt() * gamma).contiguous()
-
-
 def _vec(x: Tensor, ws: tuple[QWeight, ...], norm: Norm | None = None, res: Tensor | None = None) -> Tensor:
   """[res +] w . [rmsnorm(x) * gamma] for one token: x (in,) -> (out,) float32; two weights' rows stacked."""
   srcs = [x.float(), *norm[:1]] if norm else [x.float()]
@@ -450,12 +444,13 @@ def attention(blk: Block, x: Tensor, start_pos, pos: Tensor | None) -> Tensor:
   H, nope, rope, dim = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.dim
   xf, norm = x.reshape(dim).float(), (blk.attn_norm, hp.eps)
   first = blk.q_a if hp.q_lora else blk.q_b
-  nq = first.shape[0]
-  if first.ggml_type == blk.kv_a.ggml_type: qkv = kv = _vec(xf, (first, blk.kv_a), norm)  # [q_a or q; kv]
-  else: qkv, kv, nq = _vec(xf, (first,), norm), _vec(xf, (blk.kv_a,), norm), 0
+  # kv_a's output at offset `at` of kv: after q_a's (or q's) in one product where the two weights share a type
+  one = first.ggml_type == blk.kv_a.ggml_type
+  qkv = _vec(xf, (first, blk.kv_a) if one else (first,), norm)
+  kv, at = (qkv, first.shape[0]) if one else (_vec(xf, (blk.kv_a,), norm), 0)
   pos, bind = _position(start_pos)
   cache = blk.cache.custom_kernel(kv, blk.kv_a_norm, blk.cos, blk.sin, *bind, fxn=partial(
-    kv_write_kernel, pos=pos, at=nq, eps=hp.eps, local=_local(kv.device)))[0]
+    kv_write_kernel, pos=pos, at=at, eps=hp.eps, local=_local(kv.device)))[0]
   q = _vec(qkv, (blk.q_b,), (blk.q_a_norm, hp.eps)) if hp.q_lora else qkv[:first.shape[0]]
   q_abs = per_head(q.reshape(1, 1, H, nope + rope), blk.k_b).reshape(H, hp.kv_lora)  # k_b reads q's nope part in place
   ctx = blk.cache.shape[1]
@@ -660,11 +655,11 @@ def _down(res: Tensor, act: Tensor, w: QWeight, routed: tuple[Tensor, Tensor, Ro
 def _ffn_input(hf: Tensor, gamma: Tensor, eps: float, q8: bool) -> tuple[Tensor, Norm | None]:
   """What the gate and up products read: h with the norm folded in, or with q8 the normalised h rounded to 8 bits (the
   native kernels' ffn_act=q8), which their output is rounded like before down reads it."""
-  if q8: return q8_round(_norm(hf, gamma, eps)).contiguous(), None
+  if q8: return q8_round(rms_norm(hf, gamma, eps).contiguous()).contiguous(), None
   return hf, (gamma, eps)
 
 
-def pseudo_experts(blk: Block) -> int:
+def _pseudo_experts(blk: Block) -> int:
   """How many pseudo-experts of the routed experts' width the shared expert runs as, inside the routed experts' kernels:
   its hidden width over theirs, where its weights have their types and form (merged gate+up or not); 0 where they do
   not (it runs kernels of its own)."""
@@ -679,14 +674,14 @@ def pseudo_experts(blk: Block) -> int:
 
 def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tensor:
   """h + MoE FFN(h) for one token: SiLU(gate) * up of the selected experts and the shared expert (one kernel), then
-  down over both with the routing weights (computed there from the router logits; wts is not read) and the residual add
-  (another). A shared expert that cannot run as the routed experts' pseudo-experts (pseudo_experts) has a kernel pair of
-  its own."""
+  down over both with the routing weights (computed there from the router logits; wts is not read) and the residual
+  add (another). A shared expert that cannot run as the routed experts' pseudo-experts (_pseudo_experts) has a kernel
+  pair of its own."""
   hp, q8 = blk.hp, blk.cfg.ffn_act == "q8"
   hf = h.reshape(hp.dim).float()
   x, norm = _ffn_input(hf, blk.ffn_norm, hp.eps, q8)
   rnd = (lambda a: q8_round(a)) if q8 else (lambda a: a)
-  routed, shared, n = (blk.gate_exps, blk.up_exps, blk.gate_up_exps), None, pseudo_experts(blk)
+  routed, shared, n = (blk.gate_exps, blk.up_exps, blk.gate_up_exps), None, _pseudo_experts(blk)
   res = hf
   if blk.shared:
     shared = (blk.gate_sh, blk.up_sh, blk.gate_up_sh)

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# End to end A/B of two versions of the code: `model bench` of configs under the working tree (new) and under an earlier
-# commit (old), interleaved, on full-depth synthetic files, with the native decode kernels of both versions timed alone first.
+# End to end A/B of versions of the code: `model bench` of configs under the working tree (new) and under earlier commits
+# (old, or other packed trees), interleaved, on full-depth synthetic files, with the native decode kernels of the working
+# tree and old timed alone first.
 #
-#   bash benchmarks/code_ab.sh pack REV     # here: REV's tracked code into .ab/old (ignored; carry it with .whl)
+#   bash benchmarks/code_ab.sh pack REV [TREE]   # here: REV's tracked code into .ab/TREE [old] (ignored; carry .ab with .whl)
 #   bash benchmarks/code_ab.sh run          # on the device: one call, nothing else running
 #
 # Environment [default]:
 #   MODELS    presets written as full-depth synthetic files [glm-4.7-flash deepseek-v2-lite]    QUANT [q4_0]
-#   VARIANTS  TREE:NAME=CONFIG ..., TREE new or old; run in this order in each repetition
+#   VARIANTS  TREE:NAME=CONFIG ..., TREE new (the working tree) or a packed tree; run in this order in each repetition
 #             [new:fused-native=benchmarks/configs/fused-native.json old:fused-native=benchmarks/configs/fused-native.json]
 #   REPS [2]  N ROUNDS: tokens per round and rounds of each model bench [32 3]   KERNELS [1]: time the kernels alone first
 #   KINDS     the kernel kinds to time (benchmarks/kernel_lab.py --kinds) [all]
@@ -16,11 +17,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case ${1:-} in
-  pack) [ -n "${2:-}" ] || { echo "usage: code_ab.sh pack REV" >&2; exit 2; }
-        rm -rf .ab/old && mkdir -p .ab/old && git archive "$2" model evaluator space search db benchmarks | tar -x -C .ab/old
-        git rev-parse "$2" > .ab/old/REV; echo ".ab/old: $(cat .ab/old/REV)"; exit 0 ;;
+  pack) [ -n "${2:-}" ] || { echo "usage: code_ab.sh pack REV [TREE]" >&2; exit 2; }
+        t=.ab/${3:-old}; rm -rf "$t" && mkdir -p "$t" && git archive "$2" model evaluator space search db benchmarks | tar -x -C "$t"
+        git rev-parse "$2" > "$t/REV"; echo "$t: $(cat "$t/REV")"; exit 0 ;;
   run) ;;
-  *) echo "usage: code_ab.sh pack REV | run" >&2; exit 2 ;;
+  *) echo "usage: code_ab.sh pack REV [TREE] | run" >&2; exit 2 ;;
 esac
 [ -d .ab/old ] || { echo "no .ab/old: run 'bash benchmarks/code_ab.sh pack REV' here and carry .ab" >&2; exit 2; }
 MODELS=${MODELS:-glm-4.7-flash deepseek-v2-lite} QUANT=${QUANT:-q4_0} REPS=${REPS:-2} N=${N:-32} ROUNDS=${ROUNDS:-3}
@@ -30,7 +31,7 @@ exec > >(tee -a "$OUT/ab.log") 2>&1
 python3 -c "import tinygrad" 2>/dev/null || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1; export PYTHONPATH=/tmp/site; }
 export PYTHONUNBUFFERED=1 DEV=${DEV:-CUDA}
-LABEL="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) ($DEV)" REV=$(cat .ab/old/REV)
+LABEL="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) ($DEV)"
 T0=$SECONDS; log() { echo "[+$((SECONDS - T0))s] $*"; }
 file() { echo "/tmp/$1-$QUANT.gguf"; }
 pids=()  # waited for by pid: a bare wait would also wait for the log's tee
@@ -42,16 +43,16 @@ if [ "${KERNELS:-1}" = 1 ]; then
 fi
 for rep in $(seq "$REPS"); do for m in $MODELS; do for v in $VARIANTS; do
   tree=${v%%:*} rest=${v#*:}; name=${rest%%=*} cfg=${rest#*=}
-  dir=$PWD; [ "$tree" = old ] && dir=$PWD/.ab/old
+  dir=$PWD; [ "$tree" = new ] || dir=$PWD/.ab/$tree
   res=$( (cd "$dir" && PYTHONPATH=$dir:${PYTHONPATH:-} timeout 200 python3 -m model bench --model "$(file "$m")" --config "$PWD/$cfg" -n "$N" \
           --rounds "$ROUNDS" --json) 2> "$OUT/err-$m-$tree-$name-$rep.log" | tail -1)
-  PYTHONPATH=$PWD:${PYTHONPATH:-} python3 - "$m" "$tree" "$name" "$rep" "$res" "$cfg" "$OUT/ab.jsonl" "$LABEL" "$QUANT" "$REV" <<'EOF'
+  PYTHONPATH=$PWD:${PYTHONPATH:-} python3 - "$m" "$tree" "$name" "$rep" "$res" "$cfg" "$OUT/ab.jsonl" "$LABEL" "$QUANT" "$(cat "$dir/REV" 2>/dev/null)" <<'EOF'
 import datetime, json, sys
 from model.structure import StructureConfig
 m, tree, name, rep, res, cfg, out, device, quant, rev = sys.argv[1:]
 c = StructureConfig.load(cfg)
 row = {"date": datetime.datetime.now(datetime.UTC).date().isoformat(), "kind": "decode", "device": device, "model": f"{m} (synthetic, exact shapes)",
-       "quant": quant.upper(), "config": name if tree == "new" else f"{name} (old code {rev[:7]})", "config_hash": c.hash, "beam": c.beam,
+       "quant": quant.upper(), "config": name if tree == "new" else f"{name} ({tree} code {rev[:7]})", "config_hash": c.hash, "beam": c.beam,
        "tree": tree, "rep": int(rep), "command": f"bash benchmarks/code_ab.sh run (model bench -n N --rounds R --config {cfg}, {tree} tree)"}
 try: d = json.loads(res)
 except json.JSONDecodeError: d = {"error": "no result (see err-*.log)"}

@@ -36,16 +36,17 @@ class Knob:
   (`fp32`: float32 work reordered; `fp16`: rounded to fp16 where the baseline is not; `q8`: 8-bit activations, checked
   against their twin; or a function of the value). When it applies: `applies(info)` on the model file; `stages`: the
   fused stages that replace the per-op code it changes (it applies while one of them runs per op, or on a backend that
-  `keeps` it); `fused_in`: it applies only while one of these stages is fused; `needs`: (knob, condition on its value, a
-  value that meets it); `devices`: the device kinds it applies on. `allowed`: what a config may hold where that is more
-  than the choices; `env`: the tinygrad variable it sets in a trial process. `name`, `field` and `key` come from where
-  it is declared."""
+  `keeps` it); `fused_in`: it applies only while one of these stages is fused (by backend `on`, where given);
+  `needs`: (knob, condition on its value, a value that meets it); `devices`: the device kinds it applies on. `allowed`:
+  what a config may hold where that is more than the choices; `env`: the tinygrad variable it sets in a trial process.
+  `name`, `field` and `key` come from where it is declared."""
   default: Any
   choices: tuple | Callable[[str, str], tuple]
   doc: str
   applies: Callable[[Info], bool] = lambda m: True
   stages: tuple[str, ...] = ()
   fused_in: tuple[str, ...] = ()
+  on: str | None = None
   needs: tuple[str, Callable[[Any], bool], Any] | None = None
   devices: tuple[str, ...] | None = None
   precision: str | Callable[[Any], str] = "fp32"
@@ -150,6 +151,12 @@ BACKENDS = {f"{q}:{r}": Knob(catalog.DEFAULT, lambda d, f, q=q, r=r: catalog.cho
                              stages=("moe",) if r == "expert" else (), precision=_backend_precision,
                              allowed=lambda r=r: tuple(n for n in catalog.names() if r in catalog.get(n).roles))
             for r in ROLES for q in sorted(QUANT_NAMES)}
+# output rows per thread of the dsl backend's products in its fused stages, keyed by product: one read of the input
+# serves a thread's rows, and fewer threads share the launch (model/backends/dsl.py `_rows`)
+DSL_PRODUCTS = {"qkv_a": ("attention",), "attn_out": ("attention",), "gate_up": ("moe", "ffn"), "down": ("moe", "ffn")}
+DSL_ROWS = {p: Knob(4 if p == "gate_up" else 1, (1, 2, 4),
+                    f"output rows per thread of the dsl {p} product (its UPCAST)", fused_in=st, on="dsl")
+            for p, st in DSL_PRODUCTS.items()}
 _beam = ("beam", lambda b: b > 0, 2)  # BEAM's settings apply when BEAM searches (a width of 2 shows them)
 
 
@@ -180,6 +187,7 @@ class StructureConfig:
   router_fp32: bool = knob(True, (True, False), "router matmul input in float32", applies=_moe, stages=("router",),
                            precision="fp16")
   backends: dict[str, str] = table(Table("backend", BACKENDS, "<QUANT>:<role>"))  # absent: catalog.DEFAULT
+  dsl_rows: dict[str, int] = table(Table("dsl_rows", DSL_ROWS, "product"))  # absent: its default
   beam: int = knob(0, (0, 1, 2, 4, 8), "BEAM width for the decode kernels")
   beam_upcast_max: int = knob(256, (64, 128, 256),
                               "tinygrad BEAM_UPCAST_MAX: largest upcast a BEAM candidate may apply", needs=_beam,
@@ -208,6 +216,10 @@ class StructureConfig:
       raise ConfigError("fused.attention absorbs k_b per token: it needs mla_absorb=runtime")
     if "moe" in self.fused and (k := next((k for k in self.backends if k.endswith(":expert")), None)):
       raise ConfigError(f"backends.{k} does not apply with fused.moe: the fused stage reads the expert weights itself")
+    for key in self.dsl_rows:
+      if not any(self.fused.get(st) == "dsl" for st in DSL_PRODUCTS[key]):
+        raise ConfigError(f"dsl_rows.{key} is read by the dsl backend's {' or '.join(DSL_PRODUCTS[key])} stage only: "
+                          f"set fused.{DSL_PRODUCTS[key][0]}=dsl")
     if self.ffn_act != "float32" and not {"moe", "ffn"} & set(self.fused):
       raise ConfigError(f"ffn_act={self.ffn_act} is read by the fused FFN stages only: set fused.moe or fused.ffn")
 
@@ -221,6 +233,7 @@ class StructureConfig:
 
   def backend(self, quant: str, role: str) -> str: return self.backends.get(f"{quant}:{role}", catalog.DEFAULT)
   def stage(self, name: str) -> str | None: return self.fused.get(name)
+  def rows(self, product: str) -> int: return self.dsl_rows.get(product, DSL_ROWS[product].default)
 
   @property
   def hash(self) -> str:

@@ -20,7 +20,7 @@ from model.gguf_file import GGUFFile
 from model.quants import QUANT_TYPES
 from model.structure import KNOBS, STAGES, ConfigError, StructureConfig
 
-SPACE_VERSION = 5
+SPACE_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -91,10 +91,12 @@ def knobs(info: ModelInfo, device: str = "CPU", family: str = "all") -> list[Kno
       conds.append(lambda v, stages=stages, keep=keep: any(v.get(_fused(s), "off") in keep for s in stages))
     # only while one of these stages is fused; a single change fuses the first, device-specific where there is one
     if d.fused_in:
-      if not (on := [s for s in d.fused_in if fusable(s)]): continue
-      conds.append(lambda v, on=on: any(v.get(_fused(s), "off") != "off" for s in on))
-      enable += ((_fused(on[0]),
-                  max(catalog.stage_choices(on[0], device, family), key=lambda b: not catalog.get(b).portable)),)
+      by = lambda s, d=d: d.on is None or d.on in catalog.stage_choices(s, device, family)
+      if not (on := [s for s in d.fused_in if fusable(s) and by(s)]): continue
+      conds.append(lambda v, on=on, b=d.on: any(v.get(_fused(s), "off") == b if b else v.get(_fused(s), "off") != "off"
+                                                for s in on))
+      enable += ((_fused(on[0]), d.on or max(catalog.stage_choices(on[0], device, family),
+                                             key=lambda b: not catalog.get(b).portable)),)
     if d.needs:
       other, cond, value = d.needs
       conds.append(lambda v, other=other, cond=cond: cond(v.get(other, KNOBS[other].default)))

@@ -65,9 +65,9 @@ def portable_outputs(quant: str) -> list[Tensor]:
   norm, shared, pseudo = (x(512), 1e-5), w((2 * 64, 512)) if two else None, 2 if two else 0
   return [dsl.linear(x(1, 5, 512), dense), dsl.per_head(x(1, 1, 4, 512), heads), dsl.expert(x(1, 1, 1, 512), sel, exps),
           dsl._vec(x(512), (dense,), res=x(64)), dsl._vec(x(512), (dense, shared) if two else (dense,), norm),
-          dsl._glu(x(512), norm, (None, None, exps), sel, (None, None, shared) if two else None, pseudo),
-          dsl._glu(x(512), None, (dense, dense, None)),
-          dsl._down(x(64), x(3 + pseudo, 512), w((5, 64, 512)), route, w((64, 1024)) if two else None)]
+          dsl._glu(x(512), norm, (None, None, exps), 4, sel, (None, None, shared) if two else None, pseudo),
+          dsl._glu(x(512), None, (dense, dense, None), 1),
+          dsl._down(x(64), x(3 + pseudo, 512), w((5, 64, 512)), 1, route, w((64, 1024)) if two else None)]
 
 
 @pytest.mark.parametrize("quant", sorted(catalog.get("dsl").quants))
@@ -105,14 +105,21 @@ for quant in sys.argv[1:]:
   act, logits, res = x(2, 512), x(5), x(16)
   wts = logits[sel.reshape(-1)].softmax()  # softmax over the selected experts' logits (gating 3)
   want = res + (tensor.BACKEND.expert(act.reshape(1, 1, 2, 512), sel, ref)[0, 0] * wts.unsqueeze(-1)).sum(0)
-  got = dsl._down(res, act, port, (sel, logits, (3, False, 1.0)))
+  got = dsl._down(res, act, port, 1, (sel, logits, (3, False, 1.0)))
   print(quant, "down", rel_err(got, want))
+  # 44 blocks a row (DeepSeek-V2-Lite's down, 1408 wide: 32-element blocks only): 11 threads of 4 blocks each, the
+  # wide split of `_group`
+  if quant in ("Q4_0", "Q8_0"):
+    ref44 = random_weight(rng, t, (5, 4, 1408))
+    port44, act44 = dsl.to_words(QWeight(dict(ref44.planes), t, ref44.shape, backend="dsl")), x(2, 1408)
+    want = res[:4] + (tensor.BACKEND.expert(act44.reshape(1, 1, 2, 1408), sel, ref44)[0, 0] * wts.unsqueeze(-1)).sum(0)
+    print(quant, "down44", rel_err(dsl._down(res[:4], act44, port44, 1, (sel, logits, (3, False, 1.0))), want))
   gamma, xg, up = x(512), x(512), random_weight(rng, t, (5, 16, 512))
   xn = xg * (xg.square().mean() + 1e-5).rsqrt() * gamma
   g, u = (tensor.BACKEND.expert(xn.reshape(1, 1, 1, 512), sel, r)[0, 0] for r in (ref, up))
   dslw = lambda r: QWeight(dict(r.planes), t, r.shape, backend="dsl")
   merged = dsl.to_words(concat_rows(dslw(ref), dslw(up)))
-  got = dsl._glu(xg, (gamma, 1e-5), (None, None, merged), sel)
+  got = dsl._glu(xg, (gamma, 1e-5), (None, None, merged), 4, sel)
   print(quant, "glu", rel_err(got, g.silu() * u))
 """
 
@@ -120,13 +127,14 @@ for quant in sys.argv[1:]:
 def test_portable_kernels_compute_the_reference_under_the_metal_emulator() -> None:
   """tinygrad's Python emulator with Metal's features (workgroups, shared memory): the experts' product, SiLU(gate) * up
   of merged gate+up weights (one kernel) with the norm folded in and down over the selected experts equal the tensor
-  backend's, for the types of the Q4_0 seed files and a K-quant."""
+  backend's, for the types of the Q4_0 seed files and a K-quant, with rows of 16 and of 44 blocks."""
   quants = ["Q4_0", "Q8_0", "Q6_K", "Q4_K"]
   env = {**os.environ, "DEV": "PYTHON::METAL"}
   out = subprocess.run([sys.executable, "-c", EMULATED, *quants], env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   errs = {tuple(line.split()[:2]): float(line.split()[2]) for line in out.stdout.splitlines()}
-  assert set(errs) == {(q, k) for q in quants for k in ("expert", "down", "glu")}
+  wide = {("Q4_0", "down44"), ("Q8_0", "down44")}
+  assert set(errs) == {(q, k) for q in quants for k in ("expert", "down", "glu")} | wide
   assert all(e < 1e-5 for e in errs.values()), errs
 
 
@@ -190,12 +198,33 @@ def test_every_stage_kernel_renders_for_cuda_metal_and_amd(monkeypatch) -> None:
                 "AMD": "__attribute__((shared"}[kind] in src, (kind, name)
 
 
-@pytest.mark.parametrize("preset,change", [("tiny", {}), ("tiny-lite", {}), ("tiny", {"merge_gate_up_shared": False})])
+def test_each_products_rows_per_thread_change_its_kernel() -> None:
+  """dsl_rows: each value of a product's rows per thread gives that product another kernel (rows over UPCAST and the
+  launch), here on the CPU as on a device with workgroups."""
+  rng, t = np.random.default_rng(1), TYPES["Q4_0"]
+  x = lambda *s: Tensor(rng.standard_normal(s).astype(np.float32))
+  w = lambda shape: dsl.to_words(random_weight(rng, t, shape, "dsl"))
+  dense, exps, sel = w((64, 512)), w((5, 64, 512)), Tensor(np.array([4, 0, 2], dtype=np.int32))
+  norm, route = (x(512), 1e-5), (sel, x(5), (SIGMOID, True, 1.8))
+  products = {"vec": lambda r: dsl._vec(x(512), (dense,), norm, rows=r),
+              "res": lambda r: dsl._vec(x(512), (dense,), res=x(64), rows=r),
+              "glu": lambda r: dsl._glu(x(512), norm, (None, None, exps), r, sel),
+              "down": lambda r: dsl._down(x(64), x(3, 512), w((5, 64, 512)), r, route)}
+  for name, product in products.items():
+    asts = [next(a for a in kernels(product(r)) if a.arg.name.startswith("dsl")) for r in (1, 2, 4)]
+    assert len({a.key for a in asts}) == 3, name
+
+
+ROWS_OFF_DEFAULT = {"dsl_rows": {"qkv_a": 4, "attn_out": 2, "gate_up": 2, "down": 4}}
+
+
+@pytest.mark.parametrize("preset,change", [("tiny", {}), ("tiny-lite", {}), ("tiny", {"merge_gate_up_shared": False}),
+                                           ("tiny", ROWS_OFF_DEFAULT)])
 def test_portable_stages_decode_as_the_per_op_path(tmp_path, preset: str, change: dict) -> None:
   """Every stage on dsl (attention, router, moe, ffn: UOp kernels end to end) gives the per-op path's logits at each
   position, with and without q_lora, sigmoid gating with a selection bias and softmax gating (fp32 KV cache), the
   shared expert as one or two pseudo-experts of the routed experts' kernels, or in kernels of its own where its weights
-  are not merged like theirs."""
+  are not merged like theirs, and with every product's rows per thread off its default."""
   import json
 
   from model.deepseek2 import Transformer

@@ -17,6 +17,9 @@ from model.structure import ConfigError, StructureConfig
 from space.knobs import ModelInfo, knobs, sample, single_knob_changes, size, suggest, to_config
 
 TOKENS = tuple((7919 * i + 17) % 1000 for i in range(16))
+# proved elsewhere: BEAM's settings, and the dsl products' rows per thread, which keep each row's sum in the same order
+# (tests/test_portable.py runs them all in one decode and checks each product's kernel)
+SEPARATE = ("beam", "dsl_rows")
 TINY_INFO = mix_info("q4_k_m")
 
 
@@ -25,7 +28,7 @@ def info(path: str) -> ModelInfo: return ModelInfo.from_gguf(GGUFFile(path))
 
 
 def changes(path: str) -> list[tuple[str, StructureConfig]]:
-  return [(label, cfg) for label, cfg in single_knob_changes(info(path)) if not label.startswith("beam")]
+  return [(label, cfg) for label, cfg in single_knob_changes(info(path)) if not label.startswith(SEPARATE)]
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +90,7 @@ def test_tiny_model_info(tiny) -> None:
   assert info(tiny) == TINY_INFO
 
 
-@pytest.mark.parametrize("label", [lbl for lbl, _ in single_knob_changes(TINY_INFO) if not lbl.startswith("beam")])
+@pytest.mark.parametrize("label", [lbl for lbl, _ in single_knob_changes(TINY_INFO) if not lbl.startswith(SEPARATE)])
 def test_knob_is_equivalent_and_changes_the_kernels(tiny, label: str) -> None:
   check_knob(tiny, label, dict(changes(tiny))[label], TOKENS)
 
@@ -123,3 +126,20 @@ def test_configs_of_an_earlier_schema_are_read_without_their_removed_fields() ->
   assert StructureConfig.from_dict(old) == StructureConfig(topk="sort")
   with pytest.raises(ConfigError, match="unknown field"):
     StructureConfig.from_dict({"schema_version": 2, "mv_blocksize": 4})
+
+
+def test_dsl_rows_apply_while_their_stage_runs_on_dsl() -> None:
+  """A product's rows per thread is read by the dsl backend only: it applies while a stage holding that product is fused
+  on dsl, not per op or on native; a config that sets it otherwise is refused."""
+  rows = {k.name: k for k in knobs(TINY_INFO, "CUDA") if k.name.startswith("dsl_rows.")}
+  assert set(rows) == {"dsl_rows.qkv_a", "dsl_rows.attn_out", "dsl_rows.gate_up", "dsl_rows.down"}
+  down = rows["dsl_rows.down"]
+  assert down.when({"fused.moe": "dsl"}) and down.when({"fused.moe": "native", "fused.ffn": "dsl"})
+  assert not down.when({}) and not down.when({"fused.moe": "native", "fused.ffn": "native"})
+  assert not rows["dsl_rows.qkv_a"].when({"fused.moe": "dsl", "fused.attention": "native"})
+  assert down.enable == (("fused.moe", "dsl"),) and rows["dsl_rows.qkv_a"].enable == (("fused.attention", "dsl"),)
+  assert StructureConfig(fused={"moe": "dsl"}, dsl_rows={"down": 4}).rows("down") == 4
+  assert StructureConfig(fused={"moe": "dsl"}).rows("down") == 1
+  for bad in ({"fused": {"moe": "native"}, "dsl_rows": {"down": 4}}, {"fused": {"moe": "dsl"}, "dsl_rows": {"down": 3}},
+              {"fused": {"moe": "dsl"}, "dsl_rows": {"qkv_a": 1}}):
+    with pytest.raises(ConfigError): StructureConfig(**bad)

@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 Planes = dict[str, UOp]  # each (rows, nblocks, field_len), as QWeight keeps them
 
 ROWS = 4  # output rows per thread
-GROUP = 32  # threads that split the blocks of a row (at most: the largest divisor of the block count)
+GROUP = 32  # threads that split a row (at most): LANES per block, times a divisor of the block count
+LANES = 4  # threads that split the words of a block (at most), so that consecutive threads read consecutive words
 THREADS = 32  # at least this many threads per workgroup: rows are spread over workgroup threads when GROUP is smaller
 STEP = 8  # at most this many of a thread's blocks per unrolled step
 MIN_THREADS = 16384  # fewer threads than this in a launch: one row per thread, so that more threads share the work
@@ -85,11 +86,13 @@ class _Spec:
   """How a block splits: `outer` ranges pick a scale group, `inner` ranges an element of it. code(p, r, b, *outer,
   *inner)
   -> (the element's offset in the block, its integer code as float32); scale(p, r, b, *outer) -> (scale, bias or None):
-  the element's value is scale * code + bias."""
+  the element's value is scale * code + bias. `word` is the inner range that picks a 32-bit word of the codes, which
+  LANES threads can split (None: the block is not split)."""
   outer: tuple[int, ...]
   inner: tuple[int, ...]
   code: Callable[..., tuple[UOp, UOp]]
   scale: Callable[..., tuple[UOp, UOp | None]]
+  word: int | None = None
 
 
 def _d(p: Planes, r: UOp, b: UOp, *_) -> tuple[UOp, None]: return _f(p["d"][r, b, 0]), None
@@ -150,23 +153,42 @@ def _float(p: Planes, r: UOp, b: UOp) -> tuple[UOp, UOp]:
 
 
 _SPECS: dict[int, _Spec] = {
-  Q4_0: _Spec((), (2, 4, 4), _q4_0, _d), Q8_0: _Spec((), (8, 4), _q8_0, _d),
+  Q4_0: _Spec((), (2, 4, 4), _q4_0, _d, 1), Q8_0: _Spec((), (8, 4), _q8_0, _d, 0),
   Q4_K: _Spec((2, 2, 2), (8, 4), _k_code(Q4_K), _k_scale(Q4_K)),
   Q5_K: _Spec((2, 2, 2), (8, 4), _k_code(Q5_K), _k_scale(Q5_K)), Q6_K: _Spec((2, 2, 2, 2), (4, 4), _q6_k, _q6_k_scale),
   F32: _Spec((), (), _float, lambda *_: (None, None)), F16: _Spec((), (), _float, lambda *_: (None, None)),
   BF16: _Spec((), (), _float, lambda *_: (None, None))}
 
 
-def _group(blocks: int, local: bool) -> int:
-  """Threads that split the blocks of a row: the largest divisor of the block count up to GROUP (1: no workgroups)."""
-  return next(g for g in range(GROUP, 0, -1) if blocks % g == 0) if local else 1
+def _lanes(ggml_type: int) -> int:
+  """Threads that split the words of one block (1 where the type's blocks are not split)."""
+  spec = _SPECS[ggml_type]
+  return 1 if spec.word is None else min(LANES, spec.inner[spec.word])
 
 
-def _rows(n: int, ids: Iterator[int], local: bool, group: int, lead: int = 1) -> tuple[UOp, tuple[UOp, ...]]:
-  """The row index of n output rows (of each of `lead` leading outputs) and its ranges: ROWS rows per thread (UPCAST)
-  where that leaves MIN_THREADS threads, spread over workgroup threads (LOCAL) until a workgroup has THREADS threads
-  with the group, the rest over workgroups (GLOBAL, or a loop without workgroups)."""
-  per = ROWS if n % ROWS == 0 and lead * n // ROWS * group >= MIN_THREADS else 1
+def _divisor(n: int, most: int) -> int:
+  """The largest divisor of n up to `most`."""
+  return next(d for d in range(min(n, most), 0, -1) if n % d == 0)
+
+
+def _group(blocks: int, ggml_type: int, local: bool) -> int:
+  """Threads that split a row (1: no workgroups): `_lanes` per block, times the largest divisor of the block count that
+  keeps them to GROUP; where that leaves each thread a block count `_dot` cannot unroll (a loop of single blocks, as 11
+  of DeepSeek-V2-Lite's 44), more threads (up to 2 * GROUP) with STEP or fewer blocks each."""
+  if not local: return 1
+  lanes = _lanes(ggml_type)
+  g, wide = _divisor(blocks, GROUP // lanes), blocks // _divisor(blocks, STEP)
+  if _divisor(per := blocks // g, STEP) < min(per, 4) and lanes * wide <= 2 * GROUP: g = wide
+  return lanes * g
+
+
+def _rows(n: int, ids: Iterator[int], local: bool, group: int, lead: int = 1,
+          per: int | None = None) -> tuple[UOp, tuple[UOp, ...]]:
+  """The row index of n output rows (of each of `lead` leading outputs) and its ranges: `per` rows per thread (UPCAST;
+  None: ROWS where that leaves MIN_THREADS threads), spread over workgroup threads (LOCAL) until a workgroup has THREADS
+  threads with the group, the rest over workgroups (GLOBAL, or a loop without workgroups)."""
+  if per is None: per = ROWS if lead * n // ROWS * group >= MIN_THREADS else 1
+  if n % per: per = 1
   spread = max(1, THREADS // group) if local else 1
   while spread > 1 and (n // per) % spread: spread //= 2
   parts = ((n // (per * spread), AxisType.GLOBAL if local else AxisType.WEAK), (spread, AxisType.LOCAL),
@@ -186,14 +208,19 @@ def _dot(xv: Callable[[UOp], UOp], p: Planes, ggml_type: int, r: UOp, ids: Itera
   unrolled pair (element 0 the product), so one reduction carries both (see `_rms_folded`)."""
   spec = _SPECS[ggml_type]
   nb = next(iter(p.values())).shape[1]
+  lanes = _lanes(ggml_type) if group > 1 else 1
+  group //= lanes
   per = nb // group  # a thread's blocks, read in unrolled steps of `step` (their loads issued together)
-  step = next(d for d in range(min(per, STEP), 0, -1) if per % d == 0)
+  step = _divisor(per, STEP)
   (bo, *red_o), (bu, *red_u) = _axis(per // step, ids, AxisType.REDUCE), _axis(step, ids, AxisType.UNROLL)
+  wl, *red_l = _axis(lanes, ids, AxisType.GROUP_REDUCE)  # before the blocks' range: a workgroup's fastest threads
   bg, *red_g = _axis(group, ids, AxisType.GROUP_REDUCE)
-  b, red = (bo * step + bu) * group + bg, (*red_o, *red_u, *red_g)
+  b, red = (bo * step + bu) * group + bg, (*red_o, *red_u, *red_l, *red_g)
   outer = tuple(UOp.range(n, next(ids), AxisType.UNROLL) for n in spec.outer)
-  inner = tuple(UOp.range(n, next(ids), AxisType.UNROLL) for n in spec.inner)
-  off, code = spec.code(p, r, b, *outer, *inner)
+  inner = [UOp.range(n // (lanes if j == spec.word else 1), next(ids), AxisType.UNROLL)
+           for j, n in enumerate(spec.inner)]
+  at = [v * lanes + wl if j == spec.word else v for j, v in enumerate(inner)]  # lane wl reads every lanes-th word
+  off, code = spec.code(p, r, b, *outer, *at)
   x = _f(xv(i := b * QUANT_TYPES[ggml_type].block + off))
   scale, bias = spec.scale(p, r, b, *outer)
   inner_sum = lambda v: v.reduce(*inner, arg=Ops.ADD) if inner else v
@@ -259,7 +286,7 @@ def _lead(size: int, ids: Iterator[int]) -> UOp:
 def dense_kernel(out: UOp, x: UOp, *planes: UOp, names: tuple[str, ...], ggml_type: int, local: bool) -> UOp:
   """out (N, O) = x (N, I) @ w.T for planes of w (O, I)."""
   ids, p = count(), dict(zip(names, planes, strict=True))
-  group = _group(_blocks(p), local)
+  group = _group(_blocks(p), ggml_type, local)
   n = _lead(out.shape[0], ids)
   o, rows = _rows(out.shape[1], ids, local, group, out.shape[0])
   acc = _dot(lambda i: x[n, i], p, ggml_type, o, ids, group)
@@ -269,7 +296,7 @@ def dense_kernel(out: UOp, x: UOp, *planes: UOp, names: tuple[str, ...], ggml_ty
 def per_head_kernel(out: UOp, x: UOp, *planes: UOp, names: tuple[str, ...], ggml_type: int, local: bool) -> UOp:
   """out (N, H, O): per head h, x (N, H, I) @ w[h].T for planes of w (H*O, I)."""
   ids, p = count(), dict(zip(names, planes, strict=True))
-  group = _group(_blocks(p), local)
+  group = _group(_blocks(p), ggml_type, local)
   n, h = _lead(out.shape[0], ids), _lead(out.shape[1], ids)
   o, rows = _rows(out.shape[2], ids, local, group, out.shape[0] * out.shape[1])
   acc = _dot(lambda i: x[n, h, i], p, ggml_type, h * out.shape[2] + o, ids, group)
@@ -288,7 +315,7 @@ def expert_kernel(out: UOp, x: UOp, sel: UOp, *planes: UOp, names: tuple[str, ..
                   local: bool) -> UOp:
   """out (M, K, O): for token m and slot k, x (M, K or 1, I) @ w[sel[m, k]].T for planes of w (E*O, I)."""
   ids, p = count(), dict(zip(names, planes, strict=True))
-  group = _group(_blocks(p), local)
+  group = _group(_blocks(p), ggml_type, local)
   m, k = _lead(out.shape[0], ids), _lead(out.shape[1], ids)
   o, rows = _rows(out.shape[2], ids, local, group, out.shape[0] * out.shape[1])
   xk = k if x.shape[1] > 1 else UOp.const(0, dtypes.weakint)  # gate and up share one input for all K slots
@@ -346,24 +373,24 @@ def _planes(w: QWeight, srcs: tuple[UOp, ...]) -> tuple[Planes, tuple[UOp, ...]]
 
 
 def vector_kernel(out: UOp, x: UOp, *srcs: UOp, ws: tuple[QWeight, ...], eps: float | None, residual: bool,
-                  local: bool) -> UOp:
+                  rows: int | None, local: bool) -> UOp:
   """out (O,) = [res +] w . [rmsnorm(x) * gamma] for one token: srcs = [gamma], [res], the planes of each weight of ws.
   Two weights (of one type and width) are one product over their rows stacked, the second's after the first's."""
   gamma, srcs = _front(srcs, eps is not None)
   res, srcs = _front(srcs, residual)
   ids, (p, srcs) = count(), _planes(ws[0], srcs)
-  group = _group(_blocks(p), local)
-  o, rows = _rows(out.shape[0], ids, local, group)
+  group = _group(_blocks(p), ws[0].ggml_type, local)
+  o, ranges = _rows(out.shape[0], ids, local, group, per=rows)
   if len(ws) == 2:
     n0 = ws[0].shape[0]
     p = _picked(o < n0, p, _planes(ws[1], srcs)[0], lambda r, b: (r - n0, b))
   acc = _norm_dot(x, gamma, eps, p, ws[0].ggml_type, o, ids, group)
   if res is not None: acc = _f(res[o]) + acc
-  return _sink(out[o].store(acc), rows, "res" if residual else "vec", ws[0].ggml_type)
+  return _sink(out[o].store(acc), ranges, "res" if residual else "vec", ws[0].ggml_type)
 
 
 def gate_up_kernel(out: UOp, x: UOp, *srcs: UOp, w: QWeight, shared: QWeight | None, eps: float | None, experts: int,
-                   glu: bool, local: bool) -> UOp:
+                   glu: bool, rows: int, local: bool) -> UOp:
   """out (S, R) = w[sel[s]] . xn for the K selected experts (srcs = [gamma], sel (K,), the planes of w [and of shared];
   R rows per expert), then for S - K pseudo-experts the rows of the shared expert `shared`, R each; or one plain FFN
   (S = 1, no sel). xn = rmsnorm(x) * gamma where the norm is folded in, else x. glu: the weights are merged gate+up (an
@@ -373,9 +400,9 @@ def gate_up_kernel(out: UOp, x: UOp, *srcs: UOp, w: QWeight, shared: QWeight | N
   gamma, srcs = _front(srcs, eps is not None)
   sel, srcs = _front(srcs, experts > 0)
   ids, (p, srcs) = count(), _planes(w, srcs)
-  group = _group(_blocks(p), local)
+  group = _group(_blocks(p), w.ggml_type, local)
   y, R = _lead(out.shape[0], ids), out.shape[1]
-  o, rows = _rows(R, ids, local, group, out.shape[0] * (2 if glu else 1))
+  o, ranges = _rows(R, ids, local, group, per=rows)
   half = UOp.range(2, next(ids), AxisType.UNROLL) if glu else UOp.const(0, dtypes.weakint)
   row = half * R + o
   if sel is not None:
@@ -386,14 +413,14 @@ def gate_up_kernel(out: UOp, x: UOp, *srcs: UOp, w: QWeight, shared: QWeight | N
       p = _picked(y < K, p, _planes(shared, srcs)[0], lambda r, b: (sh_row, b))
   acc = _norm_dot(x, gamma, eps, p, w.ggml_type, row, ids, group)
   if glu: acc = half.eq(0).where(acc.silu(), acc).reduce(half, arg=Ops.MUL)
-  return _sink(out[y, o].store(acc), (*_ranges(y), *rows), "glu" if glu else "gate_up", w.ggml_type)
+  return _sink(out[y, o].store(acc), (*_ranges(y), *ranges), "glu" if glu else "gate_up", w.ggml_type)
 
 
 Route = tuple[int, bool, float]  # how routing weights are computed: the gating function, normalisation, scale
 
 
 def down_kernel(out: UOp, res: UOp, act: UOp, *srcs: UOp, w: QWeight, shared: QWeight | None, route: Route | None,
-                local: bool) -> UOp:
+                rows: int, local: bool) -> UOp:
   """out (D,) = res + sum_k weight_k * (down[sel[k]] . act[k]) over the K selected experts (srcs = sel (K,), the router
   logits, the planes of w [and of shared]), their routing weights computed from the logits (`_routing_weight`), plus,
   with `shared`, the shared expert's down . act over act's rows after the K (its input split into pseudo-experts of
@@ -403,11 +430,11 @@ def down_kernel(out: UOp, res: UOp, act: UOp, *srcs: UOp, w: QWeight, shared: QW
   sel, srcs = _front(srcs, route is not None)
   logits, srcs = _front(srcs, route is not None)
   p, srcs = _planes(w, srcs)
-  group = _group(_blocks(p), local)
-  o, rows = _rows(out.shape[0], ids, local, group)
+  group = _group(_blocks(p), w.ggml_type, local)
+  o, ranges = _rows(out.shape[0], ids, local, group, per=rows)
   if route is None:
     acc = _dot(lambda i: act[0, i], p, w.ggml_type, o, ids, group)
-    return _sink(out[o].store(_f(res[o]) + acc), rows, "down", w.ggml_type)
+    return _sink(out[o].store(_f(res[o]) + acc), ranges, "down", w.ggml_type)
   K = sel.shape[0]
   k, *kr = _axis(act.shape[0], ids, AxisType.UNROLL)
   ks = k.minimum(K - 1)
@@ -418,7 +445,7 @@ def down_kernel(out: UOp, res: UOp, act: UOp, *srcs: UOp, w: QWeight, shared: QW
     weight = (k < K).where(weight, UOp.const(1.0, dtypes.float32))
   acc = _dot(lambda i: act[k, i], p, w.ggml_type, _expert_id(sel, w.shape[0], ks) * out.shape[0] + o, ids, group)
   acc = (acc * weight).reduce(*kr, arg=Ops.ADD) if kr else acc * weight
-  return _sink(out[o].store(_f(res[o]) + acc), rows, "down", w.ggml_type)
+  return _sink(out[o].store(_f(res[o]) + acc), ranges, "down", w.ggml_type)
 
 
 def _custom(kernel: Callable[..., UOp], shape: tuple[int, ...], srcs: list[Tensor], dtype=dtypes.float32,
@@ -427,12 +454,14 @@ def _custom(kernel: Callable[..., UOp], shape: tuple[int, ...], srcs: list[Tenso
   return out.custom_kernel(*srcs, fxn=partial(kernel, local=_local(srcs[0].device), **kw))[0]
 
 
-def _vec(x: Tensor, ws: tuple[QWeight, ...], norm: Norm | None = None, res: Tensor | None = None) -> Tensor:
-  """[res +] w . [rmsnorm(x) * gamma] for one token: x (in,) -> (out,) float32; two weights' rows stacked."""
+def _vec(x: Tensor, ws: tuple[QWeight, ...], norm: Norm | None = None, res: Tensor | None = None,
+         rows: int | None = None) -> Tensor:
+  """[res +] w . [rmsnorm(x) * gamma] for one token: x (in,) -> (out,) float32; two weights' rows stacked; `rows` per
+  thread (None: `_rows`' rule)."""
   srcs = [x.float(), *norm[:1]] if norm else [x.float()]
   srcs += ([res.float()] if res is not None else []) + [t for w in ws for t in w.planes.values()]
   return _custom(vector_kernel, (sum(w.shape[0] for w in ws),), srcs, ws=ws, eps=norm[1] if norm else None,
-                 residual=res is not None)
+                 residual=res is not None, rows=rows)
 
 
 def attention(blk: Block, x: Tensor, start_pos, pos: Tensor | None) -> Tensor:
@@ -446,8 +475,8 @@ def attention(blk: Block, x: Tensor, start_pos, pos: Tensor | None) -> Tensor:
   first = blk.q_a if hp.q_lora else blk.q_b
   # kv_a's output at offset `at` of kv: after q_a's (or q's) in one product where the two weights share a type
   one = first.ggml_type == blk.kv_a.ggml_type
-  qkv = _vec(xf, (first, blk.kv_a) if one else (first,), norm)
-  kv, at = (qkv, first.shape[0]) if one else (_vec(xf, (blk.kv_a,), norm), 0)
+  qkv = _vec(xf, (first, blk.kv_a) if one else (first,), norm, rows=blk.cfg.rows("qkv_a"))
+  kv, at = (qkv, first.shape[0]) if one else (_vec(xf, (blk.kv_a,), norm, rows=blk.cfg.rows("qkv_a")), 0)
   pos, bind = _position(start_pos)
   cache = blk.cache.custom_kernel(kv, blk.kv_a_norm, blk.cos, blk.sin, *bind, fxn=partial(
     kv_write_kernel, pos=pos, at=at, eps=hp.eps, local=_local(kv.device)))[0]
@@ -458,7 +487,7 @@ def attention(blk: Block, x: Tensor, start_pos, pos: Tensor | None) -> Tensor:
               nope=nope)
   o = _custom(pv_kernel, (H, hp.kv_lora), [s, cache, *bind], pos=pos)
   out = per_head(o.reshape(1, H, hp.kv_lora), blk.v_b)
-  return _vec(out.reshape(-1), (blk.wo,), res=xf).reshape(1, 1, dim)
+  return _vec(out.reshape(-1), (blk.wo,), res=xf, rows=blk.cfg.rows("attn_out")).reshape(1, 1, dim)
 
 
 def _gating(logits: UOp, gating: int, ids: Iterator[int]) -> Callable[[UOp], UOp]:
@@ -625,7 +654,7 @@ def q8_round(x: Tensor) -> Tensor:
   return ((b * (am > 0).where(127 / am, 0)).round() * (am / 127)).reshape(x.shape)
 
 
-def _glu(x: Tensor, norm: Norm | None, w: Ffn, sel: Tensor | None = None, shared: Ffn | None = None,
+def _glu(x: Tensor, norm: Norm | None, w: Ffn, rows: int, sel: Tensor | None = None, shared: Ffn | None = None,
          pseudo: int = 0) -> Tensor:
   """SiLU(gate . xn) * (up . xn): (S, hidden) for the S selected experts (sel) followed by the shared expert's rows as
   `pseudo` experts, or (1, hidden) for one plain FFN. Merged gate+up is one kernel with SiLU(gate) * up inside;
@@ -636,20 +665,21 @@ def _glu(x: Tensor, norm: Norm | None, w: Ffn, sel: Tensor | None = None, shared
   def prod_(w: QWeight, sh: QWeight | None, glu: bool) -> Tensor:
     planes = list(w.planes.values()) + (list(sh.planes.values()) if sh is not None else [])
     return _custom(gate_up_kernel, (slots, w.shape[-2] // (2 if glu else 1)), srcs + planes, w=w, shared=sh,
-                   eps=norm[1] if norm else None, experts=w.shape[0] if sel is not None else 0, glu=glu)
+                   eps=norm[1] if norm else None, experts=w.shape[0] if sel is not None else 0, glu=glu, rows=rows)
   (gate, up, gate_up), (sg, su, sgu) = w, shared or (None, None, None)
   if gate_up is not None: return prod_(gate_up, sgu, True)
   return prod_(gate, sg, False).silu() * prod_(up, su, False)
 
 
-def _down(res: Tensor, act: Tensor, w: QWeight, routed: tuple[Tensor, Tensor, Route] | None = None,
+def _down(res: Tensor, act: Tensor, w: QWeight, rows: int, routed: tuple[Tensor, Tensor, Route] | None = None,
           shared: QWeight | None = None) -> Tensor:
   """res + down . act [over the selected experts of routed = (sel, router logits, route), weighted by their routing
   weights, then the shared expert's down over act's rows after theirs]."""
   srcs = [res.float(), act]
   if routed is not None: srcs += [routed[0].reshape(-1).cast(dtypes.int32), routed[1].reshape(-1).float()]
   srcs += list(w.planes.values()) + (list(shared.planes.values()) if shared is not None else [])
-  return _custom(down_kernel, (res.shape[0],), srcs, w=w, shared=shared, route=routed[2] if routed else None)
+  return _custom(down_kernel, (res.shape[0],), srcs, w=w, shared=shared, route=routed[2] if routed else None,
+                 rows=rows)
 
 
 def _ffn_input(hf: Tensor, gamma: Tensor, eps: float, q8: bool) -> tuple[Tensor, Norm | None]:
@@ -677,7 +707,7 @@ def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tens
   down over both with the routing weights (computed there from the router logits; wts is not read) and the residual
   add (another). A shared expert that cannot run as the routed experts' pseudo-experts (_pseudo_experts) has a kernel
   pair of its own."""
-  hp, q8 = blk.hp, blk.cfg.ffn_act == "q8"
+  hp, q8, gu, dn = blk.hp, blk.cfg.ffn_act == "q8", blk.cfg.rows("gate_up"), blk.cfg.rows("down")
   hf = h.reshape(hp.dim).float()
   x, norm = _ffn_input(hf, blk.ffn_norm, hp.eps, q8)
   rnd = (lambda a: q8_round(a)) if q8 else (lambda a: a)
@@ -685,9 +715,10 @@ def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tens
   res = hf
   if blk.shared:
     shared = (blk.gate_sh, blk.up_sh, blk.gate_up_sh)
-    if not n: res, shared = _down(hf, rnd(_glu(x, norm, shared)), blk.down_sh), None
-  act = rnd(_glu(x, norm, routed, sel, shared, n))
-  return _down(res, act, blk.down_exps, (sel, logits, _route(blk)), blk.down_sh if n else None).reshape(1, 1, hp.dim)
+    if not n: res, shared = _down(hf, rnd(_glu(x, norm, shared, gu)), blk.down_sh, dn), None
+  act = rnd(_glu(x, norm, routed, gu, sel, shared, n))
+  out = _down(res, act, blk.down_exps, dn, (sel, logits, _route(blk)), blk.down_sh if n else None)
+  return out.reshape(1, 1, hp.dim)
 
 
 def ffn(blk: Block, h: Tensor) -> Tensor:
@@ -695,8 +726,8 @@ def ffn(blk: Block, h: Tensor) -> Tensor:
   hp, q8 = blk.hp, blk.cfg.ffn_act == "q8"
   hf = h.reshape(hp.dim).float()
   x, norm = _ffn_input(hf, blk.ffn_norm, hp.eps, q8)
-  act = _glu(x, norm, (blk.gate, blk.up, blk.gate_up))
-  return _down(hf, q8_round(act) if q8 else act, blk.down).reshape(1, 1, hp.dim)
+  act = _glu(x, norm, (blk.gate, blk.up, blk.gate_up), blk.cfg.rows("gate_up"))
+  return _down(hf, q8_round(act) if q8 else act, blk.down, blk.cfg.rows("down")).reshape(1, 1, hp.dim)
 
 
 class DslBackend(Backend):

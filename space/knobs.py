@@ -93,8 +93,8 @@ def knobs(info: ModelInfo, device: str = "CPU", family: str = "all") -> list[Kno
     if d.fused_in:
       by = lambda s, d=d: d.on is None or d.on in catalog.stage_choices(s, device, family)
       if not (on := [s for s in d.fused_in if fusable(s) and by(s)]): continue
-      conds.append(lambda v, on=on, b=d.on: any(v.get(_fused(s), "off") == b if b else v.get(_fused(s), "off") != "off"
-                                                for s in on))
+      runs = lambda backend, d=d: backend == d.on if d.on else backend != "off"
+      conds.append(lambda v, on=on, runs=runs: any(runs(v.get(_fused(s), "off")) for s in on))
       enable += ((_fused(on[0]), d.on or max(catalog.stage_choices(on[0], device, family),
                                              key=lambda b: not catalog.get(b).portable)),)
     if d.needs:

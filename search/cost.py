@@ -7,7 +7,10 @@ re-measurements before it (the baseline repeated between trials, near-best confi
 plus the search's own time around them (sampling, storage, the device lock: what is outside every trial process). The
 projection is setup once plus N times the mean trial without its setup: it assumes the next trials mix stages, pruning
 and BEAM widths as the measured ones did. The ladder prunes only after its first trials ran both stages, so early trials
-make it an upper bound."""
+make it an upper bound.
+
+Time to best: the study's wall time (the same sums, in trial order) up to the end of the first trial whose full-model
+tok/s is within NEAR_BEST of the fastest the study measured, which is when a user watching it had a config that good."""
 from __future__ import annotations
 
 import itertools
@@ -22,6 +25,7 @@ from search.formats import Section
 PHASES = ("load_s", "compile_s", "prefill_s", "prompt_s", "check_s", "warmup_s", "measure_s", "profile_s", "overhead_s")
 MEASURED = ("ok", "wrong_output", "pruned", "runtime_error", "compile_error", "timeout", "oom", "killed",
             "invalid_config")
+NEAR_BEST = 0.05
 
 
 def trial_cost(t: Trial, gap_s: float = 0.0, repeat_s: float = 0.0) -> dict[str, Any]:
@@ -35,6 +39,7 @@ def trial_cost(t: Trial, gap_s: float = 0.0, repeat_s: float = 0.0) -> dict[str,
   repeat = min(repeat_s, gap_s)
   search = m.get("search_overhead_s", 0.0) + gap_s - repeat
   return {"trial": t.number, "state": t.state, "stage": t.stage, "beam": json.loads(t.config_json).get("beam", 0),
+          "tok_s": t.tok_s if t.state == "ok" and full_stage else None,
           "ladder": m.get("ladder"), "wall_s": block + full + setup + repeat + search, "setup_s": setup,
           "repeat_s": repeat, "search_s": search, "block_s": block, "full_s": full,
           **{k: p[k] for k in PHASES if k in p and full_stage}}
@@ -70,10 +75,21 @@ def study_cost(trials: Sequence[Trial], n: int = 200, measurements: Sequence[Mea
   medians = {k: statistics.median(r[k] for r in full if k in r) for k in ("full_s", *PHASES)
              if any(k in r for r in full)}
   blocks = [r["block_s"] for r in rows if r["block_s"]]
-  return {"trials": rows, "n": len(rows), "full_stage": len(full), "block_stage": len(blocks),
+  return {**_time_to_best(rows), "trials": rows, "n": len(rows), "full_stage": len(full), "block_stage": len(blocks),
           "median_block_s": statistics.median(blocks) if blocks else None, "median": medians,
           "setup_s": setup, "repeat_s": repeats, "mean_trial_s": per_trial, "search_share": search / sum(walls)
           if sum(walls) else 0.0, "projected_n": n, "projected_s": setup + n * per_trial}
+
+
+def _time_to_best(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+  """The fastest measured trial, and the wall seconds (summed in trial order) to the first within NEAR_BEST of it."""
+  ok = [r for r in rows if r["tok_s"]]
+  if not ok: return {"best_trial": None, "best_tok_s": None, "near_best_trial": None, "time_to_best_s": None}
+  best = max(ok, key=lambda r: r["tok_s"])
+  near = next(r for r in ok if r["tok_s"] >= (1 - NEAR_BEST) * best["tok_s"])
+  elapsed = dict(zip((r["trial"] for r in rows), itertools.accumulate(r["wall_s"] for r in rows), strict=True))
+  return {"best_trial": best["trial"], "best_tok_s": best["tok_s"], "near_best_trial": near["trial"],
+          "time_to_best_s": elapsed[near["trial"]]}
 
 
 def cost_doc(study: str, schema: int, trials: Sequence[Trial], n: int = 200,
@@ -88,11 +104,11 @@ def _s(v: float | None) -> str: return "" if v is None else f"{v:.1f}"
 
 def cost_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
   """The per-trial table (seconds per phase) and what it projects."""
-  cols = ["trial", "state", "stage", "beam", "ladder", "wall", "setup", "repeats", "search", "block stage",
+  cols = ["trial", "state", "stage", "beam", "ladder", "tok/s", "wall", "setup", "repeats", "search", "block stage",
           "full stage", *(p[:-2] for p in PHASES)]
-  rows = [[r["trial"], r["state"], r["stage"], r["beam"], r["ladder"], _s(r["wall_s"]), _s(r["setup_s"]),
-           _s(r["repeat_s"] or None), _s(r["search_s"]), _s(r["block_s"] or None), _s(r["full_s"] or None),
-           *(_s(r.get(p)) for p in PHASES)] for r in doc["trials"]]
+  rows = [[r["trial"], r["state"], r["stage"], r["beam"], r["ladder"], _s(r["tok_s"]), _s(r["wall_s"]),
+           _s(r["setup_s"]), _s(r["repeat_s"] or None), _s(r["search_s"]), _s(r["block_s"] or None),
+           _s(r["full_s"] or None), *(_s(r.get(p)) for p in PHASES)] for r in doc["trials"]]
   if not doc["n"]: return [Section("trial cost (s)", cols, rows, records=[])], ["no measured trial yet"]
   h = doc["projected_s"] / 3600
   notes = [f"{doc['n']} measured trials ({doc['full_stage']} reached the full model, {doc['block_stage']} ran the "
@@ -101,6 +117,10 @@ def cost_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
            f"{100 * doc['search_share']:.2f}%.",
            f"projected wall time of {doc['projected_n']} trials on one device: {h:.2f} h (setup once + the mean trial "
            "as measured)."]
+  if doc["best_trial"] is not None:
+    notes.append(f"time to best: {doc['time_to_best_s']:.0f} s of study wall time to trial {doc['near_best_trial']}, "
+                 f"the first within {NEAR_BEST:.0%} of the fastest (trial {doc['best_trial']}, "
+                 f"{doc['best_tok_s']:.2f} tok/s).")
   drop = ("profile", "overhead", "prompt", "prefill", "warmup", "check", "load", "measure", "compile", "repeats",
           "setup", "search", "ladder", "beam", "stage", "block stage", "full stage")
   return [Section("trial cost (s)", cols, rows, records=doc["trials"], drop=drop)], notes

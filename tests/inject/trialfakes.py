@@ -149,13 +149,14 @@ def fake_tok_s(config: dict, stage: str, proxy: str = "predicts") -> float:
   return full if stage == "full" else 3 * full if proxy == "predicts" else 10 + h[1] / 16
 
 
-def fake_run_process(seconds: float = 0.0, proxy: str = "predicts", status: str = "ok"):
-  """A stand-in for evaluator.runner.run_process: waits `seconds`, then reports fake_tok_s with status `status`."""
+def fake_run_process(seconds: float = 0.0, proxy: str = "predicts", status: str = "ok", proxy_cost: float = 0.1):
+  """A stand-in for evaluator.runner.run_process: waits `seconds` (the block stage `proxy_cost` of that), then reports
+  fake_tok_s with status `status`."""
   from evaluator.result import TrialResult
   def run_process(spec, timeout: float, on_phase=None) -> TrialResult:
     t0 = time.time()
     if on_phase: on_phase("measure")
-    time.sleep(seconds)
+    time.sleep(seconds * (proxy_cost if spec.stage == "block" else 1.0))
     tok_s = fake_tok_s(spec.config, spec.stage, proxy)
     metrics = {"tok_s": tok_s, "tok_s_min": tok_s, "tok_s_max": tok_s, "layers": spec.layers or 0,
                "kernels_per_token": 100, "bytes_per_token": 1_000_000, "peak_device_bytes": 1 << 20,

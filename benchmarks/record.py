@@ -20,10 +20,11 @@ A trial gives: a `decode` line (the figure, with `llama_cpp_tok_s` and its stdde
 --llama is given), a `trial` line (status, wall and each phase's seconds), a `gate` line (the correctness check's
 verdict and figures) when the check ran, and one `profile` line per kernel of the per-kernel profile. A study gives a
 `trial` line per measured trial (its stages' and phases' seconds, search/cost.py; its tok/s), a `gate` line per
-full-model verdict, a `confirmation` line per A/B confirmation against the baseline (search confirm), and one `study`
-line: what its trials cost and the projected wall time of 200. llama-bench's output gives a `llama_cpp` line,
-upstream_llm.py's an `upstream` line (config "tinygrad.llm (upstream)"). benchmarks/render.py holds the fields every
-kind of line must have (REQUIRED).
+full-model verdict, a `profile` line per kernel of each profiled trial (search confirm profiles the winner), a
+`confirmation` line per A/B confirmation against the baseline (search confirm), and one `study` line: what its trials
+cost, the time to a config within 5% of its best, and the projected wall time of 200. llama-bench's output gives a
+`llama_cpp` line, upstream_llm.py's an `upstream` line (config "tinygrad.llm (upstream)"). benchmarks/render.py holds
+the fields every kind of line must have (REQUIRED).
 """
 from __future__ import annotations
 
@@ -124,6 +125,7 @@ def study_lines(url: str, name: str, device: str, model_name: str, quant: str, c
     trials = {t.number: t for t in store.trials(s, st)}
     doc, layers = study_cost(list(trials.values()), project, store.measurements(s, st, stage=None)), st.layers
     confirmed = [(c, c.trial.number) for c in store.confirmations(s, st)]
+    profiles = {n: list(t.profile) for n, t in trials.items()}
   out = []
   for r in doc["trials"]:
     t = trials[r["trial"]]
@@ -133,10 +135,17 @@ def study_lines(url: str, name: str, device: str, model_name: str, quant: str, c
     head |= {"config_hash": t.config_hash, "beam": cfg.beam, "study": name, "trial": t.number}
     tok_s = {"tok_s": _round(t.metrics["tok_s"], 2)} if t.state == "ok" and (t.metrics or {}).get("tok_s") else {}
     out.append(head | {"kind": "trial", "status": t.state, "stage": t.stage, "ladder": r["ladder"]} | tok_s
-               | {k: _round(v, 2) for k, v in r.items() if k.endswith("_s")} | {"command": command})
+               | {k: _round(v, 2) for k, v in r.items() if k.endswith("_s") and k != "tok_s"} | {"command": command})
     if t.stage == "full" and t.check:
       out.append(head | {"kind": "gate", "name": head["config"], "state": t.state, **check_figures(t.check),
                          "check_s": _round((t.phases or {}).get("check_s"), 2), "command": command})
+    m = t.metrics or {}
+    bw = m["gb_s"] / m["bandwidth_share"] if m.get("gb_s") and m.get("bandwidth_share") else None
+    for p in profiles[t.number]:  # the winner's, profiled by search confirm
+      out.append(head | {"kind": "profile", "rank": p.rank, "name": p.name, "count": p.count,
+                         "us_per_token": _round(p.us_per_token, 2), "share": _round(p.share, 4),
+                         "gb_s": _round(p.gb_s, 2), "bandwidth_share": _round(p.gb_s / bw, 4)
+                         if p.gb_s is not None and bw else None, "command": command})
   for c, number in confirmed:
     cfg = StructureConfig.from_json(trials[number].config_json)
     out.append(common("confirmation", device, model_name, layers, quant, describe(cfg) or "baseline") | {
@@ -151,6 +160,8 @@ def study_lines(url: str, name: str, device: str, model_name: str, quant: str, c
       "mean_trial_s": _round(doc["mean_trial_s"], 1), "search_share": _round(doc["search_share"], 5),
       "median_phases_s": {k: _round(v, 2) for k, v in doc["median"].items()}, "projected_n": project,
       "projected_s": _round(doc["projected_s"], 0), "projected_h": _round(doc["projected_s"] / 3600, 2),
+      "best_trial": doc["best_trial"], "best_tok_s": _round(doc["best_tok_s"], 2),
+      "near_best_trial": doc["near_best_trial"], "time_to_best_s": _round(doc["time_to_best_s"], 0),
       "command": command})
   return out
 

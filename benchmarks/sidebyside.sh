@@ -54,14 +54,7 @@ if [ ! -x "$BENCH" ] && [ -z "${LLAMA_BENCH:-}" ]; then  # first; stopped (with 
   BUILD=$!
 fi
 
-if [ -d .whl ] && ! "$PY" -c "import tinygrad" 2>/dev/null; then  # the device's image lacks the project's packages
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-
-if [ "$DEVICE" = CUDA ]; then LABEL="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) (CUDA)"
-else LABEL="$("$PY" -c 'import platform; print(platform.processor() or platform.machine())') ($DEVICE)"; fi
+. benchmarks/device_env.sh
 SYNTH="--quant $QUANT${LAYERS:+ --layers $LAYERS}$( [ "$ROUTING" = random ] || echo " --routing $ROUTING")"  # model synth's options
 file() { echo "$WORK/$1-$QUANT${LAYERS:+-L$LAYERS}$( [ "$ROUTING" = random ] || echo "-$ROUTING").gguf"; }
 name() { echo "$1 (synthetic, exact shapes$( [ "$ROUTING" = random ] || echo ", $ROUTING routing"))"; }

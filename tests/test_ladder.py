@@ -49,7 +49,7 @@ def test_the_proxy_prunes_only_where_it_predicts(model, tmp_path, monkeypatch, c
   ladder = [(t.metrics or {}).get("ladder") for t in ts if t.state != "reused"]
   assert ladder[:MIN_PAIRS] == ["sample"] * MIN_PAIRS  # both stages, never pruned, until the proxy has been judged
   fit = proxy_fit(ts)
-  assert fit.pairs >= MIN_PAIRS and 0 < fit.proxy_s < fit.total_s
+  assert fit.pairs >= MIN_PAIRS and 0 < fit.proxy_s < fit.total_s and fit.pays
   assert search("status", "--study", "l", "--storage", url) == 0
   out = capsys.readouterr().out
   assert f"Spearman rho {fit.rho:.2f} over {fit.pairs} sampled trials" in out and "of trial time" in out
@@ -62,6 +62,22 @@ def test_the_proxy_prunes_only_where_it_predicts(model, tmp_path, monkeypatch, c
     assert fit.rho < 0.7 and not fit.predicts and "does not predict" in out
     assert ({t.metrics["ladder"] for t in later} == {"full"}
             and not any(t.block_tok_s or t.state == "pruned" for t in later))
+
+
+def test_a_proxy_that_cannot_pay_for_itself_is_skipped(model, tmp_path, monkeypatch, capsys) -> None:
+  # the proxy stage costs half a full stage: pruning a quarter of the trials cannot pay for it
+  install_fake_trials(monkeypatch.setattr, seconds=0.04, proxy_cost=0.5)
+  url = f"sqlite:///{tmp_path / 's.db'}"
+  assert search("start", "--model", model, "--study", "p", "--storage", url, "--trials", "6", "--block-layers", "2",
+                *FAST) == 0
+  ts = [t for t in trials(url, "p") if t.state != "reused"]
+  # the baseline measures both stages, which shows the proxy's cost; the others run the full model only
+  assert [t.metrics["ladder"] for t in ts] == ["sample"] + ["full"] * (len(ts) - 1) and len(ts) > 1
+  assert ts[0].block_tok_s and not any(t.block_tok_s or "block_wall_s" in t.phases for t in ts[1:])
+  fit = proxy_fit(ts)
+  assert 0.25 <= fit.cost_ratio < 1 and not fit.pays
+  assert search("status", "--study", "p", "--storage", url) == 0
+  assert f"costs {fit.cost_ratio:.0%} of a full stage" in capsys.readouterr().out
 
 
 def test_two_objectives_skip_the_proxy(model, tmp_path, monkeypatch) -> None:
@@ -134,6 +150,23 @@ def test_cost_adds_phases_setup_search_and_projects() -> None:
     "beam"] == 2
 
 
+def test_time_to_best_is_the_wall_time_to_the_first_trial_near_the_fastest() -> None:
+  from search.cost import study_cost
+  ts = [_trial(0, "full", {"wall_s": 50.0, "setup_s": 30.0}, 0, 80, 0.0),
+        _trial(1, "full", {"wall_s": 20.0}, 80, 100, 0.0),
+        _trial(2, "block", {"wall_s": 5.0}, 100, 105, 0.0, state="pruned"),
+        _trial(3, "full", {"wall_s": 10.0}, 105, 115, 0.0),
+        _trial(4, "full", {"wall_s": 10.0}, 115, 125, 0.0)]
+  for t, v in zip(ts, (5.0, 90.0, None, 96.0, 100.0), strict=True): t.tok_s = v
+  doc = study_cost(ts)
+  # trial 3 is within 5% of trial 4's 100 tok/s; trial 1's 90 is not
+  assert (doc["best_trial"], doc["best_tok_s"], doc["near_best_trial"]) == (4, 100.0, 3)
+  assert doc["time_to_best_s"] == pytest.approx(80 + 20 + 5 + 10)
+  ts[3].tok_s = 94.0
+  assert study_cost(ts)["near_best_trial"] == 4 and study_cost(ts)["time_to_best_s"] == pytest.approx(125)
+  assert study_cost(ts[2:3])["time_to_best_s"] is None
+
+
 def test_search_cost_reads_a_study(model, tmp_path, monkeypatch, capsys) -> None:
   import json
   install_fake_trials(monkeypatch.setattr, seconds=0.05)
@@ -147,7 +180,8 @@ def test_search_cost_reads_a_study(model, tmp_path, monkeypatch, capsys) -> None
   assert all(r["wall_s"] >= r["full_s"] >= 0.05 for r in doc["trials"] if r["stage"] == "full") and 0 <= doc[
     "search_share"] < 1
   assert search("cost", "--study", "c", "--storage", url) == 0
-  assert "projected wall time of 200 trials" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "projected wall time of 200 trials" in out and f"time to best: {doc['time_to_best_s']:.0f} s" in out
   assert search("cost", "--study", "nope", "--storage", url) == 2
 
 
@@ -163,13 +197,23 @@ def test_record_study_lines_have_their_fields(model, tmp_path, monkeypatch) -> N
   assert search("start", "--model", model, "--study", "r", "--storage", url, "--trials", "3", "--block-layers", "2",
                 *FAST) == 0
   assert search("confirm", "--study", "r", "--storage", url, "--top", "1", "--pairs", "2") == 0
+  with session(open_db(url)) as s:  # as search confirm leaves a winner's profile (fake trials profile nothing)
+    t = store.trials(s, store.get_study(s, "r"))[0]
+    t.metrics = (t.metrics or {}) | {"gb_s": 50.0, "bandwidth_share": 0.5}
+    t.profile = store.profile_rows([{"rank": 1, "name": "k1", "count": 3, "us_per_token": 30.0, "gb_s": 40.0,
+                                     "share": 0.75}, {"rank": 2, "name": "k2", "count": 1, "us_per_token": 10.0,
+                                                      "gb_s": None, "share": 0.25}])
   lines = study_lines(url, "r", "cpu", "tiny", "Q4_0", "test")
+  prof = [x for x in lines if x["kind"] == "profile"]
+  assert [(x["name"], x["bandwidth_share"]) for x in prof] == [("k1", 0.4), ("k2", None)] and prof[0]["study"] == "r"
   kinds = [x["kind"] for x in lines]
   assert kinds.count("trial") == len([t for t in trials(url, "r") if t.state != "reused"]) and kinds[-1] == "study"
   assert kinds.count("confirmation") == 1 and all(x["tok_s"] > 0 for x in lines if x["kind"] == "trial"
                                                   and x["status"] == "ok")
   assert all(not missing(x) for x in lines), [missing(x) for x in lines]
   assert lines[-1]["projected_n"] == 200 and lines[-1]["projected_s"] > 0
+  assert 0 <= lines[-1]["time_to_best_s"] <= sum(x["wall_s"] for x in lines if x["kind"] == "trial") + 1
+  assert lines[-1]["best_tok_s"] == max(x["tok_s"] for x in lines if x["kind"] == "trial" and "tok_s" in x)
   record = lambda study, *extra: subprocess.run([sys.executable, "benchmarks/record.py", "study", "--storage", url,
                                                  "--study", study, "--device", "d", "--model-name", "m", "--quant",
                                                  "Q4_0", "--command", "c", *extra], capture_output=True, text=True)

@@ -106,12 +106,17 @@ def trial_lines(r: TrialResult, device: str, model_name: str, quant: str, config
   if r.check:
     out.append(line("gate", name=config_name, state=r.status, **check_figures(r.check),
                     check_s=_round(r.phases.get("check_s"), 2)))
-  for p in r.profile:
-    out.append(line("profile", rank=p["rank"], name=p["name"], count=p["count"],
-                    us_per_token=_round(p["us_per_token"], 2), us_per_launch=_round(p.get("us_per_launch"), 2),
-                    share=_round(p["share"], 4), timing=p.get("timing"), gb_s=_round(p["gb_s"], 2),
-                    bandwidth_share=_round(p["gb_s"] / bw, 4) if p["gb_s"] is not None and bw else None))
+  out += [line("profile", **profile_fields(p, bw)) for p in r.profile]
   return out
+
+
+def profile_fields(p: dict[str, Any], bw: float | None) -> dict[str, Any]:
+  """A `profile` line's fields from one kernel's row of a per-kernel profile (model/profile.py); bw: the device's
+  measured GB/s."""
+  return {"rank": p["rank"], "name": p["name"], "count": p["count"], "us_per_token": _round(p["us_per_token"], 2),
+          "us_per_launch": _round(p.get("us_per_launch"), 2), "share": _round(p["share"], 4), "timing": p.get("timing"),
+          "gb_s": _round(p["gb_s"], 2), "bandwidth_share": _round(p["gb_s"] / bw, 4) if p["gb_s"] is not None and bw
+          else None}
 
 
 def study_lines(url: str, name: str, device: str, model_name: str, quant: str, command: str,
@@ -141,11 +146,8 @@ def study_lines(url: str, name: str, device: str, model_name: str, quant: str, c
                          "check_s": _round((t.phases or {}).get("check_s"), 2), "command": command})
     m = t.metrics or {}
     bw = m["gb_s"] / m["bandwidth_share"] if m.get("gb_s") and m.get("bandwidth_share") else None
-    for p in profiles[t.number]:  # the winner's, profiled by search confirm
-      out.append(head | {"kind": "profile", "rank": p.rank, "name": p.name, "count": p.count,
-                         "us_per_token": _round(p.us_per_token, 2), "share": _round(p.share, 4),
-                         "gb_s": _round(p.gb_s, 2), "bandwidth_share": _round(p.gb_s / bw, 4)
-                         if p.gb_s is not None and bw else None, "command": command})
+    out += [head | {"kind": "profile"} | profile_fields({k: getattr(p, k) for k in store.PROFILE_COLUMNS}, bw)
+            | {"command": command} for p in profiles[t.number]]  # the winner's, profiled by search confirm
   for c, number in confirmed:
     cfg = StructureConfig.from_json(trials[number].config_json)
     out.append(common("confirmation", device, model_name, layers, quant, describe(cfg) or "baseline") | {

@@ -43,9 +43,10 @@ else how=(--model "$F" --study "$STUDY" --device "$DEVICE" $ARGS); log "creating
 # a trial that starts before --timeout may run TRIAL_TIMEOUT more; the confirmation (per-op baseline pairs) needs its own time
 reserve=$((TRIAL_TIMEOUT + 15 + (CONFIRM > 0 ? 60 + 70 * CONFIRM : 0)))
 if [ "$(left)" -gt "$reserve" ]; then
-  echo "search start ${how[*]} --trials $TRIALS --timeout $(($(left) - reserve)) --trial-timeout $TRIAL_TIMEOUT" >> "$CMDS"
+  limit=$(($(left) - reserve))
+  echo "search start ${how[*]} --trials $TRIALS --timeout $limit --trial-timeout $TRIAL_TIMEOUT" >> "$CMDS"
   timeout "$(($(left) - 10))" "$PY" -m search start "${how[@]}" --storage "$URL" --trials "$TRIALS" \
-    --timeout "$(($(left) - reserve))" --trial-timeout "$TRIAL_TIMEOUT" --confirm 0
+    --timeout "$limit" --trial-timeout "$TRIAL_TIMEOUT" --confirm 0
   log "search start exit $?"
 fi
 if [ "$CONFIRM" -gt 0 ] && [ "$(left)" -gt 30 ]; then

@@ -35,6 +35,9 @@ class ModelInfo:
   # attn_k_b/attn_v_b tensors (False: the legacy attn_kv_b, which the fused attention does not read)
   split_kv_b: bool = True
   ffn_quants: tuple[str, ...] = ()  # quant types of the FFN matrices (gate, up, down: routed, shared and dense)
+  # the fused stages by the weight bytes their per-op path reads per decoded token, most first (stage_bytes); empty (a
+  # study stored before it): the declared order
+  stage_order: tuple[str, ...] = ()
 
   @classmethod
   def from_gguf(cls, f: GGUFFile) -> ModelInfo:
@@ -45,7 +48,7 @@ class ModelInfo:
       quant = QUANT_TYPES[t.ggml_type].name
       roles["expert" if "_exps." in t.name else "dense"].add(quant)
       if t.name.split(".")[-2].startswith(("ffn_gate", "ffn_up", "ffn_down")): ffn.add(quant)
-    n_dense = f.key("leading_dense_block_count", 0)
+    n_dense, weights = f.key("leading_dense_block_count", 0), stage_bytes(f)
     pairs = {"routed": ("ffn_gate_exps", "ffn_up_exps"), "shared": ("ffn_gate_shexp", "ffn_up_shexp"),
              "dense": ("ffn_gate", "ffn_up")}
     def same_types(gate: str, up: str) -> bool:
@@ -56,7 +59,24 @@ class ModelInfo:
                shared_experts=any("_shexp." in n for n in f.tensors),
                quants={r: tuple(sorted(q)) for r, q in roles.items() if q},
                mergeable=frozenset(k for k, (g, u) in pairs.items() if same_types(g, u)),
-               split_kv_b=not any(n.endswith("attn_kv_b.weight") for n in f.tensors), ffn_quants=tuple(sorted(ffn)))
+               split_kv_b=not any(n.endswith("attn_kv_b.weight") for n in f.tensors), ffn_quants=tuple(sorted(ffn)),
+               stage_order=tuple(sorted(STAGES, key=lambda st: -weights[st])))
+
+
+def stage_bytes(f: GGUFFile) -> dict[str, int]:
+  """Weight bytes each decode stage reads per token: the attention's projections, the router's matrix, the MoE's shared
+  experts and its routed experts' used share (expert_used_count of expert_count), the dense blocks' FFN."""
+  out = dict.fromkeys(STAGES, 0)
+  used = f.key("expert_used_count", 0) / max(1, f.key("expert_count", 1))
+  for t in f.tensors.values():
+    kind = t.name.split(".")[-2]
+    if len(t.shape) < 2 or kind.endswith("norm"): continue
+    if kind.startswith("attn_"): out["attention"] += t.nbytes
+    elif kind == "ffn_gate_inp": out["router"] += t.nbytes
+    elif kind.endswith("_exps"): out["moe"] += round(t.nbytes * used)
+    elif kind.endswith("_shexp"): out["moe"] += t.nbytes
+    elif kind.startswith("ffn_"): out["ffn"] += t.nbytes
+  return out
 
 
 @dataclass(frozen=True)
@@ -78,7 +98,9 @@ def _fused(stage: str) -> str: return f"fused.{stage}"
 def knobs(info: ModelInfo, device: str = "CPU", family: str = "all") -> list[Knob]:
   """The knobs that apply to this model on this device kind with this backend family (catalog.FAMILIES), in the order of
   their declarations: the fused stages first (with the fused FFN stages' activations), then the per-op knobs (each only
-  while a stage it belongs to runs per op), BEAM and the knobs that need BEAM > 0 last."""
+  while a stage it belongs to runs per op), BEAM and the knobs that need BEAM > 0 last. The fused stages come in the
+  model's stage_order: fusing a stage saves at most what its per-op kernels take, and the stage that reads the most
+  weights (the MoE of an MoE model: per op, the decode step is mostly its kernels) is the one to try first."""
   kind = device_kind(device)
   fusable = lambda s: KNOBS[_fused(s)].applies(info) and bool(catalog.stage_choices(s, device, family))
   out = []
@@ -103,6 +125,10 @@ def knobs(info: ModelInfo, device: str = "CPU", family: str = "all") -> list[Kno
       enable += ((other, value),)
     when = None if not conds else conds[0] if len(conds) == 1 else lambda v, conds=conds: all(c(v) for c in conds)
     out.append(Knob(d.name, d.domain(device, family), d.default, d.doc, when, enable))
+  # the fused-stage knobs apply whatever the other knobs are, so their order among themselves is free
+  rank = {_fused(st): i for i, st in enumerate(info.stage_order)}
+  at = [i for i, k in enumerate(out) if k.name in rank]
+  for i, k in zip(at, sorted((out[i] for i in at), key=lambda k: rank[k.name]), strict=True): out[i] = k
   return out
 
 

@@ -8,13 +8,14 @@ Tolerances: tests/knobcheck.py. The same proof at GLM-4.7-Flash's widths: tests/
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 from knobcheck import check_knob, mix_info
 
 from model.gguf_file import GGUFFile
-from model.structure import ConfigError, StructureConfig
-from space.knobs import ModelInfo, knobs, sample, single_knob_changes, size, suggest, to_config
+from model.structure import STAGES, ConfigError, StructureConfig
+from space.knobs import ModelInfo, knobs, sample, single_knob_changes, size, stage_bytes, suggest, to_config
 
 TOKENS = tuple((7919 * i + 17) % 1000 for i in range(16))
 # proved elsewhere: BEAM's settings, and the dsl products' rows per thread, which keep each row's sum in the same order
@@ -87,7 +88,17 @@ def test_sample_and_suggest_give_valid_configs(tiny) -> None:
 
 
 def test_tiny_model_info(tiny) -> None:
-  assert info(tiny) == TINY_INFO
+  got = info(tiny)
+  assert replace(got, stage_order=()) == TINY_INFO
+  # per token the MoE reads its shared experts and 2 of its 8 routed experts, still the most weights of the four stages
+  f, b = GGUFFile(tiny), stage_bytes(GGUFFile(tiny))
+  exps = sum(t.nbytes for t in f.tensors.values() if "_exps." in t.name)
+  shexp = sum(t.nbytes for t in f.tensors.values() if "_shexp." in t.name)
+  assert b["moe"] == pytest.approx(shexp + exps * 2 / 8, abs=4) and b["router"] < b["ffn"] < b["attention"] < b["moe"]
+  assert got.stage_order == ("moe", "attention", "ffn", "router")
+  # the coordinate sampler's first changes fuse the stage that reads the most; stored studies keep their order
+  assert [k.name for k in knobs(got)][:4] == ["fused.moe", "fused.attention", "fused.ffn", "fused.router"]
+  assert [k.name for k in knobs(TINY_INFO)][:4] == [f"fused.{st}" for st in STAGES]
 
 
 @pytest.mark.parametrize("label", [lbl for lbl, _ in single_knob_changes(TINY_INFO) if not lbl.startswith(SEPARATE)])

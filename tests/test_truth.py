@@ -312,13 +312,14 @@ def test_one_importance_over_the_knobs_that_varied(demo) -> None:
   with session(open_db(url)) as s:
     st = store.get_study(s, "d")
     mid = next(t for t in store.trials(s, st) if t.number == demo["mid"])
-    # trial mid's config with a barrier changed: the barrier applies under fused.router but not under fused.attention
+    # trial mid's config with a barrier changed: the barrier applies under fused.moe or fused.ffn but not under
+    # fused.attention
     cfg = to_config({**flat(StructureConfig.from_json(mid.config_json)), "barrier.attn_out": "realize"})
     t = store.start_trial(s, st, 4, cfg.to_json(), cfg.hash, None, "h:1")
     store.finish_trial(s, t, state="ok", stage="full", tok_s=90.0, metrics={"tok_s": 90.0})
     configs = [flat(StructureConfig.from_json(t.config_json)) for t in store.trials(s, st) if t.state == "ok"]
   varied = {k for k in configs[0] if len({str(c[k]) for c in configs}) > 1}
-  assert varied == {"fused.attention", "fused.router", "fused.moe", "barrier.attn_out"}
+  assert varied == {"fused.moe", "fused.attention", "fused.ffn", "barrier.attn_out"}
   d = plots.load(url, "d")
   fig = plots.importance(d)
   assert {t.get_text() for t in fig.axes[0].get_yticklabels()} == varied
@@ -347,28 +348,28 @@ def test_single_changes_with_their_intervals(demo) -> None:
   d = plots.load(demo["url"], "d")
   est = {r["trial"]: r for r in d.board["rows"]}
   assert [(c.trial, c.parent, c.knob, c.new) for c in d.changes] == [
-    (1, 0, "fused.attention", "dsl"), (2, 0, "fused.router", "dsl"), (3, 0, "fused.moe", "dsl")]
+    (1, 0, "fused.moe", "dsl"), (2, 0, "fused.attention", "dsl"), (3, 0, "fused.ffn", "dsl")]
   for c in d.changes:
     assert c.speedup == pytest.approx(est[c.trial]["tok_s"] / est[0]["tok_s"])
     r, b = est[c.trial], est[0]
     assert c.low <= min(r["tok_s_low"] / b["tok_s"], r["tok_s"] / b["tok_s_high"]) - 1e-3
     assert c.high >= max(r["tok_s_high"] / b["tok_s"], r["tok_s"] / b["tok_s_low"]) - 1e-12
   ax = plots.changes(d).axes[0]
-  assert [t.get_text() for t in ax.get_yticklabels()][::-1][1] == "trial 2: fused.router off -> dsl (of 0)"
+  assert [t.get_text() for t in ax.get_yticklabels()][::-1][1] == "trial 2: fused.attention off -> dsl (of 0)"
   params = {t.number: t.params for t in d.optuna.trials}
   # one knob from trial 2's config and from trial 3's: its parent is the one that ranks first on the board
   # (module fixture: `mid` and `fresh`)
-  params[4] = {**params[2], "fused.moe": "dsl"}
+  params[4] = {**params[2], "fused.ffn": "dsl"}
   with session(open_db(demo["url"])) as s:
     st = store.get_study(s, "d")
     two = StructureConfig.from_json(next(t for t in store.trials(s, st) if t.number == 2).config_json)
-    both = dataclasses.replace(two, fused={**two.fused, "moe": "dsl"})
+    both = dataclasses.replace(two, fused={**two.fused, "ffn": "dsl"})
     t = store.start_trial(s, st, 4, both.to_json(), both.hash, None, "h:1")
     store.finish_trial(s, t, state="ok", stage="full", tok_s=150.0, metrics={"tok_s": 150.0})
     four = effects.single_changes(s, st, params)[-1]
   # which of trials 2 and 3 the fixture made `mid` or `fresh` depends on their first figures on this machine
   parent = next(r["trial"] for r in d.board["rows"] if r["trial"] in (2, 3))  # the leaderboard's order
-  knob = "fused.router" if parent == 3 else "fused.moe"
+  knob = "fused.attention" if parent == 3 else "fused.ffn"
   assert (four.trial, four.parent, four.knob, four.old, four.new) == (4, parent, knob, "off", "dsl")
   assert four.speedup == pytest.approx(150 / est[parent]["tok_s"])
 

@@ -93,13 +93,13 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
   res.metrics |= {"layers": len(model.blocks), "load_peak_device_bytes": model.load_peak_bytes,
                   "peak_device_bytes": peak()}
   pos = spec.prompt_len
-  # the reference config's run through the check path alone: it feeds the prompt itself, from position 0
+  # the reference config's run through the check path: it feeds the prompt itself, from position 0
   if spec.write_reference:
     rec.phase("reference")
     gate.make_reference(gen, bench_prompt(hp.vocab, spec.prompt_len), spec.check_positions).save(spec.write_reference)
-    return
+    if not spec.trial_after_reference: return
 
-  # the check feeds the prompt
+  # the check feeds the prompt (a trial after its own reference: checked against the saved file as any other trial)
   first, figures = prepare(gen, spec.prompt_len, spec.prefill, rec.phase, feed=spec.reference is None)
   res.metrics |= figures | {"peak_device_bytes": peak()}
 

@@ -30,8 +30,12 @@ class TrialSpec:
   reference: str | None = None  # the reference .npz to check against; None: no correctness gate
   # the exact (baseline) reference .npz for the accuracy figures, where `reference` is a twin's; None: it is exact
   exact_reference: str | None = None
-  # make the reference instead (the baseline config): decode logits along its greedy tokens
+  # make the reference of this config (the baseline, or a twin) and save it here: its check path's run along its greedy
+  # tokens (evaluator/gate.py make_reference)
   write_reference: str | None = None
+  # with write_reference: then go on as a trial checked against it (`reference`, the same file) and measured, in this
+  # process (a config that is its own twin: one process start and weight load for both); False: make it and stop
+  trial_after_reference: bool = False
   bandwidth_gbs: float | None = None  # the device's measured streaming bandwidth, for the share figure
   profile: bool = False  # add a per-kernel profile from a separate, unjitted pass
   # build and time the prefill graph (prefill tok/s); without it the prompt goes through decode steps
@@ -54,7 +58,8 @@ class TrialResult:
   spec: dict[str, Any]
   # tok_s (median) and its spread, ms/token, kernels, bytes, GB/s, memory, ...
   metrics: dict[str, Any] = field(default_factory=dict)
-  # seconds: process, load, prefill, compile, check, warmup, measure, profile
+  # seconds: process, load, reference (where the trial makes its own), prefill, compile, check, warmup, measure,
+  # profile
   phases: dict[str, float] = field(default_factory=dict)
   check: dict[str, Any] = field(default_factory=dict)  # correctness numbers against the reference
   env: dict[str, Any] = field(default_factory=dict)  # device name, tinygrad version and git state, python, host
@@ -70,7 +75,8 @@ class TrialResult:
 
   @property
   def cost_s(self) -> float:
-    """What the run cost: its process's wall seconds plus the setup paid before it (reference, bandwidth figure)."""
+    """What the run cost: its process's wall seconds plus the setup paid before it (references made in processes of
+    their own, the bandwidth figure)."""
     return self.phases.get("wall_s", 0.0) + self.phases.get("setup_s", 0.0)
 
   def to_dict(self) -> dict[str, Any]: return dataclasses.asdict(self)

@@ -219,45 +219,63 @@ class Evaluator:
                      self.warmup, prefill=self.prefill, tinygrad_cache=self.tinygrad_cache,
                      beam_budget_s=self.beam_budget, **kw)
 
-  def reference(self, stage: str, config: StructureConfig | None = None, on_phase: Phase | None = None,
-                on_wait: Phase | None = None) -> str:
-    """The reference of a config (evaluator/gate.py twin: the baseline, or a twin) for this file, device and stage, made
-    on first use (in its own trial process)."""
+  def reference_path(self, stage: str, config: StructureConfig) -> str:
+    """Where the reference of `config` for this file, device and stage is cached (evaluator/gate.py reference_key),
+    its directory made: whichever process makes it saves it there."""
     from evaluator.gate import reference_key
-    config = config or StructureConfig()
     probe = self.spec(config.to_dict(), stage)
     key = reference_key(file_sha256(self.model), self.device, probe.layers or self.total_layers, probe.prompt_len,
                         probe.check_positions, config)
-    path = cache_dir() / "references" / f"{key}.npz"
-    if not path.exists():
-      path.parent.mkdir(parents=True, exist_ok=True)
-      res = evaluate(replace(probe, write_reference=str(path)), self.timeout, on_phase, on_wait)
-      if not res.ok:
-        raise ReferenceFailed(res,
-                              "the baseline config" if config == StructureConfig() else "the reference config "
-                              f"{config.to_json()}")
+    (path := cache_dir() / "references" / f"{key}.npz").parent.mkdir(parents=True, exist_ok=True)
     return str(path)
+
+  def reference(self, stage: str, config: StructureConfig | None = None, on_phase: Phase | None = None,
+                on_wait: Phase | None = None) -> str:
+    """The reference of a config (evaluator/gate.py twin: the baseline, or a twin) for this file, device and stage, made
+    on first use in a trial process of its own (where a trial's config is its own twin, `run` has the trial's process
+    make it instead)."""
+    config = config or StructureConfig()
+    if not os.path.exists(path := self.reference_path(stage, config)):
+      res = evaluate(replace(self.spec(config.to_dict(), stage), write_reference=path), self.timeout, on_phase, on_wait)
+      if not res.ok: raise ReferenceFailed(res, _reference_config(config))
+    return path
 
   def run(self, config: dict, stage: str = "full", profile: bool = False, check: bool = True,
           on_phase: Phase | None = None, on_wait: Phase | None = None) -> TrialResult:
     """One trial of `config` at `stage`, checked against its reference unless `check` is false; a config checked
-    against a twin is also given the baseline's (exact) reference, for its accuracy figures. A failed baseline
+    against a twin is also given the baseline's (exact) reference, for its accuracy figures. A config that is its own
+    twin (the baseline) and finds no reference makes it in its own trial process, then is checked against it and
+    measured there: one process start, weight load and build of the check's kernels for both. A failed baseline
     reference raises ReferenceFailed (no trial can be checked); a failed twin reference fails this trial alone."""
     from evaluator.gate import twin
-    t0, ref, exact = time.perf_counter(), None, None
+    t0, ref, exact, make = time.perf_counter(), None, None, False
     if check:
-      try: ref_cfg = twin(StructureConfig.from_dict(config))
+      try: ref_cfg = twin(cfg := StructureConfig.from_dict(config))
       # the trial process reports the config as invalid
-      except (ValueError, TypeError, KeyError): ref_cfg = StructureConfig()
+      except (ValueError, TypeError, KeyError): cfg, ref_cfg = None, StructureConfig()
       if ref_cfg != StructureConfig(): exact = self.reference(stage, None, on_phase, on_wait)
-      try: ref = self.reference(stage, ref_cfg, on_phase, on_wait)
-      except ReferenceFailed as e:
-        if ref_cfg == StructureConfig(): raise
-        return TrialResult(e.result.status, self.spec(config, stage).__dict__,
-                           phases={"setup_s": round(time.perf_counter() - t0, 3)}, error=str(e))
+      if ref_cfg == cfg and not os.path.exists(ref := self.reference_path(stage, ref_cfg)): make = True
+      else:
+        try: ref = self.reference(stage, ref_cfg, on_phase, on_wait)
+        except ReferenceFailed as e:
+          if ref_cfg == StructureConfig(): raise
+          return TrialResult(e.result.status, self.spec(config, stage).__dict__,
+                             phases={"setup_s": round(time.perf_counter() - t0, 3)}, error=str(e))
     bw = bandwidth(self.device, on_wait=on_wait)
     setup = time.perf_counter() - t0
-    res = evaluate(self.spec(config, stage, reference=ref, exact_reference=exact, bandwidth_gbs=bw, profile=profile),
+    res = evaluate(self.spec(config, stage, reference=ref, exact_reference=exact, bandwidth_gbs=bw, profile=profile,
+                             write_reference=ref if make else None, trial_after_reference=make),
                    self.timeout, on_phase, on_wait)
-    res.phases["setup_s"] = round(setup, 3)  # the references and bandwidth figures: made on first use, cached after
+    # no reference made: as when it fails in a process of its own (one made before a later failure stays usable)
+    if make and not res.ok and not os.path.exists(ref):
+      failed = ReferenceFailed(res, _reference_config(ref_cfg))
+      if ref_cfg == StructureConfig(): raise failed
+      res.error = str(failed)
+    # the references made in processes of their own and the bandwidth figure: made on first use, cached after
+    res.phases["setup_s"] = round(setup, 3)
     return res
+
+
+def _reference_config(config: StructureConfig) -> str:
+  """A reference's config as ReferenceFailed names it."""
+  return "the baseline config" if config == StructureConfig() else f"the reference config {config.to_json()}"

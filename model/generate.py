@@ -94,9 +94,10 @@ class Generator:
     self.sample_jit = capture_first(self._sample)  # temperature > 0: the greedy graph computes no noise
     # the correctness check (check_step): the embedding, the head, and one graph per kind of block (block_inputs)
     self.embed_jit, self.head_jit, self.block_jits = capture_first(self._embed), capture_first(self._head), {}
-    # the input UOps of each block's graph calls (the same every step: the JIT's checks of its inputs, a graph rewrite
-    # per input, cost more than a block's kernels on the host, and a step runs every block)
-    self.block_uops: dict[int, list[UOp]] = {}
+    # the input UOps of each block's graph calls, by block and whether its experts are its own (the same every step:
+    # the JIT's checks of its inputs, a graph rewrite per input, cost more than a block's kernels on the host, and a
+    # step runs every block)
+    self.block_uops: dict[tuple[int, bool], list[UOp]] = {}
     dev, D = model.device, model.hp.dim
     self.token, self.temperature, self.seed = (Slot((1, 1), dtypes.int32, dev), Slot((1,), dtypes.float, dev),
                                                Slot((1,), dtypes.float, dev))
@@ -184,11 +185,14 @@ class Generator:
         f = self.forced(forced[len(routed)]) if blk.moe and forced is not None else None
         # read where per_stage is true only (a constant is not copied again)
         h = self.h(states[2 * i + 1] if per_stage else 0)
-        jit = self.block_jits.setdefault((kind, f is None), capture_first(self._block))
+        # its own experts (a reference's run) or forced ones (the check): a graph each, both run in one process where a
+        # trial makes its own reference
+        own = f is None
+        jit = self.block_jits.setdefault((kind, own), capture_first(self._block))
         args = (blk, self.x(states[2 * i] if per_stage else outs[-1]), h, flag, start, f, bufs)
         # inputs known: skip the JIT's preparation
-        if i in self.block_uops: res = jit.captured(self.block_uops[i], {self.pos.expr: pos})
-        else: res, self.block_uops[i] = jit(*args), _prepare_jit_inputs(args, {})[0]
+        if (i, own) in self.block_uops: res = jit.captured(self.block_uops[i, own], {self.pos.expr: pos})
+        else: res, self.block_uops[i, own] = jit(*args), _prepare_jit_inputs(args, {})[0]
         res = [read(t) for t in res]
         outs += [res[0].reshape(-1), res[1].reshape(-1)]
         if blk.moe: routed.append([r.reshape(-1) for r in res[2:]])

@@ -2,7 +2,8 @@
 projected wall time of a study of N trials on one device.
 
 A trial's wall time is its trial processes' (the ladder's block stage, when it ran, and the full stage) plus the
-one-time setup some of them paid (the file's hash, the correctness reference, the bandwidth figure) plus the search's
+one-time setup some of them paid (the file's hash, the correctness references, the bandwidth figure; the baseline's
+reference is made in its own trial process, and that phase counts as setup, not as the stage's) plus the search's
 re-measurements before it (the baseline repeated between trials, near-best configs measured again: trial processes too)
 plus the search's own time around them (sampling, storage, the device lock: what is outside every trial process). The
 projection is setup once plus N times the mean trial without its setup: it assumes the next trials mix stages, pruning
@@ -33,9 +34,11 @@ def trial_cost(t: Trial, gap_s: float = 0.0, repeat_s: float = 0.0) -> dict[str,
   trial outside its processes, plus the rest of that gap: sampling and storage since the worker's previous trial), the
   block stage's wall, each full-stage phase."""
   p, m, full_stage = t.phases or {}, t.metrics or {}, t.stage == "full"
-  setup = p.get("setup_s", 0.0) + p.get("block_setup_s", 0.0)
-  block = p.get("block_wall_s", 0.0) if full_stage else p.get("wall_s", 0.0)
-  full = p.get("wall_s", 0.0) if full_stage else 0.0
+  # a reference made in the trial's own process (the baseline's) is one-time setup too, not the stage's own time
+  ref, block_ref = p.get("reference_s", 0.0), p.get("block_reference_s", 0.0)
+  setup = p.get("setup_s", 0.0) + p.get("block_setup_s", 0.0) + ref + block_ref
+  block = p.get("block_wall_s", 0.0) - block_ref if full_stage else p.get("wall_s", 0.0) - ref
+  full = p.get("wall_s", 0.0) - ref if full_stage else 0.0
   repeat = min(repeat_s, gap_s)
   search = m.get("search_overhead_s", 0.0) + gap_s - repeat
   return {"trial": t.number, "state": t.state, "stage": t.stage, "beam": json.loads(t.config_json).get("beam", 0),

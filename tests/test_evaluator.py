@@ -3,16 +3,23 @@ correctness gate, failure classes (faults injected into the trial process from t
 lock, A/B comparison and the CLI."""
 from __future__ import annotations
 
+import dataclasses
 import os
+import pathlib
+import shutil
 import threading
 import time
 
+import numpy as np
 import pytest
 
+from evaluator import runner
 from evaluator.cli import main as evaluator_main
 from evaluator.compare import compare
+from evaluator.gate import Reference
 from evaluator.lock import DeviceLock
-from evaluator.runner import Evaluator, bandwidth, evaluate, memory_limit, oom_kills, sigkill_verdict
+from evaluator.runner import Evaluator, ReferenceFailed, bandwidth, evaluate, memory_limit, oom_kills, sigkill_verdict
+from model.structure import StructureConfig
 
 BASELINE: dict = {}
 
@@ -85,6 +92,87 @@ def test_an_8bit_config_is_measured_against_the_exact_reference(ev, baseline) ->
   assert acc["positions"] == 16 and acc["max_rel_err"] > max(100 * base["max_rel_err"], 2 * q8.check["tolerance"])
   assert acc["mean_kl"] > max(100 * base["mean_kl"], 1e-7) and acc["max_kl"] >= acc["mean_kl"], acc
   assert q8.check["drift"] is None or q8.check["drift"] < acc["max_rel_err"] / 10, q8.check  # the twin's
+
+
+@pytest.fixture
+def fresh(gguf_file, tmp_path, monkeypatch) -> tuple[Evaluator, list]:
+  """An evaluator of the tiny model with a block stage and an empty reference cache (this test's own), and the specs of
+  the trial processes it starts, in order."""
+  bandwidth("CPU")  # measured once per session, into the session's cache
+  (cache := tmp_path / "cache").mkdir()
+  shutil.copy(pathlib.Path(os.environ["STRUCTSEARCH_CACHE"]) / "bandwidth.json", cache)
+  monkeypatch.setenv("STRUCTSEARCH_CACHE", str(cache))
+  specs, run_process = [], runner.run_process
+  monkeypatch.setattr(runner, "run_process", lambda spec, *a: specs.append(spec) or run_process(spec, *a))
+  e = Evaluator.for_model(gguf_file("tiny", "q4_0"), "CPU", n=8, rounds=1, prefill=False, timeout=300)
+  return dataclasses.replace(e, block_layers=e.total_layers - 1), specs
+
+
+def test_the_baseline_makes_its_own_reference_in_its_trial_process(fresh) -> None:
+  """With no reference cached, each stage's baseline trial is one process: it makes the reference, then is checked
+  against it (the real check: its figures, its tokens against the timed run's) and measured; the next trial of the stage
+  loads the file."""
+  ev, specs = fresh
+  assert ev.stages == ["block", "full"]
+  for stage in ev.stages:
+    path, n = ev.reference_path(stage, StructureConfig()), len(specs)
+    assert not os.path.exists(path)
+    r = ev.run(BASELINE, stage)
+    assert r.ok, r.error
+    (spec,) = specs[n:]
+    assert spec.write_reference == spec.reference == path and spec.trial_after_reference and os.path.exists(path)
+    assert r.check["ok"] and r.check["positions"] == spec.check_positions and r.check["tokens_compared"] > 0
+    assert r.check["max_rel_err"] == 0 and r.check["accuracy"]["top1"] == 1.0
+    # the reference in the trial's own phases, before the trial's; not in the setup paid before the process
+    assert list(r.phases)[:6] == ["load_s", "reference_s", "compile_s", "check_s", "warmup_s", "measure_s"]
+    assert "prompt_s" not in r.phases and r.phases["setup_s"] < r.phases["reference_s"]
+    made = os.stat(path).st_mtime_ns
+    other = ev.run({"topk": "sort"}, stage)
+    assert other.ok and other.check["ok"], other.error
+    (spec,) = specs[n + 1:]
+    assert spec.reference == path and spec.write_reference is None and os.stat(path).st_mtime_ns == made
+  assert ev.reference_path("block", StructureConfig()) != ev.reference_path("full", StructureConfig())
+
+
+def test_a_baseline_that_fails_before_making_its_reference_raises(fresh, inject) -> None:
+  """The baseline's trial failing before its reference is saved: ReferenceFailed, as when the reference's own process
+  fails (no trial can be checked). Failing after it is an ordinary failed trial, and the saved reference serves the
+  next trial."""
+  ev, specs = fresh
+  path = ev.reference_path("full", StructureConfig())
+  inject("check_crash")
+  with pytest.raises(ReferenceFailed) as e: ev.run(BASELINE)
+  assert str(e.value).startswith("the baseline config failed to make the reference (runtime_error): RuntimeError: "
+                                 "injected crash in the check path")
+  assert e.value.result.phase == "reference" and len(specs) == 1 and not os.path.exists(path)
+  inject("crash")  # on the first decode step, after the reference
+  r = ev.run(BASELINE)
+  assert r.status == "runtime_error" and r.phase == "compile" and "injected crash" in r.error and len(specs) == 2
+  assert Reference.load(path).positions == specs[-1].check_positions
+  inject()
+  r = ev.run(BASELINE)
+  assert r.ok and r.check["ok"], r.error
+  assert len(specs) == 3 and specs[-1].write_reference is None and specs[-1].reference == path
+
+
+def test_another_configs_reference_is_made_in_a_process_of_its_own(fresh, tmp_path, monkeypatch) -> None:
+  """A config checked against the baseline's reference, none cached: the reference is made first, alone, and its time is
+  the trial's setup. The file is the one the baseline's own trial would make, under the same key."""
+  ev, specs = fresh
+  r = ev.run({"topk": "sort"})
+  assert r.ok and r.check["ok"], r.error
+  ref, trial = specs
+  path = ev.reference_path("full", StructureConfig())
+  assert ref.write_reference == trial.reference == path and not ref.trial_after_reference
+  assert StructureConfig.from_dict(ref.config) == StructureConfig()
+  assert trial.write_reference is None and "reference_s" not in r.phases and r.phases["setup_s"] > r.phases["load_s"]
+  (other := tmp_path / "other").mkdir()  # an empty cache again: the baseline makes its own
+  shutil.copy(tmp_path / "cache" / "bandwidth.json", other)
+  monkeypatch.setenv("STRUCTSEARCH_CACHE", str(other))
+  assert ev.run(BASELINE).ok and specs[-1].trial_after_reference
+  assert specs[-1].write_reference == path.replace(str(tmp_path / "cache"), str(other))
+  own, apart = Reference.load(specs[-1].write_reference), Reference.load(path)
+  for f in dataclasses.fields(Reference): assert np.array_equal(getattr(own, f.name), getattr(apart, f.name)), f.name
 
 
 @pytest.mark.parametrize("fault, config, status", [

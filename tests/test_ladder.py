@@ -150,6 +150,20 @@ def test_cost_adds_phases_setup_search_and_projects() -> None:
     "beam"] == 2
 
 
+def test_cost_counts_a_reference_made_in_the_trial_as_setup() -> None:
+  """A baseline trial makes its stages' references in its own processes (their reference phase): one-time setup, as a
+  reference made in a process of its own is, not the stages' time; the trial's wall is still the sum of it all."""
+  from search.cost import study_cost
+  ts = [_trial(0, "full", {"wall_s": 50.0, "reference_s": 20.0, "setup_s": 1.0, "block_wall_s": 10.0,
+                           "block_reference_s": 4.0, "block_setup_s": 2.0}, 0, 61, 0.0),
+        _trial(1, "block", {"wall_s": 9.0, "reference_s": 3.0}, 61, 70, 0.0, state="pruned")]
+  doc = study_cost(ts, n=10)
+  a, b = doc["trials"]
+  assert (a["setup_s"], a["block_s"], a["full_s"], a["wall_s"]) == (27.0, 6.0, 30.0, 63.0)
+  assert (b["setup_s"], b["block_s"], b["full_s"], b["wall_s"]) == (3.0, 6.0, 0.0, 9.0)
+  assert doc["setup_s"] == 30.0 and doc["mean_trial_s"] == pytest.approx((63 + 9 - 30) / 2)
+
+
 def test_time_to_best_is_the_wall_time_to_the_first_trial_near_the_fastest() -> None:
   from search.cost import study_cost
   ts = [_trial(0, "full", {"wall_s": 50.0, "setup_s": 30.0}, 0, 80, 0.0),

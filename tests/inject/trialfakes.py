@@ -2,7 +2,8 @@
 
 - Faults of the trial process ($STRUCTSEARCH_FAULT): `crash`, `compile_error`, `hang`, `sigkill` and `sigterm` (killed
   from outside), `device_oom_kill` (the device says it is out of memory, then the process is killed) act on the first
-  decode step; `broken_argmax_topk` makes the `argmax` top-k variant pick the wrong experts (a knob that computes the
+  decode step; `check_crash` raises on the first step of the check path (making a reference, or the check);
+  `broken_argmax_topk` makes the `argmax` top-k variant pick the wrong experts (a knob that computes the
   wrong output); `scale_off_one_block` makes the routed down projection of the middle MoE block read each row's first
   block scale from its second block (a dequantization bug in one layer, whatever backend computes it);
   `dropped_residual_one_block` drops the attention residual of the middle block (in the per-op attention path and in
@@ -48,13 +49,13 @@ class AfterImport(importlib.abc.MetaPathFinder):
     return spec
 
 
-def _on_first_step(act: Callable[[], None]) -> Callable[[ModuleType], None]:
+def _on_first_step(act: Callable[[], None], method: str = "step") -> Callable[[ModuleType], None]:
   def patch(m: ModuleType) -> None:
-    step = m.Generator.step
+    step = getattr(m.Generator, method)
     def faulty(self, *args, **kwargs):
       act()
       return step(self, *args, **kwargs)
-    m.Generator.step = faulty
+    setattr(m.Generator, method, faulty)
   return patch
 
 
@@ -129,6 +130,8 @@ def _dropped_residual(m: ModuleType) -> None:
 FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
   "crash": ("model.generate", _on_first_step(_raise(RuntimeError("injected crash")))),
   "compile_error": ("model.generate", _on_first_step(_compile_error)),
+  "check_crash": ("model.generate", _on_first_step(_raise(RuntimeError("injected crash in the check path")),
+                                                   "check_step")),
   "hang": ("model.generate", _on_first_step(lambda: time.sleep(3600))),
   "sigkill": ("model.generate", _on_first_step(_kill())),
   "sigterm": ("model.generate", _on_first_step(_kill(sig=signal.SIGTERM))),

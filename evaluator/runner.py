@@ -245,7 +245,8 @@ class Evaluator:
     """One trial of `config` at `stage`, checked against its reference unless `check` is false; a config checked
     against a twin is also given the baseline's (exact) reference, for its accuracy figures. A config that is its own
     twin (the baseline) and finds no reference makes it in its own trial process, then is checked against it and
-    measured there: one process start, weight load and build of the check's kernels for both. A failed baseline
+    measured there: one process start, weight load and build of the check's kernels for both (under twice the trial
+    timeout: the reference's run is about another trial's check and measure). A failed baseline
     reference raises ReferenceFailed (no trial can be checked); a failed twin reference fails this trial alone."""
     from evaluator.gate import twin
     t0, ref, exact, make = time.perf_counter(), None, None, False
@@ -265,7 +266,7 @@ class Evaluator:
     setup = time.perf_counter() - t0
     res = evaluate(self.spec(config, stage, reference=ref, exact_reference=exact, bandwidth_gbs=bw, profile=profile,
                              write_reference=ref if make else None, trial_after_reference=make),
-                   self.timeout, on_phase, on_wait)
+                   2 * self.timeout if make else self.timeout, on_phase, on_wait)
     # no reference made: as when it fails in a process of its own (one made before a later failure stays usable)
     if make and not res.ok and not os.path.exists(ref):
       failed = ReferenceFailed(res, _reference_config(ref_cfg))

@@ -95,24 +95,26 @@ def test_an_8bit_config_is_measured_against_the_exact_reference(ev, baseline) ->
 
 
 @pytest.fixture
-def fresh(gguf_file, tmp_path, monkeypatch) -> tuple[Evaluator, list]:
-  """An evaluator of the tiny model with a block stage and an empty reference cache (this test's own), and the specs of
-  the trial processes it starts, in order."""
+def fresh(gguf_file, tmp_path, monkeypatch) -> tuple[Evaluator, list, list]:
+  """An evaluator of the tiny model with a block stage and an empty reference cache (this test's own), and the specs and
+  timeouts of the trial processes it starts, in order."""
   bandwidth("CPU")  # measured once per session, into the session's cache
   (cache := tmp_path / "cache").mkdir()
   shutil.copy(pathlib.Path(os.environ["STRUCTSEARCH_CACHE"]) / "bandwidth.json", cache)
   monkeypatch.setenv("STRUCTSEARCH_CACHE", str(cache))
-  specs, run_process = [], runner.run_process
-  monkeypatch.setattr(runner, "run_process", lambda spec, *a: specs.append(spec) or run_process(spec, *a))
+  run_process = runner.run_process
+  specs, timeouts = [], []
+  monkeypatch.setattr(runner, "run_process", lambda spec, timeout, *a: specs.append(spec) or timeouts.append(timeout)
+                      or run_process(spec, timeout, *a))
   e = Evaluator.for_model(gguf_file("tiny", "q4_0"), "CPU", n=8, rounds=1, prefill=False, timeout=300)
-  return dataclasses.replace(e, block_layers=e.total_layers - 1), specs
+  return dataclasses.replace(e, block_layers=e.total_layers - 1), specs, timeouts
 
 
 def test_the_baseline_makes_its_own_reference_in_its_trial_process(fresh) -> None:
   """With no reference cached, each stage's baseline trial is one process: it makes the reference, then is checked
   against it (the real check: its figures, its tokens against the timed run's) and measured; the next trial of the stage
   loads the file."""
-  ev, specs = fresh
+  ev, specs, timeouts = fresh
   assert ev.stages == ["block", "full"]
   for stage in ev.stages:
     path, n = ev.reference_path(stage, StructureConfig()), len(specs)
@@ -121,6 +123,7 @@ def test_the_baseline_makes_its_own_reference_in_its_trial_process(fresh) -> Non
     assert r.ok, r.error
     (spec,) = specs[n:]
     assert spec.write_reference == spec.reference == path and spec.trial_after_reference and os.path.exists(path)
+    assert timeouts[-1] == 2 * ev.timeout  # the reference's run and the trial's
     assert r.check["ok"] and r.check["positions"] == spec.check_positions and r.check["tokens_compared"] > 0
     assert r.check["max_rel_err"] == 0 and r.check["accuracy"]["top1"] == 1.0
     # the reference in the trial's own phases, before the trial's; not in the setup paid before the process
@@ -131,6 +134,7 @@ def test_the_baseline_makes_its_own_reference_in_its_trial_process(fresh) -> Non
     assert other.ok and other.check["ok"], other.error
     (spec,) = specs[n + 1:]
     assert spec.reference == path and spec.write_reference is None and os.stat(path).st_mtime_ns == made
+    assert timeouts[-1] == ev.timeout
   assert ev.reference_path("block", StructureConfig()) != ev.reference_path("full", StructureConfig())
 
 
@@ -138,7 +142,7 @@ def test_a_baseline_that_fails_before_making_its_reference_raises(fresh, inject)
   """The baseline's trial failing before its reference is saved: ReferenceFailed, as when the reference's own process
   fails (no trial can be checked). Failing after it is an ordinary failed trial, and the saved reference serves the
   next trial."""
-  ev, specs = fresh
+  ev, specs, _ = fresh
   path = ev.reference_path("full", StructureConfig())
   inject("check_crash")
   with pytest.raises(ReferenceFailed) as e: ev.run(BASELINE)
@@ -158,12 +162,13 @@ def test_a_baseline_that_fails_before_making_its_reference_raises(fresh, inject)
 def test_another_configs_reference_is_made_in_a_process_of_its_own(fresh, tmp_path, monkeypatch) -> None:
   """A config checked against the baseline's reference, none cached: the reference is made first, alone, and its time is
   the trial's setup. The file is the one the baseline's own trial would make, under the same key."""
-  ev, specs = fresh
+  ev, specs, timeouts = fresh
   r = ev.run({"topk": "sort"})
   assert r.ok and r.check["ok"], r.error
   ref, trial = specs
   path = ev.reference_path("full", StructureConfig())
   assert ref.write_reference == trial.reference == path and not ref.trial_after_reference
+  assert timeouts == [ev.timeout, ev.timeout]
   assert StructureConfig.from_dict(ref.config) == StructureConfig()
   assert trial.write_reference is None and "reference_s" not in r.phases and r.phases["setup_s"] > r.phases["load_s"]
   (other := tmp_path / "other").mkdir()  # an empty cache again: the baseline makes its own

@@ -84,7 +84,9 @@ def emit(fmt: str, sections: list[Section], data: Any, console: Console, notes: 
         console.print(f"[bold]{sec.title}[/]")
         console.print(Syntax(sec.code, sec.lang, word_wrap=True) if sec.code else "(empty)")
         continue
-      t, cols = Table(title=sec.title), fitting(sec, console.width)
+      # at least as wide as its title, which rich would otherwise wrap to a narrow table's width
+      t = Table(title=sec.title, min_width=min(len(sec.title) + 4, console.width))
+      cols = fitting(sec, console.width)
       for c in (sec.columns[i] for i in cols):
         t.add_column(c, overflow="fold", no_wrap=c not in sec.wrap, max_width=90 if c in sec.wrap else None)
       for r in sec.rows: t.add_row(*(_cell(r[i]) for i in cols))

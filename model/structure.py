@@ -167,6 +167,8 @@ class StructureConfig:
                       "the fused FFN stages' activations: float32, or rounded to 8 bits per 32 with "
                       "integer dot products (llama.cpp's mmvq)", applies=lambda m: bool(m.ffn_quants)
                       and set(m.ffn_quants) <= set(catalog.Q8_QUANTS), fused_in=("moe", "ffn"), precision="q8")
+  backends: dict[str, str] = table(Table("backend", BACKENDS, "<QUANT>:<role>"))  # absent: catalog.DEFAULT
+  dsl_rows: dict[str, int] = table(Table("dsl_rows", DSL_ROWS, "product"))  # absent: its default
   barriers: dict[str, str] = table(Table("barrier", BARRIERS, "point", sparse=False))
   merge_gate_up_routed: bool = knob(False, (False, True), "routed FFN gate and up as one matrix",
                                     applies=lambda m: "routed" in m.mergeable, stages=("moe",))
@@ -186,8 +188,6 @@ class StructureConfig:
   act_dtype: str = knob("float32", ("float16", "float32"), "residual stream dtype", precision="fp16")
   router_fp32: bool = knob(True, (True, False), "router matmul input in float32", applies=_moe, stages=("router",),
                            precision="fp16")
-  backends: dict[str, str] = table(Table("backend", BACKENDS, "<QUANT>:<role>"))  # absent: catalog.DEFAULT
-  dsl_rows: dict[str, int] = table(Table("dsl_rows", DSL_ROWS, "product"))  # absent: its default
   beam: int = knob(0, (0, 1, 2, 4, 8), "BEAM width for the decode kernels")
   beam_upcast_max: int = knob(256, (64, 128, 256),
                               "tinygrad BEAM_UPCAST_MAX: largest upcast a BEAM candidate may apply", needs=_beam,

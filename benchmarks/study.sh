@@ -40,8 +40,9 @@ done
 [ -f "$F" ] || { log "writing $F"; "$PY" -m model synth --preset "$MODEL" --quant "$QUANT" --out "$F" || exit 1; }
 if "$PY" -m search status --study "$STUDY" --storage "$URL" > /dev/null 2>&1; then how=(--study "$STUDY"); log "continuing $STUDY"
 else how=(--model "$F" --study "$STUDY" --device "$DEVICE" $ARGS); log "creating $STUDY: search start ${how[*]}"; fi
-# a trial that starts before --timeout may run TRIAL_TIMEOUT more; the confirmation (per-op baseline pairs) needs its own time
-reserve=$((TRIAL_TIMEOUT + 15 + (CONFIRM > 0 ? 60 + 70 * CONFIRM : 0)))
+# a trial that starts before --timeout may first make its precision's reference in a process of its own, then run
+# TRIAL_TIMEOUT; each confirmation pair is a per-op baseline run and a candidate run, each a trial's load and build
+reserve=$((2 * TRIAL_TIMEOUT + 15 + (CONFIRM > 0 ? 60 + (TRIAL_TIMEOUT + 30) * CONFIRM : 0)))
 if [ "$(left)" -gt "$reserve" ]; then
   limit=$(($(left) - reserve))
   echo "search start ${how[*]} --trials $TRIALS --timeout $limit --trial-timeout $TRIAL_TIMEOUT" >> "$CMDS"

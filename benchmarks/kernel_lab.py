@@ -5,9 +5,10 @@ one process; with --against, the same kernels built by another version of model/
   python benchmarks/kernel_lab.py [--models ...] [--kinds ...] [--against OLD/model/backends/cuda_src.py] [--json
   out.jsonl]
 
-Kinds: the output head; the attention's norm-folded products (q_a and kv_a, q_b), the MLA absorption (k_b per head), v_b
-per head and the output projection with its residual; the router; the fused MoE kernels (gate+up+SiLU over the selected
-experts and the shared expert; down with the weighted combine), with float32 and 8-bit activations. Launches run back to
+Kinds: the output head; the attention's norm-folded products (q_a and kv_a, q_b), the MLA absorption (k_b per head), the
+MLA attention (a float16 cache of the evaluator's decode context, CTX, read from position POS), v_b per head and the
+output projection with its residual; the router; the fused MoE kernels (gate+up+SiLU over the selected experts and the
+shared expert; down with the weighted combine), with float32 and 8-bit activations. Launches run back to
 back in one CUDA graph (cupy), as tinygrad's graph runs them, over enough copies of the weights (and, for the MoE
 kernels, other experts each launch) that L2 holds none of a launch's weight bytes when it starts. `us`: median device
 time per launch (3 timings of 5 graph replays); GB/s: the weight bytes a launch must read over that time; `err`: max
@@ -33,7 +34,8 @@ from model.presets import PRESETS
 from model.quants import Q4_0, QUANT_TYPES
 
 Q = QUANT_TYPES[Q4_0]
-KINDS = ["head", "norm_qa_kva", "norm_qb", "absorb", "v_b", "dense_res", "router", "glu", "down"]
+KINDS = ["head", "norm_qa_kva", "norm_qb", "absorb", "attention", "v_b", "dense_res", "router", "glu", "down"]
+CTX, POS = 256, 127  # the attention's cache (the evaluator's decode context) and the position it attends from
 FLOOR = r"""
 extern "C" __global__ void __launch_bounds__(256) floor_read(const uint4* __restrict__ p, unsigned long long n16,
                                                               unsigned* out) {
@@ -120,6 +122,8 @@ def kernels(mod, kind: str, preset: str, handoff: str, sms: int) -> list[tuple[s
   if kind == "absorb":
     return [("f32",
              mod.absorb_rope_kv(W(hp.qk_nope, "k_"), H, hp.qk_nope, hp.qk_rope, hp.kv_lora, 4096, hp.rms_eps, False))]
+  if kind == "attention":
+    return [("f32", mod.mla_attention(H, hp.kv_lora, hp.qk_rope, CTX, (hp.qk_nope + hp.qk_rope) ** -0.5, True))]
   if kind == "v_b": return [("f32", mod.product("per_head", Q4_0, (H, hp.v_head, hp.kv_lora), tn=1, n=1, heads=H))]
   if kind == "dense_res": return [("f32", mod.dense(((W(H * hp.v_head, "a_"), dim),), 2, None, residual=True))]
   if kind == "router":
@@ -150,6 +154,7 @@ def weight_bytes(kind: str, preset: str) -> int:
   first, kv, nq = hp.q_lora or H * (hp.qk_nope + hp.qk_rope), hp.kv_lora + hp.qk_rope, H * (hp.qk_nope + hp.qk_rope)
   return {"head": hp.vocab * rb(dim), "norm_qa_kva": (first + kv) * rb(dim),
           "norm_qb": nq * rb(hp.q_lora) if hp.q_lora else 0, "absorb": H * hp.kv_lora * rb(hp.qk_nope),
+          "attention": (POS + 1) * (hp.kv_lora + hp.qk_rope) * 2,
           "v_b": H * hp.v_head * rb(hp.kv_lora), "dense_res": dim * rb(H * hp.v_head), "router": hp.n_experts * rb(dim),
           "glu": (2 * K * F + 2 * Fs) * rb(dim), "down": (K * F + Fs) * rb(dim)}[kind]
 
@@ -180,6 +185,12 @@ def launches(kind: str, preset: str) -> tuple[object, object]:
     qc, cache, half = f(H * D), f(4096 * D), hp.qk_rope // 2
     cos, sin, pos = f(4096 * half) + 1, f(4096 * half), cp.array([100], dtype=cp.int32)
     return qc, lambda k: [(qc, cache, x, x, gamma, cos, sin, pos, *c) for c in cs * 10]
+  if kind == "attention":  # float16 caches, as many splits' partials as any source may use
+    D = hp.kv_lora + hp.qk_rope
+    caches = [cp.random.standard_normal(CTX * D, dtype=cp.float32).astype(cp.float16).view(cp.uint16) for _ in range(8)]
+    o, part, cnt = f(H * hp.kv_lora), f(H * CTX * (hp.kv_lora + 2)), cp.zeros(H, dtype=cp.int32)
+    qc, pos = cp.random.standard_normal(H * D, dtype=cp.float32) * 0.05, cp.array([POS], dtype=cp.int32)
+    return o, lambda k: [(o, part, cnt, qc, c, pos) for c in caches * 10]
   if kind == "v_b":
     cs = [weight(H * hp.v_head, hp.kv_lora) for _ in range(8)]
     o = f(H * hp.v_head)
@@ -192,7 +203,8 @@ def launches(kind: str, preset: str) -> tuple[object, object]:
     cs = [weight(E, dim) for _ in range(8)]
     sel, wts, logits, cnt = cp.zeros(K, dtype=cp.int32), f(K), f(E), cp.zeros(1, dtype=cp.int32)
     bias = [f(E)] if hp.exp_probs_bias else []
-    return logits, lambda k: [(sel, wts, logits, cnt, x, gamma, *bias, *c) for c in cs * 10]
+    counter = lambda k: [cnt] if "int* cnt" in k.src else []  # the multi-block router of earlier sources
+    return logits, lambda k: [(sel, wts, logits, *counter(k), x, gamma, *bias, *c) for c in cs * 10]
   layers = [dict(g=weight(E * F, dim), u=weight(E * F, dim), d=weight(E * dim, F), sg=weight(Fs, dim),
                  su=weight(Fs, dim), sd=weight(dim, Fs))
             for _ in range(8)]

@@ -42,14 +42,16 @@ def capture_first(fn) -> TinyJit:
   return jit
 
 
-def argmax_first(x: Tensor, group: int = 128) -> Tensor:
-  """Index of the first maximum of a 1-D tensor, as np.argmax gives it: each group of `group` values finds its maximum
-  and the first index holding it, then the smallest such index among the groups holding the overall maximum. Every
+def argmax_first(x: Tensor, group: int = 256, align: int = 32) -> Tensor:
+  """Index of the first maximum of a 1-D tensor, as np.argmax gives it: each row of `group` values finds its maximum
+  and the first index holding it, then the smallest such index among the rows holding the overall maximum. Every
   maximum is a buffer before it is compared with (tinygrad's argmax fuses its max into the comparison, one serial loop
   inside another over the whole input), and each reduction runs over one axis of rows in parallel or over the row
-  results."""
+  results. The rows are padded (with -inf) to a multiple of `align`: tinygrad's heuristics then split them over
+  workgroups, where a count that 16 does not divide leaves one thread per row looping alone (on an H100, 6-7 us for
+  every vocabulary of 32000-154880 against 7-49 us for unpadded rows of 128; GLM-4.7-Flash's 154880 took 49)."""
   n = x.shape[0]
-  rows = -(-n // group)
+  rows = -(-n // (group * align)) * align
   g = x.pad((0, rows * group - n), value=float("-inf")).reshape(rows, group)
   m = g.max(1, keepdim=True).contiguous()
   idx = Tensor.arange(rows * group, dtype=dtypes.int32).reshape(rows, group)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from model.quants import BF16, F16, F32, LAYOUTS, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, QUANT_TYPES
 
 WARPS, TOKENS, XREGS = 4, 8, 64  # warps per block, tokens per prefill tile, input floats a lane keeps in registers
-STAGE_MAX = 8192  # the widest input a single-token product stages in shared memory (32 KB of floats)
+STAGE_MAX = 8192  # the widest input a single-token product stages in shared memory (36 KB of padded floats: sx_at)
 # unit reads a lane keeps in flight at once where x is staged in shared memory (5 registers each for Q4_0)
 STAGED_READS = 16
 THREADS = 32 * WARPS
@@ -285,10 +285,20 @@ def unit_idot16(w: W, row: str, u: str, i: int, acc: str, tag: str) -> str:
           f" {acc} = fmaf({un.iscale}, fmaf(dh{i}, (float)ih, fmaf(dl{i}, (float)il, 0.f){off}), {acc}); }}")
 
 
-def stage_x(xp: str, n: int, eps: float | None, act: str, warps: int = WARPS) -> str:
+def sx_at(k: str) -> str:
+  """C: the place of input element k in stage_x's padded float32 shared memory `sx`: 4 floats of padding after every
+  32, so the lanes of a row group, which read units of 32 or more elements (a Q4_0 block: 128 bytes apart), read
+  different banks with their 16-byte loads instead of the same four (on an H100: the residual product 7.8 -> 5.7 us,
+  the router 5.2 -> 4.3). gate+up's float32 form, which reads each value for 8 rows, runs faster unpadded (14.7 against
+  16.0 us: benchmarks/kernel_lab.py)."""
+  return f"({k}) + (({k}) >> 5) * 4"
+
+
+def stage_x(xp: str, n: int, eps: float | None, act: str, warps: int = WARPS, pad: bool = True) -> str:
   """C, run by the whole block (it synchronises): the input x[0..n) at xp, RMS-normalised and scaled by `gamma` where
   eps is given, into shared memory once for all the block's warps: as floats `sx` (act f32), or as quantize_x's 8-bit
-  form (act q8): words `sxq`, scales `sdx` and sums `ssq` per unit of 32. Every read (x and gamma) is issued first, so
+  form (act q8): words `sxq`, scales `sdx` and sums `ssq` per unit of 32 (pad: floats at sx_at). Every read (x and
+  gamma) is issued first, so
   the prologue waits on memory once; each group of 8 lanes holds one unit (4 values a lane), so a unit's largest value
   and its sum are 3 shuffles; the rounding is quantize_x's."""
   assert act in ("f32", "q8") and n % 32 == 0
@@ -310,7 +320,7 @@ def stage_x(xp: str, n: int, eps: float | None, act: str, warps: int = WARPS) ->
                     for j, c in enumerate("xyzw"))
     k, inside = f"stk{it}", f"stk{it} < {n}"
     if act == "f32":
-      out.append(f"if ({inside}) {{ {vals} *(float4*)(sx + {k}) = make_float4(a0, a1, a2, a3); }}")
+      out.append(f"if ({inside}) {{ {vals} *(float4*)(sx + {sx_at(k) if pad else k}) = make_float4(a0, a1, a2, a3); }}")
       continue
     q = ", ".join(f"q{j} = (int)rintf(a{j} * iv)" for j in range(4))
     out.append(f"{{ {vals} float am = fmaxf(fmaxf(fabsf(a0), fabsf(a1)), fmaxf(fabsf(a2), fabsf(a3)));"
@@ -323,9 +333,10 @@ def stage_x(xp: str, n: int, eps: float | None, act: str, warps: int = WARPS) ->
   return " ".join(out)
 
 
-def stage_decl(n: int, act: str, warps: int = WARPS) -> str:
+def stage_decl(n: int, act: str, warps: int = WARPS, pad: bool = True) -> str:
   """C: the shared memory stage_x fills (declared once at the top of a kernel whose branches stage)."""
-  arrays = f"float sx[{n}]" if act == "f32" else f"int sxq[{n // 4}], ssq[{n // 32}]; __shared__ float sdx[{n // 32}]"
+  arrays = (f"float sx[{n + n // 8 if pad else n}]" if act == "f32"
+            else f"int sxq[{n // 4}], ssq[{n // 32}]; __shared__ float sdx[{n // 32}]")
   return f"__shared__ {arrays}; __shared__ float sred[{warps}];"
 
 
@@ -345,14 +356,15 @@ def _runs(un: Unit) -> list[tuple[int, int]]:
   return [(e, un.xoff(e)) for e in range(0, un.elems, 4)]
 
 
-def load_x(w: W, i: int, xp: str, u: str) -> str:
-  """C: registers x<i>_<e> (and group sums xs<i>_<g>) for unit u of an input at xp, zero where u is past the row."""
+def load_x(w: W, i: int, xp: str, u: str, pad: bool = False) -> str:
+  """C: registers x<i>_<e> (and group sums xs<i>_<g>) for unit u of an input at xp, zero where u is past the row; pad:
+  xp is stage_x's padded shared memory (sx_at)."""
   un, out = w.unit, []
   out.append(" ".join(f"float x{i}_{e} = 0.f;" for e in range(un.elems)))
   loads = []
   for e, off in _runs(un):
     idx = f"{un.xbase.format(u=f'({u})')} + {off}"
-    loads.append(f"{{ const float4 v = *(const float4*)({xp} + {idx});")
+    loads.append(f"{{ const float4 v = *(const float4*)({xp} + {sx_at(idx) if pad else idx});")
     loads.append(" ".join(f"x{i}_{e + k} = v.{c};" for k, c in enumerate("xyzw")) + " }")
   out.append(f"if ({u} < {w.units}) {{ {' '.join(loads)} }}")
   if un.quantized:
@@ -390,7 +402,8 @@ ACTS = ("f32", "q8", "x16")  # a gemv's input: float32, 8 bits per 32 (llama.cpp
 
 
 def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue: Callable[[str, list[str]], str] | None,
-         G: int | None = None, prologue: str = "", act: str = "f32", early: bool = False, staged: bool = False) -> str:
+         G: int | None = None, prologue: str = "", act: str = "f32", early: bool = False, staged: bool = False,
+         pad: bool = True) -> str:
   """C body: the row group of this lane computes outputs o = obase .. obase+R-1 (< rows) of one or more components, each
   a weight with its row for output o (a C template with `{o}`) and an accumulator name; all components share the input
   at xp. `obase`, `gl` (lane in group) must be defined; epilogue(o, accs) is C run by lane 0 of the group for each valid
@@ -398,7 +411,8 @@ def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue: 
   prologue: C run before the products. act: the input's form in the products
   (ACTS; q8 and x16 for types with integer codes, `idot`). early: each chunk's weight reads are issued before the work
   that precedes its products (the first chunk's before the prologue, the next chunk's before this one's products).
-  staged: the prologue is stage_x's, and x comes from its shared memory (xp `sx` for f32): x takes no registers, so the
+  staged: the prologue is stage_x's, and x comes from its shared memory (xp `sx` for f32, padded where `pad` says, as
+  stage_x wrote it): x takes no registers, so the
   row group's reads go out in one chunk (up to STAGED_READS a lane), as weak loads the prologue's barrier holds before
   the products."""
   w0 = comps[0][0]
@@ -427,7 +441,7 @@ def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue: 
   def products(c: str, tag: str, reads: list[str]) -> list[str]:  # reads: C issued after the chunk's x is ready
     us, uw = units(c)
     if staged and act == "q8": out = [load_xq(i, "sxq", "sdx", "ssq", us[i], w0.units) for i in range(upl)]
-    else: out = [load_x(w0, i, xp, us[i]) for i in range(upl)]
+    else: out = [load_x(w0, i, xp, us[i], staged and pad) for i in range(upl)]
     if act == "q8" and not staged: out += [quantize_x(i, w0.unit) for i in range(upl)]
     if act == "x16": out += [quantize_x16(i, w0.unit) for i in range(upl)]
     out += reads
@@ -561,17 +575,19 @@ def product(role: str, ggml_type: int, shape: tuple[int, ...], **dims: int) -> K
 # ----------------------
 
 def _gemv_block(ws: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue, prologue: str = "",
-                act: str = "f32", early: bool = False, staged: bool = False, warps: int = WARPS) -> str:
+                act: str = "f32", early: bool = False, staged: bool = False, warps: int = WARPS,
+                pad: bool = True) -> str:
   """A braced gemv with its own row-group setup (its weights' group width), so kernels can branch between weight types;
   with `staged` (the prologue is stage_x's and synchronises the block), a block with no rows leaves before it."""
   G = ws[0][0].group_lanes
   leave = f" if (blockIdx.x * {rows_per_block(G, R, warps)} >= {rows}) return;" if staged else ""
-  body = gemv(ws, xp, rows, R, epilogue, prologue=prologue, act=act, early=early, staged=staged)
+  body = gemv(ws, xp, rows, R, epilogue, prologue=prologue, act=act, early=early, staged=staged, pad=pad)
   return "{ " + group_setup(G, R, warps=warps) + leave + "\n  " + body + " }"
 
 
 @functools.cache
-def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, residual: bool = False) -> Kernel:
+def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, residual: bool = False,
+          warps: int = WARPS) -> Kernel:
   """out_j = [res +] W_j . [rmsnorm(x) * gamma] for each weight j (blockIdx.y picks it): a norm folded into one or two
   products of one input (q_a and kv_a), or a residual add folded into one (the attention output). Each warp issues its
   weight reads first; the block stages x (normalised, with a norm) once into shared memory while they are in flight
@@ -584,12 +600,15 @@ def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, resid
   for w, _ in ws: params += w.params
   inp = ws[0][0].inp
   staged = eps is not None or inp <= STAGE_MAX
-  pro, xp, body = (stage_x("x", inp, eps, "f32"), "sx", [stage_decl(inp, "f32")]) if staged else ("", "x", [])
+  pro, xp, body = ((stage_x("x", inp, eps, "f32", warps), "sx", [stage_decl(inp, "f32", warps)]) if staged
+                   else ("", "x", []))
   for j, (w, rows) in enumerate(ws):
     epi = lambda o, a, j=j: f"out{j}[{o}] = " + (f"res[{o}] + {a[0]};" if residual else f"{a[0]};")
-    body.append(f"if (blockIdx.y == {j}) " + _gemv_block([(w, "{o}", "a")], xp, rows, R, epi, pro, "f32", True, staged))
-  blocks = max(-(-rows // rows_per_block(w.group_lanes, R)) for w, rows in ws)
-  return Kernel(name, kernel(name, params, "\n  ".join(body)), (blocks, len(ws), 1), tuple(range(len(ws))))
+    body.append(f"if (blockIdx.y == {j}) " + _gemv_block([(w, "{o}", "a")], xp, rows, R, epi, pro, "f32", True, staged,
+                                                         warps))
+  blocks = max(-(-rows // rows_per_block(w.group_lanes, R, warps)) for w, rows in ws)
+  return Kernel(name, kernel(name, params, "\n  ".join(body), 32 * warps), (blocks, len(ws), 1), tuple(range(len(ws))),
+                32 * warps)
 
 
 @functools.cache
@@ -625,14 +644,17 @@ def absorb_rope_kv(kb: W, heads: int, nope: int, rope: int, kvl: int, max_ctx: i
   return Kernel(name, kernel(name, params, body), (blocks, heads + 1, 1), (0, 1))
 
 
+ATT_CHUNK, ATT_SPLITS = 32, 64  # the fewest positions an MLA attention block scores, the most splits of the context
+
+
 def attention_splits(max_ctx: int) -> tuple[int, int]:
-  """(positions per split, splits) of the MLA attention kernel for a cache of max_ctx positions: 32 positions per block
-  (4 warps x 2 batches of 4), more where the context is long, at most 64 splits."""
-  ch = max(32, -(-max_ctx // 64))
+  """(positions per split, splits) of the MLA attention kernel for a cache of max_ctx positions: ATT_CHUNK positions per
+  block, more where the context is long, at most ATT_SPLITS splits."""
+  ch = max(ATT_CHUNK, -(-max_ctx // ATT_SPLITS))
   return ch, -(-max_ctx // ch)
 
 
-ATT_BATCH = 4  # positions a warp scores at once (independent loads and reductions, then one softmax update)
+ATT_BATCH = 8  # positions a warp scores at once (independent loads and reductions, then one softmax update)
 
 
 @functools.cache
@@ -718,6 +740,9 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
 GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softplus"}
 
 
+ROUTER_R, ROUTER_WARPS = 1, 4  # the router's rows per row group and warps per block: 16 blocks for 64 experts
+
+
 @functools.cache
 def router(w: W, experts: int, k: int, eps: float, gating: int, bias: bool, norm_w: bool, w_scale: float,
            forced: bool = False) -> Kernel:
@@ -733,15 +758,15 @@ def router(w: W, experts: int, k: int, eps: float, gating: int, bias: bool, norm
             + (["int* own", "const int* __restrict__ force"] if forced else []))
   params += (["const float* __restrict__ x", "const float* __restrict__ gamma"]
              + (["const float* __restrict__ bias"] if bias else []) + w.params)
-  R = 2
+  R, warps = ROUTER_R, ROUTER_WARPS
   prob = {1: "expf(lg - mx) / den", 2: "1.f / (1.f + expf(-lg))", 3: "lg", 4: "sqrtf(logf(1.f + expf(lg)))"}[gating]
   scale = f" wv *= {w_scale!r}f;" if w_scale not in (0.0, 1.0) else ""
   softmax_k = (f"float ws = -INFINITY; for (int t = 0; t < {k}; t++) ws = fmaxf(ws, wsel[t]); float se = 0.f;"
                f" for (int t = 0; t < {k}; t++) {{ wsel[t] = expf(wsel[t] - ws); se += wsel[t]; }} for (int t = 0; t < "
                f"{k}; t++) wsel[t] /= se;")
-  body = f"""{stage_decl(w.inp, "f32")}
+  body = f"""{stage_decl(w.inp, "f32", warps)}
   {_gemv_block([(w, "{o}", "a")], "sx", experts, R, lambda o, a: f"logits[{o}] = {a[0]};",
-                stage_x("x", w.inp, eps, "f32"), "f32", True, True)}
+                stage_x("x", w.inp, eps, "f32", warps), "f32", True, True, warps)}
   __shared__ int last;
   __threadfence();
   __syncthreads();
@@ -791,8 +816,9 @@ def router(w: W, experts: int, k: int, eps: float, gating: int, bias: bool, norm
     }}
     cnt[0] = 0;
   }}"""
-  blocks = -(-experts // rows_per_block(w.group_lanes, R))
-  return Kernel(name, kernel(name, params, body), (blocks, 1, 1), (0, 1, 2, 3) + ((4,) if forced else ()))
+  blocks = -(-experts // rows_per_block(w.group_lanes, R, warps))
+  return Kernel(name, kernel(name, params, body, 32 * warps), (blocks, 1, 1), (0, 1, 2, 3) + ((4,) if forced else ()),
+                32 * warps)
 
 
 @dataclass(frozen=True)
@@ -849,9 +875,9 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
                         and all(f.hidden % 32 == 0 for f in (r, p) if f)), ("32 outputs " "a block")
   silu = lambda a: f"({a[0]} * (1.f / (1.f + expf(-{a[0]})))) * {a[1]}"
   units = ((k * r.hidden if r else 0) + (p.hidden if p else 0)) // 32
-  pro, body = (stage_x("x", dim, eps, act, warps), [stage_decl(dim, act, warps)]
+  pro, body = (stage_x("x", dim, eps, act, warps, False), [stage_decl(dim, act, warps, False)]
                + (["__shared__ float sact[32];"] if out_q8 else []))
-  block = lambda ws, rows, epi: _gemv_block(ws, "sx", rows, R, epi, pro, act, True, True, warps)
+  block = lambda ws, rows, epi: _gemv_block(ws, "sx", rows, R, epi, pro, act, True, True, warps, False)
   def store(base: str):  # the output of row o, at act[base + o], or its block's 8-bit form
     if not out_q8: return lambda o, a: f"act[{base} + {o}] = {silu(a)};"
     return lambda o, a: f"sact[{o} - blockIdx.x * 32] = {silu(a)};"

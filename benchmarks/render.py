@@ -63,6 +63,8 @@ REQUIRED = {
   "kernel_lab": ("layers", "kernel", "act", "source", "name", "us", "gb_s", "bandwidth_gb_s", "bandwidth_share",
                  "floor_us"),
   "ncu_kernel": ("layers", "where", "name", "launches", "us", "dram_mb"),
+  "kernel_sweep": ("layers", "kernel", "variant", "name", "us", "us_min", "us_max"),
+  "argmax": ("vocab", "group", "align", "us"),
 }
 TABLE = re.compile(r"<!-- table\n(.*?)-->\n", re.S)
 TERM = re.compile(r"([\w.]+)(!=|!~|=|~|\?)(.*)", re.S)

@@ -1,0 +1,96 @@
+"""The native decode kernels' launch shapes swept, at the real shapes of GLM-4.7-Flash and DeepSeek-V2-Lite Q4_0: the
+router's rows per group and warps (ROUTER_R, ROUTER_WARPS), the MLA attention's positions per block and per warp
+(ATT_CHUNK, ATT_BATCH), the residual and norm-folded products' rows per group, warps and staged reads. Each variant
+is built from this tree's model/backends/cuda_src.py with those constants or arguments and timed as
+benchmarks/kernel_lab.py times a kernel (median of 3 interleaved timings of one CUDA graph of launches over weights L2
+does not hold).
+
+  PYTHONPATH=. python benchmarks/kernel_sweep.py [--kinds router attention dense_res ...] [--json out.jsonl]
+"""
+import argparse
+import datetime
+import json
+import statistics
+import sys
+
+import cupy as cp
+
+from benchmarks import kernel_lab as L
+from model.backends import cuda_src as C
+from model.presets import PRESETS
+from model.quants import Q4_0
+
+
+def build(fn, consts: dict, *a, **kw):
+  """fn's kernel built with cuda_src's module constants set to consts (and restored)."""
+  saved = {k: getattr(C, k) for k in consts}
+  for k, v in consts.items(): setattr(C, k, v)
+  try: return fn.__wrapped__(*a, **kw)
+  finally:
+    for k, v in saved.items(): setattr(C, k, v)
+
+
+def variants(preset: str) -> dict[str, dict[str, object]]:
+  hp = PRESETS[preset]
+  W = lambda inp, p="": C.W(p, Q4_0, inp)
+  H, dim = hp.n_heads, hp.dim
+  first, kv, nq = hp.q_lora or H * (hp.qk_nope + hp.qk_rope), hp.kv_lora + hp.qk_rope, H * (hp.qk_nope + hp.qk_rope)
+  out = {
+    "router": {f"R{R}w{w}": build(C.router, {"ROUTER_R": R, "ROUTER_WARPS": w}, W(dim, "g_"), hp.n_experts, hp.n_used,
+                                  hp.rms_eps, 2 if hp.gating == "sigmoid" else 1, hp.exp_probs_bias, hp.norm_topk,
+                                  hp.routed_scale)
+               for R, w in ((2, 4), (1, 4), (1, 2), (1, 1), (2, 2), (2, 1), (4, 4))},
+    "attention": {f"ch{ch}b{b}": build(C.mla_attention, {"ATT_CHUNK": ch, "ATT_BATCH": b}, H, hp.kv_lora, hp.qk_rope,
+                                       L.CTX, (hp.qk_nope + hp.qk_rope) ** -0.5, True)
+                  for ch in (32, 64, 128) for b in (4, 2, 8)},
+    "dense_res": {f"R{R}w{w}s{s}": build(C.dense, {"STAGED_READS": s}, ((W(H * hp.v_head, "a_"), dim),), R, None,
+                                         True, w)
+                  for R, w, s in ((2, 4, 16), (4, 4, 24), (2, 8, 16), (4, 8, 24), (2, 16, 16), (1, 8, 16), (1, 16, 16),
+                                  (4, 2, 24), (2, 2, 16))},
+    "norm_qa_kva": {f"R{R}w{w}": build(C.dense, {"STAGED_READS": 24}, ((W(dim, "a_"), first), (W(dim, "b_"), kv)), R,
+                                       hp.rms_eps, False, w)
+                    for R, w in ((4, 4), (2, 4), (2, 8), (4, 8), (1, 8), (2, 2))},
+  }
+  if hp.q_lora:
+    out["norm_qb"] = {f"R{R}w{w}": build(C.dense, {"STAGED_READS": 24}, ((W(hp.q_lora, "a_"), nq),), R, hp.rms_eps,
+                                         False, w)
+                      for R, w in ((4, 4), (2, 4), (2, 8), (4, 8), (1, 8), (2, 2), (8, 4))}
+  return out
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--kinds", nargs="+", default=["router", "attention", "dense_res", "norm_qa_kva", "norm_qb"])
+  p.add_argument("--json", help="append one JSON line per variant")
+  args = p.parse_args()
+  dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+  for preset in ("glm-4.7-flash", "deepseek-v2-lite"):
+    for kind, ks in variants(preset).items():
+      if kind not in args.kinds: continue
+      nbytes = L.weight_bytes(kind, preset)
+      out, make = L.launches(kind, preset)
+      calls = {}
+      for label, k in ks.items():
+        fn = cp.RawKernel(k.src, k.name, options=("--std=c++17",))
+        calls[label] = (lambda *a, fn=fn, k=k: fn(k.grid, (k.threads, 1, 1), a), make(k), k, fn)
+      times: dict[str, list[float]] = {}
+      for _ in range(3):
+        for label, (call, ls, _, _) in calls.items(): times.setdefault(label, []).append(L.timed(call, ls))
+      for label, ts in sorted(times.items(), key=lambda kv: statistics.median(kv[1])):
+        t, (_, _, k, fn) = statistics.median(ts), calls[label]
+        print(f"{preset:17s} {kind:11s} {label:12s} {t * 1e6:7.2f} us [{min(ts) * 1e6:.2f}-{max(ts) * 1e6:.2f}] "
+              f"{nbytes / t / 1e9:5.0f} GB/s regs {fn.num_regs} grid {k.grid} threads {k.threads}", flush=True)
+        if args.json:
+          with open(args.json, "a") as fh:
+            fh.write(json.dumps({"date": datetime.date.today().isoformat(), "kind": "kernel_sweep",
+                                 "device": f"{dev} (CUDA, cupy graph)", "model": f"{preset} (synthetic, exact shapes)",
+                                 "layers": 0, "quant": "Q4_0", "kernel": kind, "variant": label, "name": k.name,
+                                 "us": round(t * 1e6, 2), "us_min": round(min(ts) * 1e6, 2),
+                                 "us_max": round(max(ts) * 1e6, 2), "regs": fn.num_regs, "grid": list(k.grid),
+                                 "threads": k.threads,
+                                 "command": "python benchmarks/kernel_sweep.py " + " ".join(sys.argv[1:])}) + "\n")
+      cp.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+  main()

@@ -296,11 +296,10 @@ def sx_at(k: str) -> str:
 
 def stage_x(xp: str, n: int, eps: float | None, act: str, warps: int = WARPS, pad: bool = True) -> str:
   """C, run by the whole block (it synchronises): the input x[0..n) at xp, RMS-normalised and scaled by `gamma` where
-  eps is given, into shared memory once for all the block's warps: as floats `sx` (act f32), or as quantize_x's 8-bit
-  form (act q8): words `sxq`, scales `sdx` and sums `ssq` per unit of 32 (pad: floats at sx_at). Every read (x and
-  gamma) is issued first, so
-  the prologue waits on memory once; each group of 8 lanes holds one unit (4 values a lane), so a unit's largest value
-  and its sum are 3 shuffles; the rounding is quantize_x's."""
+  eps is given, into shared memory once for all the block's warps: as floats `sx` (act f32; pad: each at sx_at), or as
+  quantize_x's 8-bit form (act q8): words `sxq`, scales `sdx` and sums `ssq` per unit of 32. Every read (x and gamma)
+  is issued first, so the prologue waits on memory once; each group of 8 lanes holds one unit (4 values a lane), so a
+  unit's largest value and its sum are 3 shuffles; the rounding is quantize_x's."""
   assert act in ("f32", "q8") and n % 32 == 0
   its, out = range(-(-n // (warps * 128))), []
   for it in its:  # lane l of warp w holds x[k..k+4), k = it * 128 * warps + 128 w + 4 l
@@ -412,9 +411,8 @@ def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue: 
   (ACTS; q8 and x16 for types with integer codes, `idot`). early: each chunk's weight reads are issued before the work
   that precedes its products (the first chunk's before the prologue, the next chunk's before this one's products).
   staged: the prologue is stage_x's, and x comes from its shared memory (xp `sx` for f32, padded where `pad` says, as
-  stage_x wrote it): x takes no registers, so the
-  row group's reads go out in one chunk (up to STAGED_READS a lane), as weak loads the prologue's barrier holds before
-  the products."""
+  stage_x wrote it): x takes no registers, so the row group's reads go out in one chunk (up to STAGED_READS a lane), as
+  weak loads the prologue's barrier holds before the products."""
   w0 = comps[0][0]
   assert all((w.inp, w.unit.elems) == (w0.inp, w0.unit.elems)
              for w, _, _ in comps), ("components of one gemv share the input " "layout")
@@ -590,8 +588,8 @@ def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, resid
           warps: int = WARPS) -> Kernel:
   """out_j = [res +] W_j . [rmsnorm(x) * gamma] for each weight j (blockIdx.y picks it): a norm folded into one or two
   products of one input (q_a and kv_a), or a residual add folded into one (the attention output). Each warp issues its
-  weight reads first; the block stages x (normalised, with a norm) once into shared memory while they are in flight
-  (stage_x), up to STAGE_MAX inputs."""
+  weight reads first; the block (`warps` warps) stages x (normalised, with a norm) once into shared memory while they
+  are in flight (stage_x), up to STAGE_MAX inputs."""
   tag = "_".join(f"{QUANT_TYPES[w.ggml_type].name.lower()}x{rows}x{w.inp}" for w, rows in ws)
   name = f"native_dense_{'norm_' if eps is not None else ''}{'res_' if residual else ''}{tag}"
   params = [f"float* out{j}" for j in range(len(ws))] + ["const float* __restrict__ x"]

@@ -116,8 +116,10 @@ def kernels(mod, kind: str, preset: str, handoff: str, sms: int) -> list[tuple[s
   routed, plain = mod.FFN(W(dim), W(dim), W(F), F, E, F, 0), mod.FFN(W(dim), W(dim), W(Fs), Fs, 0, Fs, 0)
   first, nq = hp.q_lora or H * (hp.qk_nope + hp.qk_rope), H * (hp.qk_nope + hp.qk_rope)
   if kind == "head": return [("f32", mod.product("dense", Q4_0, (V, dim), tn=1, n=1))]
-  if kind == "norm_qa_kva":
-    return [("f32", mod.dense(((W(dim, "a_"), first), (W(dim, "b_"), hp.kv_lora + hp.qk_rope)), 4, hp.rms_eps))]
+  if kind == "norm_qa_kva":  # as native.attention builds it (sources before QKV_ROWS: 4 rows, 4 warps)
+    shape = {"warps": mod.QKV_WARPS} if hasattr(mod, "QKV_WARPS") else {}
+    return [("f32", mod.dense(((W(dim, "a_"), first), (W(dim, "b_"), hp.kv_lora + hp.qk_rope)),
+                              getattr(mod, "QKV_ROWS", 4), hp.rms_eps, **shape))]
   if kind == "norm_qb": return [("f32", mod.dense(((W(hp.q_lora, "a_"), nq),), 4, hp.rms_eps))] if hp.q_lora else []
   if kind == "absorb":
     return [("f32",
@@ -203,8 +205,7 @@ def launches(kind: str, preset: str) -> tuple[object, object]:
     cs = [weight(E, dim) for _ in range(8)]
     sel, wts, logits, cnt = cp.zeros(K, dtype=cp.int32), f(K), f(E), cp.zeros(1, dtype=cp.int32)
     bias = [f(E)] if hp.exp_probs_bias else []
-    counter = lambda k: [cnt] if "int* cnt" in k.src else []  # the multi-block router of earlier sources
-    return logits, lambda k: [(sel, wts, logits, *counter(k), x, gamma, *bias, *c) for c in cs * 10]
+    return logits, lambda k: [(sel, wts, logits, cnt, x, gamma, *bias, *c) for c in cs * 10]
   layers = [dict(g=weight(E * F, dim), u=weight(E * F, dim), d=weight(E * dim, F), sg=weight(Fs, dim),
                  su=weight(Fs, dim), sd=weight(dim, Fs))
             for _ in range(8)]

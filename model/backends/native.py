@@ -91,8 +91,8 @@ def expert(x: Tensor, sel: Tensor, w: QWeight) -> Tensor:
 # ---------------------------------
 
 R_SMALL, R_LARGE = 2, 4  # rows per row group: 2 where a matrix has few rows (more blocks in flight), 4 otherwise and
-# wherever a kernel normalises its input (more rows share the block's staged input), but the first attention kernel:
-# 2 rows and 8 warps a block (q_a and kv_a on an H100: DeepSeek-V2-Lite 5.8 -> 4.9 us, GLM-4.7-Flash the same)
+# wherever a kernel normalises its input (more rows share the block's staged input), but the first attention kernel's
+# (C.QKV_ROWS)
 
 
 def _rows_r(rows: int) -> int: return R_LARGE if rows >= 4096 else R_SMALL
@@ -106,7 +106,8 @@ def attention(blk: Block, x: Tensor, start_pos, pos: Tensor) -> Tensor:
   xf = f32(x)
   first = blk.q_a if hp.q_lora else blk.q_b
   rows = (first.shape[0], blk.kv_a.shape[0])
-  k1 = C.dense(((cw("a_", first), rows[0]), (cw("b_", blk.kv_a), rows[1])), R_SMALL, hp.eps, warps=8)
+  k1 = C.dense(((cw("a_", first), rows[0]), (cw("b_", blk.kv_a), rows[1])), C.QKV_ROWS, hp.eps,
+               warps=C.QKV_WARPS)
   qa, kv = launch(k1, [empty(rows[0], device=dev), empty(rows[1], device=dev), xf, blk.attn_norm, *planes(first),
                        *planes(blk.kv_a)], row_bytes(first) * rows[0] + row_bytes(blk.kv_a) * rows[1])[:2]
   if hp.q_lora:

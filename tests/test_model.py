@@ -14,7 +14,7 @@ import functools
 import numpy as np
 import pytest
 from reference import _weights, llamacpp_error_bound, llamacpp_logits, reference_logits, robust_tokens
-from tinygrad import Tensor
+from tinygrad import Tensor, TinyJit
 
 from evaluator.gate import rel_err
 from model.deepseek2 import Transformer
@@ -112,6 +112,18 @@ def test_argmax_first_is_numpys(n: int) -> None:
   for x in (rng.standard_normal(n).astype(np.float32), np.round(rng.standard_normal(n), 1).astype(np.float32)):
     x[rng.integers(0, n, 3)] = x.max()  # the maximum three more times, in different groups
     assert int(argmax_first(Tensor(x)).item()) == int(np.argmax(x))
+
+
+def test_argmax_rows_are_padded_to_a_multiple_of_align() -> None:
+  """argmax_first's row reductions run over a row count padded to a multiple of `align` (tinygrad's heuristics split
+  only such a count over workgroups on a GPU; benchmarks/argmax_lab.py): GLM-4.7-Flash's 154880 logits in rows of 256
+  make 605 rows, 608 aligned to 32. The CPU kernel names carry the row count."""
+  from model.generate import jit_kernels
+  x = Tensor(np.random.default_rng(0).standard_normal(154880).astype(np.float32)).realize()
+  for kw, rows in (({}, 608), ({"align": 1}, 605)):  # the defaults, then unaligned
+    jit = TinyJit(lambda kw=kw: argmax_first(x, **kw).realize())
+    for _ in range(3): jit()
+    assert any(name.startswith(f"r_{rows}_") for name, _ in jit_kernels(jit)), (kw, jit_kernels(jit))
 
 
 def test_host_copies_round_trip_and_refuse_another_size() -> None:

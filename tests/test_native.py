@@ -274,6 +274,26 @@ def test_down_layouts(routed_t: str | None, plain_t: str, Fs: int, layout: str) 
     assert rel_err(out[None], want[None]).max() < 1e-5, (form, k.name)
 
 
+def test_staged_float_input_is_padded_where_a_row_group_reads_it() -> None:
+  """The float32 input a decode kernel stages in shared memory has 4 floats of padding after every 32 (sx_at), written
+  and read at the same places, so the lanes of a row group, a unit apart, read different banks; gate+up's float form
+  stages it unpadded (it reads each value for several rows). The emulator tests check the values these kernels
+  compute."""
+  t, dim = TYPES["Q4_0"], 256
+  W = lambda inp, p="": cuda_src.W(p, t, inp)
+  padded = [(160, cuda_src.dense(((W(160, "a_"), dim),), 2, None, residual=True)),
+            (dim, cuda_src.dense(((W(dim, "a_"), 96), (W(dim, "b_"), 40)), cuda_src.QKV_ROWS, 1e-5,
+                                 warps=cuda_src.QKV_WARPS)),
+            (dim, cuda_src.router(W(dim, "g_"), 8, 2, 1e-5, 2, True, True, 1.0)),
+            (dim, cuda_src.product("dense", t, (96, dim), tn=1, n=1))]
+  routed = cuda_src.FFN(W(dim), W(dim), W(64), 64, 8, 64, 0)
+  for n, k, pad in [(n, k, True) for n, k in padded] + [(dim, cuda_src.glu(routed, None, 2, dim, 1e-5), False)]:
+    assert f"float sx[{n + n // 8 if pad else n}]" in k.src, k.name
+    writes, reads = k.src.split("*(float4*)(sx + ")[1:], k.src.split("*(const float4*)(sx + ")[1:]
+    assert writes and reads, k.name
+    assert all((">> 5) * 4)" in a.split(";")[0]) == pad for a in writes + reads), k.name
+
+
 def test_decode_kernels_issue_their_weight_reads_before_their_first_barrier() -> None:
   """The latency-bound decode kernels (gate+up, down, the norm-folded and residual products, the single-token products,
   the router) read their weights as weak streaming loads (__ldcs) before the block's first barrier, and

@@ -33,12 +33,6 @@ def bench_prompt(vocab: int, n: int) -> list[int]:
   return [(7919 * i + 17) % vocab for i in range(n)]
 
 
-def _steps(gen: Generator, tok: int, pos: int, n: int) -> int:
-  """n greedy decode steps from token `tok` at position `pos`; returns the last token."""
-  for i in range(n): tok = gen.step(tok, pos + i)
-  return tok
-
-
 def _feed(gen: Generator, tokens: list[int], start: int = 0) -> int:
   """Tokens through decode steps at positions start..; returns the greedy token after the last."""
   for i, t in enumerate(tokens): nxt = gen.step(t, start + i)
@@ -64,7 +58,7 @@ def prepare(gen: Generator, prompt_len: int, prefill: bool, phase: Phase = lambd
     first = int(gen.prefill(prompt)[-1].argmax())
     out["prefill_tok_s"] = len(prompt) / (time.perf_counter() - t0)
     phase("compile")  # the first decode step builds the kernels (with the config's BEAM) and captures the JIT
-    _steps(gen, first, prompt_len, 2)
+    gen.steps(first, prompt_len, 2)
   else:
     phase("compile")
     first = _feed(gen, prompt[:1])
@@ -78,10 +72,11 @@ def prepare(gen: Generator, prompt_len: int, prefill: bool, phase: Phase = lambd
 def measure(gen: Generator, first: int, pos: int, n: int, rounds: int, warmup: int,
             phase: Phase = lambda name: None) -> dict:
   """Decode figures from token `first` at position `pos`: tok/s (median round, min, max, each round), ms per step (p50,
-  p90), kernels, graph batches and bytes of one step, the tokens of the last round and whether every round made the
-  same. Rounds of at most n tokens (round_tokens: fewer where a step is slow)."""
+  p90 of the rounds' mean step), kernels, graph batches and bytes of one step, the tokens of the last round and whether
+  every round made the same. A round decodes its tokens back to back on the device (Generator.steps), as a greedy
+  generation would; rounds of at most n tokens (round_tokens: fewer where a step is slow)."""
   phase("warmup")
-  _steps(gen, first, pos, warmup)
+  if warmup: gen.steps(first, pos, warmup)
   GlobalCounters.reset()
   t = time.perf_counter()
   gen.step(first, pos)
@@ -90,14 +85,11 @@ def measure(gen: Generator, first: int, pos: int, n: int, rounds: int, warmup: i
   phase("measure")
   per_round, step_ms, tokens = [], [], []
   for _ in range(rounds):
-    tok, out = first, [first]
     start = time.perf_counter()
-    for i in range(n - 1):
-      t = time.perf_counter()
-      tok = gen.step(tok, pos + i)
-      step_ms.append((time.perf_counter() - t) * 1e3)
-      out.append(tok)
-    per_round.append((n - 1) / (time.perf_counter() - start))
+    out = [first, *gen.steps(first, pos, n - 1)]
+    secs = time.perf_counter() - start
+    per_round.append((n - 1) / secs)
+    step_ms.append(secs * 1e3 / (n - 1))
     tokens.append(out)
   tok_s = statistics.median(per_round)
   return {"tok_s": tok_s, "tok_s_min": min(per_round), "tok_s_max": max(per_round), "tok_s_rounds": per_round,

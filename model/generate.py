@@ -104,6 +104,9 @@ class Generator:
     self.token, self.temperature, self.seed = (Slot((1, 1), dtypes.int32, dev), Slot((1,), dtypes.float, dev),
                                                Slot((1,), dtypes.float, dev))
     self.chunk_tokens = Slot((1, self.chunk), dtypes.int32, dev)
+    # the sequence's tokens, which greedy steps read and write on the device (steps), and its last read on the host
+    self.seq = Tensor.zeros(model.max_context + 1, dtype=dtypes.int32, device=dev).contiguous().realize()
+    self.seq_held = np.zeros(model.max_context + 1, np.int32)
     self.x, self.h, self.last = (Slot((1, 1, D), dtypes.float, dev) for _ in range(3))
     self.per_stage, self.forced = Slot((1,), dtypes.bool, dev), Slot((1, 1, model.hp.n_used), dtypes.int32, dev)
 
@@ -135,8 +138,12 @@ class Generator:
     return (chk.att, out, chk.own.cast(dtypes.int32).contiguous(), chk.scores.float().contiguous(),
             chk.logits.contiguous())
 
-  def _step(self, token: Tensor, start_pos: UOp) -> Tensor:
-    return argmax_first(self.model.forward(token, start_pos)[0, -1]).cast(dtypes.int32).reshape(1, 1).contiguous()
+  def _step(self, start_pos: UOp) -> Tensor:
+    """A greedy step on the sequence buffer: its token at start_pos in, the next token written at start_pos + 1."""
+    tok = self.seq.shrink(((start_pos, start_pos + 1),)).reshape(1, 1)
+    nxt = argmax_first(self.model.forward(tok, start_pos)[0, -1]).cast(dtypes.int32)
+    at = Tensor.arange(self.seq.shape[0], dtype=dtypes.int32) - start_pos == 1
+    return self.seq.assign(at.where(nxt, self.seq))
 
   def _sample(self, token: Tensor, start_pos: UOp, temperature: Tensor, seed: Tensor) -> Tensor:
     logits = self.model.forward(token, start_pos)[0, -1]
@@ -216,12 +223,24 @@ class Generator:
 
   def step(self, token: int, pos: int, temperature: float = 0.0, seed: float = 0.0) -> int:
     """The next token after `token` at `pos`: greedy at temperature 0, else a Gumbel-max draw seeded by `seed`."""
+    if temperature <= 0: return self.steps(token, pos, 1)[0]
     self._check_room(pos + 1)
-    args = (self.token(token), self.pos.bind(pos))
     with Context(BEAM=self.beam):
-      out = (self.step_jit(*args) if temperature <= 0
-             else self.sample_jit(*args, self.temperature(temperature), self.seed(seed)))
+      out = self.sample_jit(self.token(token), self.pos.bind(pos), self.temperature(temperature), self.seed(seed))
     return int(read(out)[0, 0])
+
+  def steps(self, token: int, pos: int, n: int) -> list[int]:
+    """The n greedy tokens after `token` at `pos`, decoded back to back on the device: each step reads its token from
+    the sequence buffer and writes the next there, and the host reads them once at the end, so the GPU does not wait
+    on the host between tokens."""
+    self._check_room(pos + n)
+    if self.seq_held[pos] != token:
+      self.seq_held[pos] = token
+      write(self.seq, self.seq_held)
+    with Context(BEAM=self.beam):
+      for i in range(n): self.step_jit(self.pos.bind(pos + i))
+    self.seq_held = read(self.seq)
+    return self.seq_held[pos + 1:pos + n + 1].tolist()
 
   def generate(self, prompt: list[int], n: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                stop: set[int] = frozenset()) -> Iterator[int]:

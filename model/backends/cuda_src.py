@@ -59,8 +59,17 @@ __device__ __forceinline__ unsigned short f2h(float f) {
   unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
 }
 #define PREFETCH(p) asm volatile("prefetch.global.L2 [%0];" :: "l"(p))
+#if __CUDA_ARCH__ >= 900
+#define GRID_WAIT() do { asm volatile("griddepcontrol.wait;" ::: "memory"); \
+                         asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); } while (0)
+#else
+#define GRID_WAIT() ((void)0)
+#endif
 #else
 #define PREFETCH(p) ((void)(p))
+#ifndef GRID_WAIT
+#define GRID_WAIT() ((void)0)
+#endif
 #endif
 __device__ __forceinline__ float group_sum(float a, int g) {
   for (int m = g >> 1; m > 0; m >>= 1) a += __shfl_xor_sync(0xffffffffu, a, m);
@@ -402,7 +411,7 @@ ACTS = ("f32", "q8", "x16")  # a gemv's input: float32, 8 bits per 32 (llama.cpp
 
 def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue: Callable[[str, list[str]], str] | None,
          G: int | None = None, prologue: str = "", act: str = "f32", early: bool = False, staged: bool = False,
-         pad: bool = True) -> str:
+         pad: bool = True, wait: bool = False) -> str:
   """C body: the row group of this lane computes outputs o = obase .. obase+R-1 (< rows) of one or more components, each
   a weight with its row for output o (a C template with `{o}`) and an accumulator name; all components share the input
   at xp. `obase`, `gl` (lane in group) must be defined; epilogue(o, accs) is C run by lane 0 of the group for each valid
@@ -412,7 +421,10 @@ def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue: 
   that precedes its products (the first chunk's before the prologue, the next chunk's before this one's products).
   staged: the prologue is stage_x's, and x comes from its shared memory (xp `sx` for f32, padded where `pad` says, as
   stage_x wrote it): x takes no registers, so the row group's reads go out in one chunk (up to STAGED_READS a lane), as
-  weak loads the prologue's barrier holds before the products."""
+  weak loads the prologue's barrier holds before the products. wait (with early; for rows that do not depend on
+  the kernel's inputs): the kernel's GRID_WAIT goes between the first chunk's weight reads and the prologue, so the
+  reads are in flight while the kernels before it finish."""
+  assert early or not wait, "the wait follows the early reads"
   w0 = comps[0][0]
   assert all((w.inp, w.unit.elems) == (w0.inp, w0.unit.elems)
              for w, _, _ in comps), ("components of one gemv share the input " "layout")
@@ -452,7 +464,7 @@ def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue: 
                             (lambda g, i=i: f"xs{i}_{g}") if w.unit.quantized else None, acc, rt))
     return out
   if early:  # chunks unrolled: chunk c + 1's reads go out before chunk c's products
-    body += loads("0", "_0") + [prologue]
+    body += loads("0", "_0") + (["GRID_WAIT();"] if wait else []) + [prologue]
     for c in range(nch):
       if c + 1 < nch: body += loads(str(c + 1), f"_{c + 1}")
       body.append("{ " + " ".join(products(str(c), f"_{c}", [])) + " }")
@@ -476,7 +488,10 @@ def group_setup(G: int, R: int, cta_rows_dim: str = "blockIdx.x", warps: int = W
 def rows_per_block(G: int, R: int, warps: int = WARPS) -> int: return warps * (32 // G) * R
 
 
-def kernel(name: str, params: list[str], body: str, threads: int = THREADS) -> str:
+def kernel(name: str, params: list[str], body: str, threads: int = THREADS, waited: bool = False) -> str:
+  """The kernel's source; it starts with GRID_WAIT unless `waited` (its body waits on every path before it reads an
+  input that an earlier kernel writes)."""
+  body = body if waited else f"GRID_WAIT();\n  {body}"
   return (f"{PRELUDE}\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}({', '.join(params)}) {{\n  "
           f"{body}\n}}\n")
 
@@ -557,12 +572,14 @@ def product(role: str, ggml_type: int, shape: tuple[int, ...], **dims: int) -> K
   def body(xp: str, row: str, store: str) -> str:
     return (group_setup(G, R) + (" " + stage_decl(inp, "f32") if staged else "") + "\n  "
             + gemv([(w, row, "a")], "sx" if staged else xp, out, R, lambda o, a: f"{store.format(o=o)} = {a[0]};",
-                   prologue=stage_x(xp, inp, None, "f32") if staged else "", act=act, early=True, staged=staged))
-  if role == "dense": return Kernel(name, kernel(name, params, body("x", "{o}", "out[{o}]")), (blocks, 1, 1), (0,))
+                   prologue=stage_x(xp, inp, None, "f32") if staged else "", act=act, early=True, staged=staged,
+                   wait=role != "expert"))
+  if role == "dense":
+    return Kernel(name, kernel(name, params, body("x", "{o}", "out[{o}]"), waited=True), (blocks, 1, 1), (0,))
   if role == "per_head":
     src = (f"const int h = blockIdx.y; const float* xh = x + (size_t)h * {inp};\n  "
            + body("xh", f"(size_t)h * {out} + {{o}}", f"out[(size_t)h * {out} + {{o}}]"))
-    return Kernel(name, kernel(name, params, src), (blocks, dims["heads"], 1), (0,))
+    return Kernel(name, kernel(name, params, src, waited=True), (blocks, dims["heads"], 1), (0,))
   src = (f"const int y = blockIdx.y, e = min(max(sel[y], 0), {dims['experts'] - 1});"
          f" const float* xe = x + (size_t)({dims['xk']} > 1 ? y : y / {dims['k']}) * {inp};\n  "
          + body("xe", f"(size_t)e * {out} + {{o}}", f"out[(size_t)y * {out} + {{o}}]"))
@@ -574,12 +591,12 @@ def product(role: str, ggml_type: int, shape: tuple[int, ...], **dims: int) -> K
 
 def _gemv_block(ws: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue, prologue: str = "",
                 act: str = "f32", early: bool = False, staged: bool = False, warps: int = WARPS,
-                pad: bool = True) -> str:
+                pad: bool = True, wait: bool = False) -> str:
   """A braced gemv with its own row-group setup (its weights' group width), so kernels can branch between weight types;
   with `staged` (the prologue is stage_x's and synchronises the block), a block with no rows leaves before it."""
   G = ws[0][0].group_lanes
   leave = f" if (blockIdx.x * {rows_per_block(G, R, warps)} >= {rows}) return;" if staged else ""
-  body = gemv(ws, xp, rows, R, epilogue, prologue=prologue, act=act, early=early, staged=staged, pad=pad)
+  body = gemv(ws, xp, rows, R, epilogue, prologue=prologue, act=act, early=early, staged=staged, pad=pad, wait=wait)
   return "{ " + group_setup(G, R, warps=warps) + leave + "\n  " + body + " }"
 
 
@@ -607,10 +624,10 @@ def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, resid
   for j, (w, rows) in enumerate(ws):
     epi = lambda o, a, j=j: f"out{j}[{o}] = " + (f"res[{o}] + {a[0]};" if residual else f"{a[0]};")
     body.append(f"if (blockIdx.y == {j}) " + _gemv_block([(w, "{o}", "a")], xp, rows, R, epi, pro, "f32", True, staged,
-                                                         warps))
+                                                         warps, wait=True))
   blocks = max(-(-rows // rows_per_block(w.group_lanes, R, warps)) for w, rows in ws)
-  return Kernel(name, kernel(name, params, "\n  ".join(body), 32 * warps), (blocks, len(ws), 1), tuple(range(len(ws))),
-                32 * warps)
+  return Kernel(name, kernel(name, params, "\n  ".join(body), 32 * warps, waited=True), (blocks, len(ws), 1),
+                tuple(range(len(ws))), 32 * warps)
 
 
 @functools.cache
@@ -629,8 +646,8 @@ def absorb_rope_kv(kb: W, heads: int, nope: int, rope: int, kvl: int, max_ctx: i
             "const int* __restrict__ pos"] + kb.params
   head = (f"const int h = blockIdx.y; const float* xh = q + (size_t)h * {nope + rope};\n  "
           + _gemv_block([(kb, f"(size_t)h * {kvl} + {{o}}", "a")], "xh", kvl, R, lambda o,
-                        a: f"qc[(size_t)h * {D} + {o}] = {a[0]};", early=True))
-  tail = (f"const int p = pos[0];\n"
+                        a: f"qc[(size_t)h * {D} + {o}] = {a[0]};", early=True, wait=True))
+  tail = (f"GRID_WAIT(); const int p = pos[0];\n"
           f"  for (int i = threadIdx.x; i < {heads * half}; i += {THREADS}) {{ const int h = i / {half}, k = i % "
           f"{half}; const float x0 = q[h * {nope + rope} + {nope} + 2 * k], x1 = q[h * {nope + rope} + {nope} + 2 * k "
           f"+ 1]; const float c = cosv[p * {half} + k], s = sinv[p * {half} + k];"
@@ -643,7 +660,7 @@ def absorb_rope_kv(kb: W, heads: int, nope: int, rope: int, kvl: int, max_ctx: i
           f" cache[(size_t)p * {D} + {kvl} + 2 * k + 1] = {store('x0 * s + x1 * c')}; }} }}")
   body = f"if (blockIdx.y < {heads}) {{ {head} }}\n  else if (blockIdx.x == 0) {{ {tail} }}"
   blocks = -(-kvl // rows_per_block(kb.group_lanes, R))
-  return Kernel(name, kernel(name, params, body), (blocks, heads + 1, 1), (0, 1))
+  return Kernel(name, kernel(name, params, body, waited=True), (blocks, heads + 1, 1), (0, 1))
 
 
 ATT_CHUNK, ATT_SPLITS = 32, 64  # the fewest positions an MLA attention block scores, the most splits of the context
@@ -768,7 +785,7 @@ def router(w: W, experts: int, k: int, eps: float, gating: int, bias: bool, norm
                f"{k}; t++) wsel[t] /= se;")
   body = f"""{stage_decl(w.inp, "f32", warps)}
   {_gemv_block([(w, "{o}", "a")], "sx", experts, R, lambda o, a: f"logits[{o}] = {a[0]};",
-                stage_x("x", w.inp, eps, "f32", warps), "f32", True, True, warps)}
+                stage_x("x", w.inp, eps, "f32", warps), "f32", True, True, warps, wait=True)}
   __shared__ int last;
   __threadfence();
   __syncthreads();
@@ -819,7 +836,8 @@ def router(w: W, experts: int, k: int, eps: float, gating: int, bias: bool, norm
     cnt[0] = 0;
   }}"""
   blocks = -(-experts // rows_per_block(w.group_lanes, R, warps))
-  return Kernel(name, kernel(name, params, body, 32 * warps), (blocks, 1, 1), (0, 1, 2, 3) + ((4,) if forced else ()),
+  return Kernel(name, kernel(name, params, body, 32 * warps, waited=True), (blocks, 1, 1),
+                (0, 1, 2, 3) + ((4,) if forced else ()),
                 32 * warps)
 
 
@@ -879,7 +897,7 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
   units = ((k * r.hidden if r else 0) + (p.hidden if p else 0)) // 32
   pro, body = (stage_x("x", dim, eps, act, warps, False), [stage_decl(dim, act, warps, False)]
                + (["__shared__ float sact[32];"] if out_q8 else []))
-  block = lambda ws, rows, epi: _gemv_block(ws, "sx", rows, R, epi, pro, act, True, True, warps, False)
+  block = lambda ws, rows, epi, wait: _gemv_block(ws, "sx", rows, R, epi, pro, act, True, True, warps, False, wait)
   def store(base: str):  # the output of row o, at act[base + o], or its block's 8-bit form
     if not out_q8: return lambda o, a: f"act[{base} + {o}] = {silu(a)};"
     return lambda o, a: f"sact[{o} - blockIdx.x * 32] = {silu(a)};"
@@ -894,17 +912,18 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
             f"((b3 & 255) << 24); if (l == 0) {{ act[{units * 8} + g] = am / 127.f; ((int*)act)[{units * 9} + g] = sq; "
             f"}} }}")
   if r:
-    body.append(f"if (blockIdx.y < {k}) {{ const int y = blockIdx.y, e = min(max(sel[y], 0), {r.experts - 1});\n  "
+    body.append(f"if (blockIdx.y < {k}) {{ GRID_WAIT(); const int y = blockIdx.y, e = min(max(sel[y], 0), "
+                f"{r.experts - 1});\n  "
                 + block([(r.gate, f"(size_t)e * {r.gate_rows} + {{o}}", "g"),
                          (r.up, f"(size_t)e * {r.gate_rows} + {r.up_off} + {{o}}", "u")],
-                        r.hidden, store(f"(size_t)y * {r.hidden}")) + quantize(f"y * {r.hidden}") + " }")
+                        r.hidden, store(f"(size_t)y * {r.hidden}"), False) + quantize(f"y * {r.hidden}") + " }")
   if p:
     base = k * r.hidden if r else 0
     body.append(f"if (blockIdx.y == {k if r else 0}) {{ "
                 + block([(p.gate, "{o}", "g"), (p.up, f"{p.up_off} + {{o}}", "u")], p.hidden,
-                        store(str(base))) + quantize(str(base)) + " }")
+                        store(str(base)), True) + quantize(str(base)) + " }")
   blocks = max(-(-f.hidden // rows_per_block(f.gate.group_lanes, R, warps)) for f in (r, p) if f)
-  return Kernel(name, kernel(name, params, "\n  ".join(body), 32 * warps),
+  return Kernel(name, kernel(name, params, "\n  ".join(body), 32 * warps, waited=True),
                 (blocks, (k if r else 0) + (1 if p else 0), 1), (0,), 32 * warps)
 
 

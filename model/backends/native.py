@@ -18,6 +18,7 @@ from tinygrad import Device, Tensor, dtypes
 from tinygrad.renderer import Estimates
 from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
 
+from model.backends import cuda_graph
 from model.backends import cuda_src as C
 from model.backends.registry import Backend, register
 from model.errors import ConfigError
@@ -225,9 +226,11 @@ class NativeBackend(Backend):
       raise ConfigError(f"backend native needs tinygrad's CUDA device rendering CUDA C; this process runs on {dev}")
 
   def attach(self, w: QWeight, device: str | None) -> QWeight:
+    """As Backend.attach; the device's CUDA graphs also launch the native kernels early (cuda_graph.install)."""
     super().attach(w, device)
     if not C.supported(w.ggml_type, w.shape[-1]):
       raise ConfigError(f"backend native needs {w.quant} rows of a multiple of {C.UNITS[w.ggml_type].elems} elements")
+    cuda_graph.install(Device.canonicalize(device))
     return w
 
   def scratch(self, hp, max_context: int, device: str | None) -> dict[str, Tensor]:

@@ -7,6 +7,9 @@
 // mask that leaves running lanes out, a shuffle reading a lane that has exited) ends the launch with a message. Faults
 // record the faulting thread. Shared memory holds 0xff bytes (float NaN, int -1) at the start of each block, so a read of
 // what no thread of the block wrote shows.
+// GRID_WAIT (a native kernel's wait for the kernels before it: griddepcontrol.wait) is a block-wide meeting here: the
+// arrays a launch guards (those earlier kernels write) are inaccessible from the start of each block until every thread
+// of the block has called it or exited, so a read or write of them before it faults and names the argument.
 // Not emulated: device-specific helpers (kernels define them under __CUDACC_RTC__, which is not defined here; h2f and f2h
 // are below), dynamic shared memory, partial-warp masks, the GPU's approximate math (__expf and rsqrtf are libm's).
 #pragma once
@@ -18,6 +21,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <type_traits>
@@ -55,7 +59,7 @@ namespace cuda_cpu {
 
 // shared with the launching Python process (tests/cuda_cpu.py's Report mirrors it): why a launch failed, and where each
 // thread of the running block is, read when the launch deadlocks
-enum State { RUNNING, AT_SYNCTHREADS, AT_WARP, EXITED };
+enum State { RUNNING, AT_SYNCTHREADS, AT_WARP, EXITED, AT_GRID_WAIT };
 struct Report {
   char error[1024];
   int signal;
@@ -72,8 +76,13 @@ struct Barrier {
   pthread_cond_t c = PTHREAD_COND_INITIALIZER;
   int expected = 0, arrived = 0;
   unsigned phase = 0, live = 0, snap[2] = {};
+  void (*on_complete)() = nullptr;  // run by the thread that completes a phase, before the others are released
   void reset(int n, unsigned lanes) { expected = n, arrived = 0, phase = 0, live = lanes; }
-  void complete() { arrived = 0, snap[phase & 1] = live, phase++; pthread_cond_broadcast(&c); }
+  void complete() {
+    if (on_complete) on_complete();
+    arrived = 0, snap[phase & 1] = live, phase++;
+    pthread_cond_broadcast(&c);
+  }
   unsigned wait() {  // -> the phase this thread waited for
     pthread_mutex_lock(&m);
     const unsigned p = phase;
@@ -97,7 +106,10 @@ struct Warp {
 };
 
 inline Report* report;
-inline Barrier block_bar, start_bar, done_bar;
+inline Barrier block_bar, start_bar, done_bar, wait_bar;
+struct Pages { void* addr; size_t len; };
+inline Pages guarded[64];  // the pages of the arrays GRID_WAIT guards
+inline int nguarded;
 inline Warp warps[32];
 inline uint3 next_block;
 inline dim3 block_dim, grid_dim;
@@ -191,6 +203,11 @@ template <class T> T cas(T* p, T cmp, T v) {
   return cmp;
 }
 
+inline void guard(int prot) {
+  for (int i = 0; i < nguarded; i++)
+    if (mprotect(guarded[i].addr, guarded[i].len, prot)) fail("mprotect of a guarded array failed");
+}
+
 inline void* worker(void* arg) {
   tid = (int)(intptr_t)arg;
   blockDim = block_dim, gridDim = grid_dim;
@@ -203,6 +220,7 @@ inline void* worker(void* arg) {
     report->state[tid] = EXITED;
     warps[tid >> 5].bar.drop(1u << (tid & 31));
     block_bar.drop(0);
+    wait_bar.drop(0);
     done_bar.wait();
   }
 }
@@ -217,6 +235,7 @@ inline int run(const unsigned* grid, const unsigned* block, void (*fn)(void*), v
   body = fn, body_ctx = ctx, report->nthreads = n;
   block_dim = {block[0], block[1], block[2]}, grid_dim = {grid[0], grid[1], grid[2]};
   start_bar.reset(n + 1, 0), done_bar.reset(n + 1, 0);
+  wait_bar.on_complete = [] { guard(PROT_READ | PROT_WRITE); };
   pthread_t threads[1024];
   for (int i = 0; i < n; i++)
     if (pthread_create(&threads[i], nullptr, worker, (void*)(intptr_t)i)) fail("cannot start thread %d of %d", i, n);
@@ -224,7 +243,8 @@ inline int run(const unsigned* grid, const unsigned* block, void (*fn)(void*), v
     for (unsigned y = 0; y < grid[1]; y++)
       for (unsigned x = 0; x < grid[0]; x++) {
         next_block = {x, y, z}, report->block[0] = x, report->block[1] = y, report->block[2] = z;
-        block_bar.reset(n, 0);
+        block_bar.reset(n, 0), wait_bar.reset(n, 0);
+        guard(PROT_NONE);
         for (int w = 0; w < (n + 31) / 32; w++) warps[w].bar.reset(n - 32 * w < 32 ? n - 32 * w : 32, n - 32 * w < 32 ? (1u << (n - 32 * w)) - 1 : ~0u);
         for (int i = 0; i < n; i++) report->state[i] = RUNNING;
         if (__start_cuda_cpu_shared) memset(__start_cuda_cpu_shared, 0xff, __stop_cuda_cpu_shared - __start_cuda_cpu_shared);
@@ -274,8 +294,12 @@ template <class... P> struct Call {
 
 // the launch: args[i] is array i's data, or the address of scalar i
 template <class... P> int launch(void (*fn)(P...), const unsigned* grid, const unsigned* block, void** args, const int* kinds,
-                                 const int* sizes, int nargs, Report* rep) {
+                                 const int* sizes, int nargs, Report* rep, void** guard_addrs, const size_t* guard_lens,
+                                 int nguards) {
   report = rep;
+  if (nguards > 64) fail("%d guarded arrays: at most 64", nguards);
+  for (int i = 0; i < nguards; i++) guarded[i] = {guard_addrs[i], guard_lens[i]};
+  nguarded = nguards;
   if (nargs != (int)sizeof...(P)) fail("the kernel takes %d arguments, got %d", (int)sizeof...(P), nargs);
   [&]<size_t... I>(std::index_sequence<I...>) { (check_arg<P>((int)I, kinds[I], sizes[I]), ...); }(std::index_sequence_for<P...>{});
   Call<P...> call{fn, args};
@@ -283,6 +307,13 @@ template <class... P> int launch(void (*fn)(P...), const unsigned* grid, const u
 }
 
 }  // namespace cuda_cpu
+
+inline void grid_wait_cpu() {
+  cuda_cpu::report->state[cuda_cpu::tid] = cuda_cpu::AT_GRID_WAIT;
+  cuda_cpu::wait_bar.wait();
+  cuda_cpu::report->state[cuda_cpu::tid] = cuda_cpu::RUNNING;
+}
+#define GRID_WAIT() grid_wait_cpu()
 
 inline void __syncthreads() {
   cuda_cpu::report->state[cuda_cpu::tid] = cuda_cpu::AT_SYNCTHREADS;

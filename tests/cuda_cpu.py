@@ -30,12 +30,13 @@ FLAGS = ("-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-fwr
          "-w")
 ENTRY = """
 extern "C" int cuda_cpu_entry(const unsigned* grid, const unsigned* block, void** args, const int* kinds,
-                              const int* sizes, int nargs, cuda_cpu::Report* report) {{
-  return cuda_cpu::launch(&{name}, grid, block, args, kinds, sizes, nargs, report);
+                              const int* sizes, int nargs, cuda_cpu::Report* report, void** guard_addrs,
+                              const size_t* guard_lens, int nguards) {{
+  return cuda_cpu::launch(&{name}, grid, block, args, kinds, sizes, nargs, report, guard_addrs, guard_lens, nguards);
 }}
 """
 ALIGN = 16  # the largest vector type's alignment: each array starts at a multiple of it
-STATES = ("running", "at __syncthreads", "at a warp call", "exited")
+STATES = ("running", "at __syncthreads", "at a warp call", "exited", "at GRID_WAIT")
 
 
 class CompileError(RuntimeError):
@@ -95,6 +96,7 @@ class _Array:
     if _libc().mprotect(ctypes.c_void_p(self.guard), ctypes.c_size_t(mmap.PAGESIZE), 0):
       raise OSError(ctypes.get_errno(), "mprotect failed")
     self.view = raw[size - span:size - span + a.nbytes].view(a.dtype).reshape(a.shape)
+    self.pages = (self.guard - size, size)  # the pages holding the array
     self.addr = self.guard - span
     np.copyto(self.view, a)
 
@@ -129,18 +131,21 @@ def _where(rep: Report) -> str:
   return "; ".join((f"thread {a}" if a == b else f"threads {a}-{b}") + f" {STATES[rep.state[a]]}" for a, b in runs)
 
 
-def _fault(rep: Report, arrays: dict[int, _Array]) -> str:
+def _fault(rep: Report, arrays: dict[int, _Array], guard: tuple[int, ...]) -> str:
   if rep.signal == signal.SIGABRT: return "SIGABRT (an abort, or a failed assert)"
   where = next((f" ({rep.addr - (b.addr + b.nbytes)} bytes past the end of argument {i}, {b.nbytes} bytes)"
                 for i, b in arrays.items() if b.addr + b.nbytes <= rep.addr < b.guard + mmap.PAGESIZE), "")
+  where = where or next((f" (argument {i}, which it may touch only after GRID_WAIT)" for i in guard
+                         if arrays[i].pages[0] <= rep.addr < arrays[i].guard), "")
   return f"{signal.Signals(rep.signal).name} at address {rep.addr:#x}{where}"
 
 
 def launch(src: str, name: str, grid: tuple[int, int, int], block: tuple[int, int, int], args: list,
-           timeout: float = 60.0) -> None:
+           timeout: float = 60.0, guard: tuple[int, ...] = ()) -> None:
   """Run kernel `name` of CUDA C source `src` on `grid` blocks of `block` threads. args: numpy arrays (passed as
   pointers to C-contiguous copies; what the kernel writes is copied back) and numpy scalars (passed by value as their
-  exact C type)."""
+  exact C type). guard: the indices of array args that earlier kernels write, which a block may read or write only
+  after all its threads have called GRID_WAIT (or exited)."""
   fn = _entry(src, name)
   if len(grid) != 3 or len(block) != 3 or min(*grid, *block) < 1:
     raise ValueError(f"grid {grid} and block {block}: three positive sizes each")
@@ -148,12 +153,15 @@ def launch(src: str, name: str, grid: tuple[int, int, int], block: tuple[int, in
   kinds, sizes, argv = ((t * len(args))(*(p[k] for p in parsed))
                         for k, t in enumerate((ctypes.c_int, ctypes.c_int, ctypes.c_void_p)))
   arrays = {i: p[3] for i, p in enumerate(parsed) if p[0] == 0}
+  if any(i not in arrays for i in guard): raise ValueError(f"guard {guard}: indices of array arguments")
+  gaddrs, glens = (ctypes.c_void_p * len(guard))(*(arrays[i].pages[0] for i in guard)), (
+    ctypes.c_size_t * len(guard))(*(arrays[i].pages[1] for i in guard))
   rep_mem = mmap.mmap(-1, ctypes.sizeof(Report))
   rep = Report.from_buffer(rep_mem)
   dims = [(ctypes.c_uint * 3)(*d) for d in (grid, block)]
   if (pid := os.fork()) == 0:
     rc = 70
-    try: rc = fn(*dims, argv, kinds, sizes, len(args), ctypes.byref(rep))
+    try: rc = fn(*dims, argv, kinds, sizes, len(args), ctypes.byref(rep), gaddrs, glens, len(guard))
     finally: os._exit(rc)
   deadline, delay = time.monotonic() + timeout, 1e-4
   while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
@@ -165,7 +173,7 @@ def launch(src: str, name: str, grid: tuple[int, int, int], block: tuple[int, in
     time.sleep(delay)
     delay = min(2 * delay, 0.02)
   at = f" in thread {tuple(rep.thread)} of block {tuple(rep.block)}" if rep.nthreads else ""
-  if rep.signal: raise KernelError(f"{name}: {_fault(rep, arrays)}{at}")
+  if rep.signal: raise KernelError(f"{name}: {_fault(rep, arrays, guard)}{at}")
   if rep.error: raise KernelError(f"{name}: {rep.error.decode()}{at}")
   if code := os.waitstatus_to_exitcode(done[1]):
     raise KernelError(f"{name}: the kernel's process ended with " + (

@@ -4,6 +4,7 @@ a model on a machine without a GPU. Eager only: each launch realizes its inputs 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 
 import cuda_cpu
@@ -11,14 +12,30 @@ import numpy as np
 from tinygrad import Tensor
 
 from model.backends import cuda_src, native
+from model.quants import LAYOUTS
 
 _VIEW = {np.dtype(np.float16): np.uint16}  # fp16 buffers are `unsigned short*` in the kernels
+_PLANES = tuple(f"_{p}" for p in sorted({p for layout in LAYOUTS.values() for p in layout}))
+
+
+def guarded(src: str) -> tuple[int, ...]:
+  """The parameters of a native kernel that it may touch only after GRID_WAIT: every one but its weights' planes
+  (cuda_src.W params, `<prefix><plane>`), whose reads go out before it. None for a kernel that does not wait."""
+  if "GRID_WAIT();" not in src: return ()
+  params = re.search(r"__global__ void __launch_bounds__\(\d+\) \w+\((.*?)\) \{", src, re.S).group(1).split(", ")
+  return tuple(i for i, p in enumerate(params) if not p.split()[-1].endswith(_PLANES))
+
+
+def launch_kernel(src: str, name: str, grid: tuple[int, int, int], block: tuple[int, int, int], args: list,
+                  **kw) -> None:
+  """cuda_cpu.launch with the kernel's `guarded` arguments guarded: one it touches before its GRID_WAIT faults."""
+  cuda_cpu.launch(src, name, grid, block, args, guard=guarded(src), **kw)
 
 
 def launch(k: cuda_src.Kernel, params: list[Tensor], mem: int, ops: int = 0) -> list[Tensor]:
   arrays = [np.ascontiguousarray(p.numpy()) for p in params]
   views = [a.view(_VIEW.get(a.dtype, a.dtype)) for a in arrays]
-  cuda_cpu.launch(k.src, k.name, k.grid, (k.threads, 1, 1), views)
+  launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), views)
   out = []
   for i, (p, a) in enumerate(zip(params, arrays, strict=True)):
     if i in k.outs:

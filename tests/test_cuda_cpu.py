@@ -248,6 +248,34 @@ def test_deadlock_fails_after_the_timeout_saying_where_threads_wait() -> None:
     cuda_cpu.launch(MISUSE, "misuse", (1, 1, 1), (64, 1, 1), [np.zeros(64, np.float32), np.int32(4)], timeout=1)
 
 
+WAITS = r"""
+extern "C" __global__ void waits(float* out, const float* x, const float* w, int early) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  const float a = w[t];  // a weight: readable before the wait
+  if (threadIdx.x >= 48) return;  // threads that leave before the wait do not hold it up
+  float b = early == 1 ? x[t] : 0.f;  // read before the wait
+  if (early == 2) out[t] = 0.f;  // written before the wait
+  GRID_WAIT();
+  out[t] = a * (early ? b : x[t]);
+}
+"""
+
+
+@pytest.mark.parametrize("early", [0, 1, 2])
+def test_guarded_arrays_are_touched_only_after_grid_wait(early: int) -> None:
+  """GRID_WAIT meets the block's threads (those that left do not count); guarded arrays are readable and writable
+  after it, in every block, and a read or write of one before it faults, naming the argument."""
+  x, w = np.arange(128, dtype=np.float32), np.full(128, 2.0, np.float32)
+  out = np.full(128, -1.0, np.float32)
+  if early:
+    with pytest.raises(cuda_cpu.KernelError, match=f"argument {2 - early}, which it may touch only after GRID_WAIT"):
+      cuda_cpu.launch(WAITS, "waits", (2, 1, 1), (64, 1, 1), [out, x, w, np.int32(early)], guard=(0, 1))
+    return
+  cuda_cpu.launch(WAITS, "waits", (2, 1, 1), (64, 1, 1), [out, x, w, np.int32(0)], guard=(0, 1))
+  live = (np.arange(128) % 64) < 48
+  assert np.array_equal(out[live], 2 * x[live]) and np.all(out[~live] == -1)
+
+
 @pytest.mark.parametrize("args,match",
                          [([np.zeros(64, np.float64), np.int32(0)], "argument 0: the kernel takes a pointer to 4-byte "
                            "numbers, got an array of 8-byte items"),

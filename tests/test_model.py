@@ -150,6 +150,28 @@ def test_a_decode_step_schedules_nothing(gguf_file, monkeypatch) -> None:
   assert got == want and not scheduled
 
 
+def test_greedy_steps_run_back_to_back_on_the_device(gguf_file, monkeypatch) -> None:
+  """Generator.steps: n greedy tokens, each step reading its token from the device's sequence buffer, with one host
+  read at the end and no host write after the first token: the tokens of n single steps, and again from a new start
+  token at an earlier position."""
+  import model.generate as generate
+  gen = generator(gguf_file("tiny", "q4_0"), f32_kv=False)
+  gen.model.reset()
+  want = [gen.step(4, 0)]
+  for i in range(5): want.append(gen.step(want[-1], i + 1))
+  calls = {"read": 0, "write": 0}
+  def counted(fn: str):
+    inner = getattr(generate, fn)
+    def call(*a):
+      calls[fn] += 1
+      return inner(*a)
+    return call
+  for fn in calls: monkeypatch.setattr(generate, fn, counted(fn))
+  gen.model.reset()
+  assert gen.steps(4, 0, 6) == want and calls == {"read": 1, "write": 0}
+  assert gen.steps(9, 2, 3) == [gen.step(9, 2), *gen.steps(gen.step(9, 2), 3, 2)] and calls["write"] == 1
+
+
 def test_device_memory_within_file_plus_kv(gguf_file) -> None:
   """No hidden fp16 copies of quantized weights: device memory stays within file size + KV cache + 10%."""
   from tinygrad import GlobalCounters

@@ -489,8 +489,8 @@ def rows_per_block(G: int, R: int, warps: int = WARPS) -> int: return warps * (3
 
 
 def kernel(name: str, params: list[str], body: str, threads: int = THREADS, waited: bool = False) -> str:
-  """The kernel's source; it starts with GRID_WAIT unless `waited` (its body waits on every path before it reads an
-  input that an earlier kernel writes)."""
+  """The kernel's source; it starts with GRID_WAIT unless `waited` (its body waits on every path before it touches any
+  buffer but its weights: model/backends/cuda_graph.py lets it start while the kernels before it finish)."""
   body = body if waited else f"GRID_WAIT();\n  {body}"
   return (f"{PRELUDE}\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}({', '.join(params)}) {{\n  "
           f"{body}\n}}\n")

@@ -12,7 +12,8 @@
 #             [new:fused-native=benchmarks/configs/fused-native.json old:fused-native=benchmarks/configs/fused-native.json]
 #   REPS [2]  N ROUNDS: tokens per round and rounds of each model bench [32 3]   KERNELS [1]: time the kernels alone first
 #   KINDS     the kernel kinds to time (benchmarks/kernel_lab.py --kinds) [all]
-# Out: $OUT/ab.jsonl (one benchmarks/results.jsonl `decode` line per model bench run, with its tree and repetition), $OUT/kernels.jsonl
+# Out: $OUT/ab.jsonl (one benchmarks/results.jsonl `decode` line per model bench run, with its tree, repetition and the sha1 of
+# its last round's tokens: trees that compute the same decode the same tokens), $OUT/kernels.jsonl
 # (benchmarks/kernel_lab.py), $OUT/ab.log
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,7 +48,7 @@ for rep in $(seq "$REPS"); do for m in $MODELS; do for v in $VARIANTS; do
   res=$( (cd "$dir" && PYTHONPATH=$dir:${PYTHONPATH:-} timeout 200 python3 -m model bench --model "$(file "$m")" --config "$PWD/$cfg" -n "$N" \
           --rounds "$ROUNDS" --json) 2> "$OUT/err-$m-$tree-$name-$rep.log" | tail -1)
   PYTHONPATH=$PWD:${PYTHONPATH:-} python3 - "$m" "$tree" "$name" "$rep" "$res" "$cfg" "$OUT/ab.jsonl" "$LABEL" "$QUANT" "$(cat "$dir/REV" 2>/dev/null)" <<'EOF'
-import datetime, json, sys
+import datetime, hashlib, json, sys
 from model.structure import StructureConfig
 m, tree, name, rep, res, cfg, out, device, quant, rev = sys.argv[1:]
 c = StructureConfig.load(cfg)
@@ -58,9 +59,10 @@ try: d = json.loads(res)
 except json.JSONDecodeError: d = {"error": "no result (see err-*.log)"}
 if "tok_s" in d:
   row |= {"layers": d["layers"], "ms_per_token": d["ms_p50"]} | {k: d[k] for k in ("tok_s", "tok_s_min", "tok_s_max", "kernels_per_token", "bytes_per_token")}
+  row["tokens_sha1"] = hashlib.sha1(json.dumps(d["tokens"]).encode()).hexdigest()[:12]
 else: row["error"] = d.get("error", "no figures")
 open(out, "a").write(json.dumps(row) + "\n")
-print(f"{m:18s} {tree}:{name:16s} rep {rep}: " + (f"{d['tok_s']:.2f} tok/s ({d['tok_s_min']:.2f}-{d['tok_s_max']:.2f}), {d['kernels_per_token']} kernels"
+print(f"{m:18s} {tree}:{name:16s} rep {rep}: " + (f"{d['tok_s']:.2f} tok/s ({d['tok_s_min']:.2f}-{d['tok_s_max']:.2f}), {d['kernels_per_token']} kernels, tokens {row['tokens_sha1']}"
       if "tok_s" in d else row["error"]))
 EOF
 done; done; done

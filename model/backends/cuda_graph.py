@@ -20,7 +20,7 @@ from tinygrad.runtime.ops_cuda import check
 from tinygrad.runtime.support.c import init_c_var
 from tinygrad.uop.ops import Ops, UOp
 
-WAIT = "GRID_WAIT();"  # what a kernel's source calls where it waits for its dependencies (cuda_src.kernel)
+from model.backends.cuda_src import WAIT
 
 
 class EdgeData(ctypes.Structure):

@@ -406,6 +406,7 @@ def prefetch_rows(comps: list[tuple[W, str, str]], first: str, last: str, lane: 
   return " ".join(out)
 
 
+WAIT = "GRID_WAIT();"  # a kernel's wait for the kernels before it (PRELUDE's GRID_WAIT; model/backends/cuda_graph.py)
 ACTS = ("f32", "q8", "x16")  # a gemv's input: float32, 8 bits per 32 (llama.cpp's q8_1), or two 8-bit planes (16 bits)
 
 
@@ -464,7 +465,7 @@ def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue: 
                             (lambda g, i=i: f"xs{i}_{g}") if w.unit.quantized else None, acc, rt))
     return out
   if early:  # chunks unrolled: chunk c + 1's reads go out before chunk c's products
-    body += loads("0", "_0") + (["GRID_WAIT();"] if wait else []) + [prologue]
+    body += loads("0", "_0") + ([WAIT] if wait else []) + [prologue]
     for c in range(nch):
       if c + 1 < nch: body += loads(str(c + 1), f"_{c + 1}")
       body.append("{ " + " ".join(products(str(c), f"_{c}", [])) + " }")
@@ -491,7 +492,7 @@ def rows_per_block(G: int, R: int, warps: int = WARPS) -> int: return warps * (3
 def kernel(name: str, params: list[str], body: str, threads: int = THREADS, waited: bool = False) -> str:
   """The kernel's source; it starts with GRID_WAIT unless `waited` (its body waits on every path before it touches any
   buffer but its weights: model/backends/cuda_graph.py lets it start while the kernels before it finish)."""
-  body = body if waited else f"GRID_WAIT();\n  {body}"
+  body = body if waited else f"{WAIT}\n  {body}"
   return (f"{PRELUDE}\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}({', '.join(params)}) {{\n  "
           f"{body}\n}}\n")
 
@@ -647,7 +648,7 @@ def absorb_rope_kv(kb: W, heads: int, nope: int, rope: int, kvl: int, max_ctx: i
   head = (f"const int h = blockIdx.y; const float* xh = q + (size_t)h * {nope + rope};\n  "
           + _gemv_block([(kb, f"(size_t)h * {kvl} + {{o}}", "a")], "xh", kvl, R, lambda o,
                         a: f"qc[(size_t)h * {D} + {o}] = {a[0]};", early=True, wait=True))
-  tail = (f"GRID_WAIT(); const int p = pos[0];\n"
+  tail = (f"{WAIT} const int p = pos[0];\n"
           f"  for (int i = threadIdx.x; i < {heads * half}; i += {THREADS}) {{ const int h = i / {half}, k = i % "
           f"{half}; const float x0 = q[h * {nope + rope} + {nope} + 2 * k], x1 = q[h * {nope + rope} + {nope} + 2 * k "
           f"+ 1]; const float c = cosv[p * {half} + k], s = sinv[p * {half} + k];"
@@ -912,7 +913,7 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
             f"((b3 & 255) << 24); if (l == 0) {{ act[{units * 8} + g] = am / 127.f; ((int*)act)[{units * 9} + g] = sq; "
             f"}} }}")
   if r:
-    body.append(f"if (blockIdx.y < {k}) {{ GRID_WAIT(); const int y = blockIdx.y, e = min(max(sel[y], 0), "
+    body.append(f"if (blockIdx.y < {k}) {{ {WAIT} const int y = blockIdx.y, e = min(max(sel[y], 0), "
                 f"{r.experts - 1});\n  "
                 + block([(r.gate, f"(size_t)e * {r.gate_rows} + {{o}}", "g"),
                          (r.up, f"(size_t)e * {r.gate_rows} + {r.up_off} + {{o}}", "u")],

@@ -248,6 +248,28 @@ def one_knob_away(values: dict[str, Any], ks: list[Knob],
   return out
 
 
+def backend_knob(name: str) -> bool:
+  """Whether a knob chooses a kernel backend: a fused stage's, or a weight type's."""
+  return KNOBS[name].field in ("fused", "backends")
+
+
+def family_moves(values: dict[str, Any], ks: list[Knob],
+                 fixed: dict[str, Any] | None = None) -> list[tuple[str, dict[str, Any]]]:
+  """(backend, knob values) of every config that puts each unpinned backend knob offering that backend on it at once,
+  for the backends that fuse stages, in catalog order, where that changes more than one knob (a one-knob move is
+  one_knob_away's). Backends pay as a family: in the Youtu-LLM-2B study of session 9 (H100) native attention beside
+  dsl's FFN measured 291 tok/s against all dsl's 296, and single changes never left dsl, while the all-native config
+  runs 1.46x that study's dsl winner side by side (787 against 538 tok/s, session 11, docs/benchmarks.md)."""
+  fixed, out = fixed or {}, []
+  for b in (n for n in catalog.names() if catalog.get(n).stages):
+    pick = lambda j, b=b: (b if backend_knob(j.name) and j.name not in fixed and b in j.choices
+                           else fixed.get(j.name, values.get(j.name, j.default)))
+    moved = _choose(ks, pick)
+    if sum(moved.get(k) != values.get(k) for k in moved.keys() | values.keys() if backend_knob(k)) > 1:
+      out.append((b, moved))
+  return out
+
+
 def single_knob_changes(info: ModelInfo, device: str = "CPU", family: str = "all") -> list[tuple[str, StructureConfig]]:
   """(label, config) for every non-default value of every knob, all else at the baseline (a conditional knob with the
   earlier values that make it apply: BEAM's limits at BEAM=2)."""

@@ -7,8 +7,8 @@ import hashlib
 import optuna
 from knobcheck import mix_info
 
-from search.coordinate import CoordinateSampler, changed_knob
-from space.knobs import defaults, knobs, suggest
+from search.coordinate import FAMILY, CoordinateSampler, changed_knob
+from space.knobs import backend_knob, defaults, knobs, suggest
 
 INFO, DEVICE = mix_info("q4_0"), "CUDA"  # GLM-4.7-Flash's space on CUDA
 FAST = {"fused.attention": "native", "fused.router": "native", "fused.moe": "native", "fused.ffn": "native",
@@ -55,15 +55,51 @@ def test_the_climb_takes_each_paying_change_and_reaches_their_combination() -> N
   assert first <= 12, [t.params for t in trials[:first + 1]]  # four stages (dsl, then native) and q8: a dozen trials
   params = [tuple(sorted(t.params.items())) for t in trials]
   assert len(set(params)) == len(params), "a config was proposed twice"
+  assert [family(trials[0].params, t.params) for t in trials[1:3]] == ["dsl", "native"]  # the families first
   best = trials[0]
-  # every trial is the incumbent of its time with one knob changed (and what that change makes apply)
+  # every trial is the incumbent of its time with one knob changed (and what that change makes apply), or a family move
   for t in trials[1:]:
     changed = {k for k in set(t.params) | set(best.params) if t.params.get(k) != best.params.get(k)}
     roots = {k for k in changed if k.startswith("fused.") or k == "beam"}
-    assert len(changed) == 1 or (len(roots) == 1
-                                 and all(k in roots or k not in best.params or k not in t.params for k in changed)), \
+    assert len(changed) == 1 or family(best.params, t.params) or (
+      len(roots) == 1 and all(k in roots or k not in best.params or k not in t.params for k in changed)), \
       (best.params, t.params)
     if t.value > best.value: best = t
+
+
+def family(a: dict, b: dict) -> str | None:
+  """The backend config b puts every backend knob that changed from config a on, where b is a's family move (more than
+  one backend knob changed, all to one backend, and nothing else but the knobs that apply in only one of them)."""
+  changed = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
+  moved = {k for k in changed if backend_knob(k) and k in b}
+  to = {b[k] for k in moved}
+  others = changed - moved
+  ok = len(moved) > 1 and len(to) == 1 and all(k not in a or k not in b for k in others)
+  return to.pop() if ok else None
+
+
+def test_the_climb_moves_a_whole_backend_family_where_only_the_family_pays() -> None:
+  """A landscape where a backend pays only as a whole (Youtu-LLM-2B on CUDA, session 9): every stage on dsl is faster
+  than the per-op path, every stage and weight on native faster still, and a native stage or weight beside dsl ones
+  costs. Single changes from all dsl never reach all native; the family move proposes it as the second trial."""
+  stages = ("attention", "router", "moe", "ffn")
+  def on(cfg) -> set[str]: return {*(cfg.fused.get(st, "off") for st in stages), cfg.backend("Q4_0", "dense")}
+  def speed(trial: optuna.Trial) -> float:
+    cfg = suggest(trial, INFO, DEVICE)
+    used = on(cfg)
+    v = 70.0 if used == {"native"} else 40.0 if used == {"dsl"} else 30.0 if {"dsl", "native"} <= used else \
+      10.0 + 5 * sum(cfg.fused.get(st, "off") != "off" for st in stages)
+    v *= 1.1 if cfg.ffn_act == "q8" else 1.0
+    return v * (1 + 0.002 * (int(hashlib.sha256(cfg.to_json().encode()).hexdigest()[:4], 16) / 65535 - 0.5))
+  ks = knobs(INFO, DEVICE)
+  study = optuna.create_study(direction="maximize", sampler=CoordinateSampler(ks, {}, Fallback()))
+  study.enqueue_trial(defaults(ks, {}))
+  study.optimize(speed, n_trials=4)
+  native = [t.number for t in study.trials
+            if on(suggest(optuna.trial.FixedTrial(t.params), INFO, DEVICE)) == {"native"}]
+  assert native[0] == 2, [t.params for t in study.trials]
+  # then what the family leaves before its own knobs' single changes: 8-bit activations next
+  assert study.best_trial.number == 3 and study.best_value > 70 * 1.05 and study.best_trial.params["ffn_act"] == "q8"
 
 
 def test_once_every_change_is_tried_the_fallback_samples() -> None:
@@ -90,6 +126,8 @@ def test_the_climb_writes_nothing_into_optuna() -> None:
   assert all(not t.system_attrs or set(t.system_attrs) == {"fixed_params"} for t in study.trials)
   ks, done = knobs(INFO, DEVICE), study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
   names, start = [k.name for k in ks], defaults(ks, {})
-  first = study.trials[1]  # the first change of the baseline: the first knob in the space's order
-  assert changed_knob(first, done, start, names, {}) == names[0]
   assert changed_knob(study.trials[0], done, start, names, {}) is None  # the baseline changed nothing
+  assert changed_knob(study.trials[1], done, start, names, {}) == changed_knob(study.trials[2], done, start, names,
+                                                                                {}) == FAMILY  # all dsl, all native
+  # after a family move, the first knob it left: 8-bit activations (the stages' own changes come last)
+  assert changed_knob(study.trials[3], done, start, names, {}) == "ffn_act"

@@ -23,21 +23,19 @@ import optuna
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from space.knobs import Knob, backend_knob, defaults, family_moves, one_knob_away
-
-FAMILY = "backends"  # the family moves' place in a pass: before the first knob
+from space.knobs import FAMILY, Knob, backend_knob, defaults, family_move, family_moves, one_knob_away
 
 
 def changed_knob(trial: FrozenTrial, done: list[FrozenTrial], start: dict[str, Any], names: list[str],
                  fixed: dict[str, Any]) -> str | None:
   """The knob whose change made `trial`'s config from the incumbent of its time (the fastest of the `done` trials
   numbered before it, or `start`): the one knob that applies in both configs with another value (a change leaves every
-  other knob that applies in both as it was); FAMILY where backend knobs alone changed, more than one (a family move).
+  other knob that applies in both as it was); FAMILY where it is a family move (space.knobs.family_move).
   None where neither holds (a trial of the fallback or an enqueued config)."""
   prev = max((t for t in done if t.number < trial.number), key=lambda t: t.values[0], default=None)
   a, b = start if prev is None else prev.params | fixed, trial.params | fixed
   differ = [k for k in names if k in a and k in b and a[k] != b[k]]
-  if len(differ) > 1 and all(backend_knob(k) for k in differ): return FAMILY
+  if family_move(a, b): return FAMILY
   return differ[0] if len(differ) == 1 else None
 
 

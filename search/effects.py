@@ -7,9 +7,10 @@ more than one value among those configs. A knob is read from each config whole (
 apply there is at its default), so a knob that applies to only some configs (a barrier, a fused stage's setting) counts
 when it varied, and one that never varied is not ranked at all. `Points.basis` says what the ranking rests on.
 
-Single changes, the chart of a one-knob-at-a-time climb: each config measured ok next to its parent, the fastest config
-(as ranked) measured before it that differs from it in one knob of those that apply to both, and its speedup over that
-parent from the two estimates, with a 90% interval that combines theirs.
+Single changes, the chart of a one-move-at-a-time climb: each config measured ok next to its parent, the fastest config
+(as ranked) measured before it that differs from it in one move (one knob of those that apply to both, or a family
+move: several backend knobs put on one backend, named space.knobs.FAMILY, its old values joined by "/"), and its speedup
+over that parent from the two estimates, with a 90% interval that combines theirs.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from db import store
 from db.models import Study
 from model.structure import StructureConfig
 from search.leaderboard import figure, leaderboard
-from space.knobs import flat
+from space.knobs import FAMILY, family_move, flat
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,8 @@ def importance(p: Points) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Change:
-  """One config measured against its parent: the knob it changed, and its speedup over the parent with a 90% interval
-  (None until the study has a noise figure)."""
+  """One config measured against its parent: the knob it changed (FAMILY for a family move), and its speedup over the
+  parent with a 90% interval (None until the study has a noise figure)."""
   trial: int
   parent: int
   knob: str
@@ -101,9 +102,9 @@ def single_changes(s: Session, study: Study, params: dict[int, dict[str, Any]]) 
   out = []
   for i, r in enumerate(rows):
     a = params[r["trial"]]
-    near = [q for q in rows[:i] if len(_differ(a, params[q["trial"]])) == 1]
+    near = [q for q in rows[:i] if _move(params[q["trial"]], a)]
     if not (parent := max(near, key=lambda q: (figure(q, base), -q["trial"]), default=None)): continue
-    knob = _differ(a, params[parent["trial"]])[0]
+    knob, old, new = _move(params[parent["trial"]], a)
     ratio = r["tok_s"] / parent["tok_s"]
     low = high = None
     if r["tok_s_low"] is not None and parent["tok_s_low"] is not None:
@@ -111,10 +112,14 @@ def single_changes(s: Session, study: Study, params: dict[int, dict[str, Any]]) 
       (cl, ch), (pl, ph) = w(r["tok_s"], r["tok_s_low"], r["tok_s_high"]), \
         w(parent["tok_s"], parent["tok_s_low"], parent["tok_s_high"])
       low, high = ratio * math.exp(-math.hypot(cl, ph)), ratio * math.exp(math.hypot(ch, pl))
-    out.append(Change(r["trial"], parent["trial"], knob, params[parent["trial"]][knob], a[knob], ratio, low, high))
+    out.append(Change(r["trial"], parent["trial"], knob, old, new, ratio, low, high))
   return out
 
 
-def _differ(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-  """The knobs that apply to both configs with different values."""
-  return [k for k in a if k in b and a[k] != b[k]]
+def _move(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, Any, Any] | None:
+  """(knob, old value, new value) of the one move from config a to config b, or None where they are not one move
+  apart."""
+  differ = [k for k in a if k in b and a[k] != b[k]]
+  if len(differ) == 1: return differ[0], a[differ[0]], b[differ[0]]
+  if to := family_move(a, b): return FAMILY, "/".join(sorted({str(a[k]) for k in differ})), to
+  return None

@@ -1,5 +1,5 @@
 """The plots of a study (matplotlib), shared by `search report` and notebooks/leaderboard.ipynb: optimisation history
-with the baseline's noise band, knob importance and the single changes of a one-knob-at-a-time climb
+with the baseline's noise band, knob importance and the single moves of a one-move-at-a-time climb
 (search/effects.py), tok/s per value of each knob, kernels/token against tok/s, block proxy against full model (with
 Spearman's rank correlation), and the Pareto front of a two-objective study. Each returns a Figure, or None where the
 study cannot show it (say why with `missing`)."""
@@ -109,7 +109,7 @@ def importance(d: StudyData) -> Figure | None:
 def changes(d: StudyData) -> Figure | None:
   """Each single change (search/effects.py), in trial order: its speedup over its parent with its 90% interval, green
   where the interval is above 1, red where below."""
-  if not d.changes: return _skip(d, "changes", "no config measured ok is one knob away from one measured before it")
+  if not d.changes: return _skip(d, "changes", "no config measured ok is one move away from one measured before it")
   fig, ax = _fig(7, 0.3 * len(d.changes) + 1.5)
   for i, c in enumerate(reversed(d.changes)):
     color = "gray" if c.low is None or c.low <= 1 <= c.high else "tab:green" if c.low > 1 else "tab:red"

@@ -20,7 +20,8 @@ CAPTIONS = {"history": "Optimisation history: each config's estimate with its 90
             "importance": "Knob importance for tok/s (Optuna's fANOVA over the configs measured ok, each at its "
                           "ranked figure, of the knobs that varied; the title says how many configs and trials)",
             "changes": "Single changes: each config's speedup over its parent, the fastest config measured before it "
-                       "one knob away, with its 90% interval",
+                       "one move away (one knob, or `backends`: every stage and weight on one backend), with its 90% "
+                       "interval",
             "per_knob": "The estimate of each ok config per value of each knob",
             "kernels": "Kernels per token against tok/s",
             "proxy": "Block proxy tok/s against full-model tok/s",

@@ -248,6 +248,9 @@ def one_knob_away(values: dict[str, Any], ks: list[Knob],
   return out
 
 
+FAMILY = "backends"  # a family move's name where a knob's would be: in the sampler's pass and the climb's chart
+
+
 def backend_knob(name: str) -> bool:
   """Whether a knob chooses a kernel backend: a fused stage's, or a weight type's."""
   return KNOBS[name].field in ("fused", "backends")
@@ -268,6 +271,14 @@ def family_moves(values: dict[str, Any], ks: list[Knob],
     if sum(moved.get(k) != values.get(k) for k in moved.keys() | values.keys() if backend_knob(k)) > 1:
       out.append((b, moved))
   return out
+
+
+def family_move(a: dict[str, Any], b: dict[str, Any]) -> str | None:
+  """The backend that config b (knob values) puts more than one backend knob of config a on, where those are all the
+  knobs that apply to both with other values (a family move, as family_moves makes); else None."""
+  differ = [k for k in a if k in b and a[k] != b[k]]
+  to = {b[k] for k in differ}
+  return to.pop() if len(differ) > 1 and len(to) == 1 and all(backend_knob(k) for k in differ) else None
 
 
 def single_knob_changes(info: ModelInfo, device: str = "CPU", family: str = "all") -> list[tuple[str, StructureConfig]]:

@@ -38,7 +38,8 @@ def search(*argv: str) -> int:
 
 @pytest.fixture(scope="module")
 def made(gguf_file, tmp_path_factory) -> pathlib.Path:
-  """A 4-trial study "x" (fake trials: the baseline, then three single changes, each slower than the baseline)."""
+  """A 4-trial study "x" (fake trials: the baseline, then the dsl family move and two single changes, each slower than
+  the baseline)."""
   d = tmp_path_factory.mktemp("made")
   with pytest.MonkeyPatch.context() as mp:
     install_fake_trials(mp.setattr)
@@ -210,7 +211,8 @@ def test_leaderboards_that_would_list_nothing_by_mistake(url, capsys) -> None:
   one_line(capsys, "--where topk=zzz: no trial of this study has it; its trials have topk=")
   assert search("leaderboard", "--study", "x", "--storage", url, "--where", "fused.attention=DSL", "--format",
                 "json") == 0
-  assert [r["changes"] for r in json.loads(capsys.readouterr().out)["rows"]] == [{"fused.attention": "dsl"}]
+  family = {f"fused.{st}": "dsl" for st in ("attention", "router", "moe", "ffn")} | {"backend.Q4_0.dense": "dsl"}
+  assert [r["changes"] for r in json.loads(capsys.readouterr().out)["rows"]] == [family, {"fused.attention": "dsl"}]
 
 
 def test_a_bogus_device_is_refused_before_anything_is_made(gguf_file, tmp_path, monkeypatch, capsys) -> None:

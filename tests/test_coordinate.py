@@ -7,8 +7,8 @@ import hashlib
 import optuna
 from knobcheck import mix_info
 
-from search.coordinate import FAMILY, CoordinateSampler, changed_knob
-from space.knobs import backend_knob, defaults, knobs, suggest
+from search.coordinate import CoordinateSampler, changed_knob
+from space.knobs import FAMILY, defaults, family_move, knobs, suggest
 
 INFO, DEVICE = mix_info("q4_0"), "CUDA"  # GLM-4.7-Flash's space on CUDA
 FAST = {"fused.attention": "native", "fused.router": "native", "fused.moe": "native", "fused.ffn": "native",
@@ -55,27 +55,16 @@ def test_the_climb_takes_each_paying_change_and_reaches_their_combination() -> N
   assert first <= 12, [t.params for t in trials[:first + 1]]  # four stages (dsl, then native) and q8: a dozen trials
   params = [tuple(sorted(t.params.items())) for t in trials]
   assert len(set(params)) == len(params), "a config was proposed twice"
-  assert [family(trials[0].params, t.params) for t in trials[1:3]] == ["dsl", "native"]  # the families first
+  assert [family_move(trials[0].params, t.params) for t in trials[1:3]] == ["dsl", "native"]  # the families first
   best = trials[0]
   # every trial is the incumbent of its time with one knob changed (and what that change makes apply), or a family move
   for t in trials[1:]:
     changed = {k for k in set(t.params) | set(best.params) if t.params.get(k) != best.params.get(k)}
     roots = {k for k in changed if k.startswith("fused.") or k == "beam"}
-    assert len(changed) == 1 or family(best.params, t.params) or (
+    assert len(changed) == 1 or family_move(best.params, t.params) or (
       len(roots) == 1 and all(k in roots or k not in best.params or k not in t.params for k in changed)), \
       (best.params, t.params)
     if t.value > best.value: best = t
-
-
-def family(a: dict, b: dict) -> str | None:
-  """The backend config b puts every backend knob that changed from config a on, where b is a's family move (more than
-  one backend knob changed, all to one backend, and nothing else but the knobs that apply in only one of them)."""
-  changed = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
-  moved = {k for k in changed if backend_knob(k) and k in b}
-  to = {b[k] for k in moved}
-  others = changed - moved
-  ok = len(moved) > 1 and len(to) == 1 and all(k not in a or k not in b for k in others)
-  return to.pop() if ok else None
 
 
 def test_the_climb_moves_a_whole_backend_family_where_only_the_family_pays() -> None:

@@ -319,11 +319,14 @@ def test_one_importance_over_the_knobs_that_varied(demo) -> None:
     store.finish_trial(s, t, state="ok", stage="full", tok_s=90.0, metrics={"tok_s": 90.0})
     configs = [flat(StructureConfig.from_json(t.config_json)) for t in store.trials(s, st) if t.state == "ok"]
   varied = {k for k in configs[0] if len({str(c[k]) for c in configs}) > 1}
-  assert varied == {"fused.moe", "fused.attention", "fused.ffn", "barrier.attn_out"}
+  # the family move (trial 1: every stage and the dense weights on dsl) varied the router's stage and the weights'
+  # backend
+  assert varied == {"fused.moe", "fused.attention", "fused.ffn", "fused.router", "backend.Q4_0.dense",
+                    "barrier.attn_out"}
   d = plots.load(url, "d")
   fig = plots.importance(d)
   assert {t.get_text() for t in fig.axes[0].get_yticklabels()} == varied
-  basis = ("fANOVA of the ranked tok/s over 5 configs measured ok (5 trials, 66 measurements), the 4 knobs that took "
+  basis = ("fANOVA of the ranked tok/s over 5 configs measured ok (5 trials, 66 measurements), the 6 knobs that took "
            "more than one value among them")
   assert d.points.basis() == basis and fig.get_suptitle() == basis
   imp = effects.importance(d.points)
@@ -339,8 +342,9 @@ def test_one_importance_over_the_knobs_that_varied(demo) -> None:
 
 
 def test_single_changes_with_their_intervals(demo) -> None:
-  """The climb's chart: each config measured ok against its parent (the fastest measured before it one knob away), its
-  speedup the ratio of their estimates with an interval that holds both estimates' intervals."""
+  """The climb's chart: each config measured ok against its parent (the fastest measured before it one move away: one
+  knob, or a family move), its speedup the ratio of their estimates with an interval that holds both estimates'
+  intervals."""
   import dataclasses
 
   from model.structure import StructureConfig
@@ -348,28 +352,29 @@ def test_single_changes_with_their_intervals(demo) -> None:
   d = plots.load(demo["url"], "d")
   est = {r["trial"]: r for r in d.board["rows"]}
   assert [(c.trial, c.parent, c.knob, c.new) for c in d.changes] == [
-    (1, 0, "fused.moe", "dsl"), (2, 0, "fused.attention", "dsl"), (3, 0, "fused.ffn", "dsl")]
+    (1, 0, "backends", "dsl"), (2, 0, "fused.moe", "dsl"), (3, 0, "fused.attention", "dsl")]
   for c in d.changes:
     assert c.speedup == pytest.approx(est[c.trial]["tok_s"] / est[0]["tok_s"])
     r, b = est[c.trial], est[0]
     assert c.low <= min(r["tok_s_low"] / b["tok_s"], r["tok_s"] / b["tok_s_high"]) - 1e-3
     assert c.high >= max(r["tok_s_high"] / b["tok_s"], r["tok_s"] / b["tok_s_low"]) - 1e-12
   ax = plots.changes(d).axes[0]
-  assert [t.get_text() for t in ax.get_yticklabels()][::-1][1] == "trial 2: fused.attention off -> dsl (of 0)"
+  assert [t.get_text() for t in ax.get_yticklabels()][::-1][:2] == ["trial 1: backends off/tensor -> dsl (of 0)",
+                                                                    "trial 2: fused.moe off -> dsl (of 0)"]
   params = {t.number: t.params for t in d.optuna.trials}
   # one knob from trial 2's config and from trial 3's: its parent is the one that ranks first on the board
   # (module fixture: `mid` and `fresh`)
-  params[4] = {**params[2], "fused.ffn": "dsl"}
+  params[4] = {**params[2], "fused.attention": "dsl"}
   with session(open_db(demo["url"])) as s:
     st = store.get_study(s, "d")
     two = StructureConfig.from_json(next(t for t in store.trials(s, st) if t.number == 2).config_json)
-    both = dataclasses.replace(two, fused={**two.fused, "ffn": "dsl"})
+    both = dataclasses.replace(two, fused={**two.fused, "attention": "dsl"})
     t = store.start_trial(s, st, 4, both.to_json(), both.hash, None, "h:1")
     store.finish_trial(s, t, state="ok", stage="full", tok_s=150.0, metrics={"tok_s": 150.0})
     four = effects.single_changes(s, st, params)[-1]
   # which of trials 2 and 3 the fixture made `mid` or `fresh` depends on their first figures on this machine
   parent = next(r["trial"] for r in d.board["rows"] if r["trial"] in (2, 3))  # the leaderboard's order
-  knob = "fused.attention" if parent == 3 else "fused.ffn"
+  knob = "fused.moe" if parent == 3 else "fused.attention"
   assert (four.trial, four.parent, four.knob, four.old, four.new) == (4, parent, knob, "off", "dsl")
   assert four.speedup == pytest.approx(150 / est[parent]["tok_s"])
 

@@ -5,8 +5,8 @@ the family moves (every backend knob on one backend at once: all dsl, all native
 the space's order (the fused stages first, then the kernel backends, BEAM and its settings last), each knob's other
 values in order, skipping every config the study has proposed before. A change that measures faster becomes the
 incumbent and the next trial is the first untried change of it, so the changes that pay are taken one after another,
-each then tried against the knobs that apply under it. Once every single change of the incumbent has been proposed,
-trials come from the fallback sampler (TPE), which has the study's measurements to learn from by then.
+each then tried against the knobs that apply under it. Once every move of the incumbent has been proposed, trials
+come from the fallback sampler (TPE), which has the study's measurements to learn from by then.
 
 Why: what pays in this space comes mostly one knob at a time (each fused stage pays on its own, 8-bit activations once
 an FFN stage is fused), and only together do those changes make the fast config, one combination of several knobs that

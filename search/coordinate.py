@@ -23,7 +23,7 @@ import optuna
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from space.knobs import FAMILY, Knob, backend_knob, defaults, family_move, family_moves, one_knob_away
+from space.knobs import FAMILY, Knob, backend_knob, defaults, differ, family_move, family_moves, one_knob_away
 
 
 def changed_knob(trial: FrozenTrial, done: list[FrozenTrial], start: dict[str, Any], names: list[str],
@@ -34,9 +34,9 @@ def changed_knob(trial: FrozenTrial, done: list[FrozenTrial], start: dict[str, A
   None where neither holds (a trial of the fallback or an enqueued config)."""
   prev = max((t for t in done if t.number < trial.number), key=lambda t: t.values[0], default=None)
   a, b = start if prev is None else prev.params | fixed, trial.params | fixed
-  differ = [k for k in names if k in a and k in b and a[k] != b[k]]
   if family_move(a, b): return FAMILY
-  return differ[0] if len(differ) == 1 else None
+  ks = [k for k in differ(a, b) if k in names]
+  return ks[0] if len(ks) == 1 else None
 
 
 class CoordinateSampler(optuna.samplers.BaseSampler):

@@ -26,7 +26,7 @@ from db import store
 from db.models import Study
 from model.structure import StructureConfig
 from search.leaderboard import figure, leaderboard
-from space.knobs import FAMILY, family_move, flat
+from space.knobs import FAMILY, differ, family_move, flat
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def single_changes(s: Session, study: Study, params: dict[int, dict[str, Any]]) 
 def _move(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, Any, Any] | None:
   """(knob, old value, new value) of the one move from config a to config b, or None where they are not one move
   apart."""
-  differ = [k for k in a if k in b and a[k] != b[k]]
-  if len(differ) == 1: return differ[0], a[differ[0]], b[differ[0]]
-  if to := family_move(a, b): return FAMILY, "/".join(sorted({str(a[k]) for k in differ})), to
+  ks = differ(a, b)
+  if len(ks) == 1: return ks[0], a[ks[0]], b[ks[0]]
+  if to := family_move(a, b): return FAMILY, "/".join(sorted({str(a[k]) for k in ks})), to
   return None

@@ -273,12 +273,17 @@ def family_moves(values: dict[str, Any], ks: list[Knob],
   return out
 
 
+def differ(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+  """The knobs that apply to both configs (knob values) with different values."""
+  return [k for k in a if k in b and a[k] != b[k]]
+
+
 def family_move(a: dict[str, Any], b: dict[str, Any]) -> str | None:
   """The backend that config b (knob values) puts more than one backend knob of config a on, where those are all the
   knobs that apply to both with other values (a family move, as family_moves makes); else None."""
-  differ = [k for k in a if k in b and a[k] != b[k]]
-  to = {b[k] for k in differ}
-  return to.pop() if len(differ) > 1 and len(to) == 1 and all(backend_knob(k) for k in differ) else None
+  ks = differ(a, b)
+  to = {b[k] for k in ks}
+  return to.pop() if len(ks) > 1 and len(to) == 1 and all(backend_knob(k) for k in ks) else None
 
 
 def single_knob_changes(info: ModelInfo, device: str = "CPU", family: str = "all") -> list[tuple[str, StructureConfig]]:

@@ -124,9 +124,8 @@ def kernels(mod, kind: str, preset: str, handoff: str, sms: int) -> list[tuple[s
   if kind == "absorb":
     return [("f32",
              mod.absorb_rope_kv(W(hp.qk_nope, "k_"), H, hp.qk_nope, hp.qk_rope, hp.kv_lora, 4096, hp.rms_eps, False))]
-  if kind == "attention":  # with v_b where the module's attention computes it
-    vb = (W(hp.kv_lora, "v_"), hp.v_head) if "vb" in inspect.signature(mod.mla_attention).parameters else ()
-    return [("f32", mod.mla_attention(H, hp.kv_lora, hp.qk_rope, CTX, (hp.qk_nope + hp.qk_rope) ** -0.5, True, *vb))]
+  if kind == "attention":
+    return [("f32", mod.mla_attention(H, hp.kv_lora, hp.qk_rope, CTX, (hp.qk_nope + hp.qk_rope) ** -0.5, True))]
   if kind == "v_b": return [("f32", mod.product("per_head", Q4_0, (H, hp.v_head, hp.kv_lora), tn=1, n=1, heads=H))]
   if kind == "dense_res": return [("f32", mod.dense(((W(H * hp.v_head, "a_"), dim),), 2, None, residual=True))]
   if kind == "router":
@@ -157,7 +156,7 @@ def weight_bytes(kind: str, preset: str) -> int:
   first, kv, nq = hp.q_lora or H * (hp.qk_nope + hp.qk_rope), hp.kv_lora + hp.qk_rope, H * (hp.qk_nope + hp.qk_rope)
   return {"head": hp.vocab * rb(dim), "norm_qa_kva": (first + kv) * rb(dim),
           "norm_qb": nq * rb(hp.q_lora) if hp.q_lora else 0, "absorb": H * hp.kv_lora * rb(hp.qk_nope),
-          "attention": (POS + 1) * (hp.kv_lora + hp.qk_rope) * 2 + H * hp.v_head * rb(hp.kv_lora),  # this tree's: v_b
+          "attention": (POS + 1) * (hp.kv_lora + hp.qk_rope) * 2,
           "v_b": H * hp.v_head * rb(hp.kv_lora), "dense_res": dim * rb(H * hp.v_head), "router": hp.n_experts * rb(dim),
           "glu": (2 * K * F + 2 * Fs) * rb(dim), "down": (K * F + Fs) * rb(dim)}[kind]
 
@@ -188,14 +187,12 @@ def launches(kind: str, preset: str) -> tuple[object, object]:
     qc, cache, half = f(H * D), f(4096 * D), hp.qk_rope // 2
     cos, sin, pos = f(4096 * half) + 1, f(4096 * half), cp.array([100], dtype=cp.int32)
     return qc, lambda k: [(qc, cache, x, x, gamma, cos, sin, pos, *c) for c in cs * 10]
-  if kind == "attention":  # float16 caches, as many splits' partials as any source may use; v_b where it reads it
+  if kind == "attention":  # float16 caches, as many splits' partials as any source may use
     D = hp.kv_lora + hp.qk_rope
     caches = [cp.random.standard_normal(CTX * D, dtype=cp.float32).astype(cp.float16).view(cp.uint16) for _ in range(8)]
-    vbs = [weight(H * hp.v_head, hp.kv_lora) for _ in range(8)]
-    o, part, cnt = f(H * max(hp.kv_lora, hp.v_head)), f(H * CTX * (hp.kv_lora + 2)), cp.zeros(H, dtype=cp.int32)
+    o, part, cnt = f(H * hp.kv_lora), f(H * CTX * (hp.kv_lora + 2)), cp.zeros(H, dtype=cp.int32)
     qc, pos = cp.random.standard_normal(H * D, dtype=cp.float32) * 0.05, cp.array([POS], dtype=cp.int32)
-    return o, lambda k: [(o, part, cnt, qc, c, pos, *(v if "_vb" in k.name else ()))
-                         for c, v in zip(caches, vbs, strict=True)] * 10
+    return o, lambda k: [(o, part, cnt, qc, c, pos) for c in caches * 10]
   if kind == "v_b":
     cs = [weight(H * hp.v_head, hp.kv_lora) for _ in range(8)]
     o = f(H * hp.v_head)

@@ -41,7 +41,7 @@ def variants(preset: str) -> dict[str, dict[str, object]]:
                                   hp.routed_scale)
                for R, w in ((2, 4), (1, 4), (1, 2), (1, 1), (2, 2), (2, 1), (4, 4))},
     "attention": {f"ch{ch}b{b}": build(C.mla_attention, {"ATT_CHUNK": ch, "ATT_BATCH": b}, H, hp.kv_lora, hp.qk_rope,
-                                       L.CTX, (hp.qk_nope + hp.qk_rope) ** -0.5, True, W(hp.kv_lora, "v_"), hp.v_head)
+                                       L.CTX, (hp.qk_nope + hp.qk_rope) ** -0.5, True)
                   for ch in (32, 64, 128) for b in (4, 2, 8)},
     "dense_res": {f"R{R}w{w}s{s}": build(C.dense, {"STAGED_READS": s}, ((W(H * hp.v_head, "a_"), dim),), R, None,
                                          True, w)

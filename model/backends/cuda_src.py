@@ -675,37 +675,23 @@ def attention_splits(max_ctx: int) -> tuple[int, int]:
 
 
 ATT_BATCH = 8  # positions a warp scores at once (independent loads and reductions, then one softmax update)
-VB_R = 16  # v_b rows per row group and pass in the MLA attention's last block
 
 
 @functools.cache
-def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, cache_half: bool, vb: W,
-                  v_head: int) -> Kernel:
-  """MLA decode attention over the compressed cache, split over the context (grid: heads x splits), and v_b: each block
-  scores its positions with the absorbed query (all kvl + rope dims; the values are the cache's first kvl dims: V is a
-  slice of K), keeps an online softmax per warp, merges its warps. Blocks past the last position return at once; with
-  one active split its block has the head's output o (kvl) itself, else each writes (max, sum, unnormalised output) and
-  the last to finish (an atomic count of the active splits, reset by it) merges them. That block then computes the
-  head's a = v_b[h] . o (v_head) from o in shared memory, in passes of VB_R rows a row group; the head's first block
-  prefetches those v_b rows into L2 before its wait, so the tail reads them from L2. Out: a (H, v_head)."""
+def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, cache_half: bool) -> Kernel:
+  """MLA decode attention over the compressed cache, split over the context (grid: heads x splits): each block scores
+  its positions with the absorbed query (all kvl + rope dims; the values are the cache's first kvl dims: V is a slice of
+  K), keeps an online softmax per warp, merges its warps. Blocks past the last position return at once; with one active
+  split its block writes o itself, else each writes (max, sum, unnormalised output) and the last to finish (an atomic
+  count of the active splits, reset by it) merges them into o (H, kvl)."""
   D, (ch, S), P = kvl + rope, attention_splits(max_ctx), ATT_BATCH
   nd, nv = D // 32, kvl // 32
-  G = vb.group_lanes
-  rpp = rows_per_block(G, VB_R)
-  name = (f"native_mla_attention_h{heads}_{kvl}_{rope}_c{max_ctx}{'' if cache_half else '_f32'}_vb"
-          f"{QUANT_TYPES[vb.ggml_type].name.lower()}x{v_head}")
+  name = f"native_mla_attention_h{heads}_{kvl}_{rope}_c{max_ctx}{'' if cache_half else '_f32'}"
   ct = "unsigned short" if cache_half else "float"
   ld = (lambda v: f"h2f({v})") if cache_half else (lambda v: v)
-  params = ["float* a", "float* part", "int* cnt", "const float* __restrict__ qc", f"const {ct}* __restrict__ cache",
-            "const int* __restrict__ pos"] + vb.params
-  vrow = f"(size_t)h * {v_head} + {{o}}"
-  prefetch = prefetch_rows([(vb, vrow, "")], "0", str(v_head - 1), "threadIdx.x", THREADS)
-  tail = (f"for (int pass = 0; pass < {-(-v_head // rpp)}; pass++) {{ {group_setup(G, VB_R, 'pass')}\n    "
-          + gemv([(vb, vrow, "va")], "sv", v_head, VB_R, lambda o, acc: f"a[(size_t)h * {v_head} + {o}] = {acc[0]};",
-                 staged=True) + " }")
+  params = ["float* o", "float* part", "int* cnt", "const float* __restrict__ qc", f"const {ct}* __restrict__ cache",
+            "const int* __restrict__ pos"]
   body = f"""const int h = blockIdx.x, sp = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (sp == 0) {{ {prefetch} }}
-  {WAIT}
   const int n = pos[0] + 1, j0 = sp * {ch}, j1 = min(n, j0 + {ch}), active = (n + {ch - 1}) / {ch};
   if (j0 >= n) return;
   float qv[{nd}], ov[{nv}], m = -INFINITY, l = 0.f;
@@ -731,7 +717,7 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
     }}
     m = mn;
   }}
-  __shared__ float sm[{WARPS}], sl[{WARPS}], so[{WARPS}][{kvl}], sv[{kvl + kvl // 8}];
+  __shared__ float sm[{WARPS}], sl[{WARPS}], so[{WARPS}][{kvl}];
   __shared__ int last;
   if (lane == 0) {{ sm[warp] = m; sl[warp] = l; }}
   for (int k = 0; k < {nv}; k++) so[warp][lane + 32 * k] = ov[k];
@@ -742,35 +728,33 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
   for (int w = 0; w < {WARPS}; w++) {{ f[w] = sm[w] == -INFINITY ? 0.f : expf(sm[w] - M); L += f[w] * sl[w]; }}
   if (active == 1) {{
     for (int c = threadIdx.x; c < {kvl}; c += {THREADS}) {{
-      float s = 0.f; for (int w = 0; w < {WARPS}; w++) s += f[w] * so[w][c];
-      sv[{sx_at('c')}] = s / L;
+      float a = 0.f; for (int w = 0; w < {WARPS}; w++) a += f[w] * so[w][c];
+      o[(size_t)h * {kvl} + c] = a / L;
     }}
-  }} else {{
-    float* mine = part + ((size_t)h * {S} + sp) * {kvl + 2};
-    for (int c = threadIdx.x; c < {kvl}; c += {THREADS}) {{
-      float s = 0.f; for (int w = 0; w < {WARPS}; w++) s += f[w] * so[w][c];
-      mine[2 + c] = s;
-    }}
-    if (threadIdx.x == 0) {{ mine[0] = M; mine[1] = L; }}
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&cnt[h], 1) == active - 1;
-    __syncthreads();
-    if (!last) return;
-    const volatile float* ph = part + (size_t)h * {S} * {kvl + 2};
-    float MX = -INFINITY, LT = 0.f;
-    for (int s = 0; s < active; s++) MX = fmaxf(MX, ph[s * {kvl + 2}]);
-    for (int s = 0; s < active; s++) LT += expf(ph[s * {kvl + 2}] - MX) * ph[s * {kvl + 2} + 1];
-    for (int c = threadIdx.x; c < {kvl}; c += {THREADS}) {{
-      float s = 0.f;
-      for (int t = 0; t < active; t++) s += expf(ph[t * {kvl + 2}] - MX) * ph[t * {kvl + 2} + 2 + c];
-      sv[{sx_at('c')}] = s / LT;
-    }}
-    if (threadIdx.x == 0) cnt[h] = 0;
+    return;
   }}
+  float* mine = part + ((size_t)h * {S} + sp) * {kvl + 2};
+  for (int c = threadIdx.x; c < {kvl}; c += {THREADS}) {{
+    float a = 0.f; for (int w = 0; w < {WARPS}; w++) a += f[w] * so[w][c];
+    mine[2 + c] = a;
+  }}
+  if (threadIdx.x == 0) {{ mine[0] = M; mine[1] = L; }}
+  __threadfence();
   __syncthreads();
-  {tail}"""
-  return Kernel(name, kernel(name, params, body, waited=True), (heads, S, 1), (0, 1, 2))
+  if (threadIdx.x == 0) last = atomicAdd(&cnt[h], 1) == active - 1;
+  __syncthreads();
+  if (!last) return;
+  const volatile float* ph = part + (size_t)h * {S} * {kvl + 2};
+  float MX = -INFINITY, LT = 0.f;
+  for (int s = 0; s < active; s++) MX = fmaxf(MX, ph[s * {kvl + 2}]);
+  for (int s = 0; s < active; s++) LT += expf(ph[s * {kvl + 2}] - MX) * ph[s * {kvl + 2} + 1];
+  for (int c = threadIdx.x; c < {kvl}; c += {THREADS}) {{
+    float a = 0.f;
+    for (int s = 0; s < active; s++) a += expf(ph[s * {kvl + 2}] - MX) * ph[s * {kvl + 2} + 2 + c];
+    o[(size_t)h * {kvl} + c] = a / LT;
+  }}
+  if (threadIdx.x == 0) cnt[h] = 0;"""
+  return Kernel(name, kernel(name, params, body), (heads, S, 1), (0, 1, 2))
 
 
 GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softplus"}

@@ -101,7 +101,7 @@ def _rows_r(rows: int) -> int: return R_LARGE if rows >= 4096 else R_SMALL
 
 def attention(blk: Block, x: Tensor, start_pos, pos: Tensor) -> Tensor:
   """h = x + attention(x) for one token: norm + q_a/kv_a (or q/kv_a), q_a norm + q_b, absorption + RoPE + cache write,
-  MLA attention split over the context with v_b, output projection + residual: 5 kernels."""
+  MLA attention split over the context, v_b, output projection + residual: 6 kernels."""
   hp, dev = blk.hp, x.device
   H, nope, rope, kvl, dim = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.kv_lora, hp.dim
   xf = f32(x)
@@ -120,9 +120,11 @@ def attention(blk: Block, x: Tensor, start_pos, pos: Tensor) -> Tensor:
   k3 = C.absorb_rope_kv(cw("k_", blk.k_b), H, nope, rope, kvl, blk.cache.shape[1], hp.eps, cache_half)
   qc, cache = launch(k3, [empty(H * D, device=dev), blk.cache, q, kv, blk.kv_a_norm, blk.cos, blk.sin, pos,
                           *planes(blk.k_b)], row_bytes(blk.k_b) * H * kvl + D * 2)[:2]
-  k4 = C.mla_attention(H, kvl, rope, blk.cache.shape[1], hp.kq_scale, cache_half, cw("v_", blk.v_b), hp.v_head)
-  a = launch(k4, [empty(H * hp.v_head, device=dev), blk.scratch["part"], blk.scratch["cnt"], qc, cache, pos,
-                  *planes(blk.v_b)], cache.nbytes() // 4 + row_bytes(blk.v_b) * H * hp.v_head)[0]
+  k4 = C.mla_attention(H, kvl, rope, blk.cache.shape[1], hp.kq_scale, cache_half)
+  o = launch(k4, [empty(H * kvl, device=dev), blk.scratch["part"], blk.scratch["cnt"], qc, cache, pos],
+             cache.nbytes() // 4)[0]
+  kv5 = C.product("per_head", blk.v_b.ggml_type, blk.v_b.shape, tn=1, n=1, heads=H)
+  a = launch(kv5, [empty(H * hp.v_head, device=dev), o, *planes(blk.v_b)], row_bytes(blk.v_b) * H * hp.v_head)[0]
   k6 = C.dense(((cw("a_", blk.wo), dim),), _rows_r(dim), None, residual=True)
   return launch(k6, [empty(1, 1, dim, device=dev), a, xf, *planes(blk.wo)], row_bytes(blk.wo) * dim)[0]
 

@@ -121,8 +121,7 @@ def kernels(mod, kind: str, preset: str, handoff: str, sms: int) -> list[tuple[s
     return [("f32", mod.dense(((W(dim, "a_"), first), (W(dim, "b_"), hp.kv_lora + hp.qk_rope)),
                               getattr(mod, "QKV_ROWS", 4), hp.rms_eps, **shape))]
   if kind == "norm_qb": return [("f32", mod.dense(((W(hp.q_lora, "a_"), nq),), 4, hp.rms_eps))] if hp.q_lora else []
-  if kind == "absorb":  # sources before the absorption went into the query's kernel (cuda_src.MLA)
-    if not hasattr(mod, "absorb_rope_kv"): return []
+  if kind == "absorb":
     return [("f32",
              mod.absorb_rope_kv(W(hp.qk_nope, "k_"), H, hp.qk_nope, hp.qk_rope, hp.kv_lora, 4096, hp.rms_eps, False))]
   if kind == "attention":

@@ -605,158 +605,63 @@ QKV_ROWS, QKV_WARPS = 2, 8  # the first attention kernel (q_a and kv_a, norm fol
 # (on an H100: DeepSeek-V2-Lite 5.8 -> 4.9 us against 4 and 4, GLM-4.7-Flash the same; benchmarks/kernel_sweep.py)
 
 
-@dataclass(frozen=True)
-class MLA:
-  """MLA's step between the query and attention, folded into the kernel that makes the query (dense's `mla`): per head,
-  q_nope absorbed through k_b (kvl rows of nope inputs a head) into the compressed space and q_pe rotated; c_kv
-  normalised (eps, the norm's `kgamma`), k_pe rotated, and both written to the KV cache row of the position. kv: which
-  of dense's weights makes [c_kv, k_pe] (None: an input `kv`, from the kernel before)."""
-  kb: W
-  heads: int
-  nope: int
-  rope: int
-  kvl: int
-  max_ctx: int
-  eps: float
-  cache_half: bool
-  kv: int | None
-
-
-def mla_slots(nope: int) -> int:
-  """Partial sums of the absorption a head may have in its query kernel (one per block holding some of its q_nope
-  rows; a block holds at least 8 rows): the stride of the `qpart` scratch."""
-  return nope // 8 + 2
-
-
-def _mla_query_tail(m: MLA, rpb: int, threads: int) -> str:
-  """C run by each q block after its rows [r0, r1) of out0 (H heads of nope + rope) are stored: for each head whose
-  q_nope rows it holds, the absorption over those rows alone (k_b's units that cover them, the other inputs zero) for
-  all kvl outputs into its slot of `qpart`; then the block that completes a head's rows (atomic counts of each head's
-  rows, reset by it) sums the head's slots into qc and rotates its q_pe: qc (H, kvl + rope)."""
-  QH, D, half, un = m.nope + m.rope, m.kvl + m.rope, m.rope // 2, m.kb.unit
-  NS, UE, nu = mla_slots(m.nope), un.elems, -(-rpb // m.kb.unit.elems) + 1
-  assert rpb >= 8 and rpb // QH + 2 <= 32, "a block's slots and heads fit qpart and a mask"
-  per = -(-m.kvl // threads)
-  dots = []
-  for i in range(per):
-    for j in range(nu):
-      row, tag = f"(size_t)h * {m.kvl} + min(threadIdx.x + {i * threads}, {m.kvl - 1})", f"_{i}_{j}"
-      X = lambda e, j=j: f"sq[{un.xbase.format(u=f'(u{j})')} + {un.xoff(e)}]"
-      dots.append(f"{{ const int u{j} = min(ua + {j}, ub); {unit_loads(m.kb, row, f'u{j}', tag)}"
-                  f" if (ua + {j} <= ub) {unit_dot(m.kb, row, f'u{j}', X, None, f'acc{i}', tag)} }}")
-  stores = " ".join(f"if (threadIdx.x + {i * threads} < {m.kvl}) qpart[((size_t)h * {NS} + blockIdx.x - (h * {QH}) / "
-                    f"{rpb}) * {m.kvl} + threadIdx.x + {i * threads}] = acc{i};" for i in range(per))
-  return f"""{{ __shared__ int qlast; __shared__ float sq[{m.nope}];
-  const int r0 = blockIdx.x * {rpb}, r1 = min(r0 + {rpb}, {m.heads * QH}), h0 = r0 / {QH}, h1 = (r1 - 1) / {QH};
-  __syncthreads();
-  for (int h = h0; h <= h1; h++) {{
-    const int a = max(r0, h * {QH}) - h * {QH}, b = min(r1, h * {QH} + {m.nope}) - h * {QH};
-    if (a >= b) continue;
-    for (int i = threadIdx.x; i < {m.nope}; i += {threads}) sq[i] = i >= a && i < b ? out0[h * {QH} + i] : 0.f;
-    __syncthreads();
-    const int ua = a / {UE}, ub = (b - 1) / {UE};
-    {" ".join(f"float acc{i} = 0.f;" for i in range(per))}
-    {" ".join(dots)}
-    {stores}
-    __syncthreads();
-  }}
-  __threadfence(); __syncthreads();
-  if (threadIdx.x == 0) {{ int mask = 0; for (int h = h0; h <= h1; h++) {{ const int n = min(r1, (h + 1) * {QH}) -
-    max(r0, h * {QH}); if (atomicAdd(&cnt[h], n) + n == {QH}) {{ mask |= 1 << (h - h0); cnt[h] = 0; }} }}
-    qlast = mask; }}
-  __syncthreads();
-  const int p = pos[0];
-  for (int h = h0; h <= h1; h++) {{
-    if (!((qlast >> (h - h0)) & 1)) continue;
-    const int bs = (h * {QH}) / {rpb}, ns = (h * {QH} + {m.nope - 1}) / {rpb} - bs + 1;
-    const volatile float* ph = qpart + (size_t)h * {NS} * {m.kvl};
-    for (int o = threadIdx.x; o < {m.kvl}; o += {threads}) {{ float s = 0.f; for (int t = 0; t < ns; t++) s +=
-      ph[(size_t)t * {m.kvl} + o]; qc[(size_t)h * {D} + o] = s; }}
-    const volatile float* qh = out0 + (size_t)h * {QH};
-    for (int k = threadIdx.x; k < {half}; k += {threads}) {{ const float x0 = qh[{m.nope} + 2 * k], x1 = qh[{m.nope}
-      + 2 * k + 1], c = cosv[p * {half} + k], s = sinv[p * {half} + k];
-      qc[(size_t)h * {D} + {m.kvl} + 2 * k] = x0 * c - x1 * s;
-      qc[(size_t)h * {D} + {m.kvl} + 2 * k + 1] = x0 * s + x1 * c; }}
-  }} }}"""
-
-
-def _mla_cache_tail(m: MLA, kv: str, threads: int) -> str:
-  """C run by one block: [c_kv normalised, k_pe rotated] from `kv` (read through a volatile pointer: other blocks of
-  the kernel may have written it) into the cache row of the position."""
-  D, half = m.kvl + m.rope, m.rope // 2
-  store = (lambda v: f"f2h({v})") if m.cache_half else (lambda v: v)
-  return f"""{{ __shared__ float skv[{D}];
-  const volatile float* kvp = {kv};
-  const int p = pos[0];
-  for (int c = threadIdx.x; c < {D}; c += {threads}) skv[c] = kvp[c];
-  __syncthreads();
-  if (threadIdx.x < 32) {{
-    float ss = 0.f; for (int k = threadIdx.x; k < {m.kvl}; k += 32) ss += skv[k] * skv[k];
-    ss = group_sum(ss, 32); const float rs = 1.f / sqrtf(ss / {m.kvl}.f + {m.eps!r}f);
-    for (int k = threadIdx.x; k < {m.kvl}; k += 32) cache[(size_t)p * {D} + k] = {store('(skv[k] * rs) * kgamma[k]')};
-    for (int k = threadIdx.x; k < {half}; k += 32) {{ const float x0 = skv[{m.kvl} + 2 * k], x1 = skv[{m.kvl} + 2 * k
-      + 1], c = cosv[p * {half} + k], s = sinv[p * {half} + k]; cache[(size_t)p * {D} + {m.kvl} + 2 * k] =
-      {store('x0 * c - x1 * s')}; cache[(size_t)p * {D} + {m.kvl} + 2 * k + 1] = {store('x0 * s + x1 * c')}; }}
-  }} }}"""
-
-
 @functools.cache
 def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, residual: bool = False,
-          warps: int = WARPS, mla: MLA | None = None) -> Kernel:
+          warps: int = WARPS) -> Kernel:
   """out_j = [res +] W_j . [rmsnorm(x) * gamma] for each weight j (blockIdx.y picks it): a norm folded into one or two
   products of one input (q_a and kv_a), or a residual add folded into one (the attention output). Each warp issues its
   weight reads first; the block (`warps` warps) stages x (normalised, with a norm) once into shared memory while they
-  are in flight (stage_x), up to STAGE_MAX inputs. With `mla`, out0 is MLA's query and the kernel goes on to the
-  absorption, split over the blocks that hold each head's q_nope rows (_mla_query_tail; each block prefetches into L2
-  its share of the head's k_b rows before its wait), and the KV cache write (the last block of the kv weight's rows, or
-  one extra block where kv is an input): out qc, cache, the counters and the partial sums, after the weights'
-  outputs."""
+  are in flight (stage_x), up to STAGE_MAX inputs."""
   tag = "_".join(f"{QUANT_TYPES[w.ggml_type].name.lower()}x{rows}x{w.inp}" for w, rows in ws)
   name = f"native_dense_{'norm_' if eps is not None else ''}{'res_' if residual else ''}{tag}"
-  params = [f"float* out{j}" for j in range(len(ws))]
-  if mla:
-    name += (f"_mla_{QUANT_TYPES[mla.kb.ggml_type].name.lower()}_h{mla.heads}_{mla.nope}_{mla.rope}_{mla.kvl}"
-             f"_c{mla.max_ctx}{'' if mla.cache_half else '_f32'}")
-    params += ["float* qc", f"{'unsigned short' if mla.cache_half else 'float'}* cache", "int* cnt", "float* qpart"]
-  params += ["const float* __restrict__ x"]
+  params = [f"float* out{j}" for j in range(len(ws))] + ["const float* __restrict__ x"]
   params += (["const float* __restrict__ gamma"] if eps is not None else []) + ([
     "const float* __restrict__ res"] if residual else [])
-  if mla:
-    params += (["const float* __restrict__ kv"] if mla.kv is None else []) + [
-      "const float* __restrict__ kgamma", "const float* __restrict__ cosv", "const float* __restrict__ sinv",
-      "const int* __restrict__ pos"]
   for w, _ in ws: params += w.params
-  if mla: params += mla.kb.params
-  inp, threads = ws[0][0].inp, 32 * warps
+  inp = ws[0][0].inp
   staged = eps is not None or inp <= STAGE_MAX
   pro, xp, body = ((stage_x("x", inp, eps, "f32", warps), "sx", [stage_decl(inp, "f32", warps)]) if staged
                    else ("", "x", []))
   for j, (w, rows) in enumerate(ws):
     epi = lambda o, a, j=j: f"out{j}[{o}] = " + (f"res[{o}] + {a[0]};" if residual else f"{a[0]};")
-    block = _gemv_block([(w, "{o}", "a")], xp, rows, R, epi, pro, "f32", True, staged, warps, wait=True)
-    rpb = rows_per_block(w.group_lanes, R, warps)
-    if mla and j == 0:  # k_b's rows in proportion to the block's q rows
-      QH = mla.nope + mla.rope
-      assert staged and rows == mla.heads * QH, "out0 is the query"
-      kr = lambda r, QH=QH: f"(int)((long long)({r}) * {mla.kvl} / {QH})"
-      pre = prefetch_rows([(mla.kb, "{o}", "")], kr(f"blockIdx.x * {rpb}"),
-                          f"{kr(f'min(blockIdx.x * {rpb} + {rpb}, {rows})')} - 1", "threadIdx.x", threads)
-      block = (f"{{ if (blockIdx.x * {rpb} < {rows}) {{ {pre} }}\n  {block}\n  "
-               f"{_mla_query_tail(mla, rpb, threads)} }}")
-    elif mla and j == mla.kv:
-      assert staged
-      block = (f"{{ {block}\n  {{ __shared__ int kvlast; __threadfence(); __syncthreads(); if (threadIdx.x == 0)"
-               f" kvlast = atomicAdd(&cnt[{mla.heads}], 1) == {-(-rows // rpb) - 1}; __syncthreads();"
-               f" if (!kvlast) return; if (threadIdx.x == 0) cnt[{mla.heads}] = 0; }}\n  "
-               f"{_mla_cache_tail(mla, f'out{j}', threads)} }}")
-    body.append(f"if (blockIdx.y == {j}) " + block)
-  ys = len(ws)
-  if mla and mla.kv is None:
-    body.append(f"if (blockIdx.y == {ys} && blockIdx.x == 0) {{ {WAIT} {_mla_cache_tail(mla, 'kv', threads)} }}")
-    ys += 1
+    body.append(f"if (blockIdx.y == {j}) " + _gemv_block([(w, "{o}", "a")], xp, rows, R, epi, pro, "f32", True, staged,
+                                                         warps, wait=True))
   blocks = max(-(-rows // rows_per_block(w.group_lanes, R, warps)) for w, rows in ws)
-  outs = tuple(range(len(ws) + (4 if mla else 0)))
-  return Kernel(name, kernel(name, params, "\n  ".join(body), threads, waited=True), (blocks, ys, 1), outs, threads)
+  return Kernel(name, kernel(name, params, "\n  ".join(body), 32 * warps, waited=True), (blocks, len(ws), 1),
+                tuple(range(len(ws))), 32 * warps)
+
+
+@functools.cache
+def absorb_rope_kv(kb: W, heads: int, nope: int, rope: int, kvl: int, max_ctx: int, eps: float, cache_half: bool,
+                   R: int = 2) -> Kernel:
+  """MLA's per-token step before attention: per head, q_nope absorbed through k_b into the compressed space (blockIdx.y
+  < H); one extra block (blockIdx.y == H) rotates q_pe, normalises c_kv, rotates k_pe and writes [c_kv, k_pe] to the KV
+  cache row of the position. Out: qc (H, kvl + rope) = [q_abs, rotated q_pe] and the cache."""
+  D, half = kvl + rope, rope // 2
+  name = (f"native_mla_absorb_{QUANT_TYPES[kb.ggml_type].name.lower()}_h{heads}_{nope}_{rope}_{kvl}_c{max_ctx}"
+          f"{'' if cache_half else '_f32'}")
+  ct = "unsigned short" if cache_half else "float"
+  store = (lambda v: f"f2h({v})") if cache_half else (lambda v: v)
+  params = ["float* qc", f"{ct}* cache", "const float* __restrict__ q", "const float* __restrict__ kv",
+            "const float* __restrict__ gamma", "const float* __restrict__ cosv", "const float* __restrict__ sinv",
+            "const int* __restrict__ pos"] + kb.params
+  head = (f"const int h = blockIdx.y; const float* xh = q + (size_t)h * {nope + rope};\n  "
+          + _gemv_block([(kb, f"(size_t)h * {kvl} + {{o}}", "a")], "xh", kvl, R, lambda o,
+                        a: f"qc[(size_t)h * {D} + {o}] = {a[0]};", early=True, wait=True))
+  tail = (f"{WAIT} const int p = pos[0];\n"
+          f"  for (int i = threadIdx.x; i < {heads * half}; i += {THREADS}) {{ const int h = i / {half}, k = i % "
+          f"{half}; const float x0 = q[h * {nope + rope} + {nope} + 2 * k], x1 = q[h * {nope + rope} + {nope} + 2 * k "
+          f"+ 1]; const float c = cosv[p * {half} + k], s = sinv[p * {half} + k];"
+          f" qc[h * {D} + {kvl} + 2 * k] = x0 * c - x1 * s; qc[h * {D} + {kvl} + 2 * k + 1] = x0 * s + x1 * c; }}\n"
+          f"  if (threadIdx.x < 32) {{ {rms_prologue('kv', kvl, eps)}\n"
+          f"    for (int k = threadIdx.x; k < {kvl}; k += 32) cache[(size_t)p * {D} + k] = "
+          f"{store('(kv[k] * rs) * gamma[k]')};\n    for (int k = threadIdx.x; k < {half}; k += 32) {{ const float x0 "
+          f"= kv[{kvl} + 2 * k], x1 = kv[{kvl} + 2 * k + 1]; const float c = cosv[p * {half} + k], s = sinv[p * {half} "
+          f"+ k]; cache[(size_t)p * {D} + {kvl} + 2 * k] = {store('x0 * c - x1 * s')};"
+          f" cache[(size_t)p * {D} + {kvl} + 2 * k + 1] = {store('x0 * s + x1 * c')}; }} }}")
+  body = f"if (blockIdx.y < {heads}) {{ {head} }}\n  else if (blockIdx.x == 0) {{ {tail} }}"
+  blocks = -(-kvl // rows_per_block(kb.group_lanes, R))
+  return Kernel(name, kernel(name, params, body, waited=True), (blocks, heads + 1, 1), (0, 1))
 
 
 ATT_CHUNK, ATT_SPLITS = 32, 64  # the fewest positions an MLA attention block scores, the most splits of the context

@@ -100,31 +100,26 @@ def _rows_r(rows: int) -> int: return R_LARGE if rows >= 4096 else R_SMALL
 
 
 def attention(blk: Block, x: Tensor, start_pos, pos: Tensor) -> Tensor:
-  """h = x + attention(x) for one token: norm + q_a/kv_a, then q_a norm + q_b with the absorption, RoPE and the cache
-  write (or norm + q/kv_a with them), MLA attention split over the context, v_b, output projection + residual: 5
-  kernels (4 without q_lora)."""
+  """h = x + attention(x) for one token: norm + q_a/kv_a (or q/kv_a), q_a norm + q_b, absorption + RoPE + cache write,
+  MLA attention split over the context, v_b, output projection + residual: 6 kernels."""
   hp, dev = blk.hp, x.device
   H, nope, rope, kvl, dim = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.kv_lora, hp.dim
-  D, cache_half, xf = kvl + rope, blk.cache.dtype == dtypes.float16, f32(x)
+  xf = f32(x)
   first = blk.q_a if hp.q_lora else blk.q_b
   rows = (first.shape[0], blk.kv_a.shape[0])
-  mla = lambda kv: C.MLA(cw("k_", blk.k_b), H, nope, rope, kvl, blk.cache.shape[1], hp.eps, cache_half, kv)
-  mla_ins = lambda kv: [*kv, blk.kv_a_norm, blk.cos, blk.sin, pos]
-  mla_outs = [empty(H * D, device=dev), blk.cache, blk.scratch["qcnt"], blk.scratch["qpart"]]
-  kb_bytes = row_bytes(blk.k_b) * H * kvl
   k1 = C.dense(((cw("a_", first), rows[0]), (cw("b_", blk.kv_a), rows[1])), C.QKV_ROWS, hp.eps,
-               warps=C.QKV_WARPS, mla=None if hp.q_lora else mla(1))
-  ws = [*planes(first), *planes(blk.kv_a)]
-  k1_bytes = row_bytes(first) * rows[0] + row_bytes(blk.kv_a) * rows[1]
+               warps=C.QKV_WARPS)
+  qa, kv = launch(k1, [empty(rows[0], device=dev), empty(rows[1], device=dev), xf, blk.attn_norm, *planes(first),
+                       *planes(blk.kv_a)], row_bytes(first) * rows[0] + row_bytes(blk.kv_a) * rows[1])[:2]
   if hp.q_lora:
-    qa, kv = launch(k1, [empty(rows[0], device=dev), empty(rows[1], device=dev), xf, blk.attn_norm, *ws], k1_bytes)[:2]
     nq = blk.q_b.shape[0]
-    k2 = C.dense(((cw("a_", blk.q_b), nq),), R_LARGE, hp.eps, mla=mla(None))
-    qc, cache = launch(k2, [empty(nq, device=dev), *mla_outs, qa, blk.q_a_norm, *mla_ins([kv]), *planes(blk.q_b),
-                            *planes(blk.k_b)], row_bytes(blk.q_b) * nq + kb_bytes)[1:3]
-  else:
-    qc, cache = launch(k1, [empty(rows[0], device=dev), empty(rows[1], device=dev), *mla_outs, xf, blk.attn_norm,
-                            *mla_ins([]), *ws, *planes(blk.k_b)], k1_bytes + kb_bytes)[2:4]
+    k2 = C.dense(((cw("a_", blk.q_b), nq),), R_LARGE, hp.eps)
+    q = launch(k2, [empty(nq, device=dev), qa, blk.q_a_norm, *planes(blk.q_b)], row_bytes(blk.q_b) * nq)[0]
+  else: q = qa
+  D, cache_half = kvl + rope, blk.cache.dtype == dtypes.float16
+  k3 = C.absorb_rope_kv(cw("k_", blk.k_b), H, nope, rope, kvl, blk.cache.shape[1], hp.eps, cache_half)
+  qc, cache = launch(k3, [empty(H * D, device=dev), blk.cache, q, kv, blk.kv_a_norm, blk.cos, blk.sin, pos,
+                          *planes(blk.k_b)], row_bytes(blk.k_b) * H * kvl + D * 2)[:2]
   k4 = C.mla_attention(H, kvl, rope, blk.cache.shape[1], hp.kq_scale, cache_half)
   o = launch(k4, [empty(H * kvl, device=dev), blk.scratch["part"], blk.scratch["cnt"], qc, cache, pos],
              cache.nbytes() // 4)[0]
@@ -239,14 +234,10 @@ class NativeBackend(Backend):
     return w
 
   def scratch(self, hp, max_context: int, device: str | None) -> dict[str, Tensor]:
-    """Split attention's partials and arrival counters, the query kernel's (the absorption's partial sums, its
-    counters of each head's rows and of the kv rows), and the router's counter, shared by the blocks."""
+    """Split attention's partials and arrival counters, and the router's counter, shared by the blocks."""
     splits = C.attention_splits(max_context)[1]
     return {"part": Tensor.zeros(hp.n_heads * splits * (hp.kv_lora + 2), device=device).contiguous().realize(),
             "cnt": Tensor.zeros(hp.n_heads, dtype=dtypes.int32, device=device).contiguous().realize(),
-            "qcnt": Tensor.zeros(hp.n_heads + 1, dtype=dtypes.int32, device=device).contiguous().realize(),
-            "qpart": Tensor.zeros(hp.n_heads * C.mla_slots(hp.qk_nope) * hp.kv_lora, device=device).contiguous()
-                     .realize(),
             "router_cnt": Tensor.zeros(1, dtype=dtypes.int32, device=device).contiguous().realize()}
 
   def linear(self, x: Tensor, w: QWeight) -> Tensor: return linear(x, w)

@@ -635,8 +635,9 @@ def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, resid
 def absorb_rope_kv(kb: W, heads: int, nope: int, rope: int, kvl: int, max_ctx: int, eps: float, cache_half: bool,
                    R: int = 2) -> Kernel:
   """MLA's per-token step before attention: per head, q_nope absorbed through k_b into the compressed space (blockIdx.y
-  < H); one extra block (blockIdx.y == H) rotates q_pe, normalises c_kv, rotates k_pe and writes [c_kv, k_pe] to the KV
-  cache row of the position. Out: qc (H, kvl + rope) = [q_abs, rotated q_pe] and the cache."""
+  < H); the extra row of blocks (blockIdx.y == H) rotates q_pe, normalises c_kv, rotates k_pe and writes [c_kv, k_pe]
+  to the KV cache row of the position, an element a thread (each block sums c_kv's squares itself), so no block waits
+  on memory more than once before its stores. Out: qc (H, kvl + rope) = [q_abs, rotated q_pe] and the cache."""
   D, half = kvl + rope, rope // 2
   name = (f"native_mla_absorb_{QUANT_TYPES[kb.ggml_type].name.lower()}_h{heads}_{nope}_{rope}_{kvl}_c{max_ctx}"
           f"{'' if cache_half else '_f32'}")
@@ -648,19 +649,28 @@ def absorb_rope_kv(kb: W, heads: int, nope: int, rope: int, kvl: int, max_ctx: i
   head = (f"const int h = blockIdx.y; const float* xh = q + (size_t)h * {nope + rope};\n  "
           + _gemv_block([(kb, f"(size_t)h * {kvl} + {{o}}", "a")], "xh", kvl, R, lambda o,
                         a: f"qc[(size_t)h * {D} + {o}] = {a[0]};", early=True, wait=True))
-  tail = (f"{WAIT} const int p = pos[0];\n"
-          f"  for (int i = threadIdx.x; i < {heads * half}; i += {THREADS}) {{ const int h = i / {half}, k = i % "
-          f"{half}; const float x0 = q[h * {nope + rope} + {nope} + 2 * k], x1 = q[h * {nope + rope} + {nope} + 2 * k "
-          f"+ 1]; const float c = cosv[p * {half} + k], s = sinv[p * {half} + k];"
-          f" qc[h * {D} + {kvl} + 2 * k] = x0 * c - x1 * s; qc[h * {D} + {kvl} + 2 * k + 1] = x0 * s + x1 * c; }}\n"
-          f"  if (threadIdx.x < 32) {{ {rms_prologue('kv', kvl, eps)}\n"
-          f"    for (int k = threadIdx.x; k < {kvl}; k += 32) cache[(size_t)p * {D} + k] = "
-          f"{store('(kv[k] * rs) * gamma[k]')};\n    for (int k = threadIdx.x; k < {half}; k += 32) {{ const float x0 "
-          f"= kv[{kvl} + 2 * k], x1 = kv[{kvl} + 2 * k + 1]; const float c = cosv[p * {half} + k], s = sinv[p * {half} "
-          f"+ k]; cache[(size_t)p * {D} + {kvl} + 2 * k] = {store('x0 * c - x1 * s')};"
-          f" cache[(size_t)p * {D} + {kvl} + 2 * k + 1] = {store('x0 * s + x1 * c')}; }} }}")
-  body = f"if (blockIdx.y < {heads}) {{ {head} }}\n  else if (blockIdx.x == 0) {{ {tail} }}"
   blocks = -(-kvl // rows_per_block(kb.group_lanes, R))
+  T, NT = THREADS, blocks * THREADS
+  tail = f"""{WAIT} const int p = pos[0], g = blockIdx.x * {T} + threadIdx.x;
+  const float cv = g < {kvl} ? kv[g] : 0.f, cg = g < {kvl} ? gamma[g] : 0.f;
+  for (int i = g; i < {heads * half}; i += {NT}) {{ const int h = i / {half}, k = i % {half};
+    const float x0 = q[h * {nope + rope} + {nope} + 2 * k], x1 = q[h * {nope + rope} + {nope} + 2 * k + 1];
+    const float c = cosv[p * {half} + k], s = sinv[p * {half} + k];
+    qc[h * {D} + {kvl} + 2 * k] = x0 * c - x1 * s; qc[h * {D} + {kvl} + 2 * k + 1] = x0 * s + x1 * c; }}
+  for (int k = g; k < {half}; k += {NT}) {{ const float x0 = kv[{kvl} + 2 * k], x1 = kv[{kvl} + 2 * k + 1];
+    const float c = cosv[p * {half} + k], s = sinv[p * {half} + k];
+    cache[(size_t)p * {D} + {kvl} + 2 * k] = {store('x0 * c - x1 * s')};
+    cache[(size_t)p * {D} + {kvl} + 2 * k + 1] = {store('x0 * s + x1 * c')}; }}
+  __shared__ float sred[{WARPS}];
+  float ss = 0.f;
+  for (int k = threadIdx.x * 4; k < {kvl}; k += {T * 4}) {{ const float4 v = *(const float4*)(kv + k);
+    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }}
+  ss = group_sum(ss, 32); if ((threadIdx.x & 31) == 0) sred[threadIdx.x >> 5] = ss; __syncthreads();
+  float tot = 0.f; for (int w = 0; w < {WARPS}; w++) tot += sred[w];
+  const float rs = 1.f / sqrtf(tot / {kvl}.f + {eps!r}f);
+  if (g < {kvl}) cache[(size_t)p * {D} + g] = {store('(cv * rs) * cg')};
+  for (int k = g + {NT}; k < {kvl}; k += {NT}) cache[(size_t)p * {D} + k] = {store('(kv[k] * rs) * gamma[k]')};"""
+  body = f"if (blockIdx.y < {heads}) {{ {head} }}\n  else {{ {tail} }}"
   return Kernel(name, kernel(name, params, body, waited=True), (blocks, heads + 1, 1), (0, 1))
 
 

@@ -357,6 +357,7 @@ inline float atomicAdd(float* p, float v) {
 inline float atomicExch(float* p, float v) { return __uint_as_float(atomicExch((unsigned*)p, __float_as_uint(v))); }
 template <class T> T __ldg(const T* p) { return *p; }
 template <class T> T __ldcs(const T* p) { return *p; }
+template <class T> T __ldcg(const T* p) { return *p; }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline int __clz(int v) { return v ? __builtin_clz((unsigned)v) : 32; }
 inline int __ffs(int v) { return __builtin_ffs(v); }

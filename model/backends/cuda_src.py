@@ -693,9 +693,11 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
   its positions with the absorbed query (all kvl + rope dims; the values are the cache's first kvl dims: V is a slice of
   K), keeps an online softmax per warp, merges its warps. Blocks past the last position return at once; with one active
   split its block writes o itself, else each writes (max, sum, unnormalised output) and the last to finish (an atomic
-  count of the active splits, reset by it) merges them into o (H, kvl)."""
+  count of the active splits, reset by it) merges them into o (H, kvl): it reads every split's max and sum at once into
+  shared memory, then the outputs, through L2 (`__ldcg`: no wait on one split's figures before the next's)."""
   D, (ch, S), P = kvl + rope, attention_splits(max_ctx), ATT_BATCH
   nd, nv = D // 32, kvl // 32
+  assert S <= THREADS, "a thread reads each split's max and sum"
   name = f"native_mla_attention_h{heads}_{kvl}_{rope}_c{max_ctx}{'' if cache_half else '_f32'}"
   ct = "unsigned short" if cache_half else "float"
   ld = (lambda v: f"h2f({v})") if cache_half else (lambda v: v)
@@ -754,13 +756,17 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
   if (threadIdx.x == 0) last = atomicAdd(&cnt[h], 1) == active - 1;
   __syncthreads();
   if (!last) return;
-  const volatile float* ph = part + (size_t)h * {S} * {kvl + 2};
+  const float* ph = part + (size_t)h * {S} * {kvl + 2};
+  __shared__ float pm[{S}], pl[{S}];
+  if (threadIdx.x < active) {{ pm[threadIdx.x] = __ldcg(ph + threadIdx.x * {kvl + 2});
+    pl[threadIdx.x] = __ldcg(ph + threadIdx.x * {kvl + 2} + 1); }}
+  __syncthreads();
   float MX = -INFINITY, LT = 0.f;
-  for (int s = 0; s < active; s++) MX = fmaxf(MX, ph[s * {kvl + 2}]);
-  for (int s = 0; s < active; s++) LT += expf(ph[s * {kvl + 2}] - MX) * ph[s * {kvl + 2} + 1];
+  for (int s = 0; s < active; s++) MX = fmaxf(MX, pm[s]);
+  for (int s = 0; s < active; s++) LT += expf(pm[s] - MX) * pl[s];
   for (int c = threadIdx.x; c < {kvl}; c += {THREADS}) {{
     float a = 0.f;
-    for (int s = 0; s < active; s++) a += expf(ph[s * {kvl + 2}] - MX) * ph[s * {kvl + 2} + 2 + c];
+    for (int s = 0; s < active; s++) a += expf(pm[s] - MX) * __ldcg(ph + s * {kvl + 2} + 2 + c);
     o[(size_t)h * {kvl} + c] = a / LT;
   }}
   if (threadIdx.x == 0) cnt[h] = 0;"""

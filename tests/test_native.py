@@ -443,6 +443,36 @@ def test_attention_kernel_splits_the_context(monkeypatch) -> None:
     assert (cnt == 0).all()
 
 
+@pytest.mark.parametrize("quant, heads, nope, rope, kvl", [("Q4_0", 3, 32, 16, 512), ("Q8_0", 20, 64, 64, 128)])
+def test_absorption_kernel(quant: str, heads: int, nope: int, rope: int, kvl: int) -> None:
+  """The absorption kernel alone (CUDA emulator): q_nope through k_b and q_pe rotated per head, c_kv normalised and
+  k_pe rotated into the cache row of the position, fp16; shapes where its extra row of blocks has fewer threads than
+  the cache row's elements, and more rotations than threads."""
+  t, ctx, eps, p = TYPES[quant], 16, 1e-5, 5
+  rng = np.random.default_rng(1)
+  kb_planes, kb = kernel_weight(t, (heads, kvl, nope), 3)
+  q = rng.standard_normal((heads, nope + rope)).astype(np.float32)
+  kv = rng.standard_normal(kvl + rope).astype(np.float32)
+  gamma = (1 + 0.1 * rng.standard_normal(kvl)).astype(np.float32)
+  ang = rng.uniform(0, 6.28, (ctx, rope // 2))
+  cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+  k = cuda_src.absorb_rope_kv(cuda_src.W("k_", t, nope), heads, nope, rope, kvl, ctx, eps, True)
+  qc, cache = np.zeros((heads, kvl + rope), np.float32), np.zeros((ctx, kvl + rope), np.float16)
+  launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [qc, cache.view(np.uint16), q, kv, gamma, cos, sin,
+                                                           np.array([p], np.int32), *kb_planes])
+  rot = lambda x, c, s: np.stack([x[..., 0::2] * c - x[..., 1::2] * s, x[..., 0::2] * s + x[..., 1::2] * c],
+                                 -1).reshape(x.shape)
+  want_q = np.concatenate([np.einsum("hok,hk->ho", kb, q[:, :nope].astype(np.float64)),
+                           rot(q[:, nope:], cos[p], sin[p])], -1)
+  np.testing.assert_allclose(qc, want_q, rtol=1e-4, atol=1e-4 * np.abs(want_q).max())
+  c_kv = kv[:kvl] / np.sqrt((kv[:kvl].astype(np.float64) ** 2).mean() + eps) * gamma
+  want_row = np.concatenate([c_kv, rot(kv[kvl:], cos[p], sin[p])]).astype(np.float16)
+  np.testing.assert_allclose(cache[p].astype(np.float32), want_row.astype(np.float32), rtol=2e-3, atol=2e-3)
+  assert not cache[np.arange(ctx) != p].any()
+  blocks = k.grid[0]
+  assert blocks * k.threads < kvl or heads * (rope // 2) > blocks * k.threads
+
+
 @pytest.mark.parametrize("gating", sorted(cuda_src.GATING))
 def test_router_kernel(gating: int) -> None:
   """The router kernel alone (CUDA emulator), each gating function, with and without the selection bias, its own top-k

@@ -381,14 +381,6 @@ def load_x(w: W, i: int, xp: str, u: str, pad: bool = False) -> str:
   return " ".join(out)
 
 
-def rms_prologue(xp: str, n: int, eps: float) -> str:
-  """C: `rs` = 1/sqrt(mean(x^2) + eps) over x[0..n) at xp, computed by each warp on its own (x is small and
-  L1-resident)."""
-  return (f"float rs; {{ float ss = 0.f; for (int k = (threadIdx.x & 31) * 4; k < {n}; k += 128) {{ const float4 v = "
-          f"*(const float4*)({xp} + k); ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }} ss = group_sum(ss, "
-          f"32); rs = 1.f / sqrtf(ss / {n}.f + {eps!r}f); }}")
-
-
 def prefetch_rows(comps: list[tuple[W, str, str]], first: str, last: str, lane: str, lanes: int) -> str:
   """C: L2 prefetches of every plane of each component's rows `first` .. `last` (C expressions of output rows), 128
   bytes a lane, from lanes `lane` of `lanes`. Fire and forget: the bytes are on their way while the kernel does other

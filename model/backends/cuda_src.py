@@ -303,6 +303,13 @@ def sx_at(k: str) -> str:
   return f"({k}) + (({k}) >> 5) * 4"
 
 
+def block_rs(n: int, eps: float, warps: int) -> str:
+  """C, run by the whole block (it synchronises): `rs` = 1/sqrt(mean(x^2) + eps) over x[0..n) from each thread's sum of
+  squares `ss` (its share of x), through stage_decl's `sred`; `rs` is declared by the caller."""
+  return (f"ss = group_sum(ss, 32); if ((threadIdx.x & 31) == 0) sred[threadIdx.x >> 5] = ss; __syncthreads(); "
+          f"float t = 0.f; for (int w = 0; w < {warps}; w++) t += sred[w]; rs = 1.f / sqrtf(t / {n}.f + {eps!r}f);")
+
+
 def stage_x(xp: str, n: int, eps: float | None, act: str, warps: int = WARPS, pad: bool = True) -> str:
   """C, run by the whole block (it synchronises): the input x[0..n) at xp, RMS-normalised and scaled by `gamma` where
   eps is given, into shared memory once for all the block's warps: as floats `sx` (act f32; pad: each at sx_at), or as
@@ -319,9 +326,7 @@ def stage_x(xp: str, n: int, eps: float | None, act: str, warps: int = WARPS, pa
   if eps is not None:
     ss = " ".join(f"ss += stv{it}.x * stv{it}.x + stv{it}.y * stv{it}.y + stv{it}.z * stv{it}.z + stv{it}.w * "
                   f"stv{it}.w;" for it in its)
-    out.append(f"float rs; {{ float ss = 0.f; {ss} ss = group_sum(ss, 32); if ((threadIdx.x & 31) == 0) "
-               f"sred[threadIdx.x >> 5] = ss; __syncthreads(); float t = 0.f; for (int w = 0; w < {warps}; w++) t += "
-               f"sred[w]; rs = 1.f / sqrtf(t / {n}.f + {eps!r}f); }}")
+    out.append(f"float rs; {{ float ss = 0.f; {ss} {block_rs(n, eps, warps)} }}")
   for it in its:
     vals = " ".join(f"const float a{j} = " + (
       f"(stv{it}.{c} * rs) * stg{it}.{c};" if eps is not None else f"stv{it}.{c};")
@@ -654,12 +659,10 @@ def absorb_rope_kv(kb: W, heads: int, nope: int, rope: int, kvl: int, max_ctx: i
     cache[(size_t)p * {D} + {kvl} + 2 * k] = {store('x0 * c - x1 * s')};
     cache[(size_t)p * {D} + {kvl} + 2 * k + 1] = {store('x0 * s + x1 * c')}; }}
   __shared__ float sred[{WARPS}];
-  float ss = 0.f;
+  float ss = 0.f, rs;
   for (int k = threadIdx.x * 4; k < {kvl}; k += {T * 4}) {{ const float4 v = *(const float4*)(kv + k);
     ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }}
-  ss = group_sum(ss, 32); if ((threadIdx.x & 31) == 0) sred[threadIdx.x >> 5] = ss; __syncthreads();
-  float tot = 0.f; for (int w = 0; w < {WARPS}; w++) tot += sred[w];
-  const float rs = 1.f / sqrtf(tot / {kvl}.f + {eps!r}f);
+  {block_rs(kvl, eps, WARPS)}
   if (g < {kvl}) cache[(size_t)p * {D} + g] = {store('(cv * rs) * cg')};
   for (int k = g + {NT}; k < {kvl}; k += {NT}) cache[(size_t)p * {D} + k] = {store('(kv[k] * rs) * gamma[k]')};"""
   body = f"if (blockIdx.y < {heads}) {{ {head} }}\n  else {{ {tail} }}"

@@ -8,7 +8,7 @@ one process; with --against, the same kernels built by another version of model/
 Kinds: the output head; the attention's norm-folded products (q_a and kv_a, q_b), the MLA absorption (k_b per head), the
 MLA attention (a float16 cache of the evaluator's decode context, CTX, read from position POS), v_b per head and the
 output projection with its residual; the router; the fused MoE kernels (gate+up+SiLU over the selected experts and the
-shared expert; down with the weighted combine), with float32 and 8-bit activations. Launches run back to
+shared expert; down with the weighted combine), with float32, 8-bit and 16-bit (x16) activations. Launches run back to
 back in one CUDA graph (cupy), as tinygrad's graph runs them, over enough copies of the weights (and, for the MoE
 kernels, other experts each launch) that L2 holds none of a launch's weight bytes when it starts. `us`: median device
 time per launch (3 timings of 5 graph replays); GB/s: the weight bytes a launch must read over that time; `err`: max
@@ -132,8 +132,8 @@ def kernels(mod, kind: str, preset: str, handoff: str, sms: int) -> list[tuple[s
     return [("f32",
              mod.router(W(dim, "g_"), E, K, hp.rms_eps, 2 if hp.gating == "sigmoid" else 1, hp.exp_probs_bias,
                         hp.norm_topk, hp.routed_scale))]
-  out = []
-  for act in ("q8", "f32"):
+  out, x16 = [], not old and "x16" in inspect.getsource(mod.stage_decl)  # sources with staged 16-bit activations
+  for act in ("q8", "x16", "f32") if x16 else ("q8", "f32"):
     R = 8 if act == "q8" else 4  # the sources before staged inputs: their rows per group
     ho = (not old and act == "q8" and hasattr(mod, "glu_q8_blocks") and handoff != "off"
           and (cuda_src.handoff_fits(routed, plain, K, sms) if handoff == "rule" else mod.down_reads_q8(routed, plain)))

@@ -1,9 +1,9 @@
 """The native decode kernels' launch shapes swept, at the real shapes of GLM-4.7-Flash and DeepSeek-V2-Lite Q4_0: the
 router's rows per group and warps (ROUTER_R, ROUTER_WARPS), the MLA attention's positions per block and per warp
-(ATT_CHUNK, ATT_BATCH), the residual and norm-folded products' rows per group, warps and staged reads. Each variant
-is built from this tree's model/backends/cuda_src.py with those constants or arguments and timed as
-benchmarks/kernel_lab.py times a kernel (median of 3 interleaved timings of one CUDA graph of launches over weights L2
-does not hold).
+(ATT_CHUNK, ATT_BATCH), the residual and norm-folded products' rows per group, warps, staged reads and activations
+(f32, or 8 bits per 32: q8). Each variant is built from this tree's model/backends/cuda_src.py with those constants or
+arguments and timed as benchmarks/kernel_lab.py times a kernel (median of 3 interleaved timings of one CUDA graph of
+launches over weights L2 does not hold).
 
   PYTHONPATH=. python benchmarks/kernel_sweep.py [--kinds router attention dense_res ...] [--json out.jsonl]
 """
@@ -43,18 +43,20 @@ def variants(preset: str) -> dict[str, dict[str, object]]:
     "attention": {f"ch{ch}b{b}": build(C.mla_attention, {"ATT_CHUNK": ch, "ATT_BATCH": b}, H, hp.kv_lora, hp.qk_rope,
                                        L.CTX, (hp.qk_nope + hp.qk_rope) ** -0.5, True)
                   for ch in (32, 64, 128) for b in (4, 2, 8)},
-    "dense_res": {f"R{R}w{w}s{s}": build(C.dense, {"STAGED_READS": s}, ((W(H * hp.v_head, "a_"), dim),), R, None,
-                                         True, w)
-                  for R, w, s in ((2, 4, 16), (4, 4, 24), (2, 8, 16), (4, 8, 24), (2, 16, 16), (1, 8, 16), (1, 16, 16),
-                                  (4, 2, 24), (2, 2, 16))},
-    "norm_qa_kva": {f"R{R}w{w}": build(C.dense, {"STAGED_READS": 24}, ((W(dim, "a_"), first), (W(dim, "b_"), kv)), R,
-                                       hp.rms_eps, False, w)
-                    for R, w in ((4, 4), (2, 4), (2, 8), (4, 8), (1, 8), (2, 2))},
+    "dense_res": {f"R{R}w{w}s{s}{a}": build(C.dense, {"STAGED_READS": s}, ((W(H * hp.v_head, "a_"), dim),), R,
+                                            None, True, w, a)
+                  for R, w, s, a in ((2, 4, 16, "f32"), (2, 4, 16, "q8"), (4, 4, 24, "q8"), (2, 8, 16, "q8"),
+                                     (1, 8, 16, "q8"), (4, 8, 24, "q8"), (1, 4, 16, "q8"), (2, 2, 16, "q8"))},
+    "norm_qa_kva": {f"R{R}w{w}{a}": build(C.dense, {"STAGED_READS": 24}, ((W(dim, "a_"), first), (W(dim, "b_"), kv)),
+                                          R, hp.rms_eps, False, w, a)
+                    for R, w, a in ((2, 8, "f32"), (2, 8, "q8"), (4, 4, "q8"), (2, 4, "q8"), (4, 8, "q8"),
+                                    (1, 8, "q8"))},
   }
   if hp.q_lora:
-    out["norm_qb"] = {f"R{R}w{w}": build(C.dense, {"STAGED_READS": 24}, ((W(hp.q_lora, "a_"), nq),), R, hp.rms_eps,
-                                         False, w)
-                      for R, w in ((4, 4), (2, 4), (2, 8), (4, 8), (1, 8), (2, 2), (8, 4))}
+    out["norm_qb"] = {f"R{R}w{w}{a}": build(C.dense, {"STAGED_READS": 24}, ((W(hp.q_lora, "a_"), nq),), R,
+                                            hp.rms_eps, False, w, a)
+                      for R, w, a in ((4, 4, "f32"), (4, 4, "q8"), (2, 4, "q8"), (2, 8, "q8"), (4, 8, "q8"),
+                                      (8, 4, "q8"), (1, 4, "q8"))}
   return out
 
 

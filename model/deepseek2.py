@@ -380,9 +380,9 @@ class Transformer:
       info = f.tensors[name]
       if norm and info.ggml_type == F32: return upload(f.read(name).view(np.float32).reshape(-1), device)
       quant = QUANT_TYPES[info.ggml_type].name
-      if stage in ("moe",
-                   "ffn") and self.cfg.stage(stage) and self.cfg.ffn_act == "q8" and quant not in catalog.Q8_QUANTS:
-        raise ConfigError(f"ffn_act=q8 needs the fused {stage} stage's weights in {' or '.join(catalog.Q8_QUANTS)}; "
+      act = self.cfg.ffn_act
+      if stage in ("moe", "ffn") and self.cfg.stage(stage) and act != "float32" and quant not in catalog.Q8_QUANTS:
+        raise ConfigError(f"ffn_act={act} needs the fused {stage} stage's weights in {' or '.join(catalog.Q8_QUANTS)}; "
                           f"{name} is {quant}")
       w = QWeight.from_bytes(f.read(name), info.ggml_type, shape or info.shape, device)
       self.load_peak_bytes = max(self.load_peak_bytes, GlobalCounters.mem_used)

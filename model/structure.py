@@ -33,8 +33,9 @@ Info = Any  # what `applies` reads of a model file: space.knobs.ModelInfo
 class Knob:
   """One knob: its default, the values the search tries (`choices`: a tuple, or a function of the device and the backend
   family), what it changes (`doc`), when it applies, and the precision class of its values other than the default
-  (`fp32`: float32 work reordered; `fp16`: rounded to fp16 where the baseline is not; `q8`: 8-bit activations, checked
-  against their twin; or a function of the value). When it applies: `applies(info)` on the model file; `stages`: the
+  (`fp32`: float32 work reordered; `fp16`: rounded to fp16 where the baseline is not; `x16`: activations held to 16 bits
+  in two 8-bit planes, checked as fp32; `q8`: 8-bit activations, checked against their twin; or a function of the
+  value). When it applies: `applies(info)` on the model file; `stages`: the
   fused stages that replace the per-op code it changes (it applies while one of them runs per op, or on a backend that
   `keeps` it); `fused_in`: it applies only while one of these stages is fused (by backend `on`, where given);
   `needs`: (knob, condition on its value, a value that meets it); `devices`: the device kinds it applies on. `allowed`:
@@ -100,6 +101,13 @@ def _backend_precision(name: str) -> str: return catalog.get(name).precision
 
 
 _moe = lambda m: m.moe
+
+
+def _ffn_acts(device: str, family: str) -> tuple[str, ...]:
+  """ffn_act's values: x16 only where a device-specific backend can run the fused FFN (its integer dot products are what
+  x16 is for; a portable backend rounds its input the same way, but its products stay float32: none faster)."""
+  native = any(not catalog.get(n).portable for n in catalog.stage_choices("moe", device, family))
+  return ("float32", "x16", "q8") if native else ("float32", "q8")
 _dense_ffn = lambda m: m.dense_blocks or not m.moe
 # a split point: nothing, a kernel boundary (.contiguous()), an execution barrier (.realize())
 BARRIER_MODES = ("none", "contiguous", "realize")
@@ -163,10 +171,14 @@ _beam = ("beam", lambda b: b > 0, 2)  # BEAM's settings apply when BEAM searches
 @dataclass(frozen=True)
 class StructureConfig:
   fused: dict[str, str] = table(Table("fused", FUSED, "stage"))  # decode stage -> backend; absent: the per-op path
-  ffn_act: str = knob("float32", ("float32", "q8"),
-                      "the fused FFN stages' activations: float32, or rounded to 8 bits per 32 with "
-                      "integer dot products (llama.cpp's mmvq)", applies=lambda m: bool(m.ffn_quants)
-                      and set(m.ffn_quants) <= set(catalog.Q8_QUANTS), fused_in=("moe", "ffn"), precision="q8")
+  ffn_act: str = knob("float32", _ffn_acts,
+                      "the fused FFN stages' activations: float32; x16, gate+up's input as two 8-bit planes per 32 "
+                      "(16 bits) with integer dot products at twice q8's count (offered where the native kernels run: "
+                      "elsewhere only rounded); or q8, rounded to 8 bits per 32 with integer dot products (llama.cpp's "
+                      "mmvq)",
+                      applies=lambda m: bool(m.ffn_quants) and set(m.ffn_quants) <= set(catalog.Q8_QUANTS),
+                      fused_in=("moe", "ffn"), precision=lambda v: "q8" if v == "q8" else "x16",
+                      allowed=("float32", "x16", "q8"))
   backends: dict[str, str] = table(Table("backend", BACKENDS, "<QUANT>:<role>"))  # absent: catalog.DEFAULT
   dsl_rows: dict[str, int] = table(Table("dsl_rows", DSL_ROWS, "product"))  # absent: its default
   barriers: dict[str, str] = table(Table("barrier", BARRIERS, "point", sparse=False))

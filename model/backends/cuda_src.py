@@ -313,10 +313,11 @@ def block_rs(n: int, eps: float, warps: int) -> str:
 def stage_x(xp: str, n: int, eps: float | None, act: str, warps: int = WARPS, pad: bool = True) -> str:
   """C, run by the whole block (it synchronises): the input x[0..n) at xp, RMS-normalised and scaled by `gamma` where
   eps is given, into shared memory once for all the block's warps: as floats `sx` (act f32; pad: each at sx_at), or as
-  quantize_x's 8-bit form (act q8): words `sxq`, scales `sdx` and sums `ssq` per unit of 32. Every read (x and gamma)
-  is issued first, so the prologue waits on memory once; each group of 8 lanes holds one unit (4 values a lane), so a
-  unit's largest value and its sum are 3 shuffles; the rounding is quantize_x's."""
-  assert act in ("f32", "q8") and n % 32 == 0
+  quantize_x's 8-bit form (act q8): words `sxq`, scales `sdx` and sums `ssq` per unit of 32, or as quantize_x16's two
+  planes (act x16): words `sxh` and `sxl`, scales `sdh` and float sums `sxs`. Every read (x and gamma) is issued first,
+  so the prologue waits on memory once; each group of 8 lanes holds one unit (4 values a lane), so a unit's largest
+  value and its sum are 3 shuffles; the rounding is quantize_x's (quantize_x16's)."""
+  assert act in ACTS and n % 32 == 0
   its, out = range(-(-n // (warps * 128))), []
   for it in its:  # lane l of warp w holds x[k..k+4), k = it * 128 * warps + 128 w + 4 l
     gm = f" stg{it} = *(const float4*)(gamma + stk{it});" if eps is not None else ""
@@ -335,6 +336,17 @@ def stage_x(xp: str, n: int, eps: float | None, act: str, warps: int = WARPS, pa
     if act == "f32":
       out.append(f"if ({inside}) {{ {vals} *(float4*)(sx + {sx_at(k) if pad else k}) = make_float4(a0, a1, a2, a3); }}")
       continue
+    if act == "x16":  # quantize_x16's two planes: codes c, remainders b at 1/254 of a step
+      cb = " ".join(f"const float h{j} = rintf(a{j} * iv); const int c{j} = (int)h{j}, b{j} = max(-127, min(127, (int)"
+                    f"rintf(fmaf(-h{j}, dh, a{j}) * il)));" for j in range(4))
+      word = lambda v: " | ".join(f"(({v}{j} & 255) << {8 * j})" for j in range(4))
+      out.append(f"{{ {vals} float am = fmaxf(fmaxf(fabsf(a0), fabsf(a1)), fmaxf(fabsf(a2), fabsf(a3))), xs = a0 + "
+                 "a1 + a2 + a3; for (int m = 4; m > 0; m >>= 1) { am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, m));"
+                 " xs += __shfl_xor_sync(0xffffffffu, xs, m); } const float dh = am / 127.f, iv = am > 0.f ? 127.f / am"
+                 f" : 0.f, il = am > 0.f ? 32258.f / am : 0.f; {cb} if ({inside}) {{ sxh[{k} >> 2] = {word('c')};"
+                 f" sxl[{k} >> 2] = {word('b')}; if (({k} & 31) == 0) {{ sdh[{k} >> 5] = dh; sxs[{k} >> 5] = xs; }} }}"
+                 " }")
+      continue
     q = ", ".join(f"q{j} = (int)rintf(a{j} * iv)" for j in range(4))
     out.append(f"{{ {vals} float am = fmaxf(fmaxf(fabsf(a0), fabsf(a1)), fmaxf(fabsf(a2), fabsf(a3)));"
                " for (int m = 4; m > 0; m >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, m));"
@@ -348,8 +360,10 @@ def stage_x(xp: str, n: int, eps: float | None, act: str, warps: int = WARPS, pa
 
 def stage_decl(n: int, act: str, warps: int = WARPS, pad: bool = True) -> str:
   """C: the shared memory stage_x fills (declared once at the top of a kernel whose branches stage)."""
-  arrays = (f"float sx[{n + n // 8 if pad else n}]" if act == "f32"
-            else f"int sxq[{n // 4}], ssq[{n // 32}]; __shared__ float sdx[{n // 32}]")
+  arrays = {"f32": f"float sx[{n + n // 8 if pad else n}]",
+            "q8": f"int sxq[{n // 4}], ssq[{n // 32}]; __shared__ float sdx[{n // 32}]",
+            "x16": f"__align__(16) int sxh[{n // 4}]; __shared__ __align__(16) int sxl[{n // 4}]; __shared__ float "
+                   f"sdh[{n // 32}], sxs[{n // 32}]"}[act]
   return f"__shared__ {arrays}; __shared__ float sred[{warps}];"
 
 
@@ -362,6 +376,16 @@ def load_xq(i: int, words: str, scales: str, sums: str, u: str, units: int | Non
           f" const int4 a = *(const int4*)({words} + ({u}) * 8), b = *(const int4*)({words} + ({u}) * 8 + 4);"
           f" xq{i}[0] = a.x; xq{i}[1] = a.y; xq{i}[2] = a.z; xq{i}[3] = a.w; xq{i}[4] = b.x; xq{i}[5] = b.y; xq{i}[6] "
           f"= b.z; xq{i}[7] = b.w; dx{i} = {scales}[{u}]; sq{i} = {sums}[{u}]; }}")
+
+
+def load_xq16(i: int, u: str, units: int) -> str:
+  """C: xh<i>[8], xl<i>[8], dh<i>, dl<i> and the unit's float sum xs<i>_0 of unit u of stage_x's x16 form (shared memory
+  sxh, sxl, sdh, sxs), zero where u is past `units`: what unit_idot16 reads."""
+  z = "{0, 0, 0, 0, 0, 0, 0, 0}"
+  ld = lambda a, v: (f"{{ const int4 c = *(const int4*)({a} + ({u}) * 8), d = *(const int4*)({a} + ({u}) * 8 + 4);"
+                     + "".join(f" {v}{i}[{m}] = {'c' if m < 4 else 'd'}.{'xyzw'[m % 4]};" for m in range(8)) + " }")
+  return (f"int xh{i}[8] = {z}, xl{i}[8] = {z}; float dh{i} = 0.f, dl{i} = 0.f, xs{i}_0 = 0.f; if ({u} < {units}) {{ "
+          f"{ld('sxh', 'xh')} {ld('sxl', 'xl')} dh{i} = sdh[{u}]; dl{i} = dh{i} / 254.f; xs{i}_0 = sxs[{u}]; }}")
 
 
 def _runs(un: Unit) -> list[tuple[int, int]]:
@@ -449,9 +473,10 @@ def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue: 
   def products(c: str, tag: str, reads: list[str]) -> list[str]:  # reads: C issued after the chunk's x is ready
     us, uw = units(c)
     if staged and act == "q8": out = [load_xq(i, "sxq", "sdx", "ssq", us[i], w0.units) for i in range(upl)]
+    elif staged and act == "x16": out = [load_xq16(i, us[i], w0.units) for i in range(upl)]
     else: out = [load_x(w0, i, xp, us[i], staged and pad) for i in range(upl)]
     if act == "q8" and not staged: out += [quantize_x(i, w0.unit) for i in range(upl)]
-    if act == "x16": out += [quantize_x16(i, w0.unit) for i in range(upl)]
+    if act == "x16" and not staged: out += [quantize_x16(i, w0.unit) for i in range(upl)]
     out += reads
     for w, row, a, r, i in work:
       row, acc, rt = row.format(o=f"o{r}"), f"{a}{r}", f"_{a}{r}_{i}{tag}"
@@ -604,24 +629,26 @@ QKV_ROWS, QKV_WARPS = 2, 8  # the first attention kernel (q_a and kv_a, norm fol
 
 @functools.cache
 def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, residual: bool = False,
-          warps: int = WARPS) -> Kernel:
+          warps: int = WARPS, act: str = "f32") -> Kernel:
   """out_j = [res +] W_j . [rmsnorm(x) * gamma] for each weight j (blockIdx.y picks it): a norm folded into one or two
   products of one input (q_a and kv_a), or a residual add folded into one (the attention output). Each warp issues its
   weight reads first; the block (`warps` warps) stages x (normalised, with a norm) once into shared memory while they
-  are in flight (stage_x), up to STAGE_MAX inputs."""
+  are in flight (stage_x), up to STAGE_MAX inputs; act q8: staged in quantize_x's 8-bit form, read by integer dot
+  products."""
+  assert act in ("f32", "q8")
   tag = "_".join(f"{QUANT_TYPES[w.ggml_type].name.lower()}x{rows}x{w.inp}" for w, rows in ws)
-  name = f"native_dense_{'norm_' if eps is not None else ''}{'res_' if residual else ''}{tag}"
+  name = f"native_dense_{'norm_' if eps is not None else ''}{'res_' if residual else ''}{tag}{_act_tag(act)}"
   params = [f"float* out{j}" for j in range(len(ws))] + ["const float* __restrict__ x"]
   params += (["const float* __restrict__ gamma"] if eps is not None else []) + ([
     "const float* __restrict__ res"] if residual else [])
   for w, _ in ws: params += w.params
   inp = ws[0][0].inp
-  staged = eps is not None or inp <= STAGE_MAX
-  pro, xp, body = ((stage_x("x", inp, eps, "f32", warps), "sx", [stage_decl(inp, "f32", warps)]) if staged
+  staged = eps is not None or inp <= STAGE_MAX or act == "q8"
+  pro, xp, body = ((stage_x("x", inp, eps, act, warps), "sx", [stage_decl(inp, act, warps)]) if staged
                    else ("", "x", []))
   for j, (w, rows) in enumerate(ws):
     epi = lambda o, a, j=j: f"out{j}[{o}] = " + (f"res[{o}] + {a[0]};" if residual else f"{a[0]};")
-    body.append(f"if (blockIdx.y == {j}) " + _gemv_block([(w, "{o}", "a")], xp, rows, R, epi, pro, "f32", True, staged,
+    body.append(f"if (blockIdx.y == {j}) " + _gemv_block([(w, "{o}", "a")], xp, rows, R, epi, pro, act, True, staged,
                                                          warps, wait=True))
   blocks = max(-(-rows // rows_per_block(w.group_lanes, R, warps)) for w, rows in ws)
   return Kernel(name, kernel(name, params, "\n  ".join(body), 32 * warps, waited=True), (blocks, len(ws), 1),
@@ -893,9 +920,9 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
   """SiLU(gate) * up of the normalised input (RMSNorm folded) for the k selected experts of a routed stack (blockIdx.y <
   k) and a plain FFN (the shared expert, or a dense block's FFN; blockIdx.y == k), into act = [k x hidden, plain
   hidden]. Each warp issues its weight reads first; the block normalises the input once into shared memory (quantized to
-  8 bits per 32 with act q8) while they are in flight (stage_x). out_q8: a block computes 32 consecutive outputs (as
-  many warps as that takes) and writes them in quantize_x's 8-bit form for down (act_in q8): every unit's 8 words, then
-  every unit's scale, then every unit's sum (Q8_ACT floats a unit)."""
+  8 bits per 32 with act q8, to two 8-bit planes with x16) while they are in flight (stage_x). out_q8: a block
+  computes 32 consecutive outputs (as many warps as that takes) and writes them in quantize_x's 8-bit form for down
+  (act_in q8): every unit's 8 words, then every unit's scale, then every unit's sum (Q8_ACT floats a unit)."""
   name = f"native_glu_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}{'_outq8' if out_q8 else ''}"
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
   params = (["float* act", "const float* __restrict__ x", "const float* __restrict__ gamma"]
@@ -964,7 +991,9 @@ def down(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str = "f3
   """out = res + sum over the k selected experts of weight_k * (down_e . act_k) + down_plain . act_plain: the routed
   experts' down projections, their weighted combine, the shared expert (or a dense block's down projection) and the
   residual add. Split over units (_down_units) where down_reads_q8, else a warp per slot (_down_slots). act_in q8: act
-  is glu's 8-bit output (out_q8)."""
+  is glu's 8-bit output (out_q8). No x16 form: quantizing its input costs it more than float32 products do (on an H100,
+  GLM-4.7-Flash 8.00 against 7.75 us: benchmarks/kernel_lab.py)."""
+  assert act in ("f32", "q8"), act
   if down_reads_q8(routed, plain): return _down_units(routed, plain, k, dim, act, act_in)
   assert act_in == "f32", "a warp per slot reads float activations"
   return _down_slots(routed, plain, k, dim, 8 if act == "q8" else 4, act)

@@ -654,6 +654,24 @@ def q8_round(x: Tensor) -> Tensor:
   return ((b * (am > 0).where(127 / am, 0)).round() * (am / 127)).reshape(x.shape)
 
 
+def x16_round(x: Tensor) -> Tensor:
+  """x held to 16 bits per 32 consecutive values as two 8-bit planes, back in float32: q8_round's codes plus the
+  remainder rounded at 1/254 of their step, what the native kernels' integer dot products read with ffn_act=x16
+  (model/backends/cuda_src.py quantize_x16), as tensor ops."""
+  b = x.float().reshape(-1, 32)
+  am = b.abs().max(-1, keepdim=True)
+  step, hi = am / 127, (b * (am > 0).where(127 / am, 0)).round()
+  lo = ((b - hi * step) * (am > 0).where(32258 / am, 0)).round().clip(-127, 127)
+  return (hi * step + lo * (step / 254)).reshape(x.shape)
+
+
+def act_round(act: str, down: bool = False) -> Callable[[Tensor], Tensor]:
+  """How the fused FFN stages round gate+up's input (down: down's) for ffn_act=act; as they are where the native
+  kernels read floats (float32, and down's input with x16)."""
+  rounds = {"q8": q8_round} if down else {"q8": q8_round, "x16": x16_round}
+  return rounds.get(act, lambda a: a)
+
+
 def _glu(x: Tensor, norm: Norm | None, w: Ffn, rows: int, sel: Tensor | None = None, shared: Ffn | None = None,
          pseudo: int = 0) -> Tensor:
   """SiLU(gate . xn) * (up . xn): (S, hidden) for the S selected experts (sel) followed by the shared expert's rows as
@@ -682,10 +700,10 @@ def _down(res: Tensor, act: Tensor, w: QWeight, rows: int, routed: tuple[Tensor,
                  rows=rows)
 
 
-def _ffn_input(hf: Tensor, gamma: Tensor, eps: float, q8: bool) -> tuple[Tensor, Norm | None]:
-  """What the gate and up products read: h with the norm folded in, or with q8 the normalised h rounded to 8 bits (the
-  native kernels' ffn_act=q8), which their output is rounded like before down reads it."""
-  if q8: return q8_round(rms_norm(hf, gamma, eps).contiguous()).contiguous(), None
+def _ffn_input(hf: Tensor, gamma: Tensor, eps: float, act: str) -> tuple[Tensor, Norm | None]:
+  """What the gate and up products read: h with the norm folded in, or with ffn_act q8 (x16) the normalised h rounded to
+  8 bits (16 bits) as the native kernels round it (with q8 their output is rounded like before down reads it)."""
+  if act != "float32": return act_round(act)(rms_norm(hf, gamma, eps).contiguous()).contiguous(), None
   return hf, (gamma, eps)
 
 
@@ -707,10 +725,10 @@ def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tens
   down over both with the routing weights (computed there from the router logits; wts is not read) and the residual
   add (another). A shared expert that cannot run as the routed experts' pseudo-experts (_pseudo_experts) has a kernel
   pair of its own."""
-  hp, q8, gu, dn = blk.hp, blk.cfg.ffn_act == "q8", blk.cfg.rows("gate_up"), blk.cfg.rows("down")
+  hp, gu, dn = blk.hp, blk.cfg.rows("gate_up"), blk.cfg.rows("down")
   hf = h.reshape(hp.dim).float()
-  x, norm = _ffn_input(hf, blk.ffn_norm, hp.eps, q8)
-  rnd = (lambda a: q8_round(a)) if q8 else (lambda a: a)
+  x, norm = _ffn_input(hf, blk.ffn_norm, hp.eps, blk.cfg.ffn_act)
+  rnd = act_round(blk.cfg.ffn_act, down=True)
   routed, shared, n = (blk.gate_exps, blk.up_exps, blk.gate_up_exps), None, _pseudo_experts(blk)
   res = hf
   if blk.shared:
@@ -723,11 +741,11 @@ def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tens
 
 def ffn(blk: Block, h: Tensor) -> Tensor:
   """h + FFN(h) for one token of a dense block: SiLU(gate) * up with the norm folded in, down with the residual add."""
-  hp, q8 = blk.hp, blk.cfg.ffn_act == "q8"
+  hp, rnd = blk.hp, act_round(blk.cfg.ffn_act, down=True)
   hf = h.reshape(hp.dim).float()
-  x, norm = _ffn_input(hf, blk.ffn_norm, hp.eps, q8)
+  x, norm = _ffn_input(hf, blk.ffn_norm, hp.eps, blk.cfg.ffn_act)
   act = _glu(x, norm, (blk.gate, blk.up, blk.gate_up), blk.cfg.rows("gate_up"))
-  return _down(hf, q8_round(act) if q8 else act, blk.down, blk.cfg.rows("down")).reshape(1, 1, hp.dim)
+  return _down(hf, rnd(act), blk.down, blk.cfg.rows("down")).reshape(1, 1, hp.dim)
 
 
 class DslBackend(Backend):

@@ -277,7 +277,8 @@ def test_lane_sums_scatter_each_sum_over_its_group(n: int, G: int) -> None:
 def test_down_layouts(routed_t: str | None, plain_t: str, Fs: int, layout: str) -> None:
   """down splits its work over (slot, unit) pairs where the plain FFN's down weight has the routed one's type and a
   multiple of its width (the shared experts of DeepSeek-V2-Lite: twice it), else a warp per slot; both compute res + the
-  weighted routed products + the plain one (a dense block's FFN alone too), float32 and 8-bit, in the emulator."""
+  weighted routed products + the plain one (a dense block's FFN alone too), float32, 8-bit and 16-bit (x16), in the
+  emulator: x16 within 1e-3 of the float products (it measures 5-8e-5; one of its planes alone would be 1e-2 off)."""
   from model.backends.dsl import q8_round
   rng, dim, F, E, K = np.random.default_rng(5), 256, 64, 8, 3
   rt, pt = routed_t and TYPES[routed_t], TYPES[plain_t]
@@ -287,7 +288,7 @@ def test_down_layouts(routed_t: str | None, plain_t: str, Fs: int, layout: str) 
   k_ = K if routed else 0
   x, act = rng.standard_normal(dim).astype(np.float32), rng.standard_normal(k_ * F + Fs).astype(np.float32)
   sel, wts = rng.choice(E, K, replace=False).astype(np.int32), rng.random(K).astype(np.float32)
-  for form in ("f32", "q8"):
+  for form, tol in (("f32", 1e-5), ("q8", 1e-5), ("x16", 1e-3)):
     q = (lambda v: q8_round(Tensor(v)).numpy().astype(np.float64)) if form == "q8" else (lambda v: v.astype(np.float64))
     want = x + sdw @ q(act[k_ * F:]) + (sum(wk * (dw[e] @ q(act[i * F:(i + 1) * F])) for i, (e, wk) in enumerate(zip(
       sel, wts, strict=True)))
@@ -296,7 +297,7 @@ def test_down_layouts(routed_t: str | None, plain_t: str, Fs: int, layout: str) 
     assert k.name.endswith("_slots") == (layout == "slots"), k.name
     out = np.zeros(dim, np.float32)
     launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [out, x, act, *([sel, wts, *d] if routed else []), *sd])
-    assert rel_err(out[None], want[None]).max() < 1e-5, (form, k.name)
+    assert rel_err(out[None], want[None]).max() < tol, (form, k.name)
 
 
 def test_staged_float_input_is_padded_where_a_row_group_reads_it() -> None:

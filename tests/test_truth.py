@@ -230,10 +230,10 @@ ACC_TEXT = "top1 94% · err 1.1e-1 · KL 3e-4"
 
 def test_precision_class_and_accuracy_in_every_view_and_a_study_held_to_exact(demo, gguf_file, tmp_path,
                                                                               capsys) -> None:
-  """Each config's precision class (exact, or q8: 8-bit activations) and its accuracy against the exact reference in the
-  leaderboard (every format), show, compare, the report and the export header; the fake trials' results, stored without
-  accuracy figures (as results were before they were recorded), show "-". `search start --exact` pins every knob with an
-  8-bit value, and a study's --exact is part of its protocol."""
+  """Each config's precision class (exact, x16: 16-bit activations, or q8: 8-bit ones) and its accuracy against the
+  exact reference in the leaderboard (every format), show, compare, the report and the export header; the fake trials'
+  results, stored without accuracy figures (as results were before they were recorded), show "-". `search start
+  --exact` pins every knob with an 8-bit value, and a study's --exact is part of its protocol."""
   import dataclasses
 
   from model.structure import StructureConfig
@@ -247,8 +247,11 @@ def test_precision_class_and_accuracy_in_every_view_and_a_study_held_to_exact(de
     t = store.start_trial(s, st, 99, q8.to_json(), q8.hash, None, "h:1")
     store.finish_trial(s, t, state="ok", stage="full", tok_s=500.0, metrics={"tok_s": 500.0},
                        check={"ok": True, "accuracy": ACC})
+    x16 = dataclasses.replace(base, fused={**base.fused, "moe": "dsl"}, ffn_act="x16")
+    t16 = store.start_trial(s, st, 98, x16.to_json(), x16.hash, None, "h:1")
+    store.finish_trial(s, t16, state="ok", stage="full", tok_s=400.0, metrics={"tok_s": 400.0}, check={"ok": True})
     board = {r["trial"]: r for r in leaderboard(s, st)["rows"]}
-    assert board[99]["precision"] == "q8" and board[0]["precision"] == "exact"
+    assert board[99]["precision"] == "q8" and board[0]["precision"] == "exact" and board[98]["precision"] == "x16"
     assert board[99]["accuracy"] == ACC and board[0]["accuracy"] is None
     assert trial_doc(s, st, t)["precision"] == "q8" and trial_doc(s, st, t)["accuracy"] == ACC
     cmp = compare_doc(s, st, find_trial(s, st, "0"), t)

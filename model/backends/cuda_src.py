@@ -675,16 +675,15 @@ def absorb_rope_kv(kb: W, heads: int, nope: int, rope: int, kvl: int, max_ctx: i
                         a: f"qc[(size_t)h * {D} + {o}] = {a[0]};", early=True, wait=True))
   blocks = -(-kvl // rows_per_block(kb.group_lanes, R))
   T, NT = THREADS, blocks * THREADS
+  # RoPE of the pair (x0, x1) at rotation k of the position: its cos and sin, then the two rotated values
+  cs, r0, r1 = f"const float c = cosv[p * {half} + k], s = sinv[p * {half} + k];", "x0 * c - x1 * s", "x0 * s + x1 * c"
   tail = f"""{WAIT} const int p = pos[0], g = blockIdx.x * {T} + threadIdx.x;
   const float cv = g < {kvl} ? kv[g] : 0.f, cg = g < {kvl} ? gamma[g] : 0.f;
   for (int i = g; i < {heads * half}; i += {NT}) {{ const int h = i / {half}, k = i % {half};
-    const float x0 = q[h * {nope + rope} + {nope} + 2 * k], x1 = q[h * {nope + rope} + {nope} + 2 * k + 1];
-    const float c = cosv[p * {half} + k], s = sinv[p * {half} + k];
-    qc[h * {D} + {kvl} + 2 * k] = x0 * c - x1 * s; qc[h * {D} + {kvl} + 2 * k + 1] = x0 * s + x1 * c; }}
-  for (int k = g; k < {half}; k += {NT}) {{ const float x0 = kv[{kvl} + 2 * k], x1 = kv[{kvl} + 2 * k + 1];
-    const float c = cosv[p * {half} + k], s = sinv[p * {half} + k];
-    cache[(size_t)p * {D} + {kvl} + 2 * k] = {store('x0 * c - x1 * s')};
-    cache[(size_t)p * {D} + {kvl} + 2 * k + 1] = {store('x0 * s + x1 * c')}; }}
+    const float x0 = q[h * {nope + rope} + {nope} + 2 * k], x1 = q[h * {nope + rope} + {nope} + 2 * k + 1]; {cs}
+    qc[h * {D} + {kvl} + 2 * k] = {r0}; qc[h * {D} + {kvl} + 2 * k + 1] = {r1}; }}
+  for (int k = g; k < {half}; k += {NT}) {{ const float x0 = kv[{kvl} + 2 * k], x1 = kv[{kvl} + 2 * k + 1]; {cs}
+    cache[(size_t)p * {D} + {kvl} + 2 * k] = {store(r0)}; cache[(size_t)p * {D} + {kvl} + 2 * k + 1] = {store(r1)}; }}
   __shared__ float sred[{WARPS}];
   float ss = 0.f, rs;
   for (int k = threadIdx.x * 4; k < {kvl}; k += {T * 4}) {{ const float4 v = *(const float4*)(kv + k);
@@ -991,12 +990,10 @@ def down(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str = "f3
   """out = res + sum over the k selected experts of weight_k * (down_e . act_k) + down_plain . act_plain: the routed
   experts' down projections, their weighted combine, the shared expert (or a dense block's down projection) and the
   residual add. Split over units (_down_units) where down_reads_q8, else a warp per slot (_down_slots). act_in q8: act
-  is glu's 8-bit output (out_q8). No x16 form: quantizing its input costs it more than float32 products do (on an H100,
-  GLM-4.7-Flash 8.00 against 7.75 us: benchmarks/kernel_lab.py)."""
-  assert act in ("f32", "q8"), act
+  is glu's 8-bit output (out_q8)."""
   if down_reads_q8(routed, plain): return _down_units(routed, plain, k, dim, act, act_in)
   assert act_in == "f32", "a warp per slot reads float activations"
-  return _down_slots(routed, plain, k, dim, 8 if act == "q8" else 4, act)
+  return _down_slots(routed, plain, k, dim, 4 if act == "f32" else 8, act)
 
 
 def lane_sums(accs: list[str], lane: str = "lane", G: int = 32) -> tuple[str, str]:
@@ -1112,12 +1109,14 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
     if act_in == "q8":
       xs = [load_xq(j, "sxq", "sdx", "ssq", f"(threadIdx.x + {threads * j})")]
     else:
-      xs = [load_x(w, j, f"(act + (size_t)s{j} * {Fv})", f"u{j}")] + ([quantize_x(j, w.unit)] if act == "q8" else [])
+      xs = [load_x(w, j, f"(act + (size_t)s{j} * {Fv})", f"u{j}")] + (
+        [quantize_x(j, w.unit)] if act == "q8" else [quantize_x16(j, w.unit)] if act == "x16" else [])
     wk = f"(live{j} ? {f'(isr{j} ? wts[s{j}] : 1.f)' if r else '1.f'} : 0.f)"
     dots = []
     for i, row in enumerate(rows[j]):
       t = f"t{j}_{i}"
       if act == "q8": d = unit_idot(w, row, f"u{j}", lambda mm, j=j: f"xq{j}[{mm}]", f"dx{j}", f"sq{j}", t, f"_{j}_{i}")
+      elif act == "x16": d = unit_idot16(w, row, f"u{j}", j, t, f"_{j}_{i}")
       else:
         d = unit_dot(w, row, f"u{j}", lambda e, j=j: f"x{j}_{e}",
                      (lambda g, j=j: f"xs{j}_{g}") if w.unit.quantized else None, t, f"_{j}_{i}")

@@ -665,11 +665,9 @@ def x16_round(x: Tensor) -> Tensor:
   return (hi * step + lo * (step / 254)).reshape(x.shape)
 
 
-def act_round(act: str, down: bool = False) -> Callable[[Tensor], Tensor]:
-  """How the fused FFN stages round gate+up's input (down: down's) for ffn_act=act; as they are where the native
-  kernels read floats (float32, and down's input with x16)."""
-  rounds = {"q8": q8_round} if down else {"q8": q8_round, "x16": x16_round}
-  return rounds.get(act, lambda a: a)
+def act_round(act: str) -> Callable[[Tensor], Tensor]:
+  """How the fused FFN stages round their activations for ffn_act=act (float32: as they are)."""
+  return {"q8": q8_round, "x16": x16_round}.get(act, lambda a: a)
 
 
 def _glu(x: Tensor, norm: Norm | None, w: Ffn, rows: int, sel: Tensor | None = None, shared: Ffn | None = None,
@@ -702,7 +700,7 @@ def _down(res: Tensor, act: Tensor, w: QWeight, rows: int, routed: tuple[Tensor,
 
 def _ffn_input(hf: Tensor, gamma: Tensor, eps: float, act: str) -> tuple[Tensor, Norm | None]:
   """What the gate and up products read: h with the norm folded in, or with ffn_act q8 (x16) the normalised h rounded to
-  8 bits (16 bits) as the native kernels round it (with q8 their output is rounded like before down reads it)."""
+  8 bits (16 bits) as the native kernels round it, which their output is rounded like before down reads it."""
   if act != "float32": return act_round(act)(rms_norm(hf, gamma, eps).contiguous()).contiguous(), None
   return hf, (gamma, eps)
 
@@ -728,7 +726,7 @@ def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tens
   hp, gu, dn = blk.hp, blk.cfg.rows("gate_up"), blk.cfg.rows("down")
   hf = h.reshape(hp.dim).float()
   x, norm = _ffn_input(hf, blk.ffn_norm, hp.eps, blk.cfg.ffn_act)
-  rnd = act_round(blk.cfg.ffn_act, down=True)
+  rnd = act_round(blk.cfg.ffn_act)
   routed, shared, n = (blk.gate_exps, blk.up_exps, blk.gate_up_exps), None, _pseudo_experts(blk)
   res = hf
   if blk.shared:
@@ -741,7 +739,7 @@ def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tens
 
 def ffn(blk: Block, h: Tensor) -> Tensor:
   """h + FFN(h) for one token of a dense block: SiLU(gate) * up with the norm folded in, down with the residual add."""
-  hp, rnd = blk.hp, act_round(blk.cfg.ffn_act, down=True)
+  hp, rnd = blk.hp, act_round(blk.cfg.ffn_act)
   hf = h.reshape(hp.dim).float()
   x, norm = _ffn_input(hf, blk.ffn_norm, hp.eps, blk.cfg.ffn_act)
   act = _glu(x, norm, (blk.gate, blk.up, blk.gate_up), blk.cfg.rows("gate_up"))

@@ -209,7 +209,7 @@ def _glu_down(blk: Block, h: Tensor, routed: C.FFN | None, plain: C.FFN | None, 
   act = launch(kg,
                [empty(n_act // 32 * C.Q8_ACT if handoff else n_act, device=dev), hf, blk.ffn_norm,
                 *([route[0]] if route else []), *rp, *pp], gu_bytes)[0]
-  kd = C.down(routed, plain, K, hp.dim, "q8" if form == "q8" else "f32", "q8" if handoff else "f32")
+  kd = C.down(routed, plain, K, hp.dim, form, "q8" if handoff else "f32")
   routed_down = [route[0], route[1], *planes(blk.down_exps)] if routed else []
   plain_down = planes(blk.down_sh if routed else blk.down) if plain else []
   return launch(kd, [empty(1, 1, hp.dim, device=dev), hf, act, *routed_down, *plain_down], down_bytes)[0]

@@ -35,12 +35,12 @@ class Knob:
   family), what it changes (`doc`), when it applies, and the precision class of its values other than the default
   (`fp32`: float32 work reordered; `fp16`: rounded to fp16 where the baseline is not; `x16`: activations held to 16 bits
   in two 8-bit planes, checked as fp32; `q8`: 8-bit activations, checked against their twin; or a function of the
-  value). When it applies: `applies(info)` on the model file; `stages`: the
-  fused stages that replace the per-op code it changes (it applies while one of them runs per op, or on a backend that
-  `keeps` it); `fused_in`: it applies only while one of these stages is fused (by backend `on`, where given);
-  `needs`: (knob, condition on its value, a value that meets it); `devices`: the device kinds it applies on. `allowed`:
-  what a config may hold where that is more than the choices; `env`: the tinygrad variable it sets in a trial process.
-  `name`, `field` and `key` come from where it is declared."""
+  value). When it applies: `applies(info)` on the model file; `stages`: the fused stages that replace the per-op code it
+  changes (it applies while one of them runs per op, or on a backend that `keeps` it); `fused_in`: it applies only
+  while one of these stages is fused (by backend `on`, where given); `needs`: (knob, condition on its value, a value
+  that meets it); `devices`: the device kinds it applies on. `allowed`: what a config may hold where that is more than
+  the choices; `env`: the tinygrad variable it sets in a trial process. `name`, `field` and `key` come from where it is
+  declared."""
   default: Any
   choices: tuple | Callable[[str, str], tuple]
   doc: str
@@ -101,6 +101,7 @@ def _backend_precision(name: str) -> str: return catalog.get(name).precision
 
 
 _moe = lambda m: m.moe
+_dense_ffn = lambda m: m.dense_blocks or not m.moe
 
 
 def _ffn_acts(device: str, family: str) -> tuple[str, ...]:
@@ -108,7 +109,8 @@ def _ffn_acts(device: str, family: str) -> tuple[str, ...]:
   x16 is for; a portable backend rounds its input the same way, but its products stay float32: none faster)."""
   native = any(not catalog.get(n).portable for n in catalog.stage_choices("moe", device, family))
   return ("float32", "x16", "q8") if native else ("float32", "q8")
-_dense_ffn = lambda m: m.dense_blocks or not m.moe
+
+
 # a split point: nothing, a kernel boundary (.contiguous()), an execution barrier (.realize())
 BARRIER_MODES = ("none", "contiguous", "realize")
 

@@ -391,7 +391,7 @@ def test_x16_activations_in_the_cpu_emulator(gguf_file, monkeypatch, mix: str) -
   with native_on_cpu(monkeypatch): assert_close("native, x16", eager_logits(path, cfg("native")), base, FP32_TOL)
   assert_close("dsl, x16", eager_logits(path, cfg("dsl")), base, FP32_TOL)
   acts = lambda dev: next(k for k in knobs(mix_info(mix), dev) if k.name == "ffn_act").choices
-  assert acts("CUDA") == ("float32", "x16", "q8") and acts("CPU") == acts("METAL") == ("float32", "q8")
+  assert acts("CUDA") == ("float32", "q8", "x16") and acts("CPU") == acts("METAL") == ("float32", "q8")
 
 
 def test_q8_activations_need_a_fused_ffn_stage_and_integer_codes(gguf_file) -> None:

@@ -175,10 +175,9 @@ _beam = ("beam", lambda b: b > 0, 2)  # BEAM's settings apply when BEAM searches
 class StructureConfig:
   fused: dict[str, str] = table(Table("fused", FUSED, "stage"))  # decode stage -> backend; absent: the per-op path
   ffn_act: str = knob("float32", _ffn_acts,
-                      "the fused FFN stages' activations: float32; x16, gate+up's input as two 8-bit planes per 32 "
-                      "(16 bits) with integer dot products at twice q8's count (offered where the native kernels run: "
-                      "elsewhere only rounded); or q8, rounded to 8 bits per 32 with integer dot products (llama.cpp's "
-                      "mmvq)",
+                      "the fused FFN stages' activations: float32; q8, rounded to 8 bits per 32 with integer dot "
+                      "products (llama.cpp's mmvq); or x16, held to 16 bits as two 8-bit planes per 32 with integer "
+                      "dot products at twice q8's count (offered where a device-specific backend runs the FFN)",
                       applies=lambda m: bool(m.ffn_quants) and set(m.ffn_quants) <= set(catalog.Q8_QUANTS),
                       fused_in=("moe", "ffn"), precision=lambda v: "q8" if v == "q8" else "x16",
                       allowed=("float32", "q8", "x16"))

@@ -124,6 +124,16 @@ def test_fused_stages_in_the_cpu_emulator(gguf_file, monkeypatch, preset: str, m
   assert_close("all stages native", got, base, 2e-2)
 
 
+def _glu_case(t: int, seed: int, dim: int, F: int, E: int, Fs: int) -> tuple:
+  """A routed stack (E experts, F wide) and a plain FFN (Fs wide) of weight type t on a dim-wide input, their gate and
+  up weights (routed, then plain; kernel planes and dequantized), and an input and its norm's gamma drawn from seed."""
+  rng, W = np.random.default_rng(seed), lambda inp: cuda_src.W("", t, inp)
+  routed, plain = cuda_src.FFN(W(dim), W(dim), W(F), F, E, F, 0), cuda_src.FFN(W(dim), W(dim), W(Fs), Fs, 0, Fs, 0)
+  gate_up = [kernel_weight(t, s, i) for i, s in enumerate([(E, F, dim), (E, F, dim), (Fs, dim), (Fs, dim)])]
+  x, gamma = rng.standard_normal(dim).astype(np.float32), rng.standard_normal(dim).astype(np.float32)
+  return routed, plain, gate_up, x, gamma
+
+
 @pytest.mark.parametrize("quant", ["Q4_0", "Q8_0"])
 def test_q8_kernels_compute_the_dsl_twins_rounding(quant: str) -> None:
   """ffn_act=q8: the native glu and down kernels (in the emulator) equal float products of the activations rounded by
@@ -131,14 +141,9 @@ def test_q8_kernels_compute_the_dsl_twins_rounding(quant: str) -> None:
   value whose norm differs by an ulp may round to the neighbouring 8-bit step (one element of one row: ~1e-3 of the
   row)."""
   from model.backends.dsl import q8_round
-  t, rng = TYPES[quant], np.random.default_rng(3)
-  dim, F, E, K, Fs = 256, 64, 8, 2, 128
-  W = lambda inp: cuda_src.W("", t, inp)
-  routed, plain = cuda_src.FFN(W(dim), W(dim), W(F), F, E, F, 0), cuda_src.FFN(W(dim), W(dim), W(Fs), Fs, 0, Fs, 0)
-  (g, gw), (u, uw), (sg, sgw), (su, suw) = (kernel_weight(t, s, i)
-                                            for i, s in enumerate([(E, F, dim), (E, F, dim), (Fs, dim), (Fs, dim)]))
+  t, dim, F, E, K, Fs = TYPES[quant], 256, 64, 8, 2, 128
+  routed, plain, ((g, gw), (u, uw), (sg, sgw), (su, suw)), x, gamma = _glu_case(t, 3, dim, F, E, Fs)
   (d, dw), (sd, sdw) = kernel_weight(t, (E, dim, F), 5), kernel_weight(t, (dim, Fs), 6)
-  x, gamma = rng.standard_normal(dim).astype(np.float32), rng.standard_normal(dim).astype(np.float32)
   sel, wts = np.array([3, 7], np.int32), np.array([0.6, 0.4], np.float32)
   q8 = lambda v: q8_round(Tensor(v.astype(np.float32))).numpy().astype(np.float64)
   k = cuda_src.glu(routed, plain, K, dim, 1e-5, act="q8")
@@ -164,13 +169,8 @@ def test_x16_glu_holds_its_input_to_16_bits(quant: str) -> None:
   """ffn_act=x16: glu stages its normalised input as two 8-bit planes and dots both with the codes in integers. It stays
   within 2e-3 of the float products (it measures 3-4e-4 here; the float32 form 3e-6, the 8-bit one 5-8e-2, and one
   plane alone would be as far), and is not the float32 form's arithmetic."""
-  t, rng = TYPES[quant], np.random.default_rng(4)
-  dim, F, E, K, Fs = 256, 64, 8, 2, 128
-  W = lambda inp: cuda_src.W("", t, inp)
-  routed, plain = cuda_src.FFN(W(dim), W(dim), W(F), F, E, F, 0), cuda_src.FFN(W(dim), W(dim), W(Fs), Fs, 0, Fs, 0)
-  (g, gw), (u, uw), (sg, sgw), (su, suw) = (kernel_weight(t, s, i)
-                                            for i, s in enumerate([(E, F, dim), (E, F, dim), (Fs, dim), (Fs, dim)]))
-  x, gamma = rng.standard_normal(dim).astype(np.float32), rng.standard_normal(dim).astype(np.float32)
+  t, dim, F, E, K, Fs = TYPES[quant], 256, 64, 8, 2, 128
+  routed, plain, ((g, gw), (u, uw), (sg, sgw), (su, suw)), x, gamma = _glu_case(t, 4, dim, F, E, Fs)
   sel = np.array([5, 1], np.int32)
   xf = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-5) * gamma
   silu = lambda a: a / (1 + np.exp(-a))
@@ -278,7 +278,7 @@ def test_down_layouts(routed_t: str | None, plain_t: str, Fs: int, layout: str) 
   """down splits its work over (slot, unit) pairs where the plain FFN's down weight has the routed one's type and a
   multiple of its width (the shared experts of DeepSeek-V2-Lite: twice it), else a warp per slot; both compute res + the
   weighted routed products + the plain one (a dense block's FFN alone too), float32, 8-bit and 16-bit (x16), in the
-  emulator: x16 within 1e-3 of the float products (it measures 5-8e-5; one of its planes alone would be 1e-2 off)."""
+  emulator: x16 within 1e-3 of the float products (it measures 0.9-1.7e-4 here)."""
   from model.backends.dsl import q8_round
   rng, dim, F, E, K = np.random.default_rng(5), 256, 64, 8, 3
   rt, pt = routed_t and TYPES[routed_t], TYPES[plain_t]

@@ -288,6 +288,7 @@ def test_down_layouts(routed_t: str | None, plain_t: str, Fs: int, layout: str) 
   k_ = K if routed else 0
   x, act = rng.standard_normal(dim).astype(np.float32), rng.standard_normal(k_ * F + Fs).astype(np.float32)
   sel, wts = rng.choice(E, K, replace=False).astype(np.int32), rng.random(K).astype(np.float32)
+  outs = {}
   for form, tol in (("f32", 1e-5), ("q8", 1e-5), ("x16", 1e-3)):
     q = (lambda v: q8_round(Tensor(v)).numpy().astype(np.float64)) if form == "q8" else (lambda v: v.astype(np.float64))
     want = x + sdw @ q(act[k_ * F:]) + (sum(wk * (dw[e] @ q(act[i * F:(i + 1) * F])) for i, (e, wk) in enumerate(zip(
@@ -298,6 +299,29 @@ def test_down_layouts(routed_t: str | None, plain_t: str, Fs: int, layout: str) 
     out = np.zeros(dim, np.float32)
     launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [out, x, act, *([sel, wts, *d] if routed else []), *sd])
     assert rel_err(out[None], want[None]).max() < tol, (form, k.name)
+    outs[form] = out.copy()
+  assert (outs["x16"] != outs["f32"]).mean() > 0.5, "x16 activations compute what float32 ones do"
+
+
+@pytest.mark.parametrize("quant", ["Q4_0", "Q8_0"])
+def test_dense_products_with_8bit_staged_input(quant: str) -> None:
+  """cuda_src.dense with act q8 (the form benchmarks/kernel_sweep.py times): the residual product is res + W . x with x
+  rounded by the dsl's q8_round, to float rounding; the norm-folded one W . rmsnorm(x) * gamma so rounded, up to a value
+  one 8-bit step apart (glu's bound); neither computes what the float32 form does."""
+  from model.backends.dsl import q8_round
+  t, rng, inp, rows = TYPES[quant], np.random.default_rng(6), 256, 96
+  w, wd = kernel_weight(t, (rows, inp), 7)
+  x, res, gamma = (rng.standard_normal(inp if n != 1 else rows).astype(np.float32) for n in range(3))
+  q8 = lambda v: q8_round(Tensor(v.astype(np.float32))).numpy().astype(np.float64)
+  xn = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-5) * gamma
+  for eps, extra, want, tol in ((None, res, res + wd @ q8(x), 1e-5), (1e-5, gamma, wd @ q8(xn), 3e-3)):
+    got = {}
+    for act in ("q8", "f32"):
+      k = cuda_src.dense(((cuda_src.W("a_", t, inp), rows),), 2, eps, residual=eps is None, act=act)
+      got[act] = np.zeros(rows, np.float32)
+      launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [got[act], x, extra, *w])
+    assert rel_err(got["q8"][None], want[None]).max() < tol, (eps, k.name)
+    assert (got["q8"] != got["f32"]).mean() > 0.5, "8-bit input computes what float32 input does"
 
 
 def test_staged_float_input_is_padded_where_a_row_group_reads_it() -> None:

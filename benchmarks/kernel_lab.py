@@ -13,9 +13,9 @@ back in one CUDA graph (cupy), as tinygrad's graph runs them, over enough copies
 kernels, other experts each launch) that L2 holds none of a launch's weight bytes when it starts. `us`: median device
 time per launch (3 timings of 5 graph replays); GB/s: the weight bytes a launch must read over that time; `err`: max
 |out - the first source's out| over the std of the latter, where both write the same format (gate+up's 8-bit output for
-down is not the float output of the code before it). The 8-bit MoE kernels are built as native.py builds them: gate+up
-writes its 8-bit output and down reads it where native.q8_handoff says so (down splits over units; gate+up's blocks fit
-one wave), or as --handoff says.
+down is not the float output of the code before it). The 8- and 16-bit MoE kernels are built as native.py builds them:
+gate+up writes its output in their form and down reads it where native.handoff says so (down splits over units;
+gate+up's blocks fit one wave), or as --handoff says.
 """
 import argparse
 import datetime
@@ -106,45 +106,50 @@ def floor(nbytes: int, copies: int) -> float:
 
 def kernels(mod, kind: str, preset: str, handoff: str, sms: int) -> list[tuple[str, object]]:
   """(activation form, kernel) of one kind built by a cuda_src module (this tree's API, or the one before staged
-  inputs); handoff: the 8-bit MoE kernels' hand-off where this tree's cuda_src.handoff_fits puts it on a device of `sms`
-  multiprocessors (rule), wherever down can read it (on), or nowhere (off)."""
+  inputs); handoff: the 8- and 16-bit MoE kernels' hand-off where this tree's cuda_src.handoff_fits puts it on a device
+  of `sms` multiprocessors (rule), wherever down can read it (on), or nowhere (off)."""
   hp = PRESETS[preset]
   dim, F, E, K, V, H = hp.dim, hp.expert_ffn, hp.n_experts, hp.n_used, hp.vocab, hp.n_heads
   Fs = hp.expert_ffn * hp.n_shared
   W = lambda inp, prefix="": mod.W(prefix, Q4_0, inp)
   old = "q8" in inspect.signature(mod.glu).parameters
+  wave = {"sms": sms} if "sms" in inspect.signature(mod.glu).parameters else {}  # sources that size for one wave
   routed, plain = mod.FFN(W(dim), W(dim), W(F), F, E, F, 0), mod.FFN(W(dim), W(dim), W(Fs), Fs, 0, Fs, 0)
   first, nq = hp.q_lora or H * (hp.qk_nope + hp.qk_rope), H * (hp.qk_nope + hp.qk_rope)
   if kind == "head": return [("f32", mod.product("dense", Q4_0, (V, dim), tn=1, n=1))]
   if kind == "norm_qa_kva":  # as native.attention builds it (sources before QKV_ROWS: 4 rows, 4 warps)
-    shape = {"warps": mod.QKV_WARPS} if hasattr(mod, "QKV_WARPS") else {}
+    shape = ({"warps": mod.QKV_WARPS} if hasattr(mod, "QKV_WARPS") else {}) | wave
     return [("f32", mod.dense(((W(dim, "a_"), first), (W(dim, "b_"), hp.kv_lora + hp.qk_rope)),
                               getattr(mod, "QKV_ROWS", 4), hp.rms_eps, **shape))]
-  if kind == "norm_qb": return [("f32", mod.dense(((W(hp.q_lora, "a_"), nq),), 4, hp.rms_eps))] if hp.q_lora else []
+  if kind == "norm_qb":
+    return [("f32", mod.dense(((W(hp.q_lora, "a_"), nq),), 4, hp.rms_eps, **wave))] if hp.q_lora else []
   if kind == "absorb":
     return [("f32",
              mod.absorb_rope_kv(W(hp.qk_nope, "k_"), H, hp.qk_nope, hp.qk_rope, hp.kv_lora, 4096, hp.rms_eps, False))]
   if kind == "attention":
     return [("f32", mod.mla_attention(H, hp.kv_lora, hp.qk_rope, CTX, (hp.qk_nope + hp.qk_rope) ** -0.5, True))]
   if kind == "v_b": return [("f32", mod.product("per_head", Q4_0, (H, hp.v_head, hp.kv_lora), tn=1, n=1, heads=H))]
-  if kind == "dense_res": return [("f32", mod.dense(((W(H * hp.v_head, "a_"), dim),), 2, None, residual=True))]
+  if kind == "dense_res": return [("f32", mod.dense(((W(H * hp.v_head, "a_"), dim),), 2, None, residual=True, **wave))]
   if kind == "router":
     return [("f32",
              mod.router(W(dim, "g_"), E, K, hp.rms_eps, 2 if hp.gating == "sigmoid" else 1, hp.exp_probs_bias,
                         hp.norm_topk, hp.routed_scale))]
   out, x16 = [], not old and "x16" in inspect.getsource(mod.stage_decl)  # sources with staged 16-bit activations
+  forms = getattr(mod, "HANDOFF", {"q8": 0} if hasattr(mod, "glu_q8_blocks") else {})  # the forms glu hands down
+  reads = getattr(mod, "down_reads_handoff", getattr(mod, "down_reads_q8", None))
   for act in ("q8", "x16", "f32") if x16 else ("q8", "f32"):
     R = 8 if act == "q8" else 4  # the sources before staged inputs: their rows per group
-    ho = (not old and act == "q8" and hasattr(mod, "glu_q8_blocks") and handoff != "off"
-          and (cuda_src.handoff_fits(routed, plain, K, sms) if handoff == "rule" else mod.down_reads_q8(routed, plain)))
+    ho = (not old and act in forms and handoff != "off"
+          and (cuda_src.handoff_fits(routed, plain, K, sms) if handoff == "rule" else reads(routed, plain)))
     if old:
       k = (mod.glu(routed, plain, K, dim, hp.rms_eps, R, q8=act == "q8") if kind == "glu"
            else mod.down(routed, plain, K, dim, R, q8=act == "q8"))
     elif ho:
-      k = (mod.glu(routed, plain, K, dim, hp.rms_eps, 4, act, True) if kind == "glu"
-           else mod.down(routed, plain, K, dim, act, "q8"))
+      k = (mod.glu(routed, plain, K, dim, hp.rms_eps, 4, act, True, **wave) if kind == "glu"
+           else mod.down(routed, plain, K, dim, act, act))
     else:
-      k = mod.glu(routed, plain, K, dim, hp.rms_eps, 4, act) if kind == "glu" else mod.down(routed, plain, K, dim, act)
+      k = (mod.glu(routed, plain, K, dim, hp.rms_eps, 4, act, **wave) if kind == "glu"
+           else mod.down(routed, plain, K, dim, act))
     out.append((act, k))
   return out
 
@@ -216,11 +221,12 @@ def launches(kind: str, preset: str) -> tuple[object, object]:
     o = f(K * F + Fs)
     args = [(o, x, gamma, s, *L["g"], *L["u"], *L["sg"], *L["su"]) for L, s in zip(Ls, sels, strict=True)]
     return o, lambda k: args
-  o, nu = f(dim), (K * F + Fs) // 32  # down's input as floats, or as glu's 8-bit output (random codes, scale 0.01)
-  xq = cp.concatenate([cp.random.randint(-2**31, 2**31 - 1, nu * 8, dtype=cp.int64).astype(cp.int32).view(cp.float32),
-                       cp.full(nu, 0.01, dtype=cp.float32), cp.zeros(nu, dtype=cp.int32).view(cp.float32)])
-  return o, lambda k: [(o, gamma, xq if "_inq8" in k.name else x, s, wts, *L["d"], *L["sd"])
-                       for L, s in zip(Ls, sels, strict=True)]
+  # down's input as floats, or as glu's hand-off (random codes, scale 0.01, sum 0): 8 words a unit (q8), 16 (x16)
+  o, nu = f(dim), (K * F + Fs) // 32
+  hand = {w: cp.concatenate([cp.random.randint(-2**31, 2**31 - 1, nu * w, dtype=cp.int64).astype(cp.int32).view(
+    cp.float32), cp.full(nu, 0.01, dtype=cp.float32), cp.zeros(nu, dtype=cp.float32)]) for w in (8, 16)}
+  return o, lambda k: [(o, gamma, hand[8] if "_inq8" in k.name else hand[16] if "_inx16" in k.name else x, s, wts,
+                        *L["d"], *L["sd"]) for L, s in zip(Ls, sels, strict=True)]
 
 
 def main() -> None:
@@ -233,8 +239,8 @@ def main() -> None:
   p.add_argument("--label", default="this tree", help="the name of this tree's kernels in the output")
   p.add_argument("--json", help="append one JSON line per kernel")
   p.add_argument("--handoff", choices=["rule", "on", "off"], default="rule",
-                 help="the 8-bit hand-off from gate+up to down: where native.q8_handoff would put it, wherever down "
-                 "can read it, or nowhere")
+                 help="the 8- and 16-bit hand-off from gate+up to down: where native.handoff would put it, wherever "
+                 "down can read it, or nowhere")
   args = p.parse_args()
   srcs = {args.label: cuda_src} | ({f"against {args.against}": load_src(args.against)} if args.against else {})
   bw, sms = bandwidth(), cp.cuda.Device().attributes["MultiProcessorCount"]

@@ -22,7 +22,7 @@ def guarded(src: str) -> tuple[int, ...]:
   """The parameters of a native kernel that it may touch only after GRID_WAIT: every one but its weights' planes
   (cuda_src.W params, `<prefix><plane>`), whose reads go out before it. None for a kernel that does not wait."""
   if cuda_src.WAIT not in src: return ()
-  params = re.search(r"__global__ void __launch_bounds__\(\d+\) \w+\((.*?)\) \{", src, re.S).group(1).split(", ")
+  params = re.search(r"__global__ void __launch_bounds__\([\d, ]+\) \w+\((.*?)\) \{", src, re.S).group(1).split(", ")
   return tuple(i for i, p in enumerate(params) if not p.split()[-1].endswith(_PLANES))
 
 

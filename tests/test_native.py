@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import sys
 import types
 
@@ -99,7 +100,7 @@ def test_native_sources_compile_for_ampere_and_hopper(glm_file, gguf_file, monke
   names = {k.name.split("_")[1] for k in kernels}
   assert {"dense", "per", "expert", "mla", "router", "glu", "down"} <= names, names
   for k in kernels:
-    assert f"void __launch_bounds__({k.threads}) {k.name}(" in k.src
+    assert re.search(rf"void __launch_bounds__\({k.threads}(, \d+)?\) {k.name}\(", k.src), k.name
     for compiler in compilers: assert compiler.compile(k.src), (compiler.arch, k.name)
 
 
@@ -185,12 +186,13 @@ def test_x16_glu_holds_its_input_to_16_bits(quant: str) -> None:
   assert (got["x16"] != got["f32"]).mean() > 0.5, "x16 activations compute what float32 ones do"
 
 
+@pytest.mark.parametrize("form", ["q8", "x16"])
 @pytest.mark.parametrize("quant,Fs", [("Q4_0", 128), ("Q8_0", 64), ("Q4_0", 0)])
-def test_glu_hands_down_its_8bit_output(quant: str, Fs: int) -> None:
-  """With 8-bit activations, glu writes its output as down reads it (words of codes, scales and sums per 32, out_q8):
-  the codes and scales are q8_round's of the float output, and down computes from them what it computes from the
-  floats."""
-  from model.backends.dsl import q8_round
+def test_glu_hands_down_its_output(quant: str, Fs: int, form: str) -> None:
+  """With 8- or 16-bit activations, glu writes its output as down reads it (q8: words of codes, scales and sums per 32;
+  x16: words of codes, words of remainders, scales and float sums): the values it holds are the dsl twin's rounding of
+  the float output (q8_round, x16_round), and down computes from them what it computes from the floats in that form."""
+  from model.backends.dsl import act_round
   t, rng, dim, F, E, K = TYPES[quant], np.random.default_rng(9), 256, 64, 8, 2
   W = lambda inp: cuda_src.W("", t, inp)
   routed, plain = (cuda_src.FFN(W(dim), W(dim), W(F), F, E, F, 0), Fs
@@ -201,28 +203,37 @@ def test_glu_hands_down_its_8bit_output(quant: str, Fs: int) -> None:
                                  if Fs else (([], None),) * 3)
   x, gamma = rng.standard_normal(dim).astype(np.float32), rng.standard_normal(dim).astype(np.float32)
   sel, wts = rng.choice(E, K, replace=False).astype(np.int32), rng.random(K).astype(np.float32)
-  assert cuda_src.down_reads_q8(routed, plain)
+  assert cuda_src.down_reads_handoff(routed, plain)
   floats, units = np.zeros(K * F + Fs, np.float32), (K * F + Fs) // 32
-  k = cuda_src.glu(routed, plain, K, dim, 1e-5, act="q8")
+  k = cuda_src.glu(routed, plain, K, dim, 1e-5, act=form)
   launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [floats, x, gamma, sel, *g, *u, *sg, *su])
-  packed = np.zeros(units * cuda_src.Q8_ACT, np.float32)
-  k = cuda_src.glu(routed, plain, K, dim, 1e-5, act="q8", out_q8=True)
+  packed = np.zeros(units * cuda_src.HANDOFF[form], np.float32)
+  k = cuda_src.glu(routed, plain, K, dim, 1e-5, act=form, handoff=True)
   launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [packed, x, gamma, sel, *g, *u, *sg, *su])
-  codes, scales = (packed[:units * 8].view(np.int8).reshape(units, 32).astype(np.float64),
-                   packed[units * 8:units * 9].astype(np.float64))
-  assert (codes.sum(1) == packed[units * 9:].view(np.int32)).all()
-  act = (codes * scales[:, None]).reshape(-1)
-  assert rel_err(act[None], q8_round(Tensor(floats)).numpy()[None]).max() < 1e-5
-  out = np.zeros(dim, np.float32)
-  k = cuda_src.down(routed, plain, K, dim, "q8", "q8")
-  launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [out, x, packed, sel, wts, *d, *sd])
+  codes = lambda at: packed[at * units:(at + 8) * units].view(np.int8).reshape(units, 32).astype(np.float64)
+  if form == "q8":
+    scales = packed[units * 8:units * 9].astype(np.float64)
+    assert (codes(0).sum(1) == packed[units * 9:].view(np.int32)).all()
+    act = (codes(0) * scales[:, None]).reshape(-1)
+  else:
+    scales = packed[units * 16:units * 17].astype(np.float64)
+    np.testing.assert_allclose(packed[units * 17:], floats.reshape(units, 32).sum(1), rtol=1e-5, atol=1e-6)
+    act = ((codes(0) + codes(8) / 254) * scales[:, None]).reshape(-1)
+  twin = act_round(form)(Tensor(floats)).numpy()
+  assert rel_err(act[None], twin[None]).max() < 1e-5
+  out, direct = np.zeros(dim, np.float32), np.zeros(dim, np.float32)
+  for buf, act_in, inp in ((out, form, packed), (direct, "f32", floats)):
+    k = cuda_src.down(routed, plain, K, dim, form, act_in)
+    launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [buf, x, inp, sel, wts, *d, *sd])
   want = x + sum(wk * (dw[e] @ act[i * F:(i + 1) * F]) for i, (e, wk) in enumerate(zip(sel, wts, strict=True))) + (
     sdw @ act[K * F:] if Fs else 0)
-  assert rel_err(out[None], want[None]).max() < 1e-5
+  # x16 applies Q4_0's code offset through the float sum of the output, not of its 16-bit form (quantize_x16)
+  assert rel_err(out[None], want[None]).max() < (1e-5 if form == "q8" else 1e-3)
+  assert rel_err(out[None], direct[None]).max() < 1e-5
 
 
-def test_q8_handoff_where_gate_up_runs_one_wave(monkeypatch) -> None:
-  """glu hands down its 8-bit output where down splits over units and glu's 32-output blocks fit two to a
+def test_handoff_where_gate_up_runs_one_wave(monkeypatch) -> None:
+  """glu hands down its 8- or 16-bit output where down splits over units and glu's 32-output blocks fit two to a
   multiprocessor: GLM-4.7-Flash's 240 on a 132-multiprocessor card, not DeepSeek-V2-Lite's 352 (6 experts of 1408 and
   2816 shared outputs), nor a plain FFN of another type than the experts'."""
   from model.presets import PRESETS
@@ -232,24 +243,43 @@ def test_q8_handoff_where_gate_up_runs_one_wave(monkeypatch) -> None:
     F, Fs, q = hp.expert_ffn, hp.expert_ffn * hp.n_shared, TYPES["Q4_0"]
     return (cuda_src.FFN(W(q, hp.dim), W(q, hp.dim), W(q, F), F, hp.n_experts, F, 0),
             cuda_src.FFN(W(plain_t, hp.dim), W(plain_t, hp.dim), W(plain_t, Fs), Fs, 0, Fs, 0), hp.n_used)
-  assert native.q8_handoff(*ffns("glm-4.7-flash"), "CUDA")
-  assert not native.q8_handoff(*ffns("deepseek-v2-lite"), "CUDA")
-  assert not native.q8_handoff(*ffns("glm-4.7-flash", TYPES["Q8_0"]), "CUDA")
+  assert native.handoff(*ffns("glm-4.7-flash"), "CUDA")
+  assert not native.handoff(*ffns("deepseek-v2-lite"), "CUDA")
+  assert not native.handoff(*ffns("glm-4.7-flash", TYPES["Q8_0"]), "CUDA")
   monkeypatch.setattr(native, "sm_count", lambda device: 200)
-  assert native.q8_handoff(*ffns("deepseek-v2-lite"), "CUDA")
+  assert native.handoff(*ffns("deepseek-v2-lite"), "CUDA")
+
+
+def test_glu_and_dense_ask_for_one_wave(monkeypatch) -> None:
+  """On a 132-multiprocessor card, glu and the norm-folded products ask ptxas for as many resident blocks as one wave of
+  their grid needs, down to GLU_REGS (DENSE_REGS) registers a thread: GLM-4.7-Flash's 16-bit gate+up (480 blocks of
+  128 threads) 4, DeepSeek-V2-Lite's q_a/kv_a (384 of 256) 3, GLM-4.7-Flash's (96) nothing; without a device count,
+  nothing."""
+  monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+  from benchmarks import kernel_lab
+  bounds = lambda k: re.search(r"__launch_bounds__\(([\d, ]+)\)", k.src).group(1)
+  for sms, glu, qkv_ds, qkv_glm in ((132, "128, 4", "256, 3", "256"), (0, "128", "256", "256")):
+    built = lambda kind, preset, sms=sms: dict(kernel_lab.kernels(cuda_src, kind, preset, "off", sms))
+    assert bounds(built("glu", "glm-4.7-flash")["x16"]) == glu
+    assert bounds(built("norm_qa_kva", "deepseek-v2-lite")["f32"]) == qkv_ds
+    assert bounds(built("norm_qa_kva", "glm-4.7-flash")["f32"]) == qkv_glm
+  assert cuda_src.one_wave(480, 128, 132, cuda_src.GLU_REGS) == 4
+  assert cuda_src.one_wave(1232, 128, 132, cuda_src.GLU_REGS) == 4, "held to 128 registers"
+  assert cuda_src.one_wave(100, 128, 132, cuda_src.GLU_REGS) == 1
 
 
 @pytest.mark.parametrize("handoff,glm,deepseek", [("rule", True, False), ("on", True, True), ("off", False, False)])
 def test_kernel_lab_builds_the_handoff_as_asked(monkeypatch, handoff: str, glm: bool, deepseek: bool) -> None:
-  """benchmarks/kernel_lab.py --handoff: its 8-bit MoE kernels hand off where this tree's rule puts it on a
+  """benchmarks/kernel_lab.py --handoff: its 8- and 16-bit MoE kernels hand off where this tree's rule puts it on a
   132-multiprocessor card (rule), wherever down can read it (on), or nowhere (off); its float kernels never. cupy is not
   imported here: the lab only builds sources."""
   monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
   from benchmarks import kernel_lab
   for preset, want in (("glm-4.7-flash", glm), ("deepseek-v2-lite", deepseek)):
     glu, down = (dict(kernel_lab.kernels(cuda_src, kind, preset, handoff, 132)) for kind in ("glu", "down"))
-    assert (glu["q8"].name.endswith("_outq8"), down["q8"].name.endswith("_inq8")) == (want, want), (preset, handoff)
-    assert "q8" not in glu["f32"].name and "q8" not in down["f32"].name
+    for form in ("q8", "x16"):
+      assert (f"_out{form}" in glu[form].name, f"_in{form}" in down[form].name) == (want, want), (preset, handoff)
+    assert "_out" not in glu["f32"].name and "_in" not in down["f32"].name
 
 
 @pytest.mark.parametrize("n,G", [(1, 32), (2, 32), (8, 32), (16, 32), (32, 32), (4, 8), (8, 8)])

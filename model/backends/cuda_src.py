@@ -369,7 +369,7 @@ def stage_decl(n: int, act: str, warps: int = WARPS, pad: bool = True) -> str:
 
 def load_xq(i: int, words: str, scales: str, sums: str, u: str, units: int | None = None) -> str:
   """C: xq<i>[8], dx<i>, sq<i> of unit u of an input in quantize_x's 8-bit form (C arrays of its words, 8 a unit, of its
-  scales and of its sums; stage_x's shared memory or glu's out_q8 output), zero where u is past `units` (None: u is
+  scales and of its sums; stage_x's shared memory or glu's q8 hand-off), zero where u is past `units` (None: u is
   always a unit of the input)."""
   guard = f"if ({u} < {units}) " if units is not None else ""
   return (f"int xq{i}[8] = {{0, 0, 0, 0, 0, 0, 0, 0}}; float dx{i} = 0.f; int sq{i} = 0; {guard}{{"
@@ -511,12 +511,29 @@ def group_setup(G: int, R: int, cta_rows_dim: str = "blockIdx.x", warps: int = W
 def rows_per_block(G: int, R: int, warps: int = WARPS) -> int: return warps * (32 // G) * R
 
 
-def kernel(name: str, params: list[str], body: str, threads: int = THREADS, waited: bool = False) -> str:
+def kernel(name: str, params: list[str], body: str, threads: int = THREADS, waited: bool = False,
+           resident: int = 1) -> str:
   """The kernel's source; it starts with GRID_WAIT unless `waited` (its body waits on every path before it touches any
-  buffer but its weights: model/backends/cuda_graph.py lets it start while the kernels before it finish)."""
+  buffer but its weights: model/backends/cuda_graph.py lets it start while the kernels before it finish). resident: the
+  blocks a multiprocessor must be able to hold at once (__launch_bounds__' second argument: ptxas caps the registers
+  to fit them)."""
   body = body if waited else f"{WAIT}\n  {body}"
-  return (f"{PRELUDE}\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}({', '.join(params)}) {{\n  "
+  bounds = f"{threads}, {resident}" if resident > 1 else f"{threads}"
+  return (f"{PRELUDE}\nextern \"C\" __global__ void __launch_bounds__({bounds}) {name}({', '.join(params)}) {{\n  "
           f"{body}\n}}\n")
+
+
+REGS = 65536  # 32-bit registers a multiprocessor holds (every CUDA device since compute capability 5.0 up to 9.0)
+# the fewest registers a thread of glu (dense) is held to for one wave: ptxas spills at most 4 (112) bytes a thread of
+# glu's 16-bit (float32) form at 128 and 48 of DeepSeek-V2-Lite's q_a/kv_a product at 80 (sm_90)
+GLU_REGS, DENSE_REGS = 128, 80
+
+
+def one_wave(blocks: int, threads: int, sms: int, least_regs: int) -> int:
+  """The blocks a multiprocessor must hold for a grid of `blocks` to run as one wave on `sms` multiprocessors, at most
+  as many as leave each thread `least_regs` registers (1: no device, or one block each is enough). A latency-bound
+  product whose grid spills into a second wave waits for its slowest blocks twice."""
+  return max(1, min(REGS // (least_regs * threads), -(-blocks // sms))) if sms else 1
 
 
 @dataclass(frozen=True)
@@ -629,12 +646,13 @@ QKV_ROWS, QKV_WARPS = 2, 8  # the first attention kernel (q_a and kv_a, norm fol
 
 @functools.cache
 def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, residual: bool = False,
-          warps: int = WARPS, act: str = "f32") -> Kernel:
+          warps: int = WARPS, act: str = "f32", sms: int = 0) -> Kernel:
   """out_j = [res +] W_j . [rmsnorm(x) * gamma] for each weight j (blockIdx.y picks it): a norm folded into one or two
   products of one input (q_a and kv_a), or a residual add folded into one (the attention output). Each warp issues its
   weight reads first; the block (`warps` warps) stages x (normalised, with a norm) once into shared memory while they
   are in flight (stage_x), up to STAGE_MAX inputs; act q8: staged in quantize_x's 8-bit form, read by integer dot
-  products."""
+  products. sms: the device's multiprocessors, so the grid runs as one wave where 80 registers a thread allow it
+  (one_wave)."""
   assert act in ("f32", "q8")
   tag = "_".join(f"{QUANT_TYPES[w.ggml_type].name.lower()}x{rows}x{w.inp}" for w, rows in ws)
   name = f"native_dense_{'norm_' if eps is not None else ''}{'res_' if residual else ''}{tag}{_act_tag(act)}"
@@ -651,8 +669,10 @@ def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, resid
     body.append(f"if (blockIdx.y == {j}) " + _gemv_block([(w, "{o}", "a")], xp, rows, R, epi, pro, act, True, staged,
                                                          warps, wait=True))
   blocks = max(-(-rows // rows_per_block(w.group_lanes, R, warps)) for w, rows in ws)
-  return Kernel(name, kernel(name, params, "\n  ".join(body), 32 * warps, waited=True), (blocks, len(ws), 1),
-                tuple(range(len(ws))), 32 * warps)
+  res = one_wave(blocks * len(ws), 32 * warps, sms, DENSE_REGS)
+  name += f"_b{res}" if res > 1 else ""
+  return Kernel(name, kernel(name, params, "\n  ".join(body), 32 * warps, waited=True, resident=res),
+                (blocks, len(ws), 1), tuple(range(len(ws))), 32 * warps)
 
 
 @functools.cache
@@ -915,40 +935,50 @@ def _ffn_tag(f: FFN | None) -> str:
 
 @functools.cache
 def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: int = 4, act: str = "f32",
-        out_q8: bool = False) -> Kernel:
+        handoff: bool = False, sms: int = 0) -> Kernel:
   """SiLU(gate) * up of the normalised input (RMSNorm folded) for the k selected experts of a routed stack (blockIdx.y <
   k) and a plain FFN (the shared expert, or a dense block's FFN; blockIdx.y == k), into act = [k x hidden, plain
   hidden]. Each warp issues its weight reads first; the block normalises the input once into shared memory (quantized to
-  8 bits per 32 with act q8, to two 8-bit planes with x16) while they are in flight (stage_x). out_q8: a block
-  computes 32 consecutive outputs (as many warps as that takes) and writes them in quantize_x's 8-bit form for down
-  (act_in q8): every unit's 8 words, then every unit's scale, then every unit's sum (Q8_ACT floats a unit)."""
-  name = f"native_glu_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}{'_outq8' if out_q8 else ''}"
+  8 bits per 32 with act q8, to two 8-bit planes with x16) while they are in flight (stage_x). handoff (act q8 or x16):
+  a block computes 32 consecutive outputs (as many warps as that takes) and writes them in the form down's products
+  read (act_in): quantize_x's (every unit's 8 words, then every unit's scale, then its sum) or quantize_x16's (every
+  unit's 8 words of codes, then its 8 of remainders, its scale, its float sum); HANDOFF floats a unit. sms: the
+  device's multiprocessors, so the grid runs in as few waves as 128 registers a thread allow (one_wave)."""
+  assert not handoff or act in HANDOFF, act
+  name = f"native_glu_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}{f'_out{act}' if handoff else ''}"
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
   params = (["float* act", "const float* __restrict__ x", "const float* __restrict__ gamma"]
             + (["const int* __restrict__ sel"] if r else []))
   params += (r.params if r else []) + (p.params if p else [])
   G = (r or p).gate.group_lanes
-  warps = 32 // ((32 // G) * R) if out_q8 else WARPS
-  assert not out_q8 or (warps >= 1 and rows_per_block(G, R, warps) == 32
-                        and all(f.hidden % 32 == 0 for f in (r, p) if f)), ("32 outputs " "a block")
+  warps = 32 // ((32 // G) * R) if handoff else WARPS
+  assert not handoff or (warps >= 1 and rows_per_block(G, R, warps) == 32
+                         and all(f.hidden % 32 == 0 for f in (r, p) if f)), ("32 outputs " "a block")
   silu = lambda a: f"({a[0]} * (1.f / (1.f + expf(-{a[0]})))) * {a[1]}"
   units = ((k * r.hidden if r else 0) + (p.hidden if p else 0)) // 32
   pro, body = (stage_x("x", dim, eps, act, warps, False), [stage_decl(dim, act, warps, False)]
-               + (["__shared__ float sact[32];"] if out_q8 else []))
+               + (["__shared__ float sact[32];"] if handoff else []))
   block = lambda ws, rows, epi, wait: _gemv_block(ws, "sx", rows, R, epi, pro, act, True, True, warps, False, wait)
-  def store(base: str):  # the output of row o, at act[base + o], or its block's 8-bit form
-    if not out_q8: return lambda o, a: f"act[{base} + {o}] = {silu(a)};"
+  def store(base: str):  # the output of row o, at act[base + o], or into its block's 32 for the hand-off
+    if not handoff: return lambda o, a: f"act[{base} + {o}] = {silu(a)};"
     return lambda o, a: f"sact[{o} - blockIdx.x * 32] = {silu(a)};"
-  def quantize(base: str) -> str:  # warp 0: the block's 32 outputs as one unit (quantize_x's rounding)
-    if not out_q8: return ""
+  # warp 0 writes the block's 32 outputs as one unit g, rounded as quantize_x (quantize_x16) rounds
+  pack = lambda v, at: (f"{{ const int c1 = __shfl_down_sync(0xffffffffu, {v}, 1), c2 = __shfl_down_sync(0xffffffffu, "
+                        f"{v}, 2), c3 = __shfl_down_sync(0xffffffffu, {v}, 3); if ((l & 3) == 0) ((int*)act)[{at} + "
+                        f"(l >> 2)] = ({v} & 255) | ((c1 & 255) << 8) | ((c2 & 255) << 16) | ((c3 & 255) << 24); }}")
+  rounding = {
+    "q8": ("const int q = (int)rintf(v * iv); int sq = q; for (int m = 16; m > 0; m >>= 1) sq += "
+           f"__shfl_xor_sync(0xffffffffu, sq, m); {pack('q', 'g * 8')} if (l == 0) {{ act[{units * 8} + g] = am / "
+           f"127.f; ((int*)act)[{units * 9} + g] = sq; }}"),
+    "x16": ("const float dh = am / 127.f, il = am > 0.f ? 32258.f / am : 0.f, h = rintf(v * iv); const int a = (int)h,"
+            " b = max(-127, min(127, (int)rintf(fmaf(-h, dh, v) * il))); float xs = v; for (int m = 16; m > 0; m >>= 1)"
+            f" xs += __shfl_xor_sync(0xffffffffu, xs, m); {pack('a', 'g * 8')} {pack('b', f'{units * 8} + g * 8')} if "
+            f"(l == 0) {{ act[{units * 16} + g] = dh; act[{units * 17} + g] = xs; }}")}
+  def quantize(base: str) -> str:
+    if not handoff: return ""
     return (f" __syncthreads(); if (threadIdx.x < 32) {{ const int l = threadIdx.x, g = ({base} + blockIdx.x * 32) / "
             "32; const float v = sact[l]; const float am = warp_max(fabsf(v)), iv = am > 0.f ? 127.f / am : 0.f; "
-            "const int q = (int)rintf(v * iv); int sq = q; for (int m = 16; m > 0; m >>= 1) sq += "
-            "__shfl_xor_sync(0xffffffffu, sq, m); const int b1 = __shfl_down_sync(0xffffffffu, q, 1), b2 = "
-            "__shfl_down_sync(0xffffffffu, q, 2), b3 = __shfl_down_sync(0xffffffffu, q, 3);"
-            " if ((l & 3) == 0) ((int*)act)[g * 8 + (l >> 2)] = (q & 255) | ((b1 & 255) << 8) | ((b2 & 255) << 16) | "
-            f"((b3 & 255) << 24); if (l == 0) {{ act[{units * 8} + g] = am / 127.f; ((int*)act)[{units * 9} + g] = sq; "
-            f"}} }}")
+            f"{rounding[act]} }}")
   if r:
     body.append(f"if (blockIdx.y < {k}) {{ {WAIT} const int y = blockIdx.y, e = min(max(sel[y], 0), "
                 f"{r.experts - 1});\n  "
@@ -961,37 +991,40 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
                 + block([(p.gate, "{o}", "g"), (p.up, f"{p.up_off} + {{o}}", "u")], p.hidden,
                         store(str(base)), True) + quantize(str(base)) + " }")
   blocks = max(-(-f.hidden // rows_per_block(f.gate.group_lanes, R, warps)) for f in (r, p) if f)
-  return Kernel(name, kernel(name, params, "\n  ".join(body), 32 * warps, waited=True),
-                (blocks, (k if r else 0) + (1 if p else 0), 1), (0,), 32 * warps)
+  grid = (blocks, (k if r else 0) + (1 if p else 0), 1)
+  res = one_wave(grid[0] * grid[1], 32 * warps, sms, GLU_REGS)
+  name += f"_b{res}" if res > 1 else ""
+  return Kernel(name, kernel(name, params, "\n  ".join(body), 32 * warps, waited=True, resident=res), grid, (0,),
+                32 * warps)
 
 
-Q8_ACT = 10  # floats a unit of 32 activations takes in glu's 8-bit output: 8 words of codes, a scale, a sum
+HANDOFF = {"q8": 10, "x16": 18}  # floats a unit of 32 activations takes in glu's hand-off, by form (glu's docstring)
 
 
-def glu_q8_blocks(routed: FFN | None, plain: FFN | None, k: int) -> int:
-  """The blocks glu runs with out_q8 (one per 32 outputs of each slot)."""
+def handoff_blocks(routed: FFN | None, plain: FFN | None, k: int) -> int:
+  """The blocks glu runs with its hand-off (one per 32 outputs of each slot)."""
   return (k * -(-routed.hidden // 32) if routed else 0) + (-(-plain.hidden // 32) if plain else 0)
 
 
-def down_reads_q8(routed: FFN | None, plain: FFN | None) -> bool:
-  """Whether down splits over units for these FFNs (and so can read glu's 8-bit output)."""
+def down_reads_handoff(routed: FFN | None, plain: FFN | None) -> bool:
+  """Whether down splits over units for these FFNs (and so can read glu's hand-off)."""
   base = routed or plain
   return not (routed and plain) or (plain.down.ggml_type == base.down.ggml_type and plain.hidden % base.hidden == 0)
 
 
 def handoff_fits(routed: FFN | None, plain: FFN | None, k: int, sms: int) -> bool:
-  """Whether glu hands down its 8-bit output on a device of `sms` multiprocessors: where down splits over units and
-  glu's blocks of 32 outputs (256 threads, about 125 registers: two to a multiprocessor) run as one wave."""
-  return down_reads_q8(routed, plain) and glu_q8_blocks(routed, plain, k) <= 2 * sms
+  """Whether glu hands down its output on a device of `sms` multiprocessors: where down splits over units and glu's
+  blocks of 32 outputs (256 threads, at most GLU_REGS registers: two to a multiprocessor) run as one wave."""
+  return down_reads_handoff(routed, plain) and handoff_blocks(routed, plain, k) <= REGS // (GLU_REGS * 256) * sms
 
 
 @functools.cache
 def down(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str = "f32", act_in: str = "f32") -> Kernel:
   """out = res + sum over the k selected experts of weight_k * (down_e . act_k) + down_plain . act_plain: the routed
   experts' down projections, their weighted combine, the shared expert (or a dense block's down projection) and the
-  residual add. Split over units (_down_units) where down_reads_q8, else a warp per slot (_down_slots). act_in q8: act
-  is glu's 8-bit output (out_q8)."""
-  if down_reads_q8(routed, plain): return _down_units(routed, plain, k, dim, act, act_in)
+  residual add. Split over units (_down_units) where down_reads_handoff, else a warp per slot (_down_slots). act_in q8
+  or x16: act is glu's hand-off in that form."""
+  if down_reads_handoff(routed, plain): return _down_units(routed, plain, k, dim, act, act_in)
   assert act_in == "f32", "a warp per slot reads float activations"
   return _down_slots(routed, plain, k, dim, 4 if act == "f32" else 8, act)
 
@@ -1064,14 +1097,15 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
   routed hidden width are one list of units; each thread of a block (as many threads as units, in warps, up to 512)
   takes one or more, issues the reads of its units for the block's R rows at once and adds their weighted products into
   R sums, which meet through a butterfly (lane_sums) and shared memory. R = 8 rows a block, 16 above 256 threads, so a
-  block's registers leave the grid one wave. The weight reads are weak loads before a barrier; glu's 8-bit output
-  (act_in q8) crosses it through shared memory, so no product can start before every read is out."""
+  block's registers leave the grid one wave. The weight reads are weak loads before a barrier; glu's hand-off (act_in
+  q8 or x16, the form of the products) crosses it through shared memory, so no product can start before every read is
+  out."""
   base = routed or plain
   Fv, ty = base.hidden, base.down.ggml_type
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
-  assert act_in == "f32" or act == "q8", "8-bit input for 8-bit products"
+  assert act_in in ("f32", act), "a hand-off in the products' form"
   name = f"native_down_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}"
-  name += "_inq8" if act_in == "q8" else ""
+  name += f"_in{act_in}" if act_in != "f32" else ""
   params = ["float* out", "const float* __restrict__ res", "const float* __restrict__ act"]
   params += (["const int* __restrict__ sel", "const float* __restrict__ wts"] + r.down.params if r
              else []) + (p.down.params if p else [])
@@ -1097,17 +1131,25 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
                  f"((size_t)e{j} * {dim} + o{i})" if r else f"((size_t)o{i} * {m} + s{j})") for i in range(R)])
     loads += [unit_loads(w, row, f"u{j}", f"_{j}_{i}", True) for i, row in enumerate(rows[j])]
   body += loads
-  if act_in == "q8":  # each thread's units of glu's 8-bit output into shared memory, read back after the barrier
+  # each thread's units of glu's hand-off into shared memory, read back after the barrier: 8 words (at float `at` of
+  # act) to the thread's 8 in `sw`, then the unit's scale and sum
+  t = lambda j: f"(threadIdx.x + {threads * j})"
+  words = lambda sw, at, j: (f"{{ const int4* a = (const int4*)act + ({at}) / 4; ((int4*){sw})[{t(j)} * 2] = a[0];"
+                             f" ((int4*){sw})[{t(j)} * 2 + 1] = a[1]; }}")
+  if act_in == "q8":
     body.append(f"__shared__ __align__(16) int sxq[{threads * J * 8}], ssq[{threads * J}]; __shared__ float "
                 f"sdx[{threads * J}];")
-    for j in range(J):
-      t = f"(threadIdx.x + {threads * j})"
-      body.append(f"{{ const int4* a = (const int4*)act + p{j} * 2; ((int4*)sxq)[{t} * 2] = a[0]; ((int4*)sxq)[{t} * 2 "
-                  f"+ 1] = a[1]; sdx[{t}] = act[{P * 8} + p{j}]; ssq[{t}] = ((const int*)act)[{P * 9} + p{j}]; }}")
+    body += [f"{words('sxq', f'p{j} * 8', j)} sdx[{t(j)}] = act[{P * 8} + p{j}]; ssq[{t(j)}] = ((const int*)act)["
+             f"{P * 9} + p{j}];" for j in range(J)]
+  if act_in == "x16":
+    body.append(f"__shared__ __align__(16) int sxh[{threads * J * 8}]; __shared__ __align__(16) int sxl["
+                f"{threads * J * 8}]; __shared__ float sdh[{threads * J}], sxs[{threads * J}];")
+    body += [f"{words('sxh', f'p{j} * 8', j)} {words('sxl', f'{P * 8} + p{j} * 8', j)} sdh[{t(j)}] = act[{P * 16} + "
+             f"p{j}]; sxs[{t(j)}] = act[{P * 17} + p{j}];" for j in range(J)]
   body.append("__syncthreads();")
   for j, w in enumerate(ws):
-    if act_in == "q8":
-      xs = [load_xq(j, "sxq", "sdx", "ssq", f"(threadIdx.x + {threads * j})")]
+    if act_in == "q8": xs = [load_xq(j, "sxq", "sdx", "ssq", t(j))]
+    elif act_in == "x16": xs = [load_xq16(j, t(j), threads * J)]
     else:
       xs = [load_x(w, j, f"(act + (size_t)s{j} * {Fv})", f"u{j}")] + (
         [quantize_x(j, w.unit)] if act == "q8" else [quantize_x16(j, w.unit)] if act == "x16" else [])

@@ -107,13 +107,14 @@ def attention(blk: Block, x: Tensor, start_pos, pos: Tensor) -> Tensor:
   xf = f32(x)
   first = blk.q_a if hp.q_lora else blk.q_b
   rows = (first.shape[0], blk.kv_a.shape[0])
+  sms = sm_count(dev)
   k1 = C.dense(((cw("a_", first), rows[0]), (cw("b_", blk.kv_a), rows[1])), C.QKV_ROWS, hp.eps,
-               warps=C.QKV_WARPS)
+               warps=C.QKV_WARPS, sms=sms)
   qa, kv = launch(k1, [empty(rows[0], device=dev), empty(rows[1], device=dev), xf, blk.attn_norm, *planes(first),
                        *planes(blk.kv_a)], row_bytes(first) * rows[0] + row_bytes(blk.kv_a) * rows[1])[:2]
   if hp.q_lora:
     nq = blk.q_b.shape[0]
-    k2 = C.dense(((cw("a_", blk.q_b), nq),), R_LARGE, hp.eps)
+    k2 = C.dense(((cw("a_", blk.q_b), nq),), R_LARGE, hp.eps, sms=sms)
     q = launch(k2, [empty(nq, device=dev), qa, blk.q_a_norm, *planes(blk.q_b)], row_bytes(blk.q_b) * nq)[0]
   else: q = qa
   D, cache_half = kvl + rope, blk.cache.dtype == dtypes.float16
@@ -125,7 +126,7 @@ def attention(blk: Block, x: Tensor, start_pos, pos: Tensor) -> Tensor:
              cache.nbytes() // 4)[0]
   kv5 = C.product("per_head", blk.v_b.ggml_type, blk.v_b.shape, tn=1, n=1, heads=H)
   a = launch(kv5, [empty(H * hp.v_head, device=dev), o, *planes(blk.v_b)], row_bytes(blk.v_b) * H * hp.v_head)[0]
-  k6 = C.dense(((cw("a_", blk.wo), dim),), _rows_r(dim), None, residual=True)
+  k6 = C.dense(((cw("a_", blk.wo), dim),), _rows_r(dim), None, residual=True, sms=sms)
   return launch(k6, [empty(1, 1, dim, device=dev), a, xf, *planes(blk.wo)], row_bytes(blk.wo) * dim)[0]
 
 
@@ -190,9 +191,10 @@ def sm_count(device: str) -> int:
   return v.value
 
 
-def q8_handoff(routed: C.FFN | None, plain: C.FFN | None, k: int, device: str) -> bool:
-  """Whether glu writes its 8-bit output for down to read (8-bit activations), by cuda_src.handoff_fits on this device:
-  where glu's blocks fit one wave, the hand-off saves down more than it costs gate+up (benchmarks/kernel_lab.py)."""
+def handoff(routed: C.FFN | None, plain: C.FFN | None, k: int, device: str) -> bool:
+  """Whether glu writes its output in the form down's products read (8- or 16-bit activations), by
+  cuda_src.handoff_fits on this device: where glu's blocks fit one wave, the hand-off saves down more than it costs
+  gate+up (benchmarks/kernel_lab.py)."""
   return C.handoff_fits(routed, plain, k, sm_count(device))
 
 
@@ -204,12 +206,12 @@ def _glu_down(blk: Block, h: Tensor, routed: C.FFN | None, plain: C.FFN | None, 
                                                  or plain).gate.ggml_type].block) * QUANT_TYPES[(
                                                    routed or plain).gate.ggml_type].nbytes
   form = {"float32": "f32"}.get(blk.cfg.ffn_act, blk.cfg.ffn_act)
-  handoff = form == "q8" and q8_handoff(routed, plain, K, dev)
-  kg = C.glu(routed, plain, K, hp.dim, hp.eps, R_LARGE, form, handoff)
+  ho = form in C.HANDOFF and handoff(routed, plain, K, dev)
+  kg = C.glu(routed, plain, K, hp.dim, hp.eps, R_LARGE, form, ho, sm_count(dev))
   act = launch(kg,
-               [empty(n_act // 32 * C.Q8_ACT if handoff else n_act, device=dev), hf, blk.ffn_norm,
+               [empty(n_act // 32 * C.HANDOFF[form] if ho else n_act, device=dev), hf, blk.ffn_norm,
                 *([route[0]] if route else []), *rp, *pp], gu_bytes)[0]
-  kd = C.down(routed, plain, K, hp.dim, form, "q8" if handoff else "f32")
+  kd = C.down(routed, plain, K, hp.dim, form, form if ho else "f32")
   routed_down = [route[0], route[1], *planes(blk.down_exps)] if routed else []
   plain_down = planes(blk.down_sh if routed else blk.down) if plain else []
   return launch(kd, [empty(1, 1, hp.dim, device=dev), hf, act, *routed_down, *plain_down], down_bytes)[0]

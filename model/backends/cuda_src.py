@@ -530,10 +530,13 @@ GLU_REGS, DENSE_REGS = 128, 80
 
 
 def one_wave(blocks: int, threads: int, sms: int, least_regs: int) -> int:
-  """The blocks a multiprocessor must hold for a grid of `blocks` to run as one wave on `sms` multiprocessors, at most
-  as many as leave each thread `least_regs` registers (1: no device, or one block each is enough). A latency-bound
-  product whose grid spills into a second wave waits for its slowest blocks twice."""
-  return max(1, min(REGS // (least_regs * threads), -(-blocks // sms))) if sms else 1
+  """The blocks a multiprocessor must hold for a grid of `blocks` to run as one wave on `sms` multiprocessors, where
+  that leaves each thread at least `least_regs` registers; else (or with no device) 1, no bound. In one wave every
+  block is resident as the kernel before it ends, so all of them issue their weight reads early (cuda_graph's
+  programmatic launch); where the bound only cuts a grid's waves, its spills cost more than it saves (DeepSeek-V2-Lite's
+  float32 gate+up: -1% end to end on an H100)."""
+  need = -(-blocks // sms) if sms else 1
+  return need if 1 < need <= REGS // (least_regs * threads) else 1
 
 
 @dataclass(frozen=True)
@@ -943,7 +946,7 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
   a block computes 32 consecutive outputs (as many warps as that takes) and writes them in the form down's products
   read (act_in): quantize_x's (every unit's 8 words, then every unit's scale, then its sum) or quantize_x16's (every
   unit's 8 words of codes, then its 8 of remainders, its scale, its float sum); HANDOFF floats a unit. sms: the
-  device's multiprocessors, so the grid runs in as few waves as 128 registers a thread allow (one_wave)."""
+  device's multiprocessors, so the grid runs as one wave where 128 registers a thread allow it (one_wave)."""
   assert not handoff or act in HANDOFF, act
   name = f"native_glu_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}{f'_out{act}' if handoff else ''}"
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")

@@ -29,17 +29,15 @@ MODELS=${MODELS:-glm-4.7-flash deepseek-v2-lite} QUANT=${QUANT:-q4_0} REPS=${REP
 VARIANTS=${VARIANTS:-new:fused-native=benchmarks/configs/fused-native.json old:fused-native=benchmarks/configs/fused-native.json}
 OUT=${OUT:-/tmp/ab}; mkdir -p "$OUT"
 exec > >(tee -a "$OUT/ab.log") 2>&1
-python3 -c "import tinygrad" 2>/dev/null || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1; export PYTHONPATH=/tmp/site; }
-export PYTHONUNBUFFERED=1 DEV=${DEV:-CUDA}
-LABEL="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) ($DEV)"
+export DEV=${DEV:-CUDA}
+PY=python3 DEVICE=$DEV; . benchmarks/device_env.sh  # the carried wheels, this checkout on PYTHONPATH, $LABEL
 T0=$SECONDS; log() { echo "[+$((SECONDS - T0))s] $*"; }
 file() { echo "/tmp/$1-$QUANT.gguf"; }
 pids=()  # waited for by pid: a bare wait would also wait for the log's tee
-for m in $MODELS; do [ -f "$(file "$m")" ] || { PYTHONPATH=$PWD:${PYTHONPATH:-} python3 -m model synth --preset "$m" --quant "$QUANT" --out "$(file "$m")" & pids+=($!); }; done
+for m in $MODELS; do [ -f "$(file "$m")" ] || { python3 -m model synth --preset "$m" --quant "$QUANT" --out "$(file "$m")" & pids+=($!); }; done
 [ ${#pids[@]} = 0 ] || wait "${pids[@]}"; log "files written"
 if [ "${KERNELS:-1}" = 1 ]; then
-  PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 240 python3 benchmarks/kernel_lab.py --against .ab/old/model/backends/cuda_src.py \
+  timeout 240 python3 benchmarks/kernel_lab.py --against .ab/old/model/backends/cuda_src.py \
     --label "new (working tree)" --models $MODELS ${KINDS:+--kinds $KINDS} --json "$OUT/kernels.jsonl"
 fi
 for rep in $(seq "$REPS"); do for m in $MODELS; do for v in $VARIANTS; do
@@ -47,7 +45,7 @@ for rep in $(seq "$REPS"); do for m in $MODELS; do for v in $VARIANTS; do
   dir=$PWD; [ "$tree" = new ] || dir=$PWD/.ab/$tree
   res=$( (cd "$dir" && PYTHONPATH=$dir:${PYTHONPATH:-} timeout 200 python3 -m model bench --model "$(file "$m")" --config "$PWD/$cfg" -n "$N" \
           --rounds "$ROUNDS" --json) 2> "$OUT/err-$m-$tree-$name-$rep.log" | tail -1)
-  PYTHONPATH=$PWD:${PYTHONPATH:-} python3 - "$m" "$tree" "$name" "$rep" "$res" "$cfg" "$OUT/ab.jsonl" "$LABEL" "$QUANT" "$(cat "$dir/REV" 2>/dev/null)" <<'EOF'
+  python3 - "$m" "$tree" "$name" "$rep" "$res" "$cfg" "$OUT/ab.jsonl" "$LABEL" "$QUANT" "$(cat "$dir/REV" 2>/dev/null)" <<'EOF'
 import datetime, hashlib, json, sys
 from model.structure import StructureConfig
 m, tree, name, rep, res, cfg, out, device, quant, rev = sys.argv[1:]

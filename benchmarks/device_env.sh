@@ -1,4 +1,4 @@
-# Sourced by the device scripts (sidebyside.sh, study.sh) from the checkout's root, with $PY and $DEVICE set: installs the
+# Sourced by the device scripts (sidebyside.sh, study.sh, code_ab.sh, gpu.sh) from the checkout's root, with $PY and $DEVICE set: installs the
 # carried wheels (.whl, benchmarks/wheels.sh) where the image lacks the project's packages, puts this checkout first on
 # PYTHONPATH, and names the device in $LABEL as results.jsonl lines do.
 if [ -d .whl ] && ! "$PY" -c "import tinygrad" 2>/dev/null; then

@@ -14,15 +14,14 @@
 #          pinned by $STUDY_FIX, the configs enqueued by $STUDY_ENQUEUE, its name $STUDY), cost47 (its cost table), truth (model bench of $SPEED_CONFIG on both full-depth files with the
 #          per-kernel profile of device time)
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DEV=CUDA STRUCTSEARCH_CACHE=/tmp/sscache
+PY=python3 DEVICE=CUDA; . benchmarks/device_env.sh  # the carried wheels, this checkout on PYTHONPATH, $LABEL
+export DEV=CUDA STRUCTSEARCH_CACHE=/tmp/sscache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 DB=sqlite:////tmp/structsearch.db STUDY=${STUDY:-glm47-q4_0}
 [ -f /tmp/structsearch.db ] || [ ! -f .gpu/structsearch.db ] || cp .gpu/structsearch.db /tmp/  # a study carried from an earlier machine
 synth() { [ -f "$2" ] || python3 -m model synth --preset glm-4.7-flash --quant q4_0 --layers "$1" --out "$2"; }
 timed() { local t0=$SECONDS; "$@"; echo "[wall $((SECONDS - t0)) s: $*]" >&2; }  # on stderr: a step may send stdout to a file
 ev() { timed python3 -m evaluator "$@"; }
-LABEL="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) (CUDA)"
 rec() {  # RESULT.json COMMAND...: an evaluator result's lines into $OUT/results.jsonl
   local res=$1; shift
   [ -f "$res" ] && python3 -m benchmarks.record trial "$res" --device "$LABEL" --model-name "glm-4.7-flash (synthetic, exact shapes)" \

@@ -251,10 +251,10 @@ def test_handoff_where_gate_up_runs_one_wave(monkeypatch) -> None:
 
 
 def test_glu_and_dense_ask_for_one_wave(monkeypatch) -> None:
-  """On a 132-multiprocessor card, glu and the norm-folded products ask ptxas for as many resident blocks as one wave of
-  their grid needs, down to GLU_REGS (DENSE_REGS) registers a thread: GLM-4.7-Flash's 16-bit gate+up (480 blocks of
-  128 threads) 4, DeepSeek-V2-Lite's q_a/kv_a (384 of 256) 3, GLM-4.7-Flash's (96) nothing; without a device count,
-  nothing."""
+  """On a 132-multiprocessor card, glu and the attention's dense products ask ptxas for as many resident blocks as one
+  wave of their grid needs, where that leaves a thread GLU_REGS (DENSE_REGS) registers: GLM-4.7-Flash's 16-bit gate+up
+  (480 blocks of 128 threads) 4, DeepSeek-V2-Lite's q_a/kv_a (384 of 256) 3, GLM-4.7-Flash's (96) nothing, a grid no
+  bound brings to one wave nothing; without a device count, nothing."""
   monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
   from benchmarks import kernel_lab
   bounds = lambda k: re.search(r"__launch_bounds__\(([\d, ]+)\)", k.src).group(1)

@@ -268,6 +268,14 @@ def quantize_x(i: int, un: Unit) -> str:
           f"127.f / am : 0.f; {qs} {words} sq{i} = {' + '.join(f'q{e}' for e in range(32))}; }}")
 
 
+def x16_split(x: str, h: str, a: str, b: str, dh: str) -> str:
+  """C: the value x as quantize_x16's two codes, a (its 8-bit code, h as a float) and b (the remainder at 1/254 of the
+  step dh, clamped to 8 bits), with iv = 127 / max|x| and il = 32258 / max|x| of its unit in scope: the one place the
+  16-bit rounding is written (stage_x, quantize_x16, glu's hand-off; dsl.x16_round in tensor ops)."""
+  return (f"const float {h} = rintf({x} * iv); const int {a} = (int){h}, {b} = max(-127, min(127, (int)rintf(fmaf(-{h},"
+          f" {dh}, {x}) * il)));")
+
+
 def quantize_x16(i: int, un: Unit) -> str:
   """C: the registers x<i>_<e> of one unit as two 8-bit planes, x ~ dh<i> * xh<i> + dl<i> * xl<i> (4 to a word each):
   the high plane as quantize_x's, the low plane the remainder at 1/254 of its step, so x is kept to 1/64516 of the
@@ -275,8 +283,7 @@ def quantize_x16(i: int, un: Unit) -> str:
   applied through the float sum of x, not the planes'."""
   assert un.elems == 32
   am = " ".join(f"am = fmaxf(am, fabsf(x{i}_{e}));" for e in range(32))
-  qs = " ".join(f"const float h{e} = rintf(x{i}_{e} * iv); const int a{e} = (int)h{e},"
-                f" b{e} = max(-127, min(127, (int)rintf(fmaf(-h{e}, dh{i}, x{i}_{e}) * il)));" for e in range(32))
+  qs = " ".join(x16_split(f"x{i}_{e}", f"h{e}", f"a{e}", f"b{e}", f"dh{i}") for e in range(32))
   words = " ".join(f"xh{i}[{m}] = " + " | ".join(f"((a{4 * m + j} & 255) << {8 * j})" for j in range(4)) + "; "
                    + f"xl{i}[{m}] = " + " | ".join(f"((b{4 * m + j} & 255) << {8 * j})" for j in range(
                      4)) + ";" for m in range(8))
@@ -337,8 +344,7 @@ def stage_x(xp: str, n: int, eps: float | None, act: str, warps: int = WARPS, pa
       out.append(f"if ({inside}) {{ {vals} *(float4*)(sx + {sx_at(k) if pad else k}) = make_float4(a0, a1, a2, a3); }}")
       continue
     if act == "x16":  # quantize_x16's two planes: codes c, remainders b at 1/254 of a step
-      cb = " ".join(f"const float h{j} = rintf(a{j} * iv); const int c{j} = (int)h{j}, b{j} = max(-127, min(127, (int)"
-                    f"rintf(fmaf(-h{j}, dh, a{j}) * il)));" for j in range(4))
+      cb = " ".join(x16_split(f"a{j}", f"h{j}", f"c{j}", f"b{j}", "dh") for j in range(4))
       word = lambda v: " | ".join(f"(({v}{j} & 255) << {8 * j})" for j in range(4))
       out.append(f"{{ {vals} float am = fmaxf(fmaxf(fabsf(a0), fabsf(a1)), fmaxf(fabsf(a2), fabsf(a3))), xs = a0 + "
                  "a1 + a2 + a3; for (int m = 4; m > 0; m >>= 1) { am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, m));"
@@ -973,10 +979,10 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
     "q8": ("const int q = (int)rintf(v * iv); int sq = q; for (int m = 16; m > 0; m >>= 1) sq += "
            f"__shfl_xor_sync(0xffffffffu, sq, m); {pack('q', 'g * 8')} if (l == 0) {{ act[{units * 8} + g] = am / "
            f"127.f; ((int*)act)[{units * 9} + g] = sq; }}"),
-    "x16": ("const float dh = am / 127.f, il = am > 0.f ? 32258.f / am : 0.f, h = rintf(v * iv); const int a = (int)h,"
-            " b = max(-127, min(127, (int)rintf(fmaf(-h, dh, v) * il))); float xs = v; for (int m = 16; m > 0; m >>= 1)"
-            f" xs += __shfl_xor_sync(0xffffffffu, xs, m); {pack('a', 'g * 8')} {pack('b', f'{units * 8} + g * 8')} if "
-            f"(l == 0) {{ act[{units * 16} + g] = dh; act[{units * 17} + g] = xs; }}")}
+    "x16": (f"const float dh = am / 127.f, il = am > 0.f ? 32258.f / am : 0.f; {x16_split('v', 'h', 'a', 'b', 'dh')}"
+            " float xs = v; for (int m = 16; m > 0; m >>= 1) xs += __shfl_xor_sync(0xffffffffu, xs, m);"
+            f" {pack('a', 'g * 8')} {pack('b', f'{units * 8} + g * 8')} if (l == 0) {{ act[{units * 16} + g] = dh;"
+            f" act[{units * 17} + g] = xs; }}")}
   def quantize(base: str) -> str:
     if not handoff: return ""
     return (f" __syncthreads(); if (threadIdx.x < 32) {{ const int l = threadIdx.x, g = ({base} + blockIdx.x * 32) / "

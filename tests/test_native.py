@@ -572,12 +572,16 @@ def test_absorption_kernel(quant: str, heads: int, nope: int, rope: int, kvl: in
 def test_router_kernel(gating: int) -> None:
   """The router kernel alone (CUDA emulator), each gating function, with and without the selection bias, its own top-k
   and with forced ids (the correctness check's variant): ids, weights and counter as the model's per-op routing computes
-  them."""
+  them. The best expert's row and bias are copied to a lower and a higher index, so the top k is a three-way tie that
+  only the order of indices breaks."""
   E, K, dim, eps, scale = 40, 3, 256, 1e-5, 1.8
   rng = np.random.default_rng(gating)
   x, gamma = rng.standard_normal(dim).astype(np.float32), (1 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
   w, bias = (rng.standard_normal((E, dim)) * 0.2).astype(np.float32), (0.01 * rng.standard_normal(E)).astype(np.float32)
   xn = x / np.sqrt((x.astype(np.float64) ** 2).mean() + eps) * gamma
+  best = int(np.argmax(w.astype(np.float64) @ xn))  # the gating functions are increasing: the best with or without bias
+  bias[best] = bias.max() + 0.01
+  for twin in (0 if best else 1, E - 1 if best != E - 1 else E - 2): w[twin], bias[twin] = w[best], bias[best]
   lg = w.astype(np.float64) @ xn
   probs = {1: np.exp(lg - lg.max()) / np.exp(lg - lg.max()).sum(), 2: 1 / (1 + np.exp(-lg)), 3: lg,
            4: np.sqrt(np.log1p(np.exp(lg)))}[gating]

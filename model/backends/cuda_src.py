@@ -833,10 +833,11 @@ ROUTER_R, ROUTER_WARPS = 1, 4  # the router's rows per row group and warps per b
 def router(w: W, experts: int, k: int, eps: float, gating: int, bias: bool, norm_w: bool, w_scale: float,
            forced: bool = False) -> Kernel:
   """The MoE router in one kernel: each block computes some experts' logits from the normalised input (RMSNorm folded);
-  the last block to finish (an atomic count, reset by it) applies the gating function and the selection bias, picks the
-  top k (ties to the lower index, as the pairwise top-k), and writes the selected ids and their weights (normalised and
-  scaled as the model says). forced (the correctness check only): the ids come from an input and the kernel's own top k
-  goes to an extra output, so a candidate runs with the reference's routing while its own is compared."""
+  the last block to finish (an atomic count, reset by it) reads them once through L2, applies the gating function and
+  the selection bias, ranks every expert at once (a thread per expert counts the scores above its own, ties to the lower
+  index, as the pairwise top-k), and writes the top k ids and their weights (normalised and scaled as the model says).
+  forced (the correctness check only): the ids come from an input and the kernel's own top k goes to an extra output, so
+  a candidate runs with the reference's routing while its own is compared."""
   epl = -(-experts // 32)
   name = (f"native_router_{QUANT_TYPES[w.ggml_type].name.lower()}_{experts}x{w.inp}_k{k}_{GATING[gating]}"
           f"{'_bias' if bias else ''}{'_norm' if norm_w else ''}{'_forced' if forced else ''}")
@@ -845,63 +846,59 @@ def router(w: W, experts: int, k: int, eps: float, gating: int, bias: bool, norm
   params += (["const float* __restrict__ x", "const float* __restrict__ gamma"]
              + (["const float* __restrict__ bias"] if bias else []) + w.params)
   R, warps = ROUTER_R, ROUTER_WARPS
-  prob = {1: "expf(lg - mx) / den", 2: "1.f / (1.f + expf(-lg))", 3: "lg", 4: "sqrtf(logf(1.f + expf(lg)))"}[gating]
+  prob = {1: "expf(lg[i] - mx) / den", 2: "1.f / (1.f + expf(-lg[i]))", 3: "lg[i]",
+          4: "sqrtf(logf(1.f + expf(lg[i])))"}[gating]
+  softmax = ("float mx = -INFINITY, den = 0.f;"
+             f" for (int i = 0; i < {epl}; i++) if (lane + 32 * i < {experts}) mx = fmaxf(mx, lg[i]); mx = warp_max(mx);"
+             f" for (int i = 0; i < {epl}; i++) if (lane + 32 * i < {experts}) den += expf(lg[i] - mx);"
+             " den = group_sum(den, 32);") if gating == 1 else ""
   scale = f" wv *= {w_scale!r}f;" if w_scale not in (0.0, 1.0) else ""
   softmax_k = (f"float ws = -INFINITY; for (int t = 0; t < {k}; t++) ws = fmaxf(ws, wsel[t]); float se = 0.f;"
                f" for (int t = 0; t < {k}; t++) {{ wsel[t] = expf(wsel[t] - ws); se += wsel[t]; }} for (int t = 0; t < "
                f"{k}; t++) wsel[t] /= se;")
+  beats = lambda c, d: f"(v.{c} > s || (v.{c} == s && j + {d} < e))"
   body = f"""{stage_decl(w.inp, "f32", warps)}
   {_gemv_block([(w, "{o}", "a")], "sx", experts, R, lambda o, a: f"logits[{o}] = {a[0]};",
                 stage_x("x", w.inp, eps, "f32", warps), "f32", True, True, warps, wait=True)}
-  __shared__ int last;
+  __shared__ int last, ssel[{k}];
+  __shared__ __align__(16) float ssc[{32 * epl}];
+  __shared__ float sp[{32 * epl}];
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(cnt, 1) == (int)gridDim.x - 1;
   __syncthreads();
-  if (!last || threadIdx.x >= 32) return;
-  const int lane = threadIdx.x;
-  const volatile float* lv = logits;
-  float p[{epl}], sc[{epl}], mx = -INFINITY, den = 0.f;
-  for (int i = 0; i < {epl}; i++) mx = fmaxf(mx, lane + 32 * i < {experts} ? lv[lane + 32 * i] : -INFINITY);
-  mx = warp_max(mx);
-  for (int i = 0; i < {epl}; i++) if (lane + 32 * i < {experts}) den += expf(lv[lane + 32 * i] - mx);
-  den = group_sum(den, 32);
-  for (int i = 0; i < {epl}; i++) {{
-    const int e = lane + 32 * i; const float lg = e < {experts} ? lv[e] : 0.f;
-    p[i] = {prob}; sc[i] = e < {experts} ? p[i]{' + bias[e]' if bias else ''} : -INFINITY;
-  }}
-  unsigned taken = 0;
-  float wsel[{k}]; int isel[{k}];
-  for (int t = 0; t < {k}; t++) {{
-    float bv = -INFINITY; int bi = 0x7fffffff;
-    for (int i = 0; i < {epl}; i++) {{ const int e = lane + 32 * i;
-      if (e < {experts} && !((taken >> i) & 1u) && (sc[i] > bv || (sc[i] == bv && e < bi) || bi == 0x7fffffff)) {{
-        bv = sc[i]; bi = e;
-      }}
+  if (!last) return;
+  if (threadIdx.x < 32) {{
+    const int lane = threadIdx.x;
+    float lg[{epl}];
+    for (int i = 0; i < {epl}; i++) lg[i] = lane + 32 * i < {experts} ? __ldcg(logits + lane + 32 * i) : 0.f;
+    {softmax}
+    for (int i = 0; i < {epl}; i++) {{
+      const int e = lane + 32 * i; const float p = {prob}, s = e < {experts} ? p{' + bias[e]' if bias else ''} : 0.f;
+      sp[e] = p; ssc[e] = e < {experts} && s == s ? s : -INFINITY;
     }}
-    for (int m = 16; m > 0; m >>= 1) {{
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, m); const int oi = __shfl_xor_sync(0xffffffffu, bi, m);
-      if (ov > bv || (ov == bv && oi < bi)) {{ bv = ov; bi = oi; }}
+  }}
+  __syncthreads();
+  for (int e = threadIdx.x; e < {experts}; e += {32 * warps}) {{
+    const float s = ssc[e]; int rank = 0;
+    for (int j = 0; j < {32 * epl}; j += 4) {{
+      const float4 v = *(const float4*)(ssc + j);
+      rank += {beats("x", 0)} + {beats("y", 1)} + {beats("z", 2)} + {beats("w", 3)};
     }}
-    if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
-    isel[t] = bi;
+    if (rank < {k}) ssel[rank] = e;
   }}
-  for (int t = 0; t < {k}; t++) {{
-    const int e = {'force[t]' if forced else 'isel[t]'};
-    float pv = 0.f;
-    for (int i = 0; i < {epl}; i++) if (i == (e >> 5)) pv = p[i];
-    wsel[t] = __shfl_sync(0xffffffffu, pv, e & 31);
-  }}
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  float wsel[{k}];
+  for (int t = 0; t < {k}; t++) wsel[t] = sp[min(max({'force[t]' if forced else 'ssel[t]'}, 0), {experts - 1})];
   {softmax_k if gating == 3 else ''}
   float sum = 0.f;
   for (int t = 0; t < {k}; t++) sum += wsel[t];
-  if (lane == 0) {{
-    for (int t = 0; t < {k}; t++) {{
-      float wv = wsel[t];{' wv = wv / fmaxf(sum, 6.103515625e-5f);' if norm_w else ''}{scale}
-      sel[t] = {'force[t]' if forced else 'isel[t]'}; wts[t] = wv;{' own[t] = isel[t];' if forced else ''}
-    }}
-    cnt[0] = 0;
-  }}"""
+  for (int t = 0; t < {k}; t++) {{
+    float wv = wsel[t];{' wv = wv / fmaxf(sum, 6.103515625e-5f);' if norm_w else ''}{scale}
+    sel[t] = {'force[t]' if forced else 'ssel[t]'}; wts[t] = wv;{' own[t] = ssel[t];' if forced else ''}
+  }}
+  cnt[0] = 0;"""
   blocks = -(-experts // rows_per_block(w.group_lanes, R, warps))
   return Kernel(name, kernel(name, params, body, 32 * warps, waited=True), (blocks, 1, 1),
                 (0, 1, 2, 3) + ((4,) if forced else ()),

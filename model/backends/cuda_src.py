@@ -59,6 +59,12 @@ __device__ __forceinline__ unsigned short f2h(float f) {
   unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
 }
 #define PREFETCH(p) asm volatile("prefetch.global.L2 [%0];" :: "l"(p))
+// a block's arrival at a count (its thread 0, after a __syncthreads): -> the count before it. Release: the block's
+// earlier writes are visible to the block that reads the last count; acquire: that block (after a __syncthreads) sees
+// every arrived block's writes (read them through L2: __ldcg).
+__device__ __forceinline__ int arrive(int* cnt) {
+  int old; asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(cnt) : "memory"); return old;
+}
 #if __CUDA_ARCH__ >= 900
 #define GRID_WAIT() do { asm volatile("griddepcontrol.wait;" ::: "memory"); \
                          asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); } while (0)
@@ -67,6 +73,7 @@ __device__ __forceinline__ unsigned short f2h(float f) {
 #endif
 #else
 #define PREFETCH(p) ((void)(p))
+__device__ __forceinline__ int arrive(int* cnt) { __threadfence(); return atomicAdd(cnt, 1); }
 #ifndef GRID_WAIT
 #define GRID_WAIT() ((void)0)
 #endif
@@ -801,9 +808,8 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
     mine[2 + c] = a;
   }}
   if (threadIdx.x == 0) {{ mine[0] = M; mine[1] = L; }}
-  __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(&cnt[h], 1) == active - 1;
+  if (threadIdx.x == 0) last = arrive(&cnt[h]) == active - 1;
   __syncthreads();
   if (!last) return;
   const float* ph = part + (size_t)h * {S} * {kvl + 2};
@@ -863,9 +869,8 @@ def router(w: W, experts: int, k: int, eps: float, gating: int, bias: bool, norm
   __shared__ int last, ssel[{k}];
   __shared__ __align__(16) float ssc[{32 * epl}];
   __shared__ float sp[{32 * epl}];
-  __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(cnt, 1) == (int)gridDim.x - 1;
+  if (threadIdx.x == 0) last = arrive(cnt) == (int)gridDim.x - 1;
   __syncthreads();
   if (!last) return;
   if (threadIdx.x < 32) {{

@@ -518,15 +518,17 @@ def test_cuda_process_setting_changes_the_decode_step(gguf_file, label: str) -> 
 
 
 def test_attention_kernel_splits_the_context(monkeypatch) -> None:
-  """The MLA attention kernel alone (CUDA emulator): one split, and several with the last block to finish merging them;
-  its arrival counters are back at zero after each launch."""
-  H, kvl, rope, ctx, scale = 2, 64, 32, 256, 0.11
+  """The MLA attention kernel alone (CUDA emulator): one split, and several with the last block to finish merging them
+  (fewer and more than it reads at once: ATT_MERGE); its arrival counters are back at zero after each launch."""
+  H, rope, scale = 2, 32, 0.11
   rng = np.random.default_rng(0)
-  cache = rng.standard_normal((ctx, kvl + rope)).astype(np.float16)
-  qc = rng.standard_normal((H, kvl + rope)).astype(np.float32)
-  k = cuda_src.mla_attention(H, kvl, rope, ctx, scale, True)
-  ch, S = cuda_src.attention_splits(ctx)
-  for p in (20, ch * 2 + 30):
+  long = 64 * (cuda_src.ATT_MERGE + 1) + 5  # a 4096 cache's splits are 64 positions: ATT_MERGE + 2 of them
+  assert cuda_src.attention_splits(4096)[0] == 64
+  for kvl, ctx, p in ((64, 256, 20), (64, 256, 94), (256, 4096, long)):  # a thread's columns: 1, 1, 2
+    cache = rng.standard_normal((ctx, kvl + rope)).astype(np.float16)
+    qc = rng.standard_normal((H, kvl + rope)).astype(np.float32)
+    k = cuda_src.mla_attention(H, kvl, rope, ctx, scale, True)
+    ch, S = cuda_src.attention_splits(ctx)
     o, part, cnt = np.zeros((H, kvl), np.float32), np.zeros(H * S * (kvl + 2), np.float32), np.zeros(H, np.int32)
     launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1),
                     [o, part, cnt, qc, cache.view(np.uint16), np.array([p], np.int32)])

@@ -742,6 +742,7 @@ def attention_splits(max_ctx: int) -> tuple[int, int]:
 
 
 ATT_BATCH = 8  # positions a warp scores at once (independent loads and reductions, then one softmax update)
+ATT_MERGE = 8  # splits whose outputs the merging block reads at once (every column of a thread: one wait on L2 for 8)
 
 
 @functools.cache
@@ -751,9 +752,10 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
   K), keeps an online softmax per warp, merges its warps. Blocks past the last position return at once; with one active
   split its block writes o itself, else each writes (max, sum, unnormalised output) and the last to finish (an atomic
   count of the active splits, reset by it) merges them into o (H, kvl): it reads every split's max and sum at once into
-  shared memory, then the outputs, through L2 (`__ldcg`: no wait on one split's figures before the next's)."""
-  D, (ch, S), P = kvl + rope, attention_splits(max_ctx), ATT_BATCH
-  nd, nv = D // 32, kvl // 32
+  shared memory, then the outputs of ATT_MERGE splits at a time, all of a thread's columns together, through L2
+  (`__ldcg`: one wait for all of them, not one per split and column)."""
+  D, (ch, S), P, MB = kvl + rope, attention_splits(max_ctx), ATT_BATCH, ATT_MERGE
+  nd, nv, nc = D // 32, kvl // 32, -(-kvl // THREADS)
   assert S <= THREADS, "a thread reads each split's max and sum"
   name = f"native_mla_attention_h{heads}_{kvl}_{rope}_c{max_ctx}{'' if cache_half else '_f32'}"
   ct = "unsigned short" if cache_half else "float"
@@ -817,14 +819,19 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
   if (threadIdx.x < active) {{ pm[threadIdx.x] = __ldcg(ph + threadIdx.x * {kvl + 2});
     pl[threadIdx.x] = __ldcg(ph + threadIdx.x * {kvl + 2} + 1); }}
   __syncthreads();
-  float MX = -INFINITY, LT = 0.f;
+  float MX = -INFINITY, LT = 0.f, a[{nc}];
   for (int s = 0; s < active; s++) MX = fmaxf(MX, pm[s]);
   for (int s = 0; s < active; s++) LT += expf(pm[s] - MX) * pl[s];
-  for (int c = threadIdx.x; c < {kvl}; c += {THREADS}) {{
-    float a = 0.f;
-    for (int s = 0; s < active; s++) a += expf(pm[s] - MX) * __ldcg(ph + s * {kvl + 2} + 2 + c);
-    o[(size_t)h * {kvl} + c] = a / LT;
+  for (int i = 0; i < {nc}; i++) a[i] = 0.f;
+  for (int s0 = 0; s0 < active; s0 += {MB}) {{
+    float v[{MB}][{nc}];
+    for (int u = 0; u < {MB}; u++) for (int i = 0; i < {nc}; i++) {{ const int c = threadIdx.x + {THREADS} * i;
+      v[u][i] = s0 + u < active && c < {kvl} ? __ldcg(ph + (s0 + u) * {kvl + 2} + 2 + c) : 0.f; }}
+    for (int u = 0; u < {MB}; u++) if (s0 + u < active) {{ const float f = expf(pm[s0 + u] - MX);
+      for (int i = 0; i < {nc}; i++) a[i] += f * v[u][i]; }}
   }}
+  for (int i = 0; i < {nc}; i++) {{ const int c = threadIdx.x + {THREADS} * i;
+    if (c < {kvl}) o[(size_t)h * {kvl} + c] = a[i] / LT; }}
   if (threadIdx.x == 0) cnt[h] = 0;"""
   return Kernel(name, kernel(name, params, body), (heads, S, 1), (0, 1, 2))
 

@@ -235,7 +235,8 @@ def test_glu_hands_down_its_output(quant: str, Fs: int, form: str) -> None:
 def test_handoff_where_gate_up_runs_one_wave(monkeypatch) -> None:
   """glu hands down its 8- or 16-bit output where down splits over units and glu's 32-output blocks fit two to a
   multiprocessor: GLM-4.7-Flash's 240 on a 132-multiprocessor card, not DeepSeek-V2-Lite's 352 (6 experts of 1408 and
-  2816 shared outputs), nor a plain FFN of another type than the experts'."""
+  2816 shared outputs), nor a plain FFN of another type than the experts'; blocks of fewer warps (rows of fewer units)
+  fit more to a multiprocessor, as the bound glu asks ptxas for says."""
   from model.presets import PRESETS
   monkeypatch.setattr(native, "sm_count", lambda device: 132)
   def ffns(preset: str, plain_t: int = TYPES["Q4_0"]) -> tuple:
@@ -246,6 +247,14 @@ def test_handoff_where_gate_up_runs_one_wave(monkeypatch) -> None:
   assert native.handoff(*ffns("glm-4.7-flash"), "CUDA")
   assert not native.handoff(*ffns("deepseek-v2-lite"), "CUDA")
   assert not native.handoff(*ffns("glm-4.7-flash", TYPES["Q8_0"]), "CUDA")
+  # rows of 512 inputs: 16 units, groups of 16 lanes, so glu's blocks of 32 outputs are 4 warps, 4 to a multiprocessor
+  W = lambda inp: cuda_src.W("", TYPES["Q4_0"], inp)
+  small = lambda k: (cuda_src.FFN(W(512), W(512), W(64), 64, 8, 64, 0), cuda_src.FFN(W(512), W(512), W(64), 64, 0, 64,
+                                                                                       0), k)
+  monkeypatch.setattr(native, "sm_count", lambda device: 1)
+  assert native.handoff(*small(1), "CUDA") and not native.handoff(*small(2), "CUDA")  # 4 blocks, 6
+  k = cuda_src.glu(*small(1), 512, 1e-5, native.R_LARGE, "q8", True, 1)
+  assert k.threads == 128 and "__launch_bounds__(128, 4)" in k.src
   monkeypatch.setattr(native, "sm_count", lambda device: 200)
   assert native.handoff(*ffns("deepseek-v2-lite"), "CUDA")
 

@@ -862,7 +862,8 @@ def router(w: W, experts: int, k: int, eps: float, gating: int, bias: bool, norm
   prob = {1: "expf(lg[i] - mx) / den", 2: "1.f / (1.f + expf(-lg[i]))", 3: "lg[i]",
           4: "sqrtf(logf(1.f + expf(lg[i])))"}[gating]
   softmax = ("float mx = -INFINITY, den = 0.f;"
-             f" for (int i = 0; i < {epl}; i++) if (lane + 32 * i < {experts}) mx = fmaxf(mx, lg[i]); mx = warp_max(mx);"
+             f" for (int i = 0; i < {epl}; i++) if (lane + 32 * i < {experts}) mx = fmaxf(mx, lg[i]);"
+             " mx = warp_max(mx);"
              f" for (int i = 0; i < {epl}; i++) if (lane + 32 * i < {experts}) den += expf(lg[i] - mx);"
              " den = group_sum(den, 32);") if gating == 1 else ""
   scale = f" wv *= {w_scale!r}f;" if w_scale not in (0.0, 1.0) else ""
@@ -969,7 +970,7 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
             + (["const int* __restrict__ sel"] if r else []))
   params += (r.params if r else []) + (p.params if p else [])
   G = (r or p).gate.group_lanes
-  warps = 32 // ((32 // G) * R) if handoff else WARPS
+  warps = handoff_warps(G, R) if handoff else WARPS
   assert not handoff or (warps >= 1 and rows_per_block(G, R, warps) == 32
                          and all(f.hidden % 32 == 0 for f in (r, p) if f)), ("32 outputs " "a block")
   silu = lambda a: f"({a[0]} * (1.f / (1.f + expf(-{a[0]})))) * {a[1]}"
@@ -1030,10 +1031,16 @@ def down_reads_handoff(routed: FFN | None, plain: FFN | None) -> bool:
   return not (routed and plain) or (plain.down.ggml_type == base.down.ggml_type and plain.hidden % base.hidden == 0)
 
 
-def handoff_fits(routed: FFN | None, plain: FFN | None, k: int, sms: int) -> bool:
-  """Whether glu hands down its output on a device of `sms` multiprocessors: where down splits over units and glu's
-  blocks of 32 outputs (256 threads, at most GLU_REGS registers: two to a multiprocessor) run as one wave."""
-  return down_reads_handoff(routed, plain) and handoff_blocks(routed, plain, k) <= REGS // (GLU_REGS * 256) * sms
+def handoff_warps(G: int, R: int) -> int:
+  """The warps of a glu block with the hand-off: 32 outputs, R rows per group of G lanes."""
+  return 32 // ((32 // G) * R)
+
+
+def handoff_fits(routed: FFN | None, plain: FFN | None, k: int, sms: int, R: int = 4) -> bool:
+  """Whether glu (R rows per group) hands down its output on a device of `sms` multiprocessors: where down splits over
+  units and glu's blocks of 32 outputs (handoff_warps, at most GLU_REGS registers a thread) run as one wave."""
+  threads = 32 * handoff_warps((routed or plain).gate.group_lanes, R)
+  return down_reads_handoff(routed, plain) and handoff_blocks(routed, plain, k) <= REGS // (GLU_REGS * threads) * sms
 
 
 @functools.cache

@@ -195,7 +195,7 @@ def handoff(routed: C.FFN | None, plain: C.FFN | None, k: int, device: str) -> b
   """Whether glu writes its output in the form down's products read (8- or 16-bit activations), by
   cuda_src.handoff_fits on this device: where glu's blocks fit one wave, the hand-off saves down more than it costs
   gate+up (benchmarks/kernel_lab.py)."""
-  return C.handoff_fits(routed, plain, k, sm_count(device))
+  return C.handoff_fits(routed, plain, k, sm_count(device), R_LARGE)
 
 
 def _glu_down(blk: Block, h: Tensor, routed: C.FFN | None, plain: C.FFN | None, rp: list[Tensor], pp: list[Tensor],

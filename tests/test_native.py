@@ -537,7 +537,7 @@ def test_attention_kernel_splits_the_context(monkeypatch) -> None:
     cache = rng.standard_normal((ctx, kvl + rope)).astype(np.float16)
     qc = rng.standard_normal((H, kvl + rope)).astype(np.float32)
     k = cuda_src.mla_attention(H, kvl, rope, ctx, scale, True)
-    ch, S = cuda_src.attention_splits(ctx)
+    S = cuda_src.attention_splits(ctx)[1]
     o, part, cnt = np.zeros((H, kvl), np.float32), np.zeros(H * S * (kvl + 2), np.float32), np.zeros(H, np.int32)
     launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1),
                     [o, part, cnt, qc, cache.view(np.uint16), np.array([p], np.int32)])

@@ -6,8 +6,9 @@ one process; with --against, the same kernels built by another version of model/
   out.jsonl]
 
 Kinds: the output head; the attention's norm-folded products (q_a and kv_a, q_b), the MLA absorption (k_b per head), the
-MLA attention (a float16 cache of the evaluator's decode context, CTX, read from position POS), v_b per head and the
-output projection with its residual; the router; the fused MoE kernels (gate+up+SiLU over the selected experts and the
+MLA attention (a float16 cache of the evaluator's decode context, CTX, read from position POS; a source whose v_b
+merges the splits writes them alone), v_b per head (with that merge where it has it) and the output projection with its
+residual; the router; the fused MoE kernels (gate+up+SiLU over the selected experts and the
 shared expert; down with the weighted combine), with float32, 8-bit and 16-bit (x16) activations. Launches run back to
 back in one CUDA graph (cupy), as tinygrad's graph runs them, over enough copies of the weights (and, for the MoE
 kernels, other experts each launch) that L2 holds none of a launch's weight bytes when it starts. `us`: median device
@@ -128,7 +129,9 @@ def kernels(mod, kind: str, preset: str, handoff: str, sms: int) -> list[tuple[s
              mod.absorb_rope_kv(W(hp.qk_nope, "k_"), H, hp.qk_nope, hp.qk_rope, hp.kv_lora, 4096, hp.rms_eps, False))]
   if kind == "attention":
     return [("f32", mod.mla_attention(H, hp.kv_lora, hp.qk_rope, CTX, (hp.qk_nope + hp.qk_rope) ** -0.5, True))]
-  if kind == "v_b": return [("f32", mod.product("per_head", Q4_0, (H, hp.v_head, hp.kv_lora), tn=1, n=1, heads=H))]
+  if kind == "v_b":
+    return [("f32", mod.mla_vb(W(hp.kv_lora, "w_"), H, hp.kv_lora, hp.v_head, CTX) if hasattr(mod, "mla_vb") else
+             mod.product("per_head", Q4_0, (H, hp.v_head, hp.kv_lora), tn=1, n=1, heads=H))]
   if kind == "dense_res": return [("f32", mod.dense(((W(H * hp.v_head, "a_"), dim),), 2, None, residual=True, **wave))]
   if kind == "router":
     return [("f32",
@@ -197,11 +200,12 @@ def launches(kind: str, preset: str) -> tuple[object, object]:
     caches = [cp.random.standard_normal(CTX * D, dtype=cp.float32).astype(cp.float16).view(cp.uint16) for _ in range(8)]
     o, part, cnt = f(H * hp.kv_lora), f(H * CTX * (hp.kv_lora + 2)), cp.zeros(H, dtype=cp.int32)
     qc, pos = cp.random.standard_normal(H * D, dtype=cp.float32) * 0.05, cp.array([POS], dtype=cp.int32)
-    return o, lambda k: [(o, part, cnt, qc, c, pos) for c in caches * 10]
-  if kind == "v_b":
+    return o, lambda k: [(part, qc, c, pos) if "_parts_" in k.name else (o, part, cnt, qc, c, pos) for c in caches * 10]
+  if kind == "v_b":  # mla_vb merges the splits of position POS (positive sums)
     cs = [weight(H * hp.v_head, hp.kv_lora) for _ in range(8)]
-    o = f(H * hp.v_head)
-    return o, lambda k: [(o, x, *c) for c in cs * 10]
+    o, pos = f(H * hp.v_head), cp.array([POS], dtype=cp.int32)
+    part = cp.abs(cp.random.standard_normal(H * CTX * (hp.kv_lora + 2), dtype=cp.float32)) + 0.1
+    return o, lambda k: [(o, part, pos, *c) if "_mla_vb_" in k.name else (o, x, *c) for c in cs * 10]
   if kind == "dense_res":
     cs = [weight(dim, H * hp.v_head) for _ in range(8)]
     o, res = f(dim), cp.random.standard_normal(dim, dtype=cp.float32)
@@ -263,7 +267,7 @@ def main() -> None:
           ls = make(k)
           call(*ls[0]); cp.cuda.Device().synchronize()
           o = cp.asnumpy(out).astype(np.float64)
-          ref = first.setdefault((act, "_outq8" in k.name or "_inq8" in k.name), o)  # compared where the formats match
+          ref = first.setdefault((act, "_outq8" in k.name or "_inq8" in k.name, "_parts_" in k.name), o)  # same formats
           calls[(name, act)] = (call, ls, fn, k, float(np.abs(o - ref).max() / (ref.std() or 1.0)))
       times: dict[tuple[str, str], list[float]] = {}
       for _ in range(3):  # the sources interleaved

@@ -393,7 +393,8 @@ class Transformer:
     if not 1 <= n <= hp.n_layers: raise ValueError(f"n_layers={n} is outside 1..{hp.n_layers}")
     cos, sin = rope_table(hp, self.max_context)
     self.cos, self.sin = upload(cos, device), upload(sin, device)
-    # shared by the blocks: the RoPE tables and the native kernels' scratch (split-attention partials, arrival counters)
+    # shared by the blocks: the RoPE tables and the native kernels' scratch (split-attention partials, the router's
+    # arrival counter)
     shared = {"cos": self.cos, "sin": self.sin}
     for b in sorted({b for b in self.cfg.fused.values() if catalog.get(b).scratch}):
       shared |= K.get(b).scratch(hp, self.max_context, device)

@@ -527,26 +527,28 @@ def test_cuda_process_setting_changes_the_decode_step(gguf_file, label: str) -> 
 
 
 def test_attention_kernel_splits_the_context(monkeypatch) -> None:
-  """The MLA attention kernel alone (CUDA emulator): one split, and several with the last block to finish merging them
-  (fewer and more than it reads at once: ATT_MERGE); its arrival counters are back at zero after each launch."""
+  """The MLA attention kernel and the v_b kernel that merges its splits, alone (CUDA emulator): one split, and several
+  (fewer and more than mla_vb reads at once: ATT_MERGE), for v_b types of different row groups."""
   H, rope, scale = 2, 32, 0.11
   rng = np.random.default_rng(0)
   long = 64 * (cuda_src.ATT_MERGE + 1) + 5  # a 4096 cache's splits are 64 positions: ATT_MERGE + 2 of them
   assert cuda_src.attention_splits(4096)[0] == 64
-  for kvl, ctx, p in ((64, 256, 20), (64, 256, 94), (256, 4096, long)):  # a thread's columns: 1, 1, 2
+  cases = ((64, 256, 20, "Q4_0", 40), (64, 256, 94, "Q8_0", 24), (256, 4096, long, "Q6_K", 72))  # 1, 1, 2 columns
+  for kvl, ctx, p, quant, vh in cases:
     cache = rng.standard_normal((ctx, kvl + rope)).astype(np.float16)
     qc = rng.standard_normal((H, kvl + rope)).astype(np.float32)
-    k = cuda_src.mla_attention(H, kvl, rope, ctx, scale, True)
-    S = cuda_src.attention_splits(ctx)[1]
-    o, part, cnt = np.zeros((H, kvl), np.float32), np.zeros(H * S * (kvl + 2), np.float32), np.zeros(H, np.int32)
-    launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1),
-                    [o, part, cnt, qc, cache.view(np.uint16), np.array([p], np.int32)])
+    vb_planes, vb = kernel_weight(TYPES[quant], (H, vh, kvl), kvl)
+    ka = cuda_src.mla_attention(H, kvl, rope, ctx, scale, True)
+    kv = cuda_src.mla_vb(cuda_src.W("w_", TYPES[quant], kvl), H, kvl, vh, ctx)
+    S, pos = cuda_src.attention_splits(ctx)[1], np.array([p], np.int32)
+    part, out = np.zeros(H * S * (kvl + 2), np.float32), np.zeros((H, vh), np.float32)
+    launch_kernel(ka.src, ka.name, ka.grid, (ka.threads, 1, 1), [part, qc, cache.view(np.uint16), pos])
+    launch_kernel(kv.src, kv.name, kv.grid, (kv.threads, 1, 1), [out, part, pos, *vb_planes])
     c = cache[:p + 1].astype(np.float64)
     s = qc.astype(np.float64) @ c.T * scale
     w = np.exp(s - s.max(-1, keepdims=True))
-    want = (w / w.sum(-1, keepdims=True)) @ c[:, :kvl]
-    np.testing.assert_allclose(o, want, rtol=1e-4, atol=1e-5)
-    assert (cnt == 0).all()
+    want = np.einsum("hvc,hc->hv", vb, (w / w.sum(-1, keepdims=True)) @ c[:, :kvl])
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("quant, heads, nope, rope, kvl", [("Q4_0", 3, 32, 16, 512), ("Q8_0", 20, 64, 64, 128)])

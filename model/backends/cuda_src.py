@@ -742,28 +742,24 @@ def attention_splits(max_ctx: int) -> tuple[int, int]:
 
 
 ATT_BATCH = 8  # positions a warp scores at once (independent loads and reductions, then one softmax update)
-ATT_MERGE = 8  # splits whose outputs the merging block reads at once (every column of a thread: one wait on L2 for 8)
+ATT_MERGE = 8  # splits whose outputs mla_vb's blocks read at once (every column of a thread: one wait on L2 for 8)
 
 
 @functools.cache
 def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, cache_half: bool) -> Kernel:
   """MLA decode attention over the compressed cache, split over the context (grid: heads x splits): each block scores
   its positions with the absorbed query (all kvl + rope dims; the values are the cache's first kvl dims: V is a slice of
-  K), keeps an online softmax per warp, merges its warps. Blocks past the last position return at once; with one active
-  split its block writes o itself, else each writes (max, sum, unnormalised output) and the last to finish (an atomic
-  count of the active splits, reset by it) merges them into o (H, kvl): it reads every split's max and sum at once into
-  shared memory, then the outputs of ATT_MERGE splits at a time, all of a thread's columns together, through L2
-  (`__ldcg`: one wait for all of them, not one per split and column)."""
-  D, (ch, S), P, MB = kvl + rope, attention_splits(max_ctx), ATT_BATCH, ATT_MERGE
-  nd, nv, nc = D // 32, kvl // 32, -(-kvl // THREADS)
-  assert S <= THREADS, "a thread reads each split's max and sum"
-  name = f"native_mla_attention_h{heads}_{kvl}_{rope}_c{max_ctx}{'' if cache_half else '_f32'}"
+  K), keeps an online softmax per warp, merges its warps and writes its split's (max, sum, unnormalised output) to part
+  (H, splits, kvl + 2); blocks past the last position return at once. mla_vb merges the splits."""
+  D, (ch, S), P = kvl + rope, attention_splits(max_ctx), ATT_BATCH
+  nd, nv = D // 32, kvl // 32
+  name = f"native_mla_attention_parts_h{heads}_{kvl}_{rope}_c{max_ctx}{'' if cache_half else '_f32'}"
   ct = "unsigned short" if cache_half else "float"
   ld = (lambda v: f"h2f({v})") if cache_half else (lambda v: v)
-  params = ["float* o", "float* part", "int* cnt", "const float* __restrict__ qc", f"const {ct}* __restrict__ cache",
+  params = ["float* part", "const float* __restrict__ qc", f"const {ct}* __restrict__ cache",
             "const int* __restrict__ pos"]
   body = f"""const int h = blockIdx.x, sp = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n = pos[0] + 1, j0 = sp * {ch}, j1 = min(n, j0 + {ch}), active = (n + {ch - 1}) / {ch};
+  const int n = pos[0] + 1, j0 = sp * {ch}, j1 = min(n, j0 + {ch});
   if (j0 >= n) return;
   float qv[{nd}], ov[{nv}], m = -INFINITY, l = 0.f;
   for (int k = 0; k < {nd}; k++) qv[k] = qc[(size_t)h * {D} + lane + 32 * k];
@@ -789,7 +785,6 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
     m = mn;
   }}
   __shared__ float sm[{WARPS}], sl[{WARPS}], so[{WARPS}][{kvl}];
-  __shared__ int last;
   if (lane == 0) {{ sm[warp] = m; sl[warp] = l; }}
   for (int k = 0; k < {nv}; k++) so[warp][lane + 32 * k] = ov[k];
   __syncthreads();
@@ -797,43 +792,54 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
   for (int w = 0; w < {WARPS}; w++) M = fmaxf(M, sm[w]);
   float f[{WARPS}], L = 0.f;
   for (int w = 0; w < {WARPS}; w++) {{ f[w] = sm[w] == -INFINITY ? 0.f : expf(sm[w] - M); L += f[w] * sl[w]; }}
-  if (active == 1) {{
-    for (int c = threadIdx.x; c < {kvl}; c += {THREADS}) {{
-      float a = 0.f; for (int w = 0; w < {WARPS}; w++) a += f[w] * so[w][c];
-      o[(size_t)h * {kvl} + c] = a / L;
-    }}
-    return;
-  }}
   float* mine = part + ((size_t)h * {S} + sp) * {kvl + 2};
   for (int c = threadIdx.x; c < {kvl}; c += {THREADS}) {{
     float a = 0.f; for (int w = 0; w < {WARPS}; w++) a += f[w] * so[w][c];
     mine[2 + c] = a;
   }}
-  if (threadIdx.x == 0) {{ mine[0] = M; mine[1] = L; }}
-  __syncthreads();
-  if (threadIdx.x == 0) last = arrive(&cnt[h]) == active - 1;
-  __syncthreads();
-  if (!last) return;
+  if (threadIdx.x == 0) {{ mine[0] = M; mine[1] = L; }}"""
+  return Kernel(name, kernel(name, params, body), (heads, S, 1), (0,))
+
+
+@functools.cache
+def mla_vb(vb: W, heads: int, kvl: int, v_head: int, max_ctx: int) -> Kernel:
+  """MLA's output per head, out (H, v_head) = v_b . o, from mla_attention's splits (grid: row blocks x heads): each
+  block issues its v_b rows' reads, then merges the head's splits into o in shared memory while they are in flight:
+  ATT_MERGE splits at a time, each thread's columns and their maxes and sums together through L2 (`__ldcg`: one wait for
+  all of them), rescaled as an online softmax from one chunk to the next."""
+  (ch, S), MB, nc = attention_splits(max_ctx), ATT_MERGE, -(-kvl // THREADS)
+  assert vb.inp == kvl
+  G, R = vb.group_lanes, R_PRODUCT
+  name = f"native_mla_vb_{QUANT_TYPES[vb.ggml_type].name.lower()}_h{heads}_{kvl}_{v_head}_c{max_ctx}"
+  params = ["float* out", "const float* __restrict__ part", "const int* __restrict__ pos"] + vb.params
+  merge = f"""{{ const int active = (pos[0] + {ch}) / {ch};
   const float* ph = part + (size_t)h * {S} * {kvl + 2};
-  __shared__ float pm[{S}], pl[{S}];
-  if (threadIdx.x < active) {{ pm[threadIdx.x] = __ldcg(ph + threadIdx.x * {kvl + 2});
-    pl[threadIdx.x] = __ldcg(ph + threadIdx.x * {kvl + 2} + 1); }}
-  __syncthreads();
   float MX = -INFINITY, LT = 0.f, a[{nc}];
-  for (int s = 0; s < active; s++) MX = fmaxf(MX, pm[s]);
-  for (int s = 0; s < active; s++) LT += expf(pm[s] - MX) * pl[s];
   for (int i = 0; i < {nc}; i++) a[i] = 0.f;
   for (int s0 = 0; s0 < active; s0 += {MB}) {{
-    float v[{MB}][{nc}];
-    for (int u = 0; u < {MB}; u++) for (int i = 0; i < {nc}; i++) {{ const int c = threadIdx.x + {THREADS} * i;
-      v[u][i] = s0 + u < active && c < {kvl} ? __ldcg(ph + (s0 + u) * {kvl + 2} + 2 + c) : 0.f; }}
-    for (int u = 0; u < {MB}; u++) if (s0 + u < active) {{ const float f = expf(pm[s0 + u] - MX);
-      for (int i = 0; i < {nc}; i++) a[i] += f * v[u][i]; }}
+    float pm[{MB}], pl[{MB}], v[{MB}][{nc}];
+    for (int u = 0; u < {MB}; u++) {{ const bool ok = s0 + u < active; const float* p = ph + (s0 + u) * {kvl + 2};
+      pm[u] = ok ? __ldcg(p) : -INFINITY; pl[u] = ok ? __ldcg(p + 1) : 0.f;
+      for (int i = 0; i < {nc}; i++) {{ const int c = threadIdx.x + {THREADS} * i;
+        v[u][i] = ok && c < {kvl} ? __ldcg(p + 2 + c) : 0.f; }} }}
+    float mn = MX;
+    for (int u = 0; u < {MB}; u++) mn = fmaxf(mn, pm[u]);
+    const float corr = expf(MX - mn);
+    LT *= corr;
+    for (int i = 0; i < {nc}; i++) a[i] *= corr;
+    for (int u = 0; u < {MB}; u++) {{ const float f = expf(pm[u] - mn); LT += f * pl[u];
+      for (int i = 0; i < {nc}; i++) a[i] = fmaf(f, v[u][i], a[i]); }}
+    MX = mn;
   }}
   for (int i = 0; i < {nc}; i++) {{ const int c = threadIdx.x + {THREADS} * i;
-    if (c < {kvl}) o[(size_t)h * {kvl} + c] = a[i] / LT; }}
-  if (threadIdx.x == 0) cnt[h] = 0;"""
-  return Kernel(name, kernel(name, params, body), (heads, S, 1), (0, 1, 2))
+    if (c < {kvl}) sx[{sx_at('c')}] = a[i] / LT; }}
+  __syncthreads(); }}"""
+  body = (f"const int h = blockIdx.y; {stage_decl(kvl, 'f32')}\n  " + group_setup(G, R) + "\n  "
+          + gemv([(vb, f"(size_t)h * {v_head} + {{o}}", "a")], "sx", v_head, R,
+                 lambda o, a: f"out[(size_t)h * {v_head} + {o}] = {a[0]};", prologue=merge, early=True, staged=True,
+                 wait=True))
+  blocks = -(-v_head // rows_per_block(G, R))
+  return Kernel(name, kernel(name, params, body, waited=True), (blocks, heads, 1), (0,))
 
 
 GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softplus"}

@@ -101,7 +101,7 @@ def _rows_r(rows: int) -> int: return R_LARGE if rows >= 4096 else R_SMALL
 
 def attention(blk: Block, x: Tensor, start_pos, pos: Tensor) -> Tensor:
   """h = x + attention(x) for one token: norm + q_a/kv_a (or q/kv_a), q_a norm + q_b, absorption + RoPE + cache write,
-  MLA attention split over the context, v_b, output projection + residual: 6 kernels."""
+  MLA attention split over the context, the splits' merge with v_b, output projection + residual: 6 kernels."""
   hp, dev = blk.hp, x.device
   H, nope, rope, kvl, dim = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.kv_lora, hp.dim
   xf = f32(x)
@@ -122,10 +122,10 @@ def attention(blk: Block, x: Tensor, start_pos, pos: Tensor) -> Tensor:
   qc, cache = launch(k3, [empty(H * D, device=dev), blk.cache, q, kv, blk.kv_a_norm, blk.cos, blk.sin, pos,
                           *planes(blk.k_b)], row_bytes(blk.k_b) * H * kvl + D * 2)[:2]
   k4 = C.mla_attention(H, kvl, rope, blk.cache.shape[1], hp.kq_scale, cache_half)
-  o = launch(k4, [empty(H * kvl, device=dev), blk.scratch["part"], blk.scratch["cnt"], qc, cache, pos],
-             cache.nbytes() // 4)[0]
-  kv5 = C.product("per_head", blk.v_b.ggml_type, blk.v_b.shape, tn=1, n=1, heads=H)
-  a = launch(kv5, [empty(H * hp.v_head, device=dev), o, *planes(blk.v_b)], row_bytes(blk.v_b) * H * hp.v_head)[0]
+  part = launch(k4, [blk.scratch["part"], qc, cache, pos], cache.nbytes() // 4)[0]
+  k5 = C.mla_vb(cw("w_", blk.v_b), H, kvl, hp.v_head, blk.cache.shape[1])
+  a = launch(k5, [empty(H * hp.v_head, device=dev), part, pos, *planes(blk.v_b)],
+             row_bytes(blk.v_b) * H * hp.v_head)[0]
   k6 = C.dense(((cw("a_", blk.wo), dim),), _rows_r(dim), None, residual=True, sms=sms)
   return launch(k6, [empty(1, 1, dim, device=dev), a, xf, *planes(blk.wo)], row_bytes(blk.wo) * dim)[0]
 
@@ -236,10 +236,9 @@ class NativeBackend(Backend):
     return w
 
   def scratch(self, hp, max_context: int, device: str | None) -> dict[str, Tensor]:
-    """Split attention's partials and arrival counters, and the router's counter, shared by the blocks."""
+    """Split attention's partials and the router's counter, shared by the blocks."""
     splits = C.attention_splits(max_context)[1]
     return {"part": Tensor.zeros(hp.n_heads * splits * (hp.kv_lora + 2), device=device).contiguous().realize(),
-            "cnt": Tensor.zeros(hp.n_heads, dtype=dtypes.int32, device=device).contiguous().realize(),
             "router_cnt": Tensor.zeros(1, dtype=dtypes.int32, device=device).contiguous().realize()}
 
   def linear(self, x: Tensor, w: QWeight) -> Tensor: return linear(x, w)

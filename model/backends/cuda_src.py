@@ -441,6 +441,10 @@ def prefetch_rows(comps: list[tuple[W, str, str]], first: str, last: str, lane: 
 
 
 WAIT = "GRID_WAIT();"  # a kernel's wait for the kernels before it (PRELUDE's GRID_WAIT; model/backends/cuda_graph.py)
+# parameters a kernel may read before its wait, besides its weights: the step's position. The absorption kernel reads it
+# after its wait, so whichever kernel writes it comes before the absorption, and it has finished when the attention and
+# mla_vb start after it (a kernel starts once every block of the one before it has waited on the one before that)
+EARLY = ("pos",)
 ACTS = ("f32", "q8", "x16")  # a gemv's input: float32, 8 bits per 32 (llama.cpp's q8_1), or two 8-bit planes (16 bits)
 
 
@@ -750,7 +754,8 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
   """MLA decode attention over the compressed cache, split over the context (grid: heads x splits): each block scores
   its positions with the absorbed query (all kvl + rope dims; the values are the cache's first kvl dims: V is a slice of
   K), keeps an online softmax per warp, merges its warps and writes its split's (max, sum, unnormalised output) to part
-  (H, splits, kvl + 2); blocks past the last position return at once. mla_vb merges the splits."""
+  (H, splits, kvl + 2); blocks past the last position return at once. mla_vb merges the splits. Both read the position
+  before they wait on the kernel before them (EARLY), so only one wait on memory follows that wait."""
   D, (ch, S), P = kvl + rope, attention_splits(max_ctx), ATT_BATCH
   nd, nv = D // 32, kvl // 32
   name = f"native_mla_attention_parts_h{heads}_{kvl}_{rope}_c{max_ctx}{'' if cache_half else '_f32'}"
@@ -760,6 +765,7 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
             "const int* __restrict__ pos"]
   body = f"""const int h = blockIdx.x, sp = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n = pos[0] + 1, j0 = sp * {ch}, j1 = min(n, j0 + {ch});
+  {WAIT}
   if (j0 >= n) return;
   float qv[{nd}], ov[{nv}], m = -INFINITY, l = 0.f;
   for (int k = 0; k < {nd}; k++) qv[k] = qc[(size_t)h * {D} + lane + 32 * k];
@@ -798,7 +804,7 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
     mine[2 + c] = a;
   }}
   if (threadIdx.x == 0) {{ mine[0] = M; mine[1] = L; }}"""
-  return Kernel(name, kernel(name, params, body), (heads, S, 1), (0,))
+  return Kernel(name, kernel(name, params, body, waited=True), (heads, S, 1), (0,))
 
 
 @functools.cache
@@ -812,8 +818,7 @@ def mla_vb(vb: W, heads: int, kvl: int, v_head: int, max_ctx: int) -> Kernel:
   G, R = vb.group_lanes, R_PRODUCT
   name = f"native_mla_vb_{QUANT_TYPES[vb.ggml_type].name.lower()}_h{heads}_{kvl}_{v_head}_c{max_ctx}"
   params = ["float* out", "const float* __restrict__ part", "const int* __restrict__ pos"] + vb.params
-  merge = f"""{{ const int active = (pos[0] + {ch}) / {ch};
-  const float* ph = part + (size_t)h * {S} * {kvl + 2};
+  merge = f"""{{ const float* ph = part + (size_t)h * {S} * {kvl + 2};
   float MX = -INFINITY, LT = 0.f, a[{nc}];
   for (int i = 0; i < {nc}; i++) a[i] = 0.f;
   for (int s0 = 0; s0 < active; s0 += {MB}) {{
@@ -834,7 +839,8 @@ def mla_vb(vb: W, heads: int, kvl: int, v_head: int, max_ctx: int) -> Kernel:
   for (int i = 0; i < {nc}; i++) {{ const int c = threadIdx.x + {THREADS} * i;
     if (c < {kvl}) sx[{sx_at('c')}] = a[i] / LT; }}
   __syncthreads(); }}"""
-  body = (f"const int h = blockIdx.y; {stage_decl(kvl, 'f32')}\n  " + group_setup(G, R) + "\n  "
+  body = (f"const int h = blockIdx.y, active = (pos[0] + {ch}) / {ch}; {stage_decl(kvl, 'f32')}\n  " + group_setup(G, R)
+          + "\n  "
           + gemv([(vb, f"(size_t)h * {v_head} + {{o}}", "a")], "sx", v_head, R,
                  lambda o, a: f"out[(size_t)h * {v_head} + {o}] = {a[0]};", prologue=merge, early=True, staged=True,
                  wait=True))

@@ -528,7 +528,8 @@ def test_cuda_process_setting_changes_the_decode_step(gguf_file, label: str) -> 
 
 def test_attention_kernel_splits_the_context(monkeypatch) -> None:
   """The MLA attention kernel and the v_b kernel that merges its splits, alone (CUDA emulator): one split, and several
-  (fewer and more than mla_vb reads at once: ATT_MERGE), for v_b types of different row groups."""
+  (fewer and more than mla_vb reads at once: ATT_MERGE), for v_b types of different row groups. The partials buffer
+  starts as NaN, as stale splits of another layer or position: only the active splits' partials may be read."""
   H, rope, scale = 2, 32, 0.11
   rng = np.random.default_rng(0)
   long = 64 * (cuda_src.ATT_MERGE + 1) + 5  # a 4096 cache's splits are 64 positions: ATT_MERGE + 2 of them
@@ -541,7 +542,7 @@ def test_attention_kernel_splits_the_context(monkeypatch) -> None:
     ka = cuda_src.mla_attention(H, kvl, rope, ctx, scale, True)
     kv = cuda_src.mla_vb(cuda_src.W("w_", TYPES[quant], kvl), H, kvl, vh, ctx)
     S, pos = cuda_src.attention_splits(ctx)[1], np.array([p], np.int32)
-    part, out = np.zeros(H * S * (kvl + 2), np.float32), np.zeros((H, vh), np.float32)
+    part, out = np.full(H * S * (kvl + 2), np.nan, np.float32), np.zeros((H, vh), np.float32)
     launch_kernel(ka.src, ka.name, ka.grid, (ka.threads, 1, 1), [part, qc, cache.view(np.uint16), pos])
     launch_kernel(kv.src, kv.name, kv.grid, (kv.threads, 1, 1), [out, part, pos, *vb_planes])
     c = cache[:p + 1].astype(np.float64)

@@ -441,10 +441,11 @@ def prefetch_rows(comps: list[tuple[W, str, str]], first: str, last: str, lane: 
 
 
 WAIT = "GRID_WAIT();"  # a kernel's wait for the kernels before it (PRELUDE's GRID_WAIT; model/backends/cuda_graph.py)
-# parameters a kernel may read before its wait, besides its weights: the step's position. The absorption kernel reads it
-# after its wait, so whichever kernel writes it comes before the absorption, and it has finished when the attention and
-# mla_vb start after it (a kernel starts once every block of the one before it has waited on the one before that)
-EARLY = ("pos",)
+# parameters a kernel may read before its wait, besides its weights: `early_pos`, the step's position as the attention
+# and mla_vb name it. The absorption kernel before them reads it (as `pos`) after its wait, so whichever kernel writes
+# it comes before the absorption and has finished when they start (a kernel starts once every block of the one before
+# it has waited on the one before that). Kernels without that guarantee name it `pos` and read it after their wait.
+EARLY = ("early_pos",)
 ACTS = ("f32", "q8", "x16")  # a gemv's input: float32, 8 bits per 32 (llama.cpp's q8_1), or two 8-bit planes (16 bits)
 
 
@@ -762,9 +763,9 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
   ct = "unsigned short" if cache_half else "float"
   ld = (lambda v: f"h2f({v})") if cache_half else (lambda v: v)
   params = ["float* part", "const float* __restrict__ qc", f"const {ct}* __restrict__ cache",
-            "const int* __restrict__ pos"]
+            "const int* __restrict__ early_pos"]
   body = f"""const int h = blockIdx.x, sp = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n = pos[0] + 1, j0 = sp * {ch}, j1 = min(n, j0 + {ch});
+  const int n = early_pos[0] + 1, j0 = sp * {ch}, j1 = min(n, j0 + {ch});
   {WAIT}
   if (j0 >= n) return;
   float qv[{nd}], ov[{nv}], m = -INFINITY, l = 0.f;
@@ -817,7 +818,7 @@ def mla_vb(vb: W, heads: int, kvl: int, v_head: int, max_ctx: int) -> Kernel:
   assert vb.inp == kvl
   G, R = vb.group_lanes, R_PRODUCT
   name = f"native_mla_vb_{QUANT_TYPES[vb.ggml_type].name.lower()}_h{heads}_{kvl}_{v_head}_c{max_ctx}"
-  params = ["float* out", "const float* __restrict__ part", "const int* __restrict__ pos"] + vb.params
+  params = ["float* out", "const float* __restrict__ part", "const int* __restrict__ early_pos"] + vb.params
   merge = f"""{{ const float* ph = part + (size_t)h * {S} * {kvl + 2};
   float MX = -INFINITY, LT = 0.f, a[{nc}];
   for (int i = 0; i < {nc}; i++) a[i] = 0.f;
@@ -839,9 +840,8 @@ def mla_vb(vb: W, heads: int, kvl: int, v_head: int, max_ctx: int) -> Kernel:
   for (int i = 0; i < {nc}; i++) {{ const int c = threadIdx.x + {THREADS} * i;
     if (c < {kvl}) sx[{sx_at('c')}] = a[i] / LT; }}
   __syncthreads(); }}"""
-  body = (f"const int h = blockIdx.y, active = (pos[0] + {ch}) / {ch}; {stage_decl(kvl, 'f32')}\n  " + group_setup(G, R)
-          + "\n  "
-          + gemv([(vb, f"(size_t)h * {v_head} + {{o}}", "a")], "sx", v_head, R,
+  body = (f"const int h = blockIdx.y, active = (early_pos[0] + {ch}) / {ch}; {stage_decl(kvl, 'f32')}\n  "
+          + group_setup(G, R) + "\n  " + gemv([(vb, f"(size_t)h * {v_head} + {{o}}", "a")], "sx", v_head, R,
                  lambda o, a: f"out[(size_t)h * {v_head} + {o}] = {a[0]};", prologue=merge, early=True, staged=True,
                  wait=True))
   blocks = -(-v_head // rows_per_block(G, R))

@@ -103,12 +103,12 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
   first, figures = prepare(gen, spec.prompt_len, spec.prefill, rec.phase, feed=spec.reference is None)
   res.metrics |= figures | {"peak_device_bytes": peak()}
 
-  ref, (tol, ffn_tol) = None, gate.tolerance(cfg, gen.model.hp.dim)
+  ref, (tol, part_tol) = None, gate.tolerance(cfg, gen.model.hp.dim)
   if spec.reference:
     rec.phase("check")
     ref = gate.Reference.load(spec.reference)
     exact = gate.Reference.load(spec.exact_reference) if spec.exact_reference else None
-    res.check = gate.check(gen, ref, tol, ffn_tol, exact)
+    res.check = gate.check(gen, ref, tol, part_tol, exact)
     if not res.check["ok"]:
       res.status, res.error = "wrong_output", gate.verdict(res.check)
       return

@@ -28,10 +28,10 @@ and the blocks carry it on; 8-bit activations compound over the blocks), so each
 Tolerances are of the reference's standard deviation at each position, errors the maximum over the elements. The
 config's precision class (StructureConfig.precision) picks them: FP32_TOL where it reorders float32 work (or holds
 activations to 16 bits, x16: within 1/64516 of a unit's largest value), FP16_TOL where it rounds to fp16 where its
-reference does not; with 8-bit activations the FFN stages get Q8_TOL at width 2048, scaled by sqrt(2048 / width), as
-one value one 8-bit step apart moves a stage by about step / sqrt(width). The blocks run one by one, one captured
-graph per kind of block (model/generate.py), so a fault in one block's data is checked in that block. The figures
-behind the constants: docs/benchmarks.md.
+reference does not; the stages that read 8-bit activations (ffn_act, attn_act) get Q8_TOL at width 2048, scaled by
+sqrt(2048 / width), as one value one 8-bit step apart moves a stage by about step / sqrt(width). The blocks run one by
+one, one captured graph per kind of block (model/generate.py), so a fault in one block's data is checked in that block.
+The figures behind the constants: docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -61,13 +61,18 @@ def twin(cfg: StructureConfig) -> StructureConfig:
   return StructureConfig(fused=fused, **{k.field: k.value(cfg) for k in q8})
 
 
-def tolerance(cfg: StructureConfig, dim: int) -> tuple[float, float]:
-  """(the tolerance of the config's precision class, that of its FFN stages) for a model of width dim: FP16_TOL where it
-  rounds to fp16 where its reference does not, else FP32_TOL; with 8-bit activations the FFN stages Q8_TOL at width
-  2048, scaled by sqrt(2048 / dim): one value one 8-bit step apart moves a stage by about step / sqrt(width)."""
-  classes = cfg.precision()
-  tol = FP16_TOL if "fp16" in classes else FP32_TOL
-  return tol, max(tol, Q8_TOL * math.sqrt(2048 / dim)) if "q8" in classes else tol
+# the stages (the last word of their names: stage_names) that read a fused stage's activations
+PARTS = {"attention": "attention", "router": "ffn", "moe": "ffn", "ffn": "ffn"}
+
+
+def tolerance(cfg: StructureConfig, dim: int) -> tuple[float, dict[str, float]]:
+  """(the tolerance of the config's precision class, {stage part: its own} for the parts that read 8-bit activations)
+  for a model of width dim: FP16_TOL where it rounds to fp16 where its reference does not, else FP32_TOL; the stages
+  that read 8-bit activations (the FFN's with ffn_act=q8, the attention's with attn_act=q8) Q8_TOL at width 2048,
+  scaled by sqrt(2048 / dim): one value one 8-bit step apart moves a stage by about step / sqrt(width)."""
+  tol = FP16_TOL if "fp16" in cfg.precision() else FP32_TOL
+  parts = {PARTS[s] for k in KNOBS.values() if k.precision_of(k.value(cfg)) == "q8" for s in k.fused_in}
+  return tol, dict.fromkeys(sorted(parts), max(tol, Q8_TOL * math.sqrt(2048 / dim)))
 
 
 def rel_err(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
@@ -183,12 +188,14 @@ def stage_errors(outs: np.ndarray, states: np.ndarray) -> np.ndarray:
   return np.where(diff == 0, 0.0, np.nan_to_num(err, nan=np.inf))
 
 
-def check(gen, ref: Reference, tol: float, ffn_tol: float | None = None, exact: Reference | None = None) -> dict:
+def check(gen, ref: Reference, tol: float, part_tol: dict[str, float] | None = None,
+          exact: Reference | None = None) -> dict:
   """The trial's arithmetic stage by stage, its routing, its own chained run and its accuracy (see the module
-  docstring): figures, `ok`, and what the timed run must produce (check_tokens). ffn_tol: the FFN stages' tolerance
-  (default: tol). exact: the exact reference where `ref` is a twin's (None: `ref` is the exact one). Positions are
-  reported as positions in the sequence (prompt_len + j)."""
-  ffn_tol = tol if ffn_tol is None else ffn_tol
+  docstring): figures, `ok`, and what the timed run must produce (check_tokens). part_tol: the tolerance of the stages
+  of a part ("attention", "ffn") that differs from tol (tolerance's second value). exact: the exact reference where
+  `ref` is a twin's (None: `ref` is the exact one). Positions are reported as positions in the sequence (prompt_len +
+  j)."""
+  part_tol = part_tol or {}
   n_moe, C, P = ref.sel.shape[1], ref.positions, ref.prompt_len
   forced = lambda j: ref.sel[j] if n_moe else None
   errs, own, rerr = [], [], []
@@ -201,7 +208,7 @@ def check(gen, ref: Reference, tol: float, ffn_tol: float | None = None, exact: 
     errs.append(np.append(stage_errors(outs, ref.states[j]), rel_err(lg[None], ref.logits[j][None])[0]))
   err = np.stack(errs)  # (C, S + 1): every stage and the output head
   names = stage_names((err.shape[1] - 2) // 2)
-  tols = np.array([ffn_tol if n.endswith(" ffn") else tol for n in names])
+  tols = np.array([part_tol.get(n.split()[-1], tol) for n in names])
   flipped = (np.sort(np.stack(own), -1) != np.sort(ref.sel, -1)).any(-1) if n_moe else np.zeros((C, 0), bool)
   near = ref.margins() <= 2 * tol
   wrong_route = flipped & ~near
@@ -210,7 +217,8 @@ def check(gen, ref: Reference, tol: float, ffn_tol: float | None = None, exact: 
   worst = np.unravel_index(int(np.argmax(np.nan_to_num(err / tols, nan=np.inf))), err.shape)
   ok = bool(np.isfinite(err).all()) and not bad.any() and not wrong_route.any() and router_err <= tol
   at = lambda mask: (P + np.flatnonzero(mask)).tolist()
-  figures = {"ok": ok, "tolerance": tol, "ffn_tolerance": ffn_tol, "positions": C, "stages": len(names),
+  figures = {"ok": ok, "tolerance": tol, "ffn_tolerance": part_tol.get("ffn", tol),
+             "attention_tolerance": part_tol.get("attention", tol), "positions": C, "stages": len(names),
              "failed_positions": int(bad.any(-1).sum()), "failed_at": at(bad.any(-1)),
              "failed_stages": [names[s] for s in np.flatnonzero(bad.any(0))][:8],
              "wrong_routing_at": at(wrong_route.any(-1)), "max_rel_err": float(err[worst]),
@@ -282,8 +290,9 @@ def check_tokens(ref: Reference, chk: dict, tokens: list[int]) -> dict:
 
 def tolerance_text(check: dict) -> str:
   """The check's tolerances, as its verdict and the evaluator's report print them."""
-  tol, ffn = check["tolerance"], check.get("ffn_tolerance", check["tolerance"])
-  return f"{tol:.0e}" + (f", FFN stages {ffn:.1e}" if ffn != tol else "")
+  tol = check["tolerance"]
+  parts = [(what, check.get(f"{part}_tolerance", tol)) for part, what in (("attention", "attention"), ("ffn", "FFN"))]
+  return f"{tol:.0e}" + "".join(f", {what} stages {t:.1e}" for what, t in parts if t != tol)
 
 
 def accuracy_text(acc: dict | None) -> str:

@@ -181,6 +181,11 @@ class StructureConfig:
                       applies=lambda m: bool(m.ffn_quants) and set(m.ffn_quants) <= set(catalog.Q8_QUANTS),
                       fused_in=("moe", "ffn"), precision=lambda v: "q8" if v == "q8" else "x16",
                       allowed=("float32", "q8", "x16"))
+  attn_act: str = knob("float32", ("float32", "q8"),
+                       "the fused attention's dense products' input (q_a and kv_a, q_b, the output projection): "
+                       "float32, or q8, rounded to 8 bits per 32 with integer dot products (llama.cpp's mmvq)",
+                       applies=lambda m: bool(m.attn_quants) and set(m.attn_quants) <= set(catalog.Q8_QUANTS),
+                       fused_in=("attention",), precision="q8")
   backends: dict[str, str] = table(Table("backend", BACKENDS, "<QUANT>:<role>"))  # absent: catalog.DEFAULT
   dsl_rows: dict[str, int] = table(Table("dsl_rows", DSL_ROWS, "product"))  # absent: its default
   barriers: dict[str, str] = table(Table("barrier", BARRIERS, "point", sparse=False))
@@ -236,6 +241,8 @@ class StructureConfig:
                           f"set fused.{DSL_PRODUCTS[key][0]}=dsl")
     if self.ffn_act != "float32" and not {"moe", "ffn"} & set(self.fused):
       raise ConfigError(f"ffn_act={self.ffn_act} is read by the fused FFN stages only: set fused.moe or fused.ffn")
+    if self.attn_act != "float32" and "attention" not in self.fused:
+      raise ConfigError(f"attn_act={self.attn_act} is read by the fused attention stage only: set fused.attention")
 
   def _check_table(self, name: str, t: Table) -> None:
     d = getattr(self, name)

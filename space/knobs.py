@@ -20,7 +20,7 @@ from model.gguf_file import GGUFFile
 from model.quants import QUANT_TYPES
 from model.structure import KNOBS, STAGES, ConfigError, StructureConfig
 
-SPACE_VERSION = 7
+SPACE_VERSION = 8
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,8 @@ class ModelInfo:
   # attn_k_b/attn_v_b tensors (False: the legacy attn_kv_b, which the fused attention does not read)
   split_kv_b: bool = True
   ffn_quants: tuple[str, ...] = ()  # quant types of the FFN matrices (gate, up, down: routed, shared and dense)
+  # quant types of the attention's dense products (q_a, kv_a, q_b or q, the output projection): what attn_act reads
+  attn_quants: tuple[str, ...] = ()
   # the fused stages by the weight bytes their per-op path reads per decoded token, most first (stage_bytes); empty (a
   # study stored before it): the declared order
   stage_order: tuple[str, ...] = ()
@@ -42,12 +44,13 @@ class ModelInfo:
   @classmethod
   def from_gguf(cls, f: GGUFFile) -> ModelInfo:
     roles: dict[str, set[str]] = {"dense": set(), "expert": set()}
-    ffn: set[str] = set()
+    ffn, attn = set(), set()
     for t in f.tensors.values():
       if len(t.shape) < 2 or t.name.endswith(("norm.weight", "ffn_gate_inp.weight")): continue
       quant = QUANT_TYPES[t.ggml_type].name
       roles["expert" if "_exps." in t.name else "dense"].add(quant)
       if t.name.split(".")[-2].startswith(("ffn_gate", "ffn_up", "ffn_down")): ffn.add(quant)
+      if t.name.split(".")[-2] in catalog.ATTN_DENSE: attn.add(quant)
     n_dense, weights = f.key("leading_dense_block_count", 0), stage_bytes(f)
     pairs = {"routed": ("ffn_gate_exps", "ffn_up_exps"), "shared": ("ffn_gate_shexp", "ffn_up_shexp"),
              "dense": ("ffn_gate", "ffn_up")}
@@ -60,6 +63,7 @@ class ModelInfo:
                quants={r: tuple(sorted(q)) for r, q in roles.items() if q},
                mergeable=frozenset(k for k, (g, u) in pairs.items() if same_types(g, u)),
                split_kv_b=not any(n.endswith("attn_kv_b.weight") for n in f.tensors), ffn_quants=tuple(sorted(ffn)),
+               attn_quants=tuple(sorted(attn)),
                stage_order=tuple(sorted(STAGES, key=lambda st: -weights[st])))
 
 

@@ -3,11 +3,12 @@ that a knob value keeps the baseline's logits (within its arithmetic's tolerance
 
 Tolerances, relative to the logits' std per position: 1e-3 for knobs that only reorder float32 work; 2e-2 for knobs that
 round to fp16 (fp16 weights cache, fp16 activations, the fp16 absorbed q projection, fp16 router input); 5e-2 (the
-gate's FP16_TOL) for the FFN's 8-bit activations. A float32 reordering alone moves logits by ~1e-6 of their std, but the
-baseline keeps an fp16 KV cache: a reordered sum that feeds it can land on the other side of an fp16 rounding boundary
-(2^-11 of the entry), which later positions read, and that reaches the order of 1e-4 of the logits' std. A real defect
-moves them by O(1). For the same reason kv_dtype=float32 is held to the fp16 bound, and so are the backends: fp16_cache
-rounds weights to fp16, and the others sum a row's products in another order than the baseline's float32 reduction.
+gate's FP16_TOL) for 8-bit activations (the FFN's, the attention's dense products'). A float32 reordering alone moves
+logits by ~1e-6 of their std, but the baseline keeps an fp16 KV cache: a reordered sum that feeds it can land on the
+other side of an fp16 rounding boundary (2^-11 of the entry), which later positions read, and that reaches the order
+of 1e-4 of the logits' std. A real defect moves them by O(1). For the same reason kv_dtype=float32 is held to the fp16
+bound, and so are the backends: fp16_cache rounds weights to fp16, and the others sum a row's products in another order
+than the baseline's float32 reduction.
 """
 from __future__ import annotations
 
@@ -30,16 +31,18 @@ from space.knobs import ModelInfo
 
 FP16_KNOBS = ("backend.", "fused.", "act_dtype", "mla_absorb", "router_fp32", "kv_dtype")
 # 8-bit activations: held to the gate's tolerance of their class
-Q8_KNOBS = ("ffn_act",)
+Q8_KNOBS = ("ffn_act", "attn_act")
 
 
 def mix_info(mix: str) -> ModelInfo:
   """What the space knows of a synthetic MoE file (tiny or GLM-4.7-Flash-shaped) in a quant mix: q4_k_m mixes Q4_K,
-  Q5_K, Q6_K and Q8_0 dense weights with Q4_K and Q6_K experts; the others are pure."""
+  Q5_K, Q6_K and Q8_0 dense weights (Q5_K and Q8_0 in the attention's dense products) with Q4_K and Q6_K experts; the
+  others are pure."""
   mixed = {"dense": ("Q4_K", "Q5_K", "Q6_K", "Q8_0"), "expert": ("Q4_K", "Q6_K")}
   quants = mixed if mix == "q4_k_m" else dict.fromkeys(("dense", "expert"), (mix.upper(),))
   ffn = ("Q4_K", "Q5_K", "Q6_K") if mix == "q4_k_m" else (mix.upper(),)
-  return ModelInfo(True, True, True, quants, frozenset({"routed", "shared", "dense"}), ffn_quants=ffn)
+  attn = ("Q5_K", "Q8_0") if mix == "q4_k_m" else (mix.upper(),)
+  return ModelInfo(True, True, True, quants, frozenset({"routed", "shared", "dense"}), ffn_quants=ffn, attn_quants=attn)
 
 
 @functools.cache
@@ -68,11 +71,27 @@ def decode(m: Transformer, tokens: tuple[int, ...], steps: int) -> tuple[np.ndar
   return logits, gen
 
 
+@functools.cache
+def routed(path: str, cfg_json: str, tokens: tuple[int, ...], sel: bytes | None = None) -> tuple[np.ndarray, bytes]:
+  """Teacher-forced decode logits (len(tokens), vocab) through the correctness check's path (Generator.check_step),
+  every MoE block using the experts of `sel` (the bytes of an int array (positions, n_moe, K)) where given; and its
+  own selections, as such bytes."""
+  gen = Generator(Transformer(gguf(path), StructureConfig.from_json(cfg_json), max_context=len(tokens) + 1), chunk=1)
+  forced = None if sel is None else np.frombuffer(sel, np.int64).reshape(len(tokens), -1, gen.model.hp.n_used)
+  out = [gen.check_step(t, i, None if forced is None else forced[i]) for i, t in enumerate(tokens)]
+  return np.stack([o[0] for o in out]).astype(np.float64), np.stack([o[1] for o in out]).astype(np.int64).tobytes()
+
+
 def check_knob(path: str, label: str, cfg: StructureConfig, tokens: tuple[int, ...], steps: int = 3) -> None:
   """(a) logits equal the baseline's within the knob's tolerance, the top token agrees wherever the baseline's lead
-  exceeds it; (b) the decode step runs different kernels (names or sources) than the baseline's."""
+  exceeds it; (b) the decode step runs different kernels (names or sources) than the baseline's. 8-bit knobs are
+  compared with every MoE block routed as the baseline routes (the gate's forced routing): their rounding may send a
+  router's near-tie to the other expert, which free routing then carries on."""
   base_logits, base_kernels = run(path, StructureConfig().to_json(), tokens, steps)
   logits, kernels = run(path, cfg.to_json(), tokens, steps)
+  if label.startswith(Q8_KNOBS):
+    base_logits, sel = routed(path, StructureConfig().to_json(), tokens)
+    logits = routed(path, cfg.to_json(), tokens, sel)[0]
   assert_close(label, logits, base_logits,
                FP16_TOL if label.startswith(Q8_KNOBS) else 2e-2 if label.startswith(FP16_KNOBS) else 1e-3)
   assert code(kernels) != code(base_kernels), (f"{label} runs exactly the baseline's kernels (same sources): it "

@@ -43,6 +43,7 @@ def free_logits(m: Transformer, tokens: np.ndarray) -> np.ndarray:
 
 
 Q8 = '{"fused": {"moe": "dsl", "ffn": "dsl"}, "ffn_act": "q8"}'
+QA8 = '{"fused": {"attention": "dsl"}, "attn_act": "q8"}'  # the attention's dense products with 8-bit input
 
 
 @functools.cache
@@ -50,22 +51,23 @@ def reference(path: str, cfg_json: str = "{}") -> gate.Reference:
   return gate.make_reference(Generator(model(path, cfg_json)), PROMPT, POSITIONS)
 
 
-@pytest.mark.parametrize("cfg", ['{"barriers": {"moe_out": "contiguous"}}', '{"kv_dtype": "float32"}', Q8])
+@pytest.mark.parametrize("cfg", ['{"barriers": {"moe_out": "contiguous"}}', '{"kv_dtype": "float32"}', Q8, QA8])
 def test_legitimate_configs_pass_the_gate(deep, ref, cfg: str) -> None:
   """A kernel boundary (float32 reorderings), an fp32 KV cache against the baseline's fp16 one (the fp16 class), and
   8-bit FFN activations against their dsl twin's reference; the boundary also fails a position-by-position comparison of
   free-running logits, the gate of before."""
   m = model(deep, cfg)
-  twin, (tol, ffn_tol) = gate.twin(m.cfg), gate.tolerance(m.cfg, m.hp.dim)
+  twin, (tol, part_tol) = gate.twin(m.cfg), gate.tolerance(m.cfg, m.hp.dim)
   # tiny-deep's width is 256: one 8-bit step moves a stage sqrt(2048 / 256) times more than at GLM-4.7-Flash's
-  if cfg == Q8:
-    assert twin == StructureConfig(fused={"moe": "dsl", "ffn": "dsl"}, ffn_act="q8")
-    assert (tol, ffn_tol) == (gate.FP32_TOL, pytest.approx(gate.Q8_TOL * 8**0.5))
-  else: assert ffn_tol == tol
+  if cfg in (Q8, QA8):
+    assert twin == StructureConfig.from_json(cfg)
+    part = "ffn" if cfg == Q8 else "attention"
+    assert (tol, part_tol) == (gate.FP32_TOL, {part: pytest.approx(gate.Q8_TOL * 8**0.5)})
+  else: assert part_tol == {}
   if "barriers" in cfg:
     assert (gate.rel_err(free_logits(m, ref.tokens), ref.logits)
             > tol).any(), "depth no longer breaks the free-running comparison here"
-  c = gate.check(Generator(m), reference(deep, twin.to_json()) if twin != StructureConfig() else ref, tol, ffn_tol,
+  c = gate.check(Generator(m), reference(deep, twin.to_json()) if twin != StructureConfig() else ref, tol, part_tol,
                  ref if twin != StructureConfig() else None)
   assert c["ok"] and c["failed_positions"] == 0 and c["wrong_routing"] == 0, c
   assert c["max_rel_err"] <= tol and c["max_router_err"] <= tol and c["routing_decisions"] == POSITIONS * 30
@@ -115,24 +117,26 @@ def test_8bit_activations_are_as_far_from_float32_as_a_fault(deep, ref) -> None:
   assert near["ok"] and near["max_rel_err"] < gate.FP32_TOL / 5, near
 
 
-def test_8bit_rounding_one_step_apart_passes_only_in_the_ffn(deep, monkeypatch) -> None:
+@pytest.mark.parametrize("cfg,part", [(Q8, "ffn"), (QA8, "attention")])
+def test_8bit_rounding_one_step_apart_passes_only_where_it_is_read(deep, monkeypatch, cfg: str, part: str) -> None:
   """Two implementations of the same 8-bit rounding (the native kernels and their dsl twin) differ where a value sits
-  within a float rounding of a rounding boundary: it lands one 8-bit step apart. Here every FFN input of the trial has
-  its first value one step up, in every block at every position: FFN stages at Q8_TOL pass it, at FP32_TOL they
-  fail."""
+  within a float rounding of a rounding boundary: it lands one 8-bit step apart. Here every 8-bit input of the trial
+  (the FFN's with ffn_act, the attention's dense products' with attn_act) has its first value one step up, in every
+  block at every position: the stages that read them pass it at Q8_TOL and fail at FP32_TOL, the others are
+  untouched."""
   right = dsl.q8_round
   def q8_round(x: Tensor) -> Tensor:
     step = x.float().reshape(-1)[:32].abs().max() / 127
     return right(x) + (Tensor.arange(x.numel()) == 0).reshape(x.shape).where(step, 0)
-  m = Transformer(GGUFFile(deep), StructureConfig.from_json(Q8), max_context=32)
-  twin, (tol, ffn_tol) = gate.twin(m.cfg), gate.tolerance(m.cfg, m.hp.dim)
+  m = Transformer(GGUFFile(deep), StructureConfig.from_json(cfg), max_context=32)
+  twin, (tol, part_tol) = gate.twin(m.cfg), gate.tolerance(m.cfg, m.hp.dim)
   r = reference(deep, twin.to_json())  # made before the patch
   monkeypatch.setattr(dsl, "q8_round", q8_round)
-  c = gate.check(Generator(m), r, tol, ffn_tol)
-  assert c["ok"] and gate.FP32_TOL < c["max_rel_err"] <= ffn_tol and c["worst_stage"].split(" at ")[0].endswith(
-    " ffn"), c
+  c = gate.check(Generator(m), r, tol, part_tol)
+  assert c["ok"] and gate.FP32_TOL < c["max_rel_err"] <= part_tol[part] and c["worst_stage"].split(" at ")[
+    0].endswith(f" {part}"), c
   strict = gate.check(Generator(m), r, tol)
-  assert not strict["ok"] and all(s.endswith(" ffn") for s in strict["failed_stages"]), strict
+  assert not strict["ok"] and all(s.endswith(f" {part}") for s in strict["failed_stages"]), strict
 
 
 def test_the_reference_records_routing_and_margins(ref) -> None:
@@ -194,7 +198,7 @@ def test_a_scale_off_by_one_block_fails(deep, cfg: str) -> None:
   """In one MoE block, one expert's down projection reads each row's first block scale from its second block: the one
   position that uses that expert fails, in that block's FFN stage alone; with 8-bit activations too."""
   m = Transformer(GGUFFile(deep), StructureConfig.from_json(cfg), max_context=32)
-  twin, (tol, ffn_tol) = gate.twin(m.cfg), gate.tolerance(m.cfg, m.hp.dim)
+  twin, (tol, part_tol) = gate.twin(m.cfg), gate.tolerance(m.cfg, m.hp.dim)
   b, r = 10, reference(deep, twin.to_json())
   e, p = _single_position(r, b)
   w = m.blocks[2 + b].down_exps
@@ -202,9 +206,9 @@ def test_a_scale_off_by_one_block_fails(deep, cfg: str) -> None:
   rows = slice(e * w.shape[1], (e + 1) * w.shape[1])
   d[rows, 0] = d[rows, 1]
   w.planes["d"].assign(Tensor(d)).realize()
-  c = gate.check(Generator(m), r, tol, ffn_tol)
+  c = gate.check(Generator(m), r, tol, part_tol)
   assert not c["ok"] and c["failed_at"] == [p] and c["failed_stages"] == [f"block {2 + b} ffn"] and c[
-    "max_rel_err"] > ffn_tol, c
+    "max_rel_err"] > part_tol.get("ffn", tol), c
   assert f"block {2 + b} ffn at position {p}" in gate.verdict(c)
   assert ("tolerance 5e-03, FFN stages 8.5e-02;" if cfg == Q8 else "tolerance 5e-03;") in gate.verdict(c)
 

@@ -19,11 +19,11 @@ import pytest
 from knobcheck import assert_close, check_knob, check_process_setting, gguf, mix_info
 from native_cpu import launch_kernel, native_on_cpu
 from products import TYPES, check_products, kernel_weight
-from tinygrad import Tensor, dtypes
+from tinygrad import Tensor, Variable, dtypes
 from tinygrad.uop.ops import Ops
 
-from evaluator.gate import FP16_TOL, FP32_TOL, rel_err
-from model.backends import catalog, cuda_src, native
+from evaluator.gate import FP16_TOL, FP32_TOL, rel_err, tolerance
+from model.backends import catalog, cuda_src, native, registry
 from model.backends.catalog import STAGES
 from model.deepseek2 import Transformer
 from model.generate import Generator, jit_kernels
@@ -87,7 +87,9 @@ def test_native_sources_compile_for_ampere_and_hopper(glm_file, gguf_file, monke
   compilers = [nvrtc(arch) for arch in ("sm_80", "sm_90")]
   kernels = [k
              for path,
-             cfg in ((glm_file("q4_0"), ALL_NATIVE), (glm_file("q4_k_m"), ALL_NATIVE), (
+             cfg in ((glm_file("q4_0"), ALL_NATIVE), (glm_file("q4_0"), ALL_NATIVE | {"ffn_act": "q8", "attn_act":
+                                                                                          "q8"}),
+                     (glm_file("q4_k_m"), ALL_NATIVE), (
                  gguf_file("tiny-lite", "q4_0"), ALL_NATIVE), (
                      glm_file("q4_k_m"), StructureConfig(
                          backends={f"{q}:{r}": "native" for q in ("Q4_K", "Q5_K", "Q6_K", "Q8_0") for r in (
@@ -457,6 +459,33 @@ def test_x16_activations_in_the_cpu_emulator(gguf_file, monkeypatch, mix: str) -
   assert acts("CUDA") == ("float32", "q8", "x16") and acts("CPU") == acts("METAL") == ("float32", "q8")
 
 
+@pytest.mark.parametrize("mix", ["q4_0", "q8_0"])
+def test_q8_attention_input_in_the_cpu_emulator(gguf_file, monkeypatch, mix: str) -> None:
+  """attn_act=q8: the fused attention's dense products (q_a and kv_a with the norm, q_b with q_a's norm, the output
+  projection with the residual) stage their input in 8 bits in blocks of Q8_WARPS warps and dot it in integers. The
+  stage alone, native (emulated) against its dsl twin (which rounds the same inputs with q8_round), on the same inputs
+  position after position (each writing its cache row): their updates agree within the gate's tolerance for the
+  attention's 8-bit stages, and are much nearer each other than either is to float32's. (Whole models are not compared
+  here: a rounding flip moves a router's near-tie, and free routing amplifies it; the gate forces the routing.)"""
+  path = gguf_file("tiny", mix)
+  cfg = lambda b, act="q8": StructureConfig(fused={"attention": b}, attn_act=act)
+  dense = [k for k in model_kernels(path, cfg("native"), monkeypatch) if k.name.startswith("native_dense_")]
+  assert len(dense) == 3 and all(k.name.endswith("_q8") and k.threads == 32 * native.Q8_WARPS for k in dense), dense
+  monkeypatch.undo()
+  rng, runs = np.random.default_rng(3), {}
+  xs = [Tensor(rng.standard_normal((1, 1, 256)).astype(np.float32)) for _ in TOKENS_EMU]
+  with native_on_cpu(monkeypatch):
+    for name, c in (("native", cfg("native")), ("dsl", cfg("dsl")), ("float32", cfg("native", "float32"))):
+      m = Transformer(gguf(path), c, max_context=16)
+      blk, backend = m.blocks[0], registry.get(c.fused["attention"])
+      start = lambda i, name=name: Variable("start_pos", 0, 15).bind(i) if name == "dsl" else i
+      runs[name] = np.stack([(backend.attention(blk, x, start(i), m.decode_pos(i)) - x).numpy().reshape(-1)
+                             for i, x in enumerate(xs)])
+  tol = tolerance(cfg("native"), 256)[1]["attention"]
+  twin, far = rel_err(runs["native"], runs["dsl"]), rel_err(runs["native"], runs["float32"])
+  assert twin.max() <= tol and twin.max() < far.min() / 4, (twin, far)
+
+
 def test_q8_activations_need_a_fused_ffn_stage_and_integer_codes(gguf_file) -> None:
   with pytest.raises(ConfigError, match="fused FFN stages only"): StructureConfig(ffn_act="q8")
   with pytest.raises(ConfigError,
@@ -466,6 +495,12 @@ def test_q8_activations_need_a_fused_ffn_stage_and_integer_codes(gguf_file) -> N
                 max_context=16)
   names = lambda mix: {k.name for k in knobs(mix_info(mix), "CUDA")}
   assert "ffn_act" in names("q4_0") and "ffn_act" in names("q8_0") and "ffn_act" not in names("q4_k_m")
+  with pytest.raises(ConfigError, match="fused attention stage only"): StructureConfig(attn_act="q8")
+  with pytest.raises(ConfigError, match="attn_act=q8 needs the attention's dense weights in Q4_0 or Q8_0; "
+                     "blk.0.attn_q_a.weight is Q4_K"):
+    Transformer(GGUFFile(gguf_file("tiny", "q4_k")), StructureConfig(fused={"attention": "dsl"}, attn_act="q8"),
+                max_context=16)
+  assert "attn_act" in names("q4_0") and "attn_act" not in names("q4_k_m")
 
 
 @pytest.mark.skipif(native.available(), reason="checks the refusal where native cannot run")

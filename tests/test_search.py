@@ -175,7 +175,8 @@ def test_a_joining_worker_sees_the_creators_space() -> None:
   from space.knobs import ModelInfo
   info = ModelInfo(moe=True, dense_blocks=True, shared_experts=True,
                    quants={"dense": ("Q4_0", "Q8_0"), "expert": ("Q4_0",)}, mergeable=frozenset({"routed", "dense"}),
-                   split_kv_b=False, ffn_quants=("Q4_0", "Q8_0"), stage_order=("moe", "ffn", "attention", "router"))
+                   split_kv_b=False, ffn_quants=("Q4_0", "Q8_0"), attn_quants=("Q8_0",),
+                   stage_order=("moe", "ffn", "attention", "router"))
   # no field at its default: each one is tested
   assert all(getattr(info, f.name) != f.default for f in fields(ModelInfo))
   assert info_from_json(info_to_json(info)) == info

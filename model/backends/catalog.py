@@ -25,6 +25,9 @@ STAGES = ("attention", "router", "moe", "ffn")
 # weight types whose fused FFN stages can read 8-bit activations (StructureConfig.ffn_act = q8): one scale per block and
 # byte or nibble codes, which the kernels dot with the quantized activations in integers
 Q8_QUANTS = ("Q4_0", "Q8_0")
+# the attention's dense products (GGUF tensor kinds), which the fused attention reads in 8 bits with attn_act=q8; k_b
+# and v_b, per-head products of other kernels, keep float32 input
+ATTN_DENSE = ("attn_q_a", "attn_q_b", "attn_q", "attn_kv_a_mqa", "attn_output")
 # the backends a study may use: every one that runs on its device, or the portable ones only
 FAMILIES = ("all", "portable")
 

@@ -468,26 +468,35 @@ def attention(blk: Block, x: Tensor, start_pos, pos: Tensor | None) -> Tensor:
   """h = x + attention(x) for one token, in UOp kernels: q_a (or q) and kv_a as one product with the norm folded in,
   the KV cache write (each workgroup reduces c_kv's 1/rms), q_b with q_a's norm folded in, k_b reading q in place, the
   scores (q_pe rotated as they are read), softmax(scores) @ c_kv, v_b, and the output projection with the residual add
-  folded in."""
-  hp = blk.hp
+  folded in. With attn_act=q8 the three dense products (q_a/kv_a, q_b, the output projection) read their input
+  normalised and rounded as the native kernels stage it (q8_round)."""
+  hp, q8 = blk.hp, blk.cfg.attn_act == "q8"
   H, nope, rope, dim = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.dim
-  xf, norm = x.reshape(dim).float(), (blk.attn_norm, hp.eps)
+  xf = x.reshape(dim).float()
+  # a dense product's input: normalised inside the kernel, or with attn_act=q8 normalised and rounded to 8 bits first
+  def inp(v: Tensor, gamma: Tensor | None) -> tuple[Tensor, Norm | None]:
+    if not q8: return v, (gamma, hp.eps) if gamma is not None else None
+    return q8_round((rms_norm(v, gamma, hp.eps) if gamma is not None else v).contiguous()).contiguous(), None
   first = blk.q_a if hp.q_lora else blk.q_b
   # kv_a's output at offset `at` of kv: after q_a's (or q's) in one product where the two weights share a type
   one = first.ggml_type == blk.kv_a.ggml_type
-  qkv = _vec(xf, (first, blk.kv_a) if one else (first,), norm, rows=blk.cfg.rows("qkv_a"))
-  kv, at = (qkv, first.shape[0]) if one else (_vec(xf, (blk.kv_a,), norm, rows=blk.cfg.rows("qkv_a")), 0)
+  xa, norm = inp(xf, blk.attn_norm)
+  qkv = _vec(xa, (first, blk.kv_a) if one else (first,), norm, rows=blk.cfg.rows("qkv_a"))
+  kv, at = (qkv, first.shape[0]) if one else (_vec(xa, (blk.kv_a,), norm, rows=blk.cfg.rows("qkv_a")), 0)
   pos, bind = _position(start_pos)
   cache = blk.cache.custom_kernel(kv, blk.kv_a_norm, blk.cos, blk.sin, *bind, fxn=partial(
     kv_write_kernel, pos=pos, at=at, eps=hp.eps, local=_local(kv.device)))[0]
-  q = _vec(qkv, (blk.q_b,), (blk.q_a_norm, hp.eps)) if hp.q_lora else qkv[:first.shape[0]]
+  q = qkv[:first.shape[0]]
+  if hp.q_lora:  # q_b reads q_a's output in place (the first rows of qkv) where the norm is folded in
+    qa, norm = inp(q if q8 else qkv, blk.q_a_norm)
+    q = _vec(qa, (blk.q_b,), norm)
   q_abs = per_head(q.reshape(1, 1, H, nope + rope), blk.k_b).reshape(H, hp.kv_lora)  # k_b reads q's nope part in place
   ctx = blk.cache.shape[1]
   s = _custom(scores_kernel, (H, ctx), [q, q_abs, cache, blk.cos, blk.sin, *bind], pos=pos, scale=hp.kq_scale,
               nope=nope)
   o = _custom(pv_kernel, (H, hp.kv_lora), [s, cache, *bind], pos=pos)
   out = per_head(o.reshape(1, H, hp.kv_lora), blk.v_b)
-  return _vec(out.reshape(-1), (blk.wo,), res=xf, rows=blk.cfg.rows("attn_out")).reshape(1, 1, dim)
+  return _vec(inp(out.reshape(-1), None)[0], (blk.wo,), res=xf, rows=blk.cfg.rows("attn_out")).reshape(1, 1, dim)
 
 
 def _gating(logits: UOp, gating: int, ids: Iterator[int]) -> Callable[[UOp], UOp]:

@@ -97,24 +97,31 @@ R_SMALL, R_LARGE = 2, 4  # rows per row group: 2 where a matrix has few rows (mo
 
 
 def _rows_r(rows: int) -> int: return R_LARGE if rows >= 4096 else R_SMALL
+# warps a block of the attention's dense products with 8-bit input (attn_act=q8): the staged input takes a quarter of
+# float32's shared memory, and a block of 8 warps shares it over twice the rows (GLM-4.7-Flash: the residual
+# product 5.43 us against 6.67 with 4 warps, q_b 2.84 against 3.02 on an H100: benchmarks/kernel_sweep.py)
+Q8_WARPS = 8
 
 
 def attention(blk: Block, x: Tensor, start_pos, pos: Tensor) -> Tensor:
   """h = x + attention(x) for one token: norm + q_a/kv_a (or q/kv_a), q_a norm + q_b, absorption + RoPE + cache write,
-  MLA attention split over the context, the splits' merge with v_b, output projection + residual: 6 kernels."""
+  MLA attention split over the context, the splits' merge with v_b, output projection + residual: 6 kernels. With
+  attn_act=q8 the three dense products stage their input in 8 bits (cuda_src.stage_x) and dot it in integers."""
   hp, dev = blk.hp, x.device
   H, nope, rope, kvl, dim = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.kv_lora, hp.dim
   xf = f32(x)
   first = blk.q_a if hp.q_lora else blk.q_b
   rows = (first.shape[0], blk.kv_a.shape[0])
   sms = sm_count(dev)
+  # the dense products' input: float32, or 8 bits (attn_act=q8) in blocks of Q8_WARPS warps
+  act, warps = ("q8", Q8_WARPS) if blk.cfg.attn_act == "q8" else ("f32", C.WARPS)
   k1 = C.dense(((cw("a_", first), rows[0]), (cw("b_", blk.kv_a), rows[1])), C.QKV_ROWS, hp.eps,
-               warps=C.QKV_WARPS, sms=sms)
+               warps=C.QKV_WARPS, act=act, sms=sms)
   qa, kv = launch(k1, [empty(rows[0], device=dev), empty(rows[1], device=dev), xf, blk.attn_norm, *planes(first),
                        *planes(blk.kv_a)], row_bytes(first) * rows[0] + row_bytes(blk.kv_a) * rows[1])[:2]
   if hp.q_lora:
     nq = blk.q_b.shape[0]
-    k2 = C.dense(((cw("a_", blk.q_b), nq),), R_LARGE, hp.eps, sms=sms)
+    k2 = C.dense(((cw("a_", blk.q_b), nq),), R_LARGE, hp.eps, warps=warps, act=act, sms=sms)
     q = launch(k2, [empty(nq, device=dev), qa, blk.q_a_norm, *planes(blk.q_b)], row_bytes(blk.q_b) * nq)[0]
   else: q = qa
   D, cache_half = kvl + rope, blk.cache.dtype == dtypes.float16
@@ -126,7 +133,7 @@ def attention(blk: Block, x: Tensor, start_pos, pos: Tensor) -> Tensor:
   k5 = C.mla_vb(cw("w_", blk.v_b), H, kvl, hp.v_head, blk.cache.shape[1])
   a = launch(k5, [empty(H * hp.v_head, device=dev), part, pos, *planes(blk.v_b)],
              row_bytes(blk.v_b) * H * hp.v_head)[0]
-  k6 = C.dense(((cw("a_", blk.wo), dim),), _rows_r(dim), None, residual=True, sms=sms)
+  k6 = C.dense(((cw("a_", blk.wo), dim),), _rows_r(dim), None, residual=True, warps=warps, act=act, sms=sms)
   return launch(k6, [empty(1, 1, dim, device=dev), a, xf, *planes(blk.wo)], row_bytes(blk.wo) * dim)[0]
 
 

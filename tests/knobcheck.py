@@ -34,14 +34,14 @@ FP16_KNOBS = ("backend.", "fused.", "act_dtype", "mla_absorb", "router_fp32", "k
 Q8_KNOBS = ("ffn_act", "attn_act")
 
 
-def mix_info(mix: str) -> ModelInfo:
-  """What the space knows of a synthetic MoE file (tiny or GLM-4.7-Flash-shaped) in a quant mix: q4_k_m mixes Q4_K,
-  Q5_K, Q6_K and Q8_0 dense weights (Q5_K and Q8_0 in the attention's dense products) with Q4_K and Q6_K experts; the
-  others are pure."""
+def mix_info(mix: str, preset: str = "tiny") -> ModelInfo:
+  """What the space knows of a synthetic MoE file (preset tiny or glm: GLM-4.7-Flash-shaped) in a quant mix: q4_k_m
+  mixes Q4_K, Q5_K, Q6_K and Q8_0 dense weights (in the attention's dense products Q5_K, and on tiny Q8_0 too) with
+  Q4_K and Q6_K experts; the others are pure."""
   mixed = {"dense": ("Q4_K", "Q5_K", "Q6_K", "Q8_0"), "expert": ("Q4_K", "Q6_K")}
   quants = mixed if mix == "q4_k_m" else dict.fromkeys(("dense", "expert"), (mix.upper(),))
   ffn = ("Q4_K", "Q5_K", "Q6_K") if mix == "q4_k_m" else (mix.upper(),)
-  attn = ("Q5_K", "Q8_0") if mix == "q4_k_m" else (mix.upper(),)
+  attn = ({"tiny": ("Q5_K", "Q8_0"), "glm": ("Q5_K",)}[preset] if mix == "q4_k_m" else (mix.upper(),))
   return ModelInfo(True, True, True, quants, frozenset({"routed", "shared", "dense"}), ffn_quants=ffn, attn_quants=attn)
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import stat
+import statistics
 import subprocess
 import sys
 
@@ -168,7 +169,8 @@ def test_upstream_decoder_runs_the_synthetic_file(upstream):
   per, rest = doc["tok_s_per_token"], doc["tok_s_per_token"][3:]
   assert len(per) == 5 and doc["warmup_dropped"] == 3 and doc["n_measured"] == 2 and min(rest) > max(per[:3])
   assert (doc["tok_s_min"], doc["tok_s_max"]) == (min(rest), max(rest)) and doc["tok_s"] == round(sum(rest) / 2, 2)
-  assert abs(doc["ms_per_token"] - 1e3 / doc["tok_s"]) < 0.02 * doc["ms_per_token"]
+  # the median of the tokens' times: the reciprocal of their rates' median only where the two rates are close
+  assert abs(doc["ms_per_token"] - statistics.median(1e3 / t for t in rest)) < 0.01 * doc["ms_per_token"]
   assert doc["launches_per_token"] > 0 and doc["bytes_per_token"] > 0 and doc["gb_s"] >= 0
   assert (doc["device"], doc["tinygrad"], doc["tokenizer_pre_substituted"]) == ("CPU", "0.14.0", None)
   assert doc["upstream_command"] == f"DEV=CPU python -m tinygrad.llm --model {f} --benchmark 5"

@@ -16,7 +16,7 @@ from model.structure import STAGES
 from space.knobs import ModelInfo, single_knob_changes
 
 TOKENS = tuple((7919 * i + 17) % 1000 for i in range(8))
-INFO = {mix: mix_info(mix) for mix in ("q4_0", "q8_0", "q4_k_m", "f16")}
+INFO = {mix: mix_info(mix, "glm") for mix in ("q4_0", "q8_0", "q4_k_m", "f16")}
 MIXES = ("q4_0",)
 
 

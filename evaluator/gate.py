@@ -44,18 +44,23 @@ from dataclasses import dataclass
 import numpy as np
 
 from model.backends import catalog
-from model.structure import KNOBS, StructureConfig
+from model.structure import KNOBS, Knob, StructureConfig
 
 FP32_TOL, FP16_TOL, Q8_TOL = 5e-3, 5e-2, 3e-2
 # what a reference's numbers depend on, besides the file, tinygrad and this module
 CODE = pathlib.Path(__file__).resolve().parents[1] / "model"
 
 
+def q8_knobs(cfg: StructureConfig) -> list[Knob]:
+  """The knobs whose value in cfg reads 8-bit activations (precision class q8)."""
+  return [k for k in KNOBS.values() if k.precision_of(k.value(cfg)) == "q8"]
+
+
 def twin(cfg: StructureConfig) -> StructureConfig:
   """The config whose reference a trial is checked against: the baseline, or for 8-bit activations (precision class q8)
   their twin: the baseline with those knob values and the stages they are read in fused on the portable backends that
   round alike (catalog twin), since against float32 the rounding alone moves a stage as much as a subtle fault does."""
-  q8 = [k for k in KNOBS.values() if k.precision_of(k.value(cfg)) == "q8"]
+  q8 = q8_knobs(cfg)
   if not q8: return StructureConfig()
   fused = {s: catalog.twin(cfg.fused[s]) for k in q8 for s in k.fused_in if s in cfg.fused}
   return StructureConfig(fused=fused, **{k.field: k.value(cfg) for k in q8})
@@ -71,7 +76,7 @@ def tolerance(cfg: StructureConfig, dim: int) -> tuple[float, dict[str, float]]:
   that read 8-bit activations (the FFN's with ffn_act=q8, the attention's with attn_act=q8) Q8_TOL at width 2048,
   scaled by sqrt(2048 / dim): one value one 8-bit step apart moves a stage by about step / sqrt(width)."""
   tol = FP16_TOL if "fp16" in cfg.precision() else FP32_TOL
-  parts = {PARTS[s] for k in KNOBS.values() if k.precision_of(k.value(cfg)) == "q8" for s in k.fused_in}
+  parts = {PARTS[s] for k in q8_knobs(cfg) for s in k.fused_in}
   return tol, dict.fromkeys(sorted(parts), max(tol, Q8_TOL * math.sqrt(2048 / dim)))
 
 

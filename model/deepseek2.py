@@ -380,14 +380,13 @@ class Transformer:
       info = f.tensors[name]
       if norm and info.ggml_type == F32: return upload(f.read(name).view(np.float32).reshape(-1), device)
       quant = QUANT_TYPES[info.ggml_type].name
-      act = self.cfg.ffn_act
-      if stage in ("moe", "ffn") and self.cfg.stage(stage) and act != "float32" and quant not in catalog.Q8_QUANTS:
-        raise ConfigError(f"ffn_act={act} needs the fused {stage} stage's weights in {' or '.join(catalog.Q8_QUANTS)}; "
-                          f"{name} is {quant}")
-      if (stage == "attention" and self.cfg.stage(stage) and self.cfg.attn_act != "float32"
-          and name.split(".")[-2] in catalog.ATTN_DENSE and quant not in catalog.Q8_QUANTS):
-        raise ConfigError(f"attn_act={self.cfg.attn_act} needs the attention's dense weights in "
-                          f"{' or '.join(catalog.Q8_QUANTS)}; {name} is {quant}")
+      # the 8-bit activation knob that reads this weight's products, and what it covers
+      knob, what = (("ffn_act", f"the fused {stage} stage's weights") if stage in ("moe", "ffn") else
+                    ("attn_act", "the attention's dense weights")
+                    if stage == "attention" and name.split(".")[-2] in catalog.ATTN_DENSE else (None, ""))
+      if (knob and self.cfg.stage(stage) and (act := getattr(self.cfg, knob)) != "float32"
+          and quant not in catalog.Q8_QUANTS):
+        raise ConfigError(f"{knob}={act} needs {what} in {' or '.join(catalog.Q8_QUANTS)}; {name} is {quant}")
       w = QWeight.from_bytes(f.read(name), info.ggml_type, shape or info.shape, device)
       self.load_peak_bytes = max(self.load_peak_bytes, GlobalCounters.mem_used)
       if norm: return w.to_float().reshape(-1).contiguous().realize()

@@ -256,10 +256,22 @@ class StructureConfig:
   def stage(self, name: str) -> str | None: return self.fused.get(name)
   def rows(self, product: str) -> int: return self.dsl_rows.get(product, DSL_ROWS[product].default)
 
+  def non_defaults(self) -> dict[str, Any]:
+    """The fields that differ from their defaults (of a table, the entries that do), schema_version aside."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(self):
+      if f.name == "schema_version": continue
+      v = getattr(self, f.name)
+      if "table" in f.metadata: v = {k: x for k, x in v.items() if x != f.metadata["table"].knobs[k].default}
+      if v != ({} if "table" in f.metadata else f.default): out[f.name] = v
+    return out
+
   @property
   def hash(self) -> str:
-    """The config's identity in a study: the first 16 hex digits of the SHA-256 of its JSON."""
-    return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+    """The config's identity in a study: the first 16 hex digits of the SHA-256 of its non-default fields as JSON, so a
+    knob added later (at its default) leaves every stored config's hash as it was (db migration 0005 re-keyed the
+    rows hashed before over every field)."""
+    return hashlib.sha256(json.dumps(self.non_defaults(), sort_keys=True).encode()).hexdigest()[:16]
 
   def precision(self) -> set[str]:
     """The precision classes of its knob values (see Knob): {"fp32"} where it only reorders float32 work."""

@@ -5,10 +5,15 @@ Each PostgreSQL test gets a database of its own, made on that server and dropped
 parallel."""
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib.util
+import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC
+from pathlib import Path
 
 import git
 import optuna
@@ -19,10 +24,13 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.exc import IntegrityError
 
+import db
 from db import store
 from db.capture import fingerprint_hash, git_state
 from db.engine import DBError, NoDatabase, alembic_config, default_url, open_db, session
 from db.models import VERSION_TABLE, Base, include_name
+from model.structure import KNOBS, ConfigError, StructureConfig
+from space.knobs import to_config
 
 OURS = {"ss_environment", "ss_git_state", "ss_study", "ss_trial", "ss_kernel_profile", "ss_confirmation",
         "ss_measurement", "ss_export"}
@@ -87,14 +95,93 @@ def test_upgrade_from_the_first_schema_keeps_the_data(url):
   e.dispose()
 
 
+def _trial_sql(study: int, number: int, cfg_json: str, h: str) -> str:
+  return ("INSERT INTO ss_trial (study_id, number, config_json, config_hash, state, worker, started_at) "
+          f"VALUES ({study}, {number}, '{cfg_json}', '{h}', 'ok', 'h:1', '2026-01-01')")
+
+
 def test_a_study_made_before_its_baseline_was_stored_takes_its_first_trial(url):
-  trials = [("INSERT INTO ss_trial (study_id, number, config_json, config_hash, state, worker, started_at) "
-             f"VALUES (1, {n}, '{cfg_json}', '{h}', 'ok', 'h:1', '2026-01-01')")
-            for n, cfg_json, h in ((0, '{"beam": 0}', "b0"), (1, '{"topk": "sort"}', "c1"))]
+  trials = [_trial_sql(1, 0, '{"beam": 0}', "b0"), _trial_sql(1, 1, '{"topk": "sort"}', "c1")]
   _old_schema(url, "0003_cost", _old_study("ran"), _old_study("new"), *trials)
   with session(e := open_db(url)) as s:
-    assert [(st.name, st.baseline_config, st.baseline_hash)
-            for st in store.studies(s)] == [("ran", '{"beam": 0}', "b0"), ("new", None, None)]
+    assert [(st.name, st.baseline_config, st.baseline_hash)  # and 0005 re-keys the first trial's hash
+            for st in store.studies(s)] == [("ran", '{"beam": 0}', StructureConfig().hash), ("new", None, None)]
+  e.dispose()
+
+
+def _migration(name: str):
+  spec = importlib.util.spec_from_file_location(name, Path(db.__file__).parent / f"migrations/versions/{name}.py")
+  spec.loader.exec_module(mod := importlib.util.module_from_spec(spec))
+  return mod
+
+
+def _frozen_configs() -> list[StructureConfig]:
+  """A config for each knob value of the fields revision 0005 froze (one knob changed from the defaults, with what it
+  needs), and a few with several."""
+  out = []
+  for name, k in KNOBS.items():
+    if k.field not in _migration("0005_config_hash").DEFAULTS: continue
+    for v in k.valid():
+      try: out.append(to_config({name: v}))
+      except ConfigError: pass
+      try: out.append(to_config({name: v, "fused.attention": "native", "fused.moe": "dsl", "fused.ffn": "native"}))
+      except ConfigError: pass
+  return out + [StructureConfig(fused={"moe": "dsl"}, dsl_rows={"gate_up": 4}),  # an entry at its default
+                StructureConfig(backends={"Q4_0:dense": "tensor"}, barriers={"q_proj": "none"})]
+
+
+def test_the_migrations_hashes_are_the_configs():
+  """0005 re-keys stored configs with a copy of the hash (the db does not import the model): it agrees with
+  StructureConfig.hash over every knob value of its fields, and writes back the hash over every field on downgrade."""
+  m, configs = _migration("0005_config_hash"), _frozen_configs()
+  assert len(configs) > 60 and len({c.hash for c in configs}) > 50
+  for c in configs:
+    d = json.loads(c.to_json())
+    assert m.new_hash(d) == c.hash
+    assert m.old_hash(d) == hashlib.sha256(c.to_json().encode()).hexdigest()[:16]
+    d.pop("attn_act")  # stored before the knob: its default
+    assert m.new_hash(d) == (c.hash if c.attn_act == "float32" else m.new_hash(d))
+
+
+def test_a_knob_added_later_leaves_stored_hashes_as_they_were():
+  later = dataclasses.make_dataclass("Later", [("new_knob", str, dataclasses.field(default="off"))],
+                                     bases=(StructureConfig,), frozen=True)
+  for c in _frozen_configs()[:20]:
+    assert later(**c.to_dict()).hash == c.hash
+    assert later(**c.to_dict(), new_knob="on").hash != c.hash
+  assert StructureConfig(backends={"Q4_0:dense": "tensor"}).hash == StructureConfig().hash
+
+
+def test_upgrade_re_keys_every_stored_hash_and_downgrade_restores_them(url):
+  """Trials, measurements, confirmations, the study's baseline and Optuna's trial attribute: each stored hash (over
+  every field, as written before 0005) becomes the config's hash, and downgrade writes the former ones back."""
+  optuna.logging.set_verbosity(optuna.logging.WARNING)
+  storage = optuna.storages.RDBStorage(url)
+  cfgs = [StructureConfig(), StructureConfig(fused={"attention": "native"}, attn_act="q8"), StructureConfig(beam=2)]
+  old = [hashlib.sha256(c.to_json().encode()).hexdigest()[:16] for c in cfgs]
+  ot = optuna.create_study(storage=storage, study_name="s").ask()
+  ot.set_user_attr("config_hash", old[1])
+  _old_schema(url, "0004_baseline", _old_study("s"),
+              *(_trial_sql(1, n, c.to_json(), h) for n, (c, h) in enumerate(zip(cfgs, old, strict=True))),
+              f"UPDATE ss_study SET baseline_config = '{cfgs[0].to_json()}', baseline_hash = '{old[0]}'",
+              "INSERT INTO ss_measurement (study_id, trial_id, config_hash, stage, tok_s, kind, created_at) VALUES "
+              f"(1, NULL, '{old[0]}', 'full', 1.0, 'repeat', '2026-01-01'), (1, 3, '{old[2]}', 'full', 2.0, 'trial', "
+              "'2026-01-01')",
+              "INSERT INTO ss_confirmation (study_id, trial_id, config_hash, pairs, rounds, tok_s, baseline_tok_s, "
+              f"speedup, speedup_low, speedup_high, status, created_at) VALUES (1, 2, '{old[1]}', 2, 3, 2.0, 1.0, 2.0, "
+              "1.9, 2.1, 'ok', '2026-01-01')")
+  stored = ("SELECT config_hash FROM ss_trial ORDER BY number", "SELECT baseline_hash FROM ss_study",
+            "SELECT config_hash FROM ss_measurement ORDER BY tok_s", "SELECT config_hash FROM ss_confirmation")
+  open_db(url).dispose()
+  with (e := create_engine(url)).connect() as c:
+    new = [cf.hash for cf in cfgs]
+    assert [[r[0] for r in c.execute(text(q))] for q in stored] == [new, new[:1], [new[0], new[2]], new[1:2]]
+    assert storage.get_trial(ot._trial_id).user_attrs["config_hash"] == new[1]
+    cfg = alembic_config(url)
+    cfg.attributes["connection"] = c
+    from alembic import command
+    command.downgrade(cfg, "0004_baseline")
+    assert [[r[0] for r in c.execute(text(q))] for q in stored] == [old, old[:1], [old[0], old[2]], old[1:2]]
   e.dispose()
 
 

@@ -370,6 +370,16 @@ inline unsigned __dp4a(unsigned a, unsigned b, unsigned c) {
   for (int i = 0; i < 32; i += 8) c += (a >> i & 255) * (b >> i & 255);
   return c;
 }
+// byte n of the result: byte (s >> 4n) & 7 of y:x (x the low word); bit 3 of that nibble replicates the byte's sign
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const unsigned long long v = (unsigned long long)y << 32 | x;
+  unsigned r = 0;
+  for (int n = 0; n < 4; n++) {
+    const unsigned sel = s >> 4 * n & 15, b = v >> 8 * (sel & 7) & 255;
+    r |= (sel & 8 ? (b & 128 ? 255u : 0u) : b) << 8 * n;
+  }
+  return r;
+}
 
 // libm's correctly rounded or near functions stand in for the GPU's approximate ones
 inline float __expf(float x) { return expf(x); }

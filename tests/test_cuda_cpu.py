@@ -142,6 +142,27 @@ def test_dp4a() -> None:
     np.uint32)).all()
 
 
+def test_byte_perm() -> None:
+  """PTX prmt's default mode: each selector nibble picks a byte of y:x (x low), its bit 3 replicates that byte's sign;
+  the selectors MAGB uses (0x7440 | k) put byte k of x under the exponent byte 0x4B."""
+  src = r"""
+  extern "C" __global__ void perm(unsigned* r, const unsigned* x, const unsigned* y, const unsigned* s) {
+    const int t = threadIdx.x;
+    r[t] = __byte_perm(x[t], y[t], s[t]);
+  }"""
+  x, y, s = np.random.default_rng(3).integers(0, 2**32, (3, 256), dtype=np.uint64).astype(np.uint32)
+  s[:4] = 0x7440 | np.arange(4)
+  y[:4] = 0x4B000000
+  r = np.zeros(256, np.uint32)
+  cuda_cpu.launch(src, "perm", (1, 1, 1), (256, 1, 1), [r, x, y, s])
+  v = (y.astype(np.uint64) << 32 | x).view(np.uint8).reshape(-1, 8)
+  sel = (s[:, None] >> (4 * np.arange(4, dtype=np.uint32))) & 15
+  b = np.take_along_axis(v, (sel & 7).astype(np.int64), 1)
+  want = np.where(sel & 8, np.where(b & 128, 255, 0), b).astype(np.uint8).view(np.uint32).ravel()
+  assert (r == want).all()
+  assert list(r[:4]) == [0x4B000000 | (x[k] >> 8 * k & 255) for k in range(4)]
+
+
 def test_half_conversions_equal_numpy() -> None:
   """h2f of all 65536 bit patterns; f2h (round to nearest even) of every half's value, of the midpoints between
   neighbours and the floats beside them, of the overflow boundary and of random bit patterns."""

@@ -5,7 +5,8 @@ row one lane reads at a time (a Q4_0 or Q8_0 block, a 64-element quarter of a K-
 with 16-byte loads; its elements are integer codes in groups that share a scale and a minimum, so a lane computes
     sum over groups of  scale * (x . code) + min * sum(x)
 with the codes turned into floats by the exponent trick (`MAG`, two full-rate instructions instead of a quarter-rate
-int->float conversion) and the group sums of x taken once per lane, not once per row.
+int->float conversion; `MAGB` for a code that fills a byte of a masked word, one byte permute and a subtraction) and the
+group sums of x taken once per lane, not once per row.
 
 Matrix-vector products (one decode token) keep the input in registers: the lanes of a *row group* (G lanes, the smallest
 power of two covering a row's units, at most 32) own fixed units of the input, load their part of x once and reuse it
@@ -51,6 +52,7 @@ PRELUDE = r"""
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 #define MAG(c) (__int_as_float(0x4B000000u | (unsigned)(c)) - 8388608.f)
+#define MAGB(v, k) (__int_as_float(__byte_perm((v), 0x4B000000u, 0x7440u | (k))) - 8388608.f)
 #ifdef __CUDACC_RTC__
 __device__ __forceinline__ float h2f(unsigned short h) {
   float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
@@ -100,8 +102,9 @@ class Unit:
   """One type's unit: `elems` input elements of row `row` (a size_t) at unit index `u`. `index` (C) computes the indices
   the unit's memory reads need (`$` stands for the weight's plane prefix, `$NB` for its blocks per row, `$IN` for its
   row length); `loads` are those reads, (C type, name, byte address); `decode` (C) turns them into what the groups use.
-  Quantized types: `groups` of (scale, min, ((element, code), ...)) with unsigned integer codes; float types: one group
-  (None, None, ((element, value), ...)). Reads apart from decoding let a kernel issue every read of its rows at once."""
+  Quantized types: `groups` of (scale, min, ((element, code), ...)) with the unsigned integer codes as floats (MAG,
+  MAGB); float types: one group (None, None, ((element, value), ...)). Reads apart from decoding let a kernel issue
+  every read of its rows at once."""
   elems: int
   index: str
   loads: tuple[tuple[str, str, str], ...]
@@ -137,7 +140,7 @@ def _k_quant(qh: bool) -> Unit:
             " mn[h] = dmin * (float)(g < 4 ? BYTE(sw, g + 4) & 63u : (BYTE(sw, g + 4) >> 4) | ((BYTE(sw, g) >> 6) << "
             "4)); } " + qd + " " + hd)
   groups = tuple((f"sc[{h}]", f"-mn[{h}]",
-                  tuple((32 * h + e, f"((BYTE(q, {e}) {'& 15u' if h == 0 else '>> 4'}){fifth(h).format(e=e)})")
+                  tuple((32 * h + e, f"MAG((BYTE(q, {e}) {'& 15u' if h == 0 else '>> 4'}){fifth(h).format(e=e)})")
                                                for e in range(32))) for h in range(2))
   return Unit(64, "const size_t b = row * $NB + (u >> 2); const int j = u & 3;", loads, decode, groups, "{u} * 64",
               lambda e: e)
@@ -153,8 +156,8 @@ def _q6_k() -> Unit:
   sc = lambda i: f"d * (float)(signed char)BYTE(sw, {i})"
   decode = (f"const float d = h2f(dh); const unsigned sw[2] = {{sw0, sw1}}; const float s0 = {sc('j0 * 2')}, s1 = "
             f"{sc('j0 * 2 + 1')}, s2 = {sc('j0 * 2 + 4')}, s3 = {sc('j0 * 2 + 5')}; {ld} {hd}")
-  lo = lambda e: f"((BYTE(l, {e}) & 15u) | (((BYTE(hb, {e}) >> (2 * j0)) & 3u) << 4))"
-  hi = lambda e: f"((BYTE(l, {e}) >> 4) | (((BYTE(hb, {e}) >> (2 * j0 + 4)) & 3u) << 4))"
+  lo = lambda e: f"MAG((BYTE(l, {e}) & 15u) | (((BYTE(hb, {e}) >> (2 * j0)) & 3u) << 4))"
+  hi = lambda e: f"MAG((BYTE(l, {e}) >> 4) | (((BYTE(hb, {e}) >> (2 * j0 + 4)) & 3u) << 4))"
   groups = (("s0", "-32.f * s0", tuple((e, lo(e)) for e in range(16))),
             ("s1", "-32.f * s1", tuple((e, lo(e)) for e in range(16, 32))),
             ("s2", "-32.f * s2", tuple((32 + e, hi(e)) for e in range(16))),
@@ -164,11 +167,12 @@ def _q6_k() -> Unit:
 
 
 def _q_0(bits: int) -> Unit:
-  """Q4_0 (two 4-bit codes per byte, 16 bytes a block) or Q8_0 (one 8-bit code, stored signed: bias 128 by xor)."""
+  """Q4_0 (two 4-bit codes per byte, 16 bytes a block) or Q8_0 (one 8-bit code, stored signed: bias 128 by xor). Each
+  code is a byte of a word masked once for its four codes (MAGB)."""
   ql, qd = _words("q", f"{_b('qs')} + b * {bits * 4}", bits // 4)
-  codes = (tuple((e, f"(BYTE(q, {e}) & 15u)") for e in range(16))
-           + tuple((16 + e, f"(BYTE(q, {e}) >> 4)") for e in range(16)) if bits == 4
-           else tuple((e, f"(BYTE(q, {e}) ^ 128u)") for e in range(32)))
+  codes = (tuple((e, f"MAGB(q[{e >> 2}] & 0x0F0F0F0Fu, {e & 3})") for e in range(16))
+           + tuple((16 + e, f"MAGB((q[{e >> 2}] >> 4) & 0x0F0F0F0Fu, {e & 3})") for e in range(16)) if bits == 4
+           else tuple((e, f"MAGB(q[{e >> 2}] ^ 0x80808080u, {e & 3})") for e in range(32)))
   idot = (tuple((f"(int)(q[{m}] & 0x0F0F0F0Fu)", m) for m in range(4))
           + tuple((f"(int)((q[{m}] >> 4) & 0x0F0F0F0Fu)", 4 + m) for m in range(4)) if bits == 4
           else tuple((f"(int)q[{m}]", m) for m in range(8)))
@@ -240,7 +244,7 @@ def unit_dot(w: W, row: str, u: str, X: Callable[[int], str], XS: Callable[[int]
     if not un.quantized:
       lines += [f"r = fmaf({X(e)}, {v}, r);" for e, v in elems]
       continue
-    body = " ".join(f"s = fmaf({X(e)}, MAG({c}), s);" for e, c in elems)
+    body = " ".join(f"s = fmaf({X(e)}, {c}, s);" for e, c in elems)
     xs = XS(g) if XS is not None else "(" + " + ".join(X(e) for e, _ in elems) + ")"
     lines.append(f"{{ float s = 0.f; {body} r = fmaf({scale}, s, r); r = fmaf({mn}, {xs}, r); }}")
   return f"{{ {_unit_values(w, row, u, tag)} float r = 0.f; {' '.join(lines)} {acc} += r; }}"

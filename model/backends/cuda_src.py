@@ -167,15 +167,15 @@ def _q6_k() -> Unit:
 
 
 def _q_0(bits: int) -> Unit:
-  """Q4_0 (two 4-bit codes per byte, 16 bytes a block) or Q8_0 (one 8-bit code, stored signed: bias 128 by xor). Each
-  code is a byte of a word masked once for its four codes (MAGB)."""
+  """Q4_0 (two 4-bit codes per byte, 16 bytes a block) or Q8_0 (one 8-bit code, stored signed: bias 128 by xor).
+  Elements 4j..4j+3 are the bytes of word j of the block's codes, masked once for its four codes: the float products
+  read each byte as a float (MAGB), the integer ones dot the word (idot)."""
   ql, qd = _words("q", f"{_b('qs')} + b * {bits * 4}", bits // 4)
-  codes = (tuple((e, f"MAGB(q[{e >> 2}] & 0x0F0F0F0Fu, {e & 3})") for e in range(16))
-           + tuple((16 + e, f"MAGB((q[{e >> 2}] >> 4) & 0x0F0F0F0Fu, {e & 3})") for e in range(16)) if bits == 4
-           else tuple((e, f"MAGB(q[{e >> 2}] ^ 0x80808080u, {e & 3})") for e in range(32)))
-  idot = (tuple((f"(int)(q[{m}] & 0x0F0F0F0Fu)", m) for m in range(4))
-          + tuple((f"(int)((q[{m}] >> 4) & 0x0F0F0F0Fu)", 4 + m) for m in range(4)) if bits == 4
-          else tuple((f"(int)q[{m}]", m) for m in range(8)))
+  words = ([f"(q[{m}] & 0x0F0F0F0Fu)" for m in range(4)] + [f"((q[{m}] >> 4) & 0x0F0F0F0Fu)" for m in range(4)]
+           if bits == 4 else [f"q[{m}]" for m in range(8)])
+  unsigned = (lambda w: w) if bits == 4 else (lambda w: f"({w} ^ 0x80808080u)")
+  codes = tuple((e, f"MAGB({unsigned(words[e >> 2])}, {e & 3})") for e in range(32))
+  idot = tuple((f"(int){w}", m) for m, w in enumerate(words))
   return Unit(32, "const size_t b = row * $NB + u;", (("unsigned short", "dh", f"{_b('d')} + b * 2"), *ql),
               "const float d = h2f(dh); " + qd, (("d", f"-{1 << (bits - 1)}.f * d", codes),), "{u} * 32", lambda e: e,
               idot, "d", -8 if bits == 4 else 0)

@@ -32,7 +32,7 @@ import numpy as np
 
 from model.backends import cuda_src
 from model.presets import PRESETS
-from model.quants import Q4_0, QUANT_TYPES
+from model.quants import F32, Q4_0, QUANT_TYPES
 
 Q = QUANT_TYPES[Q4_0]
 KINDS = ["head", "norm_qa_kva", "norm_qb", "absorb", "attention", "v_b", "dense_res", "router", "glu", "down"]
@@ -133,9 +133,9 @@ def kernels(mod, kind: str, preset: str, handoff: str, sms: int) -> list[tuple[s
     return [("f32", mod.mla_vb(W(hp.kv_lora, "w_"), H, hp.kv_lora, hp.v_head, CTX) if hasattr(mod, "mla_vb") else
              mod.product("per_head", Q4_0, (H, hp.v_head, hp.kv_lora), tn=1, n=1, heads=H))]
   if kind == "dense_res": return [("f32", mod.dense(((W(H * hp.v_head, "a_"), dim),), 2, None, residual=True, **wave))]
-  if kind == "router":
+  if kind == "router":  # float32 rows, as GGUF files hold ffn_gate_inp (llama.cpp's quantize leaves it unquantized)
     return [("f32",
-             mod.router(W(dim, "g_"), E, K, hp.rms_eps, 2 if hp.gating == "sigmoid" else 1, hp.exp_probs_bias,
+             mod.router(mod.W("g_", F32, dim), E, K, hp.rms_eps, 2 if hp.gating == "sigmoid" else 1, hp.exp_probs_bias,
                         hp.norm_topk, hp.routed_scale))]
   out, x16 = [], not old and "x16" in inspect.getsource(mod.stage_decl)  # sources with staged 16-bit activations
   forms = getattr(mod, "HANDOFF", {"q8": 0} if hasattr(mod, "glu_q8_blocks") else {})  # the forms glu hands down
@@ -165,7 +165,7 @@ def weight_bytes(kind: str, preset: str) -> int:
   return {"head": hp.vocab * rb(dim), "norm_qa_kva": (first + kv) * rb(dim),
           "norm_qb": nq * rb(hp.q_lora) if hp.q_lora else 0, "absorb": H * hp.kv_lora * rb(hp.qk_nope),
           "attention": (POS + 1) * (hp.kv_lora + hp.qk_rope) * 2,
-          "v_b": H * hp.v_head * rb(hp.kv_lora), "dense_res": dim * rb(H * hp.v_head), "router": hp.n_experts * rb(dim),
+          "v_b": H * hp.v_head * rb(hp.kv_lora), "dense_res": dim * rb(H * hp.v_head), "router": hp.n_experts * dim * 4,
           "glu": (2 * K * F + 2 * Fs) * rb(dim), "down": (K * F + Fs) * rb(dim)}[kind]
 
 
@@ -213,7 +213,7 @@ def launches(kind: str, preset: str) -> tuple[object, object]:
     o, res = f(dim), cp.random.standard_normal(dim, dtype=cp.float32)
     return o, lambda k: [(o, x, res, *c) for c in cs * 10]
   if kind == "router":
-    cs = [weight(E, dim) for _ in range(8)]
+    cs = [[cp.random.standard_normal(E * dim, dtype=cp.float32) * 0.02] for _ in range(8)]
     sel, wts, logits, cnt = cp.zeros(K, dtype=cp.int32), f(K), f(E), cp.zeros(1, dtype=cp.int32)
     bias = [f(E)] if hp.exp_probs_bias else []
     return logits, lambda k: [(sel, wts, logits, cnt, x, gamma, *bias, *c) for c in cs * 10]

@@ -18,7 +18,7 @@ import cupy as cp
 from benchmarks import kernel_lab as L
 from model.backends import cuda_src as C
 from model.presets import PRESETS
-from model.quants import Q4_0
+from model.quants import F32, Q4_0
 
 
 def build(fn, consts: dict, *a, **kw):
@@ -36,10 +36,10 @@ def variants(preset: str) -> dict[str, dict[str, object]]:
   H, dim = hp.n_heads, hp.dim
   first, kv, nq = hp.q_lora or H * (hp.qk_nope + hp.qk_rope), hp.kv_lora + hp.qk_rope, H * (hp.qk_nope + hp.qk_rope)
   out = {
-    "router": {f"R{R}w{w}": build(C.router, {"ROUTER_R": R, "ROUTER_WARPS": w}, W(dim, "g_"), hp.n_experts, hp.n_used,
-                                  hp.rms_eps, 2 if hp.gating == "sigmoid" else 1, hp.exp_probs_bias, hp.norm_topk,
-                                  hp.routed_scale)
-               for R, w in ((2, 4), (1, 4), (1, 2), (1, 1), (2, 2), (2, 1), (4, 4))},
+    "router": {f"R{R}w{w}": build(C.router, {"ROUTER_R": R, "ROUTER_WARPS": w}, C.W("g_", F32, dim), hp.n_experts,
+                                  hp.n_used, hp.rms_eps, 2 if hp.gating == "sigmoid" else 1, hp.exp_probs_bias,
+                                  hp.norm_topk, hp.routed_scale)
+               for R, w in ((2, 4), (1, 4), (1, 2), (1, 1), (2, 2), (2, 1), (4, 4), (1, 8), (2, 8))},
     "attention": {f"ch{ch}b{b}": build(C.mla_attention, {"ATT_CHUNK": ch, "ATT_BATCH": b}, H, hp.kv_lora, hp.qk_rope,
                                        L.CTX, (hp.qk_nope + hp.qk_rope) ** -0.5, True)
                   for ch in (32, 64, 128) for b in (4, 2, 8)},

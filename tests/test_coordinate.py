@@ -2,8 +2,6 @@
 one-knob change of the fastest config so far, then the fallback sampler."""
 from __future__ import annotations
 
-import hashlib
-
 import optuna
 from knobcheck import mix_info
 
@@ -15,16 +13,21 @@ FAST = {"fused.attention": "native", "fused.router": "native", "fused.moe": "nat
         "ffn_act": "q8"}
 
 
+def noise(cfg) -> float:
+  """A fixed factor within +-0.1% of 1 from the config's identity (StructureConfig.hash)."""
+  return 1 + 0.002 * (int(cfg.hash[:4], 16) / 65535 - 0.5)
+
+
 def speed(trial: optuna.Trial, fixed: dict | None = None) -> float:
   """A landscape where each fused stage pays on its own (native more than dsl), 8-bit activations pay once an FFN stage
-  is fused, BEAM costs, and every other knob moves the figure by noise alone (+-0.2%, a hash of the config)."""
+  is fused, BEAM costs, and every other knob moves the figure by noise alone (noise: a spread of 0.2%)."""
   cfg = suggest(trial, INFO, DEVICE, fixed)
   v = 10.0
   for stage in ("attention", "router", "moe", "ffn"):
     v *= {"off": 1.0, "dsl": 1.2, "native": 1.5}[cfg.fused.get(stage, "off")]
   v *= 1.2 if cfg.ffn_act == "q8" else 1.0
   v *= 0.9 if cfg.beam else 1.0
-  return v * (1 + 0.002 * (int(hashlib.sha256(cfg.to_json().encode()).hexdigest()[:4], 16) / 65535 - 0.5))
+  return v * noise(cfg)
 
 
 class Fallback(optuna.samplers.RandomSampler):
@@ -79,7 +82,7 @@ def test_the_climb_moves_a_whole_backend_family_where_only_the_family_pays() -> 
     v = 70.0 if used == {"native"} else 40.0 if used == {"dsl"} else 30.0 if {"dsl", "native"} <= used else \
       10.0 + 5 * sum(cfg.fused.get(st, "off") != "off" for st in stages)
     v *= 1.1 if cfg.ffn_act == "q8" else 1.0
-    return v * (1 + 0.002 * (int(hashlib.sha256(cfg.to_json().encode()).hexdigest()[:4], 16) / 65535 - 0.5))
+    return v * noise(cfg)
   ks = knobs(INFO, DEVICE)
   study = optuna.create_study(direction="maximize", sampler=CoordinateSampler(ks, {}, Fallback()))
   study.enqueue_trial(defaults(ks, {}))

@@ -266,17 +266,28 @@ def _unit_values(w: W, row: str, u: str, tag: str) -> str:
   return f"const int u = {u}; const size_t row = {row}; {w.fill(w.unit.index)} {regs} {w.fill(w.unit.decode)}"
 
 
+# a unit's 8-bit step from its largest |x| (`am`), and the step's inverse: llama.cpp's q8_1 rounding, written here once
+# for every kernel that rounds activations (quantize_x, quantize_x16, stage_x, glu's hand-off; dsl.q8_round in tensor
+# ops)
+Q8_STEP, Q8_INV = "am / 127.f", "am > 0.f ? 127.f / am : 0.f"
+
+
+def q8_code(x: str, q: str) -> str:
+  """C: x as its 8-bit code q, rounded to nearest even, with iv (Q8_INV) of its unit in scope."""
+  return f"const int {q} = (int)rintf({x} * iv);"
+
+
 def quantize_x(i: int, un: Unit) -> str:
   """C: the registers x<i>_<e> of one unit as 8-bit integers xq<i>[8] (4 to a word, their sum sq<i>) with the scale
   dx<i> = max|x| / 127, rounded to nearest even: llama.cpp's q8_1 activations, one scale per 32 (model/backends/dsl.py's
   q8_round is the same rounding in tensor ops)."""
   assert un.elems == 32
   am = " ".join(f"am = fmaxf(am, fabsf(x{i}_{e}));" for e in range(32))
-  qs = " ".join(f"const int q{e} = (int)rintf(x{i}_{e} * iv);" for e in range(32))
+  qs = " ".join(q8_code(f"x{i}_{e}", f"q{e}") for e in range(32))
   words = " ".join(f"xq{i}[{m}] = " + " | ".join(f"((q{4 * m + j} & 255) << {8 * j})" for j in range(
     4)) + ";" for m in range(8))
-  return (f"float dx{i}; int xq{i}[8], sq{i}; {{ float am = 0.f; {am} dx{i} = am / 127.f; const float iv = am > 0.f ? "
-          f"127.f / am : 0.f; {qs} {words} sq{i} = {' + '.join(f'q{e}' for e in range(32))}; }}")
+  return (f"float dx{i}; int xq{i}[8], sq{i}; {{ float am = 0.f; {am} dx{i} = {Q8_STEP}; const float iv = {Q8_INV};"
+          f" {qs} {words} sq{i} = {' + '.join(f'q{e}' for e in range(32))}; }}")
 
 
 def x16_split(x: str, h: str, a: str, b: str, dh: str) -> str:
@@ -298,8 +309,8 @@ def quantize_x16(i: int, un: Unit) -> str:
   words = " ".join(f"xh{i}[{m}] = " + " | ".join(f"((a{4 * m + j} & 255) << {8 * j})" for j in range(4)) + "; "
                    + f"xl{i}[{m}] = " + " | ".join(f"((b{4 * m + j} & 255) << {8 * j})" for j in range(
                      4)) + ";" for m in range(8))
-  return (f"float dh{i}, dl{i}; int xh{i}[8], xl{i}[8]; {{ float am = 0.f; {am} dh{i} = am / 127.f; dl{i} = dh{i} / "
-          f"254.f; const float iv = am > 0.f ? 127.f / am : 0.f, il = am > 0.f ? 32258.f / am : 0.f; {qs} {words} }}")
+  return (f"float dh{i}, dl{i}; int xh{i}[8], xl{i}[8]; {{ float am = 0.f; {am} dh{i} = {Q8_STEP}; dl{i} = dh{i} / "
+          f"254.f; const float iv = {Q8_INV}, il = am > 0.f ? 32258.f / am : 0.f; {qs} {words} }}")
 
 
 def unit_idot16(w: W, row: str, u: str, i: int, acc: str, tag: str) -> str:
@@ -359,18 +370,18 @@ def stage_x(xp: str, n: int, eps: float | None, act: str, warps: int = WARPS, pa
       word = lambda v: " | ".join(f"(({v}{j} & 255) << {8 * j})" for j in range(4))
       out.append(f"{{ {vals} float am = fmaxf(fmaxf(fabsf(a0), fabsf(a1)), fmaxf(fabsf(a2), fabsf(a3))), xs = a0 + "
                  "a1 + a2 + a3; for (int m = 4; m > 0; m >>= 1) { am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, m));"
-                 " xs += __shfl_xor_sync(0xffffffffu, xs, m); } const float dh = am / 127.f, iv = am > 0.f ? 127.f / am"
-                 f" : 0.f, il = am > 0.f ? 32258.f / am : 0.f; {cb} if ({inside}) {{ sxh[{k} >> 2] = {word('c')};"
+                 f" xs += __shfl_xor_sync(0xffffffffu, xs, m); }} const float dh = {Q8_STEP}, iv = {Q8_INV},"
+                 f" il = am > 0.f ? 32258.f / am : 0.f; {cb} if ({inside}) {{ sxh[{k} >> 2] = {word('c')};"
                  f" sxl[{k} >> 2] = {word('b')}; if (({k} & 31) == 0) {{ sdh[{k} >> 5] = dh; sxs[{k} >> 5] = xs; }} }}"
                  " }")
       continue
-    q = ", ".join(f"q{j} = (int)rintf(a{j} * iv)" for j in range(4))
+    q = " ".join(q8_code(f"a{j}", f"q{j}") for j in range(4))
     out.append(f"{{ {vals} float am = fmaxf(fmaxf(fabsf(a0), fabsf(a1)), fmaxf(fabsf(a2), fabsf(a3)));"
                " for (int m = 4; m > 0; m >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, m));"
-               f" const float iv = am > 0.f ? 127.f / am : 0.f; const int {q}; int sq = q0 + q1 + q2 + q3;"
+               f" const float iv = {Q8_INV}; {q} int sq = q0 + q1 + q2 + q3;"
                " for (int m = 4; m > 0; m >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, m);"
                f" if ({inside}) {{ sxq[{k} >> 2] = (q0 & 255) | ((q1 & 255) << 8) | ((q2 & 255) << 16) | ((q3 & 255) "
-               f"<< 24); if (({k} & 31) == 0) {{ sdx[{k} >> 5] = am / 127.f; ssq[{k} >> 5] = sq; }} }} }}")
+               f"<< 24); if (({k} & 31) == 0) {{ sdx[{k} >> 5] = {Q8_STEP}; ssq[{k} >> 5] = sq; }} }} }}")
   out.append("__syncthreads();")
   return " ".join(out)
 
@@ -1002,18 +1013,17 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
                         f"{v}, 2), c3 = __shfl_down_sync(0xffffffffu, {v}, 3); if ((l & 3) == 0) ((int*)act)[{at} + "
                         f"(l >> 2)] = ({v} & 255) | ((c1 & 255) << 8) | ((c2 & 255) << 16) | ((c3 & 255) << 24); }}")
   rounding = {
-    "q8": ("const int q = (int)rintf(v * iv); int sq = q; for (int m = 16; m > 0; m >>= 1) sq += "
-           f"__shfl_xor_sync(0xffffffffu, sq, m); {pack('q', 'g * 8')} if (l == 0) {{ act[{units * 8} + g] = am / "
-           f"127.f; ((int*)act)[{units * 9} + g] = sq; }}"),
-    "x16": (f"const float dh = am / 127.f, il = am > 0.f ? 32258.f / am : 0.f; {x16_split('v', 'h', 'a', 'b', 'dh')}"
+    "q8": (f"{q8_code('v', 'q')} int sq = q; for (int m = 16; m > 0; m >>= 1) sq += __shfl_xor_sync(0xffffffffu, "
+           f"sq, m); {pack('q', 'g * 8')} if (l == 0) {{ act[{units * 8} + g] = {Q8_STEP}; ((int*)act)[{units * 9} + g]"
+           " = sq; }"),
+    "x16": (f"const float dh = {Q8_STEP}, il = am > 0.f ? 32258.f / am : 0.f; {x16_split('v', 'h', 'a', 'b', 'dh')}"
             " float xs = v; for (int m = 16; m > 0; m >>= 1) xs += __shfl_xor_sync(0xffffffffu, xs, m);"
             f" {pack('a', 'g * 8')} {pack('b', f'{units * 8} + g * 8')} if (l == 0) {{ act[{units * 16} + g] = dh;"
             f" act[{units * 17} + g] = xs; }}")}
   def quantize(base: str) -> str:
     if not handoff: return ""
     return (f" __syncthreads(); if (threadIdx.x < 32) {{ const int l = threadIdx.x, g = ({base} + blockIdx.x * 32) / "
-            "32; const float v = sact[l]; const float am = warp_max(fabsf(v)), iv = am > 0.f ? 127.f / am : 0.f; "
-            f"{rounding[act]} }}")
+            f"32; const float v = sact[l]; const float am = warp_max(fabsf(v)), iv = {Q8_INV}; {rounding[act]} }}")
   if r:
     body.append(f"if (blockIdx.y < {k}) {{ {WAIT} const int y = blockIdx.y, e = min(max(sel[y], 0), "
                 f"{r.experts - 1});\n  "

@@ -268,8 +268,8 @@ def _unit_values(w: W, row: str, u: str, tag: str) -> str:
 
 # a unit's 8-bit step from its largest |x| (`am`), and the step's inverse: llama.cpp's q8_1 rounding, written here once
 # for every kernel that rounds activations (quantize_x, quantize_x16, stage_x, glu's hand-off; dsl.q8_round in tensor
-# ops)
-Q8_STEP, Q8_INV = "am / 127.f", "am > 0.f ? 127.f / am : 0.f"
+# ops); X16_INV: the inverse of the 16-bit form's remainder step, 1/254 of the 8-bit one (x16_split)
+Q8_STEP, Q8_INV, X16_INV = "am / 127.f", "am > 0.f ? 127.f / am : 0.f", "am > 0.f ? 32258.f / am : 0.f"
 
 
 def q8_code(x: str, q: str) -> str:
@@ -292,7 +292,7 @@ def quantize_x(i: int, un: Unit) -> str:
 
 def x16_split(x: str, h: str, a: str, b: str, dh: str) -> str:
   """C: the value x as quantize_x16's two codes, a (its 8-bit code, h as a float) and b (the remainder at 1/254 of the
-  step dh, clamped to 8 bits), with iv = 127 / max|x| and il = 32258 / max|x| of its unit in scope: the one place the
+  step dh, clamped to 8 bits), with iv (Q8_INV) and il (X16_INV) of its unit in scope: the one place the
   16-bit rounding is written (stage_x, quantize_x16, glu's hand-off; dsl.x16_round in tensor ops)."""
   return (f"const float {h} = rintf({x} * iv); const int {a} = (int){h}, {b} = max(-127, min(127, (int)rintf(fmaf(-{h},"
           f" {dh}, {x}) * il)));")
@@ -310,7 +310,7 @@ def quantize_x16(i: int, un: Unit) -> str:
                    + f"xl{i}[{m}] = " + " | ".join(f"((b{4 * m + j} & 255) << {8 * j})" for j in range(
                      4)) + ";" for m in range(8))
   return (f"float dh{i}, dl{i}; int xh{i}[8], xl{i}[8]; {{ float am = 0.f; {am} dh{i} = {Q8_STEP}; dl{i} = dh{i} / "
-          f"254.f; const float iv = {Q8_INV}, il = am > 0.f ? 32258.f / am : 0.f; {qs} {words} }}")
+          f"254.f; const float iv = {Q8_INV}, il = {X16_INV}; {qs} {words} }}")
 
 
 def unit_idot16(w: W, row: str, u: str, i: int, acc: str, tag: str) -> str:
@@ -371,7 +371,7 @@ def stage_x(xp: str, n: int, eps: float | None, act: str, warps: int = WARPS, pa
       out.append(f"{{ {vals} float am = fmaxf(fmaxf(fabsf(a0), fabsf(a1)), fmaxf(fabsf(a2), fabsf(a3))), xs = a0 + "
                  "a1 + a2 + a3; for (int m = 4; m > 0; m >>= 1) { am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, m));"
                  f" xs += __shfl_xor_sync(0xffffffffu, xs, m); }} const float dh = {Q8_STEP}, iv = {Q8_INV},"
-                 f" il = am > 0.f ? 32258.f / am : 0.f; {cb} if ({inside}) {{ sxh[{k} >> 2] = {word('c')};"
+                 f" il = {X16_INV}; {cb} if ({inside}) {{ sxh[{k} >> 2] = {word('c')};"
                  f" sxl[{k} >> 2] = {word('b')}; if (({k} & 31) == 0) {{ sdh[{k} >> 5] = dh; sxs[{k} >> 5] = xs; }} }}"
                  " }")
       continue
@@ -1016,7 +1016,7 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
     "q8": (f"{q8_code('v', 'q')} int sq = q; for (int m = 16; m > 0; m >>= 1) sq += __shfl_xor_sync(0xffffffffu, "
            f"sq, m); {pack('q', 'g * 8')} if (l == 0) {{ act[{units * 8} + g] = {Q8_STEP}; ((int*)act)[{units * 9} + g]"
            " = sq; }"),
-    "x16": (f"const float dh = {Q8_STEP}, il = am > 0.f ? 32258.f / am : 0.f; {x16_split('v', 'h', 'a', 'b', 'dh')}"
+    "x16": (f"const float dh = {Q8_STEP}, il = {X16_INV}; {x16_split('v', 'h', 'a', 'b', 'dh')}"
             " float xs = v; for (int m = 16; m > 0; m >>= 1) xs += __shfl_xor_sync(0xffffffffu, xs, m);"
             f" {pack('a', 'g * 8')} {pack('b', f'{units * 8} + g * 8')} if (l == 0) {{ act[{units * 16} + g] = dh;"
             f" act[{units * 17} + g] = xs; }}")}

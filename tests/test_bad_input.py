@@ -38,8 +38,8 @@ def search(*argv: str) -> int:
 
 @pytest.fixture(scope="module")
 def made(gguf_file, tmp_path_factory) -> pathlib.Path:
-  """A 4-trial study "x" (fake trials: the baseline, then the dsl family move and two single changes, each slower than
-  the baseline)."""
+  """A 4-trial study "x" (fake trials): the baseline; the dsl family move (trial 1), faster, so measured again as the
+  leader; then 8-bit activations in its FFN (trial 2) and in its attention (trial 3), each slower than trial 1."""
   d = tmp_path_factory.mktemp("made")
   with pytest.MonkeyPatch.context() as mp:
     install_fake_trials(mp.setattr)
@@ -118,6 +118,9 @@ def test_what_an_export_says_it_ships(url, tmp_path, capsys) -> None:
   says what was shipped: the confirmed winner, or an unconfirmed config with its estimate against the baseline's."""
   to = str(tmp_path / "p.toml")
   head = lambda: pathlib.Path(to).read_text().splitlines()[0]
+  with session(open_db(url)) as s:  # the baseline measured again, faster than every other config
+    st = store.get_study(s, "x")
+    for _ in range(5): store.add_measurement(s, st.id, st.baseline_hash, "full", 25.0, "repeat")
   assert search("export", "--study", "x", "--storage", url, "--to", to, "--trial", "1", "--unconfirmed") == 2
   one_line(capsys, "trial 1 is not confirmed and its estimate is not above the baseline's interval", "x the baseline",
            "--force")
@@ -126,7 +129,7 @@ def test_what_an_export_says_it_ships(url, tmp_path, capsys) -> None:
     one_line(capsys, "is not confirmed and its estimate is not above the baseline's interval")
   assert not os.path.exists(to)
   assert search("export", "--study", "x", "--storage", url, "--to", to, "--trial", "1", "--unconfirmed", "--force") == 0
-  assert re.search(r"trial 1, UNCONFIRMED, FORCED: estimated 0\.\d{3}x the baseline \(.* tok/s over 1 measurements, "
+  assert re.search(r"trial 1, UNCONFIRMED, FORCED: estimated 0\.\d{3}x the baseline \(.* tok/s over 3 measurements, "
                    r"the baseline .*\), NOT above its interval$", head()), head()
   with session(open_db(url)) as s:  # the baseline measured again, and trial 2, clearly faster than it
     st = store.get_study(s, "x")
@@ -209,10 +212,11 @@ def test_every_option_says_what_it_does() -> None:
 def test_leaderboards_that_would_list_nothing_by_mistake(url, capsys) -> None:
   assert search("leaderboard", "--study", "x", "--storage", url, "--where", "topk=zzz") == 2
   one_line(capsys, "--where topk=zzz: no trial of this study has it; its trials have topk=")
-  assert search("leaderboard", "--study", "x", "--storage", url, "--where", "fused.attention=DSL", "--format",
-                "json") == 0
   family = {f"fused.{st}": "dsl" for st in ("attention", "router", "moe", "ffn")} | {"backend.Q4_0.dense": "dsl"}
-  assert [r["changes"] for r in json.loads(capsys.readouterr().out)["rows"]] == [{"fused.attention": "dsl"}, family]
+  for where, rows in (("fused.attention=DSL", [family, family | {"ffn_act": "q8"}, family | {"attn_act": "q8"}]),
+                      ("ffn_act=Q8", [family | {"ffn_act": "q8"}])):
+    assert search("leaderboard", "--study", "x", "--storage", url, "--where", where, "--format", "json") == 0
+    assert [r["changes"] for r in json.loads(capsys.readouterr().out)["rows"]] == rows, where
 
 
 def test_a_bogus_device_is_refused_before_anything_is_made(gguf_file, tmp_path, monkeypatch, capsys) -> None:

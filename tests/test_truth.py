@@ -38,7 +38,8 @@ def demo(request, gguf_file, tmp_path, monkeypatch) -> dict:
   """A 4-trial study (fake trials, artifacts uploaded), then stored figures: the baseline at ~100 tok/s; `slow`, the
   other config whose first figure was the highest, re-measured at ~97 and A/B-confirmed at 0.979x [0.966, 0.993]; `mid`
   at ~130 with an inconclusive confirmation (1.02x [0.98, 1.06]); `fresh`, the lowest first figure, at ~120,
-  unconfirmed."""
+  unconfirmed. `slow_n`: slow's measurements in the study (it led, so the study measured it again), before the 15
+  stored."""
   url = f"sqlite:///{tmp_path / 's.db'}" if request.param == "sqlite" else request.getfixturevalue("pg_url")
   install_fake_trials(monkeypatch.setattr)
   art = str(tmp_path / "artifacts")
@@ -51,6 +52,7 @@ def demo(request, gguf_file, tmp_path, monkeypatch) -> dict:
     assert len(ok) == 3
     slow, fresh = max(ok, key=lambda t: t.tok_s), min(ok, key=lambda t: t.tok_s)
     mid = next(t for t in ok if t not in (slow, fresh))
+    slow_n = sum(m.config_hash == slow.config_hash for m in store.measurements(s, st))
     for t, v in ((None, 100.0), (slow, 97.0), (mid, 130.0), (fresh, 120.0)):
       h = st.baseline_hash if t is None else t.config_hash
       for i in range(15): store.add_measurement(s, st.id, h, "full", v * (1 + 0.01 * (i % 3 - 1)), "repeat", trial=t)
@@ -58,7 +60,7 @@ def demo(request, gguf_file, tmp_path, monkeypatch) -> dict:
                            speedup_low=0.966, speedup_high=0.993, status="ok")
     store.add_confirmation(s, st, mid, pairs=3, rounds=5, tok_s=102.0, baseline_tok_s=100.0, speedup=1.02,
                            speedup_low=0.98, speedup_high=1.06, status="ok")
-    numbers = {"slow": slow.number, "mid": mid.number, "fresh": fresh.number}
+    numbers = {"slow": slow.number, "mid": mid.number, "fresh": fresh.number, "slow_n": slow_n}
   return {"url": url, "artifacts": art, **numbers}
 
 
@@ -75,7 +77,7 @@ def test_the_dashboard_crowns_the_leaderboards_first(demo) -> None:
   trials = {t.number: t for t in ranked.get_all_trials(sid)}
   slow = trials[demo["slow"]]
   assert slow.values[0] == pytest.approx(0.979 * rows[0]["tok_s"] / rows[0]["speedup"])  # confirmed speedup x baseline
-  assert slow.user_attrs["measurements"] == 16
+  assert slow.user_attrs["measurements"] == demo["slow_n"] + 15
   assert slow.user_attrs["confirmed"].startswith("0.979x [0.966, 0.993] over 4 A/B pairs")
   assert ranked.get_trial(slow._trial_id).values == slow.values
   assert optuna.load_study(study_name="d", storage=ranked).best_trial.number == demo["fresh"]  # through Optuna's Study
@@ -103,7 +105,8 @@ def test_compare_shows_the_confirmation(demo) -> None:
   assert row[1] == "not confirmed" and row[2] == "0.979x [0.966, 0.993] over 4 A/B pairs"
   assert notes[0] == (f"B (trial {demo['slow']}) is A/B-confirmed at 0.979x [0.966, 0.993] over 4 A/B pairs of the "
                       "baseline: not faster")
-  assert any(r[0] == "tok/s estimate [90%] over measurements" and r[2].endswith("over 16") for r in sec.rows)
+  assert any(r[0] == "tok/s estimate [90%] over measurements" and r[2].endswith(f"over {demo['slow_n'] + 15}")
+             for r in sec.rows)
 
 
 def test_artifacts_are_rewritten_with_the_current_figures(demo) -> None:
@@ -112,10 +115,10 @@ def test_artifacts_are_rewritten_with_the_current_figures(demo) -> None:
   trial = st.get_trial(st.get_trial_id_from_study_id_trial_number(st.get_study_id_from_name("d"), demo["slow"]))
   meta = next(m for m in get_all_artifact_meta(trial, storage=st) if m.filename == f"trial-{demo['slow']}-metrics.json")
   read = lambda: json.loads(arts.open_reader(meta.artifact_id).read())
-  assert read()["confirmed"] is None and read()["estimate"]["measurements"] == 1  # as uploaded when the trial ended
+  assert read()["confirmed"] is None and read()["estimate"]["measurements"] == demo["slow_n"]  # as the study left it
   Uploader(url, "d", artifact_store(url, demo["artifacts"])).refresh()
   doc = read()
-  assert doc["confirmed"]["speedup"] == 0.979 and doc["estimate"]["measurements"] == 16
+  assert doc["confirmed"]["speedup"] == 0.979 and doc["estimate"]["measurements"] == demo["slow_n"] + 15
   assert [m.filename for m in get_all_artifact_meta(trial, storage=st)].count(meta.filename) == 1  # not attached again
 
 
@@ -322,14 +325,14 @@ def test_one_importance_over_the_knobs_that_varied(demo) -> None:
     store.finish_trial(s, t, state="ok", stage="full", tok_s=90.0, metrics={"tok_s": 90.0})
     configs = [flat(StructureConfig.from_json(t.config_json)) for t in store.trials(s, st) if t.state == "ok"]
   varied = {k for k in configs[0] if len({str(c[k]) for c in configs}) > 1}
-  # the family move (trial 1: every stage and the dense weights on dsl) varied the router's stage and the weights'
-  # backend
-  assert varied == {"fused.moe", "fused.attention", "fused.ffn", "fused.router", "backend.Q4_0.dense",
-                    "barrier.attn_out"}
+  # the family move (trial 1: every stage and the dense weights on dsl) varied the stages and the weights' backend;
+  # trials 2 and 3 the activations of its fused stages
+  assert varied == {"fused.moe", "fused.attention", "fused.ffn", "fused.router", "backend.Q4_0.dense", "ffn_act",
+                    "attn_act", "barrier.attn_out"}
   d = plots.load(url, "d")
   fig = plots.importance(d)
   assert {t.get_text() for t in fig.axes[0].get_yticklabels()} == varied
-  basis = ("fANOVA of the ranked tok/s over 5 configs measured ok (5 trials, 66 measurements), the 6 knobs that took "
+  basis = ("fANOVA of the ranked tok/s over 5 configs measured ok (5 trials, 68 measurements), the 8 knobs that took "
            "more than one value among them")
   assert d.points.basis() == basis and fig.get_suptitle() == basis
   imp = effects.importance(d.points)
@@ -354,8 +357,11 @@ def test_single_changes_with_their_intervals(demo) -> None:
   from search import effects
   d = plots.load(demo["url"], "d")
   est = {r["trial"]: r for r in d.board["rows"]}
+  # trial 1 is the dsl family move; trials 2 and 3 add 8-bit activations to it (a knob that applies only once an
+  # FFN or attention stage is fused), so each is one family move from the baseline, which outranks trial 1 on the
+  # board
   assert [(c.trial, c.parent, c.knob, c.new) for c in d.changes] == [
-    (1, 0, "backends", "dsl"), (2, 0, "fused.moe", "dsl"), (3, 0, "fused.attention", "dsl")]
+    (1, 0, "backends", "dsl"), (2, 0, "backends", "dsl"), (3, 0, "backends", "dsl")]
   for c in d.changes:
     assert c.speedup == pytest.approx(est[c.trial]["tok_s"] / est[0]["tok_s"])
     r, b = est[c.trial], est[0]
@@ -363,22 +369,22 @@ def test_single_changes_with_their_intervals(demo) -> None:
     assert c.high >= max(r["tok_s_high"] / b["tok_s"], r["tok_s"] / b["tok_s_low"]) - 1e-12
   ax = plots.changes(d).axes[0]
   assert [t.get_text() for t in ax.get_yticklabels()][::-1][:2] == ["trial 1: backends off/tensor -> dsl (of 0)",
-                                                                    "trial 2: fused.moe off -> dsl (of 0)"]
+                                                                    "trial 2: backends off/tensor -> dsl (of 0)"]
   params = {t.number: t.params for t in d.optuna.trials}
-  # one knob from trial 2's config and from trial 3's: its parent is the one that ranks first on the board
-  # (module fixture: `mid` and `fresh`)
-  params[4] = {**params[2], "fused.attention": "dsl"}
+  # one knob from trial 2's config (ffn_act=q8) and from trial 3's (attn_act=q8): its parent is the one that ranks
+  # first on the board (module fixture: `mid` and `fresh`)
+  params[4] = {**params[2], "attn_act": "q8"}
   with session(open_db(demo["url"])) as s:
     st = store.get_study(s, "d")
     two = StructureConfig.from_json(next(t for t in store.trials(s, st) if t.number == 2).config_json)
-    both = dataclasses.replace(two, fused={**two.fused, "attention": "dsl"})
+    both = dataclasses.replace(two, attn_act="q8")
     t = store.start_trial(s, st, 4, both.to_json(), both.hash, None, "h:1")
     store.finish_trial(s, t, state="ok", stage="full", tok_s=150.0, metrics={"tok_s": 150.0})
     four = effects.single_changes(s, st, params)[-1]
-  # which of trials 2 and 3 the fixture made `mid` or `fresh` depends on their first figures on this machine
+  # which of trials 2 and 3 the fixture made `mid` or `fresh` depends on their first figures
   parent = next(r["trial"] for r in d.board["rows"] if r["trial"] in (2, 3))  # the leaderboard's order
-  knob = "fused.moe" if parent == 3 else "fused.attention"
-  assert (four.trial, four.parent, four.knob, four.old, four.new) == (4, parent, knob, "off", "dsl")
+  knob = "attn_act" if parent == 2 else "ffn_act"
+  assert (four.trial, four.parent, four.knob, four.old, four.new) == (4, parent, knob, "float32", "q8")
   assert four.speedup == pytest.approx(150 / est[parent]["tok_s"])
 
 

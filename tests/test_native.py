@@ -16,14 +16,14 @@ import types
 
 import numpy as np
 import pytest
-from knobcheck import assert_close, check_knob, check_process_setting, gguf, mix_info
+from knobcheck import assert_close, check_knob, check_process_setting, decode, gguf, mix_info
 from native_cpu import launch_kernel, native_on_cpu
 from products import TYPES, check_products, kernel_weight
-from tinygrad import Tensor, Variable, dtypes
+from tinygrad import Context, Device, Tensor, Variable, dtypes
 from tinygrad.uop.ops import Ops
 
 from evaluator.gate import FP16_TOL, FP32_TOL, rel_err, tolerance
-from model.backends import catalog, cuda_src, native, registry
+from model.backends import catalog, cuda_graph, cuda_src, native, registry
 from model.backends.catalog import STAGES
 from model.deepseek2 import Transformer
 from model.generate import Generator, jit_kernels
@@ -532,6 +532,24 @@ def test_decode_runs_native_kernels_in_the_graph(gguf_file, mix: str) -> None:
     "native_dense_") for n in names)
   assert not any(c.src[0].op is Ops.PROGRAM
                  for c in gen.step_jit.captured.linear.src), ("a kernel runs outside the " "JIT's graphs")
+
+
+@needs_cuda
+def test_programmatic_launch_decodes_as_one_launch_at_a_time(glm_file) -> None:
+  """Where the device launches programmatically (sm_90: model/backends/cuda_graph.py), the decode step's graphs start
+  each native kernel before the kernels it waits on have ended: a read before its GRID_WAIT of what they write would
+  race there, and nowhere else. The fused native stages with 8-bit activations (every kind of native kernel) decode the
+  same logits, bit for bit, as the same kernels launched one at a time without graphs (JIT=2)."""
+  path = glm_file("q4_0")
+  cfg = StructureConfig.from_dict(ALL_NATIVE | {"backends": {"Q4_0:dense": "native"}, "ffn_act": "q8",
+                                                "attn_act": "q8"})
+  model = lambda: Transformer(gguf(path), cfg, max_context=32)
+  graphed, gen = decode(model(), TOKENS, 2)
+  if Device[Device.DEFAULT].graph is not cuda_graph.OverlapGraph: pytest.skip("no programmatic launch on this device")
+  waiting = [n for n, src in jit_kernels(gen.step_jit) if cuda_src.WAIT in src]
+  assert {n.split("_")[1] for n in waiting} >= {"dense", "mla", "router", "glu", "down"}, waiting
+  with Context(JIT=2): one_by_one, _ = decode(model(), TOKENS, 2)
+  np.testing.assert_array_equal(graphed, one_by_one)
 
 
 @needs_cuda

@@ -19,13 +19,13 @@ _PLANES = tuple(f"_{p}" for p in sorted({p for layout in LAYOUTS.values() for p 
 
 
 def guarded(src: str) -> tuple[int, ...]:
-  """The parameters of a native kernel that it may touch only after GRID_WAIT: every one but its weights (the planes of
-  cuda_src.W params, `<prefix><plane>`, and a folded norm's `gamma`), whose reads may go out before it, and
-  cuda_src.EARLY. None for a kernel that does not wait."""
+  """The parameters of a native kernel that it may touch only after GRID_WAIT: every one but its weights' planes
+  (cuda_src.W params, `<prefix><plane>`), whose reads go out before it, and cuda_src.EARLY. None for a kernel that does
+  not wait."""
   if cuda_src.WAIT not in src: return ()
   params = re.search(r"__global__ void __launch_bounds__\([\d, ]+\) \w+\((.*?)\) \{", src, re.S).group(1).split(", ")
   return tuple(i for i, p in enumerate(params)
-               if not p.split()[-1].endswith(_PLANES) and p.split()[-1] not in (*cuda_src.EARLY, "gamma"))
+               if not p.split()[-1].endswith(_PLANES) and p.split()[-1] not in cuda_src.EARLY)
 
 
 def launch_kernel(src: str, name: str, grid: tuple[int, int, int], block: tuple[int, int, int], args: list,

@@ -460,14 +460,13 @@ WAIT = "GRID_WAIT();"  # a kernel's wait for the kernels before it (PRELUDE's GR
 # and mla_vb name it. The absorption kernel before them reads it (as `pos`) after its wait, so whichever kernel writes
 # it comes before the absorption and has finished when they start (a kernel starts once every block of the one before
 # it has waited on the one before that). Kernels without that guarantee name it `pos` and read it after their wait.
-# `early_x`: the input of glu behind a router, which reads it after its own wait.
-EARLY = ("early_pos", "early_x")
+EARLY = ("early_pos",)
 ACTS = ("f32", "q8", "x16")  # a gemv's input: float32, 8 bits per 32 (llama.cpp's q8_1), or two 8-bit planes (16 bits)
 
 
 def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue: Callable[[str, list[str]], str] | None,
          G: int | None = None, prologue: str = "", act: str = "f32", early: bool = False, staged: bool = False,
-         pad: bool = True, wait: bool = False, store_wait: bool = False) -> str:
+         pad: bool = True, wait: bool = False) -> str:
   """C body: the row group of this lane computes outputs o = obase .. obase+R-1 (< rows) of one or more components, each
   a weight with its row for output o (a C template with `{o}`) and an accumulator name; all components share the input
   at xp. `obase`, `gl` (lane in group) must be defined; epilogue(o, accs) is C run by lane 0 of the group for each valid
@@ -479,10 +478,8 @@ def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue: 
   stage_x wrote it): x takes no registers, so the row group's reads go out in one chunk (up to STAGED_READS a lane), as
   weak loads the prologue's barrier holds before the products. wait (with early; for rows that do not depend on
   the kernel's inputs): the kernel's GRID_WAIT goes between the first chunk's weight reads and the prologue, so the
-  reads are in flight while the kernels before it finish. store_wait (where the input is EARLY): GRID_WAIT goes after
-  the products, before the epilogue's stores, so the products run while the kernels before it finish."""
+  reads are in flight while the kernels before it finish."""
   assert early or not wait, "the wait follows the early reads"
-  assert not (wait and store_wait), "one wait"
   w0 = comps[0][0]
   assert all((w.inp, w.unit.elems) == (w0.inp, w0.unit.elems)
              for w, _, _ in comps), ("components of one gemv share the input " "layout")
@@ -529,7 +526,7 @@ def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue: 
       body.append("{ " + " ".join(products(str(c), f"_{c}", [])) + " }")
   else:
     body += [prologue, f"for (int c = 0; c < {nch}; c++) {{", *products("c", "", loads("c", "")), "}"]
-  body.append(" ".join(f"{a} = group_sum({a}, {G});" for a in accs) + (f" {WAIT}" if store_wait else ""))
+  body.append(" ".join(f"{a} = group_sum({a}, {G});" for a in accs))
   for r in range(R if epilogue is not None else 0):
     body.append(f"if (gl == 0 && obase + {r} < {rows}) {{ const int o = obase + {r}; "
                 f"{epilogue('o', [f'{a}{r}' for _, _, a in comps])} }}")
@@ -670,13 +667,12 @@ def product(role: str, ggml_type: int, shape: tuple[int, ...], **dims: int) -> K
 
 def _gemv_block(ws: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue, prologue: str = "",
                 act: str = "f32", early: bool = False, staged: bool = False, warps: int = WARPS,
-                pad: bool = True, wait: bool = False, store_wait: bool = False) -> str:
+                pad: bool = True, wait: bool = False) -> str:
   """A braced gemv with its own row-group setup (its weights' group width), so kernels can branch between weight types;
   with `staged` (the prologue is stage_x's and synchronises the block), a block with no rows leaves before it."""
   G = ws[0][0].group_lanes
   leave = f" if (blockIdx.x * {rows_per_block(G, R, warps)} >= {rows}) return;" if staged else ""
-  body = gemv(ws, xp, rows, R, epilogue, prologue=prologue, act=act, early=early, staged=staged, pad=pad, wait=wait,
-              store_wait=store_wait)
+  body = gemv(ws, xp, rows, R, epilogue, prologue=prologue, act=act, early=early, staged=staged, pad=pad, wait=wait)
   return "{ " + group_setup(G, R, warps=warps) + leave + "\n  " + body + " }"
 
 
@@ -997,10 +993,7 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
   assert not handoff or act in HANDOFF, act
   name = f"native_glu_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}{f'_out{act}' if handoff else ''}"
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
-  # behind a router (which waits on x's writer), the plain FFN's blocks read x at once (EARLY) and wait only to store:
-  # their products run while the router finishes
-  xn = "early_x" if r and p else "x"
-  params = (["float* act", f"const float* __restrict__ {xn}", "const float* __restrict__ gamma"]
+  params = (["float* act", "const float* __restrict__ x", "const float* __restrict__ gamma"]
             + (["const int* __restrict__ sel"] if r else []))
   params += (r.params if r else []) + (p.params if p else [])
   G = (r or p).gate.group_lanes
@@ -1009,10 +1002,9 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
                          and all(f.hidden % 32 == 0 for f in (r, p) if f)), ("32 outputs " "a block")
   silu = lambda a: f"({a[0]} * (1.f / (1.f + expf(-{a[0]})))) * {a[1]}"
   units = ((k * r.hidden if r else 0) + (p.hidden if p else 0)) // 32
-  pro, body = (stage_x(xn, dim, eps, act, warps, False), [stage_decl(dim, act, warps, False)]
+  pro, body = (stage_x("x", dim, eps, act, warps, False), [stage_decl(dim, act, warps, False)]
                + (["__shared__ float sact[32];"] if handoff else []))
-  block = lambda ws, rows, epi, wait, late=False: _gemv_block(ws, "sx", rows, R, epi, pro, act, True, True, warps,
-                                                              False, wait, late)
+  block = lambda ws, rows, epi, wait: _gemv_block(ws, "sx", rows, R, epi, pro, act, True, True, warps, False, wait)
   def store(base: str):  # the output of row o, at act[base + o], or into its block's 32 for the hand-off
     if not handoff: return lambda o, a: f"act[{base} + {o}] = {silu(a)};"
     return lambda o, a: f"sact[{o} - blockIdx.x * 32] = {silu(a)};"
@@ -1042,7 +1034,7 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
     base = k * r.hidden if r else 0
     body.append(f"if (blockIdx.y == {k if r else 0}) {{ "
                 + block([(p.gate, "{o}", "g"), (p.up, f"{p.up_off} + {{o}}", "u")], p.hidden,
-                        store(str(base)), not r, bool(r)) + quantize(str(base)) + " }")
+                        store(str(base)), True) + quantize(str(base)) + " }")
   blocks = max(-(-f.hidden // rows_per_block(f.gate.group_lanes, R, warps)) for f in (r, p) if f)
   grid = (blocks, (k if r else 0) + (1 if p else 0), 1)
   res = one_wave(grid[0] * grid[1], 32 * warps, sms, GLU_REGS)

@@ -1062,7 +1062,7 @@ def handoff_warps(G: int, R: int) -> int:
   return 32 // ((32 // G) * R)
 
 
-def handoff_fits(routed: FFN | None, plain: FFN | None, k: int, sms: int, R: int = 4) -> bool:
+def handoff_fits(routed: FFN | None, plain: FFN | None, k: int, sms: int, R: int) -> bool:
   """Whether glu (R rows per group) hands down its output on a device of `sms` multiprocessors: where down splits over
   units and glu's blocks of 32 outputs (handoff_warps, at most GLU_REGS registers a thread) run as one wave."""
   threads = 32 * handoff_warps((routed or plain).gate.group_lanes, R)

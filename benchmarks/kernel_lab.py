@@ -31,6 +31,7 @@ import cupy as cp
 import numpy as np
 
 from model.backends import cuda_src
+from model.backends.native import R_LARGE
 from model.presets import PRESETS
 from model.quants import F32, Q4_0, QUANT_TYPES
 
@@ -143,15 +144,15 @@ def kernels(mod, kind: str, preset: str, handoff: str, sms: int) -> list[tuple[s
   for act in ("q8", "x16", "f32") if x16 else ("q8", "f32"):
     R = 8 if act == "q8" else 4  # the sources before staged inputs: their rows per group
     ho = (not old and act in forms and handoff != "off"
-          and (cuda_src.handoff_fits(routed, plain, K, sms, 4) if handoff == "rule" else reads(routed, plain)))
+          and (cuda_src.handoff_fits(routed, plain, K, sms, R_LARGE) if handoff == "rule" else reads(routed, plain)))
     if old:
       k = (mod.glu(routed, plain, K, dim, hp.rms_eps, R, q8=act == "q8") if kind == "glu"
            else mod.down(routed, plain, K, dim, R, q8=act == "q8"))
     elif ho:
-      k = (mod.glu(routed, plain, K, dim, hp.rms_eps, 4, act, True, **wave) if kind == "glu"
+      k = (mod.glu(routed, plain, K, dim, hp.rms_eps, R_LARGE, act, True, **wave) if kind == "glu"
            else mod.down(routed, plain, K, dim, act, act))
     else:
-      k = (mod.glu(routed, plain, K, dim, hp.rms_eps, 4, act, **wave) if kind == "glu"
+      k = (mod.glu(routed, plain, K, dim, hp.rms_eps, R_LARGE, act, **wave) if kind == "glu"
            else mod.down(routed, plain, K, dim, act))
     out.append((act, k))
   return out

@@ -65,6 +65,7 @@ REQUIRED = {
   "ncu_kernel": ("layers", "where", "name", "launches", "us", "dram_mb"),
   "kernel_sweep": ("layers", "kernel", "variant", "name", "us", "us_min", "us_max"),
   "argmax": ("vocab", "group", "align", "us"),
+  "boundary": ("variant", "width", "blocks", "steps", "reps", "us", "us_min", "us_max", "equal"),
 }
 TABLE = re.compile(r"<!-- table\n(.*?)-->\n", re.S)
 TERM = re.compile(r"([\w.]+)(!=|!~|=|~|\?)(.*)", re.S)

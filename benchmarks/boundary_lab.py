@@ -29,14 +29,14 @@ def main() -> None:
     exe = Path(d) / "boundary_lab"
     subprocess.run(["nvcc", "-O3", f"-arch={args.arch}", "-o", str(exe), str(SRC)], check=True)
     out = subprocess.run([str(exe), str(args.steps), str(args.reps)], check=True, capture_output=True, text=True).stdout
-  command = "python " + " ".join(sys.argv)
-  for line in out.splitlines():
-    r = json.loads(line)
+  command, rows = "python " + " ".join(sys.argv), [json.loads(line) for line in out.splitlines()]
+  for r in rows:
     print(f"{r['variant']:>10} {r['width']:5d} wide, {r['blocks']:4d} blocks: {r['us']:.3f} us a step "
           f"({r['us_min']:.3f}-{r['us_max']:.3f})"
           f"{'' if r['equal'] is not False else '  DIFFERS from graph-full'}", flush=True)
-    if args.json:
-      with open(args.json, "a") as fh:
+  if args.json:
+    with open(args.json, "a") as fh:
+      for r in rows:
         fh.write(json.dumps({"date": datetime.date.today().isoformat(), "kind": "boundary",
                              "device": os.environ.get("LABEL", f"{r['gpu']} (CUDA)"),
                              "model": "none (a chain of dependent steps)", "quant": "-",

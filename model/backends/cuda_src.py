@@ -457,10 +457,11 @@ def prefetch_rows(comps: list[tuple[W, str, str]], first: str, last: str, lane: 
 
 WAIT = "GRID_WAIT();"  # a kernel's wait for the kernels before it (PRELUDE's GRID_WAIT; model/backends/cuda_graph.py)
 # parameters a kernel may read before its wait, besides its weights: `early_pos`, the step's position as the attention
-# and mla_vb name it. The absorption kernel before them reads it (as `pos`) after its wait, so whichever kernel writes
-# it comes before the absorption and has finished when they start (a kernel starts once every block of the one before
-# it has waited on the one before that). Kernels without that guarantee name it `pos` and read it after their wait.
-EARLY = ("early_pos",)
+# and mla_vb name it, and `early_sel`, the selected experts as down names them. The kernel before each (the absorption;
+# gate+up) reads it (as `pos`; `sel`) after its wait, so whichever kernel writes it has finished when they start (a
+# kernel starts once every block of the one before it has waited on the one before that); down reads it through L2
+# (__ldcg). Kernels without that guarantee name it `pos` (`sel`) and read it after their wait.
+EARLY = ("early_pos", "early_sel")
 ACTS = ("f32", "q8", "x16")  # a gemv's input: float32, 8 bits per 32 (llama.cpp's q8_1), or two 8-bit planes (16 bits)
 
 
@@ -1111,25 +1112,27 @@ def _down_combine(store: str, R: int, dim: int, warps: int) -> list[str]:
 
 def _down_slots(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int, act: str) -> Kernel:
   """down with a warp per slot: a block computes R output rows; its warps take the slots (the k experts, then the plain
-  FFN) in turn, each its slot's rows in full, and the warps' sums meet in shared memory. For FFNs the unit layout cannot
-  take."""
+  FFN) in turn, each its slot's rows in full, and the warps' sums meet in shared memory. Every slot's rows are
+  prefetched into L2 before the kernel's wait (the selected experts are `early_sel`: EARLY). For FFNs the unit layout
+  cannot take."""
   name = f"native_down_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}_slots"
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
   params = ["float* out", "const float* __restrict__ res", "const float* __restrict__ act"]
-  params += (["const int* __restrict__ sel", "const float* __restrict__ wts"] + r.down.params if r
+  params += (["const int* __restrict__ early_sel", "const float* __restrict__ wts"] + r.down.params if r
              else []) + (p.down.params if p else [])
   slots = (k if r else 0) + (1 if p else 0)
   first, last = "obase", f"min(obase + {R - 1}, {dim - 1})"
-  fetch = ([f"if (sl < {k}) {{ const int e = min(max(sel[sl], 0), {r.experts - 1}); "
+  fetch = ([f"if (sl < {k}) {{ const int e = min(max(__ldcg(early_sel + sl), 0), {r.experts - 1}); "
             + prefetch_rows([(r.down, f"(size_t)e * {dim} + {{o}}", "")], first, last, "lane", 32) + " }"] if r else [])
   fetch += [f"{'else ' if r else ''}{{ " + prefetch_rows([(p.down, "{o}", "")], first, last, "lane",
                                                          32) + " }"] if p else []
   body = [f"const int lane = threadIdx.x & 31, gl = lane, warp = threadIdx.x >> 5, obase = blockIdx.x * {R};",
-          # every slot's rows on their way first
-          f"for (int sl = warp; sl < {slots}; sl += {WARPS}) {{ {' '.join(fetch)} }}",
+          # every slot's rows on their way first, while the kernels before it finish
+          f"for (int sl = warp; sl < {slots}; sl += {WARPS}) {{ {' '.join(fetch)} }}", WAIT,
           " ".join(f"float tot{i} = 0.f;" for i in range(R)), f"for (int sl = warp; sl < {slots}; sl += {WARPS}) {{"]
   if r:
-    body.append(f"if (sl < {k}) {{ const int e = min(max(sel[sl], 0), {r.experts - 1}); const float wk = wts[sl];"
+    body.append(f"if (sl < {k}) {{ const int e = min(max(__ldcg(early_sel + sl), 0), {r.experts - 1}); "
+                f"const float wk = wts[sl];"
                 f" const float* xk = act + (size_t)sl * {r.hidden};\n  "
                 + gemv([(r.down, f"(size_t)e * {dim} + {{o}}", "a")], "xk", dim, R, None, 32, act=act) + "\n  "
                 + " ".join(f"tot{i} += wk * a{i};" for i in range(R)) + " }")
@@ -1140,7 +1143,7 @@ def _down_slots(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int,
   body += ["}",
            *_down_combine("if (lane == 0) { " + " ".join(f"part[warp][{i}] = tot{i};" for i in range(R)) + " }", R, dim,
                           WARPS)]
-  return Kernel(name, kernel(name, params, "\n  ".join(body)), (-(-dim // R), 1, 1), (0,))
+  return Kernel(name, kernel(name, params, "\n  ".join(body), waited=True), (-(-dim // R), 1, 1), (0,))
 
 
 def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str, act_in: str = "f32") -> Kernel:
@@ -1148,9 +1151,10 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
   routed hidden width are one list of units; each thread of a block (as many threads as units, in warps, up to 512)
   takes one or more, issues the reads of its units for the block's R rows at once and adds their weighted products into
   R sums, which meet through a butterfly (lane_sums) and shared memory. R = 8 rows a block, 16 above 256 threads, so a
-  block's registers leave the grid one wave. The weight reads are weak loads before a barrier; glu's hand-off (act_in
-  q8 or x16, the form of the products) crosses it through shared memory, so no product can start before every read is
-  out."""
+  block's registers leave the grid one wave. The weight reads go out before the kernel's wait (the selected experts
+  are `early_sel`: EARLY), so they are in flight while gate+up finishes; they are weak loads before a barrier; glu's
+  hand-off (act_in q8 or x16, the form of the products) crosses it through shared memory, so no product can start
+  before every read is out."""
   base = routed or plain
   Fv, ty = base.hidden, base.down.ggml_type
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
@@ -1158,7 +1162,7 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
   name = f"native_down_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}"
   name += f"_in{act_in}" if act_in != "f32" else ""
   params = ["float* out", "const float* __restrict__ res", "const float* __restrict__ act"]
-  params += (["const int* __restrict__ sel", "const float* __restrict__ wts"] + r.down.params if r
+  params += (["const int* __restrict__ early_sel", "const float* __restrict__ wts"] + r.down.params if r
              else []) + (p.down.params if p else [])
   kr = k if r else 0
   m = plain.hidden // Fv if p else 0  # virtual slots of the plain FFN
@@ -1176,12 +1180,13 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
     loads.append(f"const int p{j} = min((int)threadIdx.x + {threads * j}, {P - 1}); const bool live{j} = "
                  f"(int)threadIdx.x + {threads * j} < {P}; const int s{j} = p{j} / {U}, u{j} = p{j} % {U}; const bool "
                  f"isr{j} = s{j} < {kr}; const int e{j} = "
-                 f"{f'isr{j} ? min(max(sel[s{j}], 0), {r.experts - 1}) : 0' if r else '0'}; {sel_planes}")
+                 f"{f'isr{j} ? min(max(__ldcg(early_sel + s{j}), 0), {r.experts - 1}) : 0' if r else '0'}; "
+                 f"{sel_planes}")
     rows.append([f"(isr{j} ? (size_t)e{j} * {dim} + o{i} : (size_t)o{i} * {max(m, 1)} + (s{j} - {kr}))" if r
                  and p else (
                  f"((size_t)e{j} * {dim} + o{i})" if r else f"((size_t)o{i} * {m} + s{j})") for i in range(R)])
     loads += [unit_loads(w, row, f"u{j}", f"_{j}_{i}", True) for i, row in enumerate(rows[j])]
-  body += loads
+  body += loads + [WAIT]  # the reads out while gate+up finishes (EARLY: early_sel)
   # each thread's units of glu's hand-off into shared memory, read back after the barrier: 8 words (at float `at` of
   # act) to the thread's 8 in `sw`, then the unit's scale and sum
   t = lambda j: f"(threadIdx.x + {threads * j})"
@@ -1217,4 +1222,5 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
     body.append("{ " + " ".join(xs) + f" const float wk{j} = {wk}; " + " ".join(dots) + " }")
   sums, k = lane_sums([f"acc{i}" for i in range(R)])
   body += [sums, *_down_combine(f"if (lane < {R}) part[warp][{k}] = lsum;", R, dim, threads // 32)]
-  return Kernel(name, kernel(name, params, "\n  ".join(body), threads), (-(-dim // R), 1, 1), (0,), threads)
+  return Kernel(name, kernel(name, params, "\n  ".join(body), threads, waited=True), (-(-dim // R), 1, 1), (0,),
+                threads)

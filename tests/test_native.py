@@ -412,6 +412,26 @@ def test_decode_kernels_issue_their_weight_reads_before_their_first_barrier() ->
   assert "sxq" in downs[1].src[downs[1].src.index("__syncthreads"):]
 
 
+def test_down_issues_its_weight_reads_before_its_wait() -> None:
+  """down's rows follow the router's choice, two kernels back: it reads the choice (`early_sel`, cuda_src.EARLY) and
+  issues every weight read (the unit split: its loads; a warp per slot: L2 prefetches) before its only GRID_WAIT, so
+  they are in flight while gate+up finishes. gate+up's output, the routing weights and the residual are read after it
+  (the CPU emulator faults a read of them before it: test_fused_moe_matches_reference and the like)."""
+  t, dim, F = TYPES["Q4_0"], 256, 64
+  W = lambda inp: cuda_src.W("", t, inp)
+  routed = cuda_src.FFN(W(dim), W(dim), W(F), F, 8, F, 0)
+  odd = cuda_src.FFN(W(dim), W(dim), W(96), 96)  # a shared expert of 96 rows: a warp per slot
+  units = [cuda_src.down(routed, routed, 2, dim, "q8", "q8"), cuda_src.down(routed, None, 2, dim, "f32")]
+  slots = cuda_src.down(routed, odd, 2, dim)
+  assert slots.name.endswith("_slots") and not any(k.name.endswith("_slots") for k in units)
+  for k, reads in [(k, "__ldcs(") for k in units] + [(slots, "PREFETCH(")]:
+    body = k.src[k.src.index(k.name):]
+    assert body.count(cuda_src.WAIT) == 1, k.name
+    before, after = body.split(cuda_src.WAIT)
+    assert reads in before and reads not in after and "early_sel" in before, k.name
+    assert not any(f"{p}[" in before or f"{p} +" in before for p in ("act", "wts", "res")), k.name
+
+
 @pytest.mark.parametrize("quant,form", [("Q4_0", "x16"), ("Q8_0", "x16"), ("Q6_K", "f32")])
 def test_wide_products_read_x_as_two_8bit_planes(quant: str, form: str) -> None:
   """A single-token product of WIDE rows or more (the output head) reads x as two 8-bit planes per 32 where the type has

@@ -416,12 +416,14 @@ def test_down_issues_its_weight_reads_before_its_wait() -> None:
   """down's rows follow the router's choice, two kernels back: it reads the choice (`early_sel`, cuda_src.EARLY) and
   issues every weight read (the unit split: its loads; a warp per slot: L2 prefetches) before its only GRID_WAIT, so
   they are in flight while gate+up finishes. gate+up's output, the routing weights and the residual are read after it
-  (the CPU emulator faults a read of them before it: test_fused_moe_matches_reference and the like)."""
+  (test_down_layouts and test_fused_stages_in_the_cpu_emulator run it in the CPU emulator, which faults a read of them
+  before it)."""
   t, dim, F = TYPES["Q4_0"], 256, 64
   W = lambda inp: cuda_src.W("", t, inp)
   routed = cuda_src.FFN(W(dim), W(dim), W(F), F, 8, F, 0)
+  shared = cuda_src.FFN(W(dim), W(dim), W(F), F)
   odd = cuda_src.FFN(W(dim), W(dim), W(96), 96)  # a shared expert of 96 rows: a warp per slot
-  units = [cuda_src.down(routed, routed, 2, dim, "q8", "q8"), cuda_src.down(routed, None, 2, dim, "f32")]
+  units = [cuda_src.down(routed, shared, 2, dim, "q8", "q8"), cuda_src.down(routed, None, 2, dim, "f32")]
   slots = cuda_src.down(routed, odd, 2, dim)
   assert slots.name.endswith("_slots") and not any(k.name.endswith("_slots") for k in units)
   for k, reads in [(k, "__ldcs(") for k in units] + [(slots, "PREFETCH(")]:

@@ -135,9 +135,9 @@ def kernels(mod, kind: str, preset: str, handoff: str, sms: int) -> list[tuple[s
              mod.product("per_head", Q4_0, (H, hp.v_head, hp.kv_lora), tn=1, n=1, heads=H))]
   if kind == "dense_res": return [("f32", mod.dense(((W(H * hp.v_head, "a_"), dim),), 2, None, residual=True, **wave))]
   if kind == "router":  # float32 rows, as GGUF files hold ffn_gate_inp (llama.cpp's quantize leaves it unquantized)
-    return [("f32",
-             mod.router(mod.W("g_", F32, dim), E, K, hp.rms_eps, 2 if hp.gating == "sigmoid" else 1, hp.exp_probs_bias,
-                        hp.norm_topk, hp.routed_scale))]
+    how = (E, K, 2 if hp.gating == "sigmoid" else 1, hp.exp_probs_bias, hp.norm_topk, hp.routed_scale)
+    return [("f32", mod.router(mod.W("g_", F32, dim), hp.rms_eps, mod.Route(*how)) if hasattr(mod, "Route")
+             else mod.router(mod.W("g_", F32, dim), *how[:2], hp.rms_eps, *how[2:]))]
   out, x16 = [], not old and "x16" in inspect.getsource(mod.stage_decl)  # sources with staged 16-bit activations
   forms = getattr(mod, "HANDOFF", {"q8": 0} if hasattr(mod, "glu_q8_blocks") else {})  # the forms glu hands down
   reads = getattr(mod, "down_reads_handoff", getattr(mod, "down_reads_q8", None))

@@ -36,9 +36,9 @@ def variants(preset: str) -> dict[str, dict[str, object]]:
   H, dim = hp.n_heads, hp.dim
   first, kv, nq = hp.q_lora or H * (hp.qk_nope + hp.qk_rope), hp.kv_lora + hp.qk_rope, H * (hp.qk_nope + hp.qk_rope)
   out = {
-    "router": {f"R{R}w{w}": build(C.router, {"ROUTER_R": R, "ROUTER_WARPS": w}, C.W("g_", F32, dim), hp.n_experts,
-                                  hp.n_used, hp.rms_eps, 2 if hp.gating == "sigmoid" else 1, hp.exp_probs_bias,
-                                  hp.norm_topk, hp.routed_scale)
+    "router": {f"R{R}w{w}": build(C.router, {"ROUTER_R": R, "ROUTER_WARPS": w}, C.W("g_", F32, dim), hp.rms_eps,
+                                  C.Route(hp.n_experts, hp.n_used, 2 if hp.gating == "sigmoid" else 1,
+                                          hp.exp_probs_bias, hp.norm_topk, hp.routed_scale))
                for R, w in ((2, 4), (1, 4), (1, 2), (1, 1), (2, 2), (2, 1), (4, 4), (1, 8), (2, 8))},
     "attention": {f"ch{ch}b{b}": build(C.mla_attention, {"ATT_CHUNK": ch, "ATT_BATCH": b}, H, hp.kv_lora, hp.qk_rope,
                                        L.CTX, (hp.qk_nope + hp.qk_rope) ** -0.5, True)

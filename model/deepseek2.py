@@ -328,14 +328,18 @@ class Block:
       if (b := stage("ffn")) is not None: return b.ffn(self, h).cast(act)
       return self.barrier(h + self._ffn(norm(), self.gate, self.up, self.down, self.gate_up, "dense_gate_up").cast(act),
                           "block_out")
-    forced = check.forced if check is not None else None
-    if (b := stage("router")) is not None: sel, w, own, logits = b.router(self, h, forced)
+    forced, rb = check.forced if check is not None else None, stage("router")
+    # one backend's router and MoE in one, where it offers that: its MoE kernels route from the logits themselves
+    joint = rb is not None and rb is stage("moe") and rb.routed_moe is not None
+    if joint: out, own, logits = rb.routed_moe(self, h, forced)
+    elif rb is not None: sel, w, own, logits = rb.router(self, h, forced)
     else:
       logits = self.router_logits(norm())
       sel, w, own = self.route(logits, forced)
     if check is not None:
       check.own, check.logits = own.reshape(-1, hp.n_used), logits.float().reshape(-1, hp.n_experts)
       check.scores = self.scores(logits.float()).reshape(-1, hp.n_experts)
+    if joint: return out.cast(act)
     if (b := stage("moe")) is not None: return b.moe(self, h, sel, w, logits).cast(act)
     return self.barrier(h + self.experts(norm(), sel, w).cast(act), "block_out")
 

@@ -127,6 +127,32 @@ def test_fused_stages_in_the_cpu_emulator(gguf_file, monkeypatch, preset: str, m
   assert_close("all stages native", got, base, 2e-2)
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-lite"])
+def test_router_and_moe_in_one_in_the_cpu_emulator(gguf_file, monkeypatch, preset: str) -> None:
+  """Where the router and MoE stages are both native, a block runs them as one (native.routed_moe: the router kernel
+  writes the logits alone, gate+up and down rank them), and computes what the router kernel and the moe stage compute
+  from the router's ids, with its own routing and with forced ids (the correctness check), with the same own top k and
+  logits. Where only the router is native, its kernel ranks them."""
+  path = gguf_file(preset, "q4_0")
+  names = lambda cfg: [k.name for k in model_kernels(path, StructureConfig.from_dict(cfg), monkeypatch)]
+  joint, alone = names(ALL_NATIVE), names({"fused": {"router": "native"}})
+  assert any(n.startswith("native_router_") and n.endswith("_logits") for n in joint), joint
+  assert sum("_route_" in n for n in joint) == 2 and not any("_route_" in n for n in alone), (joint, alone)
+  assert any(n.startswith("native_router_") and not n.endswith("_logits") for n in alone), alone
+  monkeypatch.undo()
+  rng = np.random.default_rng(1)
+  with native_on_cpu(monkeypatch):
+    m = Transformer(gguf(path), StructureConfig.from_dict(ALL_NATIVE), max_context=16)
+    blk, K = next(b for b in m.blocks if b.moe), m.hp.n_used
+    h = Tensor(rng.standard_normal((1, 1, m.hp.dim)).astype(np.float32))
+    for forced in (None, Tensor(np.arange(K, dtype=np.int32)[::-1].copy().reshape(1, 1, K))):
+      out, own, logits = native.routed_moe(blk, h, forced)
+      sel, wts, own_r, logits_r = native.router(blk, h, forced)
+      np.testing.assert_array_equal(own.numpy(), own_r.numpy())
+      np.testing.assert_array_equal(logits.numpy(), logits_r.numpy())
+      np.testing.assert_allclose(out.numpy(), native.moe(blk, h, sel, wts, logits_r).numpy(), rtol=1e-5, atol=1e-6)
+
+
 def _glu_case(t: int, seed: int, dim: int, F: int, E: int, Fs: int) -> tuple:
   """A routed stack (E experts, F wide) and a plain FFN (Fs wide) of weight type t on a dim-wide input, their gate and
   up weights (routed, then plain; kernel planes and dequantized), and an input and its norm's gamma drawn from seed."""
@@ -375,7 +401,7 @@ def test_staged_float_input_is_padded_where_a_row_group_reads_it() -> None:
   padded = [(160, cuda_src.dense(((W(160, "a_"), dim),), 2, None, residual=True)),
             (dim, cuda_src.dense(((W(dim, "a_"), 96), (W(dim, "b_"), 40)), cuda_src.QKV_ROWS, 1e-5,
                                  warps=cuda_src.QKV_WARPS)),
-            (dim, cuda_src.router(W(dim, "g_"), 8, 2, 1e-5, 2, True, True, 1.0)),
+            (dim, cuda_src.router(W(dim, "g_"), 1e-5, cuda_src.Route(8, 2, 2, True, True, 1.0))),
             (dim, cuda_src.product("dense", t, (96, dim), tn=1, n=1))]
   routed = cuda_src.FFN(W(dim), W(dim), W(64), 64, 8, 64, 0)
   for n, k, pad in [(n, k, True) for n, k in padded] + [(dim, cuda_src.glu(routed, None, 2, dim, 1e-5), False)]:
@@ -400,7 +426,7 @@ def test_decode_kernels_issue_their_weight_reads_before_their_first_barrier() ->
          cuda_src.dense(((W(160, "a_"), dim),), 2, None, residual=True)]
   ks += [cuda_src.product("per_head", t, (4, 64, 128), tn=1, n=1, heads=4),
          cuda_src.product("dense", t, (96, dim), tn=1, n=1)]
-  ks += [cuda_src.router(W(dim, "g_"), 8, 2, 1e-5, 2, True, True, 1.0)]
+  ks += [cuda_src.router(W(dim, "g_"), 1e-5, cuda_src.Route(8, 2, 2, True, True, 1.0))]
   downs = [cuda_src.down(routed, None, 2, dim, "q8", act_in) for act_in in ("f32", "q8")]
   for k in ks + downs:
     branches = [b for b in k.src[k.src.index(k.name):].split("if (blockIdx.y") if "__ldcs(" in b]  # a weight per branch
@@ -657,6 +683,22 @@ def test_absorption_kernel(quant: str, heads: int, nope: int, rope: int, kvl: in
   assert blocks * k.threads < kvl or heads * (rope // 2) > blocks * k.threads
 
 
+def routing(lg: np.ndarray, bias: np.ndarray | None, gating: int, K: int, norm_w: bool, scale: float,
+            forced: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(own top-k ids, the ids used, their weights) of logits lg as the model's per-op routing computes them."""
+  probs = {1: np.exp(lg - lg.max()) / np.exp(lg - lg.max()).sum(), 2: 1 / (1 + np.exp(-lg)), 3: lg,
+           4: np.sqrt(np.log1p(np.exp(lg)))}[gating]
+  own = np.argsort(-(probs + (0 if bias is None else bias)), kind="stable")[:K]
+  ids = own if forced is None else forced
+  wt = probs[ids]
+  if gating == 3: wt = np.exp(wt - wt.max()) / np.exp(wt - wt.max()).sum()
+  if norm_w: wt = wt / max(wt.sum(), 6.103515625e-5)
+  return own, ids, wt * scale
+
+
+ROUTES = ((True, True, None), (False, False, np.array([7, 0, 39], np.int32)))  # bias, norm_w, forced ids
+
+
 @pytest.mark.parametrize("gating", sorted(cuda_src.GATING))
 def test_router_kernel(gating: int) -> None:
   """The router kernel alone (CUDA emulator), each gating function, with and without the selection bias, its own top-k
@@ -672,27 +714,66 @@ def test_router_kernel(gating: int) -> None:
   bias[best] = bias.max() + 0.01
   for twin in (0 if best else 1, E - 1 if best != E - 1 else E - 2): w[twin], bias[twin] = w[best], bias[best]
   lg = w.astype(np.float64) @ xn
-  probs = {1: np.exp(lg - lg.max()) / np.exp(lg - lg.max()).sum(), 2: 1 / (1 + np.exp(-lg)), 3: lg,
-           4: np.sqrt(np.log1p(np.exp(lg)))}[gating]
-  for use_bias, norm_w, forced in ((True, True, None), (False, False, np.array([7, 0, 39], np.int32))):
-    k = cuda_src.router(cuda_src.W("g_", 0, dim), E, K, eps, gating, use_bias, norm_w, scale, forced is not None)
-    sc = probs + (bias if use_bias else 0)
-    own = np.argsort(-sc, kind="stable")[:K]
-    ids = own if forced is None else forced
-    wt = probs[ids]
-    if gating == 3: wt = np.exp(wt - wt.max()) / np.exp(wt - wt.max()).sum()
-    if norm_w: wt = wt / max(wt.sum(), 6.103515625e-5)
-    wt = wt * scale
+  for use_bias, norm_w, forced in ROUTES:
+    k = cuda_src.router(cuda_src.W("g_", 0, dim), eps,
+                        cuda_src.Route(E, K, gating, use_bias, norm_w, scale, forced is not None))
+    own, ids, wt = routing(lg, bias if use_bias else None, gating, K, norm_w, scale, forced)
     sel, wts, logits, cnt = (np.zeros(K, np.int32), np.zeros(K, np.float32), np.zeros(E, np.float32),
                              np.zeros(1, np.int32))
-    args = ([sel, wts, logits, cnt] + ([np.zeros(K, np.int32), forced] if forced is not None else []) + [x, gamma]
-            + ([bias] if use_bias else []))
+    args = ([sel, wts, logits, cnt] + ([np.zeros(K, np.int32)] if forced is not None else []) + [x, gamma]
+            + ([bias] if use_bias else []) + ([forced] if forced is not None else []))
     launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), args + [w.reshape(E, dim, 1)])
     np.testing.assert_array_equal(sel, ids)
     if forced is not None: np.testing.assert_array_equal(args[4], own)
     np.testing.assert_allclose(logits, lg, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(wts, wt, rtol=1e-4, atol=1e-6)
     assert cnt[0] == 0
+  k = cuda_src.router(cuda_src.W("g_", 0, dim), eps, cuda_src.Route(E, K, gating, True, True, scale), logits_only=True)
+  logits = np.zeros(E, np.float32)
+  launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [logits, x, gamma, w.reshape(E, dim, 1)])
+  np.testing.assert_allclose(logits, lg, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("gating", sorted(cuda_src.GATING))
+def test_gate_up_and_down_route_from_the_logits(gating: int) -> None:
+  """With a route (the router and MoE stages both native: native.routed_moe), gate+up's routed blocks and down rank the
+  router's logits themselves (Route.rank): gate+up computes what it computes from the router's ids and writes its own
+  top k, down what it computes from the router's ids and weights, in both of its layouts, float32 and from glu's 8-bit
+  hand-off; with forced ids (the correctness check) both use those, and gate+up still writes its own. Three experts tie
+  at the top, so only the order of indices breaks it."""
+  t, rng, dim, F, E, K, scale = TYPES["Q4_0"], np.random.default_rng(gating), 256, 64, 40, 3, 1.8
+  W = lambda inp: cuda_src.W("", t, inp)
+  routed = cuda_src.FFN(W(dim), W(dim), W(F), F, E, F, 0)
+  g, u, d = (kernel_weight(t, (E, *s), i)[0] for i, s in enumerate(((F, dim), (F, dim), (dim, F)), 1))
+  x, gamma = rng.standard_normal(dim).astype(np.float32), rng.standard_normal(dim).astype(np.float32)
+  lg, bias = rng.standard_normal(E).astype(np.float32), (0.01 * rng.standard_normal(E)).astype(np.float32)
+  best = int(np.argmax(lg))
+  bias[best] = bias.max() + 0.01
+  for twin in (0 if best else 1, E - 1 if best != E - 1 else E - 2): lg[twin], bias[twin] = lg[best], bias[best]
+  for use_bias, norm_w, forced in ROUTES:
+    route = cuda_src.Route(E, K, gating, use_bias, norm_w, scale, forced is not None)
+    own, ids, wt = routing(lg.astype(np.float64), bias if use_bias else None, gating, K, norm_w, scale, forced)
+    ins = [lg] + ([bias] if use_bias else []) + ([forced] if forced is not None else [])
+    sel, wts = ids.astype(np.int32), wt.astype(np.float32)
+    for Fs, form in ((64, "f32"), (64, "q8"), (96, "f32")):  # a shared expert of 96 rows: down's warp per slot
+      plain = cuda_src.FFN(W(dim), W(dim), W(Fs), Fs, 0, Fs, 0)
+      sg, su, sd = (kernel_weight(t, s, 4 + i)[0] for i, s in enumerate(((Fs, dim), (Fs, dim), (dim, Fs))))
+      ho = form != "f32"
+      n = (K * F + Fs) // 32 * cuda_src.HANDOFF[form] if ho else K * F + Fs
+      act, mine, got = np.zeros(n, np.float32), np.zeros(n, np.float32), np.full(K, -1, np.int32)
+      k = cuda_src.glu(routed, plain, K, dim, 1e-5, act=form, handoff=ho)
+      launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [act, x, gamma, sel, *g, *u, *sg, *su])
+      k = cuda_src.glu(routed, plain, K, dim, 1e-5, act=form, handoff=ho, route=route)
+      launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [mine, got, x, gamma, *ins, *g, *u, *sg, *su])
+      np.testing.assert_array_equal(mine, act)
+      np.testing.assert_array_equal(got, own)
+      want, out = np.zeros(dim, np.float32), np.zeros(dim, np.float32)
+      k = cuda_src.down(routed, plain, K, dim, form, form)
+      launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [want, x, act, sel, wts, *d, *sd])
+      k = cuda_src.down(routed, plain, K, dim, form, form, route)
+      assert k.name.endswith(f"_route_{route.tag}") and ("_slots" in k.name) == (Fs == 96), k.name
+      launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [out, x, act, *ins, *d, *sd])
+      assert rel_err(out[None], want[None]).max() < 1e-5, (form, Fs, k.name)
 
 
 def test_fused_stages_leave_no_per_op_kernel_in_a_block(gguf_file, tmp_path, monkeypatch) -> None:

@@ -461,7 +461,7 @@ WAIT = "GRID_WAIT();"  # a kernel's wait for the kernels before it (PRELUDE's GR
 # gate+up) reads it (as `pos`; `sel`) after its wait, so whichever kernel writes it has finished when they start (a
 # kernel starts once every block of the one before it has waited on the one before that); down reads it through L2
 # (__ldcg). Kernels without that guarantee name it `pos` (`sel`) and read it after their wait.
-EARLY = ("early_pos", "early_sel")
+EARLY = ("early_pos", "early_sel", "early_logits", "early_bias")
 ACTS = ("f32", "q8", "x16")  # a gemv's input: float32, 8 bits per 32 (llama.cpp's q8_1), or two 8-bit planes (16 bits)
 
 
@@ -867,83 +867,123 @@ def mla_vb(vb: W, heads: int, kvl: int, v_head: int, max_ctx: int) -> Kernel:
 GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softplus"}
 
 
-ROUTER_R, ROUTER_WARPS = 1, 4  # the router's rows per row group and warps per block: 16 blocks for 64 experts
+@dataclass(frozen=True)
+class Route:
+  """How an MoE block chooses k of its experts from the router's logits and weights them: the gating function (GATING),
+  the selection bias, the weights' normalisation and scale, as the model says. forced (the correctness check only): the
+  ids used come from an input (`force`) and the kernel's own top k goes to an extra output, so a candidate runs with the
+  reference's routing while its own is compared."""
+  experts: int
+  k: int
+  gating: int
+  bias: bool
+  norm_w: bool
+  w_scale: float
+  forced: bool = False
 
+  @property
+  def tag(self) -> str:
+    return (f"k{self.k}_{GATING[self.gating]}{'_bias' if self.bias else ''}{'_norm' if self.norm_w else ''}"
+            f"{'_forced' if self.forced else ''}")
 
-@functools.cache
-def router(w: W, experts: int, k: int, eps: float, gating: int, bias: bool, norm_w: bool, w_scale: float,
-           forced: bool = False) -> Kernel:
-  """The MoE router in one kernel: each block computes some experts' logits from the normalised input (RMSNorm folded);
-  the last block to finish (an atomic count, reset by it) reads them once through L2, applies the gating function and
-  the selection bias, ranks every expert at once (a thread per expert counts the scores above its own, ties to the lower
-  index, as the pairwise top-k), and writes the top k ids and their weights (normalised and scaled as the model says).
-  forced (the correctness check only): the ids come from an input and the kernel's own top k goes to an extra output, so
-  a candidate runs with the reference's routing while its own is compared."""
-  epl = -(-experts // 32)
-  name = (f"native_router_{QUANT_TYPES[w.ggml_type].name.lower()}_{experts}x{w.inp}_k{k}_{GATING[gating]}"
-          f"{'_bias' if bias else ''}{'_norm' if norm_w else ''}{'_forced' if forced else ''}")
-  params = (["int* sel", "float* wts", "float* logits", "int* cnt"]
-            + (["int* own", "const int* __restrict__ force"] if forced else []))
-  params += (["const float* __restrict__ x", "const float* __restrict__ gamma"]
-             + (["const float* __restrict__ bias"] if bias else []) + w.params)
-  R, warps = ROUTER_R, ROUTER_WARPS
-  prob = {1: "expf(lg[i] - mx) / den", 2: "1.f / (1.f + expf(-lg[i]))", 3: "lg[i]",
-          4: "sqrtf(logf(1.f + expf(lg[i])))"}[gating]
-  softmax = ("float mx = -INFINITY, den = 0.f;"
-             f" for (int i = 0; i < {epl}; i++) if (lane + 32 * i < {experts}) mx = fmaxf(mx, lg[i]);"
-             " mx = warp_max(mx);"
-             f" for (int i = 0; i < {epl}; i++) if (lane + 32 * i < {experts}) den += expf(lg[i] - mx);"
-             " den = group_sum(den, 32);") if gating == 1 else ""
-  scale = f" wv *= {w_scale!r}f;" if w_scale not in (0.0, 1.0) else ""
-  softmax_k = (f"float ws = -INFINITY; for (int t = 0; t < {k}; t++) ws = fmaxf(ws, wsel[t]); float se = 0.f;"
-               f" for (int t = 0; t < {k}; t++) {{ wsel[t] = expf(wsel[t] - ws); se += wsel[t]; }} for (int t = 0; t < "
-               f"{k}; t++) wsel[t] /= se;")
-  beats = lambda c, d: f"(v.{c} > s || (v.{c} == s && j + {d} < e))"
-  body = f"""{stage_decl(w.inp, "f32", warps)}
-  {_gemv_block([(w, "{o}", "a")], "sx", experts, R, lambda o, a: f"logits[{o}] = {a[0]};",
-                stage_x("x", w.inp, eps, "f32", warps), "f32", True, True, warps, wait=True)}
-  __shared__ int last, ssel[{k}];
+  def params(self, pre: str = "") -> list[str]:
+    """The inputs `rank` (named with `pre`) and `used` read besides the logits."""
+    return (([f"const float* __restrict__ {pre}bias"] if self.bias else [])
+            + (["const int* __restrict__ force"] if self.forced else []))
+
+  def rank(self, threads: int, pre: str = "") -> str:
+    """C for every thread of a block of `threads` (it holds barriers): the first warp reads the logits (`<pre>logits`,
+    through L2) and applies the gating function and the bias (`<pre>bias`) into shared `sp` (probabilities) and `ssc`
+    (scores: -inf past the experts or where not a number); a thread per expert counts the scores above its own (ties to
+    the lower index, as the pairwise top-k) and puts the top k ids in rank order into shared `ssel`."""
+    E, epl = self.experts, -(-self.experts // 32)
+    prob = {1: "expf(lg[i] - mx) / den", 2: "1.f / (1.f + expf(-lg[i]))", 3: "lg[i]",
+            4: "sqrtf(logf(1.f + expf(lg[i])))"}[self.gating]
+    softmax = ("float mx = -INFINITY, den = 0.f;"
+               f" for (int i = 0; i < {epl}; i++) if (lane + 32 * i < {E}) mx = fmaxf(mx, lg[i]);"
+               " mx = warp_max(mx);"
+               f" for (int i = 0; i < {epl}; i++) if (lane + 32 * i < {E}) den += expf(lg[i] - mx);"
+               " den = group_sum(den, 32);") if self.gating == 1 else ""
+    beats = lambda c, d: f"(v.{c} > s || (v.{c} == s && j + {d} < e))"
+    return f"""__shared__ int ssel[{self.k}];
   __shared__ __align__(16) float ssc[{32 * epl}];
   __shared__ float sp[{32 * epl}];
-  __syncthreads();
-  if (threadIdx.x == 0) last = arrive(cnt) == (int)gridDim.x - 1;
-  __syncthreads();
-  if (!last) return;
   if (threadIdx.x < 32) {{
     const int lane = threadIdx.x;
     float lg[{epl}];
-    for (int i = 0; i < {epl}; i++) lg[i] = lane + 32 * i < {experts} ? __ldcg(logits + lane + 32 * i) : 0.f;
+    for (int i = 0; i < {epl}; i++) lg[i] = lane + 32 * i < {E} ? __ldcg({pre}logits + lane + 32 * i) : 0.f;
     {softmax}
     for (int i = 0; i < {epl}; i++) {{
-      const int e = lane + 32 * i; const float p = {prob}, s = e < {experts} ? p{' + bias[e]' if bias else ''} : 0.f;
-      sp[e] = p; ssc[e] = e < {experts} && s == s ? s : -INFINITY;
+      const int e = lane + 32 * i;
+      const float p = {prob}, s = e < {E} ? p{f' + {pre}bias[e]' if self.bias else ''} : 0.f;
+      sp[e] = p; ssc[e] = e < {E} && s == s ? s : -INFINITY;
     }}
   }}
   __syncthreads();
-  for (int e = threadIdx.x; e < {experts}; e += {32 * warps}) {{
+  for (int e = threadIdx.x; e < {E}; e += {threads}) {{
     const float s = ssc[e]; int rank = 0;
     for (int j = 0; j < {32 * epl}; j += 4) {{
       const float4 v = *(const float4*)(ssc + j);
       rank += {beats("x", 0)} + {beats("y", 1)} + {beats("z", 2)} + {beats("w", 3)};
     }}
-    if (rank < {k}) ssel[rank] = e;
+    if (rank < {self.k}) ssel[rank] = e;
   }}
+  __syncthreads();"""
+
+  def used(self, t: str) -> str:
+    """C: the expert slot t uses (rank's `ssel`, or `force` where forced), clamped to the experts."""
+    return f"min(max({'force' if self.forced else 'ssel'}[{t}], 0), {self.experts - 1})"
+
+  def weights(self, store: Callable[[str, str], str]) -> str:
+    """C for one thread, after rank: the routing weight of each slot's expert (its probability; softmax_weight: their
+    softmax; normalised to their sum and scaled as the model says); store(t, w) is the C that keeps slot t's."""
+    k = self.k
+    softmax_k = (f" float ws = -INFINITY; for (int t = 0; t < {k}; t++) ws = fmaxf(ws, wsel[t]); float se = 0.f;"
+                 f" for (int t = 0; t < {k}; t++) {{ wsel[t] = expf(wsel[t] - ws); se += wsel[t]; }}"
+                 f" for (int t = 0; t < {k}; t++) wsel[t] /= se;") if self.gating == 3 else ""
+    scale = f" wv *= {self.w_scale!r}f;" if self.w_scale not in (0.0, 1.0) else ""
+    return (f"float wsel[{k}]; for (int t = 0; t < {k}; t++) wsel[t] = sp[{self.used('t')}];{softmax_k}"
+            f" float sum = 0.f; for (int t = 0; t < {k}; t++) sum += wsel[t];"
+            f" for (int t = 0; t < {k}; t++) {{ float wv = wsel[t];"
+            f"{' wv = wv / fmaxf(sum, 6.103515625e-5f);' if self.norm_w else ''}{scale} {store('t', 'wv')} }}")
+
+
+ROUTER_R, ROUTER_WARPS = 1, 4  # the router's rows per row group and warps per block: 16 blocks for 64 experts
+
+
+@functools.cache
+def router(w: W, eps: float, route: Route, logits_only: bool = False) -> Kernel:
+  """The MoE router in one kernel: each block computes some experts' logits from the normalised input (RMSNorm folded);
+  the last block to finish (an atomic count, reset by it) reads them once through L2, ranks them (Route.rank) and
+  writes the ids used and their weights (Route.weights); forced: its own top k to `own`. logits_only: the logits alone,
+  for gate+up and down to route from themselves (their `route`)."""
+  name = f"native_router_{QUANT_TYPES[w.ggml_type].name.lower()}_{route.experts}x{w.inp}"
+  name += "_logits" if logits_only else f"_{route.tag}"
+  R, warps = ROUTER_R, ROUTER_WARPS
+  products = _gemv_block([(w, "{o}", "a")], "sx", route.experts, R, lambda o, a: f"logits[{o}] = {a[0]};",
+                         stage_x("x", w.inp, eps, "f32", warps), "f32", True, True, warps, wait=True)
+  blocks = -(-route.experts // rows_per_block(w.group_lanes, R, warps))
+  if logits_only:
+    params = ["float* logits", "const float* __restrict__ x", "const float* __restrict__ gamma"] + w.params
+    body = f"{stage_decl(w.inp, 'f32', warps)}\n  {products}"
+    return Kernel(name, kernel(name, params, body, 32 * warps, waited=True), (blocks, 1, 1), (0,), 32 * warps)
+  params = (["int* sel", "float* wts", "float* logits", "int* cnt"] + (["int* own"] if route.forced else [])
+            + ["const float* __restrict__ x", "const float* __restrict__ gamma"] + route.params() + w.params)
+  store = lambda t, wv: (f"sel[{t}] = {route.used(t)}; wts[{t}] = {wv};"
+                         + (f" own[{t}] = ssel[{t}];" if route.forced else ""))
+  body = f"""{stage_decl(w.inp, "f32", warps)}
+  {products}
+  __shared__ int last;
   __syncthreads();
+  if (threadIdx.x == 0) last = arrive(cnt) == (int)gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  {route.rank(32 * warps)}
   if (threadIdx.x != 0) return;
-  float wsel[{k}];
-  for (int t = 0; t < {k}; t++) wsel[t] = sp[min(max({'force[t]' if forced else 'ssel[t]'}, 0), {experts - 1})];
-  {softmax_k if gating == 3 else ''}
-  float sum = 0.f;
-  for (int t = 0; t < {k}; t++) sum += wsel[t];
-  for (int t = 0; t < {k}; t++) {{
-    float wv = wsel[t];{' wv = wv / fmaxf(sum, 6.103515625e-5f);' if norm_w else ''}{scale}
-    sel[t] = {'force[t]' if forced else 'ssel[t]'}; wts[t] = wv;{' own[t] = ssel[t];' if forced else ''}
-  }}
+  {route.weights(store)}
   cnt[0] = 0;"""
-  blocks = -(-experts // rows_per_block(w.group_lanes, R, warps))
   return Kernel(name, kernel(name, params, body, 32 * warps, waited=True), (blocks, 1, 1),
-                (0, 1, 2, 3) + ((4,) if forced else ()),
-                32 * warps)
+                (0, 1, 2, 3) + ((4,) if route.forced else ()), 32 * warps)
 
 
 @dataclass(frozen=True)
@@ -982,7 +1022,7 @@ def _ffn_tag(f: FFN | None) -> str:
 
 @functools.cache
 def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: int = 4, act: str = "f32",
-        handoff: bool = False, sms: int = 0) -> Kernel:
+        handoff: bool = False, sms: int = 0, route: Route | None = None) -> Kernel:
   """SiLU(gate) * up of the normalised input (RMSNorm folded) for the k selected experts of a routed stack (blockIdx.y <
   k) and a plain FFN (the shared expert, or a dense block's FFN; blockIdx.y == k), into act = [k x hidden, plain
   hidden]. Each warp issues its weight reads first; the block normalises the input once into shared memory (quantized to
@@ -990,12 +1030,17 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
   a block computes 32 consecutive outputs (as many warps as that takes) and writes them in the form down's products
   read (act_in): quantize_x's (every unit's 8 words, then every unit's scale, then its sum) or quantize_x16's (every
   unit's 8 words of codes, then its 8 of remainders, its scale, its float sum); HANDOFF floats a unit. sms: the
-  device's multiprocessors, so the grid runs as one wave where 128 registers a thread allow it (one_wave)."""
+  device's multiprocessors, so the grid runs as one wave where 128 registers a thread allow it (one_wave). route: each
+  routed block chooses its expert from the router's `logits` after its wait (Route.rank), in place of reading `sel`,
+  and the blocks of column 0 write the own top k to `own` (for the correctness check; forced: they use `force`'s)."""
   assert not handoff or act in HANDOFF, act
+  assert route is None or (routed is not None and route.k == k), "a route for the routed stack"
   name = f"native_glu_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}{f'_out{act}' if handoff else ''}"
+  name += f"_route_{route.tag}" if route else ""
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
-  params = (["float* act", "const float* __restrict__ x", "const float* __restrict__ gamma"]
-            + (["const int* __restrict__ sel"] if r else []))
+  params = (["float* act"] + (["int* own"] if route else [])
+            + ["const float* __restrict__ x", "const float* __restrict__ gamma"])
+  if r: params += ["const float* __restrict__ logits"] + route.params() if route else ["const int* __restrict__ sel"]
   params += (r.params if r else []) + (p.params if p else [])
   G = (r or p).gate.group_lanes
   warps = handoff_warps(G, R) if handoff else WARPS
@@ -1026,8 +1071,10 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
     return (f" __syncthreads(); if (threadIdx.x < 32) {{ const int l = threadIdx.x, g = ({base} + blockIdx.x * 32) / "
             f"32; const float v = sact[l]; const float am = warp_max(fabsf(v)), iv = {Q8_INV}; {rounding[act]} }}")
   if r:
-    body.append(f"if (blockIdx.y < {k}) {{ {WAIT} const int y = blockIdx.y, e = min(max(sel[y], 0), "
-                f"{r.experts - 1});\n  "
+    choose = (f"{route.rank(32 * warps)} const int y = blockIdx.y, e = {route.used('y')};"
+              + " if (blockIdx.x == 0 && threadIdx.x == 0) own[y] = ssel[y];" if route
+              else f"const int y = blockIdx.y, e = min(max(sel[y], 0), {r.experts - 1});")
+    body.append(f"if (blockIdx.y < {k}) {{ {WAIT} {choose}\n  "
                 + block([(r.gate, f"(size_t)e * {r.gate_rows} + {{o}}", "g"),
                          (r.up, f"(size_t)e * {r.gate_rows} + {r.up_off} + {{o}}", "u")],
                         r.hidden, store(f"(size_t)y * {r.hidden}"), False) + quantize(f"y * {r.hidden}") + " }")
@@ -1040,8 +1087,8 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
   grid = (blocks, (k if r else 0) + (1 if p else 0), 1)
   res = one_wave(grid[0] * grid[1], 32 * warps, sms, GLU_REGS)
   name += f"_b{res}" if res > 1 else ""
-  return Kernel(name, kernel(name, params, "\n  ".join(body), 32 * warps, waited=True, resident=res), grid, (0,),
-                32 * warps)
+  return Kernel(name, kernel(name, params, "\n  ".join(body), 32 * warps, waited=True, resident=res), grid,
+                (0, 1) if route else (0,), 32 * warps)
 
 
 HANDOFF = {"q8": 10, "x16": 18}  # floats a unit of 32 activations takes in glu's hand-off, by form (glu's docstring)
@@ -1071,14 +1118,18 @@ def handoff_fits(routed: FFN | None, plain: FFN | None, k: int, sms: int, R: int
 
 
 @functools.cache
-def down(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str = "f32", act_in: str = "f32") -> Kernel:
+def down(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str = "f32", act_in: str = "f32",
+         route: Route | None = None) -> Kernel:
   """out = res + sum over the k selected experts of weight_k * (down_e . act_k) + down_plain . act_plain: the routed
   experts' down projections, their weighted combine, the shared expert (or a dense block's down projection) and the
   residual add. Split over units (_down_units) where down_reads_handoff, else a warp per slot (_down_slots). act_in q8
-  or x16: act is glu's hand-off in that form."""
-  if down_reads_handoff(routed, plain): return _down_units(routed, plain, k, dim, act, act_in)
+  or x16: act is glu's hand-off in that form. route: the experts and their weights come from the router's logits
+  (`early_logits`, EARLY: glu read them after its wait), ranked by the block before its weight reads (Route.rank), in
+  place of `early_sel` and `wts`; forced: it waits first, then reads `force`."""
+  assert route is None or (routed is not None and route.k == k), "a route for the routed stack"
+  if down_reads_handoff(routed, plain): return _down_units(routed, plain, k, dim, act, act_in, route)
   assert act_in == "f32", "a warp per slot reads float activations"
-  return _down_slots(routed, plain, k, dim, 4 if act == "f32" else 8, act)
+  return _down_slots(routed, plain, k, dim, 4 if act == "f32" else 8, act, route)
 
 
 def lane_sums(accs: list[str], lane: str = "lane", G: int = 32) -> tuple[str, str]:
@@ -1110,29 +1161,47 @@ def _down_combine(store: str, R: int, dim: int, warps: int) -> list[str]:
           "t += part[w][threadIdx.x]; out[obase + threadIdx.x] = res[obase + threadIdx.x] + t; }"]
 
 
-def _down_slots(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int, act: str) -> Kernel:
+def _down_routing(r: FFN | None, route: Route | None, threads: int) -> tuple[list[str], str, Callable[[str], str],
+                                                                          str, Callable[[str], str]]:
+  """down's routing, for a block of `threads`: (its parameters, C before its weight reads, the C expert of slot s, C
+  after its wait that makes the weights readable (every thread), the C weight of slot s). The router's choice
+  (`early_sel`, read through L2, and `wts`), or with a route its own from the logits (forced: waiting first)."""
+  if r is None: return [], "", lambda sl: "0", "", lambda sl: "1.f"
+  if route is None:
+    return (["const int* __restrict__ early_sel", "const float* __restrict__ wts"], "",
+            lambda sl: f"min(max(__ldcg(early_sel + {sl}), 0), {r.experts - 1})", "", lambda sl: f"wts[{sl}]")
+  keep = route.weights(lambda t, wv: f"swt[{t}] = {wv};")
+  keep = f"__shared__ float swt[{route.k}]; if (threadIdx.x == 0) {{ {keep} }}"
+  return (["const float* __restrict__ early_logits"] + route.params("early_"),
+          (f"{WAIT} " if route.forced else "") + route.rank(threads, "early_"), route.used, keep + " __syncthreads();",
+          lambda sl: f"swt[{sl}]")
+
+
+def _down_slots(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int, act: str,
+                route: Route | None = None) -> Kernel:
   """down with a warp per slot: a block computes R output rows; its warps take the slots (the k experts, then the plain
   FFN) in turn, each its slot's rows in full, and the warps' sums meet in shared memory. Every slot's rows are
   prefetched into L2 before the kernel's wait (the selected experts are `early_sel`: EARLY). For FFNs the unit layout
   cannot take."""
   name = f"native_down_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}_slots"
+  name += f"_route_{route.tag}" if route else ""
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
+  rparams, choose, expert, weights, weight = _down_routing(r, route, THREADS)
   params = ["float* out", "const float* __restrict__ res", "const float* __restrict__ act"]
-  params += (["const int* __restrict__ early_sel", "const float* __restrict__ wts"] + r.down.params if r
-             else []) + (p.down.params if p else [])
+  params += (rparams + r.down.params if r else []) + (p.down.params if p else [])
   slots = (k if r else 0) + (1 if p else 0)
   first, last = "obase", f"min(obase + {R - 1}, {dim - 1})"
-  fetch = ([f"if (sl < {k}) {{ const int e = min(max(__ldcg(early_sel + sl), 0), {r.experts - 1}); "
+  fetch = ([f"if (sl < {k}) {{ const int e = {expert('sl')}; "
             + prefetch_rows([(r.down, f"(size_t)e * {dim} + {{o}}", "")], first, last, "lane", 32) + " }"] if r else [])
   fetch += [f"{'else ' if r else ''}{{ " + prefetch_rows([(p.down, "{o}", "")], first, last, "lane",
                                                          32) + " }"] if p else []
-  body = [f"const int lane = threadIdx.x & 31, gl = lane, warp = threadIdx.x >> 5, obase = blockIdx.x * {R};",
+  body = [f"const int lane = threadIdx.x & 31, gl = lane, warp = threadIdx.x >> 5, obase = blockIdx.x * {R};", choose,
           # every slot's rows on their way first, while the kernels before it finish
-          f"for (int sl = warp; sl < {slots}; sl += {WARPS}) {{ {' '.join(fetch)} }}", WAIT,
+          f"for (int sl = warp; sl < {slots}; sl += {WARPS}) {{ {' '.join(fetch)} }}",
+          "" if route and route.forced else WAIT, weights,
           " ".join(f"float tot{i} = 0.f;" for i in range(R)), f"for (int sl = warp; sl < {slots}; sl += {WARPS}) {{"]
   if r:
-    body.append(f"if (sl < {k}) {{ const int e = min(max(__ldcg(early_sel + sl), 0), {r.experts - 1}); "
-                f"const float wk = wts[sl];"
+    body.append(f"if (sl < {k}) {{ const int e = {expert('sl')}; const float wk = {weight('sl')};"
                 f" const float* xk = act + (size_t)sl * {r.hidden};\n  "
                 + gemv([(r.down, f"(size_t)e * {dim} + {{o}}", "a")], "xk", dim, R, None, 32, act=act) + "\n  "
                 + " ".join(f"tot{i} += wk * a{i};" for i in range(R)) + " }")
@@ -1146,7 +1215,8 @@ def _down_slots(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int,
   return Kernel(name, kernel(name, params, "\n  ".join(body), waited=True), (-(-dim // R), 1, 1), (0,))
 
 
-def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str, act_in: str = "f32") -> Kernel:
+def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str, act_in: str = "f32",
+                route: Route | None = None) -> Kernel:
   """down with the work split over (slot, unit) pairs: the k routed slots and the plain FFN's rows cut into slots of the
   routed hidden width are one list of units; each thread of a block (as many threads as units, in warps, up to 512)
   takes one or more, issues the reads of its units for the block's R rows at once and adds their weighted products into
@@ -1160,33 +1230,35 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
   assert act_in in ("f32", act), "a hand-off in the products' form"
   name = f"native_down_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}"
-  name += f"_in{act_in}" if act_in != "f32" else ""
-  params = ["float* out", "const float* __restrict__ res", "const float* __restrict__ act"]
-  params += (["const int* __restrict__ early_sel", "const float* __restrict__ wts"] + r.down.params if r
-             else []) + (p.down.params if p else [])
+  name += (f"_in{act_in}" if act_in != "f32" else "") + (f"_route_{route.tag}" if route else "")
   kr = k if r else 0
   m = plain.hidden // Fv if p else 0  # virtual slots of the plain FFN
   U = Fv // UNITS[ty].elems
   P = (kr + m) * U
   threads = min(512, 128 * -(-P // 128))
   R, J = 8 if threads <= 256 else 16, -(-P // threads)
-  body = [f"const int obase = blockIdx.x * {R}, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;",
+  rparams, choose, expert, weights, weight = _down_routing(r, route, threads)
+  params = ["float* out", "const float* __restrict__ res", "const float* __restrict__ act"]
+  params += (rparams + r.down.params if r else []) + (p.down.params if p else [])
+  body = [f"const int obase = blockIdx.x * {R}, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;", choose,
           " ".join(f"float acc{i} = 0.f; const int o{i} = min(obase + {i}, {dim - 1});" for i in range(R))]
   loads, ws, rows = [], [W(f"j{j}_", ty, Fv) for j in range(J)], []
   for j, w in enumerate(ws):
+    sj = f"s{j}"
     sel_planes = " ".join(f"const {ct}* __restrict__ j{j}_{n} = "
                           + (f"isr{j} ? rd_{n} : pd_{n};" if r and p else f"{'rd_' if r else 'pd_'}{n};")
                           for n, ct in plane_types(ty))
     loads.append(f"const int p{j} = min((int)threadIdx.x + {threads * j}, {P - 1}); const bool live{j} = "
                  f"(int)threadIdx.x + {threads * j} < {P}; const int s{j} = p{j} / {U}, u{j} = p{j} % {U}; const bool "
                  f"isr{j} = s{j} < {kr}; const int e{j} = "
-                 f"{f'isr{j} ? min(max(__ldcg(early_sel + s{j}), 0), {r.experts - 1}) : 0' if r else '0'}; "
+                 f"{f'isr{j} ? {expert(sj)} : 0' if r else '0'}; "
                  f"{sel_planes}")
     rows.append([f"(isr{j} ? (size_t)e{j} * {dim} + o{i} : (size_t)o{i} * {max(m, 1)} + (s{j} - {kr}))" if r
                  and p else (
                  f"((size_t)e{j} * {dim} + o{i})" if r else f"((size_t)o{i} * {m} + s{j})") for i in range(R)])
     loads += [unit_loads(w, row, f"u{j}", f"_{j}_{i}", True) for i, row in enumerate(rows[j])]
-  body += loads + [WAIT]  # the reads out while gate+up finishes (EARLY: early_sel)
+  # the reads out while gate+up finishes (EARLY: early_sel, early_logits)
+  body += loads + ([] if route and route.forced else [WAIT]) + [weights]
   # each thread's units of glu's hand-off into shared memory, read back after the barrier: 8 words (at float `at` of
   # act) to the thread's 8 in `sw`, then the unit's scale and sum
   t = lambda j: f"(threadIdx.x + {threads * j})"
@@ -1204,12 +1276,13 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
              f"p{j}]; sxs[{t(j)}] = act[{P * 17} + p{j}];" for j in range(J)]
   body.append("__syncthreads();")
   for j, w in enumerate(ws):
+    sj = f"s{j}"
     if act_in == "q8": xs = [load_xq(j, "sxq", "sdx", "ssq", t(j))]
     elif act_in == "x16": xs = [load_xq16(j, t(j), threads * J)]
     else:
       xs = [load_x(w, j, f"(act + (size_t)s{j} * {Fv})", f"u{j}")] + (
         [quantize_x(j, w.unit)] if act == "q8" else [quantize_x16(j, w.unit)] if act == "x16" else [])
-    wk = f"(live{j} ? {f'(isr{j} ? wts[s{j}] : 1.f)' if r else '1.f'} : 0.f)"
+    wk = f"(live{j} ? {f'(isr{j} ? {weight(sj)} : 1.f)' if r else '1.f'} : 0.f)"
     dots = []
     for i, row in enumerate(rows[j]):
       t = f"t{j}_{i}"

@@ -137,17 +137,23 @@ def attention(blk: Block, x: Tensor, start_pos, pos: Tensor) -> Tensor:
   return launch(k6, [empty(1, 1, dim, device=dev), a, xf, *planes(blk.wo)], row_bytes(blk.wo) * dim)[0]
 
 
+def _route(blk: Block, forced: Tensor | None) -> tuple[C.Route, list[Tensor]]:
+  """The block's routing as the kernels compute it, and the inputs it reads besides the logits (C.Route.params)."""
+  hp = blk.hp
+  route = C.Route(hp.n_experts, hp.n_used, hp.gating, blk.probs_b is not None, hp.norm_w, hp.w_scale,
+                  forced is not None)
+  return route, ([blk.probs_b] if blk.probs_b is not None else []) + ([i32(forced)] if forced is not None else [])
+
+
 def router(blk: Block, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
   """(the ids used (1, 1, K), their weights, the router's own top-k ids, its logits (1, 1, E)) for one token; forced:
   ids to use instead of its own (the correctness check)."""
   hp, dev, w = blk.hp, h.device, blk.gate_inp
   E, K = hp.n_experts, hp.n_used
-  k = C.router(cw("g_", w), E, K, hp.eps, hp.gating, blk.probs_b is not None, hp.norm_w, hp.w_scale, forced is not None)
+  route, ins = _route(blk, forced)
   outs = [empty(1, 1, K, dtype=dtypes.int32, device=dev), empty(1, 1, K, device=dev), empty(1, 1, E, device=dev),
-          blk.scratch["router_cnt"]]
-  if forced is not None: outs += [empty(1, 1, K, dtype=dtypes.int32, device=dev), i32(forced)]
-  res = launch(k, [*outs, f32(h), blk.ffn_norm, *([blk.probs_b] if blk.probs_b is not None else []), *planes(w)],
-               row_bytes(w) * E)
+          blk.scratch["router_cnt"]] + ([empty(1, 1, K, dtype=dtypes.int32, device=dev)] if forced is not None else [])
+  res = launch(C.router(cw("g_", w), hp.eps, route), [*outs, f32(h), blk.ffn_norm, *ins, *planes(w)], row_bytes(w) * E)
   return res[0], res[1], res[4] if forced is not None else res[0], res[2]
 
 
@@ -167,6 +173,26 @@ def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tens
   """h + MoE FFN(h) for one token, routed by sel/wts (the router logits they come from are not read): the selected
   experts' and the shared expert's gate+up+SiLU in one kernel, their down projections with the routing weights, the
   shared expert and the residual add in another."""
+  sel = i32(sel)
+  return _moe(blk, h, None, [sel], [sel, f32(wts)])[0]
+
+
+def routed_moe(blk: Block, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+  """The router and the MoE in one (both stages native): (h + MoE FFN(h), the own top-k ids (1, 1, K), the router
+  logits (1, 1, E)) for one token. The router kernel computes the logits alone; gate+up's and down's blocks each rank
+  them themselves (C.Route), so no kernel waits on a ranking: the router's last-block count and ranking leave the
+  step. forced: ids to use instead of its own (the correctness check)."""
+  hp, w = blk.hp, blk.gate_inp
+  route, ins = _route(blk, forced)
+  logits = launch(C.router(cw("g_", w), hp.eps, route, logits_only=True),
+                  [empty(1, 1, hp.n_experts, device=h.device), f32(h), blk.ffn_norm, *planes(w)],
+                  row_bytes(w) * hp.n_experts)[0]
+  out, own = _moe(blk, h, route, [logits, *ins], [logits, *ins])
+  return out, own, logits
+
+
+def _moe(blk: Block, h: Tensor, route: C.Route | None, glu_in: list[Tensor],
+         down_in: list[Tensor]) -> tuple[Tensor, Tensor | None]:
   hp, dev, K, F = blk.hp, h.device, blk.hp.n_used, blk.n_ff_exp
   routed = _ffn(blk.gate_exps, blk.up_exps, blk.down_exps, blk.gate_up_exps, F, hp.n_experts)
   rp = _ffn_planes(blk.gate_exps, blk.up_exps, blk.gate_up_exps)
@@ -175,16 +201,17 @@ def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tens
     Fp = blk.down_sh.shape[-1]
     plain, pp = (_ffn(blk.gate_sh, blk.up_sh, blk.down_sh, blk.gate_up_sh, Fp),
                  _ffn_planes(blk.gate_sh, blk.up_sh, blk.gate_up_sh))
-  return _glu_down(blk, h, routed, plain, rp, pp, K * F + Fp, (i32(sel), f32(wts)),
-                   row_bytes(blk.down_exps) * hp.dim * K + (row_bytes(blk.down_sh) * hp.dim if blk.shared else 0), dev)
+  return _glu_down(blk, h, routed, plain, rp, pp, K * F + Fp,
+                   row_bytes(blk.down_exps) * hp.dim * K + (row_bytes(blk.down_sh) * hp.dim if blk.shared else 0), dev,
+                   route, glu_in, down_in)
 
 
 def ffn(blk: Block, h: Tensor) -> Tensor:
   """h + FFN(h) for one token of a dense block: gate+up+SiLU in one kernel, down + residual in another."""
   F = blk.down.shape[-1]
   plain = _ffn(blk.gate, blk.up, blk.down, blk.gate_up, F)
-  return _glu_down(blk, h, None, plain, [], _ffn_planes(blk.gate, blk.up, blk.gate_up), F, None,
-                   row_bytes(blk.down) * blk.hp.dim, h.device)
+  return _glu_down(blk, h, None, plain, [], _ffn_planes(blk.gate, blk.up, blk.gate_up), F,
+                   row_bytes(blk.down) * blk.hp.dim, h.device)[0]
 
 
 @functools.cache
@@ -206,7 +233,10 @@ def handoff(routed: C.FFN | None, plain: C.FFN | None, k: int, device: str) -> b
 
 
 def _glu_down(blk: Block, h: Tensor, routed: C.FFN | None, plain: C.FFN | None, rp: list[Tensor], pp: list[Tensor],
-              n_act: int, route: tuple[Tensor, Tensor] | None, down_bytes: int, dev: str) -> Tensor:
+              n_act: int, down_bytes: int, dev: str, route: C.Route | None = None, glu_in: tuple[Tensor, ...] = (),
+              down_in: tuple[Tensor, ...] = ()) -> tuple[Tensor, Tensor | None]:
+  """(h + the FFNs' output, with a route gate+up's own top-k ids); glu_in, down_in: the routed stack's routing
+  inputs of each kernel (the ids, and down's weights; with a route, the logits and Route.params)."""
   hp, K = blk.hp, blk.hp.n_used if routed else 0
   hf = f32(h)
   gu_bytes = n_act * 2 * (hp.dim // QUANT_TYPES[(routed
@@ -214,14 +244,15 @@ def _glu_down(blk: Block, h: Tensor, routed: C.FFN | None, plain: C.FFN | None, 
                                                    routed or plain).gate.ggml_type].nbytes
   form = {"float32": "f32"}.get(blk.cfg.ffn_act, blk.cfg.ffn_act)
   ho = form in C.HANDOFF and handoff(routed, plain, K, dev)
-  kg = C.glu(routed, plain, K, hp.dim, hp.eps, R_LARGE, form, ho, sm_count(dev))
-  act = launch(kg,
-               [empty(n_act // 32 * C.HANDOFF[form] if ho else n_act, device=dev), hf, blk.ffn_norm,
-                *([route[0]] if route else []), *rp, *pp], gu_bytes)[0]
-  kd = C.down(routed, plain, K, hp.dim, form, form if ho else "f32")
-  routed_down = [route[0], route[1], *planes(blk.down_exps)] if routed else []
+  kg = C.glu(routed, plain, K, hp.dim, hp.eps, R_LARGE, form, ho, sm_count(dev), route)
+  outs = [empty(n_act // 32 * C.HANDOFF[form] if ho else n_act, device=dev)]
+  outs += [empty(1, 1, K, dtype=dtypes.int32, device=dev)] if route else []
+  res = launch(kg, [*outs, hf, blk.ffn_norm, *glu_in, *rp, *pp], gu_bytes)
+  kd = C.down(routed, plain, K, hp.dim, form, form if ho else "f32", route)
+  routed_down = [*down_in, *planes(blk.down_exps)] if routed else []
   plain_down = planes(blk.down_sh if routed else blk.down) if plain else []
-  return launch(kd, [empty(1, 1, hp.dim, device=dev), hf, act, *routed_down, *plain_down], down_bytes)[0]
+  out = launch(kd, [empty(1, 1, hp.dim, device=dev), hf, res[0], *routed_down, *plain_down], down_bytes)[0]
+  return out, res[1] if route else None
 
 
 class NativeBackend(Backend):
@@ -252,6 +283,7 @@ class NativeBackend(Backend):
   def per_head(self, x: Tensor, w: QWeight) -> Tensor: return per_head(x, w)
   def expert(self, x: Tensor, sel: Tensor, w: QWeight) -> Tensor: return expert(x, sel, w)
   attention, router, moe, ffn = staticmethod(attention), staticmethod(router), staticmethod(moe), staticmethod(ffn)
+  routed_moe = staticmethod(routed_moe)
 
 
 def available(device: str | None = None) -> bool:

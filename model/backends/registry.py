@@ -19,8 +19,11 @@ if TYPE_CHECKING:
 
 class Backend:
   """An implementation of a catalog row: the products linear(x, w), per_head(x, w), expert(x, sel, w) (signatures
-  below), and for each fused stage of its row a function of the same name (attention, router, moe, ffn)."""
+  below), and for each fused stage of its row a function of the same name (attention, router, moe, ffn). routed_moe,
+  where it has one: the router and MoE stages in one, for a config that gives both to it: (blk, h, forced) -> (h + MoE
+  FFN(h), its own top-k ids, the router logits)."""
   name: str = ""
+  routed_moe = None
 
   @property
   def row(self) -> catalog.Row: return catalog.get(self.name)

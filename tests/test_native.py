@@ -439,9 +439,10 @@ def test_decode_kernels_issue_their_weight_reads_before_their_first_barrier() ->
 
 
 def test_down_issues_its_weight_reads_before_its_wait() -> None:
-  """down's rows follow the router's choice, two kernels back: it reads the choice (`early_sel`, cuda_src.EARLY) and
-  issues every weight read (the unit split: its loads; a warp per slot: L2 prefetches) before its only GRID_WAIT, so
-  they are in flight while gate+up finishes. gate+up's output, the routing weights and the residual are read after it
+  """down's rows follow the router's choice, two kernels back: it reads the choice (`early_sel`, cuda_src.EARLY; or the
+  router's logits, `early_logits`, and ranks them) and issues every weight read (the unit split: its loads; a warp per
+  slot: L2 prefetches) before its only GRID_WAIT, so they are in flight while gate+up finishes; with forced ids it waits
+  first. gate+up's output, the routing weights and the residual are read after it
   (test_down_layouts and test_fused_stages_in_the_cpu_emulator run it in the CPU emulator, which faults a read of them
   before it)."""
   t, dim, F = TYPES["Q4_0"], 256, 64
@@ -449,15 +450,22 @@ def test_down_issues_its_weight_reads_before_its_wait() -> None:
   routed = cuda_src.FFN(W(dim), W(dim), W(F), F, 8, F, 0)
   shared = cuda_src.FFN(W(dim), W(dim), W(F), F)
   odd = cuda_src.FFN(W(dim), W(dim), W(96), 96)  # a shared expert of 96 rows: a warp per slot
-  units = [cuda_src.down(routed, shared, 2, dim, "q8", "q8"), cuda_src.down(routed, None, 2, dim, "f32")]
-  slots = cuda_src.down(routed, odd, 2, dim)
-  assert slots.name.endswith("_slots") and not any(k.name.endswith("_slots") for k in units)
-  for k, reads in [(k, "__ldcs(") for k in units] + [(slots, "PREFETCH(")]:
-    body = k.src[k.src.index(k.name):]
-    assert body.count(cuda_src.WAIT) == 1, k.name
-    before, after = body.split(cuda_src.WAIT)
-    assert reads in before and reads not in after and "early_sel" in before, k.name
-    assert not any(f"{p}[" in before or f"{p} +" in before for p in ("act", "wts", "res")), k.name
+  route = cuda_src.Route(8, 2, 2, True, True, 1.8)
+  for how in (None, route):  # the router's ids, or its logits ranked by down itself (`early_logits`)
+    units = [cuda_src.down(routed, shared, 2, dim, "q8", "q8", how),
+             cuda_src.down(routed, None, 2, dim, "f32", route=how)]
+    slots = cuda_src.down(routed, odd, 2, dim, route=how)
+    assert "_slots" in slots.name and not any("_slots" in k.name for k in units)
+    for k, reads in [(k, "__ldcs(") for k in units] + [(slots, "PREFETCH(")]:
+      body = k.src[k.src.index(k.name):]
+      assert body.count(cuda_src.WAIT) == 1, k.name
+      before, after = body.split(cuda_src.WAIT)
+      assert reads in before and reads not in after and ("early_logits" if how else "early_sel") in before, k.name
+      assert not any(f"{p}[" in before or f"{p} +" in before for p in ("act", "wts", "swt", "res")), k.name
+  # forced ids (the correctness check) come from outside the graph's chain: that form waits before any read
+  forced = cuda_src.down(routed, shared, 2, dim, "q8", "q8", cuda_src.Route(8, 2, 2, True, True, 1.8, True))
+  body = forced.src[forced.src.index(forced.name):]
+  assert body.index(cuda_src.WAIT) < min(body.index("early_logits +"), body.index("force["), body.index("__ldcs("))
 
 
 @pytest.mark.parametrize("quant,form", [("Q4_0", "x16"), ("Q8_0", "x16"), ("Q6_K", "f32")])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from math import prod
 from typing import TYPE_CHECKING
 
@@ -191,8 +192,8 @@ def routed_moe(blk: Block, h: Tensor, forced: Tensor | None = None) -> tuple[Ten
   return out, own, logits
 
 
-def _moe(blk: Block, h: Tensor, route: C.Route | None, glu_in: list[Tensor],
-         down_in: list[Tensor]) -> tuple[Tensor, Tensor | None]:
+def _moe(blk: Block, h: Tensor, route: C.Route | None, glu_in: Sequence[Tensor],
+         down_in: Sequence[Tensor]) -> tuple[Tensor, Tensor | None]:
   hp, dev, K, F = blk.hp, h.device, blk.hp.n_used, blk.n_ff_exp
   routed = _ffn(blk.gate_exps, blk.up_exps, blk.down_exps, blk.gate_up_exps, F, hp.n_experts)
   rp = _ffn_planes(blk.gate_exps, blk.up_exps, blk.gate_up_exps)
@@ -233,8 +234,8 @@ def handoff(routed: C.FFN | None, plain: C.FFN | None, k: int, device: str) -> b
 
 
 def _glu_down(blk: Block, h: Tensor, routed: C.FFN | None, plain: C.FFN | None, rp: list[Tensor], pp: list[Tensor],
-              n_act: int, down_bytes: int, dev: str, route: C.Route | None = None, glu_in: tuple[Tensor, ...] = (),
-              down_in: tuple[Tensor, ...] = ()) -> tuple[Tensor, Tensor | None]:
+              n_act: int, down_bytes: int, dev: str, route: C.Route | None = None, glu_in: Sequence[Tensor] = (),
+              down_in: Sequence[Tensor] = ()) -> tuple[Tensor, Tensor | None]:
   """(h + the FFNs' output, with a route gate+up's own top-k ids); glu_in, down_in: the routed stack's routing
   inputs of each kernel (the ids, and down's weights; with a route, the logits and Route.params)."""
   hp, K = blk.hp, blk.hp.n_used if routed else 0

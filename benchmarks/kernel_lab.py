@@ -3,7 +3,7 @@ plain read of as many bytes (what one launch of that size reaches) and the devic
 one process; with --against, the same kernels built by another version of model/backends/cuda_src.py, timed interleaved.
 
   python benchmarks/kernel_lab.py [--models ...] [--kinds ...] [--against OLD/model/backends/cuda_src.py] [--json
-  out.jsonl]
+  out.jsonl] [--handoff rule|on|off] [--route ids|logits]
 
 Kinds: the output head; the attention's norm-folded products (q_a and kv_a, q_b), the MLA absorption (k_b per head), the
 MLA attention (a float16 cache of the evaluator's decode context, CTX, read from position POS; a source whose v_b
@@ -106,10 +106,12 @@ def floor(nbytes: int, copies: int) -> float:
                [(b,) for b in bufs] * max(1, 80 // copies))
 
 
-def kernels(mod, kind: str, preset: str, handoff: str, sms: int) -> list[tuple[str, object]]:
+def kernels(mod, kind: str, preset: str, handoff: str, sms: int, logits: bool = False) -> list[tuple[str, object]]:
   """(activation form, kernel) of one kind built by a cuda_src module (this tree's API, or the one before staged
   inputs); handoff: the 8- and 16-bit MoE kernels' hand-off where this tree's cuda_src.handoff_fits puts it on a device
-  of `sms` multiprocessors (rule), wherever down can read it (on), or nowhere (off)."""
+  of `sms` multiprocessors (rule), wherever down can read it (on), or nowhere (off). logits: where the module has
+  routes (cuda_src.Route), the router writes the logits alone and gate+up and down rank them (native.routed_moe's
+  kernels); else the router ranks and they read its ids."""
   hp = PRESETS[preset]
   dim, F, E, K, V, H = hp.dim, hp.expert_ffn, hp.n_experts, hp.n_used, hp.vocab, hp.n_heads
   Fs = hp.expert_ffn * hp.n_shared
@@ -134,10 +136,11 @@ def kernels(mod, kind: str, preset: str, handoff: str, sms: int) -> list[tuple[s
     return [("f32", mod.mla_vb(W(hp.kv_lora, "w_"), H, hp.kv_lora, hp.v_head, CTX) if hasattr(mod, "mla_vb") else
              mod.product("per_head", Q4_0, (H, hp.v_head, hp.kv_lora), tn=1, n=1, heads=H))]
   if kind == "dense_res": return [("f32", mod.dense(((W(H * hp.v_head, "a_"), dim),), 2, None, residual=True, **wave))]
+  how = (E, K, 2 if hp.gating == "sigmoid" else 1, hp.exp_probs_bias, hp.norm_topk, hp.routed_scale)
+  route = {"route": mod.Route(*how)} if logits and hasattr(mod, "Route") else {}
   if kind == "router":  # float32 rows, as GGUF files hold ffn_gate_inp (llama.cpp's quantize leaves it unquantized)
-    how = (E, K, 2 if hp.gating == "sigmoid" else 1, hp.exp_probs_bias, hp.norm_topk, hp.routed_scale)
-    return [("f32", mod.router(mod.W("g_", F32, dim), hp.rms_eps, mod.Route(*how)) if hasattr(mod, "Route")
-             else mod.router(mod.W("g_", F32, dim), *how[:2], hp.rms_eps, *how[2:]))]
+    return [("f32", mod.router(mod.W("g_", F32, dim), hp.rms_eps, mod.Route(*how), logits_only=bool(route))
+             if hasattr(mod, "Route") else mod.router(mod.W("g_", F32, dim), *how[:2], hp.rms_eps, *how[2:]))]
   out, x16 = [], not old and "x16" in inspect.getsource(mod.stage_decl)  # sources with staged 16-bit activations
   forms = getattr(mod, "HANDOFF", {"q8": 0} if hasattr(mod, "glu_q8_blocks") else {})  # the forms glu hands down
   reads = getattr(mod, "down_reads_handoff", getattr(mod, "down_reads_q8", None))
@@ -149,11 +152,11 @@ def kernels(mod, kind: str, preset: str, handoff: str, sms: int) -> list[tuple[s
       k = (mod.glu(routed, plain, K, dim, hp.rms_eps, R, q8=act == "q8") if kind == "glu"
            else mod.down(routed, plain, K, dim, R, q8=act == "q8"))
     elif ho:
-      k = (mod.glu(routed, plain, K, dim, hp.rms_eps, R_LARGE, act, True, **wave) if kind == "glu"
-           else mod.down(routed, plain, K, dim, act, act))
+      k = (mod.glu(routed, plain, K, dim, hp.rms_eps, R_LARGE, act, True, **wave, **route) if kind == "glu"
+           else mod.down(routed, plain, K, dim, act, act, **route))
     else:
-      k = (mod.glu(routed, plain, K, dim, hp.rms_eps, R_LARGE, act, **wave) if kind == "glu"
-           else mod.down(routed, plain, K, dim, act))
+      k = (mod.glu(routed, plain, K, dim, hp.rms_eps, R_LARGE, act, **wave, **route) if kind == "glu"
+           else mod.down(routed, plain, K, dim, act, **route))
     out.append((act, k))
   return out
 
@@ -213,27 +216,31 @@ def launches(kind: str, preset: str) -> tuple[object, object]:
     cs = [weight(dim, H * hp.v_head) for _ in range(8)]
     o, res = f(dim), cp.random.standard_normal(dim, dtype=cp.float32)
     return o, lambda k: [(o, x, res, *c) for c in cs * 10]
+  bias = [f(E)] if hp.exp_probs_bias else []
   if kind == "router":
     cs = [[cp.random.standard_normal(E * dim, dtype=cp.float32) * 0.02] for _ in range(8)]
     sel, wts, logits, cnt = cp.zeros(K, dtype=cp.int32), f(K), f(E), cp.zeros(1, dtype=cp.int32)
-    bias = [f(E)] if hp.exp_probs_bias else []
-    return logits, lambda k: [(sel, wts, logits, cnt, x, gamma, *bias, *c) for c in cs * 10]
+    return logits, lambda k: [(logits, x, gamma, *c) if k.name.endswith("_logits")
+                              else (sel, wts, logits, cnt, x, gamma, *bias, *c) for c in cs * 10]
   layers = [dict(g=weight(E * F, dim), u=weight(E * F, dim), d=weight(E * dim, F), sg=weight(Fs, dim),
                  su=weight(Fs, dim), sd=weight(dim, Fs))
             for _ in range(8)]
   sels = [cp.asarray(rng.choice(E, K, replace=False).astype(np.int32)) for _ in range(80)]
   wts = cp.asarray(rng.random(K).astype(np.float32))
   Ls = [layers[i % 8] for i in range(80)]
+  # the routed forms rank logits of their own each launch (other experts each launch, as with sels)
+  route = lambda k, i: [lgs[i], *bias] if "_route_" in k.name else [sels[i]] + ([] if kind == "glu" else [wts])
+  lgs = [cp.random.standard_normal(E, dtype=cp.float32) for _ in range(80)]
   if kind == "glu":
-    o = f(K * F + Fs)
-    args = [(o, x, gamma, s, *L["g"], *L["u"], *L["sg"], *L["su"]) for L, s in zip(Ls, sels, strict=True)]
-    return o, lambda k: args
+    o, own = f(K * F + Fs), cp.zeros(K, dtype=cp.int32)
+    return o, lambda k: [(o, *([own] if "_route_" in k.name else []), x, gamma, *route(k, i), *L["g"], *L["u"],
+                          *L["sg"], *L["su"]) for i, L in enumerate(Ls)]
   # down's input as floats, or as glu's hand-off (random codes, scale 0.01, sum 0): 8 words a unit (q8), 16 (x16)
   o, nu = f(dim), (K * F + Fs) // 32
   hand = {w: cp.concatenate([cp.random.randint(-2**31, 2**31 - 1, nu * w, dtype=cp.int64).astype(cp.int32).view(
     cp.float32), cp.full(nu, 0.01, dtype=cp.float32), cp.zeros(nu, dtype=cp.float32)]) for w in (8, 16)}
-  return o, lambda k: [(o, gamma, hand[8] if "_inq8" in k.name else hand[16] if "_inx16" in k.name else x, s, wts,
-                        *L["d"], *L["sd"]) for L, s in zip(Ls, sels, strict=True)]
+  return o, lambda k: [(o, gamma, hand[8] if "_inq8" in k.name else hand[16] if "_inx16" in k.name else x,
+                        *route(k, i), *L["d"], *L["sd"]) for i, L in enumerate(Ls)]
 
 
 def main() -> None:
@@ -248,6 +255,9 @@ def main() -> None:
   p.add_argument("--handoff", choices=["rule", "on", "off"], default="rule",
                  help="the 8- and 16-bit hand-off from gate+up to down: where native.handoff would put it, wherever "
                  "down can read it, or nowhere")
+  p.add_argument("--route", choices=["ids", "logits"], default="ids",
+                 help="the MoE kernels of sources that can route from the logits: reading the router's ids, or "
+                 "ranking its logits themselves (with the logits-only router), as native.routed_moe runs them")
   args = p.parse_args()
   srcs = {args.label: cuda_src} | ({f"against {args.against}": load_src(args.against)} if args.against else {})
   bw, sms = bandwidth(), cp.cuda.Device().attributes["MultiProcessorCount"]
@@ -255,7 +265,8 @@ def main() -> None:
   print(f"{dev}: streaming bandwidth {bw:.0f} GB/s", flush=True)
   for preset in args.models:
     for kind in args.kinds:
-      built = {name: kernels(mod, kind, preset, args.handoff, sms) for name, mod in srcs.items()}
+      logits = args.route == "logits"
+      built = {name: kernels(mod, kind, preset, args.handoff, sms, logits) for name, mod in srcs.items()}
       if not built[args.label]: continue
       nbytes = weight_bytes(kind, preset)
       fl = floor(nbytes, 2 if nbytes > 64 << 20 else 8)  # before the kind's own buffers exist
@@ -270,8 +281,10 @@ def main() -> None:
           ls = make(k)
           call(*ls[0]); cp.cuda.Device().synchronize()
           o = cp.asnumpy(out).astype(np.float64)
-          # compared where the formats and inputs match (mla_vb reads the splits' partials, an older v_b a float input)
-          ref = first.setdefault((act, "_outq8" in k.name or "_inq8" in k.name, "_mla_vb_" in k.name), o)
+          # compared where the formats and inputs match (mla_vb reads the splits' partials, an older v_b a float input;
+          # the routed MoE kernels choose their experts from logits, the others take random ids)
+          ref = first.setdefault((act, "_outq8" in k.name or "_inq8" in k.name, "_mla_vb_" in k.name,
+                                  "_route_" in k.name), o)
           calls[(name, act)] = (call, ls, fn, k, float(np.abs(o - ref).max() / (ref.std() or 1.0)))
       times: dict[tuple[str, str], list[float]] = {}
       for _ in range(3):  # the sources interleaved

@@ -319,6 +319,20 @@ def test_kernel_lab_builds_the_handoff_as_asked(monkeypatch, handoff: str, glm: 
     assert "_out" not in glu["f32"].name and "_in" not in down["f32"].name
 
 
+def test_kernel_lab_builds_the_routed_forms_as_asked(monkeypatch) -> None:
+  """benchmarks/kernel_lab.py --route logits: the router writes the logits alone and gate+up and down rank them, in
+  every activation form, as native.routed_moe runs them; --route ids: the router ranks and they read its ids."""
+  monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+  from benchmarks import kernel_lab
+  for preset in ("glm-4.7-flash", "deepseek-v2-lite"):
+    for logits in (False, True):
+      router, = (k for _, k in kernel_lab.kernels(cuda_src, "router", preset, "rule", 132, logits))
+      assert router.name.endswith("_logits") == logits, router.name
+      for kind in ("glu", "down"):
+        ks = dict(kernel_lab.kernels(cuda_src, kind, preset, "rule", 132, logits))
+        assert set(ks) == {"f32", "q8", "x16"} and all(("_route_" in k.name) == logits for k in ks.values()), ks
+
+
 @pytest.mark.parametrize("n,G", [(1, 32), (2, 32), (8, 32), (16, 32), (32, 32), (4, 8), (8, 8)])
 def test_lane_sums_scatter_each_sum_over_its_group(n: int, G: int) -> None:
   """lane_sums: after the butterfly, lane l of each group of G holds the group's sum of accs[k(l)], every lane of a

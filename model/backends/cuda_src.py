@@ -545,6 +545,11 @@ def group_setup(G: int, R: int, cta_rows_dim: str = "blockIdx.x", warps: int = W
 def rows_per_block(G: int, R: int, warps: int = WARPS) -> int: return warps * (32 // G) * R
 
 
+def expert_id(v: str, experts: int) -> str:
+  """C: the expert id v clamped to the experts, so no id reads outside the expert weights."""
+  return f"min(max({v}, 0), {experts - 1})"
+
+
 def kernel(name: str, params: list[str], body: str, threads: int = THREADS, waited: bool = False,
            resident: int = 1) -> str:
   """The kernel's source; it starts with GRID_WAIT unless `waited` (its body waits on every path before it touches any
@@ -599,7 +604,7 @@ def _tile_body(w: W, role: str, out: int, dims: dict[str, int]) -> str:
              f"nt = min({tn}, {n} - t0); auto xrow = [&](int t) {{ return x + ((size_t)(t0 + t) * {H} + h) * "
              f"{w.inp}; }}; auto outidx = [&](int t) {{ return ((size_t)(t0 + t) * {H} + h) * {out} + o; }};")
   else:
-    setup = (f"const int y = blockIdx.y, e = min(max(sel[y], 0), {dims['experts'] - 1}); const size_t wrow = (size_t)e "
+    setup = (f"const int y = blockIdx.y, e = {expert_id('sel[y]', dims['experts'])}; const size_t wrow = (size_t)e "
              f"* {out} + o; const int nt = 1; auto xrow = [&](int t) {{ return x + (size_t)({dims['xk']} > 1 ? y : y / "
              f"{dims['k']}) * {w.inp}; }}; auto outidx = [&](int t) {{ return (size_t)y * {out} + o; }};")
   un = w.unit
@@ -657,7 +662,7 @@ def product(role: str, ggml_type: int, shape: tuple[int, ...], **dims: int) -> K
     src = (f"const int h = blockIdx.y; const float* xh = x + (size_t)h * {inp};\n  "
            + body("xh", f"(size_t)h * {out} + {{o}}", f"out[(size_t)h * {out} + {{o}}]"))
     return Kernel(name, kernel(name, params, src, waited=True), (blocks, dims["heads"], 1), (0,))
-  src = (f"const int y = blockIdx.y, e = min(max(sel[y], 0), {dims['experts'] - 1});"
+  src = (f"const int y = blockIdx.y, e = {expert_id('sel[y]', dims['experts'])};"
          f" const float* xe = x + (size_t)({dims['xk']} > 1 ? y : y / {dims['k']}) * {inp};\n  "
          + body("xe", f"(size_t)e * {out} + {{o}}", f"out[(size_t)y * {out} + {{o}}]"))
   return Kernel(name, kernel(name, params, src), (blocks, dims["slots"], 1), (0,))
@@ -932,7 +937,7 @@ class Route:
 
   def used(self, t: str) -> str:
     """C: the expert slot t uses (rank's `ssel`, or `force` where forced), clamped to the experts."""
-    return f"min(max({'force' if self.forced else 'ssel'}[{t}], 0), {self.experts - 1})"
+    return expert_id(f"{'force' if self.forced else 'ssel'}[{t}]", self.experts)
 
   def weights(self, store: Callable[[str, str], str]) -> str:
     """C for one thread, after rank: the routing weight of each slot's expert (its probability; softmax_weight: their
@@ -1073,7 +1078,7 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
   if r:
     choose = (f"{route.rank(32 * warps)} const int y = blockIdx.y, e = {route.used('y')};"
               + " if (blockIdx.x == 0 && threadIdx.x == 0) own[y] = ssel[y];" if route
-              else f"const int y = blockIdx.y, e = min(max(sel[y], 0), {r.experts - 1});")
+              else f"const int y = blockIdx.y, e = {expert_id('sel[y]', r.experts)};")
     body.append(f"if (blockIdx.y < {k}) {{ {WAIT} {choose}\n  "
                 + block([(r.gate, f"(size_t)e * {r.gate_rows} + {{o}}", "g"),
                          (r.up, f"(size_t)e * {r.gate_rows} + {r.up_off} + {{o}}", "u")],
@@ -1169,7 +1174,7 @@ def _down_routing(r: FFN | None, route: Route | None, threads: int) -> tuple[lis
   if r is None: return [], "", lambda sl: "0", "", lambda sl: "1.f"
   if route is None:
     return (["const int* __restrict__ early_sel", "const float* __restrict__ wts"], "",
-            lambda sl: f"min(max(__ldcg(early_sel + {sl}), 0), {r.experts - 1})", "", lambda sl: f"wts[{sl}]")
+            lambda sl: expert_id(f"__ldcg(early_sel + {sl})", r.experts), "", lambda sl: f"wts[{sl}]")
   keep = route.weights(lambda t, wv: f"swt[{t}] = {wv};")
   keep = f"__shared__ float swt[{route.k}]; if (threadIdx.x == 0) {{ {keep} }}"
   return (["const float* __restrict__ early_logits"] + route.params("early_"),

@@ -2,7 +2,7 @@
 (evaluator/result.py's TrialResult, as `evaluator run --json` writes it), llama.cpp's `llama-bench -o json` output and
 upstream tinygrad.llm's decode (benchmarks/upstream_llm.py's JSON). Lines go to stdout.
 
-  # decode, trial, gate, profile
+  # decode, trial, gate, profile, timeline
   python benchmarks/record.py trial RESULT.json --device "NVIDIA H100 80GB HBM3 (CUDA)"
          --model-name "glm-4.7-flash (synthetic, exact shapes)" --quant Q4_0 [--config-name best] --command "..."
          [--llama LLAMA.json]
@@ -18,7 +18,9 @@ upstream tinygrad.llm's decode (benchmarks/upstream_llm.py's JSON). Lines go to 
 
 A trial gives: a `decode` line (the figure, with `llama_cpp_tok_s` and its stddev from llama-bench on the same file when
 --llama is given), a `trial` line (status, wall and each phase's seconds), a `gate` line (the correctness check's
-verdict and figures) when the check ran, and one `profile` line per kernel of the per-kernel profile. A study gives a
+verdict and figures) when the check ran, one `profile` line per kernel of the per-kernel profile, and one `timeline`
+line per native kernel of the step's timeline where the profile took one (each kernel's part of the step as the
+kernels overlap, model/profile.py step_timeline). A study gives a
 `trial` line per measured trial (its stages' and phases' seconds, search/cost.py; its tok/s), a `gate` line per
 full-model verdict, a `profile` line per kernel of each profiled trial (search confirm profiles the winner), a
 `confirmation` line per A/B confirmation against the baseline (search confirm), and one `study` line: what its trials
@@ -107,6 +109,10 @@ def trial_lines(r: TrialResult, device: str, model_name: str, quant: str, config
     out.append(line("gate", name=config_name, state=r.status, **check_figures(r.check),
                     check_s=_round(r.phases.get("check_s"), 2)))
   out += [line("profile", **profile_fields(p, bw)) for p in r.profile]
+  tl = r.timeline
+  out += [line("timeline", **{f: _round(v, 3) for f, v in row.items()}, span_us=_round(tl["span_us"], 2),
+               stamped_us=_round(tl["stamped_us"], 2), plain_us=_round(tl["plain_us"], 2), steps=tl["steps"],
+               rounds=tl["rounds"]) for row in tl.get("kernels", [])]
   return out
 
 

@@ -72,6 +72,18 @@ def profile_table(r: TrialResult) -> Table:
   return t
 
 
+def timeline_table(r: TrialResult) -> Table:
+  tl = r.timeline
+  t = Table(title=f"the step as its native kernels overlap (stamped: {tl['span_us']:.1f} µs a step; "
+                  f"{tl['plain_us']:.1f} unstamped): each one's part, from the one before it ending to its own end")
+  for col in ("#", "kernel", "launches", "µs/token", "hand-off", "work", "share"):
+    t.add_column(col, justify="right" if col != "kernel" else "left")
+  for k in tl["kernels"]:
+    t.add_row(str(k["rank"]), k["name"], str(k["count"]), f"{k['us_per_token']:.1f}", f"{k['handoff_us']:.1f}",
+              f"{k['work_us']:.1f}", f"{100 * k['share']:.1f}%")
+  return t
+
+
 def at_least(lo: float, kind: type = int) -> Callable[[str], float]:
   """An argparse type: a number of `kind` no smaller than lo (checked when the command line is read, before anything
   runs)."""
@@ -101,6 +113,7 @@ def cmd_run(args) -> int:
                on_wait=console.print)
   console.print(summary(r))
   if r.profile: console.print(profile_table(r))
+  if r.timeline: console.print(timeline_table(r))
   if args.json: open(args.json, "w").write(r.to_json() + "\n")
   return 0 if r.ok else 1
 
@@ -153,7 +166,9 @@ def main(argv: list[str] | None = None) -> None:
                       help="feed the prompt through decode steps (skips building the prefill graph)")
   r = sub.add_parser("run", parents=[common], help="measure one config")
   r.add_argument("--config", help="a StructureConfig .json or .toml (default: the baseline)")
-  r.add_argument("--profile", action="store_true", help="add a per-kernel profile")
+  r.add_argument("--profile", action="store_true",
+                 help="add a per-kernel profile (each kernel timed alone) and, where the step's native kernels"
+                 " overlap, its timeline (each one's part of the step)")
   r.set_defaults(fn=cmd_run)
   c = sub.add_parser("compare", parents=[common], help="A/B: two configs measured alternately, the speedup of B over A")
   c.add_argument("a")

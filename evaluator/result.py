@@ -64,6 +64,9 @@ class TrialResult:
   check: dict[str, Any] = field(default_factory=dict)  # correctness numbers against the reference
   env: dict[str, Any] = field(default_factory=dict)  # device name, tinygrad version and git state, python, host
   profile: list[dict[str, Any]] = field(default_factory=list)  # top kernels by time per token
+  # with the profile, where the step's native kernels overlap (programmatic launch): each one's part of the step, as
+  # they ran stamped (model/profile.py step_timeline)
+  timeline: dict[str, Any] = field(default_factory=dict)
   error: str = ""  # error text of a failure (last lines of the traceback or of stderr)
   phase: str = ""  # the phase the trial was in when it ended
 

@@ -78,8 +78,9 @@ def cmd_bench(args) -> None:
        "load_peak_device_bytes": m.load_peak_bytes, "host_peak_rss_bytes": peak_rss_bytes(), **r,
        "config": cfg.to_dict()}
   if args.profile:
-    from model.profile import kernel_profile
+    from model.profile import kernel_profile, step_timeline
     d["profile"] = kernel_profile(gen.step_jit, {"start_pos": args.prompt_len}, step_bytes=r["bytes_per_token"])
+    d["timeline"] = step_timeline(gen.step_jit, {"start_pos": args.prompt_len})
   if args.json: print(json.dumps(d))
   else:
     print(f"{f.path.name}: {len(gen.model.blocks)} blocks, prompt {args.prompt_len}, {r['round_tokens']} tokens x "
@@ -96,6 +97,12 @@ def cmd_bench(args) -> None:
     if d.get("profile"):
       print(f"  kernels' device time {sum(k['us_per_token'] for k in d['profile']):.1f} us/token (a step takes "
             f"{1e6 / r['tok_s']:.1f} us)")
+    if tl := d.get("timeline"):
+      print(f"  the step as its native kernels overlap, stamped: {tl['span_us']:.1f} us a step ({tl['plain_us']:.1f} "
+            "unstamped); each kernel's part, from the one before it ending to its own end: hand-off + work")
+      for k in tl["kernels"]:
+        print(f"  {k['rank']:3d} {k['name'][:60]:60s} x{k['count']:<4d} {k['us_per_token']:9.1f} us/token = "
+              f"{k['handoff_us']:7.1f} + {k['work_us']:7.1f} {k['share']:6.1%}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -142,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
       c.add_argument("--rounds", type=int, default=3)
       c.add_argument("--json", action="store_true", help="print one JSON object")
       c.add_argument("--profile", action="store_true",
-                     help="add a per-kernel profile of one decode step (unjitted, each kernel timed)")
+                     help="add a per-kernel profile of one decode step (each kernel timed alone) and, where native "
+                     "kernels overlap, the step's timeline (each one's part of the step)")
   args = p.parse_args(argv)
   try: args.fn(args)
   except (GGUFError, ModelNotFound, ConfigError, ValueError) as e:

@@ -27,10 +27,11 @@ import time
 import weakref
 from collections.abc import Callable
 
+import numpy as np
 from tinygrad import Device, Tensor, TinyJit, dtypes
 from tinygrad.engine.realize import get_graph_runtime, get_runtime, resolve_params, unwrap_multi
 from tinygrad.helpers import ansistrip
-from tinygrad.uop.ops import Ops, sym_infer
+from tinygrad.uop.ops import Ops, UOp, sym_infer
 
 from model.generate import capture_first
 
@@ -64,25 +65,44 @@ def _calls(launches: list[tuple], var_vals: dict[str, int]) -> list:
   return out
 
 
-def _cuda_graph(launches: list[tuple], var_vals: dict[str, int]) -> Callable[[], None] | None:
-  """A function that runs the launches as one CUDA graph, each after the one before; None off CUDA."""
+def _cuda_graph(launches: list[tuple], var_vals: dict[str, int], programmatic: bool = False,
+                slots: list[int | None] | None = None) -> Callable[[], None] | None:
+  """A function that runs the launches as one CUDA graph, each after the one before; None off CUDA. programmatic: the
+  edges into kernels that wait for the kernels before them themselves (cuda_graph.waits) are programmatic, as the
+  decode step's graph makes them (OverlapGraph). slots: per launch, a device address passed as one more argument after
+  its own (a stamped kernel's stamp_slot), or None."""
   if not launches or any(type(runtime).__module__ != "tinygrad.runtime.ops_cuda" for _, runtime, _, _ in launches):
     return None
   import tinygrad.runtime.autogen.cuda as cuda
   from tinygrad.runtime.ops_cuda import check, encode_args
   from tinygrad.runtime.support.c import init_c_var
+
+  from model.backends.cuda_graph import PROGRAMMATIC, EdgeData, waits
   graph = init_c_var(cuda.CUgraph, lambda x: check(cuda.cuGraphCreate(ctypes.byref(x), 0)))
-  keep, prev = [], None
-  for prg, runtime, bufs, dv in launches:
+  keep, prev, late = [], None, []
+  for i, (prg, runtime, bufs, dv) in enumerate(launches):
     vv = {**var_vals, **dv}
     gs, ls = prg.arg.launch_dims(vv)
     c_args, vargs = encode_args([x.get_buf(x.device) for x in bufs], prg.arg.vals(vv), runtime.signature)
+    if slots is not None and slots[i] is not None:
+      raw = bytes(c_args)
+      raw += bytes(-len(raw) % 8) + slots[i].to_bytes(8, "little")
+      c_args, size = ctypes.create_string_buffer(raw, len(raw)), ctypes.c_size_t(len(raw))
+      vargs = (ctypes.c_void_p * 5)(1, ctypes.addressof(c_args), 2, ctypes.addressof(size), 0)
+      keep.append(size)
     params = cuda.CUDA_KERNEL_NODE_PARAMS_v1(runtime.prg, *gs, *ls, runtime.smem,
                                              ctypes.cast(0, ctypes.POINTER(ctypes.c_void_p)), vargs)
-    node, deps = cuda.CUgraphNode(), (cuda.CUgraphNode * 1)(prev) if prev is not None else None
+    node = cuda.CUgraphNode()
+    pdl = programmatic and prev is not None and waits(prg)
+    deps = (cuda.CUgraphNode * 1)(prev) if prev is not None and not pdl else None
     check(cuda.cuGraphAddKernelNode(ctypes.byref(node), graph, deps, 0 if deps is None else 1, ctypes.byref(params)))
+    if pdl: late.append((prev, node))
     keep += [c_args, vargs, params]
     prev = node
+  if late:
+    frm, to = ((cuda.CUgraphNode * len(late))(*(p[i] for p in late)) for i in (0, 1))
+    data = (EdgeData * len(late))(*(EdgeData(PROGRAMMATIC, 0, PROGRAMMATIC) for _ in late))
+    check(cuda.dll.cuGraphAddDependencies_v2(graph, frm, to, data, ctypes.c_size_t(len(late))))
   instance = init_c_var(cuda.CUgraphExec,
                         lambda x: check(cuda.cuGraphInstantiate_v2(ctypes.byref(x), graph, None, None, 0)))
   check(cuda.cuGraphDestroy(graph))
@@ -150,3 +170,101 @@ def kernel_profile(jit, var_vals: dict[str, int], bandwidth_gbs: float | None = 
     r |= {"rank": i + 1, "share": r["us_per_token"] / total,
           "bandwidth_share": r["gb_s"] / bandwidth_gbs if r["gb_s"] and bandwidth_gbs else None}
   return rows
+
+
+STAMP_WORDS = 4  # a stamped launch's words (cuda_src PRELUDE's Stamp): ~first entry, ~first wait, last wait, last exit
+
+
+def timeline_rows(names: list[str], others: list[int], words: list[np.ndarray]) -> tuple[list[dict], list[float]]:
+  """The step timeline from the stamps of consecutive steps: words, per run of the graph, (steps, launches, 4) as the
+  stamped kernels wrote them; names and others (the unstamped launches just before each, folded into its hand-off) per
+  launch of a step. Each launch's part of the step is the time from the previous stamped launch's last block exit to
+  its own: the hand-off until its first block returns from its wait, then its work until its last block exits. Steps
+  after the first of each run count (the first has no predecessor in the graph). -> (rows by name, largest part first:
+  launches a step, µs per step (median over steps, min, max), of which hand-off and work, µs a launch, how early its
+  first block started before the previous one ended (lead), the spread of its blocks' returns from the wait (skew), and
+  the share of the step; the step spans in µs)."""
+  parts, spans = collections.defaultdict(lambda: collections.defaultdict(list)), []
+  for run in words:
+    if not run.all(): raise RuntimeError("a stamped launch left no stamp: " + names[int(np.argwhere(run == 0)[0][1])])
+    entry, wait0, wait1, end = (run[..., j].astype(np.int64) for j in range(STAMP_WORDS))
+    entry, wait0 = ~entry, ~wait0
+    flat = end.reshape(-1)
+    for s in range(1, run.shape[0]):
+      prev = np.concatenate([[flat[s * len(names) - 1]], end[s, :-1]])
+      step = collections.defaultdict(lambda: np.zeros(5))
+      for i, name in enumerate(names):
+        step[name] += (end[s, i] - prev[i], wait0[s, i] - prev[i], end[s, i] - wait0[s, i], prev[i] - entry[s, i],
+                       wait1[s, i] - wait0[s, i])
+      for name, v in step.items(): parts[name]["v"].append(v / 1e3)
+      spans.append(float(end[s, -1] - flat[s * len(names) - 1]) / 1e3)
+  span = statistics.median(spans)
+  count, before = collections.Counter(names), collections.Counter()
+  for name, o in zip(names, others, strict=True): before[name] += o
+  rows = []
+  for name, p in parts.items():
+    v, n = np.array(p["v"]), count[name]
+    rows.append({"name": name, "count": n, "us_per_token": float(np.median(v[:, 0])), "us_min": float(v[:, 0].min()),
+                 "us_max": float(v[:, 0].max()), "handoff_us": float(np.median(v[:, 1])),
+                 "work_us": float(np.median(v[:, 2])), "us_per_launch": float(np.median(v[:, 0])) / n,
+                 "lead_us_per_launch": float(np.median(v[:, 3])) / n,
+                 "skew_us_per_launch": float(np.median(v[:, 4])) / n,
+                 "others_before": before[name]})
+  rows.sort(key=lambda r: -r["us_per_token"])
+  for i, r in enumerate(rows): r |= {"rank": i + 1, "share": r["us_per_token"] / span}
+  return rows, spans
+
+
+def step_timeline(jit, var_vals: dict[str, int], steps: int = 16, rounds: int = 5) -> dict:
+  """Where a decode step's time goes while its kernels overlap as they do in the step (programmatic launch: each
+  native kernel starts while the one before it ends, and waits in GRID_WAIT). The step's launches run as one CUDA graph
+  of `steps` steps, with the decode graph's programmatic edges, once with the native kernels built again to stamp
+  themselves (cuda_src PRELUDE's Stamp: -DSTAMP) and once as they are, `rounds` times interleaved. -> {"kernels":
+  timeline_rows' rows, "span_us": the stamped steps' median span, "stamped_us" and "plain_us": each graph's median
+  time a step, host-timed}; {} off CUDA, where no kernel of the step waits (no native kernel) or the driver has no
+  programmatic edges. Each part is what the step would lose without that launch's hand-off and work; the unstamped
+  (tinygrad's own) kernels are folded into the hand-off of the stamped launch after them."""
+  launches = _launches(jit)
+  if not launches or any(type(rt).__module__ != "tinygrad.runtime.ops_cuda" for _, rt, _, _ in launches): return {}
+  import tinygrad.runtime.autogen.cuda as cuda
+  from tinygrad.device import Buffer
+
+  from model.backends.cuda_graph import waits
+  from model.backends.cuda_src import stamped
+  marked = [i for i, (prg, *_) in enumerate(launches) if waits(prg)]
+  if not marked or not hasattr(cuda.dll, "cuGraphAddDependencies_v2"): return {}
+  device = launches[0][2][0].device
+  dev, built = Device[device], {}
+  def stamp(launch: tuple) -> tuple:
+    prg, _, bufs, dv = launch
+    src = stamped(prg.src[2].arg)
+    if src not in built:
+      ast = prg.replace(src=prg.src[:2] + (UOp(Ops.SOURCE, arg=src), UOp(Ops.BINARY, arg=dev.compiler.compile(src))))
+      built[src] = dev.runtime(ast.to_elf())
+    return prg, built[src], bufs, dv
+  n = len(marked)
+  buf = Buffer(device, steps * n * STAMP_WORDS, dtypes.uint64).ensure_allocated()
+  base, at = buf._buf.value, {i: j for j, i in enumerate(marked)}
+  names = [ansistrip(launches[i][0].arg.name) for i in marked]
+  others = [i - p - 1 for p, i in zip([marked[-1] - len(launches)] + marked[:-1], marked, strict=True)]
+  stamped_launches = [stamp(lc) if i in at else lc for i, lc in enumerate(launches)]
+  slots = [base + (s * n + at[i]) * STAMP_WORDS * 8 if i in at else None
+           for s in range(steps) for i in range(len(launches))]
+  plain = _cuda_graph(launches * steps, var_vals, programmatic=True)
+  timed = _cuda_graph(stamped_launches * steps, var_vals, programmatic=True, slots=slots)
+  zero = memoryview(bytearray(buf.nbytes))
+  words, times = [], collections.defaultdict(list)
+  for g in (plain, timed): g()  # warm
+  dev.synchronize()
+  for _ in range(rounds):
+    for name, g in (("plain", plain), ("stamped", timed)):
+      if g is timed: dev.allocator._copyin(buf._buf, zero)
+      dev.synchronize()
+      t0 = time.perf_counter()
+      g()
+      dev.synchronize()
+      times[name].append((time.perf_counter() - t0) / steps * 1e6)
+    words.append(buf.numpy().reshape(steps, n, STAMP_WORDS).copy())
+  rows, spans = timeline_rows(names, others, words)
+  return {"kernels": rows, "span_us": statistics.median(spans), "stamped_us": statistics.median(times["stamped"]),
+          "plain_us": statistics.median(times["plain"]), "steps": steps, "rounds": rounds}

@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <type_traits>
@@ -339,11 +340,19 @@ CUDA_CPU_ATOMIC(unsigned, atomicExch, __atomic_exchange_n)
 #undef CUDA_CPU_ATOMIC
 inline int atomicMax(int* p, int v) { return cuda_cpu::atomic_update(p, [v](int o) { return o > v ? o : v; }); }
 inline unsigned atomicMax(unsigned* p, unsigned v) { return cuda_cpu::atomic_update(p, [v](unsigned o) { return o > v ? o : v; }); }
+inline unsigned long long atomicMax(unsigned long long* p, unsigned long long v) {
+  return cuda_cpu::atomic_update(p, [v](unsigned long long o) { return o > v ? o : v; });
+}
 inline int atomicMin(int* p, int v) { return cuda_cpu::atomic_update(p, [v](int o) { return o < v ? o : v; }); }
 inline unsigned atomicMin(unsigned* p, unsigned v) { return cuda_cpu::atomic_update(p, [v](unsigned o) { return o < v ? o : v; }); }
 inline int atomicCAS(int* p, int cmp, int v) { return cuda_cpu::cas(p, cmp, v); }
 inline unsigned atomicCAS(unsigned* p, unsigned cmp, unsigned v) { return cuda_cpu::cas(p, cmp, v); }
 inline unsigned long long atomicCAS(unsigned long long* p, unsigned long long cmp, unsigned long long v) { return cuda_cpu::cas(p, cmp, v); }
+inline long long clock64() {  // a monotonic count of ns here (a multiprocessor's cycles on a GPU)
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1000000000LL + t.tv_nsec;
+}
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 

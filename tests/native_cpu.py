@@ -23,7 +23,8 @@ def guarded(src: str) -> tuple[int, ...]:
   (cuda_src.W params, `<prefix><plane>`), whose reads go out before it, and cuda_src.EARLY. None for a kernel that does
   not wait."""
   if cuda_src.WAIT not in src: return ()
-  params = re.search(r"__global__ void __launch_bounds__\([\d, ]+\) \w+\((.*?)\) \{", src, re.S).group(1).split(", ")
+  sig = re.search(r"__global__ void __launch_bounds__\([\d, ]+\) \w+\((.*?)(?: STAMP_PARAM)?\) \{", src, re.S)
+  params = sig.group(1).split(", ")
   return tuple(i for i, p in enumerate(params)
                if not p.split()[-1].endswith(_PLANES) and p.split()[-1] not in cuda_src.EARLY)
 

@@ -104,6 +104,7 @@ def test_native_sources_compile_for_ampere_and_hopper(glm_file, gguf_file, monke
   for k in kernels:
     assert re.search(rf"void __launch_bounds__\({k.threads}(, \d+)?\) {k.name}\(", k.src), k.name
     for compiler in compilers: assert compiler.compile(k.src), (compiler.arch, k.name)
+    assert compilers[1].compile(cuda_src.stamped(k.src)), ("stamped", k.name)  # the step timeline's build
 
 
 # 10 positions: the attention's splits of 8 (context 16) both hold some
@@ -161,6 +162,18 @@ def _glu_case(t: int, seed: int, dim: int, F: int, E: int, Fs: int) -> tuple:
   gate_up = [kernel_weight(t, s, i) for i, s in enumerate([(E, F, dim), (E, F, dim), (Fs, dim), (Fs, dim)])]
   x, gamma = rng.standard_normal(dim).astype(np.float32), rng.standard_normal(dim).astype(np.float32)
   return routed, plain, gate_up, x, gamma
+
+
+@pytest.mark.parametrize("act,handoff", [("f32", False), ("q8", False), ("q8", True)])
+def test_glu_runs_a_block_per_row_block(act: str, handoff: bool) -> None:
+  """gate+up's grid is one row with a block for each of its FFNs' row blocks, the plain FFN's first: no block without
+  rows where the routed slots are narrower than the shared experts (DeepSeek-V2-Lite: 1408 against 2816)."""
+  W = lambda: cuda_src.W("", TYPES["Q4_0"], 2048)
+  routed, plain = cuda_src.FFN(W(), W(), W(), 1408, 64, 1408), cuda_src.FFN(W(), W(), W(), 2816)
+  k = cuda_src.glu(routed, plain, 6, 2048, 1e-6, native.R_LARGE, act, handoff)
+  rows = 32 if handoff else cuda_src.rows_per_block(32, native.R_LARGE)
+  assert k.grid == (2816 // rows + 6 * 1408 // rows, 1, 1), k.grid
+  assert "blockIdx.y" not in k.src and f"by = blockIdx.x < {2816 // rows} ? 6 : " in k.src
 
 
 @pytest.mark.parametrize("quant", ["Q4_0", "Q8_0"])
@@ -602,6 +615,78 @@ def test_decode_runs_native_kernels_in_the_graph(gguf_file, mix: str) -> None:
     "native_dense_") for n in names)
   assert not any(c.src[0].op is Ops.PROGRAM
                  for c in gen.step_jit.captured.linear.src), ("a kernel runs outside the " "JIT's graphs")
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-lite"])
+def test_stamped_kernels_compute_the_same_and_stamp_in_order(gguf_file, monkeypatch, preset: str) -> None:
+  """The step timeline's build of every native kernel of a decode step with all stages native (cuda_src.stamped: what
+  model/profile.py step_timeline launches), run in the emulator beside the kernel itself on the same inputs, writes the
+  same outputs and stamps its launch's 4 words in order: first entry <= first return from GRID_WAIT <= last return <=
+  last exit, none left zero."""
+  import native_cpu
+  path, checked = gguf_file(preset, "q4_0"), set()
+  def both(k: cuda_src.Kernel, params: list[Tensor], mem: int, ops: int = 0) -> list[Tensor]:
+    if k.name not in checked:
+      arrays = [np.ascontiguousarray(p.numpy()) for p in params]
+      views = lambda arrs: [a.view(native_cpu._VIEW.get(a.dtype, a.dtype)) for a in arrs]
+      plain, stamp, slot = [a.copy() for a in arrays], [a.copy() for a in arrays], np.zeros(4, np.uint64)
+      launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), views(plain))
+      launch_kernel(cuda_src.stamped(k.src), k.name, k.grid, (k.threads, 1, 1), views(stamp) + [slot])
+      for i in k.outs: np.testing.assert_allclose(stamp[i], plain[i], rtol=1e-6, atol=1e-7, err_msg=k.name)
+      entry, wait0, wait1, end = ~slot[0], ~slot[1], slot[2], slot[3]
+      assert 0 < entry <= wait0 <= wait1 <= end and slot.all(), (k.name, slot)
+      checked.add(k.name)
+    return native_cpu.launch(k, params, mem, ops)
+  with native_on_cpu(monkeypatch):
+    monkeypatch.setattr(native, "launch", both)
+    m = Transformer(gguf(path), StructureConfig.from_dict(ALL_NATIVE | {"ffn_act": "q8"}), max_context=16)
+    for i in range(2): m.forward(Tensor([[7 + i]], dtype=dtypes.int32), i)
+  assert {n.split("_")[1] for n in checked} >= {"dense", "mla", "router", "glu", "down"}, checked
+
+
+def test_timeline_parts_sum_to_the_step() -> None:
+  """model/profile.py timeline_rows: each launch's part of the step runs from the previous stamped launch's last exit
+  to its own, split at its first return from the wait; the parts of a step sum to its span; the first step of a run
+  (no predecessor in the graph) is left out; a launch with no stamp is named."""
+  from model.profile import timeline_rows
+  names, others = ["a", "b", "a"], [2, 0, 1]
+  def run(t0: int) -> np.ndarray:  # 3 steps of 3 launches, times in ns: each launch (entry, wait0, wait1, end)
+    rows = []
+    for s in range(3):
+      base = t0 + s * 10_000
+      rows.append([(base + 500, base + 1_000, base + 1_200, base + 3_000), (base + 2_500, base + 3_500, base + 3_600,
+                   base + 6_000), (base + 5_000, base + 7_000, base + 7_000, base + 10_000)])
+    w = np.array(rows, dtype=np.uint64)
+    w[..., 0], w[..., 1] = ~w[..., 0], ~w[..., 1]
+    return w
+  rows, spans = timeline_rows(names, others, [run(1_000_000), run(5_000_000)])
+  assert spans == [10.0] * 4
+  a, b = (next(r for r in rows if r["name"] == n) for n in "ab")
+  # a: 3.0 us after the previous step's end (1 us hand-off, 2 of work) + 4.0 (1 + 3); b: 3.0 (0.5 + 2.5)
+  assert (a["count"], a["us_per_token"], a["handoff_us"], a["work_us"]) == (2, 7.0, 2.0, 5.0)
+  assert (b["count"], b["us_per_token"], b["handoff_us"], b["work_us"]) == (1, 3.0, 0.5, 2.5)
+  # lead: a starts 0.5 us after the step before ends, then 1 us before b ends; b 0.5 us before a ends
+  assert a["lead_us_per_launch"] == 0.25 and b["lead_us_per_launch"] == 0.5 and a["others_before"] == 3
+  assert [r["name"] for r in rows] == ["a", "b"] and a["share"] == 0.7 and a["rank"] == 1
+  broken = run(0)
+  broken[1, 1, 3] = 0
+  with pytest.raises(RuntimeError, match="no stamp: b"): timeline_rows(names, others, [broken])
+
+
+@needs_cuda
+def test_step_timeline_accounts_for_the_step(glm_file) -> None:
+  """On the GPU, the stamped step (model/profile.py step_timeline) of GLM-4.7-Flash's shape, all stages native, with
+  programmatic launch: every native launch stamped, the parts of a step summing to its span, which is the stamped
+  graph's own time a step within 25%, and the stamps cost the plain graph less than 25%."""
+  from model.profile import step_timeline
+  cfg = StructureConfig.from_dict(ALL_NATIVE | {"backends": {"Q4_0:dense": "native"}, "ffn_act": "q8"})
+  _, gen = decode(Transformer(gguf(glm_file("q4_0")), cfg, max_context=32), TOKENS, 2)
+  t = step_timeline(gen.step_jit, {"start_pos": 2}, steps=8, rounds=3)
+  if Device[Device.DEFAULT].graph is not cuda_graph.OverlapGraph: assert t == {} or t["kernels"]
+  names = {n for n, src in jit_kernels(gen.step_jit) if cuda_src.WAIT in src}
+  assert {r["name"] for r in t["kernels"]} == names
+  assert abs(sum(r["us_per_token"] for r in t["kernels"]) - t["span_us"]) < 0.05 * t["span_us"]
+  assert 0.75 < t["span_us"] / t["stamped_us"] < 1.25 and t["stamped_us"] < 1.25 * t["plain_us"], t
 
 
 @needs_cuda

@@ -89,7 +89,29 @@ def test_each_result_is_kept_whole(out):
   assert ([r["spec"]["config"]["topk"] for r in kept[1:]] == ["pairwise", "sort", "argmax", "sort"]
           and kept[2]["profile"] and kept[2]["phases"])
   assert kept[3]["status"] == "ok" and not kept[3]["profile"]  # not in PROFILED
+  assert kept[2]["timeline"] == {}  # no overlapping native kernels on the CPU: no timeline
   assert kept[4]["status"] == "wrong_output" and not kept[4]["profile"]  # the faulted run: rejected, not profiled
+
+
+def test_a_timeline_becomes_a_line_per_kernel(out):
+  """A profiled trial's step timeline (model/profile.py, GPU only: made here from stamps of two launches) is one
+  `timeline` line per kernel name with every field render.py requires, its parts summing to the step."""
+  import numpy as np
+
+  from benchmarks.record import trial_lines
+  from evaluator.result import TrialResult
+  from model.profile import timeline_rows
+  kept = TrialResult.from_dict(json.loads((out / "trials.jsonl").read_text().splitlines()[2]))
+  w = np.array([[[t + 100, t + 900, t + 1000, t + 2000], [t + 1800, t + 2500, t + 2600, t + 5000]]
+                for t in range(10**6, 10**6 + 4 * 5000, 5000)], dtype=np.uint64)
+  w[..., :2] = ~w[..., :2]
+  rows, spans = timeline_rows(["glu", "down"], [3, 0], [w])
+  kept.timeline = {"kernels": rows, "span_us": 5.0, "stamped_us": 5.1, "plain_us": 4.6, "steps": 4, "rounds": 1}
+  lines = [x for x in trial_lines(kept, "X (CPU)", "tiny", "Q4_0", "sorted", "cmd") if x["kind"] == "timeline"]
+  assert [render.missing(x) for x in lines] == [[], []] and spans == [5.0] * 3
+  assert [(x["name"], x["us_per_token"], x["handoff_us"], x["work_us"]) for x in lines] == [
+    ("down", 3.0, 0.5, 2.5), ("glu", 2.0, 0.9, 1.1)]
+  assert lines[0]["span_us"] == 5.0 and lines[0]["plain_us"] == 4.6 and lines[1]["others_before"] == 3
 
 
 def test_the_template_renders_the_run(out):

@@ -80,6 +80,42 @@ __device__ __forceinline__ int arrive(int* cnt) { __threadfence(); return atomic
 #define GRID_WAIT() ((void)0)
 #endif
 #endif
+#ifdef STAMP
+// The step timeline's build of a kernel (model/profile.py step_timeline compiles the sources again with STAMP
+// defined): each kernel takes one more parameter, its launch's 4 words, into which its blocks put a clock in ns by max
+// reductions, never waiting on them: the first block's entry and the first return from GRID_WAIT (both inverted: ~t),
+// the last return from GRID_WAIT and the last block's exit (its last thread's return).
+#define STAMP_PARAM , unsigned long long* stamp_slot
+#ifdef __CUDACC_RTC__
+__device__ __forceinline__ unsigned long long stamp_now() {
+  unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t;
+}
+#else
+__device__ __forceinline__ unsigned long long stamp_now() { return clock64(); }
+#endif
+// the block's threads that have returned; 16 bytes, so the kernel's own arrays keep their alignment beside it
+__shared__ __align__(16) unsigned stamp_ended[4];
+struct Stamp {
+  unsigned long long* slot;
+  __device__ explicit Stamp(unsigned long long* s) : slot(s) {
+    if (threadIdx.x == 0) { stamp_ended[0] = 0; atomicMax(slot, ~stamp_now()); }
+    __syncthreads();
+  }
+  __device__ void wait() const {
+    if (threadIdx.x == 0) { const unsigned long long t = stamp_now(); atomicMax(slot + 1, ~t); atomicMax(slot + 2, t); }
+  }
+  __device__ ~Stamp() {
+    __threadfence_block();
+    if (atomicAdd(stamp_ended, 1u) == blockDim.x * blockDim.y * blockDim.z - 1) atomicMax(slot + 3, stamp_now());
+  }
+};
+#define STAMP_ENTER() Stamp stamp_(stamp_slot)
+#define STAMP_WAIT() stamp_.wait()
+#else
+#define STAMP_PARAM
+#define STAMP_ENTER() ((void)0)
+#define STAMP_WAIT() ((void)0)
+#endif
 __device__ __forceinline__ float group_sum(float a, int g) {
   for (int m = g >> 1; m > 0; m >>= 1) a += __shfl_xor_sync(0xffffffffu, a, m);
   return a;
@@ -388,8 +424,8 @@ def stage_x(xp: str, n: int, eps: float | None, act: str, warps: int = WARPS, pa
 
 def stage_decl(n: int, act: str, warps: int = WARPS, pad: bool = True) -> str:
   """C: the shared memory stage_x fills (declared once at the top of a kernel whose branches stage)."""
-  arrays = {"f32": f"float sx[{n + n // 8 if pad else n}]",
-            "q8": f"int sxq[{n // 4}], ssq[{n // 32}]; __shared__ float sdx[{n // 32}]",
+  arrays = {"f32": f"__align__(16) float sx[{n + n // 8 if pad else n}]",  # read and written as float4
+            "q8": f"__align__(16) int sxq[{n // 4}]; __shared__ int ssq[{n // 32}]; __shared__ float sdx[{n // 32}]",
             "x16": f"__align__(16) int sxh[{n // 4}]; __shared__ __align__(16) int sxl[{n // 4}]; __shared__ float "
                    f"sdh[{n // 32}], sxs[{n // 32}]"}[act]
   return f"__shared__ {arrays}; __shared__ float sred[{warps}];"
@@ -455,7 +491,9 @@ def prefetch_rows(comps: list[tuple[W, str, str]], first: str, last: str, lane: 
   return " ".join(out)
 
 
-WAIT = "GRID_WAIT();"  # a kernel's wait for the kernels before it (PRELUDE's GRID_WAIT; model/backends/cuda_graph.py)
+# a kernel's wait for the kernels before it (PRELUDE's GRID_WAIT; model/backends/cuda_graph.py), stamped in the
+# timeline's build
+WAIT = "GRID_WAIT(); STAMP_WAIT();"
 # parameters a kernel may read before its wait, besides its weights: `early_pos`, the step's position as the attention
 # and mla_vb name it, and `early_sel`, the selected experts as down names them. The kernel before each (the absorption;
 # gate+up) reads it (as `pos`; `sel`) after its wait, so whichever kernel writes it has finished when they start (a
@@ -558,8 +596,14 @@ def kernel(name: str, params: list[str], body: str, threads: int = THREADS, wait
   to fit them)."""
   body = body if waited else f"{WAIT}\n  {body}"
   bounds = f"{threads}, {resident}" if resident > 1 else f"{threads}"
-  return (f"{PRELUDE}\nextern \"C\" __global__ void __launch_bounds__({bounds}) {name}({', '.join(params)}) {{\n  "
-          f"{body}\n}}\n")
+  return (f"{PRELUDE}\nextern \"C\" __global__ void __launch_bounds__({bounds}) "
+          f"{name}({', '.join(params)} STAMP_PARAM) {{\n  STAMP_ENTER();\n  {body}\n}}\n")
+
+
+def stamped(src: str) -> str:
+  """A kernel's source in the step timeline's build (PRELUDE's Stamp): one more parameter, `stamp_slot`, its launch's
+  4 words of stamps (model/profile.py step_timeline)."""
+  return "#define STAMP\n" + src
 
 
 REGS = 65536  # 32-bit registers a multiprocessor holds (every CUDA device since compute capability 5.0 up to 9.0)
@@ -673,13 +717,14 @@ def product(role: str, ggml_type: int, shape: tuple[int, ...], **dims: int) -> K
 
 def _gemv_block(ws: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue, prologue: str = "",
                 act: str = "f32", early: bool = False, staged: bool = False, warps: int = WARPS,
-                pad: bool = True, wait: bool = False) -> str:
+                pad: bool = True, wait: bool = False, cta: str = "blockIdx.x") -> str:
   """A braced gemv with its own row-group setup (its weights' group width), so kernels can branch between weight types;
-  with `staged` (the prologue is stage_x's and synchronises the block), a block with no rows leaves before it."""
+  with `staged` (the prologue is stage_x's and synchronises the block), a block with no rows leaves before it. cta:
+  the block's index among the gemv's blocks."""
   G = ws[0][0].group_lanes
-  leave = f" if (blockIdx.x * {rows_per_block(G, R, warps)} >= {rows}) return;" if staged else ""
+  leave = f" if ({cta} * {rows_per_block(G, R, warps)} >= {rows}) return;" if staged else ""
   body = gemv(ws, xp, rows, R, epilogue, prologue=prologue, act=act, early=early, staged=staged, pad=pad, wait=wait)
-  return "{ " + group_setup(G, R, warps=warps) + leave + "\n  " + body + " }"
+  return "{ " + group_setup(G, R, cta, warps) + leave + "\n  " + body + " }"
 
 
 QKV_ROWS, QKV_WARPS = 2, 8  # the first attention kernel (q_a and kv_a, norm folded): rows per row group, warps a block
@@ -1028,16 +1073,19 @@ def _ffn_tag(f: FFN | None) -> str:
 @functools.cache
 def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: int = 4, act: str = "f32",
         handoff: bool = False, sms: int = 0, route: Route | None = None) -> Kernel:
-  """SiLU(gate) * up of the normalised input (RMSNorm folded) for the k selected experts of a routed stack (blockIdx.y <
-  k) and a plain FFN (the shared expert, or a dense block's FFN; blockIdx.y == k), into act = [k x hidden, plain
-  hidden]. Each warp issues its weight reads first; the block normalises the input once into shared memory (quantized to
-  8 bits per 32 with act q8, to two 8-bit planes with x16) while they are in flight (stage_x). handoff (act q8 or x16):
-  a block computes 32 consecutive outputs (as many warps as that takes) and writes them in the form down's products
-  read (act_in): quantize_x's (every unit's 8 words, then every unit's scale, then its sum) or quantize_x16's (every
-  unit's 8 words of codes, then its 8 of remainders, its scale, its float sum); HANDOFF floats a unit. sms: the
-  device's multiprocessors, so the grid runs as one wave where 128 registers a thread allow it (one_wave). route: each
-  routed block chooses its expert from the router's `logits` after its wait (Route.rank), in place of reading `sel`,
-  and the blocks of column 0 write the own top k to `own` (for the correctness check; forced: they use `force`'s)."""
+  """SiLU(gate) * up of the normalised input (RMSNorm folded) for the k selected experts of a routed stack (slots
+  0..k-1) and a plain FFN (the shared expert, or a dense block's FFN; slot k), into act = [k x hidden, plain hidden].
+  The grid is one row of blocks, the plain FFN's first, then each slot's, as many as its rows need: DeepSeek-V2-Lite's
+  routed slots are half as wide as its shared experts, and the plain FFN's blocks start (and read their weights)
+  earliest, as the grid's first. Each warp issues its weight reads first; the block normalises the input once into
+  shared memory (quantized to 8 bits per 32 with act q8, to two 8-bit planes with x16) while they are in flight
+  (stage_x). handoff (act q8 or x16): a block computes 32 consecutive outputs (as many warps as that takes) and writes
+  them in the form down's products read (act_in): quantize_x's (every unit's 8 words, then every unit's scale, then its
+  sum) or quantize_x16's (every unit's 8 words of codes, then its 8 of remainders, its scale, its float sum); HANDOFF
+  floats a unit. sms: the device's multiprocessors, so the grid runs as one wave where 128 registers a thread allow it
+  (one_wave). route: each routed block chooses its expert from the router's `logits` after its wait (Route.rank), in
+  place of reading `sel`, and each slot's first block writes its own choice to `own` (for the correctness check; forced:
+  `force`'s)."""
   assert not handoff or act in HANDOFF, act
   assert route is None or (routed is not None and route.k == k), "a route for the routed stack"
   name = f"native_glu_{_ffn_tag(routed)}_{_ffn_tag(plain)}_k{k}_{dim}{_act_tag(act)}{f'_out{act}' if handoff else ''}"
@@ -1053,12 +1101,19 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
                          and all(f.hidden % 32 == 0 for f in (r, p) if f)), ("32 outputs " "a block")
   silu = lambda a: f"({a[0]} * (1.f / (1.f + expf(-{a[0]})))) * {a[1]}"
   units = ((k * r.hidden if r else 0) + (p.hidden if p else 0)) // 32
-  pro, body = (stage_x("x", dim, eps, act, warps, False), [stage_decl(dim, act, warps, False)]
+  # one row of blocks: the plain FFN's first (their weight rows are fixed: they read them before the wait), then each
+  # routed slot's, each only as many as its rows need; (bx, by): a block's index in its FFN, and its slot (k: plain)
+  nb = lambda f: -(-f.hidden // rows_per_block(f.gate.group_lanes, R, warps)) if f else 0
+  pb, rb = nb(p), nb(r)
+  slot_of = (f"const int bx = blockIdx.x < {pb} ? blockIdx.x : (blockIdx.x - {pb}) % {max(rb, 1)}, "
+             f"by = blockIdx.x < {pb} ? {k if r else 0} : (blockIdx.x - {pb}) / {max(rb, 1)};")
+  pro, body = (stage_x("x", dim, eps, act, warps, False), [slot_of, stage_decl(dim, act, warps, False)]
                + (["__shared__ float sact[32];"] if handoff else []))
-  block = lambda ws, rows, epi, wait: _gemv_block(ws, "sx", rows, R, epi, pro, act, True, True, warps, False, wait)
+  block = lambda ws, rows, epi, wait: _gemv_block(ws, "sx", rows, R, epi, pro, act, True, True, warps, False, wait,
+                                                  "bx")
   def store(base: str):  # the output of row o, at act[base + o], or into its block's 32 for the hand-off
     if not handoff: return lambda o, a: f"act[{base} + {o}] = {silu(a)};"
-    return lambda o, a: f"sact[{o} - blockIdx.x * 32] = {silu(a)};"
+    return lambda o, a: f"sact[{o} - bx * 32] = {silu(a)};"
   # warp 0 writes the block's 32 outputs as one unit g, rounded as quantize_x (quantize_x16) rounds
   pack = lambda v, at: (f"{{ const int c1 = __shfl_down_sync(0xffffffffu, {v}, 1), c2 = __shfl_down_sync(0xffffffffu, "
                         f"{v}, 2), c3 = __shfl_down_sync(0xffffffffu, {v}, 3); if ((l & 3) == 0) ((int*)act)[{at} + "
@@ -1073,24 +1128,23 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
             f" act[{units * 17} + g] = xs; }}")}
   def quantize(base: str) -> str:
     if not handoff: return ""
-    return (f" __syncthreads(); if (threadIdx.x < 32) {{ const int l = threadIdx.x, g = ({base} + blockIdx.x * 32) / "
+    return (f" __syncthreads(); if (threadIdx.x < 32) {{ const int l = threadIdx.x, g = ({base} + bx * 32) / "
             f"32; const float v = sact[l]; const float am = warp_max(fabsf(v)), iv = {Q8_INV}; {rounding[act]} }}")
   if r:
-    choose = (f"{route.rank(32 * warps)} const int y = blockIdx.y, e = {route.used('y')};"
-              + " if (blockIdx.x == 0 && threadIdx.x == 0) own[y] = ssel[y];" if route
-              else f"const int y = blockIdx.y, e = {expert_id('sel[y]', r.experts)};")
-    body.append(f"if (blockIdx.y < {k}) {{ {WAIT} {choose}\n  "
+    choose = (f"{route.rank(32 * warps)} const int y = by, e = {route.used('y')};"
+              + " if (bx == 0 && threadIdx.x == 0) own[y] = ssel[y];" if route
+              else f"const int y = by, e = {expert_id('sel[y]', r.experts)};")
+    body.append(f"if (by < {k}) {{ {WAIT} {choose}\n  "
                 + block([(r.gate, f"(size_t)e * {r.gate_rows} + {{o}}", "g"),
                          (r.up, f"(size_t)e * {r.gate_rows} + {r.up_off} + {{o}}", "u")],
                         r.hidden, store(f"(size_t)y * {r.hidden}"), False) + quantize(f"y * {r.hidden}") + " }")
   if p:
     base = k * r.hidden if r else 0
-    body.append(f"if (blockIdx.y == {k if r else 0}) {{ "
+    body.append(f"if (by == {k if r else 0}) {{ "
                 + block([(p.gate, "{o}", "g"), (p.up, f"{p.up_off} + {{o}}", "u")], p.hidden,
                         store(str(base)), True) + quantize(str(base)) + " }")
-  blocks = max(-(-f.hidden // rows_per_block(f.gate.group_lanes, R, warps)) for f in (r, p) if f)
-  grid = (blocks, (k if r else 0) + (1 if p else 0), 1)
-  res = one_wave(grid[0] * grid[1], 32 * warps, sms, GLU_REGS)
+  grid = (pb + k * rb, 1, 1)
+  res = one_wave(grid[0], 32 * warps, sms, GLU_REGS)
   name += f"_b{res}" if res > 1 else ""
   return Kernel(name, kernel(name, params, "\n  ".join(body), 32 * warps, waited=True, resident=res), grid,
                 (0, 1) if route else (0,), 32 * warps)

@@ -222,8 +222,9 @@ def step_timeline(jit, var_vals: dict[str, int], steps: int = 16, rounds: int = 
   themselves (cuda_src PRELUDE's Stamp: -DSTAMP) and once as they are, `rounds` times interleaved. -> {"kernels":
   timeline_rows' rows, "span_us": the stamped steps' median span, "stamped_us" and "plain_us": each graph's median
   time a step, host-timed}; {} off CUDA, where no kernel of the step waits (no native kernel) or the driver has no
-  programmatic edges. Each part is what the step would lose without that launch's hand-off and work; the unstamped
-  (tinygrad's own) kernels are folded into the hand-off of the stamped launch after them."""
+  programmatic edges. Each part is the step's time from the end of the native launch before it to its own end (not
+  what the step would save without it: the next launch's own reads overlap it); the unstamped (tinygrad's own)
+  kernels are folded into the hand-off of the stamped launch after them."""
   launches = _launches(jit)
   if not launches or any(type(rt).__module__ != "tinygrad.runtime.ops_cuda" for _, rt, _, _ in launches): return {}
   import tinygrad.runtime.autogen.cuda as cuda

@@ -218,24 +218,25 @@ def timeline_rows(names: list[str], others: list[int], words: list[np.ndarray]) 
 def step_timeline(jit, var_vals: dict[str, int], steps: int = 16, rounds: int = 5) -> dict:
   """Where a decode step's time goes while its kernels overlap as they do in the step (programmatic launch: each
   native kernel starts while the one before it ends, and waits in GRID_WAIT). The step's launches run as one CUDA graph
-  of `steps` steps, with the decode graph's programmatic edges, once with the native kernels built again to stamp
-  themselves (cuda_src PRELUDE's Stamp: -DSTAMP) and once as they are, `rounds` times interleaved. -> {"kernels":
-  timeline_rows' rows, "span_us": the stamped steps' median span, "stamped_us" and "plain_us": each graph's median
-  time a step, host-timed}; {} off CUDA, where no kernel of the step waits (no native kernel) or the driver has no
-  programmatic edges. Each part is the step's time from the end of the native launch before it to its own end (not
+  of `steps` steps, with the decode graph's edges (programmatic into the native kernels where the device's graph makes
+  them so: model/backends/cuda_graph.py), once with the native kernels built again to stamp themselves (cuda_src
+  PRELUDE's Stamp: -DSTAMP) and once as they are, `rounds` times interleaved. -> {"kernels": timeline_rows' rows,
+  "span_us": the stamped steps' median span, "stamped_us" and "plain_us": each graph's median time a step,
+  host-timed, "programmatic": whether the edges were}; {} off CUDA or where no kernel of the step waits (no native
+  kernel). Each part is the step's time from the end of the native launch before it to its own end (not
   what the step would save without it: the next launch's own reads overlap it); the unstamped (tinygrad's own)
   kernels are folded into the hand-off of the stamped launch after them."""
   launches = _launches(jit)
   if not launches or any(type(rt).__module__ != "tinygrad.runtime.ops_cuda" for _, rt, _, _ in launches): return {}
-  import tinygrad.runtime.autogen.cuda as cuda
   from tinygrad.device import Buffer
 
-  from model.backends.cuda_graph import waits
+  from model.backends.cuda_graph import OverlapGraph, waits
   from model.backends.cuda_src import stamped
   marked = [i for i, (prg, *_) in enumerate(launches) if waits(prg)]
-  if not marked or not hasattr(cuda.dll, "cuGraphAddDependencies_v2"): return {}
+  if not marked: return {}
   device = launches[0][2][0].device
   dev, built = Device[device], {}
+  pdl = dev.graph is OverlapGraph
   def stamp(launch: tuple) -> tuple:
     prg, _, bufs, dv = launch
     src = stamped(prg.src[2].arg)
@@ -251,8 +252,8 @@ def step_timeline(jit, var_vals: dict[str, int], steps: int = 16, rounds: int = 
   stamped_launches = [stamp(lc) if i in at else lc for i, lc in enumerate(launches)]
   slots = [base + (s * n + at[i]) * STAMP_WORDS * 8 if i in at else None
            for s in range(steps) for i in range(len(launches))]
-  plain = _cuda_graph(launches * steps, var_vals, programmatic=True)
-  timed = _cuda_graph(stamped_launches * steps, var_vals, programmatic=True, slots=slots)
+  plain = _cuda_graph(launches * steps, var_vals, programmatic=pdl)
+  timed = _cuda_graph(stamped_launches * steps, var_vals, programmatic=pdl, slots=slots)
   zero = memoryview(bytearray(buf.nbytes))
   words, times = [], collections.defaultdict(list)
   for g in (plain, timed): g()  # warm
@@ -268,4 +269,4 @@ def step_timeline(jit, var_vals: dict[str, int], steps: int = 16, rounds: int = 
     words.append(buf.numpy().reshape(steps, n, STAMP_WORDS).copy())
   rows, spans = timeline_rows(names, others, words)
   return {"kernels": rows, "span_us": statistics.median(spans), "stamped_us": statistics.median(times["stamped"]),
-          "plain_us": statistics.median(times["plain"]), "steps": steps, "rounds": rounds}
+          "plain_us": statistics.median(times["plain"]), "steps": steps, "rounds": rounds, "programmatic": pdl}

@@ -184,7 +184,7 @@ def timeline_rows(names: list[str], others: list[int], words: list[np.ndarray]) 
   launches a step, µs per step (median over steps, min, max), of which hand-off and work, µs a launch, how early its
   first block started before the previous one ended (lead), the spread of its blocks' returns from the wait (skew), and
   the share of the step; the step spans in µs)."""
-  parts, spans = collections.defaultdict(lambda: collections.defaultdict(list)), []
+  parts, spans = collections.defaultdict(list), []
   for run in words:
     if not run.all(): raise RuntimeError("a stamped launch left no stamp: " + names[int(np.argwhere(run == 0)[0][1])])
     entry, wait0, wait1, end = (run[..., j].astype(np.int64) for j in range(STAMP_WORDS))
@@ -196,19 +196,18 @@ def timeline_rows(names: list[str], others: list[int], words: list[np.ndarray]) 
       for i, name in enumerate(names):
         step[name] += (end[s, i] - prev[i], wait0[s, i] - prev[i], end[s, i] - wait0[s, i], prev[i] - entry[s, i],
                        wait1[s, i] - wait0[s, i])
-      for name, v in step.items(): parts[name]["v"].append(v / 1e3)
+      for name, v in step.items(): parts[name].append(v / 1e3)
       spans.append(float(end[s, -1] - flat[s * len(names) - 1]) / 1e3)
   span = statistics.median(spans)
   count, before = collections.Counter(names), collections.Counter()
   for name, o in zip(names, others, strict=True): before[name] += o
   rows = []
   for name, p in parts.items():
-    v, n = np.array(p["v"]), count[name]
-    rows.append({"name": name, "count": n, "us_per_token": float(np.median(v[:, 0])), "us_min": float(v[:, 0].min()),
-                 "us_max": float(v[:, 0].max()), "handoff_us": float(np.median(v[:, 1])),
-                 "work_us": float(np.median(v[:, 2])), "us_per_launch": float(np.median(v[:, 0])) / n,
-                 "lead_us_per_launch": float(np.median(v[:, 3])) / n,
-                 "skew_us_per_launch": float(np.median(v[:, 4])) / n,
+    v, n = np.array(p), count[name]
+    part, handoff, work, lead, skew = (float(m) for m in np.median(v, axis=0))
+    rows.append({"name": name, "count": n, "us_per_token": part, "us_min": float(v[:, 0].min()),
+                 "us_max": float(v[:, 0].max()), "handoff_us": handoff, "work_us": work, "us_per_launch": part / n,
+                 "lead_us_per_launch": lead / n, "skew_us_per_launch": skew / n,
                  "others_before": before[name]})
   rows.sort(key=lambda r: -r["us_per_token"])
   for i, r in enumerate(rows): r |= {"rank": i + 1, "share": r["us_per_token"] / span}

@@ -15,8 +15,8 @@ kernels, other experts each launch) that L2 holds none of a launch's weight byte
 time per launch (3 timings of 5 graph replays); GB/s: the weight bytes a launch must read over that time; `err`: max
 |out - the first source's out| over the std of the latter, where both write the same format (gate+up's 8-bit output for
 down is not the float output of the code before it). The 8- and 16-bit MoE kernels are built as native.py builds them:
-gate+up writes its output in their form and down reads it where native.handoff says so (down splits over units;
-gate+up's blocks fit one wave), or as --handoff says.
+gate+up writes its output in their form and down reads it where native.handoff_rows says so (where down splits over
+units; with half the rows a group, 8-bit only, where gate+up's blocks would not fit one wave), or as --handoff says.
 """
 import argparse
 import datetime
@@ -31,7 +31,7 @@ import cupy as cp
 import numpy as np
 
 from model.backends import cuda_src
-from model.backends.native import R_LARGE
+from model.backends.native import R_LARGE, handoff_rows
 from model.presets import PRESETS
 from model.quants import F32, Q4_0, QUANT_TYPES
 
@@ -108,10 +108,10 @@ def floor(nbytes: int, copies: int) -> float:
 
 def kernels(mod, kind: str, preset: str, handoff: str, sms: int, logits: bool = False) -> list[tuple[str, object]]:
   """(activation form, kernel) of one kind built by a cuda_src module (this tree's API, or the one before staged
-  inputs); handoff: the 8- and 16-bit MoE kernels' hand-off where this tree's cuda_src.handoff_fits puts it on a device
-  of `sms` multiprocessors (rule), wherever down can read it (on), or nowhere (off). logits: where the module has
-  routes (cuda_src.Route), the router writes the logits alone and gate+up and down rank them (native.routed_moe's
-  kernels); else the router ranks and they read its ids."""
+  inputs); handoff: the 8- and 16-bit MoE kernels' hand-off where this tree's native.handoff_rows puts it on a device
+  of `sms` multiprocessors, with its rows per group (rule), wherever down can read it (on, R_LARGE), or nowhere (off).
+  logits: where the module has routes (cuda_src.Route), the router writes the logits alone and gate+up and down rank
+  them (native.routed_moe's kernels); else the router ranks and they read its ids."""
   hp = PRESETS[preset]
   dim, F, E, K, V, H = hp.dim, hp.expert_ffn, hp.n_experts, hp.n_used, hp.vocab, hp.n_heads
   Fs = hp.expert_ffn * hp.n_shared
@@ -146,13 +146,13 @@ def kernels(mod, kind: str, preset: str, handoff: str, sms: int, logits: bool = 
   reads = getattr(mod, "down_reads_handoff", getattr(mod, "down_reads_q8", None))
   for act in ("q8", "x16", "f32") if x16 else ("q8", "f32"):
     R = 8 if act == "q8" else 4  # the sources before staged inputs: their rows per group
-    ho = (not old and act in forms and handoff != "off"
-          and (cuda_src.handoff_fits(routed, plain, K, sms, R_LARGE) if handoff == "rule" else reads(routed, plain)))
+    ho = (0 if old or act not in forms or handoff == "off" else handoff_rows(routed, plain, K, sms, act)
+          if handoff == "rule" else R_LARGE * reads(routed, plain))
     if old:
       k = (mod.glu(routed, plain, K, dim, hp.rms_eps, R, q8=act == "q8") if kind == "glu"
            else mod.down(routed, plain, K, dim, R, q8=act == "q8"))
     elif ho:
-      k = (mod.glu(routed, plain, K, dim, hp.rms_eps, R_LARGE, act, True, **wave, **route) if kind == "glu"
+      k = (mod.glu(routed, plain, K, dim, hp.rms_eps, ho, act, True, **wave, **route) if kind == "glu"
            else mod.down(routed, plain, K, dim, act, act, **route))
     else:
       k = (mod.glu(routed, plain, K, dim, hp.rms_eps, R_LARGE, act, **wave, **route) if kind == "glu"
@@ -253,8 +253,8 @@ def main() -> None:
   p.add_argument("--label", default="this tree", help="the name of this tree's kernels in the output")
   p.add_argument("--json", help="append one JSON line per kernel")
   p.add_argument("--handoff", choices=["rule", "on", "off"], default="rule",
-                 help="the 8- and 16-bit hand-off from gate+up to down: where native.handoff would put it, wherever "
-                 "down can read it, or nowhere")
+                 help="the 8- and 16-bit hand-off from gate+up to down: where native.handoff_rows would put it, "
+                 "wherever down can read it, or nowhere")
   p.add_argument("--route", choices=["ids", "logits"], default="ids",
                  help="the MoE kernels of sources that can route from the logits: reading the router's ids, or "
                  "ranking its logits themselves (with the logits-only router), as native.routed_moe runs them")

@@ -1,11 +1,12 @@
 """The native decode kernels' launch shapes swept, at the real shapes of GLM-4.7-Flash and DeepSeek-V2-Lite Q4_0: the
 router's rows per group and warps (ROUTER_R, ROUTER_WARPS), the MLA attention's positions per block and per warp
 (ATT_CHUNK, ATT_BATCH), the residual and norm-folded products' rows per group, warps, staged reads and activations
-(f32, or 8 bits per 32: q8). Each variant is built from this tree's model/backends/cuda_src.py with those constants or
-arguments and timed as benchmarks/kernel_lab.py times a kernel (median of 3 interleaved timings of one CUDA graph of
-launches over weights L2 does not hold).
+(f32, or 8 bits per 32: q8), the output head's input form and rows per group, and the MoE kernels (gate+up and
+down: moe()). Each variant is built from this tree's model/backends/cuda_src.py with those constants or arguments and
+timed as benchmarks/kernel_lab.py times a kernel (median of 3 interleaved timings of one CUDA graph of launches over
+weights L2 does not hold).
 
-  PYTHONPATH=. python benchmarks/kernel_sweep.py [--kinds router attention dense_res ...] [--json out.jsonl]
+  PYTHONPATH=. python benchmarks/kernel_sweep.py [--kinds router attention dense_res glu down ...] [--json out.jsonl]
 """
 import argparse
 import datetime
@@ -30,12 +31,43 @@ def build(fn, consts: dict, *a, **kw):
     for k, v in saved.items(): setattr(C, k, v)
 
 
-def variants(preset: str) -> dict[str, dict[str, object]]:
+def moe(preset: str, sms: int) -> dict[str, dict[str, object]]:
+  """gate+up (glu) over rows per group, warps a block (WARPS), the register floor of a one-wave grid (GLU_REGS) and the
+  8-bit hand-off (h: 32 outputs a block), and down reading float32 or the hand-off, each as native.routed_moe builds
+  them (ranking the router's logits)."""
+  hp = PRESETS[preset]
+  W = lambda inp: C.W("", Q4_0, inp)
+  dim, F, E, K, Fs = hp.dim, hp.expert_ffn, hp.n_experts, hp.n_used, hp.expert_ffn * hp.n_shared
+  routed, plain = C.FFN(W(dim), W(dim), W(F), F, E, F, 0), C.FFN(W(dim), W(dim), W(Fs), Fs, 0, Fs, 0)
+  route = C.Route(E, K, 2 if hp.gating == "sigmoid" else 1, hp.exp_probs_bias, hp.norm_topk, hp.routed_scale)
+  glu = lambda act, R, w, regs, ho: build(C.glu, {"WARPS": w, "GLU_REGS": regs}, routed, plain, K, dim, hp.rms_eps, R,
+                                          act, ho, sms, route)
+  shapes = ((4, 4, 128), (2, 4, 128), (8, 4, 128), (4, 8, 128), (2, 8, 128), (8, 2, 128), (4, 2, 128), (4, 4, 80),
+            (2, 4, 80), (8, 4, 168))
+  out = {"glu": {f"{a}R{R}w{w}r{regs}": glu(a, R, w, regs, False) for a in ("q8", "f32") for R, w, regs in shapes}}
+  out["glu"] |= {f"x16R{R}w{w}r{regs}": glu("x16", R, w, regs, False) for R, w, regs in ((4, 4, 128), (2, 8, 128))}
+  forms = [("f32", "f32"), ("q8", "f32"), ("x16", "f32")]
+  if C.down_reads_handoff(routed, plain):
+    out["glu"] |= {f"{a}hR{R}r{regs}": glu(a, R, 4, regs, True) for a in ("q8", "x16")
+                   for R, regs in ((4, 128), (8, 128), (2, 128), (8, 168), (4, 80))}
+    forms += [("q8", "q8"), ("x16", "x16")]
+  # rows a block: DOWN_ROWS (8 rows, and rows above 256 threads with a float input)
+  out["down"] = {f"{a}{'in' if i != 'f32' else ''}r{rows[0]}-{rows[1]}": build(C.down, {"DOWN_ROWS": rows}, routed,
+                                                                             plain, K, dim, a, i, route)
+                 for a, i in forms for rows in ((8, 16), (4, 8), (8, 8), (16, 32))}
+  return out
+
+
+def variants(preset: str, sms: int) -> dict[str, dict[str, object]]:
   hp = PRESETS[preset]
   W = lambda inp, p="": C.W(p, Q4_0, inp)
   H, dim = hp.n_heads, hp.dim
   first, kv, nq = hp.q_lora or H * (hp.qk_nope + hp.qk_rope), hp.kv_lora + hp.qk_rope, H * (hp.qk_nope + hp.qk_rope)
   out = {
+    # the output head: its input's form and rows per group (single_token_form's, for a wide product)
+    "head": {f"{a}R{R}": build(C.product, {"single_token_form": lambda t, rows, a=a, R=R: (a, R)}, "dense", Q4_0,
+                               (hp.vocab, dim), tn=1, n=1)
+             for a in ("x16", "q8", "f32") for R in (8, 4, 16)},
     "router": {f"R{R}w{w}": build(C.router, {"ROUTER_R": R, "ROUTER_WARPS": w}, C.W("g_", F32, dim), hp.rms_eps,
                                   C.Route(hp.n_experts, hp.n_used, 2 if hp.gating == "sigmoid" else 1,
                                           hp.exp_probs_bias, hp.norm_topk, hp.routed_scale))
@@ -57,7 +89,7 @@ def variants(preset: str) -> dict[str, dict[str, object]]:
                                             hp.rms_eps, False, w, a)
                       for R, w, a in ((4, 4, "f32"), (4, 4, "q8"), (2, 4, "q8"), (2, 8, "q8"), (4, 8, "q8"),
                                       (8, 4, "q8"), (1, 4, "q8"))}
-  return out
+  return out | moe(preset, sms)
 
 
 def main() -> None:
@@ -66,8 +98,9 @@ def main() -> None:
   p.add_argument("--json", help="append one JSON line per variant")
   args = p.parse_args()
   dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+  sms = cp.cuda.Device().attributes["MultiProcessorCount"]
   for preset in ("glm-4.7-flash", "deepseek-v2-lite"):
-    for kind, ks in variants(preset).items():
+    for kind, ks in variants(preset, sms).items():
       if kind not in args.kinds: continue
       nbytes = L.weight_bytes(kind, preset)
       out, make = L.launches(kind, preset)

@@ -65,19 +65,22 @@ def _calls(launches: list[tuple], var_vals: dict[str, int]) -> list:
   return out
 
 
+def _on_cuda(launches: list[tuple]) -> bool:
+  return bool(launches) and all(type(rt).__module__ == "tinygrad.runtime.ops_cuda" for _, rt, _, _ in launches)
+
+
 def _cuda_graph(launches: list[tuple], var_vals: dict[str, int], programmatic: bool = False,
                 slots: list[int | None] | None = None) -> Callable[[], None] | None:
   """A function that runs the launches as one CUDA graph, each after the one before; None off CUDA. programmatic: the
   edges into kernels that wait for the kernels before them themselves (cuda_graph.waits) are programmatic, as the
   decode step's graph makes them (OverlapGraph). slots: per launch, a device address passed as one more argument after
   its own (a stamped kernel's stamp_slot), or None."""
-  if not launches or any(type(runtime).__module__ != "tinygrad.runtime.ops_cuda" for _, runtime, _, _ in launches):
-    return None
+  if not _on_cuda(launches): return None
   import tinygrad.runtime.autogen.cuda as cuda
   from tinygrad.runtime.ops_cuda import check, encode_args
   from tinygrad.runtime.support.c import init_c_var
 
-  from model.backends.cuda_graph import PROGRAMMATIC, EdgeData, waits
+  from model.backends.cuda_graph import make_programmatic, waits
   graph = init_c_var(cuda.CUgraph, lambda x: check(cuda.cuGraphCreate(ctypes.byref(x), 0)))
   keep, prev, late = [], None, []
   for i, (prg, runtime, bufs, dv) in enumerate(launches):
@@ -93,16 +96,12 @@ def _cuda_graph(launches: list[tuple], var_vals: dict[str, int], programmatic: b
     params = cuda.CUDA_KERNEL_NODE_PARAMS_v1(runtime.prg, *gs, *ls, runtime.smem,
                                              ctypes.cast(0, ctypes.POINTER(ctypes.c_void_p)), vargs)
     node = cuda.CUgraphNode()
-    pdl = programmatic and prev is not None and waits(prg)
-    deps = (cuda.CUgraphNode * 1)(prev) if prev is not None and not pdl else None
+    deps = (cuda.CUgraphNode * 1)(prev) if prev is not None else None
     check(cuda.cuGraphAddKernelNode(ctypes.byref(node), graph, deps, 0 if deps is None else 1, ctypes.byref(params)))
-    if pdl: late.append((prev, node))
+    if programmatic and prev is not None and waits(prg): late.append((prev, node))
     keep += [c_args, vargs, params]
     prev = node
-  if late:
-    frm, to = ((cuda.CUgraphNode * len(late))(*(p[i] for p in late)) for i in (0, 1))
-    data = (EdgeData * len(late))(*(EdgeData(PROGRAMMATIC, 0, PROGRAMMATIC) for _ in late))
-    check(cuda.dll.cuGraphAddDependencies_v2(graph, frm, to, data, ctypes.c_size_t(len(late))))
+  if late: make_programmatic(graph, late)
   instance = init_c_var(cuda.CUgraphExec,
                         lambda x: check(cuda.cuGraphInstantiate_v2(ctypes.byref(x), graph, None, None, 0)))
   check(cuda.cuGraphDestroy(graph))
@@ -226,7 +225,7 @@ def step_timeline(jit, var_vals: dict[str, int], steps: int = 16, rounds: int = 
   what the step would save without it: the next launch's own reads overlap it); the unstamped (tinygrad's own)
   kernels are folded into the hand-off of the stamped launch after them."""
   launches = _launches(jit)
-  if not launches or any(type(rt).__module__ != "tinygrad.runtime.ops_cuda" for _, rt, _, _ in launches): return {}
+  if not _on_cuda(launches): return {}
   from tinygrad.device import Buffer
 
   from model.backends.cuda_graph import OverlapGraph, waits

@@ -228,11 +228,12 @@ def test_x16_glu_holds_its_input_to_16_bits(quant: str) -> None:
 
 
 @pytest.mark.parametrize("form", ["q8", "x16"])
-@pytest.mark.parametrize("quant,Fs", [("Q4_0", 128), ("Q8_0", 64), ("Q4_0", 0)])
-def test_glu_hands_down_its_output(quant: str, Fs: int, form: str) -> None:
+@pytest.mark.parametrize("quant,Fs,R", [("Q4_0", 128, 4), ("Q8_0", 64, 4), ("Q4_0", 0, 4), ("Q4_0", 128, 2)])
+def test_glu_hands_down_its_output(quant: str, Fs: int, R: int, form: str) -> None:
   """With 8- or 16-bit activations, glu writes its output as down reads it (q8: words of codes, scales and sums per 32;
   x16: words of codes, words of remainders, scales and float sums): the values it holds are the dsl twin's rounding of
-  the float output (q8_round, x16_round), and down computes from them what it computes from the floats in that form."""
+  the float output (q8_round, x16_round), and down computes from them what it computes from the floats in that form;
+  also with R rows a group of 2 (blocks of twice the warps: native.handoff_rows)."""
   from model.backends.dsl import act_round
   t, rng, dim, F, E, K = TYPES[quant], np.random.default_rng(9), 256, 64, 8, 2
   W = lambda inp: cuda_src.W("", t, inp)
@@ -249,7 +250,7 @@ def test_glu_hands_down_its_output(quant: str, Fs: int, form: str) -> None:
   k = cuda_src.glu(routed, plain, K, dim, 1e-5, act=form)
   launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [floats, x, gamma, sel, *g, *u, *sg, *su])
   packed = np.zeros(units * cuda_src.HANDOFF[form], np.float32)
-  k = cuda_src.glu(routed, plain, K, dim, 1e-5, act=form, handoff=True)
+  k = cuda_src.glu(routed, plain, K, dim, 1e-5, R, act=form, handoff=True)
   launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [packed, x, gamma, sel, *g, *u, *sg, *su])
   codes = lambda at: packed[at * units:(at + 8) * units].view(np.int8).reshape(units, 32).astype(np.float64)
   if form == "q8":
@@ -273,31 +274,38 @@ def test_glu_hands_down_its_output(quant: str, Fs: int, form: str) -> None:
   assert rel_err(out[None], direct[None]).max() < 1e-5
 
 
-def test_handoff_where_gate_up_runs_one_wave(monkeypatch) -> None:
-  """glu hands down its 8- or 16-bit output where down splits over units and glu's 32-output blocks fit two to a
-  multiprocessor: GLM-4.7-Flash's 240 on a 132-multiprocessor card, not DeepSeek-V2-Lite's 352 (6 experts of 1408 and
-  2816 shared outputs), nor a plain FFN of another type than the experts'; blocks of fewer warps (rows of fewer units)
-  fit more to a multiprocessor, as the bound glu asks ptxas for says."""
+def test_handoff_rows_follow_one_wave() -> None:
+  """glu hands down its 8- or 16-bit output where down splits over units (not with a plain FFN of another type than
+  the experts'): with R_LARGE rows a group where its 32-output blocks fit two to a multiprocessor (GLM-4.7-Flash's 240
+  on a 132-multiprocessor card), else 8-bit with R_SMALL, blocks of twice the warps (DeepSeek-V2-Lite's 352: 6 experts
+  of 1408 and 2816 shared outputs), and 16-bit not at all; blocks of fewer warps (rows of fewer units) fit more to a
+  multiprocessor, as the bound glu asks ptxas for says. down then sums 8 rows a block from the hand-off, 16 from floats
+  (DOWN_ROWS: DeepSeek-V2-Lite's 384 threads)."""
   from model.presets import PRESETS
-  monkeypatch.setattr(native, "sm_count", lambda device: 132)
   def ffns(preset: str, plain_t: int = TYPES["Q4_0"]) -> tuple:
     hp, W = PRESETS[preset], lambda t, inp: cuda_src.W("", t, inp)
     F, Fs, q = hp.expert_ffn, hp.expert_ffn * hp.n_shared, TYPES["Q4_0"]
     return (cuda_src.FFN(W(q, hp.dim), W(q, hp.dim), W(q, F), F, hp.n_experts, F, 0),
             cuda_src.FFN(W(plain_t, hp.dim), W(plain_t, hp.dim), W(plain_t, Fs), Fs, 0, Fs, 0), hp.n_used)
-  assert native.handoff(*ffns("glm-4.7-flash"), "CUDA")
-  assert not native.handoff(*ffns("deepseek-v2-lite"), "CUDA")
-  assert not native.handoff(*ffns("glm-4.7-flash", TYPES["Q8_0"]), "CUDA")
+  for form in ("q8", "x16"):
+    assert native.handoff_rows(*ffns("glm-4.7-flash"), 132, form) == native.R_LARGE
+    assert native.handoff_rows(*ffns("glm-4.7-flash", TYPES["Q8_0"]), 132, form) == 0
+  ds = ffns("deepseek-v2-lite")
+  assert native.handoff_rows(*ds, 132, "q8") == native.R_SMALL and native.handoff_rows(*ds, 132, "x16") == 0
+  assert native.handoff_rows(*ds, 200, "q8") == native.R_LARGE == native.handoff_rows(*ds, 200, "x16")
+  k = cuda_src.glu(*ds, 2048, 1e-6, native.R_SMALL, "q8", True, 132)
+  assert k.grid == (352, 1, 1) and k.threads == 512, (k.grid, k.threads)
+  for act_in, blocks in (("q8", 256), ("f32", 128)):
+    k = cuda_src.down(*ds[:2], 6, 2048, "q8", act_in)
+    assert k.grid == (blocks, 1, 1) and k.threads == 384, (act_in, k.grid, k.threads)
   # rows of 512 inputs: 16 units, groups of 16 lanes, so glu's blocks of 32 outputs are 4 warps, 4 to a multiprocessor
   W = lambda inp: cuda_src.W("", TYPES["Q4_0"], inp)
   small = lambda k: (cuda_src.FFN(W(512), W(512), W(64), 64, 8, 64, 0), cuda_src.FFN(W(512), W(512), W(64), 64, 0, 64,
                                                                                        0), k)
-  monkeypatch.setattr(native, "sm_count", lambda device: 1)
-  assert native.handoff(*small(1), "CUDA") and not native.handoff(*small(2), "CUDA")  # 4 blocks, 6
+  assert native.handoff_rows(*small(1), 1, "q8") == native.R_LARGE
+  assert native.handoff_rows(*small(2), 1, "q8") == native.R_SMALL
   k = cuda_src.glu(*small(1), 512, 1e-5, native.R_LARGE, "q8", True, 1)
   assert k.threads == 128 and "__launch_bounds__(128, 4)" in k.src
-  monkeypatch.setattr(native, "sm_count", lambda device: 200)
-  assert native.handoff(*ffns("deepseek-v2-lite"), "CUDA")
 
 
 def test_glu_and_dense_ask_for_one_wave(monkeypatch) -> None:
@@ -318,17 +326,21 @@ def test_glu_and_dense_ask_for_one_wave(monkeypatch) -> None:
   assert cuda_src.one_wave(100, 128, 132, cuda_src.GLU_REGS) == 1
 
 
-@pytest.mark.parametrize("handoff,glm,deepseek", [("rule", True, False), ("on", True, True), ("off", False, False)])
-def test_kernel_lab_builds_the_handoff_as_asked(monkeypatch, handoff: str, glm: bool, deepseek: bool) -> None:
+@pytest.mark.parametrize("handoff,glm,deepseek", [("rule", (256, 256), (512, 0)), ("on", (256, 256), (256, 256)),
+                                                   ("off", (0, 0), (0, 0))])
+def test_kernel_lab_builds_the_handoff_as_asked(monkeypatch, handoff: str, glm: tuple, deepseek: tuple) -> None:
   """benchmarks/kernel_lab.py --handoff: its 8- and 16-bit MoE kernels hand off where this tree's rule puts it on a
-  132-multiprocessor card (rule), wherever down can read it (on), or nowhere (off); its float kernels never. cupy is not
-  imported here: the lab only builds sources."""
+  132-multiprocessor card, with its rows a group (rule: DeepSeek-V2-Lite's 8-bit gate+up in blocks of 16 warps, its
+  16-bit not at all), wherever down can read it (on, 8 warps), or nowhere (off); its float kernels never. glm and
+  deepseek: the 8- and 16-bit gate+up's threads a block with the hand-off (0: none). cupy is not imported here: the lab
+  only builds sources."""
   monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
   from benchmarks import kernel_lab
-  for preset, want in (("glm-4.7-flash", glm), ("deepseek-v2-lite", deepseek)):
+  for preset, threads in (("glm-4.7-flash", glm), ("deepseek-v2-lite", deepseek)):
     glu, down = (dict(kernel_lab.kernels(cuda_src, kind, preset, handoff, 132)) for kind in ("glu", "down"))
-    for form in ("q8", "x16"):
-      assert (f"_out{form}" in glu[form].name, f"_in{form}" in down[form].name) == (want, want), (preset, handoff)
+    for form, t in zip(("q8", "x16"), threads, strict=True):
+      assert (f"_out{form}" in glu[form].name, f"_in{form}" in down[form].name) == (t > 0, t > 0), (preset, handoff)
+      assert not t or glu[form].threads == t, (preset, handoff, glu[form].threads)
     assert "_out" not in glu["f32"].name and "_in" not in down["f32"].name
 
 

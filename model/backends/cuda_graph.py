@@ -40,6 +40,14 @@ def waits(ast: UOp) -> bool:
 def _ptr(node) -> int | None: return ctypes.cast(node, ctypes.c_void_p).value
 
 
+def make_programmatic(graph, pairs: list[tuple]) -> None:
+  """Turn the full edges (from node, to node) of a CUDA graph not yet instantiated into programmatic ones."""
+  frm, to = ((cuda.CUgraphNode * len(pairs))(*(p[i] for p in pairs)) for i in (0, 1))
+  data = (EdgeData * len(pairs))(*(EdgeData(PROGRAMMATIC, 0, PROGRAMMATIC) for _ in pairs))
+  check(cuda.dll.cuGraphRemoveDependencies_v2(graph, frm, to, None, ctypes.c_size_t(len(pairs))))
+  check(cuda.dll.cuGraphAddDependencies_v2(graph, frm, to, data, ctypes.c_size_t(len(pairs))))
+
+
 class OverlapGraph(CUDAGraph):
   """CUDAGraph whose kernel-to-kernel edges into waiting kernels (`waits`) are programmatic."""
   def __init__(self, linear, input_uops=()):
@@ -49,10 +57,7 @@ class OverlapGraph(CUDAGraph):
     pairs = [(d, node) for (deps, node), (_, ast, _, _) in zip(self.edges, self.calls, strict=True) if waits(ast)
              for d in deps if _ptr(d) in kernels]
     if not pairs: return
-    frm, to = ((cuda.CUgraphNode * len(pairs))(*(p[i] for p in pairs)) for i in (0, 1))
-    data = (EdgeData * len(pairs))(*(EdgeData(PROGRAMMATIC, 0, PROGRAMMATIC) for _ in pairs))
-    check(cuda.dll.cuGraphRemoveDependencies_v2(self.graph, frm, to, None, ctypes.c_size_t(len(pairs))))
-    check(cuda.dll.cuGraphAddDependencies_v2(self.graph, frm, to, data, ctypes.c_size_t(len(pairs))))
+    make_programmatic(self.graph, pairs)
     check(cuda.cuGraphExecDestroy(self.instance))
     self.instance = init_c_var(cuda.CUgraphExec, lambda x: check(cuda.cuGraphInstantiate_v2(ctypes.byref(x), self.graph,
                                                                                             None, None, 0)))

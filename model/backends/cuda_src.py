@@ -1170,10 +1170,17 @@ def handoff_warps(G: int, R: int) -> int:
 
 
 def handoff_fits(routed: FFN | None, plain: FFN | None, k: int, sms: int, R: int) -> bool:
-  """Whether glu (R rows per group) hands down its output on a device of `sms` multiprocessors: where down splits over
-  units and glu's blocks of 32 outputs (handoff_warps, at most GLU_REGS registers a thread) run as one wave."""
+  """Whether down reads glu's hand-off (it splits over units) and glu's blocks of 32 outputs (R rows per group:
+  handoff_warps, at most GLU_REGS registers a thread) run as one wave on a device of `sms` multiprocessors."""
   threads = 32 * handoff_warps((routed or plain).gate.group_lanes, R)
   return down_reads_handoff(routed, plain) and handoff_blocks(routed, plain, k) <= REGS // (GLU_REGS * threads) * sms
+
+
+# the rows a block of down (split over units) sums: 8, and 16 above 256 threads where it quantizes its float input
+# itself (the registers that takes leave one block a multiprocessor, and 16 rows keep the grid one wave: DeepSeek-V2-
+# Lite's 384 threads on an H200, 8-bit, 8.51 us against 10.64 with 8 rows; its hand-off needs fewer, 70 registers at 8
+# rows, two blocks a multiprocessor: 6.54 us against 6.96 with 16; benchmarks/kernel_sweep.py)
+DOWN_ROWS = (8, 16)
 
 
 @functools.cache
@@ -1279,11 +1286,10 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
   """down with the work split over (slot, unit) pairs: the k routed slots and the plain FFN's rows cut into slots of the
   routed hidden width are one list of units; each thread of a block (as many threads as units, in warps, up to 512)
   takes one or more, issues the reads of its units for the block's R rows at once and adds their weighted products into
-  R sums, which meet through a butterfly (lane_sums) and shared memory. R = 8 rows a block, 16 above 256 threads, so a
-  block's registers leave the grid one wave. The weight reads go out before the kernel's wait (the selected experts
-  are `early_sel`: EARLY), so they are in flight while gate+up finishes; they are weak loads before a barrier; glu's
-  hand-off (act_in q8 or x16, the form of the products) crosses it through shared memory, so no product can start
-  before every read is out."""
+  R sums, which meet through a butterfly (lane_sums) and shared memory. R (DOWN_ROWS) keeps the grid one wave. The
+  weight reads go out before the kernel's wait (the selected experts are `early_sel`: EARLY), so they are in flight
+  while gate+up finishes; they are weak loads before a barrier; glu's hand-off (act_in q8 or x16, the form of the
+  products) crosses it through shared memory, so no product can start before every read is out."""
   base = routed or plain
   Fv, ty = base.hidden, base.down.ggml_type
   r, p = routed and _ffn_w(routed, "r"), plain and _ffn_w(plain, "p")
@@ -1295,7 +1301,7 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
   U = Fv // UNITS[ty].elems
   P = (kr + m) * U
   threads = min(512, 128 * -(-P // 128))
-  R, J = 8 if threads <= 256 else 16, -(-P // threads)
+  R, J = DOWN_ROWS[threads > 256 and act_in == "f32"], -(-P // threads)
   rparams, choose, expert, weights, weight = _down_routing(r, route, threads)
   params = ["float* out", "const float* __restrict__ res", "const float* __restrict__ act"]
   params += (rparams + r.down.params if r else []) + (p.down.params if p else [])

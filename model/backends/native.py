@@ -226,11 +226,16 @@ def sm_count(device: str) -> int:
   return v.value
 
 
-def handoff(routed: C.FFN | None, plain: C.FFN | None, k: int, device: str) -> bool:
-  """Whether glu writes its output in the form down's products read (8- or 16-bit activations), by
-  cuda_src.handoff_fits on this device: where glu's blocks fit one wave, the hand-off saves down more than it costs
-  gate+up (benchmarks/kernel_lab.py)."""
-  return C.handoff_fits(routed, plain, k, sm_count(device), R_LARGE)
+def handoff_rows(routed: C.FFN | None, plain: C.FFN | None, k: int, sms: int, form: str) -> int:
+  """glu's rows per row group where it writes its output in the form down's products read (C.HANDOFF), else 0: where
+  down reads it (C.down_reads_handoff), with R_LARGE where its blocks of 32 outputs fit one wave on a device of `sms`
+  multiprocessors (C.handoff_fits); else, 8-bit, with R_SMALL, blocks of twice the warps at half the registers a
+  thread. On an H200 (benchmarks/kernel_sweep.py), DeepSeek-V2-Lite's 352 blocks: 8-bit, gate+up 11.13 -> 11.41 us and
+  down 8.51 -> 6.54; 16-bit, whose blocks of 16 warps take 100 registers a thread (one a multiprocessor), gate+up
+  12.74 -> 16.56 against down 9.84 -> 7.20, so none."""
+  if not C.down_reads_handoff(routed, plain): return 0
+  if C.handoff_fits(routed, plain, k, sms, R_LARGE): return R_LARGE
+  return R_SMALL if form == "q8" else 0
 
 
 def _glu_down(blk: Block, h: Tensor, routed: C.FFN | None, plain: C.FFN | None, rp: list[Tensor], pp: list[Tensor],
@@ -244,8 +249,8 @@ def _glu_down(blk: Block, h: Tensor, routed: C.FFN | None, plain: C.FFN | None, 
                                                  or plain).gate.ggml_type].block) * QUANT_TYPES[(
                                                    routed or plain).gate.ggml_type].nbytes
   form = {"float32": "f32"}.get(blk.cfg.ffn_act, blk.cfg.ffn_act)
-  ho = form in C.HANDOFF and handoff(routed, plain, K, dev)
-  kg = C.glu(routed, plain, K, hp.dim, hp.eps, R_LARGE, form, ho, sm_count(dev), route)
+  ho = handoff_rows(routed, plain, K, sm_count(dev), form) if form in C.HANDOFF else 0
+  kg = C.glu(routed, plain, K, hp.dim, hp.eps, ho or R_LARGE, form, ho > 0, sm_count(dev), route)
   outs = [empty(n_act // 32 * C.HANDOFF[form] if ho else n_act, device=dev)]
   outs += [empty(1, 1, K, dtype=dtypes.int32, device=dev)] if route else []
   res = launch(kg, [*outs, hf, blk.ffn_norm, *glu_in, *rp, *pp], gu_bytes)

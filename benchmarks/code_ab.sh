@@ -8,7 +8,8 @@
 #
 # Environment [default]:
 #   MODELS    presets written as full-depth synthetic files [glm-4.7-flash deepseek-v2-lite]    QUANT [q4_0]
-#   VARIANTS  TREE:NAME=CONFIG ..., TREE new (the working tree) or a packed tree; run in this order in each repetition
+#   VARIANTS  TREE:NAME=CONFIG ..., TREE new (the working tree) or a packed tree; run in this order in each repetition;
+#             CONFIG is the working tree's file, which every tree runs (its hash is the line's config_hash)
 #             [new:fused-native=benchmarks/configs/fused-native.json old:fused-native=benchmarks/configs/fused-native.json]
 #   REPS [2]  N ROUNDS: tokens per round and rounds of each model bench [32 3]   KERNELS [1]: time the kernels alone first
 #   KINDS     the kernel kinds to time (benchmarks/kernel_lab.py --kinds) [all]
@@ -42,8 +43,8 @@ if [ "${KERNELS:-1}" = 1 ]; then
 fi
 for rep in $(seq "$REPS"); do for m in $MODELS; do for v in $VARIANTS; do
   tree=${v%%:*} rest=${v#*:}; name=${rest%%=*} cfg=${rest#*=}
-  dir=$PWD; [ "$tree" = new ] || dir=$PWD/.ab/$tree
-  res=$( (cd "$dir" && PYTHONPATH=$dir:${PYTHONPATH:-} timeout 200 python3 -m model bench --model "$(file "$m")" --config "$PWD/$cfg" -n "$N" \
+  root=$PWD dir=$PWD; [ "$tree" = new ] || dir=$PWD/.ab/$tree
+  res=$( (cd "$dir" && PYTHONPATH=$dir:${PYTHONPATH:-} timeout 200 python3 -m model bench --model "$(file "$m")" --config "$root/$cfg" -n "$N" \
           --rounds "$ROUNDS" --json) 2> "$OUT/err-$m-$tree-$name-$rep.log" | tail -1)
   python3 - "$m" "$tree" "$name" "$rep" "$res" "$cfg" "$OUT/ab.jsonl" "$LABEL" "$QUANT" "$(cat "$dir/REV" 2>/dev/null)" <<'EOF'
 import datetime, hashlib, json, sys

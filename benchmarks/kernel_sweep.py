@@ -33,8 +33,8 @@ def build(fn, consts: dict, *a, **kw):
 
 def moe(preset: str, sms: int) -> dict[str, dict[str, object]]:
   """gate+up (glu) over rows per group, warps a block (WARPS), the register floor of a one-wave grid (GLU_REGS) and the
-  8-bit hand-off (h: 32 outputs a block), and down reading float32 or the hand-off, each as native.routed_moe builds
-  them (ranking the router's logits)."""
+  8- and 16-bit hand-off (h: 32 outputs a block), and down in each activation form, from floats or from the hand-off
+  (in), over its rows a block (DOWN_ROWS), each ranking the router's logits as native.routed_moe's kernels do."""
   hp = PRESETS[preset]
   W = lambda inp: C.W("", Q4_0, inp)
   dim, F, E, K, Fs = hp.dim, hp.expert_ffn, hp.n_experts, hp.n_used, hp.expert_ffn * hp.n_shared

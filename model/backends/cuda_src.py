@@ -1176,10 +1176,11 @@ def handoff_fits(routed: FFN | None, plain: FFN | None, k: int, sms: int, R: int
   return down_reads_handoff(routed, plain) and handoff_blocks(routed, plain, k) <= REGS // (GLU_REGS * threads) * sms
 
 
-# the rows a block of down (split over units) sums: 8, and 16 above 256 threads where it quantizes its float input
-# itself (the registers that takes leave one block a multiprocessor, and 16 rows keep the grid one wave: DeepSeek-V2-
-# Lite's 384 threads on an H200, 8-bit, 8.51 us against 10.64 with 8 rows; its hand-off needs fewer, 70 registers at 8
-# rows, two blocks a multiprocessor: 6.54 us against 6.96 with 16; benchmarks/kernel_sweep.py)
+# the rows a block of down (split over units) sums: 8, and 16 above 256 threads with a float input, whose units take
+# registers that leave one such block a multiprocessor, so that 16 rows keep the grid one wave (DeepSeek-V2-Lite's 384
+# threads on an H200: 8-bit 8.51 us against 10.64 with 8 rows, float32 10.02 against 10.99); from glu's hand-off a
+# thread needs 70 registers at 8 rows, two blocks a multiprocessor (6.54 us against 6.96 with 16;
+# benchmarks/kernel_sweep.py)
 DOWN_ROWS = (8, 16)
 
 

@@ -147,7 +147,7 @@ def kernels(mod, kind: str, preset: str, handoff: str, sms: int, logits: bool = 
   for act in ("q8", "x16", "f32") if x16 else ("q8", "f32"):
     R = 8 if act == "q8" else 4  # the sources before staged inputs: their rows per group
     ho = (0 if old or act not in forms or handoff == "off" else handoff_rows(routed, plain, K, sms, act)
-          if handoff == "rule" else R_LARGE * reads(routed, plain))
+          if handoff == "rule" else R_LARGE if reads(routed, plain) else 0)
     if old:
       k = (mod.glu(routed, plain, K, dim, hp.rms_eps, R, q8=act == "q8") if kind == "glu"
            else mod.down(routed, plain, K, dim, R, q8=act == "q8"))

@@ -31,6 +31,12 @@ def build(fn, consts: dict, *a, **kw):
     for k, v in saved.items(): setattr(C, k, v)
 
 
+def route(hp) -> C.Route:
+  """The routed stack's ranking, as the preset's router makes it."""
+  return C.Route(hp.n_experts, hp.n_used, 2 if hp.gating == "sigmoid" else 1, hp.exp_probs_bias, hp.norm_topk,
+                 hp.routed_scale)
+
+
 def moe(preset: str, sms: int) -> dict[str, dict[str, object]]:
   """gate+up (glu) over rows per group, warps a block (WARPS), the register floor of a one-wave grid (GLU_REGS) and the
   8- and 16-bit hand-off (h: 32 outputs a block), and down in each activation form, from floats or from the hand-off
@@ -39,9 +45,9 @@ def moe(preset: str, sms: int) -> dict[str, dict[str, object]]:
   W = lambda inp: C.W("", Q4_0, inp)
   dim, F, E, K, Fs = hp.dim, hp.expert_ffn, hp.n_experts, hp.n_used, hp.expert_ffn * hp.n_shared
   routed, plain = C.FFN(W(dim), W(dim), W(F), F, E, F, 0), C.FFN(W(dim), W(dim), W(Fs), Fs, 0, Fs, 0)
-  route = C.Route(E, K, 2 if hp.gating == "sigmoid" else 1, hp.exp_probs_bias, hp.norm_topk, hp.routed_scale)
+  rt = route(hp)
   glu = lambda act, R, w, regs, ho: build(C.glu, {"WARPS": w, "GLU_REGS": regs}, routed, plain, K, dim, hp.rms_eps, R,
-                                          act, ho, sms, route)
+                                          act, ho, sms, rt)
   shapes = ((4, 4, 128), (2, 4, 128), (8, 4, 128), (4, 8, 128), (2, 8, 128), (8, 2, 128), (4, 2, 128), (4, 4, 80),
             (2, 4, 80), (8, 4, 168))
   out = {"glu": {f"{a}R{R}w{w}r{regs}": glu(a, R, w, regs, False) for a in ("q8", "f32") for R, w, regs in shapes}}
@@ -53,7 +59,7 @@ def moe(preset: str, sms: int) -> dict[str, dict[str, object]]:
     forms += [("q8", "q8"), ("x16", "x16")]
   # rows a block: DOWN_ROWS (8 rows, and rows above 256 threads with a float input)
   out["down"] = {f"{a}{'in' if i != 'f32' else ''}r{rows[0]}-{rows[1]}": build(C.down, {"DOWN_ROWS": rows}, routed,
-                                                                             plain, K, dim, a, i, route)
+                                                                             plain, K, dim, a, i, rt)
                  for a, i in forms for rows in ((8, 16), (4, 8), (8, 8), (16, 32))}
   return out
 
@@ -69,8 +75,7 @@ def variants(preset: str, sms: int) -> dict[str, dict[str, object]]:
                                (hp.vocab, dim), tn=1, n=1)
              for a in ("x16", "q8", "f32") for R in (8, 4, 16)},
     "router": {f"R{R}w{w}": build(C.router, {"ROUTER_R": R, "ROUTER_WARPS": w}, C.W("g_", F32, dim), hp.rms_eps,
-                                  C.Route(hp.n_experts, hp.n_used, 2 if hp.gating == "sigmoid" else 1,
-                                          hp.exp_probs_bias, hp.norm_topk, hp.routed_scale))
+                                  route(hp))
                for R, w in ((2, 4), (1, 4), (1, 2), (1, 1), (2, 2), (2, 1), (4, 4), (1, 8), (2, 8))},
     "attention": {f"ch{ch}b{b}": build(C.mla_attention, {"ATT_CHUNK": ch, "ATT_BATCH": b}, H, hp.kv_lora, hp.qk_rope,
                                        L.CTX, (hp.qk_nope + hp.qk_rope) ** -0.5, True)

@@ -1170,10 +1170,10 @@ def handoff_warps(G: int, R: int) -> int:
 
 
 def handoff_fits(routed: FFN | None, plain: FFN | None, k: int, sms: int, R: int) -> bool:
-  """Whether down reads glu's hand-off (it splits over units) and glu's blocks of 32 outputs (R rows per group:
-  handoff_warps, at most GLU_REGS registers a thread) run as one wave on a device of `sms` multiprocessors."""
+  """Whether glu's blocks of 32 outputs with the hand-off (R rows per group: handoff_warps, at most GLU_REGS registers a
+  thread) run as one wave on a device of `sms` multiprocessors."""
   threads = 32 * handoff_warps((routed or plain).gate.group_lanes, R)
-  return down_reads_handoff(routed, plain) and handoff_blocks(routed, plain, k) <= REGS // (GLU_REGS * threads) * sms
+  return handoff_blocks(routed, plain, k) <= REGS // (GLU_REGS * threads) * sms
 
 
 # the rows a block of down (split over units) sums: 8, and 16 above 256 threads with a float input, whose units take

@@ -1,4 +1,4 @@
-"""model.generate.argmax_first (the greedy decode's last four kernels) over vocabulary sizes, at its default rows and
+"""model.generate.argmax_first (the greedy decode's two reductions) over vocabulary sizes, at its default rows and
 alignment and at others (128 unaligned: its form before session 10), each timed on the device per kernel
 (model.profile.kernel_profile, one CUDA graph per kernel name) in a TinyJit that reads a fixed buffer.
 

@@ -29,13 +29,13 @@ import sys
 
 import cupy as cp
 import numpy as np
+from tinygrad import dtypes
 
 from model.backends import cuda_src
 from model.backends.native import R_LARGE, handoff_rows
 from model.presets import PRESETS
-from model.quants import F32, Q4_0, QUANT_TYPES
+from model.quants import F32, LAYOUTS, Q4_0, QUANT_TYPES
 
-Q = QUANT_TYPES[Q4_0]
 KINDS = ["head", "norm_qa_kva", "norm_qb", "absorb", "attention", "v_b", "dense_res", "router", "glu", "down"]
 CTX, POS = 256, 127  # the attention's cache (the evaluator's decode context) and the position it attends from
 FLOOR = r"""
@@ -59,14 +59,17 @@ def load_src(path: str):
   return mod
 
 
-def weight(rows: int, inp: int) -> list:
-  """Random Q4_0 planes (d: float16 scales as uint16, qs: codes) of a (rows, inp) weight, on the device."""
-  nb = inp // Q.block
-  d = (cp.random.standard_normal((rows, nb), dtype=cp.float32) * 0.01).astype(cp.float16).view(cp.uint16)
-  return [d, cp.random.randint(0, 256, (rows, nb * 16), dtype=cp.uint8)]
+def weight(rows: int, inp: int, ggml_type: int = Q4_0) -> list:
+  """Random planes of a (rows, inp) weight of a type, on the device, in the kernels' argument order (LAYOUTS): float16
+  scales as uint16 (small normal values), every other plane random bytes."""
+  nb = inp // QUANT_TYPES[ggml_type].block
+  return [(cp.random.standard_normal((rows, nb * (e - s) // 2), dtype=cp.float32) * 0.01).astype(cp.float16)
+          .view(cp.uint16) if dt == dtypes.float16 else cp.random.randint(0, 256, (rows, nb * (e - s)), dtype=cp.uint8)
+          for s, e, dt in LAYOUTS[ggml_type].values()]
 
 
-def rb(inp: int) -> int: return inp // Q.block * Q.nbytes
+def rb(inp: int, ggml_type: int = Q4_0) -> int:
+  return inp // QUANT_TYPES[ggml_type].block * QUANT_TYPES[ggml_type].nbytes
 
 
 def bandwidth() -> float:
@@ -161,20 +164,21 @@ def kernels(mod, kind: str, preset: str, handoff: str, sms: int, logits: bool = 
   return out
 
 
-def weight_bytes(kind: str, preset: str) -> int:
-  """The weight bytes one launch of a kind must read."""
+def weight_bytes(kind: str, preset: str, head_type: int = Q4_0) -> int:
+  """The weight bytes one launch of a kind must read (the output head of type head_type, every other weight Q4_0)."""
   hp = PRESETS[preset]
   dim, F, K, Fs, H = hp.dim, hp.expert_ffn, hp.n_used, hp.expert_ffn * hp.n_shared, hp.n_heads
   first, kv, nq = hp.q_lora or H * (hp.qk_nope + hp.qk_rope), hp.kv_lora + hp.qk_rope, H * (hp.qk_nope + hp.qk_rope)
-  return {"head": hp.vocab * rb(dim), "norm_qa_kva": (first + kv) * rb(dim),
+  return {"head": hp.vocab * rb(dim, head_type), "norm_qa_kva": (first + kv) * rb(dim),
           "norm_qb": nq * rb(hp.q_lora) if hp.q_lora else 0, "absorb": H * hp.kv_lora * rb(hp.qk_nope),
           "attention": (POS + 1) * (hp.kv_lora + hp.qk_rope) * 2,
           "v_b": H * hp.v_head * rb(hp.kv_lora), "dense_res": dim * rb(H * hp.v_head), "router": hp.n_experts * dim * 4,
           "glu": (2 * K * F + 2 * Fs) * rb(dim), "down": (K * F + Fs) * rb(dim)}[kind]
 
 
-def launches(kind: str, preset: str) -> tuple[object, object]:
-  """(output array, args(k) -> launch arg tuples) of one kind: its weights over copies (and experts), allocated here."""
+def launches(kind: str, preset: str, head_type: int = Q4_0) -> tuple[object, object]:
+  """(output array, args(k) -> launch arg tuples) of one kind: its weights over copies (and experts), allocated here;
+  the output head's of type head_type."""
   hp = PRESETS[preset]
   dim, F, E, K, V, H = hp.dim, hp.expert_ffn, hp.n_experts, hp.n_used, hp.vocab, hp.n_heads
   Fs = hp.expert_ffn * hp.n_shared
@@ -184,7 +188,7 @@ def launches(kind: str, preset: str) -> tuple[object, object]:
   gamma = cp.random.standard_normal(max(dim, hp.kv_lora, hp.q_lora), dtype=cp.float32)
   f = lambda n: cp.zeros(n, dtype=cp.float32)
   if kind == "head":
-    cs = [weight(V, dim) for _ in range(2)]
+    cs = [weight(V, dim, head_type) for _ in range(2)]
     o = f(V)
     return o, lambda k: [(o, x, *c) for c in cs * 8]
   if kind in ("norm_qa_kva", "norm_qb"):

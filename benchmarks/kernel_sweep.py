@@ -1,12 +1,13 @@
 """The native decode kernels' launch shapes swept, at the real shapes of GLM-4.7-Flash and DeepSeek-V2-Lite Q4_0: the
 router's rows per group and warps (ROUTER_R, ROUTER_WARPS), the MLA attention's positions per block and per warp
 (ATT_CHUNK, ATT_BATCH), the residual and norm-folded products' rows per group, warps, staged reads and activations
-(f32, or 8 bits per 32: q8), the output head's input form and rows per group, and the MoE kernels (gate+up and
-down: moe()). Each variant is built from this tree's model/backends/cuda_src.py with those constants or arguments and
-timed as benchmarks/kernel_lab.py times a kernel (median of 3 interleaved timings of one CUDA graph of launches over
-weights L2 does not hold).
+(f32, or 8 bits per 32: q8), the output head's input form and rows per group (of each of --head-types), and the MoE
+kernels (gate+up and down: moe()). Each variant is built from this tree's model/backends/cuda_src.py with those
+constants or arguments and timed as benchmarks/kernel_lab.py times a kernel (median of 3 interleaved timings of one CUDA
+graph of launches over weights L2 does not hold).
 
-  PYTHONPATH=. python benchmarks/kernel_sweep.py [--kinds router attention dense_res glu down ...] [--json out.jsonl]
+  PYTHONPATH=. python benchmarks/kernel_sweep.py [--kinds router attention dense_res glu down head ...]
+    [--head-types Q4_0 Q8_0 ...] [--json out.jsonl]
 """
 import argparse
 import datetime
@@ -19,7 +20,7 @@ import cupy as cp
 from benchmarks import kernel_lab as L
 from model.backends import cuda_src as C
 from model.presets import PRESETS
-from model.quants import F32, Q4_0
+from model.quants import F32, Q4_0, QUANT_TYPES
 
 
 def build(fn, consts: dict, *a, **kw):
@@ -64,16 +65,21 @@ def moe(preset: str, sms: int) -> dict[str, dict[str, object]]:
   return out
 
 
+def head(preset: str, ggml_type: int) -> dict[str, object]:
+  """The output head of a type over its input's form (x16 and q8 where the type has integer codes) and rows per group
+  (single_token_form's, for a wide product)."""
+  hp = PRESETS[preset]
+  acts = ("x16", "q8", "f32") if C.UNITS[ggml_type].idot else ("f32",)
+  return {f"{a}R{R}": build(C.product, {"single_token_form": lambda t, rows, a=a, R=R: (a, R)}, "dense", ggml_type,
+                            (hp.vocab, hp.dim), tn=1, n=1) for a in acts for R in (8, 4, 16)}
+
+
 def variants(preset: str, sms: int) -> dict[str, dict[str, object]]:
   hp = PRESETS[preset]
   W = lambda inp, p="": C.W(p, Q4_0, inp)
   H, dim = hp.n_heads, hp.dim
   first, kv, nq = hp.q_lora or H * (hp.qk_nope + hp.qk_rope), hp.kv_lora + hp.qk_rope, H * (hp.qk_nope + hp.qk_rope)
   out = {
-    # the output head: its input's form and rows per group (single_token_form's, for a wide product)
-    "head": {f"{a}R{R}": build(C.product, {"single_token_form": lambda t, rows, a=a, R=R: (a, R)}, "dense", Q4_0,
-                               (hp.vocab, dim), tn=1, n=1)
-             for a in ("x16", "q8", "f32") for R in (8, 4, 16)},
     "router": {f"R{R}w{w}": build(C.router, {"ROUTER_R": R, "ROUTER_WARPS": w}, C.W("g_", F32, dim), hp.rms_eps,
                                   route(hp))
                for R, w in ((2, 4), (1, 4), (1, 2), (1, 1), (2, 2), (2, 1), (4, 4), (1, 8), (2, 8))},
@@ -100,15 +106,18 @@ def variants(preset: str, sms: int) -> dict[str, dict[str, object]]:
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--kinds", nargs="+", default=["router", "attention", "dense_res", "norm_qa_kva", "norm_qb"])
+  p.add_argument("--head-types", nargs="+", default=["Q4_0"], choices=[QUANT_TYPES[t].name for t in C.UNITS],
+                 help="the output head's weight types (kind head)")
   p.add_argument("--json", help="append one JSON line per variant")
   args = p.parse_args()
+  types = {q.name: t for t, q in QUANT_TYPES.items()}
   dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
   sms = cp.cuda.Device().attributes["MultiProcessorCount"]
   for preset in ("glm-4.7-flash", "deepseek-v2-lite"):
-    for kind, ks in variants(preset, sms).items():
-      if kind not in args.kinds: continue
-      nbytes = L.weight_bytes(kind, preset)
-      out, make = L.launches(kind, preset)
+    heads = [("head", types[n], head(preset, types[n])) for n in args.head_types] if "head" in args.kinds else []
+    for kind, wt, ks in heads + [(k, Q4_0, ks) for k, ks in variants(preset, sms).items() if k in args.kinds]:
+      nbytes = L.weight_bytes(kind, preset, wt)
+      out, make = L.launches(kind, preset, wt)
       calls = {}
       for label, k in ks.items():
         fn = cp.RawKernel(k.src, k.name, options=("--std=c++17",))
@@ -118,13 +127,15 @@ def main() -> None:
         for label, (call, ls, _, _) in calls.items(): times.setdefault(label, []).append(L.timed(call, ls))
       for label, ts in sorted(times.items(), key=lambda kv: statistics.median(kv[1])):
         t, (_, _, k, fn) = statistics.median(ts), calls[label]
-        print(f"{preset:17s} {kind:11s} {label:12s} {t * 1e6:7.2f} us [{min(ts) * 1e6:.2f}-{max(ts) * 1e6:.2f}] "
+        print(f"{preset:17s} {kind:11s} {QUANT_TYPES[wt].name:5s} {label:12s} {t * 1e6:7.2f} us "
+              f"[{min(ts) * 1e6:.2f}-{max(ts) * 1e6:.2f}] "
               f"{nbytes / t / 1e9:5.0f} GB/s regs {fn.num_regs} grid {k.grid} threads {k.threads}", flush=True)
         if args.json:
           with open(args.json, "a") as fh:
             fh.write(json.dumps({"date": datetime.date.today().isoformat(), "kind": "kernel_sweep",
                                  "device": f"{dev} (CUDA, cupy graph)", "model": f"{preset} (synthetic, exact shapes)",
-                                 "layers": 0, "quant": "Q4_0", "kernel": kind, "variant": label, "name": k.name,
+                                 "layers": 0, "quant": QUANT_TYPES[wt].name, "kernel": kind, "variant": label,
+                                 "name": k.name,
                                  "us": round(t * 1e6, 2), "us_min": round(min(ts) * 1e6, 2),
                                  "us_max": round(max(ts) * 1e6, 2), "regs": fn.num_regs, "grid": list(k.grid),
                                  "threads": k.threads,

@@ -417,14 +417,13 @@ class Transformer:
     for b in self.blocks: x = b(x, start_pos, pos, self.act)
     return self.head(x if all_logits else x[:, -1:])
 
-  def embed(self, tokens: Tensor) -> Tensor: return self.token_embd.rows(tokens).cast(self.act)
+  def embed(self, tokens: Tensor) -> Tensor: return K.rows(self.token_embd, tokens).cast(self.act)
 
   def head(self, x: Tensor) -> Tensor: return K.linear(rms_norm(x, self.output_norm, self.hp.eps), self.output)
 
   def decode_pos(self, start_pos: int | UOp) -> Tensor | None:
     """The position as a device tensor, for the fused stages' kernels (None when the config fuses none)."""
-    return ((Tensor.zeros(1, dtype=dtypes.int32, device=self.device) + start_pos).contiguous() if self.cfg.fused
-            else None)
+    return Tensor.full((1,), start_pos, dtype=dtypes.int32, device=self.device).contiguous() if self.cfg.fused else None
 
   @property
   def kv_cache_bytes(self) -> int: return sum(b.cache.nbytes() for b in self.blocks)

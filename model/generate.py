@@ -43,21 +43,21 @@ def capture_first(fn) -> TinyJit:
 
 
 def argmax_first(x: Tensor, group: int = 256, align: int = 32) -> Tensor:
-  """Index of the first maximum of a 1-D tensor, as np.argmax gives it: each row of `group` values finds its maximum
-  and the first index holding it, then the smallest such index among the rows holding the overall maximum. Every
-  maximum is a buffer before it is compared with (tinygrad's argmax fuses its max into the comparison, one serial loop
-  inside another over the whole input), and each reduction runs over one axis of rows in parallel or over the row
-  results. The rows are padded (with -inf) to a multiple of `align`: tinygrad's heuristics then split them over
-  workgroups, where a count that 16 does not divide leaves one thread per row looping alone (on an H100, 6-7 us for
-  every vocabulary of 32000-154880 against 7-49 us for unpadded rows of 128; GLM-4.7-Flash's 154880 took 49)."""
-  n = x.shape[0]
+  """Index of the first maximum of a 1-D float32 tensor, as np.argmax gives it, in two reductions: each value becomes
+  one int64 key, its order-preserving integer (bits, with -0.0 as +0.0) above the complement of its index, so the
+  largest key holds the maximum and, among equal values, the first index. Each row of `group` keys finds its largest,
+  then the rows' largest is the answer (on an H200, 3.1 us for DeepSeek-V2-Lite's 102400 logits:
+  benchmarks/argmax_lab.py). The rows are padded to a multiple of `align`: tinygrad's heuristics then split them over
+  workgroups, where a count that 16 does not divide leaves one thread per row looping alone (on an H100, 7-49 us for
+  unpadded rows of 128)."""
+  n, low = x.shape[0], (1 << 32) - 1
+  b = x.float().bitcast(dtypes.int32)
+  ordered = (b < 0).where((b ^ 0x7FFFFFFF) + 1, b).cast(dtypes.int64)
+  key = ordered * (1 << 32) + (low - Tensor.arange(n, dtype=dtypes.int64))
   rows = -(-n // (group * align)) * align
-  g = x.pad((0, rows * group - n), value=float("-inf")).reshape(rows, group)
-  m = g.max(1, keepdim=True).contiguous()
-  idx = Tensor.arange(rows * group, dtype=dtypes.int32).reshape(rows, group)
-  first = (g == m).where(idx, rows * group).min(1).contiguous()
-  top = m.max().contiguous()
-  return (m.reshape(rows) == top).where(first, rows * group).min()
+  # padded below every key (the smallest is -2**63 + 2**32); int64's own minimum renders as an unsigned C literal
+  m = key.pad((0, rows * group - n), value=dtypes.int64.min + 1).reshape(rows, group).max(1).contiguous()
+  return low - (m.max() & low)
 
 
 def block_inputs(blk: Block) -> tuple[list[Tensor], tuple]:
@@ -142,8 +142,7 @@ class Generator:
     """A greedy step on the sequence buffer: its token at start_pos in, the next token written at start_pos + 1."""
     tok = self.seq.shrink(((start_pos, start_pos + 1),)).reshape(1, 1)
     nxt = argmax_first(self.model.forward(tok, start_pos)[0, -1]).cast(dtypes.int32)
-    at = Tensor.arange(self.seq.shape[0], dtype=dtypes.int32) - start_pos == 1
-    return self.seq.assign(at.where(nxt, self.seq))
+    return self.seq.shrink(((start_pos + 1, start_pos + 2),)).assign(nxt.reshape(1))
 
   def _sample(self, token: Tensor, start_pos: UOp, temperature: Tensor, seed: Tensor) -> Tensor:
     logits = self.model.forward(token, start_pos)[0, -1]

@@ -108,10 +108,18 @@ def test_generation_is_deterministic(gguf_file) -> None:
 @pytest.mark.parametrize("n", [5, 128, 129, 1000, 154880])
 def test_argmax_first_is_numpys(n: int) -> None:
   rng = np.random.default_rng(n)
-  # the second: many ties
-  for x in (rng.standard_normal(n).astype(np.float32), np.round(rng.standard_normal(n), 1).astype(np.float32)):
+  # many ties; every value below -2 (keys below the half of int64's range); infinities
+  for x in (rng.standard_normal(n).astype(np.float32), np.round(rng.standard_normal(n), 1).astype(np.float32),
+            (rng.standard_normal(n) - 1e6).astype(np.float32), np.full(n, -np.inf, np.float32)):
     x[rng.integers(0, n, 3)] = x.max()  # the maximum three more times, in different groups
     assert int(argmax_first(Tensor(x)).item()) == int(np.argmax(x))
+
+
+def test_argmax_first_counts_signed_zeros_alike() -> None:
+  """-0.0 equals 0.0 (np.argmax takes the first of them), and every negative value is below both."""
+  for vals in ([-1.0, -0.0, 0.0, -2.0], [-1.0, 0.0, -0.0], [-3.0, -np.finfo(np.float32).tiny, -0.0]):
+    x = np.array(vals, np.float32)
+    assert int(argmax_first(Tensor(x)).item()) == int(np.argmax(x)), vals
 
 
 def test_argmax_rows_are_padded_to_a_multiple_of_align() -> None:

@@ -100,7 +100,7 @@ def test_native_sources_compile_for_ampere_and_hopper(glm_file, gguf_file, monke
               for role, shape, dims in (("dense", (1536, 2048), {"tn": 8, "n": 13}),
                                         ("per_head", (20, 512, 256), {"tn": 8, "n": 11, "heads": 20}))]
   names = {k.name.split("_")[1] for k in kernels}
-  assert {"dense", "per", "expert", "mla", "router", "glu", "down"} <= names, names
+  assert {"dense", "per", "expert", "mla", "router", "glu", "down", "rows"} <= names, names
   for k in kernels:
     assert re.search(rf"void __launch_bounds__\({k.threads}(, \d+)?\) {k.name}\(", k.src), k.name
     for compiler in compilers: assert compiler.compile(k.src), (compiler.arch, k.name)
@@ -126,6 +126,19 @@ def test_fused_stages_in_the_cpu_emulator(gguf_file, monkeypatch, preset: str, m
   base = eager_logits(path, StructureConfig())
   with native_on_cpu(monkeypatch): got = eager_logits(path, StructureConfig.from_dict(ALL_NATIVE))
   assert_close("all stages native", got, base, 2e-2)
+
+
+@pytest.mark.parametrize("mix,quant", [("q4_0", "Q4_0"), ("q4_k_m", "Q4_K")])
+def test_the_embedding_is_its_backends_in_the_cpu_emulator(gguf_file, monkeypatch, mix: str, quant: str) -> None:
+  """The embedding lookup is the token table's backend's (registry.rows): with its type's dense products on the native
+  backend a decode step looks the token up in one native kernel (cuda_src.rows), and run by the CUDA emulator the
+  logits equal the baseline's within the fp16 bound."""
+  path, cfg = gguf_file("tiny", mix), StructureConfig(backends={f"{quant}:dense": "native"})
+  assert any(k.name.startswith(f"native_rows_{quant.lower()}_") for k in model_kernels(path, cfg, monkeypatch))
+  monkeypatch.undo()
+  base = eager_logits(path, StructureConfig())
+  with native_on_cpu(monkeypatch): got = eager_logits(path, cfg)
+  assert_close("native dense products and embedding", got, base, 2e-2)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-lite"])
@@ -507,14 +520,29 @@ def test_down_issues_its_weight_reads_before_its_wait() -> None:
   assert body.index(cuda_src.WAIT) < min(body.index("early_logits +"), body.index("force["), body.index("__ldcs("))
 
 
-@pytest.mark.parametrize("quant,form", [("Q4_0", "x16"), ("Q8_0", "x16"), ("Q6_K", "f32")])
-def test_wide_products_read_x_as_two_8bit_planes(quant: str, form: str) -> None:
+@pytest.mark.parametrize("quant", ["Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"])
+def test_rows_dequantize_the_selected_rows(quant: str) -> None:
+  """The embedding lookup (cuda_src.rows): each selected row of the weight as gguf dequantizes it, in one kernel of a
+  thread per unit; an id outside the weight reads its nearest row."""
+  t, V, inp = TYPES[quant], 5, 512
+  planes, w = kernel_weight(t, (V, inp), 11)
+  ids = np.array([3, 0, 4, 9, -2], np.int32)
+  k = cuda_src.rows(t, (V, inp), len(ids))
+  out = np.zeros((len(ids), inp), np.float32)
+  launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [out, ids, *planes])
+  want = w[np.clip(ids, 0, V - 1)]
+  assert np.abs(out - want).max() <= 1e-6 * np.abs(want).max(), quant
+
+
+@pytest.mark.parametrize("quant,form,rows", [("Q4_0", "x16", 16), ("Q8_0", "x16", 8), ("Q4_K", "f32", 8),
+                                            ("Q6_K", "f32", 8)])
+def test_wide_products_read_x_as_two_8bit_planes(quant: str, form: str, rows: int) -> None:
   """A single-token product of WIDE rows or more (the output head) reads x as two 8-bit planes per 32 where the type has
   integer codes: x kept to 1/64516 of each unit's largest value, so its products stay within 1e-3 of the float product's
-  std (an outlier 40x the others included), where 8 bits alone are off by about 3e-2."""
+  std (an outlier 40x the others included), where 8 bits alone are off by about 3e-2; at its type's rows per group."""
   t, rng, inp = TYPES[quant], np.random.default_rng(7), 256
   assert cuda_src.single_token_form(t, cuda_src.WIDE - 1) == ("f32", cuda_src.R_PRODUCT)
-  assert cuda_src.single_token_form(t, cuda_src.WIDE) == (form, cuda_src.R_WIDE)
+  assert cuda_src.single_token_form(t, cuda_src.WIDE) == (form, rows)
   planes, w = kernel_weight(t, (cuda_src.WIDE, inp), 3)
   x = rng.standard_normal(inp).astype(np.float32)
   x[5] = 40.0
@@ -897,8 +925,9 @@ def test_gate_up_and_down_route_from_the_logits(gating: int) -> None:
 
 def test_fused_stages_leave_no_per_op_kernel_in_a_block(gguf_file, tmp_path, monkeypatch) -> None:
   """With all four stages native, a decode step's blocks run native kernels only: 8 per dense block, 9 per MoE block,
-  and the step's own few kernels (position, embedding, final norm, the greedy argmax's four, the next token's write into
-  the sequence buffer) are the same at any depth
+  and the step's own few kernels are the same at any depth: the position, the token read from the sequence buffer, its
+  embedding row (native), the final norm's two, the head (native), the greedy argmax's two reductions and the next
+  token's write into the sequence buffer
   (counted in the JIT's captured graph on the CPU, the native kernels standing in as custom kernels that compute
   nothing)."""
   from native_cpu import launch_nothing
@@ -915,8 +944,9 @@ def test_fused_stages_leave_no_per_op_kernel_in_a_block(gguf_file, tmp_path, mon
     gen = Generator(Transformer(GGUFFile(path), cfg, max_context=16))
     for i in range(3): gen.step(1, i)
     names = [n for n, _ in jit_kernels(gen.step_jit)]
-    # all but the head
-    per_block = [n for n in names if n.startswith("native_") and not n.startswith("native_dense_q4_0_1024_")]
+    # all but the embedding and the head
+    per_block = [n for n in names if n.startswith("native_") and not n.startswith(("native_dense_q4_0_1024_",
+                                                                                    "native_rows_q4_0_1024_"))]
     assert len(per_block) == 8 * dense + 9 * moe, names
     counts[path] = len(names) - len(per_block)
-  assert len(set(counts.values())) == 1 and next(iter(counts.values())) <= 12, counts
+  assert len(set(counts.values())) == 1 and next(iter(counts.values())) == 9, counts

@@ -63,6 +63,14 @@ def _product(role: str, out_shape: tuple[int, ...], x: Tensor, extra: list[Tenso
   return launch(k, [out, x, *extra, *planes(w)], mem, 2 * prod(out_shape) * w.shape[-1])[0]
 
 
+def rows(w: QWeight, idx: Tensor) -> Tensor:
+  """Float rows selected by an integer tensor (the embedding lookup): (*idx.shape, in), in one kernel."""
+  n, inp = prod(idx.shape), w.shape[-1]
+  out = launch(C.rows(w.ggml_type, w.shape, n), [empty(n, inp, device=idx.device), i32(idx).reshape(n), *planes(w)],
+               n * (row_bytes(w) + inp * 4))[0]
+  return out.reshape(*idx.shape, inp)
+
+
 def linear(x: Tensor, w: QWeight) -> Tensor:
   """x (..., in) @ w.T -> (..., out) float32, for a weight of shape (out, in)."""
   lead, (out, inp) = x.shape[:-1], w.shape
@@ -285,6 +293,7 @@ class NativeBackend(Backend):
     return {"part": Tensor.zeros(hp.n_heads * splits * (hp.kv_lora + 2), device=device).contiguous().realize(),
             "router_cnt": Tensor.zeros(1, dtype=dtypes.int32, device=device).contiguous().realize()}
 
+  def rows(self, w: QWeight, idx: Tensor) -> Tensor: return rows(w, idx)
   def linear(self, x: Tensor, w: QWeight) -> Tensor: return linear(x, w)
   def per_head(self, x: Tensor, w: QWeight) -> Tensor: return per_head(x, w)
   def expert(self, x: Tensor, sel: Tensor, w: QWeight) -> Tensor: return expert(x, sel, w)

@@ -18,10 +18,11 @@ if TYPE_CHECKING:
 
 
 class Backend:
-  """An implementation of a catalog row: the products linear(x, w), per_head(x, w), expert(x, sel, w) (signatures
-  below), and for each fused stage of its row a function of the same name (attention, router, moe, ffn). routed_moe,
-  where it has one: the router and MoE stages in one, for a config that gives both to it: (blk, h, forced) -> (h + MoE
-  FFN(h), its own top-k ids, the router logits)."""
+  """An implementation of a catalog row: the products linear(x, w), per_head(x, w), expert(x, sel, w) and the lookup
+  rows(w, idx) (signatures below; rows is tinygrad's QWeight.rows unless the backend has its own), and for each fused
+  stage of its row a function of the same name (attention, router, moe, ffn). routed_moe, where it has one: the router
+  and MoE stages in one, for a config that gives both to it: (blk, h, forced) -> (h + MoE FFN(h), its own top-k ids,
+  the router logits)."""
   name: str = ""
   routed_moe = None
 
@@ -43,6 +44,8 @@ class Backend:
                         f"{', '.join(sorted(self.row.quants))}")
     w.backend = self.name
     return w
+
+  def rows(self, w: QWeight, idx: Tensor) -> Tensor: return w.rows(idx)
 
   def scratch(self, hp, max_context: int, device: str | None) -> dict[str, Tensor]:
     """The buffers its fused stages share, allocated once per model (for a row with `scratch`)."""
@@ -66,7 +69,12 @@ def get(name: str) -> Backend:
   return REGISTRY[name]
 
 
-# products: dispatched to the weight's backend
+# products and lookups: dispatched to the weight's backend
+def rows(w: QWeight, idx: Tensor) -> Tensor:
+  """Float rows of w (rows, in) selected by an integer tensor (the embedding lookup): (*idx.shape, in)."""
+  return get(w.backend).rows(w, idx)
+
+
 def linear(x: Tensor, w: QWeight) -> Tensor:
   """x (..., in) @ w.T -> (..., out) float32, for a weight of shape (out, in)."""
   return get(w.backend).linear(x, w)

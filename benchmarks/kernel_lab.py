@@ -123,7 +123,9 @@ def kernels(mod, kind: str, preset: str, handoff: str, sms: int, logits: bool = 
   wave = {"sms": sms} if "sms" in inspect.signature(mod.glu).parameters else {}  # sources that size for one wave
   routed, plain = mod.FFN(W(dim), W(dim), W(F), F, E, F, 0), mod.FFN(W(dim), W(dim), W(Fs), Fs, 0, Fs, 0)
   first, nq = hp.q_lora or H * (hp.qk_nope + hp.qk_rope), H * (hp.qk_nope + hp.qk_rope)
-  if kind == "head": return [("f32", mod.product("dense", Q4_0, (V, dim), tn=1, n=1))]
+  if kind == "head":  # with the final norm folded in where the source has it (cuda_src.head)
+    return [("f32", mod.head(Q4_0, (V, dim), hp.rms_eps) if hasattr(mod, "head")
+             else mod.product("dense", Q4_0, (V, dim), tn=1, n=1))]
   if kind == "norm_qa_kva":  # as native.attention builds it (sources before QKV_ROWS: 4 rows, 4 warps)
     shape = ({"warps": mod.QKV_WARPS} if hasattr(mod, "QKV_WARPS") else {}) | wave
     return [("f32", mod.dense(((W(dim, "a_"), first), (W(dim, "b_"), hp.kv_lora + hp.qk_rope)),
@@ -190,7 +192,7 @@ def launches(kind: str, preset: str, head_type: int = Q4_0) -> tuple[object, obj
   if kind == "head":
     cs = [weight(V, dim, head_type) for _ in range(2)]
     o = f(V)
-    return o, lambda k: [(o, x, *c) for c in cs * 8]
+    return o, lambda k: [(o, x, *([gamma] if "_norm_" in k.name else []), *c) for c in cs * 8]
   if kind in ("norm_qa_kva", "norm_qb"):
     first, kv, nq = hp.q_lora or H * (hp.qk_nope + hp.qk_rope), hp.kv_lora + hp.qk_rope, H * (hp.qk_nope + hp.qk_rope)
     shapes = [(first, dim), (kv, dim)] if kind == "norm_qa_kva" else [(nq, hp.q_lora)]

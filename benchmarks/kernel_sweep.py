@@ -56,7 +56,7 @@ def moe(preset: str, sms: int) -> dict[str, dict[str, object]]:
   forms = [("f32", "f32"), ("q8", "f32"), ("x16", "f32")]
   if C.down_reads_handoff(routed, plain):
     out["glu"] |= {f"{a}hR{R}r{regs}": glu(a, R, 4, regs, True) for a in ("q8", "x16")
-                   for R, regs in ((4, 128), (8, 128), (2, 128), (8, 168), (4, 80))}
+                   for R, regs in ((4, 128), (8, 128), (2, 128), (8, 168), (4, 80), (2, 40))}
     forms += [("q8", "q8"), ("x16", "x16")]
   # rows a block: DOWN_ROWS (8 rows, and rows above 256 threads with a float input)
   out["down"] = {f"{a}{'in' if i != 'f32' else ''}r{rows[0]}-{rows[1]}": build(C.down, {"DOWN_ROWS": rows}, routed,
@@ -67,11 +67,15 @@ def moe(preset: str, sms: int) -> dict[str, dict[str, object]]:
 
 def head(preset: str, ggml_type: int) -> dict[str, object]:
   """The output head of a type over its input's form (x16 and q8 where the type has integer codes) and rows per group
-  (single_token_form's, for a wide product)."""
+  (single_token_form's, for a wide product): the product alone, and with the final norm folded in (cuda_src.head:
+  norm-prefixed, x staged once a block)."""
   hp = PRESETS[preset]
   acts = ("x16", "q8", "f32") if C.UNITS[ggml_type].idot else ("f32",)
-  return {f"{a}R{R}": build(C.product, {"single_token_form": lambda t, rows, a=a, R=R: (a, R)}, "dense", ggml_type,
-                            (hp.vocab, hp.dim), tn=1, n=1) for a in acts for R in (8, 4, 16)}
+  form = lambda a, R: {"single_token_form": lambda t, rows, a=a, R=R: (a, R)}
+  out = {f"{a}R{R}": build(C.product, form(a, R), "dense", ggml_type, (hp.vocab, hp.dim), tn=1, n=1)
+         for a in acts for R in (8, 4, 16)}
+  return out | {f"norm{a}R{R}": C.dense(((C.W("a_", ggml_type, hp.dim), hp.vocab),), R, hp.rms_eps, act=a)
+                for a in acts for R in (8, 4, 16)}
 
 
 def variants(preset: str, sms: int) -> dict[str, dict[str, object]]:

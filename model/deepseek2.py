@@ -419,7 +419,11 @@ class Transformer:
 
   def embed(self, tokens: Tensor) -> Tensor: return K.rows(self.token_embd, tokens).cast(self.act)
 
-  def head(self, x: Tensor) -> Tensor: return K.linear(rms_norm(x, self.output_norm, self.hp.eps), self.output)
+  def head(self, x: Tensor) -> Tensor:
+    """The final norm and the output head (in one, where the output weight's backend folds the norm: norm_linear)."""
+    fold = K.get(self.output.backend).norm_linear
+    if fold is not None: return fold(x, self.output_norm, self.hp.eps, self.output)
+    return K.linear(rms_norm(x, self.output_norm, self.hp.eps), self.output)
 
   def decode_pos(self, start_pos: int | UOp) -> Tensor | None:
     """The position as a device tensor, for the fused stages' kernels (None when the config fuses none)."""

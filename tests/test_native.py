@@ -131,10 +131,13 @@ def test_fused_stages_in_the_cpu_emulator(gguf_file, monkeypatch, preset: str, m
 @pytest.mark.parametrize("mix,quant", [("q4_0", "Q4_0"), ("q4_k_m", "Q4_K")])
 def test_the_embedding_is_its_backends_in_the_cpu_emulator(gguf_file, monkeypatch, mix: str, quant: str) -> None:
   """The embedding lookup is the token table's backend's (registry.rows): with its type's dense products on the native
-  backend a decode step looks the token up in one native kernel (cuda_src.rows), and run by the CUDA emulator the
-  logits equal the baseline's within the fp16 bound."""
+  backend a decode step looks the token up in one native kernel (cuda_src.rows), and the output head folds the final
+  norm into its product where it is of that type too (the q4_0 mix: Backend.norm_linear, cuda_src.head); run by the
+  CUDA emulator the logits equal the baseline's within the fp16 bound."""
   path, cfg = gguf_file("tiny", mix), StructureConfig(backends={f"{quant}:dense": "native"})
-  assert any(k.name.startswith(f"native_rows_{quant.lower()}_") for k in model_kernels(path, cfg, monkeypatch))
+  names = [k.name for k in model_kernels(path, cfg, monkeypatch)]
+  assert any(n.startswith(f"native_rows_{quant.lower()}_") for n in names), names
+  assert any(n.startswith(f"native_dense_norm_{quant.lower()}x1024x") for n in names) == (mix == "q4_0"), names
   monkeypatch.undo()
   base = eager_logits(path, StructureConfig())
   with native_on_cpu(monkeypatch): got = eager_logits(path, cfg)
@@ -555,6 +558,26 @@ def test_wide_products_read_x_as_two_8bit_planes(quant: str, form: str, rows: in
   assert err < (1e-3 if form == "x16" else 1e-5), err
 
 
+@pytest.mark.parametrize("quant,rows,form", [("Q4_0", cuda_src.WIDE, "x16"), ("Q8_0", cuda_src.WIDE, "x16"),
+                                             ("Q4_K", cuda_src.WIDE, "f32"), ("Q4_0", 96, "f32")])
+def test_the_head_folds_the_final_norm(quant: str, rows: int, form: str) -> None:
+  """The output head (cuda_src.head) is one kernel of W . rmsnorm(x) * gamma in its type's single-token form: within
+  1e-3 of the float product's std with x16 (x normalised, then kept to 16 bits once a block), to float rounding with
+  float32 input, an outlier 40x the others included."""
+  t, rng, inp, eps = TYPES[quant], np.random.default_rng(8), 256, 1e-5
+  planes, w = kernel_weight(t, (rows, inp), 5)
+  x, gamma = rng.standard_normal(inp).astype(np.float32), rng.uniform(0.5, 1.5, inp).astype(np.float32)
+  x[5] = 40.0
+  k = cuda_src.head(t, (rows, inp), eps)
+  assert k.name.startswith("native_dense_norm_") and k.name.endswith("_x16") == (form == "x16"), k.name
+  out = np.zeros(rows, np.float32)
+  launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [out, x, gamma, *planes])
+  xd = x.astype(np.float64)
+  want = w @ (xd / np.sqrt(np.mean(xd ** 2) + eps) * gamma)
+  err = np.abs(out - want).max() / want.std()
+  assert err < (1e-3 if form == "x16" else 1e-5), err
+
+
 @pytest.mark.parametrize("mix", ["q4_0", "q8_0"])
 def test_q8_activations_in_the_cpu_emulator(gguf_file, monkeypatch, mix: str) -> None:
   """ffn_act=q8 on the fused FFN stages, native (emulated) and dsl, in a model: decode logits near the baseline's and
@@ -926,8 +949,8 @@ def test_gate_up_and_down_route_from_the_logits(gating: int) -> None:
 def test_fused_stages_leave_no_per_op_kernel_in_a_block(gguf_file, tmp_path, monkeypatch) -> None:
   """With all four stages native, a decode step's blocks run native kernels only: 8 per dense block, 9 per MoE block,
   and the step's own few kernels are the same at any depth: the position, the token read from the sequence buffer, its
-  embedding row (native), the final norm's two, the head (native), the greedy argmax's two reductions and the next
-  token's write into the sequence buffer
+  embedding row (native), the head with the final norm folded in (native), the greedy argmax's two reductions and the
+  next token's write into the sequence buffer
   (counted in the JIT's captured graph on the CPU, the native kernels standing in as custom kernels that compute
   nothing)."""
   from native_cpu import launch_nothing
@@ -945,8 +968,8 @@ def test_fused_stages_leave_no_per_op_kernel_in_a_block(gguf_file, tmp_path, mon
     for i in range(3): gen.step(1, i)
     names = [n for n, _ in jit_kernels(gen.step_jit)]
     # all but the embedding and the head
-    per_block = [n for n in names if n.startswith("native_") and not n.startswith(("native_dense_q4_0_1024_",
+    per_block = [n for n in names if n.startswith("native_") and not n.startswith(("native_dense_norm_q4_0x1024x",
                                                                                     "native_rows_q4_0_1024_"))]
     assert len(per_block) == 8 * dense + 9 * moe, names
     counts[path] = len(names) - len(per_block)
-  assert len(set(counts.values())) == 1 and next(iter(counts.values())) == 9, counts
+  assert len(set(counts.values())) == 1 and next(iter(counts.values())) == 7, counts

@@ -756,12 +756,12 @@ QKV_ROWS, QKV_WARPS = 2, 8  # the first attention kernel (q_a and kv_a, norm fol
 def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, residual: bool = False,
           warps: int = WARPS, act: str = "f32", sms: int = 0) -> Kernel:
   """out_j = [res +] W_j . [rmsnorm(x) * gamma] for each weight j (blockIdx.y picks it): a norm folded into one or two
-  products of one input (q_a and kv_a), or a residual add folded into one (the attention output). Each warp issues its
-  weight reads first; the block (`warps` warps) stages x (normalised, with a norm) once into shared memory while they
-  are in flight (stage_x), up to STAGE_MAX inputs; act q8: staged in quantize_x's 8-bit form, read by integer dot
-  products. sms: the device's multiprocessors, so the grid runs as one wave where 80 registers a thread allow it
-  (one_wave)."""
-  assert act in ("f32", "q8")
+  products of one input (q_a and kv_a; the output head: head), or a residual add folded into one (the attention
+  output). Each warp issues its weight reads first; the block (`warps` warps) stages x (normalised, with a norm) once
+  into shared memory while they are in flight (stage_x), up to STAGE_MAX inputs; act q8 (x16): staged in quantize_x's
+  8-bit form (quantize_x16's two planes), read by integer dot products. sms: the device's multiprocessors, so the grid
+  runs as one wave where 80 registers a thread allow it (one_wave)."""
+  assert act in ACTS
   tag = "_".join(f"{QUANT_TYPES[w.ggml_type].name.lower()}x{rows}x{w.inp}" for w, rows in ws)
   name = f"native_dense_{'norm_' if eps is not None else ''}{'res_' if residual else ''}{tag}{_act_tag(act)}"
   params = [f"float* out{j}" for j in range(len(ws))] + ["const float* __restrict__ x"]
@@ -769,7 +769,7 @@ def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, resid
     "const float* __restrict__ res"] if residual else [])
   for w, _ in ws: params += w.params
   inp = ws[0][0].inp
-  staged = eps is not None or inp <= STAGE_MAX or act == "q8"
+  staged = eps is not None or inp <= STAGE_MAX or act != "f32"
   pro, xp, body = ((stage_x("x", inp, eps, act, warps), "sx", [stage_decl(inp, act, warps)]) if staged
                    else ("", "x", []))
   for j, (w, rows) in enumerate(ws):
@@ -781,6 +781,15 @@ def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, resid
   name += f"_b{res}" if res > 1 else ""
   return Kernel(name, kernel(name, params, "\n  ".join(body), 32 * warps, waited=True, resident=res),
                 (blocks, len(ws), 1), tuple(range(len(ws))), 32 * warps)
+
+
+def head(ggml_type: int, shape: tuple[int, int], eps: float) -> Kernel:
+  """The output head of one token with the final RMSNorm folded in: out = W . rmsnorm(x) * gamma, a dense kernel in
+  single_token_form's input form and rows per group, x normalised and staged once a block (stage_x; x16: quantized
+  once a block, not once a warp) where the norm's two tinygrad kernels ran before the product."""
+  out, inp = shape
+  act, R = single_token_form(ggml_type, out)
+  return dense(((W("a_", ggml_type, inp), out),), R, eps, act=act)
 
 
 @functools.cache

@@ -22,6 +22,7 @@ from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
 from model.backends import cuda_graph
 from model.backends import cuda_src as C
 from model.backends.registry import Backend, register
+from model.deepseek2 import rms_norm
 from model.errors import ConfigError
 from model.quants import QUANT_TYPES
 
@@ -69,6 +70,16 @@ def rows(w: QWeight, idx: Tensor) -> Tensor:
   out = launch(C.rows(w.ggml_type, w.shape, n), [empty(n, inp, device=idx.device), i32(idx).reshape(n), *planes(w)],
                n * (row_bytes(w) + inp * 4))[0]
   return out.reshape(*idx.shape, inp)
+
+
+def norm_linear(x: Tensor, gamma: Tensor, eps: float, w: QWeight) -> Tensor:
+  """linear(rmsnorm(x) * gamma, w): for one token in one kernel (C.head, the norm folded into the product), else the
+  norm's tensor ops and linear."""
+  lead, (out, inp) = x.shape[:-1], w.shape
+  if prod(lead) != 1: return linear(rms_norm(x, gamma, eps), w)
+  k = C.head(w.ggml_type, w.shape, eps)
+  return launch(k, [empty(out, device=x.device), f32(x).reshape(inp), gamma, *planes(w)],
+                out * row_bytes(w) + 2 * inp * 4 + out * 4)[0].reshape(*lead, out)
 
 
 def linear(x: Tensor, w: QWeight) -> Tensor:
@@ -294,6 +305,7 @@ class NativeBackend(Backend):
             "router_cnt": Tensor.zeros(1, dtype=dtypes.int32, device=device).contiguous().realize()}
 
   def rows(self, w: QWeight, idx: Tensor) -> Tensor: return rows(w, idx)
+  norm_linear = staticmethod(norm_linear)
   def linear(self, x: Tensor, w: QWeight) -> Tensor: return linear(x, w)
   def per_head(self, x: Tensor, w: QWeight) -> Tensor: return per_head(x, w)
   def expert(self, x: Tensor, sel: Tensor, w: QWeight) -> Tensor: return expert(x, sel, w)

@@ -22,9 +22,10 @@ class Backend:
   rows(w, idx) (signatures below; rows is tinygrad's QWeight.rows unless the backend has its own), and for each fused
   stage of its row a function of the same name (attention, router, moe, ffn). routed_moe, where it has one: the router
   and MoE stages in one, for a config that gives both to it: (blk, h, forced) -> (h + MoE FFN(h), its own top-k ids,
-  the router logits)."""
+  the router logits). norm_linear, where it has one: the final norm folded into the output head, (x, gamma, eps, w) ->
+  linear(rmsnorm(x) * gamma, w)."""
   name: str = ""
-  routed_moe = None
+  routed_moe = norm_linear = None
 
   @property
   def row(self) -> catalog.Row: return catalog.get(self.name)

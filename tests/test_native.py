@@ -951,8 +951,8 @@ def test_fused_stages_leave_no_per_op_kernel_in_a_block(gguf_file, tmp_path, mon
   and the step's own few kernels are the same at any depth: the position, the token read from the sequence buffer, its
   embedding row (native), the head with the final norm folded in (native), the greedy argmax's two reductions and the
   next token's write into the sequence buffer
-  (counted in the JIT's captured graph on the CPU, the native kernels standing in as custom kernels that compute
-  nothing)."""
+  (counted in the JIT's captured graph on the CPU device, whatever the default device, the native kernels standing in
+  as custom kernels that compute nothing)."""
   from native_cpu import launch_nothing
 
   from model.generate import jit_kernels
@@ -964,7 +964,7 @@ def test_fused_stages_leave_no_per_op_kernel_in_a_block(gguf_file, tmp_path, mon
   counts = {}
   for path, dense, moe in ((gguf_file("tiny", "q4_0"), 1, 2),
                            (write_synthetic(tmp_path / "deep5.gguf", "tiny-deep", layers=5), 2, 3)):
-    gen = Generator(Transformer(GGUFFile(path), cfg, max_context=16))
+    gen = Generator(Transformer(GGUFFile(path), cfg, max_context=16, device="CPU"))
     for i in range(3): gen.step(1, i)
     names = [n for n, _ in jit_kernels(gen.step_jit)]
     # all but the embedding and the head

@@ -785,11 +785,14 @@ def dense(ws: tuple[tuple[W, int], ...], R: int, eps: float | None = None, resid
 
 def head(ggml_type: int, shape: tuple[int, int], eps: float) -> Kernel:
   """The output head of one token with the final RMSNorm folded in: out = W . rmsnorm(x) * gamma, a dense kernel in
-  single_token_form's input form and rows per group, x normalised and staged once a block (stage_x; x16: quantized
-  once a block, not once a warp) where the norm's two tinygrad kernels ran before the product."""
+  single_token_form's input form, x normalised and staged once a block (stage_x; x16: quantized once a block, not once
+  a warp), where the norm's two tinygrad kernels ran before the product. Staged, a wide head runs fastest at R_WIDE
+  rows a group (WIDE_ROWS is for x quantized by each warp): on an H200 (benchmarks/kernel_sweep.py --kinds head),
+  GLM-4.7-Flash's head of Q4_0 with x16 takes 48.16 us at 8 rows, 58.71 at 16, and 57.41 without the norm as the
+  product's 16 rows ran it."""
   out, inp = shape
   act, R = single_token_form(ggml_type, out)
-  return dense(((W("a_", ggml_type, inp), out),), R, eps, act=act)
+  return dense(((W("a_", ggml_type, inp), out),), R_WIDE if out >= WIDE else R, eps, act=act)
 
 
 @functools.cache

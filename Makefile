@@ -23,7 +23,7 @@ lint: setup
 	$(BIN)/ruff check .
 
 test: lint  # a crashed worker ends the run with its test named (xdist's file scheduling can stall replacing one)
-	$(BIN)/pytest -q -n 2 --dist loadfile --max-worker-restart 0
+	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart 0
 
 test-slow: setup  # the full-width GLM-4.7-Flash and DeepSeek-V2-Lite 2-layer files against llama.cpp (about 15 CPU minutes, 10 GB)
 	$(BIN)/pytest -q -m slow

@@ -7,7 +7,12 @@ import pathlib
 import uuid
 
 import pytest
-import tinygrad.helpers
+
+# tinygrad checks every graph it schedules and every kernel it lowers against its own UOp spec (SPEC=1, its default,
+# which trials keep): a check of tinygrad, not of this project, that costs a sixth of the CPU time of the tests' model
+# builds; off for this process and the trial processes it starts
+os.environ.setdefault("SPEC", "0")
+import tinygrad.helpers  # noqa: E402
 from sqlalchemy import create_engine, make_url
 
 from model.synth import write_synthetic
@@ -88,3 +93,17 @@ def pg_url():
   yield make_url(pg).set(database=name).render_as_string(hide_password=False)
   with admin.connect() as c: c.exec_driver_sql(f'DROP DATABASE "{name}" WITH (FORCE)')
   admin.dispose()
+
+
+# the test files by their time in a full run, longest first (2 cores, session 31): with --no-loadscope-reorder
+# (Makefile) xdist hands whole files to its workers in this order, so the longest start first and the short ones fill
+# in at the end (its own order, by number of tests, started some of the longest last)
+LONGEST = ("test_portable.py", "test_evaluator.py", "test_review.py", "test_search.py", "test_native.py",
+           "test_space_glm_mixes.py", "test_gate.py", "test_study_script.py", "test_space_glm.py", "test_dsl.py",
+           "test_space.py", "test_sidebyside.py", "test_model.py", "test_truth.py", "test_cli.py",
+           "test_benchmarks_doc.py", "test_synth.py", "test_faults.py", "test_architecture.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+  rank = {name: i for i, name in enumerate(LONGEST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST)))

@@ -1,12 +1,16 @@
 // CUDA C on the CPU, for tests (tests/cuda_cpu.py compiles a kernel source with this header and runs it).
 //
-// Blocks run one after another; the threads of a block are OS threads (a pool of blockDim threads reused across blocks),
-// so __syncthreads, __shared__ memory and warp-synchronous calls behave as on a GPU. A warp is 32 consecutive threads
-// (threadIdx.x fastest). A thread that returns leaves every barrier (later barriers wait for the others only). A warp call
-// waits for every running lane of the warp; what a GPU leaves undefined there (running lanes at different warp calls, a
-// mask that leaves running lanes out, a shuffle reading a lane that has exited) ends the launch with a message. Faults
-// record the faulting thread. Shared memory holds 0xff bytes (float NaN, int -1) at the start of each block, so a read of
-// what no thread of the block wrote shows.
+// Blocks run one after another, in one OS thread: the threads of a block are fibers (their stacks reused across blocks)
+// that switch only where one waits (__syncthreads, a warp call, GRID_WAIT) or returns, to the next thread round-robin
+// that can go on. So __syncthreads, __shared__ memory and warp-synchronous calls behave as on a GPU; but a thread that
+// spins on memory another thread of its block writes, with no barrier in the loop, hangs (as it may on a GPU without
+// independent thread scheduling). When no thread can go on (a deadlock), the launch waits for cuda_cpu.py's timeout,
+// which reports where each thread waits. A warp is 32 consecutive threads (threadIdx.x fastest). A thread that returns
+// leaves every barrier (later barriers wait for the others only). A warp call waits for every running lane of the warp;
+// what a GPU leaves undefined there (running lanes at different warp calls, a mask that leaves running lanes out, a
+// shuffle reading a lane that has exited) ends the launch with a message. Faults (a stack overflow too) record the
+// faulting thread. Shared memory holds 0xff bytes (float NaN, int -1) at the start of each block, so a read of what no
+// thread of the block wrote shows.
 // GRID_WAIT (a native kernel's wait for the kernels before it: griddepcontrol.wait) is a block-wide meeting here: the
 // arrays a launch guards (those earlier kernels write) are inaccessible from the start of each block until every thread
 // of the block has called it or exited, so a read or write of them before it faults and names the argument.
@@ -14,7 +18,7 @@
 // are below), dynamic shared memory, partial-warp masks, the GPU's approximate math (__expf and rsqrtf are libm's).
 #pragma once
 #include <math.h>
-#include <pthread.h>
+#include <setjmp.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -23,6 +27,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <time.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 #include <type_traits>
@@ -52,8 +57,8 @@ inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
-static __thread uint3 threadIdx, blockIdx;
-static __thread dim3 blockDim, gridDim;
+inline uint3 threadIdx, blockIdx;  // the running thread's: the scheduler sets threadIdx as it switches
+inline dim3 blockDim, gridDim;
 constexpr int warpSize = 32;
 
 namespace cuda_cpu {
@@ -70,33 +75,28 @@ struct Report {
   int state[1024];
 };
 
+// a fiber switch that saves no signal mask (swapcontext's costs a syscall); the _longjmp symbol itself, as
+// _FORTIFY_SOURCE's longjmp refuses a jump to another stack
+extern "C" [[noreturn]] void jump(jmp_buf, int) __asm__("_longjmp");
+inline void switch_to(jmp_buf from, jmp_buf to) { if (!_setjmp(from)) jump(to, 1); }
+
+inline void yield();
+
 // a reusable barrier that a leaving thread drops out of; `live` (for warps: the lanes still running) is snapshotted as
 // each phase completes, for the threads released by it
 struct Barrier {
-  pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
-  pthread_cond_t c = PTHREAD_COND_INITIALIZER;
   int expected = 0, arrived = 0;
   unsigned phase = 0, live = 0, snap[2] = {};
-  void (*on_complete)() = nullptr;  // run by the thread that completes a phase, before the others are released
+  void (*on_complete)() = nullptr;  // run by the thread that completes a phase, before the others go on
   void reset(int n, unsigned lanes) { expected = n, arrived = 0, phase = 0, live = lanes; }
   void complete() {
     if (on_complete) on_complete();
     arrived = 0, snap[phase & 1] = live, phase++;
-    pthread_cond_broadcast(&c);
   }
-  unsigned wait() {  // -> the phase this thread waited for
-    pthread_mutex_lock(&m);
-    const unsigned p = phase;
-    if (++arrived == expected) complete();
-    else while (phase == p) pthread_cond_wait(&c, &m);
-    pthread_mutex_unlock(&m);
-    return p;
-  }
+  unsigned wait();  // -> the phase this thread waited for
   void drop(unsigned lane_bit) {
-    pthread_mutex_lock(&m);
     live &= ~lane_bit;
     if (--expected == arrived && arrived) complete();
-    pthread_mutex_unlock(&m);
   }
 };
 
@@ -106,44 +106,72 @@ struct Warp {
   int op[2][32];
 };
 
+struct Fiber {
+  jmp_buf ctx;  // where it resumes
+  uint3 idx;
+  bool exited;
+  unsigned warp_ops;  // warp calls it made in this block: the parity of its warp barrier's phase
+  const Barrier* bar;  // the barrier it waits at, for the end of phase `phase`; null while it can run
+  unsigned phase;
+};
+
+constexpr size_t STACK = 256 << 10;  // a fiber's stack, below which an inaccessible page catches an overflow
 inline Report* report;
-inline Barrier block_bar, start_bar, done_bar, wait_bar;
+inline Barrier block_bar, wait_bar;
 struct Pages { void* addr; size_t len; };
 inline Pages guarded[64];  // the pages of the arrays GRID_WAIT guards
 inline int nguarded;
 inline Warp warps[32];
-inline uint3 next_block;
-inline dim3 block_dim, grid_dim;
-inline bool quitting;
+inline Fiber fibers[1024];
+inline int nthreads, running;  // the block's threads, those of them that have not returned
+inline int tid;  // the running fiber
+inline jmp_buf main_ctx;  // run()'s, resumed when a block's threads have all returned
 inline void (*body)(void*);
 inline void* body_ctx;
-inline int failed;
-static __thread int tid;
-static __thread unsigned warp_ops;  // warp calls this thread made in this block: the parity of its warp barrier's phase
 
 extern "C" char __start_cuda_cpu_shared[] __attribute__((weak, visibility("hidden")));
 extern "C" char __stop_cuda_cpu_shared[] __attribute__((weak, visibility("hidden")));
 
 // end the launch: the message goes to the report, the launching process raises it
 [[noreturn]] inline __attribute__((format(printf, 1, 2))) void fail(const char* fmt, ...) {
-  if (!__atomic_exchange_n(&failed, 1, __ATOMIC_SEQ_CST)) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(report->error, sizeof(report->error), fmt, ap);
-    va_end(ap);
-    report->thread[0] = threadIdx.x, report->thread[1] = threadIdx.y, report->thread[2] = threadIdx.z;
-    _exit(1);
-  }
-  for (;;) pause();  // another thread is reporting its failure and ends the process
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(report->error, sizeof(report->error), fmt, ap);
+  va_end(ap);
+  report->thread[0] = threadIdx.x, report->thread[1] = threadIdx.y, report->thread[2] = threadIdx.z;
+  _exit(1);
 }
 
 inline void on_signal(int sig, siginfo_t* info, void*) {
-  if (!__atomic_exchange_n(&failed, 1, __ATOMIC_SEQ_CST)) {
-    report->signal = sig, report->addr = (unsigned long long)info->si_addr;
-    report->thread[0] = threadIdx.x, report->thread[1] = threadIdx.y, report->thread[2] = threadIdx.z;
-    _exit(128 + sig);
+  report->signal = sig, report->addr = (unsigned long long)info->si_addr;
+  report->thread[0] = threadIdx.x, report->thread[1] = threadIdx.y, report->thread[2] = threadIdx.z;
+  _exit(128 + sig);
+}
+
+// from the running fiber, which waits or has returned, to the next one round-robin that can go on; to run() when all
+// have returned
+inline void yield() {
+  const int from = tid;
+  for (int i = 0, j = from; i < nthreads; i++) {
+    j = j + 1 == nthreads ? 0 : j + 1;
+    const Fiber& f = fibers[j];
+    if (f.exited || (f.bar && f.bar->phase == f.phase)) continue;
+    tid = j, threadIdx = f.idx;
+    return switch_to(fibers[from].ctx, fibers[j].ctx);
   }
-  for (;;) pause();
+  if (!running) return switch_to(fibers[from].ctx, main_ctx);
+  for (;;) pause();  // a deadlock: cuda_cpu.py's timeout ends the process, reporting report->state
+}
+
+inline unsigned Barrier::wait() {
+  const unsigned p = phase;
+  if (++arrived == expected) complete();
+  else {
+    fibers[tid].bar = this, fibers[tid].phase = p;
+    yield();
+    fibers[tid].bar = nullptr;
+  }
+  return p;
 }
 
 enum Op { SHFL = 1, SHFL_UP, SHFL_DOWN, SHFL_XOR, BALLOT, ANY, ALL, SYNCWARP };
@@ -155,7 +183,7 @@ inline const unsigned long long* warp_sync(Op op, unsigned mask, unsigned long l
   const int lane = tid & 31;
   Warp& w = warps[tid >> 5];
   if (!(mask >> lane & 1)) fail("%s: lane %d calls it with mask %#x, which leaves itself out", op_names[op], lane, mask);
-  const unsigned par = warp_ops++ & 1;
+  const unsigned par = fibers[tid].warp_ops++ & 1;
   w.slot[par][lane] = v, w.op[par][lane] = op;
   report->state[tid] = AT_WARP;
   w.bar.wait();
@@ -209,52 +237,59 @@ inline void guard(int prot) {
     if (mprotect(guarded[i].addr, guarded[i].len, prot)) fail("mprotect of a guarded array failed");
 }
 
-inline void* worker(void* arg) {
-  tid = (int)(intptr_t)arg;
-  blockDim = block_dim, gridDim = grid_dim;
-  threadIdx = {tid % blockDim.x, tid / blockDim.x % blockDim.y, tid / (blockDim.x * blockDim.y)};
+// a fiber's code: parked until run() resumes it for a block, then each time the kernel for the block it is resumed in
+[[noreturn]] inline void fiber_main() {
+  switch_to(fibers[tid].ctx, main_ctx);
   for (;;) {
-    start_bar.wait();
-    if (quitting) return nullptr;
-    blockIdx = next_block, warp_ops = 0;
     body(body_ctx);
-    report->state[tid] = EXITED;
+    report->state[tid] = EXITED, fibers[tid].exited = true, running--;
     warps[tid >> 5].bar.drop(1u << (tid & 31));
     block_bar.drop(0);
     wait_bar.drop(0);
-    done_bar.wait();
+    yield();
   }
 }
 
 // run body(ctx) as every thread of every block: -> 0, or the process ends (fail, or a fault)
 inline int run(const unsigned* grid, const unsigned* block, void (*fn)(void*), void* ctx) {
+  static char altstack[64 << 10];  // the signal handler's: a fault may be a fiber's stack overflow
+  stack_t ss = {};
+  ss.ss_sp = altstack, ss.ss_size = sizeof(altstack);
+  if (sigaltstack(&ss, nullptr)) fail("sigaltstack failed");
   struct sigaction sa = {};
-  sa.sa_sigaction = on_signal, sa.sa_flags = SA_SIGINFO;
+  sa.sa_sigaction = on_signal, sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
   for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) sigaction(sig, &sa, nullptr);
   const int n = (int)(block[0] * block[1] * block[2]);
   if (n < 1 || n > 1024) fail("a block of %u x %u x %u threads: CUDA allows 1 to 1024", block[0], block[1], block[2]);
-  body = fn, body_ctx = ctx, report->nthreads = n;
-  block_dim = {block[0], block[1], block[2]}, grid_dim = {grid[0], grid[1], grid[2]};
-  start_bar.reset(n + 1, 0), done_bar.reset(n + 1, 0);
+  body = fn, body_ctx = ctx, report->nthreads = nthreads = n;
+  blockDim = {block[0], block[1], block[2]}, gridDim = {grid[0], grid[1], grid[2]};
   wait_bar.on_complete = [] { guard(PROT_READ | PROT_WRITE); };
-  pthread_t threads[1024];
-  for (int i = 0; i < n; i++)
-    if (pthread_create(&threads[i], nullptr, worker, (void*)(intptr_t)i)) fail("cannot start thread %d of %d", i, n);
+  const size_t page = (size_t)sysconf(_SC_PAGESIZE), span = page + STACK;
+  char* stacks = (char*)mmap(nullptr, n * span, PROT_READ | PROT_WRITE,
+                              MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
+  if (stacks == MAP_FAILED) fail("cannot map the stacks of %d threads", n);
+  ucontext_t uc;
+  getcontext(&uc);
+  for (int i = 0; i < n; i++) {
+    char* base = stacks + i * span;
+    if (mprotect(base, page, PROT_NONE)) fail("mprotect of a stack's guard page failed");
+    uc.uc_stack.ss_sp = base + page, uc.uc_stack.ss_size = STACK, uc.uc_link = nullptr;
+    makecontext(&uc, fiber_main, 0);
+    tid = i, fibers[i].idx = {i % blockDim.x, i / blockDim.x % blockDim.y, i / (blockDim.x * blockDim.y)};
+    if (!_setjmp(main_ctx)) setcontext(&uc);  // fiber_main parks it at once
+  }
   for (unsigned z = 0; z < grid[2]; z++)
     for (unsigned y = 0; y < grid[1]; y++)
       for (unsigned x = 0; x < grid[0]; x++) {
-        next_block = {x, y, z}, report->block[0] = x, report->block[1] = y, report->block[2] = z;
+        blockIdx = {x, y, z}, report->block[0] = x, report->block[1] = y, report->block[2] = z;
         block_bar.reset(n, 0), wait_bar.reset(n, 0);
         guard(PROT_NONE);
         for (int w = 0; w < (n + 31) / 32; w++) warps[w].bar.reset(n - 32 * w < 32 ? n - 32 * w : 32, n - 32 * w < 32 ? (1u << (n - 32 * w)) - 1 : ~0u);
-        for (int i = 0; i < n; i++) report->state[i] = RUNNING;
+        for (int i = 0; i < n; i++) report->state[i] = RUNNING, fibers[i].exited = false, fibers[i].warp_ops = 0;
         if (__start_cuda_cpu_shared) memset(__start_cuda_cpu_shared, 0xff, __stop_cuda_cpu_shared - __start_cuda_cpu_shared);
-        start_bar.wait();
-        done_bar.wait();
+        running = n, tid = 0, threadIdx = fibers[0].idx;
+        switch_to(main_ctx, fibers[0].ctx);
       }
-  quitting = true;
-  start_bar.wait();
-  for (int i = 0; i < n; i++) pthread_join(threads[i], nullptr);
   return 0;
 }
 

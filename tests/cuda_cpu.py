@@ -1,9 +1,10 @@
 """CUDA C kernels run on the CPU, for tests: `launch(src, name, grid, block, args)` as a GPU would run it.
 
 The source (the exact string tinygrad would compile with NVRTC) is compiled as C++20 by g++ with tests/cuda_cpu.h, which
-provides CUDA's built-ins and runs each block's threads as OS threads (see its first comment for the execution model and
-what is not emulated). Float code is compiled without contraction or fast-math, so each thread performs the same float
-operations in the same order as on a GPU. Libraries are cached by a hash of their source in a temporary directory.
+provides CUDA's built-ins and runs each block's threads as fibers of one OS thread, switched at barriers (see its first
+comment for the execution model and what is not emulated). Float code is compiled without contraction or fast-math, so
+each thread performs the same float operations in the same order as on a GPU. Libraries are cached by a hash of their
+source in a temporary directory.
 
 Each launch runs in a forked process, on copies of the arrays in shared memory that end at an inaccessible page: a
 kernel that deadlocks is killed after `timeout` seconds (the message says where each thread waits), a read or write past

@@ -53,13 +53,13 @@ def gguf(path: str) -> GGUFFile:
 
 
 @functools.cache
-def run(path: str, cfg_json: str, tokens: tuple[int, ...],
-        steps: int = 3) -> tuple[np.ndarray, tuple[tuple[str, str], ...]]:
+def run(path: str, cfg_json: str, tokens: tuple[int, ...]) -> tuple[np.ndarray, tuple[tuple[str, str], ...]]:
   """Under one config, the decode step's logits teacher-forced on `tokens` (one step per token: the path the search
-  measures) and the decode step's kernels (name, source)."""
-  m = Transformer(gguf(path), StructureConfig.from_json(cfg_json), max_context=len(tokens) + steps + 1)
-  logits, gen = decode(m, tokens, steps)
-  return logits, tuple(jit_kernels(gen.step_jit))
+  measures) and that step's kernels (name, source). The kernels are the logits step's graph, the search's decode step
+  but for the argmax after the head: one graph captured per config (each costs seconds of scheduling on the CPU)."""
+  m = Transformer(gguf(path), StructureConfig.from_json(cfg_json), max_context=len(tokens) + 1)
+  logits, gen = decode(m, tokens, 0)
+  return logits, tuple(jit_kernels(gen.step_logits_jit))
 
 
 def decode(m: Transformer, tokens: tuple[int, ...], steps: int) -> tuple[np.ndarray, Generator]:
@@ -82,13 +82,13 @@ def routed(path: str, cfg_json: str, tokens: tuple[int, ...], sel: bytes | None 
   return np.stack([o[0] for o in out]).astype(np.float64), np.stack([o[1] for o in out]).astype(np.int64).tobytes()
 
 
-def check_knob(path: str, label: str, cfg: StructureConfig, tokens: tuple[int, ...], steps: int = 3) -> None:
+def check_knob(path: str, label: str, cfg: StructureConfig, tokens: tuple[int, ...]) -> None:
   """(a) logits equal the baseline's within the knob's tolerance, the top token agrees wherever the baseline's lead
   exceeds it; (b) the decode step runs different kernels (names or sources) than the baseline's. 8-bit knobs are
   compared with every MoE block routed as the baseline routes (the gate's forced routing): their rounding may send a
   router's near-tie to the other expert, which free routing then carries on."""
-  base_logits, base_kernels = run(path, StructureConfig().to_json(), tokens, steps)
-  logits, kernels = run(path, cfg.to_json(), tokens, steps)
+  base_logits, base_kernels = run(path, StructureConfig().to_json(), tokens)
+  logits, kernels = run(path, cfg.to_json(), tokens)
   if label.startswith(Q8_KNOBS):
     base_logits, sel = routed(path, StructureConfig().to_json(), tokens)
     logits = routed(path, cfg.to_json(), tokens, sel)[0]

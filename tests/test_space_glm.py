@@ -1,10 +1,11 @@
 """Every knob of the space is real and safe at GLM-4.7-Flash's widths: a synthetic 2-layer file (its leading dense block
 and one MoE block: 20 heads, q_lora 768, kv_lora 512, 64 experts of 1536, the full 154880-token vocabulary) in each
 quant mix. The proof is tests/knobcheck.py's, on 8 teacher-forced tokens: for Q4_0 (the benchmarked mix) every
-single-knob change of the space; for Q8_0, Q4_K_M (Q4_K, Q5_K, Q6_K and Q8_0 weights) and F16 the backend knobs, the
-knobs whose code depends on the weights' type (the structural knobs build the same graph around any product;
-fp16_cache's products are the same float matmuls over a matrix dequantized by the baseline's own code, so Q4_0 proves
-them). The mixes run from tests/test_space_glm_mixes.py, so that a parallel run can give them a worker of their own.
+single-knob change of the space, the barriers in two joint configs (joint_barriers); for Q8_0, Q4_K_M (Q4_K, Q5_K,
+Q6_K and Q8_0 weights) and F16 the backend knobs, the knobs whose code depends on the weights' type (the structural
+knobs build the same graph around any product; fp16_cache's products are the same float matmuls over a matrix
+dequantized by the baseline's own code, so Q4_0 proves them). The mixes run from tests/test_space_glm_mixes.py, so that
+a parallel run can give them a worker of their own.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import replace
 
 from knobcheck import check_knob, gguf, mix_info
 
-from model.structure import STAGES
+from model.structure import STAGES, StructureConfig
 from space.knobs import ModelInfo, single_knob_changes
 
 TOKENS = tuple((7919 * i + 17) % 1000 for i in range(8))
@@ -21,9 +22,22 @@ MIXES = ("q4_0",)
 
 
 def cases(mixes: tuple[str, ...]) -> list[tuple[str, str, object]]:
-  return [(mix, label, cfg) for mix in mixes for label, cfg in single_knob_changes(INFO[mix])
-          if not label.startswith(("beam", "dsl_rows"))  # see tests/test_space.py SEPARATE
-          and (mix == "q4_0" or label.startswith("backend.") and not label.endswith("=fp16_cache"))]
+  out = [(mix, label, cfg) for mix in mixes for label, cfg in single_knob_changes(INFO[mix])
+         if not label.startswith(("beam", "dsl_rows", "barrier."))  # see tests/test_space.py SEPARATE
+         and (mix == "q4_0" or label.startswith("backend.") and not label.endswith("=fp16_cache"))]
+  return out + [("q4_0", label, cfg) for label, cfg in joint_barriers()] if "q4_0" in mixes else out
+
+
+def joint_barriers() -> list[tuple[str, StructureConfig]]:
+  """The barrier knobs at these widths, in two configs: every point's realize, and every point's other value. A barrier
+  only cuts the graph where the code places it, whatever the widths: tests/test_space.py proves each value alone (its
+  logits and its own kernels) on the tiny file; here the cuts together keep the logits and change the kernels."""
+  base, groups = StructureConfig().barriers, {"realize": {}, "other": {}}
+  for label, cfg in single_knob_changes(INFO["q4_0"]):
+    if label.startswith("barrier."):
+      point = label.removeprefix("barrier.").split("=")[0]
+      groups["realize" if cfg.barriers[point] == "realize" else "other"][point] = cfg.barriers[point]
+  return [(f"barriers={g}", StructureConfig(barriers={**base, **pts})) for g, pts in groups.items()]
 
 
 def pytest_generate_tests(metafunc) -> None:
@@ -42,4 +56,4 @@ def test_glm_model_info(glm_file, mix: str) -> None:
 
 
 def test_glm_knob_is_equivalent_and_changes_the_kernels(glm_file, mix: str, label: str, cfg) -> None:
-  check_knob(glm_file(mix), label, cfg, TOKENS, steps=2)
+  check_knob(glm_file(mix), label, cfg, TOKENS)

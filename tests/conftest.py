@@ -99,9 +99,9 @@ def pg_url():
 # (Makefile) xdist hands whole files to its workers in this order, so the longest start first and the short ones fill
 # in at the end (its own order, by number of tests, started some of the longest last)
 LONGEST = ("test_portable.py", "test_evaluator.py", "test_review.py", "test_search.py", "test_native.py",
-           "test_space_glm_mixes.py", "test_gate.py", "test_study_script.py", "test_space_glm.py", "test_dsl.py",
-           "test_space.py", "test_sidebyside.py", "test_model.py", "test_truth.py", "test_cli.py",
-           "test_benchmarks_doc.py", "test_synth.py", "test_faults.py", "test_architecture.py")
+           "test_space_glm_mixes.py", "test_gate.py", "test_space_glm.py", "test_dsl.py", "test_space.py",
+           "test_sidebyside.py", "test_model.py", "test_truth.py", "test_cli.py", "test_benchmarks_doc.py",
+           "test_synth.py", "test_faults.py", "test_architecture.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

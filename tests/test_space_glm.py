@@ -22,10 +22,12 @@ MIXES = ("q4_0",)
 
 
 def cases(mixes: tuple[str, ...]) -> list[tuple[str, str, object]]:
+  # BEAM and dsl rows: see tests/test_space.py SEPARATE; the barriers: joint_barriers
   out = [(mix, label, cfg) for mix in mixes for label, cfg in single_knob_changes(INFO[mix])
-         if not label.startswith(("beam", "dsl_rows", "barrier."))  # see tests/test_space.py SEPARATE
+         if not label.startswith(("beam", "dsl_rows", "barrier."))
          and (mix == "q4_0" or label.startswith("backend.") and not label.endswith("=fp16_cache"))]
-  return out + [("q4_0", label, cfg) for label, cfg in joint_barriers()] if "q4_0" in mixes else out
+  if "q4_0" in mixes: out += [("q4_0", label, cfg) for label, cfg in joint_barriers()]
+  return out
 
 
 def joint_barriers() -> list[tuple[str, StructureConfig]]:
@@ -35,8 +37,8 @@ def joint_barriers() -> list[tuple[str, StructureConfig]]:
   base, groups = StructureConfig().barriers, {"realize": {}, "other": {}}
   for label, cfg in single_knob_changes(INFO["q4_0"]):
     if label.startswith("barrier."):
-      point = label.removeprefix("barrier.").split("=")[0]
-      groups["realize" if cfg.barriers[point] == "realize" else "other"][point] = cfg.barriers[point]
+      for point, value in cfg.barriers.items():
+        if value != base[point]: groups["realize" if value == "realize" else "other"][point] = value
   return [(f"barriers={g}", StructureConfig(barriers={**base, **pts})) for g, pts in groups.items()]
 
 

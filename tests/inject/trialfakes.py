@@ -153,12 +153,13 @@ def fake_tok_s(config: dict, stage: str, proxy: str = "predicts") -> float:
 
 def fake_run_process(seconds: float = 0.0, proxy: str = "predicts", status: str = "ok", proxy_cost: float = 0.1):
   """A stand-in for evaluator.runner.run_process: waits `seconds` (the block stage `proxy_cost` of that), then reports
-  fake_tok_s with status `status`."""
+  fake_tok_s with status `status`. Its wall time is the wait it was given, not the clock's: on a loaded machine a
+  millisecond's sleep takes several, and the ladder's cost ratio would follow the load."""
   from evaluator.result import TrialResult
   def run_process(spec, timeout: float, on_phase=None) -> TrialResult:
-    t0 = time.time()
+    t0, wait = time.time(), seconds * (proxy_cost if spec.stage == "block" else 1.0)
     if on_phase: on_phase("measure")
-    time.sleep(seconds * (proxy_cost if spec.stage == "block" else 1.0))
+    time.sleep(wait)
     tok_s = fake_tok_s(spec.config, spec.stage, proxy)
     metrics = {"tok_s": tok_s, "tok_s_min": tok_s, "tok_s_max": tok_s, "layers": spec.layers or 0,
                "kernels_per_token": 100, "bytes_per_token": 1_000_000, "peak_device_bytes": 1 << 20,
@@ -166,7 +167,7 @@ def fake_run_process(seconds: float = 0.0, proxy: str = "predicts", status: str 
     env = {"device": spec.device, "device_name": "fake device", "python": "3", "host": socket.gethostname(),
            "platform": "test"}
     return TrialResult(status, dataclasses.asdict(spec), metrics if status == "ok" else {"span": [t0, time.time()]},
-                       {"wall_s": round(time.time() - t0, 3)}, env=env,
+                       {"wall_s": wait}, env=env,
                        error="" if status == "ok" else f"injected {status}")
   return run_process
 

@@ -7,6 +7,8 @@ import time
 
 import tinygrad.helpers as th
 
+from model import programs
+from model.registry import cache_dir
 from model.structure import PROCESS_SETTINGS, StructureConfig
 
 
@@ -17,11 +19,14 @@ def apply_process_settings(cfg: StructureConfig, device: str | None = None, cach
   tinygrad reads these variables through a cached getenv or at import, so the cache is cleared and the JIT batch size
   set directly. tinygrad's disk cache (CACHEDB: BEAM choices and compiled programs) lives in `cache` when given (a
   study's own, so its trials do not depend on other studies' or runs' BEAM choices), else in tinygrad's directory. Its
-  BEAM entries are keyed by kernel, not by the BEAM_* limits, so non-default limits get a cache file of their own."""
+  BEAM entries are keyed by kernel, not by the BEAM_* limits, so non-default limits get a cache file of their own. The
+  programs tinygrad generates without BEAM are kept for every process in one file of structsearch's cache
+  (model.programs)."""
   if device: th.DEV.value = device
   os.environ.update(cfg.process_env())
   th.getenv.cache_clear()
   th.JIT_BATCH_SIZE.value = cfg.jit_batch_size
+  programs.use(str(cache_dir() / "programs.db"))
   beam_limits = [getattr(cfg, f) for f in PROCESS_SETTINGS if f.startswith("beam_")]
   default_limits = beam_limits == [getattr(StructureConfig, f) for f in PROCESS_SETTINGS if f.startswith("beam_")]
   if cache is None and default_limits: return

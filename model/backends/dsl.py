@@ -208,10 +208,13 @@ def _dot(xv: Callable[[UOp], UOp], p: Planes, ggml_type: int, r: UOp, ids: Itera
   unrolled pair (element 0 the product), so one reduction carries both (see `_rms_folded`)."""
   spec = _SPECS[ggml_type]
   nb = next(iter(p.values())).shape[1]
-  lanes = _lanes(ggml_type) if group > 1 else 1
+  split = group > 1  # the blocks split over workgroup threads (group 1: a device without workgroups)
+  lanes = _lanes(ggml_type) if split else 1
   group //= lanes
-  per = nb // group  # a thread's blocks, read in unrolled steps of `step` (their loads issued together)
-  step = _divisor(per, STEP)
+  # a thread's blocks: read in unrolled steps of `step` where workgroups split them (their loads issued together);
+  # without workgroups a loop of single blocks (unrolled steps of K-quant blocks take a minute to generate on a CPU)
+  per = nb // group
+  step = _divisor(per, STEP) if split else 1
   (bo, *red_o), (bu, *red_u) = _axis(per // step, ids, AxisType.REDUCE), _axis(step, ids, AxisType.UNROLL)
   wl, *red_l = _axis(lanes, ids, AxisType.GROUP_REDUCE)  # before the blocks' range: a workgroup's fastest threads
   bg, *red_g = _axis(group, ids, AxisType.GROUP_REDUCE)

@@ -15,6 +15,8 @@ os.environ.setdefault("SPEC", "0")
 import tinygrad.helpers  # noqa: E402
 from sqlalchemy import create_engine, make_url
 
+from model import programs
+from model.registry import cache_dir
 from model.synth import write_synthetic
 
 # tinygrad's allocators keep freed buffers for reuse (LRU): in a trial process that builds one model it is what we want,
@@ -36,10 +38,12 @@ if not os.environ.get("NVRTC_PATH") and (spec := importlib.util.find_spec(
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory) -> None:
-  """References, bandwidth figures, device locks, synthesised models and production configs of this test session
-  only."""
+  """References, bandwidth figures, device locks, synthesised models, production configs and generated programs of this
+  test session only."""
   os.environ["STRUCTSEARCH_CACHE"] = str(tmp_path_factory.mktemp("cache"))
   os.environ["STRUCTSEARCH_HOME"] = str(tmp_path_factory.mktemp("home"))
+  # the kernels this process generates and those of the trial processes it starts, in one file (as a study's trials)
+  programs.use(str(cache_dir() / "programs.db"))
 
 
 @pytest.fixture(scope="session")
@@ -95,13 +99,14 @@ def pg_url():
   admin.dispose()
 
 
-# the test files by their time in a full run, longest first (2 cores, session 31): with --no-loadscope-reorder
+# the test files by their time in a full run, longest first (2 cores, session 32): with --no-loadscope-reorder
 # (Makefile) xdist hands whole files to its workers in this order, so the longest start first and the short ones fill
 # in at the end (its own order, by number of tests, started some of the longest last)
-LONGEST = ("test_portable.py", "test_evaluator.py", "test_review.py", "test_search.py", "test_native.py",
-           "test_space_glm_mixes.py", "test_gate.py", "test_space_glm.py", "test_dsl.py", "test_space.py",
-           "test_sidebyside.py", "test_model.py", "test_truth.py", "test_cli.py", "test_benchmarks_doc.py",
-           "test_synth.py", "test_faults.py", "test_architecture.py")
+LONGEST = ("test_portable.py", "test_native.py", "test_evaluator.py", "test_space_glm_mixes.py", "test_dsl.py",
+           "test_space.py", "test_space_glm.py", "test_gate.py", "test_sidebyside.py", "test_model.py",
+           "test_faults.py", "test_search.py", "test_review.py", "test_truth.py", "test_synth.py",
+           "test_benchmarks_doc.py", "test_bad_input.py", "test_architecture.py", "test_cli.py", "test_scaleout.py",
+           "test_ladder.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -24,6 +24,7 @@ from tinygrad.uop.ops import Ops
 import model.backends.dsl as dsl
 from model.backends import catalog
 from model.deepseek2 import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, SQRT_SOFTPLUS, Block
+from model.structure import DSL_ROWS
 
 RENDERERS = {"CUDA": (CUDARenderer, Target("CUDA", "CUDA", "sm_90")),
              "METAL": (MetalRenderer, Target("METAL", "METAL", "Apple9")),
@@ -54,8 +55,9 @@ def portable_outputs(quant: str) -> list[Tensor]:
   """Every portable kernel kind at small shapes, built with workgroups (as on a GPU): dense (prefill rows), per head,
   the selected experts' products, the one-token product with a residual and with a folded norm, merged gate+up, and
   down over the selected experts. For the seed files' types (Q4_0, Q8_0) the products also read a second weight in the
-  same kernel (two projections stacked, the shared expert as pseudo-experts); a K-quant's unrolled blocks read twice
-  take minutes to render, and the second weight's reads do not depend on the type."""
+  same kernel (two projections stacked, the shared expert as pseudo-experts) and gate+up computes its default rows
+  per thread (4); a K-quant's unrolled blocks read twice, or for 4 rows, take minutes to render, and neither the second
+  weight's reads nor the rows per thread depend on the type."""
   rng, t = np.random.default_rng(TYPES[quant]), TYPES[quant]
   x = lambda *s: Tensor(rng.standard_normal(s).astype(np.float32))
   w = lambda shape: dsl.to_words(random_weight(rng, t, shape, "dsl"))
@@ -63,9 +65,10 @@ def portable_outputs(quant: str) -> list[Tensor]:
   sel = Tensor(np.array([[[4, 0, 2]]], dtype=np.int32))
   route, two = (sel, x(5), (SIGMOID, True, 1.8)), quant in ("Q4_0", "Q8_0")
   norm, shared, pseudo = (x(512), 1e-5), w((2 * 64, 512)) if two else None, 2 if two else 0
+  rows = DSL_ROWS["gate_up"].default if two else 1
   return [dsl.linear(x(1, 5, 512), dense), dsl.per_head(x(1, 1, 4, 512), heads), dsl.expert(x(1, 1, 1, 512), sel, exps),
           dsl._vec(x(512), (dense,), res=x(64)), dsl._vec(x(512), (dense, shared) if two else (dense,), norm),
-          dsl._glu(x(512), norm, (None, None, exps), 4, sel, (None, None, shared) if two else None, pseudo),
+          dsl._glu(x(512), norm, (None, None, exps), rows, sel, (None, None, shared) if two else None, pseudo),
           dsl._glu(x(512), None, (dense, dense, None), 1),
           dsl._down(x(64), x(3 + pseudo, 512), w((5, 64, 512)), 1, route, w((64, 1024)) if two else None)]
 
@@ -119,7 +122,9 @@ for quant in sys.argv[1:]:
   g, u = (tensor.BACKEND.expert(xn.reshape(1, 1, 1, 512), sel, r)[0, 0] for r in (ref, up))
   dslw = lambda r: QWeight(dict(r.planes), t, r.shape, backend="dsl")
   merged = dsl.to_words(concat_rows(dslw(ref), dslw(up)))
-  got = dsl._glu(xg, (gamma, 1e-5), (None, None, merged), 4, sel)
+  # its default rows per thread for the seed files' types (a K-quant's unrolled block, 4 times over, takes a minute to
+  # emulate; the rows per thread do not depend on the type)
+  got = dsl._glu(xg, (gamma, 1e-5), (None, None, merged), 4 if quant in ("Q4_0", "Q8_0") else 1, sel)
   print(quant, "glu", rel_err(got, g.silu() * u))
 """
 
@@ -127,7 +132,8 @@ for quant in sys.argv[1:]:
 def test_portable_kernels_compute_the_reference_under_the_metal_emulator() -> None:
   """tinygrad's Python emulator with Metal's features (workgroups, shared memory): the experts' product, SiLU(gate) * up
   of merged gate+up weights (one kernel) with the norm folded in and down over the selected experts equal the tensor
-  backend's, for the types of the Q4_0 seed files and a K-quant, with rows of 16 and of 44 blocks."""
+  backend's, for the types of the Q4_0 seed files and a K-quant, with rows of 16 and of 44 blocks, and gate+up at its
+  default 4 rows per thread for the seed files' types."""
   quants = ["Q4_0", "Q8_0", "Q6_K", "Q4_K"]
   env = {**os.environ, "DEV": "PYTHON::METAL"}
   out = subprocess.run([sys.executable, "-c", EMULATED, *quants], env=env, capture_output=True, text=True, timeout=600)
@@ -213,6 +219,23 @@ def test_each_products_rows_per_thread_change_its_kernel() -> None:
   for name, product in products.items():
     asts = [next(a for a in kernels(product(r)) if a.arg.name.startswith("dsl")) for r in (1, 2, 4)]
     assert len({a.key for a in asts}) == 3, name
+
+
+def test_without_workgroups_a_rows_blocks_stay_a_loop(monkeypatch) -> None:
+  """On a device with workgroups a thread reads its share of a row's blocks in unrolled steps of up to dsl.STEP (their
+  loads issued together); without (the CPU) the row's blocks are a loop of one block a turn: unrolled, a K-quant
+  product takes a minute to generate there."""
+  rng = np.random.default_rng(2)
+  w = dsl.to_words(random_weight(rng, TYPES["Q4_0"], (64, 64 * 32), "dsl"))  # 64 blocks a row
+  x = Tensor(rng.standard_normal(64 * 32).astype(np.float32))
+  def ranges(local: bool) -> list[tuple[int, str]]:
+    monkeypatch.setattr(dsl, "_local", lambda device: local)
+    a = next(a for a in kernels(dsl._vec(x, (w,))) if a.arg.name.startswith("dsl_"))
+    return [(r.src[0].arg, r.arg[-1].name) for r in a.toposort() if r.op is Ops.RANGE]
+  # a block's 32 codes: 2 nibbles x 4 words x 4 bytes, unrolled on both
+  assert (64, "REDUCE") in ranges(False) and (dsl.STEP, "UNROLL") not in ranges(False)
+  # 4 lanes x 8 threads split the row, each thread's 8 blocks in one unrolled step
+  assert (dsl.STEP, "UNROLL") in ranges(True) and (64, "REDUCE") not in ranges(True)
 
 
 ROWS_OFF_DEFAULT = {"dsl_rows": {"qkv_a": 4, "attn_out": 2, "gate_up": 2, "down": 4}}

@@ -68,7 +68,8 @@ class DiskPrograms(dict):
     try: row = db.execute("SELECT val FROM program WHERE key = ?", (self.disk_key(key),)).fetchone()
     except sqlite3.Error: return None
     if row is None: return None
-    prg = pickle.loads(row[0])
+    try: prg = pickle.loads(row[0])
+    except Exception: return None  # noqa: BLE001 - a program that cannot be rebuilt here is generated again
     super().__setitem__(key, prg)
     return prg
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import sqlite3
 import subprocess
 import sys
@@ -71,3 +72,30 @@ def test_an_unusable_file_leaves_generation_in_the_process(tmp_path) -> None:
   out = run(str(path / "programs.db"))
   assert out["generated"] >= 2 and out["out"] == run(str(tmp_path / "programs.db"))["out"]
   assert f"program cache {path / 'programs.db'} unusable" in out["stderr"], out["stderr"]
+
+
+def test_a_program_that_cannot_be_rebuilt_is_generated_again(tmp_path) -> None:
+  path = str(tmp_path / "programs.db")
+  first = run(path)
+  with sqlite3.connect(path) as c: c.execute("UPDATE program SET val = ?", (b"not a pickle",))
+  again = run(path)
+  assert again["generated"] == first["generated"] and again["out"] == first["out"]
+
+
+def test_the_benchmark_times_each_round_and_compares_its_tokens(tmp_path) -> None:
+  """benchmarks/program_cache.sh on the CPU: a trial line per round and config with every field a line of its kind
+  needs, the same tokens in each round, and a portable trial compiling in less time with its programs kept."""
+  from benchmarks import render
+  root = pathlib.Path(__file__).resolve().parent.parent
+  env = {**os.environ, "MODEL": "tiny", "DEVICE": "CPU", "WORK": str(tmp_path), "PYTHON": sys.executable,
+         "ROUNDS": "cold warm", "CONFIGS": "portable=benchmarks/configs/portable.json", "NOTE": "test"}
+  r = subprocess.run(["bash", "benchmarks/program_cache.sh"], cwd=root, env=env, capture_output=True, text=True,
+                     timeout=600)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+  lines = render.load(tmp_path / "out" / "results.jsonl")
+  assert {i: m for i, x in enumerate(lines) if (m := render.missing(x))} == {}
+  trials = [x for x in lines if x["kind"] == "trial"]
+  assert [x["command"].split("(")[-1].split()[0] for x in trials] == ["cold", "warm"]
+  assert all(x["status"] == "ok" and x["config"] == "portable" and x["note"].startswith("test: ") for x in trials)
+  assert trials[1]["compile_s"] < trials[0]["compile_s"]
+  assert (tmp_path / "out" / "tokens.txt").read_text().split() == ["portable", "warm:", "same", "tokens", "as", "cold"]

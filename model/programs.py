@@ -35,6 +35,7 @@ CODEGEN_ENV = ("TC", "TC_OPT", "NOLOCALS", "MV", "MV_THREADS_PER_ROW", "MV_ROWS_
 RUNTIME_ENV = ("DEV", "PARALLEL", "DEBUG", "SPEC", "CACHELEVEL", "CACHEDB", "JIT", "JIT_BATCH_SIZE", "LRU", "VIZ",
                "PROFILE")
 
+
 class DiskPrograms(dict):
   """tinygrad's to_program_cache (key -> compiled PROGRAM UOp) with a disk copy of what it generates without BEAM."""
 

@@ -17,7 +17,7 @@ def apply_process_settings(cfg: StructureConfig, device: str | None = None, cach
   by Generator.)
 
   tinygrad reads these variables through a cached getenv or at import, so the cache is cleared and the JIT batch size
-  set directly. tinygrad's disk cache (CACHEDB: BEAM choices and compiled programs) lives in `cache` when given (a
+  set directly. tinygrad's disk cache (CACHEDB: BEAM choices and the compiler's output) lives in `cache` when given (a
   study's own, so its trials do not depend on other studies' or runs' BEAM choices), else in tinygrad's directory. Its
   BEAM entries are keyed by kernel, not by the BEAM_* limits, so non-default limits get a cache file of their own. The
   programs tinygrad generates without BEAM are kept for every process in one file of structsearch's cache

@@ -96,6 +96,7 @@ from products import TYPES, random_weight, rel_err
 import model.backends.dsl as dsl
 from model.backends import catalog
 from model.backends import tensor
+from model.structure import DSL_ROWS
 from model.weights import QWeight, concat_rows
 assert dsl._local(Device.DEFAULT), Device.DEFAULT
 for quant in sys.argv[1:]:
@@ -124,7 +125,8 @@ for quant in sys.argv[1:]:
   merged = dsl.to_words(concat_rows(dslw(ref), dslw(up)))
   # its default rows per thread for the seed files' types (a K-quant's unrolled block, 4 times over, takes a minute to
   # emulate; the rows per thread do not depend on the type)
-  got = dsl._glu(xg, (gamma, 1e-5), (None, None, merged), 4 if quant in ("Q4_0", "Q8_0") else 1, sel)
+  got = dsl._glu(xg, (gamma, 1e-5), (None, None, merged), DSL_ROWS["gate_up"].default if quant in ("Q4_0", "Q8_0")
+                 else 1, sel)
   print(quant, "glu", rel_err(got, g.silu() * u))
 """
 

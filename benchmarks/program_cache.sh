@@ -24,7 +24,8 @@ F="$WORK/$MODEL-$QUANT${LAYERS:+-$LAYERS}.gguf"
 for round in $ROUNDS; do
   [ "$round" = compiler ] && rm -f "$STRUCTSEARCH_CACHE"/programs.db*
   for pair in $CONFIGS; do
-    name=${pair%%=*} cfg=${pair#*=} res="$OUT/$round-${pair%%=*}.json"
+    name=${pair%%=*} cfg=${pair#*=}
+    res="$OUT/$round-$name.json"
     args=(--model "$F" --device "$DEVICE" --no-prefill -n 32 --rounds 3 --config "$cfg")
     echo "=== $round $name $(date -u +%H:%M:%S)"
     "$PY" -m evaluator run "${args[@]}" --json "$res" | tail -3

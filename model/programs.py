@@ -91,6 +91,8 @@ class DiskPrograms(dict):
 
 
 def use(path: str) -> None:
-  """Back tinygrad's program cache with the SQLite file at `path` for the rest of this process."""
+  """Back tinygrad's program cache with the SQLite file at `path` for the rest of this process (once: a second call
+  for the same file keeps the cache and connection it has)."""
+  if isinstance(codegen.to_program_cache, DiskPrograms) and codegen.to_program_cache.path == path: return
   cache = DiskPrograms(path, codegen.to_program_cache)
   codegen.to_program_cache = realize.to_program_cache = cache

@@ -17,7 +17,7 @@ from typing import Any
 from model.backends import catalog
 from model.backends.catalog import device_kind
 from model.gguf_file import GGUFFile
-from model.quants import QUANT_TYPES
+from model.quant_types import QUANT_TYPES
 from model.structure import KNOBS, STAGES, ConfigError, StructureConfig
 
 SPACE_VERSION = 8

@@ -18,7 +18,7 @@ from model.backends import catalog
 from model.backends.catalog import device_kind
 from model.gguf_file import GGUFFile
 from model.quant_types import QUANT_TYPES
-from model.structure import KNOBS, STAGES, ConfigError, StructureConfig
+from model.structure import KNOBS, STAGES, ConfigError, StructureConfig, knob_named
 
 SPACE_VERSION = 8
 
@@ -202,11 +202,12 @@ def parse_pins(pins: list[str], info: ModelInfo, device: str = "CPU", family: st
   ks, out = {k.name: k for k in knobs(info, device, family)}, {}
   for pin in pins:
     text, _, value = pin.partition("=")
-    name = text.replace(":", ".")  # backend.Q4_0:expert, as configs key their backends, is backend.Q4_0.expert
-    if name not in ks: raise ConfigError(f"--fix {pin}: no knob {text!r} in this space; knobs: {', '.join(ks)}")
-    match = [c for c in ks[name].choices if str(c).lower() == value.lower()]
-    if not match: raise ConfigError(f"--fix {pin}: {name} takes one of {', '.join(map(str, ks[name].choices))}")
-    out[name] = match[0]
+    try: k = knob_named(text, ks)
+    except ConfigError:
+      raise ConfigError(f"--fix {pin}: no knob {text!r} in this space; knobs: {', '.join(ks)}") from None
+    match = [c for c in k.choices if str(c).lower() == value.lower()]
+    if not match: raise ConfigError(f"--fix {pin}: {k.name} takes one of {', '.join(map(str, k.choices))}")
+    out[k.name] = match[0]
   return out
 
 

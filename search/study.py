@@ -33,6 +33,9 @@ from model.structure import KNOBS, ConfigError, StructureConfig
 from search.coordinate import CoordinateSampler
 from space.knobs import SPACE_VERSION, Knob, ModelInfo, defaults, device_kind, knobs, to_config, to_params
 
+# Optuna's INFO lines (a study created, each trial's value) would repeat what the live view and the views say
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+
 SAMPLERS = ("coordinate", "tpe", "random", "gp", "nsga2")
 METRICS = ("tok/s", "peak device bytes")  # the objectives of a study, in Optuna's order
 # a worker that stops beating for 6 heartbeats is dead: its trial fails and its config is enqueued again

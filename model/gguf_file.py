@@ -29,8 +29,8 @@ class TensorInfo:
   def type_name(self) -> str: return type_name(self.ggml_type)
 
 
-# GGUF value types (gguf's GGUFValueType): numbers by their little-endian struct (and numpy) format, then strings and
-# arrays
+# GGUF value types (gguf's GGUFValueType): numbers by their little-endian struct (and numpy) format, then strings
+# and arrays
 _NUMBERS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 

@@ -151,8 +151,8 @@ FUSED = {st: Knob("off", lambda d, f, st=st: ("off", *catalog.stage_choices(st, 
                   FUSED_APPLIES[st], precision=_backend_precision,
                   allowed=lambda st=st: tuple(n for n in catalog.names() if st in catalog.get(n).stages))
          for st in STAGES}
-# per-weight kernel backends, keyed "<QUANT>:<role>"; the expert weights are read by the fused moe stage itself where it
-# runs
+# per-weight kernel backends, keyed "<QUANT>:<role>"; the expert weights are read by the fused moe stage itself where
+# it runs
 BACKENDS = {f"{q}:{r}": Knob(catalog.DEFAULT, lambda d, f, q=q, r=r: catalog.choices(q, r, d, f),
                              f"kernel backend for {q} {r} weights", lambda m, q=q, r=r: q in m.quants.get(r, ()),
                              stages=("moe",) if r == "expert" else (), precision=_backend_precision,

@@ -52,8 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="several devices of this host (CUDA:0,CUDA:1): one worker process each (PostgreSQL)")
   p.add_argument("--trials", type=at_least(1),
                  help="the study's target number of finished trials (default 200; may change later)")
-  # the measurement protocol: fixed when the study is created (defaults in search.study.Setup); a later run may only
-  # repeat it
+  # the measurement protocol: fixed when the study is created (defaults in search.study.Setup); a later run may
+  # only repeat it
   p.add_argument("--sampler", choices=SAMPLERS, help="default coordinate: from the baseline one knob at a time, then "
                  "tpe (search/coordinate.py); nsga2 with two objectives")
   p.add_argument("--objectives", choices=["tok_s", "tok_s,peak_memory"], metavar="OBJECTIVES",

@@ -10,6 +10,7 @@ Artifacts live in an Optuna file-system artifact store: beside a SQLite database
 where --artifacts says (name a shared directory when workers on several machines write to one PostgreSQL study)."""
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import json
@@ -30,8 +31,10 @@ from db.models import Trial
 from model.production import home
 from search import effects
 from search.events import Event
-from search.leaderboard import trial_doc
+from search.formats import console
+from search.options import add_storage, port_number
 from search.ranked import RankedStorage
+from search.show import trial_doc
 from search.study import StudyMismatch, storage
 
 
@@ -148,8 +151,25 @@ def serve(url: str, study: str | None, host: str, port: int, artifacts: str | No
   try: server = make_server(host, port, app(url, artifacts), server_class=server_class)
   except OSError as e: raise RuntimeError(f"cannot serve the dashboard on {host}:{port}: {e.strerror or e}") from None
   say(f"dashboard of {hide_password(url)} at http://{host}:{server.server_port}/{path} (artifacts in "
-      f"{artifact_dir(url, artifacts)}); "
-      "Ctrl-C stops it")
+      f"{artifact_dir(url, artifacts)}); Ctrl-C stops it")
   with server:
     try: server.serve_forever()
     except KeyboardInterrupt: pass
+
+
+def refresh(url: str, name: str, artifacts: str | None) -> None:
+  """Rewrite the files of the study's trials with their figures (after a confirmation, or other workers'
+  measurements)."""
+  Uploader(url, name, artifact_store(url, artifacts)).refresh()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  add_storage(p)
+  p.add_argument("--study", help="print the address of this study's page")
+  p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+  p.add_argument("--port", type=port_number, default=8080, help="port to serve on (default 8080; 0: any free port)")
+  p.add_argument("--artifacts", help="the artifact directory the workers wrote (default: beside a SQLite database)")
+
+
+def run(args: argparse.Namespace) -> None:
+  serve(args.storage, args.study, args.host, args.port, args.artifacts, say=console.print)

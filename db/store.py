@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -230,3 +230,16 @@ def interval(e: Estimate) -> str:
   """`median [low, high]`, or the median alone while the study has no noise figure."""
   return (f"{e.median:.2f} [{e.low:.2f}, {e.high:.2f}]" if e.low is not None
           else f"{e.median:.2f} [noise not measured yet]")
+
+
+def delete_study(s: Session, study: Study) -> dict[str, int]:
+  """Every row of the study in our tables, and the study: the counts removed, by table."""
+  trial_ids = select(Trial.id).where(Trial.study_id == study.id).scalar_subquery()
+  counts = {}
+  for cls, where in ((KernelProfile, KernelProfile.trial_id.in_(trial_ids)),
+                     (Measurement, Measurement.study_id == study.id), (Confirmation, Confirmation.study_id == study.id),
+                     (Export, Export.study_id == study.id), (Trial, Trial.study_id == study.id)):
+    counts[cls.__tablename__] = s.execute(delete(cls).where(where)).rowcount
+  s.delete(study)
+  s.flush()
+  return counts

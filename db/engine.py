@@ -33,7 +33,9 @@ class NoDatabase(DBError):
 def default_url() -> str: return f"sqlite:///{Path.cwd() / 'structsearch.db'}"
 
 
-def hide_password(url: str) -> str: return re.sub(r"(://[^:/@]*):[^@]*@", r"\1:***@", url)
+def hide_password(url: str) -> str:
+  """The URL as it may be printed: the password after the user name and a `password=` query value masked."""
+  return re.sub(r"(?i)([?&]password=)[^&#]*", r"\1***", re.sub(r"(://[^:/@]*):[^@]*@", r"\1:***@", url))
 
 
 def alembic_config(url: str) -> Config:

@@ -19,6 +19,7 @@ from evaluator.result import TrialResult, TrialSpec
 from model.filehash import file_sha256
 from model.registry import cache_dir
 from model.structure import StructureConfig
+from model.workload import PROMPT
 
 Phase = Callable[[str], None]
 # signals only something outside the trial process sends: `killed`, transient
@@ -193,7 +194,8 @@ class Evaluator:
   n: int = 32
   rounds: int = 3
   warmup: int = 3
-  prompt_len: int = 32
+  prompt_len: int = PROMPT  # the workload (model/workload.py): the prompt and the context decode is timed at
+  context: int = 0
   timeout: float = 900
   # time the prefill graph too (the prompt otherwise goes through decode steps: no prefill kernels to build)
   prefill: bool = True
@@ -215,17 +217,19 @@ class Evaluator:
     return self.block_layers if stage == "block" and self.block_layers < self.total_layers else None
 
   def spec(self, config: dict, stage: str = "full", **kw) -> TrialSpec:
-    return TrialSpec(self.model, config, self.device, stage, self.layers(stage), self.prompt_len, self.n, self.rounds,
+    """A trial's spec, its KV cache the workload's (Workload.cache_positions)."""
+    spec = TrialSpec(self.model, config, self.device, stage, self.layers(stage), self.prompt_len, self.n, self.rounds,
                      self.warmup, prefill=self.prefill, tinygrad_cache=self.tinygrad_cache,
-                     beam_budget_s=self.beam_budget, **kw)
+                     beam_budget_s=self.beam_budget, context=self.context, **kw)
+    return replace(spec, max_context=spec.workload.cache_positions(spec.decoded))
 
   def reference_path(self, stage: str, config: StructureConfig) -> str:
     """Where the reference of `config` for this file, device and stage is cached (evaluator/gate.py reference_key),
     its directory made: whichever process makes it saves it there."""
-    from evaluator.gate import reference_key
+    from evaluator.gate import GATE_PROMPT, reference_key
     probe = self.spec(config.to_dict(), stage)
-    key = reference_key(file_sha256(self.model), self.device, probe.layers or self.total_layers, probe.prompt_len,
-                        probe.check_positions, config)
+    key = reference_key(file_sha256(self.model), self.device, probe.layers or self.total_layers,
+                        min(probe.prompt_len, GATE_PROMPT), probe.check_positions, probe.workload.depth, config)
     (path := cache_dir() / "references" / f"{key}.npz").parent.mkdir(parents=True, exist_ok=True)
     return str(path)
 

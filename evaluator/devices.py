@@ -56,6 +56,27 @@ def nvidia_gpus() -> tuple[tuple[str, str], ...]:
   return tuple((name.strip(), uuid.strip()) for name, _, uuid in rows)
 
 
+@functools.cache
+def nvidia_memory() -> dict[str, int]:
+  """Each NVIDIA card's memory in bytes, by UUID ({} without nvidia-smi)."""
+  try:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=uuid,memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30)
+  except (OSError, subprocess.TimeoutExpired): return {}
+  rows = (line.split(",") for line in out.stdout.splitlines() if out.returncode == 0 and "," in line)
+  return {uuid.strip(): int(float(mib)) << 20 for uuid, mib in rows if mib.strip().replace(".", "").isdigit()}
+
+
+def memory_bytes(device: str) -> int | None:
+  """The memory a device holds, in bytes: the card's (nvidia-smi) or, for the CPU, the host's (its cgroup's limit where
+  lower); None where unknown (a workload is then refused for the model's context length alone)."""
+  if kind(device) == "CPU":
+    from evaluator.runner import memory_limit
+    return memory_limit()
+  key = physical(device).key
+  return nvidia_memory().get(key.removeprefix("nvidia-")) if key.startswith("nvidia-GPU-") else None
+
+
 def physical(device: str) -> PhysicalDevice:
   k, i = kind(device), index(device)
   if k == "CPU": return PhysicalDevice("CPU", platform.processor() or platform.machine())

@@ -19,7 +19,7 @@ from evaluator.result import TrialResult, TrialSpec
 from model.filehash import file_sha256
 from model.registry import cache_dir
 from model.structure import StructureConfig
-from model.workload import PROMPT
+from model.workload import PROMPT, Memory, Workload
 
 Phase = Callable[[str], None]
 # signals only something outside the trial process sends: `killed`, transient
@@ -209,6 +209,17 @@ class Evaluator:
     f = GGUFFile(model)
     total = int(f.key("block_count"))
     return cls(str(f.path), device, total, min(total, int(f.key("leading_dense_block_count", 0)) + 2), **kw)
+
+  @property
+  def workload(self) -> Workload: return Workload(self.prompt_len, self.context)
+
+  def memory(self) -> tuple[Memory, str | None]:
+    """The device memory of a full-model trial at this workload before anything runs, and why it cannot run on this
+    device (one line; None where it can)."""
+    from evaluator.devices import memory_bytes
+    probe = self.spec({})
+    mem = Memory.of(self.model, probe.workload, probe.decoded)
+    return mem, mem.refusal(probe.workload, probe.decoded, self.device, memory_bytes(self.device))
 
   @property
   def stages(self) -> list[str]: return ["block", "full"] if self.block_layers < self.total_layers else ["full"]

@@ -4,7 +4,8 @@ StructureConfig).
 
 They live in $STRUCTSEARCH_HOME/production/<model-name>.toml ($STRUCTSEARCH_HOME defaults to
 ~/.local/share/structsearch). Each is a plain StructureConfig TOML (any --config accepts it) whose header comment says
-where it comes from and names the SHA-256 of the model file it was measured on: it is applied to that file only."""
+where it comes from, names the SHA-256 of the model file it was measured on (it is applied to that file only) and the
+workload it was chosen under (model/workload.py: `model run` and `model bench` say when theirs differs)."""
 from __future__ import annotations
 
 import os
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from model.filehash import file_sha256
 from model.presets import UnknownPreset, get_preset
 from model.structure import ConfigError, StructureConfig
+from model.workload import Workload
 
 SHA_LINE = re.compile(r"^# model-sha256: ([0-9a-f]{64})$", re.M)
 
@@ -42,6 +44,7 @@ class Production:
   config: StructureConfig
   sha256: str | None  # of the model file it was measured on
   summary: str  # its first header line: study, trial, speedup, device
+  workload: Workload  # the one it was chosen under (the default where its header names none: exported before)
 
 
 def read(path: pathlib.Path) -> Production:
@@ -49,7 +52,16 @@ def read(path: pathlib.Path) -> Production:
   try: cfg = StructureConfig.from_toml(text)
   except ConfigError as e: raise ConfigError(f"production config {path}: {e}") from None
   sha = m.group(1) if (m := SHA_LINE.search(text)) else None
-  return Production(path, cfg, sha, text.splitlines()[0].lstrip("# ") if text.startswith("#") else "")
+  return Production(path, cfg, sha, text.splitlines()[0].lstrip("# ") if text.startswith("#") else "",
+                    Workload.read(text) or Workload())
+
+
+def workload_note(chosen: Workload | None, run: Workload) -> str | None:
+  """One line where the workload run differs from the one the config was chosen under (None: the same, or a config
+  chosen under none: the baseline, a --config file without a workload line)."""
+  if chosen is None or chosen == run: return None
+  return (f"note: this config was chosen at {chosen}; this run is at {run}: its speed there was not what chose it "
+          "(search start --context/--prompt measures a study at this workload)")
 
 
 def select(model_file: pathlib.Path, model: str, config: str | None, baseline: bool) -> tuple[StructureConfig, str]:

@@ -192,8 +192,8 @@ def make_reference(gen, prompt: list[int], positions: int, depth: int = 0) -> Re
     if j == P - 1: tokens.append(int(np.argmax(lg)))
     if j < P: continue
     o, s, r = _split(n_moe, *per_block)
-    sel.append(o), scores.append(s), router.append(r), states.append(outs), logits.append(lg), tokens.append(int(
-      np.argmax(lg)))
+    sel.append(o), scores.append(s), router.append(r), states.append(outs), logits.append(lg)
+    tokens.append(int(np.argmax(lg)))
   return Reference(np.array(tokens[:P + positions + 1]), np.stack(sel), np.stack(scores).astype(np.float32),
                    np.stack(router).astype(np.float32), np.stack(logits).astype(np.float32),
                    np.stack(states).astype(np.float32), gen.cache_rows(P), P, depth)

@@ -9,10 +9,6 @@ from typing import Any
 from model.workload import Workload
 
 STAGES = ("block", "full")
-# why a trial did not produce a trustworthy figure; "ok" otherwise
-# (killed: SIGKILL from outside with no sign of running out of memory; killed and timeout say nothing lasting about the
-# config)
-FAILURES = ("invalid_config", "compile_error", "runtime_error", "oom", "killed", "timeout", "wrong_output")
 
 
 @dataclass(frozen=True)
@@ -66,7 +62,10 @@ class TrialSpec:
 
 @dataclass
 class TrialResult:
-  status: str  # "ok" or one of FAILURES
+  # "ok", or why the trial did not produce a trustworthy figure: invalid_config, compile_error, runtime_error, oom,
+  # killed (SIGKILL from outside with no sign of running out of memory), timeout, wrong_output; killed and timeout say
+  # nothing lasting about the config
+  status: str
   spec: dict[str, Any]
   # tok_s (median) and its spread, ms/token, kernels, bytes, GB/s, memory, ...
   metrics: dict[str, Any] = field(default_factory=dict)

@@ -129,10 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     c = sub.add_parser(name, help=hlp)
     c.add_argument("--model", required=True, help="a name (tiny, glm, deepseek-v2-lite, youtu, ...) or a .gguf path")
     c.add_argument("-n", type=int, default=64 if name == "run" else 32, help="tokens to generate")
-    c.add_argument("--config",
-                   help="a StructureConfig as .json or .toml (default: the production config exported for this model "
-                   "file, "
-                                    "else the baseline)")
+    c.add_argument("--config", help="a StructureConfig as .json or .toml (default: the production config exported for "
+                   "this model file, else the baseline)")
     c.add_argument("--baseline", action="store_true", help="the baseline config, ignoring any production config")
     c.add_argument("--device", help="tinygrad device, e.g. CPU, CUDA, METAL (default: tinygrad's default)")
     c.add_argument("--layers", type=int, help="run only the first N blocks")

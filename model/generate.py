@@ -46,10 +46,9 @@ def argmax_first(x: Tensor, group: int = 256, align: int = 32) -> Tensor:
   """Index of the first maximum of a 1-D float32 tensor, as np.argmax gives it, in two reductions: each value becomes
   one int64 key, its order-preserving integer (bits, with -0.0 as +0.0) above the complement of its index, so the
   largest key holds the maximum and, among equal values, the first index. Each row of `group` keys finds its largest,
-  then the rows' largest is the answer (on an H200, 3.1 us for DeepSeek-V2-Lite's 102400 logits:
-  benchmarks/argmax_lab.py). The rows are padded to a multiple of `align`: tinygrad's heuristics then split them over
-  workgroups, where a count that 16 does not divide leaves one thread per row looping alone (on an H100, 7-49 us for
-  unpadded rows of 128)."""
+  then the rows' largest is the answer (benchmarks/argmax_lab.py times it). The rows are padded to a multiple of
+  `align`: tinygrad's heuristics then split them over workgroups, where a count that 16 does not divide leaves one
+  thread per row looping alone."""
   n, low = x.shape[0], (1 << 32) - 1
   b = x.float().bitcast(dtypes.int32)
   ordered = (b < 0).where((b ^ 0x7FFFFFFF) + 1, b).cast(dtypes.int64)
@@ -147,7 +146,7 @@ class Generator:
   def _sample(self, token: Tensor, start_pos: UOp, temperature: Tensor, seed: Tensor) -> Tensor:
     logits = self.model.forward(token, start_pos)[0, -1]
     # uniform noise from a stateless hash of (index, seed): a seed drawn on the host per step makes sampling
-    # reproducible
+    # reproducible without random state on the device
     h = ((Tensor.arange(logits.shape[-1]).float() * 12.9898 + seed * 78.233).sin() * 43758.5453)
     gumbel = -(-(h - h.floor()).maximum(1e-12).log()).log()
     return argmax_first(logits / temperature + gumbel).cast(dtypes.int32).reshape(1, 1).contiguous()

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from model.quants import QUANT_TYPES, type_name
+from model.quant_types import QUANT_TYPES, type_name
 
 
 class GGUFError(ValueError):
@@ -29,16 +29,16 @@ class TensorInfo:
   def type_name(self) -> str: return type_name(self.ggml_type)
 
 
-# GGUF value types (gguf's GGUFValueType): numbers by their little-endian struct (and numpy) format, then strings and
-# arrays
+# GGUF value types (gguf's GGUFValueType): numbers by their little-endian struct (and numpy) format, then strings
+# and arrays
 _NUMBERS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 
 
 class _Header:
   """GGUF v2/v3 metadata and tensor infos, parsed from the file's first bytes. (gguf's GGUFReader builds numpy views for
-  every part of every field: seconds for a 154,880-token vocabulary, paid by each trial process; this reads strings in
-  one pass and number arrays in one frombuffer.)"""
+  every part of every field, which each trial process would pay for a large vocabulary; this reads strings in one pass
+  and number arrays in one frombuffer.)"""
 
   def __init__(self, buf: memoryview):
     self.buf, self.pos = buf, 4

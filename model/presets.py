@@ -101,8 +101,8 @@ PRESETS: dict[str, ModelShape] = {
     dense_ffn=10240, n_experts=64, n_used=4, n_shared=1, expert_ffn=1536, gating="sigmoid", exp_probs_bias=True,
     routed_scale=1.8, norm_topk=True, vocab=154880, ctx=202752, rope_theta=1e6, rms_eps=1e-5,
     aliases=("glm", "glm-4.7")),
-  # deepseek-ai/DeepSeek-V2-Lite config.json (DeepseekV2ForCausalLM, q_lora_rank null, topk_method greedy, scoring_func
-  # softmax)
+  # deepseek-ai/DeepSeek-V2-Lite config.json (DeepseekV2ForCausalLM, q_lora_rank null, topk_method greedy,
+  # scoring_func softmax)
   "deepseek-v2-lite": ModelShape(
     name="deepseek-v2-lite", hf_repo="deepseek-ai/DeepSeek-V2-Lite",
     url="https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite", n_layers=27, n_dense=1, dim=2048, n_heads=16, q_lora=0,
@@ -126,8 +126,8 @@ PRESETS: dict[str, ModelShape] = {
     name="tiny", hf_repo="", url="", n_layers=3, n_dense=1, dim=256, n_heads=4, q_lora=128, kv_lora=128, qk_nope=32,
     qk_rope=32, v_head=32, dense_ffn=512, n_experts=8, n_used=2, n_shared=1, expert_ffn=256, gating="sigmoid",
     exp_probs_bias=True, routed_scale=1.8, norm_topk=True, vocab=1024, ctx=2048, rope_theta=10000.0, rms_eps=1e-5),
-  # the tiny widths at depth: 30 MoE blocks, where a routing near-tie anywhere sends a per-position logit comparison
-  # astray
+  # the tiny widths at depth: 30 MoE blocks, where a routing near-tie anywhere sends a per-position logit
+  # comparison astray
   "tiny-deep": ModelShape(
     name="tiny-deep", hf_repo="", url="", n_layers=32, n_dense=2, dim=256, n_heads=4, q_lora=128, kv_lora=128,
     qk_nope=32, qk_rope=32, v_head=32, dense_ffn=512, n_experts=64, n_used=4, n_shared=1, expert_ffn=64,

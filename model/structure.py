@@ -13,7 +13,7 @@ import json
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import tomli_w
 
@@ -123,10 +123,8 @@ def _point(p: str, default: str, stages: tuple[str, ...], applies: Callable[[Inf
 
 
 # split points where the model may place a kernel boundary or an execution barrier; where tinygrad's scheduler already
-# ends
-# a kernel, "none" and "contiguous" build identical kernels (tests/test_space.py compares kernel sources), so those
-# points
-# offer one of the two
+# ends a kernel, "none" and "contiguous" build identical kernels (tests/test_space.py compares kernel sources), so those
+# points offer one of the two
 BARRIERS = dict((
   _point("q_proj", "none", ("attention",), choices=("none", "realize")),
   _point("kv_a", "none", ("attention",), choices=("none", "realize")),
@@ -141,11 +139,9 @@ BARRIERS = dict((
   _point("block_out", "contiguous", ("moe", "ffn"), choices=("contiguous", "realize")),
   _point("kv_write", "none", ("attention",), choices=("none", "realize")),
 ))
-BARRIER_POINTS = tuple(BARRIERS)
 DEFAULT_BARRIERS = {p: k.default for p, k in BARRIERS.items()}
 # the fused stages a model has, and what each needs of the file: attention the split k_b/v_b tensors, moe and ffn one
-# type
-# for gate and up (their kernels read both rows in one pass)
+# type for gate and up (their kernels read both rows in one pass)
 FUSED_APPLIES: dict[str, Callable[[Info], bool]] = {
   "attention": lambda m: m.split_kv_b, "router": _moe,
   "moe": lambda m: m.moe and "routed" in m.mergeable and (not m.shared_experts or "shared" in m.mergeable),
@@ -155,8 +151,8 @@ FUSED = {st: Knob("off", lambda d, f, st=st: ("off", *catalog.stage_choices(st, 
                   FUSED_APPLIES[st], precision=_backend_precision,
                   allowed=lambda st=st: tuple(n for n in catalog.names() if st in catalog.get(n).stages))
          for st in STAGES}
-# per-weight kernel backends, keyed "<QUANT>:<role>"; the expert weights are read by the fused moe stage itself where it
-# runs
+# per-weight kernel backends, keyed "<QUANT>:<role>"; the expert weights are read by the fused moe stage itself where
+# it runs
 BACKENDS = {f"{q}:{r}": Knob(catalog.DEFAULT, lambda d, f, q=q, r=r: catalog.choices(q, r, d, f),
                              f"kernel backend for {q} {r} weights", lambda m, q=q, r=r: q in m.quants.get(r, ()),
                              stages=("moe",) if r == "expert" else (), precision=_backend_precision,
@@ -334,12 +330,14 @@ def _declared() -> dict[str, Knob]:
 
 
 KNOBS = _declared()
+K = TypeVar("K")
 # field -> (tinygrad variable, allowed values)
 PROCESS_SETTINGS = {k.field: (k.env, k.valid()) for k in KNOBS.values() if k.env}
 
 
-def knob_named(text: str) -> Knob:
-  """The knob a user names (`--fix`, `--where`): its name, with `backend.Q4_0:expert` read as `backend.Q4_0.expert`."""
+def knob_named(text: str, among: dict[str, K] = KNOBS) -> K:
+  """The knob a user names (`--fix`, `--where`) among `among` (default: every declared knob; space.knobs: a space's
+  rows), with `backend.Q4_0:expert`, as configs key their backends, read as `backend.Q4_0.expert`."""
   name = text.replace(":", ".")
-  if name not in KNOBS: raise ConfigError(f"no knob {text!r}; knobs: {', '.join(KNOBS)}")
-  return KNOBS[name]
+  if name not in among: raise ConfigError(f"unknown knob {text!r}; knobs: {', '.join(among)}")
+  return among[name]

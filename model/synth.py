@@ -119,8 +119,8 @@ def tensor_plan(s: ModelShape, quant: str = "q4_0", legacy_kv_b: bool = False,
   return out
 
 
-# *** random blocks: gen(rng, n_blocks, std) -> array of n_blocks * type_size bytes whose dequantized values have that
-# std
+# *** random blocks: gen(rng, n_blocks, std) -> array of n_blocks * type_size bytes whose dequantized values have
+# that std
 
 def _raw(rng: np.random.Generator, n: int) -> np.ndarray:
   return rng.bit_generator.random_raw(-(-n // 8)).view(np.uint8)[:n]

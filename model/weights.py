@@ -16,7 +16,7 @@ from model.quants import QUANT_TYPES, planes, to_float
 def write(t: Tensor, arr: np.ndarray) -> Buffer:
   """Copy a host array into the buffer of a buffer-backed tensor of its size; returns the buffer. The device allocator's
   copy-in is called directly, as tinygrad's own copy ends up doing: Buffer.copy_from first builds and runs a graph of
-  the copy, about 0.1 ms of host time per call (the correctness check writes 3 inputs per block and step)."""
+  the copy, host time paid at every call, and the correctness check writes 3 inputs per block and step."""
   buf, arr = t.uop.buffer.ensure_allocated(), np.ascontiguousarray(arr)
   # a view of the file's read-only mapping: device copies take the address of a writable buffer
   if not arr.flags.writeable: arr = arr.copy()

@@ -3,14 +3,21 @@ processes, alternating, more rounds). The winner is the config with the best low
 run."""
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 
 from db import store
 from db.engine import open_db, session
 from db.models import Confirmation, Study, Trial, utcnow
+from evaluator.cli import at_least
 from evaluator.compare import compare
+from model.registry import resolve
 from model.structure import StructureConfig
-from search.leaderboard import baseline, winner
+from search import leaderboard
+from search.dashboard import refresh
+from search.formats import console, errors
+from search.leaderboard import MIN_PAIRS, baseline, winner
+from search.options import add_format, add_storage, device_name
 from search.study import measuring_setup
 from search.view import label
 
@@ -68,3 +75,27 @@ def confirm(url: str, name: str, top: int = 3, pairs: int = 3, rounds: int = 5, 
       with session(engine) as s: s.get(Trial, cand.id).profile = store.profile_rows(r.profile)
   return out
 
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  add_storage(p); add_format(p)
+  p.add_argument("--study", required=True, help="the study whose leaderboard to confirm")
+  p.add_argument("--top", type=at_least(1), default=3,
+                 help="how many configs from the top of the leaderboard (default 3)")
+  p.add_argument("--pairs", type=at_least(MIN_PAIRS), default=3,
+                 help=f"A/B pairs per config, baseline and config alternating in fresh processes (default 3, at least "
+                 f"{MIN_PAIRS})")
+  p.add_argument("--rounds", type=at_least(1), default=5, help="measured rounds per A/B run (default 5)")
+  p.add_argument("--device", type=device_name, help="tinygrad device (default: the study's)")
+  p.add_argument("--model",
+                 help="where the study's model file is on this host (default: the study's path; checked by SHA-256)")
+  p.add_argument("--again", action="store_true", help="re-measure configs confirmed before")
+  p.add_argument("--artifacts", help="directory of the trials' dashboard artifacts, rewritten with the confirmations "
+                 "(default: beside a SQLite database)")
+
+
+def run(args: argparse.Namespace) -> None:
+  say = console.print if args.format == "table" else errors.print  # the progress; stdout keeps the document alone
+  confirm(args.storage, args.study, top=args.top, pairs=args.pairs, rounds=args.rounds, device=args.device, say=say,
+          again=args.again, model=str(resolve(args.model).resolve()) if args.model else None)
+  refresh(args.storage, args.study, args.artifacts)
+  leaderboard.show(args.storage, args.study, args.format, top=15)

@@ -14,14 +14,20 @@ Time to best: the study's wall time (the same sums, in trial order) up to the en
 tok/s is within NEAR_BEST of the fastest the study measured, which is when a user watching it had a config that good."""
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from db import store
+from db.engine import open_db, session
 from db.models import Measurement, Trial
-from search.formats import Section
+from evaluator.cli import at_least
+from search.formats import Section, console, emit
+from search.leaderboard import SCHEMA, study_named
+from search.options import add_format, add_storage
 
 PHASES = ("load_s", "compile_s", "prefill_s", "prompt_s", "check_s", "warmup_s", "measure_s", "profile_s", "overhead_s")
 MEASURED = ("ok", "wrong_output", "pruned", "runtime_error", "compile_error", "timeout", "oom", "killed",
@@ -95,11 +101,11 @@ def _time_to_best(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
           "time_to_best_s": elapsed[near["trial"]]}
 
 
-def cost_doc(study: str, schema: int, trials: Sequence[Trial], n: int = 200,
+def cost_doc(study: str, trials: Sequence[Trial], n: int = 200,
              measurements: Sequence[Measurement] = ()) -> dict[str, Any]:
   """The `search cost --format json` document (docs/json.md): study_cost's figures with the document's `schema` and
   `study`."""
-  return {"schema": schema, "study": study, **study_cost(trials, n, measurements)}
+  return {"schema": SCHEMA, "study": study, **study_cost(trials, n, measurements)}
 
 
 def _s(v: float | None) -> str: return "" if v is None else f"{v:.1f}"
@@ -127,3 +133,17 @@ def cost_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
   drop = ("profile", "overhead", "prompt", "prefill", "warmup", "check", "load", "measure", "compile", "repeats",
           "setup", "search", "ladder", "beam", "stage", "block stage", "full stage")
   return [Section("trial cost (s)", cols, rows, records=doc["trials"], drop=drop)], notes
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  add_storage(p); add_format(p)
+  p.add_argument("--study", required=True, help="the study whose trials to account for")
+  p.add_argument("--project", type=at_least(1), default=200, help="trials to project the wall time of (default 200)")
+
+
+def run(args: argparse.Namespace) -> None:
+  with session(open_db(args.storage, create=False)) as s:
+    st = study_named(s, args.storage, args.study)
+    doc = cost_doc(st.name, store.trials(s, st), args.project, store.measurements(s, st, stage=None))
+  sections, notes = cost_view(doc)
+  emit(args.format, sections, doc, console, notes)

@@ -5,11 +5,17 @@ first), its parameter importance the report's (search/effects.py, what it rests 
 the per-trial artifacts it shows beside Optuna's figures: the trial's metrics (the `search show` document), the git diff
 of the code that ran it, its per-kernel profile when it has one.
 
+It only reads: optuna-dashboard's UI offers to create, rename and delete studies, write notes and upload artifacts, and
+any page a browser opens could send those requests to a local port. So the server answers GET and HEAD alone, only for
+the address it is bound to and pages of its own origin (`read_only`), and its storage refuses every write
+(`RankedStorage`). Studies are managed from the command line.
+
 Artifacts live in an Optuna file-system artifact store: beside a SQLite database (`structsearch.db` ->
 `structsearch.db-artifacts/`), under $STRUCTSEARCH_HOME/artifacts/<host>-<port>-<database>/ for a server database, or
 where --artifacts says (name a shared directory when workers on several machines write to one PostgreSQL study)."""
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import json
@@ -17,6 +23,7 @@ import pathlib
 import socket
 import tempfile
 import warnings
+from collections.abc import Callable
 
 import optuna
 from bottle import Bottle, response
@@ -30,8 +37,10 @@ from db.models import Trial
 from model.production import home
 from search import effects
 from search.events import Event
-from search.leaderboard import trial_doc
+from search.formats import console
+from search.options import add_storage, port_number
 from search.ranked import RankedStorage
+from search.show import trial_doc
 from search.study import StudyMismatch, storage
 
 
@@ -133,10 +142,43 @@ def app(url: str, artifacts: str | None = None) -> Bottle:
   return web
 
 
+READS = ("GET", "HEAD")
+LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
+
+
+def _host_names(host: str) -> set[str] | None:
+  """The names a request's Host may give for a server bound to `host`: None (any) for a wildcard address."""
+  if host in ("", "0.0.0.0", "::"): return None
+  name = f"[{host}]" if ":" in host else host
+  return {name, *LOOPBACK} if name in LOOPBACK else {name}
+
+
+def read_only(web: Callable, host: str, port: int) -> Callable:
+  """The WSGI application `web` answering reads alone: a method other than GET or HEAD gets 405, a Host header that is
+  not the bound address (a DNS-rebinding page's) or an Origin other than the server's own gets 403."""
+  names = _host_names(host)
+  def refuse(start_response: Callable, status: str, why: str) -> list[bytes]:
+    start_response(status, [("Content-Type", "text/plain; charset=utf-8"), ("Allow", ", ".join(READS))])
+    return [f"{why}\n".encode()]
+  def guarded(environ: dict, start_response: Callable):
+    method, given = environ.get("REQUEST_METHOD", ""), environ.get("HTTP_HOST", "")
+    if method not in READS:
+      return refuse(start_response, "405 Method Not Allowed", f"the dashboard is read-only: {method} is refused; "
+                    "manage studies with `search delete` and `search rename`")
+    name, _, given_port = given.rpartition(":") if given.rpartition(":")[2].isdigit() else (given, "", "")
+    if names is not None and (name.lower() not in names or (given_port and int(given_port) != port)):
+      return refuse(start_response, "403 Forbidden", f"host {given!r} is not this dashboard's address")
+    origin = environ.get("HTTP_ORIGIN")
+    if origin is not None and origin.split("://", 1)[-1].lower() != given.lower():
+      return refuse(start_response, "403 Forbidden", f"origin {origin!r} is not this dashboard's")
+    return web(environ, start_response)
+  return guarded
+
+
 def serve(url: str, study: str | None, host: str, port: int, artifacts: str | None, say=print) -> None:
-  """Serve optuna-dashboard on url until interrupted, printing the address (of the study's page when one is named) once
-  the address is bound; a port in use or a host that does not resolve is one line (RuntimeError). It writes nothing into
-  the studies."""
+  """Serve optuna-dashboard on url, read-only (`read_only`), until interrupted, printing the address (of the study's
+  page when one is named) once the address is bound; a port in use or a host that does not resolve is one line
+  (RuntimeError)."""
   from wsgiref.simple_server import WSGIServer, make_server
 
   st = RankedStorage(url)
@@ -147,9 +189,27 @@ def serve(url: str, study: str | None, host: str, port: int, artifacts: str | No
   server_class = type("Server6", (WSGIServer,), {"address_family": socket.AF_INET6}) if ":" in host else WSGIServer
   try: server = make_server(host, port, app(url, artifacts), server_class=server_class)
   except OSError as e: raise RuntimeError(f"cannot serve the dashboard on {host}:{port}: {e.strerror or e}") from None
+  server.set_app(read_only(server.get_app(), host, server.server_port))
   say(f"dashboard of {hide_password(url)} at http://{host}:{server.server_port}/{path} (artifacts in "
-      f"{artifact_dir(url, artifacts)}); "
-      "Ctrl-C stops it")
+      f"{artifact_dir(url, artifacts)}); Ctrl-C stops it")
   with server:
     try: server.serve_forever()
     except KeyboardInterrupt: pass
+
+
+def refresh(url: str, name: str, artifacts: str | None) -> None:
+  """Rewrite the files of the study's trials with their figures (after a confirmation, or other workers'
+  measurements)."""
+  Uploader(url, name, artifact_store(url, artifacts)).refresh()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  add_storage(p)
+  p.add_argument("--study", help="print the address of this study's page")
+  p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+  p.add_argument("--port", type=port_number, default=8080, help="port to serve on (default 8080; 0: any free port)")
+  p.add_argument("--artifacts", help="the artifact directory the workers wrote (default: beside a SQLite database)")
+
+
+def run(args: argparse.Namespace) -> None:
+  serve(args.storage, args.study, args.host, args.port, args.artifacts, say=console.print)

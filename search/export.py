@@ -4,6 +4,7 @@ the repository holding the file (the user's checkout, index and current branch a
 recorded with the study."""
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import pathlib
@@ -14,15 +15,17 @@ import git
 from sqlalchemy.orm import Session
 
 from db import store
-from db.engine import hide_password
+from db.engine import hide_password, open_db, session
 from db.models import Confirmation, Study, Trial
 from db.store import interval
 from evaluator.gate import accuracy_text
 from model.production import model_key as production_key
 from model.production import production_dir, sha_line
 from model.structure import StructureConfig
-from search.formats import Section
-from search.leaderboard import MIN_PAIRS, PRECISION, SCHEMA, accuracy, find_trial, leaderboard, precision, winner
+from search.formats import console
+from search.leaderboard import MIN_PAIRS, PRECISION, accuracy, leaderboard, precision, study_named, winner
+from search.options import add_storage
+from search.show import find_trial
 
 
 def choose(s: Session, study: Study, which: str | None, unconfirmed: bool, force: bool = False) -> tuple[Trial, str]:
@@ -185,8 +188,7 @@ def export(s: Session, study: Study, url: str, which: str | None, unconfirmed: b
       est = store.estimates(s, study)
       e, base = est.get(t.config_hash), est.get(study.baseline_hash)
       measured = f"; measured {e.median / base.median:.3f}x the baseline" if e and base else ""
-      message = (
-          f"structsearch: export study {study.name}, trial {t.number}: {why}{measured}, on "
+      message = (f"structsearch: export study {study.name}, trial {t.number}: {why}{measured}, on "
                  f"{study.device_name or study.device}")
       branch_name = "structsearch/" + re.sub(r"[^A-Za-z0-9._-]+", "-", study.name) + f"-trial{t.number}"
       sha, branch, diff = commit(root, path.resolve().relative_to(root), tmp, message, branch_name)
@@ -197,40 +199,24 @@ def export(s: Session, study: Study, url: str, which: str | None, unconfirmed: b
           + (f"; committed {sha[:12]} on branch {branch}" if sha else ""))
 
 
-def exports_doc(s: Session, name: str | None = None) -> dict:
-  """What `search export` wrote (`search exports --format json`), newest first: each export's file, study, trial,
-  config hash, time, commit and branch, and its status: `in production` (the latest export to its file, which holds its
-  config still), `replaced` (a later export wrote the same file), `changed since` (the file holds another config now),
-  `missing`, or `unreadable`. `name`: one study's exports (None: every study's)."""
-  rows = []
-  for st in store.studies(s):
-    if name is not None and st.name != name: continue
-    for e in store.exports(s, st):
-      t = s.get(Trial, e.trial_id)
-      rows.append({"path": e.path, "study": st.name, "trial": t.number, "config_hash": t.config_hash,
-                   "exported_at": e.created_at.isoformat(), "commit": e.commit, "branch": e.branch,
-                   "model": st.model_name, "device": st.device, "device_name": st.device_name})
-  rows.sort(key=lambda r: r["exported_at"], reverse=True)
-  latest: set[str] = set()
-  for r in rows:
-    if r["path"] in latest: r["status"] = "replaced"
-    else:
-      latest.add(r["path"])
-      try: same = StructureConfig.load(r["path"]).hash == r["config_hash"]
-      except ValueError as e:
-        r["status"] = "missing" if not os.path.exists(r["path"]) else f"unreadable: {e}"
-        continue
-      r["status"] = "in production" if same else "changed since"
-  return {"schema": SCHEMA, "study": name, "exports": rows}
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  add_storage(p)
+  p.add_argument("--study", required=True, help="the study whose config to export")
+  which = p.add_mutually_exclusive_group()
+  which.add_argument("--trial", help="this trial's config (a number)")
+  which.add_argument("--best", action="store_true", help="the confirmed winner (the default)")
+  p.add_argument("--to", "--out", dest="to",
+                 help="default: $STRUCTSEARCH_HOME/production/<model>.toml, where `model run`/`model bench` look")
+  p.add_argument("--unconfirmed", action="store_true",
+                 help="allow a config that no A/B confirmation has shown faster than the baseline")
+  p.add_argument("--force", action="store_true",
+                 help="with --unconfirmed: export a config whose estimate is not above the baseline's interval")
+  p.add_argument("--commit", action="store_true",
+                 help="commit the file on a new branch of the git repository it lives in")
 
 
-def exports_view(doc: dict) -> tuple[list[Section], list[str]]:
-  cols = ["status", "since", "study", "trial", "device", "file", "commit"]
-  rows = [[r["status"], r["exported_at"][:16].replace("T", " "), r["study"], r["trial"],
-           r["device_name"] or r["device"], r["path"], f"{r['commit'][:12]} ({r['branch']})" if r["commit"] else ""]
-          for r in doc["exports"]]
-  now = [r for r in doc["exports"] if r["status"] == "in production"]
-  notes = [f"in production: {len(now)} file{'s' * (len(now) != 1)}" if doc["exports"]
-           else "nothing exported yet (`search export`)"]
-  return [Section("exports (newest first)", cols, rows, records=doc["exports"], wrap=("file", "status"),
-                  drop=("commit", "device"))], notes
+def run(args: argparse.Namespace) -> None:
+  with session(open_db(args.storage, create=False)) as s:
+    _, line = export(s, study_named(s, args.storage, args.study), args.storage, None if args.best else args.trial,
+                     args.unconfirmed, args.to, args.commit, args.force)
+  console.print(line)

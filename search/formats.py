@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,25 @@ from rich.table import Table
 
 FORMATS = ("table", "json", "csv", "markdown")
 WRAP_MIN = 24  # a wrapping column of the rich table is at least this wide (or its longest word); longer words fold
+
+
+class Out(Console):
+  """rich's console, but a reader that stops early (`| head`) ends the command quietly with exit code 0 (search.cli
+  main), not 1."""
+
+  def on_broken_pipe(self) -> None:
+    self.quiet = True
+    raise BrokenPipeError
+
+
+# piped: COLUMNS, else 200
+console = Out(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit() else 200)
+errors = Console(stderr=True)
+
+
+def num(v: float | None, spec: str = ".2f", suffix: str = "") -> str:
+  """A figure as a table shows it; "" for none."""
+  return "" if v is None else f"{v:{spec}}{suffix}"
 
 
 @dataclass

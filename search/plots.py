@@ -15,10 +15,10 @@ from matplotlib.figure import Figure
 from scipy.stats import spearmanr
 
 from db import store
-from db.engine import hide_password, open_db, session
+from db.engine import open_db, session
 from model.structure import StructureConfig
 from search import effects
-from search.leaderboard import figure, leaderboard
+from search.leaderboard import figure, leaderboard, study_named
 from search.ranked import RankedStorage
 from space.knobs import flat
 
@@ -37,10 +37,8 @@ class StudyData:
 
 
 def load(url: str, name: str) -> StudyData:
-  from search.study import StudyMismatch
   with session(open_db(url, create=False)) as s:
-    st = store.get_study(s, name)
-    if st is None: raise StudyMismatch(f"no study named {name!r} in {hide_password(url)}")
+    st = study_named(s, url, name)
     board = leaderboard(s, st, states=("ok",))
     est = store.estimates(s, st)
     ok = [{"number": t.number, "tok_s": t.tok_s, "estimate": est[t.config_hash].median, "block_tok_s": t.block_tok_s,

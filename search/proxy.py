@@ -6,7 +6,7 @@ The proxy must also pay for itself: pruning stops the bottom PRUNE_SHARE of tria
 at most that share of a full stage per trial, while every trial pays the proxy stage. Once the trials that ran both
 stages (the baseline first) show the proxy costing PRUNE_SHARE of a full stage or more (the median ratio), the trials
 skip it. At full depth on a GPU, where a trial's load, compile and check hardly shrink with the block count, that is
-the usual case (docs/benchmarks.md, session 7: the proxy took 27-39% of two studies' time and saved 6%).
+the usual case (docs/benchmarks.md, session 7).
 
 At full depth the proxy's embedding and output head weigh as much as at 3 blocks while the blocks do not, so how well
 the proxy ranks configs is a property of the model and the space, measured, not assumed."""

@@ -12,10 +12,9 @@ Optuna stay as they were (the samplers learn from them).
 from __future__ import annotations
 
 import copy
-from collections.abc import Container, Sequence
+from collections.abc import Container
 from typing import Any
 
-from optuna.distributions import BaseDistribution
 from optuna.storages import BaseStorage, RDBStorage
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
@@ -28,10 +27,14 @@ from search import effects
 from search.leaderboard import figure, leaderboard
 
 
+class ReadOnlyStorage(PermissionError):
+  """A write asked of RankedStorage."""
+
+
 class RankedStorage(BaseStorage):
   """Optuna's RDBStorage of an existing database (nothing is created), its trials carrying the study's estimates (module
-  docstring); every other call goes to that storage as it is. Not an RDBStorage itself: Optuna wraps one in a cache
-  of finished trials, which would keep their first figures."""
+  docstring); every other read goes to that storage as it is, and every write is refused (ReadOnlyStorage). Not an
+  RDBStorage itself: Optuna wraps one in a cache of finished trials, which would keep their first figures."""
 
   def __init__(self, url: str):
     self.ours = open_db(url, create=False)
@@ -81,13 +84,6 @@ class RankedStorage(BaseStorage):
     return out
 
   # the rest as Optuna's RDBStorage does it
-  def create_new_study(self, directions: Sequence[StudyDirection], study_name: str | None = None) -> int:
-    return self.rdb.create_new_study(directions, study_name)
-  def delete_study(self, study_id: int) -> None: self.rdb.delete_study(study_id)
-  def set_study_user_attr(self, study_id: int, key: str, value: Any) -> None:
-    self.rdb.set_study_user_attr(study_id, key, value)
-  def set_study_system_attr(self, study_id: int, key: str, value: Any) -> None:
-    self.rdb.set_study_system_attr(study_id, key, value)
   def get_study_id_from_name(self, study_name: str) -> int: return self.rdb.get_study_id_from_name(study_name)
   def get_study_name_from_id(self, study_id: int) -> str: return self.rdb.get_study_name_from_id(study_id)
   def get_study_directions(self, study_id: int) -> list[StudyDirection]: return self.rdb.get_study_directions(study_id)
@@ -99,18 +95,14 @@ class RankedStorage(BaseStorage):
       return {**attrs, "knob importance": effects.points(s, st).basis()}
   def get_study_system_attrs(self, study_id: int) -> dict[str, Any]: return self.rdb.get_study_system_attrs(study_id)
   def get_all_studies(self) -> list: return self.rdb.get_all_studies()  # of Optuna's FrozenStudy (not exported)
-  def create_new_trial(self, study_id: int, template_trial: FrozenTrial | None = None) -> int:
-    return self.rdb.create_new_trial(study_id, template_trial)
-  def set_trial_param(self, trial_id: int, param_name: str, value: float, distribution: BaseDistribution) -> None:
-    self.rdb.set_trial_param(trial_id, param_name, value, distribution)
   def get_trial_id_from_study_id_trial_number(self, study_id: int, trial_number: int) -> int:
     return self.rdb.get_trial_id_from_study_id_trial_number(study_id, trial_number)
-  def set_trial_state_values(self, trial_id: int, state: TrialState, values: Sequence[float] | None = None) -> bool:
-    return self.rdb.set_trial_state_values(trial_id, state, values)
-  def set_trial_intermediate_value(self, trial_id: int, step: int, intermediate_value: float) -> None:
-    self.rdb.set_trial_intermediate_value(trial_id, step, intermediate_value)
-  def set_trial_user_attr(self, trial_id: int, key: str, value: Any) -> None:
-    self.rdb.set_trial_user_attr(trial_id, key, value)
-  def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None:
-    self.rdb.set_trial_system_attr(trial_id, key, value)
+
+  def _refuse(self, *_args: Any, **_kwargs: Any) -> Any:
+    raise ReadOnlyStorage("this view of the study database is read-only: studies are managed from the command line "
+                          "(`search delete`, `search rename`)")
+  # every write of Optuna's storage API: what the dashboard's UI would do to a study (delete, rename, notes, trials)
+  create_new_study = delete_study = set_study_user_attr = set_study_system_attr = _refuse
+  create_new_trial = set_trial_param = set_trial_state_values = set_trial_intermediate_value = _refuse
+  set_trial_user_attr = set_trial_system_attr = _refuse
   def remove_session(self) -> None: self.rdb.remove_session()

@@ -10,14 +10,19 @@ replay compares samplers only on a study measured densely (MIN_COVERAGE of its s
 sub-space made for the purpose), and reports each sampler's share of unavailable proposals beside its figure."""
 from __future__ import annotations
 
+import argparse
 import statistics
 from dataclasses import dataclass
 
 import optuna
+from rich.table import Table
 
 from db import store
 from db.engine import open_db, session
-from search.study import load_setup, sampler, stored_baseline
+from evaluator.cli import at_least
+from search.formats import console
+from search.options import add_storage
+from search.study import SAMPLERS, load_setup, sampler, stored_baseline
 from space.knobs import size, suggest
 
 MIN_COVERAGE = 0.9  # share of the study's space it must have measured for a sampler comparison
@@ -92,3 +97,27 @@ def replay(url: str, name: str, samplers: list[str], trials: int, repeats: int,
       reached.append(first[0] if first else None)
     out.append(ReplayResult(sname, trials, share * best, reached, missing / max(asked, 1)))
   return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  add_storage(p)
+  p.add_argument("--study", required=True, help="the study whose measurements to replay")
+  p.add_argument("--sampler", action="append", choices=SAMPLERS,
+                 help="a sampler to replay; repeatable (default: coordinate, tpe and random)")
+  p.add_argument("--trials", type=at_least(1), default=30, help="trials per replayed search (default 30)")
+  p.add_argument("--repeats", type=at_least(1), default=10,
+                 help="replayed searches per sampler, each with its own seed (default 10)")
+
+
+def run(args: argparse.Namespace) -> None:
+  results = replay(args.storage, args.study, args.sampler or ["coordinate", "tpe", "random"], args.trials, args.repeats)
+  measured, space = coverage(args.storage, args.study)
+  t = Table(title=f"replay of {args.study} (measured {measured} of {space} configs): trials to reach 95% of its best "
+            f"tok/s ({args.trials} trials, {args.repeats} repeats)")
+  for col in ("sampler", "median trials", "reached in", "per repeat", "unmeasured proposals"): t.add_column(col)
+  for r in results:
+    hits = sum(x is not None for x in r.reached_at)
+    t.add_row(r.sampler, f"{r.median_trials:g}" if r.median_trials is not None else f"> {r.trials}",
+              f"{hits}/{len(r.reached_at)}", " ".join(str(x) if x is not None else "-" for x in r.reached_at),
+              f"{100 * r.unavailable:.0f}%")
+  console.print(t)

@@ -3,6 +3,7 @@
 config beats the baseline), the noise figure, the proxy's rank correlation and the plots of search.plots."""
 from __future__ import annotations
 
+import argparse
 import base64
 import datetime
 import pathlib
@@ -10,8 +11,9 @@ import re
 
 import markdown as md
 
-from search.formats import markdown
+from search.formats import console, markdown
 from search.leaderboard import leaderboard_view
+from search.options import add_storage
 from search.plots import PLOTS, load
 
 CAPTIONS = {"history": "Optimisation history: each config's estimate with its 90% interval (measured once, again, or "
@@ -61,3 +63,13 @@ def report(url: str, name: str, out: pathlib.Path) -> pathlib.Path:
   head = f"<meta charset='utf-8'><title>{name}</title><style>{CSS}</style>"
   (html := out / "report.html").write_text(f"<!doctype html><html><head>{head}</head><body>{body}</body></html>")
   return html
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  add_storage(p)
+  p.add_argument("--study", required=True, help="the study to report")
+  p.add_argument("--out", required=True, help="directory to write report.md, report.html and the plots into")
+
+
+def run(args: argparse.Namespace) -> None:
+  console.print(f"report of {args.study}: {report(args.storage, args.study, pathlib.Path(args.out))}")

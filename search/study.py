@@ -33,6 +33,9 @@ from model.structure import KNOBS, ConfigError, StructureConfig
 from search.coordinate import CoordinateSampler
 from space.knobs import SPACE_VERSION, Knob, ModelInfo, defaults, device_kind, knobs, to_config, to_params
 
+# Optuna's INFO lines (a study created, each trial's value) would repeat what the live view and the views say
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+
 SAMPLERS = ("coordinate", "tpe", "random", "gp", "nsga2")
 METRICS = ("tok/s", "peak device bytes")  # the objectives of a study, in Optuna's order
 # a worker that stops beating for 6 heartbeats is dead: its trial fails and its config is enqueued again
@@ -102,8 +105,8 @@ class Setup:
   # BEAM search seconds per trial (past them, kernels not searched before get BEAM=0's heuristics); 0: no limit
   beam_budget: float = 0.0
   exact: bool = False  # held to exact configs (--exact): exact_pins are among `fixed`
-  # the backends the study searches (model/backends/catalog.py FAMILIES): all that run on its device, or the portable
-  # ones
+  # the backends the study searches (model/backends/catalog.py FAMILIES): all that run on its device, or the
+  # portable ones
   family: str = "all"
   cache_key: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names the study's own tinygrad cache
 
@@ -284,8 +287,8 @@ def load_setup(name: str, url: str, device: str | None = None) -> tuple[Setup, M
   return setup, info_from_json(attrs["model_info"])
 
 
-def measuring_setup(name: str, url: str, device: str | None = None, model: str
-                    | None = None) -> tuple[Setup, ModelInfo]:
+def measuring_setup(name: str, url: str, device: str | None = None,
+                    model: str | None = None) -> tuple[Setup, ModelInfo]:
   """The setup of a study about to be measured on this host: its model file (the stored path, or `model`, this host's
   copy) checked against the study's by SHA-256 first."""
   setup, info = load_setup(name, url, device)

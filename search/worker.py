@@ -66,8 +66,8 @@ class Runner:
     self.storage = storage(url, heartbeat)
     self.study = optuna.load_study(study_name=setup.name, storage=self.storage)
     self.study_id = self.storage.get_study_id_from_name(setup.name)
-    # a resumed or second worker must not replay the proposals of the first: its sampler's seed moves with the study's
-    # size
+    # a resumed or second worker must not replay the proposals of the first: its sampler's seed moves with the
+    # study's size
     seed = None if setup.seed is None else setup.seed + len(self.study.trials)
     self.study.sampler = sampler(setup.sampler, seed, 8, setup.knobs(info), setup.fixed)
     if not self.multi: self.study.pruner = optuna.pruners.PercentilePruner(25.0, n_startup_trials=5, n_warmup_steps=0)
@@ -100,9 +100,9 @@ class Runner:
           self.emit(Event("measured", -1, "the configs within the noise of the best"))
         return
       if done + len(running) >= self.setup.trials and not retries:
-        if said != (said := f"waiting for trial{'s' * (len(running) > 1)} {', '.join(str(t.number) for t in running)} "
-                    "of other workers "
-                            "to finish, or to fail when their worker stops beating"): self.emit(Event("wait", -1, said))
+        waiting = ", ".join(str(t.number) for t in running)
+        if said != (said := f"waiting for trial{'s' * (len(running) > 1)} {waiting} of other workers to finish, or to "
+                            "fail when their worker stops beating"): self.emit(Event("wait", -1, said))
         time.sleep(self.heartbeat)
         continue
       try: self.study.optimize(self.objective, n_trials=1, catch=(TrialFailed,), gc_after_trial=False)
@@ -194,8 +194,7 @@ class Runner:
                                  else None, error_text=str(e))
       if is_base: self.emit(Event("end", trial.number, r.status, row))
       raise BaselineFailed(f"the baseline config failed to make the reference in trial {trial.number} ({r.status}: "
-                           f"{r.error}): "
-                           "the study stops") from None
+                           f"{r.error}): the study stops") from None
     except (KeyboardInterrupt, SystemExit):
       with session(self.engine) as s: store.finish_trial(s, row, state="interrupted", error_text="stopped by the user")
       self.study.enqueue_trial(trial.params)  # measured first when the study continues

@@ -17,8 +17,8 @@ from typing import Any
 from model.backends import catalog
 from model.backends.catalog import device_kind
 from model.gguf_file import GGUFFile
-from model.quants import QUANT_TYPES
-from model.structure import KNOBS, STAGES, ConfigError, StructureConfig
+from model.quant_types import QUANT_TYPES
+from model.structure import KNOBS, STAGES, ConfigError, StructureConfig, knob_named
 
 SPACE_VERSION = 8
 
@@ -102,11 +102,11 @@ def _fused(stage: str) -> str: return f"fused.{stage}"
 def knobs(info: ModelInfo, device: str = "CPU", family: str = "all") -> list[Knob]:
   """The knobs that apply to this model on this device kind with this backend family (catalog.FAMILIES), in the order of
   their declarations: the fused stages first (with the fused FFN stages' activations), then the weights' kernel backends
-  and the dsl backend's rows (in every GPU study the dense backends moved a fused step by 37-83%, more than any knob but
-  the stages), then the per-op knobs (each only while a stage it belongs to runs per op) and the dtypes, BEAM and the
-  knobs that need BEAM > 0 last. The fused stages come in the model's stage_order: fusing a stage saves at most what its
-  per-op kernels take, and the stage that reads the most weights (the MoE of an MoE model: per op, the decode step is
-  mostly its kernels) is the one to try first."""
+  and the dsl backend's rows (in the GPU studies the dense backends moved a fused step more than any knob but the
+  stages: docs/benchmarks.md), then the per-op knobs (each only while a stage it belongs to runs per op) and the dtypes,
+  BEAM and the knobs that need BEAM > 0 last. The fused stages come in the model's stage_order: fusing a stage saves at
+  most what its per-op kernels take, and the stage that reads the most weights (the MoE of an MoE model: per op, the
+  decode step is mostly its kernels) is the one to try first."""
   kind = device_kind(device)
   fusable = lambda s: KNOBS[_fused(s)].applies(info) and bool(catalog.stage_choices(s, device, family))
   out = []
@@ -202,11 +202,12 @@ def parse_pins(pins: list[str], info: ModelInfo, device: str = "CPU", family: st
   ks, out = {k.name: k for k in knobs(info, device, family)}, {}
   for pin in pins:
     text, _, value = pin.partition("=")
-    name = text.replace(":", ".")  # backend.Q4_0:expert, as configs key their backends, is backend.Q4_0.expert
-    if name not in ks: raise ConfigError(f"--fix {pin}: no knob {text!r} in this space; knobs: {', '.join(ks)}")
-    match = [c for c in ks[name].choices if str(c).lower() == value.lower()]
-    if not match: raise ConfigError(f"--fix {pin}: {name} takes one of {', '.join(map(str, ks[name].choices))}")
-    out[name] = match[0]
+    try: k = knob_named(text, ks)
+    except ConfigError:
+      raise ConfigError(f"--fix {pin}: no knob {text!r} in this space; knobs: {', '.join(ks)}") from None
+    match = [c for c in k.choices if str(c).lower() == value.lower()]
+    if not match: raise ConfigError(f"--fix {pin}: {k.name} takes one of {', '.join(map(str, k.choices))}")
+    out[k.name] = match[0]
   return out
 
 
@@ -264,9 +265,9 @@ def family_moves(values: dict[str, Any], ks: list[Knob],
                  fixed: dict[str, Any] | None = None) -> list[tuple[str, dict[str, Any]]]:
   """(backend, knob values) of every config that puts each unpinned backend knob offering that backend on it at once,
   for the backends that fuse stages, in catalog order, where that changes more than one knob (a one-knob move is
-  one_knob_away's). Backends pay as a family: in the Youtu-LLM-2B study of session 9 (H100) native attention beside
-  dsl's FFN measured 291 tok/s against all dsl's 296, and single changes never left dsl, while the all-native config
-  runs 1.46x that study's dsl winner side by side (787 against 538 tok/s, session 11, docs/benchmarks.md)."""
+  one_knob_away's). Backends pay as a family: one stage moved to another backend can measure slower than the config
+  it left while all of them moved at once is much faster, so single changes from a family's config never leave it
+  (docs/benchmarks.md, sessions 9 and 11)."""
   fixed, out = fixed or {}, []
   for b in (n for n in catalog.names() if catalog.get(n).stages):
     pick = lambda j, b=b: (b if backend_knob(j.name) and j.name not in fixed and b in j.choices

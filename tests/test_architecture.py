@@ -205,3 +205,14 @@ def test_model_info_fields_are_what_knobs_read() -> None:
   from model.structure import KNOBS
   info = ModelInfo(moe=True, dense_blocks=True, shared_experts=True, quants={"dense": ("Q8_0",)})
   assert all(isinstance(k.applies(info), bool) for k in KNOBS.values())
+
+
+def test_the_space_and_the_views_load_no_tinygrad() -> None:
+  """The search parent reads model files, lists the space and shows its views without the kernels' library: the GGML
+  type table (model/quant_types.py) is apart from its decoding (model/quants.py)."""
+  views = ("space.knobs", "model.gguf_file", "search.leaderboard", "search.status", "search.show", "search.compare",
+           "search.cost", "search.export", "search.exports", "search.report", "search.dashboard", "search.replay",
+           "search.confirm", "search.cli")
+  code = f"import sys, {', '.join(views)}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'tinygrad'))"
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PROJECT, check=True)
+  assert r.stdout.strip() == "[]"

@@ -18,9 +18,11 @@ from db import store
 from db.engine import open_db, session
 from search import plots
 from search.cli import main as search_main
+from search.compare import compare_doc, compare_view
 from search.dashboard import Uploader, artifact_store
-from search.leaderboard import compare_doc, compare_view, find_trial, leaderboard
+from search.leaderboard import leaderboard
 from search.ranked import RankedStorage
+from search.show import find_trial
 from search.study import storage
 
 FAST = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--fix", "beam=0", "--confirm", "0",
@@ -240,7 +242,7 @@ def test_precision_class_and_accuracy_in_every_view_and_a_study_held_to_exact(de
   import dataclasses
 
   from model.structure import StructureConfig
-  from search.leaderboard import trial_doc
+  from search.show import trial_doc
   from search.study import load_setup
   url = demo["url"]
   with session(open_db(url)) as s:

@@ -16,10 +16,10 @@ QUANT_NAMES = ("F32", "F16", "BF16", "Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # 
 ROLES = ("dense", "expert")  # a weight's role: a matrix (`dense`), or a stack of experts' matrices (`expert`)
 # fused decode stages (one token): each replaces the per-op path of a part of a block by a few kernels of one backend
 #   attention: norm folded into q_a/kv_a (or q), q_b, k_b absorption with RoPE and the KV cache write, MLA attention
-# over the              compressed cache, v_b, and the output projection with the residual add
+#              over the compressed cache, v_b, and the output projection with the residual add
 #   router:    norm folded into the router logits, gating, selection bias, top-k, weight normalisation and scale
 #   moe:       norm folded into the selected experts' (and the shared expert's) gate+up with SiLU(gate)*up, then their
-# down              projections with the routing weights, the shared expert and the residual add
+#              down projections with the routing weights, the shared expert and the residual add
 #   ffn:       the same pair of kernels for a dense FFN block
 STAGES = ("attention", "router", "moe", "ffn")
 # weight types whose fused FFN stages can read 8-bit activations (StructureConfig.ffn_act = q8): one scale per block and

@@ -1,13 +1,13 @@
 """tinygrad's CUDA graph with programmatic dependent launch into the native kernels.
 
-In a CUDA graph a kernel starts only once the kernels it depends on have finished: between a decode step's ~400
-dependent launches the GPU idles, and each kernel's first weight reads wait for its launch. Every
-native kernel (model/backends/cuda_src.py) calls GRID_WAIT (griddepcontrol.wait, then launch_dependents) before it
-touches a buffer an earlier kernel writes; the reads of weights whose rows are fixed go out before it. So the edges into
-a native kernel from the kernels it depends on can be programmatic: it launches as soon as every block of those kernels
-has passed its own wait, issues its weight reads while they finish, and waits for their results (completed and flushed)
-at GRID_WAIT. Edges into tinygrad's own kernels, and from or to copies, stay full. (On an H100: GLM-4.7-Flash's decode
-step 6% faster end to end, docs/benchmarks.md.)
+In a CUDA graph a kernel starts only once the kernels it depends on have finished: between a decode step's hundreds of
+dependent launches the GPU idles, and each kernel's first weight reads wait for its launch. Every native kernel
+(model/backends/cuda_src.py) calls GRID_WAIT (griddepcontrol.wait, then launch_dependents) before it touches a buffer
+an earlier kernel writes; the reads of weights whose rows are fixed go out before it. So the edges into a native kernel
+from the kernels it depends on can be programmatic: it launches as soon as every block of those kernels has passed its
+own wait, issues its weight reads while they finish, and waits for their results (completed and flushed) at GRID_WAIT.
+Edges into tinygrad's own kernels, and from or to copies, stay full (docs/benchmarks.md measures the decode step with
+and without).
 """
 from __future__ import annotations
 

@@ -43,7 +43,8 @@ def compare_doc(s: Session, study: Study, a: Trial, b: Trial, study_b: Study | N
                                   and m["a"] else None)
   return {"schema": SCHEMA, "study": study.name, "study_b": sb.name, "a": a.number, "b": b.number,
           "state": {"a": a.state, "b": b.state},
-          "where": {x: f"{st.model_name} on {st.device_name or st.device}" for x, st in (("a", study), ("b", sb))},
+          "where": {x: f"{st.model_name} on {st.device_name or st.device}, {d['workload']}"
+                    for x, st, d in (("a", study, da), ("b", sb, db))},
           "precision": {"a": da["precision"], "b": db["precision"]},
           "accuracy": {"a": da["accuracy"], "b": db["accuracy"]},
           "estimate": {"a": da["estimate"], "b": db["estimate"]},

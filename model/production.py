@@ -64,23 +64,26 @@ def workload_note(chosen: Workload | None, run: Workload) -> str | None:
           "(search start --context/--prompt measures a study at this workload)")
 
 
-def select(model_file: pathlib.Path, model: str, config: str | None, baseline: bool) -> tuple[StructureConfig, str]:
-  """The config of `model run` / `model bench` and one line saying which: --config, else the baseline with --baseline,
-  else the production config measured on this very file (by SHA-256). One named for this model but measured on another
-  file is not applied: the line is a warning naming both hashes."""
-  if config: return StructureConfig.load(config), f"config: {config} (--config)"
-  if baseline: return StructureConfig(), "config: the baseline (--baseline)"
+def select(model_file: pathlib.Path, model: str, config: str | None,
+           baseline: bool) -> tuple[StructureConfig, str, Workload | None]:
+  """The config of `model run` / `model bench`, one line saying which and the workload it was chosen under (None: the
+  baseline, or a --config file whose header names none): --config, else the baseline with --baseline, else the
+  production config measured on this very file (by SHA-256). One named for this model but measured on another file is
+  not applied: the line is a warning naming both hashes."""
+  if config: return StructureConfig.load(config), f"config: {config} (--config)", Workload.read(open(config).read())
+  if baseline: return StructureConfig(), "config: the baseline (--baseline)", None
   d = production_dir()
   if not d.is_dir() or not (files := sorted(d.glob("*.toml"))):
-    return StructureConfig(), "config: the baseline (no production config)"
+    return StructureConfig(), "config: the baseline (no production config)", None
   sha = file_sha256(model_file)
   named = d / f"{model_key(model)}.toml"
   prods = [read(f) for f in sorted(files, key=lambda f: f != named)]
   if match := next((p for p in prods if p.sha256 == sha), None):
-    return match.config, f"config: production config {match.path} ({match.summary}); --baseline ignores it"
+    return (match.config, f"config: production config {match.path} ({match.summary}); --baseline ignores it",
+            match.workload)
   if named.exists():
     other = next(p for p in prods if p.path == named)
     return StructureConfig(), (f"warning: {named} was exported for a model file with sha256 "
                                f"{(other.sha256 or 'unknown')[:16]}, not this one ({model_file}, sha256 {sha[:16]}): "
-                               "not applied; config: the baseline")
-  return StructureConfig(), "config: the baseline (no production config for this model file)"
+                               "not applied; config: the baseline"), None
+  return StructureConfig(), "config: the baseline (no production config for this model file)", None

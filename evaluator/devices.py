@@ -67,16 +67,6 @@ def nvidia_memory() -> dict[str, int]:
   return {uuid.strip(): int(float(mib)) << 20 for uuid, mib in rows if mib.strip().replace(".", "").isdigit()}
 
 
-def memory_bytes(device: str) -> int | None:
-  """The memory a device holds, in bytes: the card's (nvidia-smi) or, for the CPU, the host's (its cgroup's limit where
-  lower); None where unknown (a workload is then refused for the model's context length alone)."""
-  if kind(device) == "CPU":
-    from evaluator.runner import memory_limit
-    return memory_limit()
-  key = physical(device).key
-  return nvidia_memory().get(key.removeprefix("nvidia-")) if key.startswith("nvidia-GPU-") else None
-
-
 def physical(device: str) -> PhysicalDevice:
   k, i = kind(device), index(device)
   if k == "CPU": return PhysicalDevice("CPU", platform.processor() or platform.machine())

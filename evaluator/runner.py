@@ -143,6 +143,15 @@ def memory_limit() -> int:
   except OSError: return total
 
 
+def memory_bytes(device: str) -> int | None:
+  """The memory a device holds, in bytes: the card's (nvidia-smi) or, for the CPU, the host's (memory_limit); None
+  where unknown (a workload is then refused for the model's context length alone)."""
+  from evaluator.devices import kind, nvidia_memory, physical
+  if kind(device) == "CPU": return memory_limit()
+  key = physical(device).key
+  return nvidia_memory().get(key.removeprefix("nvidia-")) if key.startswith("nvidia-GPU-") else None
+
+
 def _kernel_log() -> str:
   try: return subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5).stdout
   except (OSError, subprocess.TimeoutExpired): return ""
@@ -216,7 +225,6 @@ class Evaluator:
   def memory(self) -> tuple[Memory, str | None]:
     """The device memory of a full-model trial at this workload before anything runs, and why it cannot run on this
     device (one line; None where it can)."""
-    from evaluator.devices import memory_bytes
     probe = self.spec({})
     mem = Memory.of(self.model, probe.workload, probe.decoded)
     return mem, mem.refusal(probe.workload, probe.decoded, self.device, memory_bytes(self.device))

@@ -149,9 +149,11 @@ def study_lines(url: str, name: str, device: str, model_name: str, quant: str, c
   from db import store
   from db.engine import open_db, session
   from search.cost import study_cost
+  from search.study import study_workload
   with session(open_db(url, create=False)) as s:
     st = store.get_study(s, name)
     if st is None: raise SystemExit(f"record.py: error: no study {name!r} in {url}")
+    work = study_workload(s, name)
     trials = {t.number: t for t in store.trials(s, st)}
     doc, layers = study_cost(list(trials.values()), project, store.measurements(s, st, stage=None)), st.layers
     confirmed = [(c, c.trial.number) for c in store.confirmations(s, st)]
@@ -182,7 +184,8 @@ def study_lines(url: str, name: str, device: str, model_name: str, quant: str, c
       "command": command})
   if doc["n"]:
     out.append(common("study", device, model_name, layers, quant, "") | {
-      "study": name, "n": doc["n"], "full_stage": doc["full_stage"], "block_stage": doc["block_stage"],
+      "study": name, "context": work.depth, "prompt": work.prompt, "n": doc["n"], "full_stage": doc["full_stage"],
+      "block_stage": doc["block_stage"],
       "setup_s": _round(doc["setup_s"], 1), "repeat_s": _round(doc["repeat_s"], 1),
       "mean_trial_s": _round(doc["mean_trial_s"], 1), "search_share": _round(doc["search_share"], 5),
       "median_phases_s": {k: _round(v, 2) for k, v in doc["median"].items()}, "projected_n": project,

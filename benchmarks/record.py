@@ -16,17 +16,20 @@ upstream tinygrad.llm's decode (benchmarks/upstream_llm.py's JSON). Lines go to 
   python benchmarks/record.py error --kind trial --model FILE --device ... --model-name ... --quant Q4_0
          --config-name best --command "..." --error "what went wrong"
 
-A trial gives: a `decode` line (the figure, with `llama_cpp_tok_s` and its stddev from llama-bench on the same file when
---llama is given), a `trial` line (status, wall and each phase's seconds), a `gate` line (the correctness check's
-verdict and figures) when the check ran, one `profile` line per kernel of the per-kernel profile, and one `timeline`
-line per native kernel of the step's timeline where the profile took one (each kernel's part of the step as the
-kernels overlap, model/profile.py step_timeline). A study gives a
-`trial` line per measured trial (its stages' and phases' seconds, search/cost.py; its tok/s), a `gate` line per
-full-model verdict, a `profile` line per kernel of each profiled trial (search confirm profiles the winner), a
-`confirmation` line per A/B confirmation against the baseline (search confirm), and one `study` line: what its trials
-cost, the time to a config within 5% of its best, and the projected wall time of 200. llama-bench's output gives a
-`llama_cpp` line, upstream_llm.py's an `upstream` line (config "tinygrad.llm (upstream)"). benchmarks/render.py holds
-the fields every kind of line must have (REQUIRED).
+Every figure's line carries its workload (model/workload.py): `context`, the positions in the KV cache when decode
+timing began, and `prompt`, the tokens prefilled before it. A trial gives: a `decode` line (the figure, with
+`llama_cpp_tok_s` and its stddev from llama-bench's decode test at the same depth (-d) on the same file when --llama is
+given), a `prefill` line where it timed the prompt's prefill (`prefill_tok_s`, `ttft_s`, and `llama_cpp_prefill_tok_s`
+from llama-bench's -p test of that length), a `trial` line (status, wall and each phase's seconds), a `gate` line (the
+correctness check's verdict and figures) when the check ran, one `profile` line per kernel of the per-kernel profile,
+and one `timeline` line per native kernel of the step's timeline where the profile took one (each kernel's part of the
+step as the kernels overlap, model/profile.py step_timeline). A study gives a `trial` line per measured trial (its
+stages' and phases' seconds, search/cost.py; its tok/s), a `gate` line per full-model verdict, a `profile` line per
+kernel of each profiled trial (search confirm profiles the winner), a `confirmation` line per A/B confirmation against
+the baseline (search confirm), and one `study` line: what its trials cost, the time to a config within 5% of its best,
+and the projected wall time of 200. llama-bench's output gives a `llama_cpp` line per decode test (its depth as
+`context`) and a `prefill` line per prompt test (config "llama.cpp"), upstream_llm.py's an `upstream` line (config
+"tinygrad.llm (upstream)"). benchmarks/render.py holds the fields every kind of line must have (REQUIRED).
 """
 from __future__ import annotations
 
@@ -50,27 +53,37 @@ def common(kind: str, device: str, model_name: str, layers: int | None, quant: s
           "model": model_name, "layers": layers, "quant": quant, "config": config}
 
 
-def llama_figures(bench: list[dict]) -> dict[str, Any]:
-  """llama-bench's decode test (-p 0 -n N): tok/s with its stddev and spread over the repetitions."""
-  t = next(t for t in bench if t["n_gen"] > 0 and t["n_prompt"] == 0)
-  return {"tok_s": _round(t["avg_ts"], 2), "tok_s_stddev": _round(t["stddev_ts"], 2),
+def llama_test(bench: list[dict], depth: int = 0, prompt: int = 0) -> dict | None:
+  """llama-bench's decode test (-p 0 -n N) at a depth (-d), or with `prompt` its prompt test (-p P -n 0); None where it
+  ran none."""
+  return next((t for t in bench if (t["n_gen"] == 0 and t["n_prompt"] == prompt if prompt else
+                                    t["n_gen"] > 0 and t["n_prompt"] == 0 and t.get("n_depth", 0) == depth)), None)
+
+
+def llama_figures(t: dict) -> dict[str, Any]:
+  """A llama-bench decode test's tok/s with its stddev and spread over the repetitions."""
+  return {"context": t.get("n_depth", 0), "tok_s": _round(t["avg_ts"], 2), "tok_s_stddev": _round(t["stddev_ts"], 2),
           "tok_s_min": _round(min(t["samples_ts"]), 2), "tok_s_max": _round(max(t["samples_ts"]), 2),
           "ms_per_token": _round(1e3 / t["avg_ts"], 3), "n_gen": t["n_gen"], "repetitions": len(t["samples_ts"]),
           "n_gpu_layers": t["n_gpu_layers"], "flash_attn": t["flash_attn"], "backends": t["backends"],
           "build": t["build_commit"] + (f" b{t['build_number']}" if t["build_number"] else "")}
 
 
-def llama_line(bench: list[dict], model_file: str | None, device: str, model_name: str, quant: str, command: str,
-               layers: int | None = None) -> dict[str, Any]:
-  """layers: the file's blocks (default: read from model_file, where the file is at hand)."""
+def llama_lines(bench: list[dict], model_file: str | None, device: str, model_name: str, quant: str, command: str,
+                layers: int | None = None) -> list[dict[str, Any]]:
+  """A `llama_cpp` line per decode test, a `prefill` line per prompt test; layers: the file's blocks (default: read from
+  model_file, where the file is at hand)."""
   layers = layers or int(GGUFFile(model_file).key("block_count"))
-  return (common("llama_cpp", device, model_name, layers, quant, "llama.cpp") | llama_figures(bench)
-          | {"command": command})
+  head = lambda kind: common(kind, device, model_name, layers, quant, "llama.cpp")
+  return [head("llama_cpp") | llama_figures(t) | {"command": command} if t["n_gen"] else
+          head("prefill") | {"prompt": t["n_prompt"], "prefill_tok_s": _round(t["avg_ts"], 1),
+                             "prefill_tok_s_stddev": _round(t["stddev_ts"], 1), "ttft_s": _round(t["avg_ns"] / 1e9, 4),
+                             "command": command} for t in bench]
 
 
 def upstream_line(u: dict[str, Any], model_file: str | None, device: str, model_name: str, quant: str, command: str,
                   layers: int | None = None) -> dict[str, Any]:
-  """upstream_llm.py's figures (the tokens after its warm-up) as an `upstream` line; layers as llama_line's."""
+  """upstream_llm.py's figures (the tokens after its warm-up) as an `upstream` line; layers as llama_lines'."""
   layers = layers or int(GGUFFile(model_file).key("block_count"))
   keep = ("tok_s", "tok_s_min", "tok_s_max", "ms_per_token", "launches_per_token", "bytes_per_token", "gb_s",
           "n_measured", "warmup_dropped", "tinygrad", "tokenizer_pre_substituted")
@@ -92,6 +105,7 @@ def trial_lines(r: TrialResult, device: str, model_name: str, quant: str, config
   head = common("", device, model_name, layers, quant, config_name) | {"config_hash": cfg.hash, "beam": cfg.beam}
   line = lambda kind, **kw: head | {"kind": kind} | kw | {"command": command}
   m, bw, out = r.metrics, r.spec.get("bandwidth_gbs"), []
+  work = {"context": m.get("context", r.spec["prompt_len"]), "prompt": r.spec["prompt_len"]}
   if r.ok:
     figures = {k: _round(m.get(k), n) for k, n in (("tok_s", 2), ("tok_s_min", 2), ("tok_s_max", 2),
                                                    ("ms_per_token", 3), ("ms_p50", 3),
@@ -99,10 +113,15 @@ def trial_lines(r: TrialResult, device: str, model_name: str, quant: str, config
                ("gb_s", 2), ("bandwidth_share", 4), ("prefill_tok_s", 1), ("peak_device_bytes", 0),
                ("host_peak_rss_bytes", 0), ("kernel_us_per_token", 1))
                if m.get(k) is not None}
-    vs = {} if llama is None else {"llama_cpp_tok_s": (f := llama_figures(llama))["tok_s"],
-                                   "llama_cpp_tok_s_stddev": f["tok_s_stddev"]}
-    out.append(line("decode", knobs=describe(cfg) or "baseline", **figures, bandwidth_gb_s=_round(bw, 1),
+    # llama-bench at the same depth: the context the trial was given (none: decode right after the prompt, d = 0)
+    t = llama and llama_test(llama, r.spec.get("context", 0))
+    vs = {"llama_cpp_tok_s": (f := llama_figures(t))["tok_s"], "llama_cpp_tok_s_stddev": f["tok_s_stddev"]} if t else {}
+    out.append(line("decode", knobs=describe(cfg) or "baseline", **work, **figures, bandwidth_gb_s=_round(bw, 1),
                     compile_s=_round(r.phases.get("compile_s"), 2), **vs))
+    if m.get("prefill_tok_s"):
+      pp = llama and llama_test(llama, prompt=work["prompt"])
+      out.append(line("prefill", **work, prefill_tok_s=_round(m["prefill_tok_s"], 1), ttft_s=_round(m["ttft_s"], 4),
+                      **({"llama_cpp_prefill_tok_s": _round(pp["avg_ts"], 1)} if pp else {})))
   out.append(line("trial", status=r.status, **{k: _round(v, 2) for k, v in r.phases.items()},
                   **({"phase": r.phase, "error": r.error[-400:]} if not r.ok else {})))
   if r.check:
@@ -130,9 +149,11 @@ def study_lines(url: str, name: str, device: str, model_name: str, quant: str, c
   from db import store
   from db.engine import open_db, session
   from search.cost import study_cost
+  from search.study import study_workload
   with session(open_db(url, create=False)) as s:
     st = store.get_study(s, name)
     if st is None: raise SystemExit(f"record.py: error: no study {name!r} in {url}")
+    work = study_workload(s, name)
     trials = {t.number: t for t in store.trials(s, st)}
     doc, layers = study_cost(list(trials.values()), project, store.measurements(s, st, stage=None)), st.layers
     confirmed = [(c, c.trial.number) for c in store.confirmations(s, st)]
@@ -163,7 +184,8 @@ def study_lines(url: str, name: str, device: str, model_name: str, quant: str, c
       "command": command})
   if doc["n"]:
     out.append(common("study", device, model_name, layers, quant, "") | {
-      "study": name, "n": doc["n"], "full_stage": doc["full_stage"], "block_stage": doc["block_stage"],
+      "study": name, "context": work.depth, "prompt": work.prompt, "n": doc["n"], "full_stage": doc["full_stage"],
+      "block_stage": doc["block_stage"],
       "setup_s": _round(doc["setup_s"], 1), "repeat_s": _round(doc["repeat_s"], 1),
       "mean_trial_s": _round(doc["mean_trial_s"], 1), "search_share": _round(doc["search_share"], 5),
       "median_phases_s": {k: _round(v, 2) for k, v in doc["median"].items()}, "projected_n": project,
@@ -213,9 +235,9 @@ def main() -> None:
                         json.load(open(a.llama)) if a.llama else None)
   elif a.cmd in ("llama", "upstream"):
     if not (a.model or a.layers): p.error(f"{a.cmd} needs --model or --layers")
-    lines = [llama_line(json.load(open(a.bench)), a.model, a.device, a.model_name, a.quant, a.command, a.layers)
+    lines = (llama_lines(json.load(open(a.bench)), a.model, a.device, a.model_name, a.quant, a.command, a.layers)
              if a.cmd == "llama" else
-             upstream_line(json.load(open(a.result)), a.model, a.device, a.model_name, a.quant, a.command, a.layers)]
+             [upstream_line(json.load(open(a.result)), a.model, a.device, a.model_name, a.quant, a.command, a.layers)])
   elif a.cmd == "study": lines = study_lines(a.storage, a.study, a.device, a.model_name, a.quant, a.command)
   else: lines = [error_line(a.kind, a.model, a.device, a.model_name, a.quant, a.config_name, a.command, a.error)]
   sys.stdout.write("".join(json.dumps(line | ({"note": a.note} if a.note else {})) + "\n" for line in lines))

@@ -57,6 +57,7 @@ REQUIRED = {
   "profile": ("layers", "config", "config_hash", "beam", "rank", "name", "us_per_token", "share"),
   "timeline": ("layers", "config", "config_hash", "beam", "rank", "name", "count", "us_per_token", "handoff_us",
                "work_us", "share", "span_us", "plain_us"),
+  "prefill": ("layers", "config", "prompt", "prefill_tok_s", "ttft_s"),
   "study": ("layers", "study", "n", "mean_trial_s", "setup_s", "search_share", "projected_n", "projected_s"),
   "confirmation": ("layers", "config", "config_hash", "study", "trial", "pairs", "tok_s", "baseline_tok_s", "speedup",
                    "speedup_low", "speedup_high", "status"),

@@ -16,6 +16,10 @@
 #   PROFILED  the NAMEs of $CONFIGS run with --profile [all but the baseline]
 #   FAULTS    FAULT:NAME ...: on the last model, after the configs, config NAME again with a fault of tests/inject
 #             (STRUCTSEARCH_FAULT), which the correctness gate must reject [none]
+#   DEPTHS    contexts D ...: each config also decodes with D positions in its cache (`evaluator run --context D`) beside
+#             llama-bench's decode at the same depth (-d 0,D,...), in the same call [none]
+#   PROMPTS   prompts P ...: each config also prefills a P-token prompt, timed (`evaluator run --prompt P`) beside
+#             llama-bench -p P -n 0 [none]
 #   N ROUNDS  evaluator tokens per measured round and rounds [32 3]      LLAMA_N LLAMA_REPS  llama-bench -n and -r [128 5]
 #   DEVICE    [CUDA]   LLAMA_BENCH  a llama-bench binary to use instead of building one from .llama/llama.cpp.tar.gz;
 #             none: no llama.cpp figures (the configs only)
@@ -29,6 +33,7 @@
 #      calls unpack them instead of building: about 400 s of device time saved; a stale or unrunnable one is built again)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+DEPTHS=${DEPTHS:-} PROMPTS=${PROMPTS:-}
 MODELS=${MODELS:-glm-4.7-flash deepseek-v2-lite} QUANT=${QUANT:-q4_0} LAYERS=${LAYERS:-} ROUTING=${ROUTING:-random} CONFIGS=${CONFIGS:-baseline best=benchmarks/configs/best.json}
 N=${N:-32} ROUNDS=${ROUNDS:-3} LLAMA_N=${LLAMA_N:-128} LLAMA_REPS=${LLAMA_REPS:-5} UPSTREAM=${UPSTREAM:-} UPSTREAM_N=${UPSTREAM_N:-20} DEVICE=${DEVICE:-CUDA} WORK=${WORK:-/tmp/sidebyside}
 DEADLINE=${DEADLINE:-570} PY=${PYTHON:-python3} OUT=${OUT:-$WORK/out} LAST=${MODELS##* }
@@ -38,7 +43,12 @@ exec > >(tee -a "$OUT/sidebyside.log") 2>&1
 T0=$SECONDS
 log() { echo "[$(date -u +%H:%M:%S) +$((SECONDS - T0))s] $*"; }
 left() { echo $((DEADLINE - (SECONDS - T0))); }
-log "models: $MODELS; configs: $CONFIGS; device $DEVICE"
+log "models: $MODELS; configs: $CONFIGS; device $DEVICE${DEPTHS:+; depths $DEPTHS}${PROMPTS:+; prompts $PROMPTS}"
+csv() { local IFS=,; echo "$*"; }
+LLAMA_D=$( [ -n "$DEPTHS" ] && echo "-d $(csv 0 $DEPTHS)" )  # llama-bench's decode depths, beside d = 0
+# each config's runs: the default workload, then each depth and each prompt (evaluator run's options, a name for its files)
+WORKLOADS="default $(for d in $DEPTHS; do echo "d$d"; done) $(for p in $PROMPTS; do echo "p$p"; done)"
+workopts() { case $1 in default) echo --no-prefill ;; d*) echo "--no-prefill --context ${1#d}" ;; p*) echo "--prompt ${1#p}" ;; esac; }
 
 BENCH=${LLAMA_BENCH:-$WORK/llama/build/bin/llama-bench} BUILD=
 if [ ! -x "$BENCH" ] && [ -z "${LLAMA_BENCH:-}" ] && ls "${LLAMA_CACHE:-.llama}"/llama-bench.tar.xz.part-* > /dev/null 2>&1; then
@@ -91,7 +101,7 @@ for m in $MODELS; do
     rec error --kind llama_cpp --model-name "$(name "$m")" --config-name llama.cpp --command "model synth --preset $m" --error "no model file"
     continue
   fi
-  cmd="llama-bench -m $(basename "$f") -p 0 -n $LLAMA_N -r $LLAMA_REPS -ngl 99 -fa 1 -o json  ($(basename "$f"): model synth --preset $m $SYNTH)"
+  cmd="llama-bench -m $(basename "$f") -p 0 -n $LLAMA_N${LLAMA_D:+ $LLAMA_D} -r $LLAMA_REPS -ngl 99 -fa 1 -o json${PROMPTS:+; -p $(csv $PROMPTS) -n 0}  ($(basename "$f"): model synth --preset $m $SYNTH)"
   rm -f "$json"
   if [ "${LLAMA_BENCH:-}" = none ]; then :
   elif [ ! -x "$BENCH" ]; then rec error --kind llama_cpp --model "$f" --model-name "$(name "$m")" --config-name llama.cpp --command "$cmd" \
@@ -100,8 +110,11 @@ for m in $MODELS; do
     --error "skipped: deadline"
   else
     log "llama-bench $m"
-    if LD_LIBRARY_PATH=$(dirname "$BENCH")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} timeout "$(($(left) - 10))" "$BENCH" -m "$f" -p 0 -n "$LLAMA_N" -r "$LLAMA_REPS" -ngl 99 -fa 1 -o json > "$json.tmp" 2> "$WORK/llama-bench.err"; then
-      mv "$json.tmp" "$json"
+    lb() { LD_LIBRARY_PATH=$(dirname "$BENCH")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} timeout "$(($(left) - 10))" "$BENCH" -m "$f" "$@" -r "$LLAMA_REPS" -ngl 99 -fa 1 -o json 2>> "$WORK/llama-bench.err"; }
+    : > "$WORK/llama-bench.err"
+    if lb -p 0 -n "$LLAMA_N" $LLAMA_D > "$json.tmp" && { [ -z "$PROMPTS" ] || lb -p "$(csv $PROMPTS)" -n 0 > "$json.pp"; }; then
+      "$PY" -c "import json, sys; print(json.dumps(sum((json.load(open(p)) for p in sys.argv[1:]), [])))" "$json.tmp" \
+        $( [ -n "$PROMPTS" ] && echo "$json.pp" ) > "$json"
       rec llama "$json" --model "$f" --model-name "$(name "$m")" --command "$cmd"
       "$PY" -c "import json, sys; print(json.dumps(json.load(open(sys.argv[1]))))" "$json" >> "$OUT/trials.jsonl"
     else
@@ -129,23 +142,26 @@ for m in $MODELS; do
     fi
   fi
   for spec in $CONFIGS $( [ "$m" = "$LAST" ] && echo "${FAULTS:-}" ); do
+  for work in $WORKLOADS; do
     fault=
     case $spec in  # FAULT:NAME: config NAME of $CONFIGS with a fault of tests/inject, which the gate must reject
-      *:*) fault=${spec%%:*} spec=$(for c in $CONFIGS; do [ "${c%%=*}" = "${spec#*:}" ] && echo "$c"; done); [ -n "$spec" ] || continue ;;
+      *:*) [ "$work" = default ] || continue  # a fault: at the default workload only
+           fault=${spec%%:*} spec=$(for c in $CONFIGS; do [ "${c%%=*}" = "${spec#*:}" ] && echo "$c"; done); [ -n "$spec" ] || continue ;;
     esac
     [ "$spec" = baseline ] && spec=baseline=$WORK/baseline.json
-    cname=${spec%%=*}${fault:+ + fault $fault} cfg=${spec#*=} res=$WORK/$m.${spec%%=*}${fault:+.$fault}.json
+    cname=${spec%%=*}${fault:+ + fault $fault} cfg=${spec#*=} res=$WORK/$m.${spec%%=*}${fault:+.$fault}.$work.json
     profile=$( [ -z "$fault" ] && case " ${PROFILED:-${CONFIGS//=*([^ ])/}} " in *" ${spec%%=*} "*) [ "$cname" = baseline ] || echo --profile ;; esac )
-    cmd="python -m evaluator run --model $(basename "$f") --device $DEVICE --no-prefill -n $N --rounds $ROUNDS --config $( [ "$cname" = baseline ] && echo '{}' || echo "$cfg") $profile"
+    wopts=$(workopts "$work")
+    cmd="python -m evaluator run --model $(basename "$f") --device $DEVICE $wopts -n $N --rounds $ROUNDS --config $( [ "$cname" = baseline ] && echo '{}' || echo "$cfg") $profile"
     cmd="$cmd  ($(basename "$f"): model synth --preset $m $SYNTH; via bash benchmarks/sidebyside.sh)"
     rm -f "$res"
     if [ "$(left)" -lt 30 ]; then
       rec error --kind trial --model "$f" --model-name "$(name "$m")" --config-name "$cname" --command "$cmd" --error "skipped: deadline"
       continue
     fi
-    log "evaluator: $m $cname"
+    log "evaluator: $m $cname ($work)"
     ${fault:+env STRUCTSEARCH_FAULT=$fault PYTHONPATH=$PYTHONPATH:$PWD/tests/inject} \
-      "$PY" -m evaluator run --model "$f" --device "$DEVICE" --no-prefill -n "$N" --rounds "$ROUNDS" --config "$cfg" $profile \
+      "$PY" -m evaluator run --model "$f" --device "$DEVICE" $wopts -n "$N" --rounds "$ROUNDS" --config "$cfg" $profile \
       --timeout "$(($(left) - 10))" --json "$res"
     if [ -f "$res" ]; then
       rec trial "$res" --model-name "$(name "$m")" --config-name "$cname" --command "$cmd" $( [ -f "$json" ] && echo --llama "$json" )
@@ -153,6 +169,7 @@ for m in $MODELS; do
     else
       rec error --kind trial --model "$f" --model-name "$(name "$m")" --config-name "$cname" --command "$cmd" --error "the evaluator wrote no result"
     fi
+  done
   done
 done
 if [ -n "$BUILD" ] && [ -x "$BENCH" ]; then  # after every timing: the build, for later calls to carry (copy the pieces into .llama/)

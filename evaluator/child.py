@@ -92,15 +92,19 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
   gen, hp = Generator(model), model.hp
   res.metrics |= {"layers": len(model.blocks), "load_peak_device_bytes": model.load_peak_bytes,
                   "peak_device_bytes": peak()}
-  pos = spec.prompt_len
-  # the reference config's run through the check path: it feeds the prompt itself, from position 0
+  work = spec.workload
+  pos = work.depth
+  # the reference config's run through the check path: it feeds the prompt itself (at most GATE_PROMPT tokens of it),
+  # from position 0, and fills the cache to the depth
   if spec.write_reference:
     rec.phase("reference")
-    gate.make_reference(gen, bench_prompt(hp.vocab, spec.prompt_len), spec.check_positions).save(spec.write_reference)
+    prompt = bench_prompt(hp.vocab, min(spec.prompt_len, gate.GATE_PROMPT))
+    gate.make_reference(gen, prompt, spec.check_positions, pos).save(spec.write_reference)
     if not spec.trial_after_reference: return
 
-  # the check feeds the prompt (a trial after its own reference: checked against the saved file as any other trial)
-  first, figures = prepare(gen, spec.prompt_len, spec.prefill, rec.phase, feed=spec.reference is None)
+  # the check feeds the prompt and fills the cache (a trial after its own reference: checked against the saved file as
+  # any other trial)
+  first, figures = prepare(gen, work, spec.prefill, rec.phase, feed=spec.reference is None)
   res.metrics |= figures | {"peak_device_bytes": peak()}
 
   ref, (tol, part_tol) = None, gate.tolerance(cfg, gen.model.hp.dim)
@@ -113,7 +117,7 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
       res.status, res.error = "wrong_output", gate.verdict(res.check)
       return
     # the timed run continues the reference's sequence, so its tokens are checked too
-    first = int(ref.tokens[spec.prompt_len])
+    first = int(ref.tokens[ref.prompt_len])
 
   m = measure(gen, first, pos, spec.n, spec.rounds, spec.warmup, rec.phase)
   gb_s = m["bytes_per_token"] * m["tok_s"] / 1e9

@@ -16,6 +16,7 @@ from evaluator.runner import Evaluator, bandwidth, default_device
 from model.gguf_file import GGUFError
 from model.registry import ModelNotFound, resolve
 from model.structure import ConfigError, StructureConfig
+from model.workload import PROMPT, Workload
 
 console = Console(stderr=True)
 
@@ -29,6 +30,8 @@ def summary(r: TrialResult) -> Table:
   t.add_row("trial",
             f"{spec['stage']} stage, {m.get('layers', '?')} blocks of {spec['model']} on {spec['device']}: "
             f"[bold]{r.status}[/]")
+  t.add_row("workload", f"{Workload(spec['prompt_len'], spec.get('context', 0))}, a KV cache of {spec['max_context']} "
+                        "positions")
   if r.error: t.add_row("error", r.error)
   if "tok_s" in m:
     share = f", {100 * m['bandwidth_share']:.1f}% of the device's {spec['bandwidth_gbs']:.0f} GB/s" if m.get(
@@ -38,7 +41,8 @@ def summary(r: TrialResult) -> Table:
                         f"   {m['ms_p50']:.2f} ms/token p50, {m['ms_p90']:.2f} p90")
     t.add_row("per token", f"{m['kernels_per_token']} kernels in {m['graph_batches_per_token']} graph batches, "
                            f"{m['bytes_per_token'] / 1e6:.1f} MB, {m['gb_s']:.1f} GB/s{share}")
-    if "prefill_tok_s" in m: t.add_row("prefill", f"{m['prefill_tok_s']:.1f} tok/s")
+    if "prefill_tok_s" in m:
+      t.add_row("prefill", f"{m['prefill_tok_s']:.1f} tok/s, {m['ttft_s']:.3f} s to the first token")
     t.add_row("memory",
               f"peak device {m['peak_device_bytes'] / 1e9:.3f} GB, host RSS {m['host_peak_rss_bytes'] / 1e9:.2f} GB")
     t.add_row("determinism",
@@ -98,8 +102,9 @@ def at_least(lo: float, kind: type = int) -> Callable[[str], float]:
 
 def _evaluator(args) -> Evaluator:
   kw = {k: getattr(args, k) for k in ("n", "rounds", "timeout", "beam_budget") if getattr(args, k, None) is not None}
+  work = Workload(args.prompt, args.context)
   return Evaluator.for_model(str(resolve(args.model)), args.device or default_device(), prefill=not args.no_prefill,
-                             **kw)
+                             prompt_len=work.prompt, context=work.context, **kw)
 
 
 def _config(path: str | None) -> dict:
@@ -161,6 +166,11 @@ def main(argv: list[str] | None = None) -> None:
                       help="BEAM search seconds per trial; past them, kernels whose BEAM choice is not cached get "
                       "BEAM=0's heuristics "
                            "(default: no limit)")
+  common.add_argument("--context", type=at_least(0), default=0, metavar="N",
+                      help="decode timed with N positions in the KV cache: the prompt's, then filled from its rows "
+                      "(default: right after the prompt)")
+  common.add_argument("--prompt", type=at_least(1), default=PROMPT, metavar="N",
+                      help=f"a prompt of N tokens, prefilled and timed (default {PROMPT})")
   common.add_argument("--json", help="write the result as JSON to this file")
   common.add_argument("--no-prefill", action="store_true",
                       help="feed the prompt through decode steps (skips building the prefill graph)")

@@ -56,6 +56,17 @@ def nvidia_gpus() -> tuple[tuple[str, str], ...]:
   return tuple((name.strip(), uuid.strip()) for name, _, uuid in rows)
 
 
+@functools.cache
+def nvidia_memory() -> dict[str, int]:
+  """Each NVIDIA card's memory in bytes, by UUID ({} without nvidia-smi)."""
+  try:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=uuid,memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30)
+  except (OSError, subprocess.TimeoutExpired): return {}
+  rows = (line.split(",") for line in out.stdout.splitlines() if out.returncode == 0 and "," in line)
+  return {uuid.strip(): int(float(mib)) << 20 for uuid, mib in rows if mib.strip().replace(".", "").isdigit()}
+
+
 def physical(device: str) -> PhysicalDevice:
   k, i = kind(device), index(device)
   if k == "CPU": return PhysicalDevice("CPU", platform.processor() or platform.machine())

@@ -6,8 +6,12 @@ and the blocks carry it on; 8-bit activations compound over the blocks), so each
 - The reference (the baseline config, or an 8-bit config's twin: `twin`) feeds the prompt and its greedy continuation
   through the check path (model.deepseek2.Check) and records every block's KV cache rows of the prompt and, at each
   check position, the residual stream after every stage, each MoE block's selected experts, scores and router logits,
-  and the logits (`make_reference`; cached under `reference_key`).
-- `check`: the trial starts from the reference's cache rows and runs each check position with every stage reading the
+  and the logits (`make_reference`; cached under `reference_key`). At a workload's depth (a context past the prompt),
+  the check positions start there: the cache between the prompt and the depth is filled by model/bench.py's rule
+  (fill_context) from the prompt's rows, in the reference and again in the trial, so a reference keeps the prompt's rows
+  alone, and at most GATE_PROMPT of them: its size and its making do not grow with the workload.
+- `check`: the trial starts from the reference's cache rows (filled to its depth) and runs each check position with
+  every stage reading the
   reference's stream and every MoE block the reference's experts. Each stage's update (output minus input) and the
   logits must stay within the tolerance of the reference's; its own top-k must equal the reference's where the
   reference's margin exceeds twice the tolerance (nearer ones are near-ties, counted); its router logits must stay
@@ -47,6 +51,8 @@ from model.backends import catalog
 from model.structure import KNOBS, Knob, StructureConfig
 
 FP32_TOL, FP16_TOL, Q8_TOL = 5e-3, 5e-2, 3e-2
+# the reference's prompt, at most: a longer workload prompt's positions past it are filled (model/bench.py fill_context)
+GATE_PROMPT = 32
 # what a reference's numbers depend on, besides the file, tinygrad and this module
 CODE = pathlib.Path(__file__).resolve().parents[1] / "model"
 
@@ -95,14 +101,14 @@ def code_hash() -> str:
   return h.hexdigest()
 
 
-def reference_key(file_sha: str, device: str, layers: int, prompt_len: int, positions: int,
+def reference_key(file_sha: str, device: str, layers: int, prompt_len: int, positions: int, depth: int,
                   config: StructureConfig | None = None) -> str:
   """The cache key of a reference: everything its numbers depend on (the config where it is not the baseline)."""
   import tinygrad
   tg = getattr(tinygrad, "__version__", "") or _dist_version("tinygrad")
   cfg = "" if config is None or config == StructureConfig() else f"-cfg{config.hash[:12]}"
-  return (f"{file_sha[:16]}-{device.replace(':', '_')}-L{layers}-p{prompt_len}-c{positions}-code{code_hash()[:12]}"
-          f"-tinygrad{tg}{cfg}")
+  return (f"{file_sha[:16]}-{device.replace(':', '_')}-L{layers}-p{prompt_len}-d{depth}-c{positions}"
+          f"-code{code_hash()[:12]}-tinygrad{tg}{cfg}")
 
 
 def _dist_version(name: str) -> str:
@@ -133,13 +139,14 @@ def stage_names(layers: int) -> list[str]:
 @dataclass
 class Reference:
   tokens: np.ndarray  # (prompt + positions + 1,) the prompt, then the greedy continuation
-  sel: np.ndarray  # (positions, n_moe, K) selected experts per check position (prompt_len + j)
+  sel: np.ndarray  # (positions, n_moe, K) selected experts per check position (depth + j)
   scores: np.ndarray  # (positions, n_moe, E) selection scores
   router: np.ndarray  # (positions, n_moe, E) the router logits the scores are computed from
   logits: np.ndarray  # (positions, vocab) after each check position
   states: np.ndarray  # (positions, 2 * blocks + 1, D) the residual stream after each stage
   cache: np.ndarray  # (blocks, prompt, kv_lora + rope) every block's KV cache rows of the prompt
   prompt_len: int
+  depth: int  # the first check position: the prompt's length, or past it where the cache is filled to a context
 
   @property
   def positions(self) -> int: return len(self.logits)
@@ -147,14 +154,20 @@ class Reference:
   def save(self, path: str) -> None:
     tmp = path + ".tmp.npz"
     np.savez(tmp, tokens=self.tokens, sel=self.sel, scores=self.scores, router=self.router, logits=self.logits,
-             states=self.states, cache=self.cache, prompt_len=self.prompt_len)
+             states=self.states, cache=self.cache, prompt_len=self.prompt_len, depth=self.depth)
     os.replace(tmp, path)
 
   @classmethod
   def load(cls, path: str) -> Reference:
     with np.load(path) as z:
       return cls(z["tokens"], z["sel"], z["scores"], z["router"], z["logits"], z["states"], z["cache"],
-                 int(z["prompt_len"]))
+                 int(z["prompt_len"]), int(z["depth"]))
+
+  def start(self, gen) -> None:
+    """The trial's cache as the reference's was at its first check position: the prompt's rows, filled to the depth."""
+    from model.bench import fill_context
+    gen.set_cache(self.cache)
+    fill_context(gen.model, self.prompt_len, self.depth)
 
   def margins(self) -> np.ndarray:
     """(positions, n_moe): the reference's routing margins."""
@@ -166,13 +179,16 @@ def _split(n: int, *per_block: np.ndarray) -> tuple[np.ndarray, ...]:
   return tuple(a.reshape(n, -1) if n else a[:0] for a in per_block)
 
 
-def make_reference(gen, prompt: list[int], positions: int) -> Reference:
-  """The reference config's run: the prompt fed one token at a time, then `positions` greedy steps, through the check
-  path."""
+def make_reference(gen, prompt: list[int], positions: int, depth: int = 0) -> Reference:
+  """The reference config's run: the prompt fed one token at a time, the cache filled from its rows up to `depth`
+  (model/bench.py fill_context), then `positions` greedy steps from there, the first of them fed the prompt's greedy
+  token, through the check path."""
+  from model.bench import fill_context
   n_moe, P = sum(b.moe for b in gen.model.blocks), len(prompt)
-  tokens, sel, scores, router, logits, states = list(prompt), [], [], [], [], []
+  tokens, sel, scores, router, logits, states, depth = list(prompt), [], [], [], [], [], max(depth, P)
   for j in range(P + positions):
-    lg, *per_block, outs = gen.check_step(tokens[j], j)
+    if j == P: fill_context(gen.model, P, depth)
+    lg, *per_block, outs = gen.check_step(tokens[j], j if j < P else depth + j - P)
     if j == P - 1: tokens.append(int(np.argmax(lg)))
     if j < P: continue
     o, s, r = _split(n_moe, *per_block)
@@ -180,7 +196,7 @@ def make_reference(gen, prompt: list[int], positions: int) -> Reference:
     tokens.append(int(np.argmax(lg)))
   return Reference(np.array(tokens[:P + positions + 1]), np.stack(sel), np.stack(scores).astype(np.float32),
                    np.stack(router).astype(np.float32), np.stack(logits).astype(np.float32),
-                   np.stack(states).astype(np.float32), gen.cache_rows(P), P)
+                   np.stack(states).astype(np.float32), gen.cache_rows(P), P, depth)
 
 
 def stage_errors(outs: np.ndarray, states: np.ndarray) -> np.ndarray:
@@ -198,15 +214,14 @@ def check(gen, ref: Reference, tol: float, part_tol: dict[str, float] | None = N
   """The trial's arithmetic stage by stage, its routing, its own chained run and its accuracy (see the module
   docstring): figures, `ok`, and what the timed run must produce (check_tokens). part_tol: the tolerance of the stages
   of a part ("attention", "ffn") that differs from tol (tolerance's second value). exact: the exact reference where
-  `ref` is a twin's (None: `ref` is the exact one). Positions are reported as positions in the sequence (prompt_len +
-  j)."""
+  `ref` is a twin's (None: `ref` is the exact one). Positions are reported as positions in the sequence (depth + j)."""
   part_tol = part_tol or {}
-  n_moe, C, P = ref.sel.shape[1], ref.positions, ref.prompt_len
+  n_moe, C, P, D = ref.sel.shape[1], ref.positions, ref.prompt_len, ref.depth
   forced = lambda j: ref.sel[j] if n_moe else None
   errs, own, rerr = [], [], []
-  gen.set_cache(ref.cache)
+  ref.start(gen)
   for j in range(C):
-    lg, *per_block, outs = gen.check_step(int(ref.tokens[P + j]), P + j, forced(j), ref.states[j], per_stage=True)
+    lg, *per_block, outs = gen.check_step(int(ref.tokens[P + j]), D + j, forced(j), ref.states[j], per_stage=True)
     o, _, r = _split(n_moe, *per_block)
     own.append(o)
     if n_moe: rerr.append(rel_err(r, ref.router[j]))
@@ -221,13 +236,13 @@ def check(gen, ref: Reference, tol: float, part_tol: dict[str, float] | None = N
   bad = ~(err <= tols)
   worst = np.unravel_index(int(np.argmax(np.nan_to_num(err / tols, nan=np.inf))), err.shape)
   ok = bool(np.isfinite(err).all()) and not bad.any() and not wrong_route.any() and router_err <= tol
-  at = lambda mask: (P + np.flatnonzero(mask)).tolist()
+  at = lambda mask: (D + np.flatnonzero(mask)).tolist()
   figures = {"ok": ok, "tolerance": tol, "ffn_tolerance": part_tol.get("ffn", tol),
              "attention_tolerance": part_tol.get("attention", tol), "positions": C, "stages": len(names),
              "failed_positions": int(bad.any(-1).sum()), "failed_at": at(bad.any(-1)),
              "failed_stages": [names[s] for s in np.flatnonzero(bad.any(0))][:8],
              "wrong_routing_at": at(wrong_route.any(-1)), "max_rel_err": float(err[worst]),
-             "median_rel_err": float(np.median(err)), "worst_stage": f"{names[worst[1]]} at position {P + worst[0]}",
+             "median_rel_err": float(np.median(err)), "worst_stage": f"{names[worst[1]]} at position {D + worst[0]}",
              "routing_decisions": int(flipped.size), "near_ties": int(near.sum()),
              "near_tie_flips": int((flipped & near).sum()), "wrong_routing": int(wrong_route.sum()),
              "max_router_err": router_err}
@@ -237,14 +252,15 @@ def check(gen, ref: Reference, tol: float, part_tol: dict[str, float] | None = N
 
 
 def chained(gen, ref: Reference, tol: float) -> tuple[np.ndarray, int]:
-  """The chained pass: stages chained under the reference's routing from the reference's prompt cache, its tokens fed,
-  at every check position. Its logits (positions, vocab), and for how many positions, from the first, its own routing
-  is the reference's with margins above twice tol (past that point the timed run may route otherwise)."""
+  """The chained pass: stages chained under the reference's routing from the reference's prompt cache (filled to its
+  depth), its tokens fed, at every check position. Its logits (positions, vocab), and for how many positions, from the
+  first, its own routing is the reference's with margins above twice tol (past that point the timed run may route
+  otherwise)."""
   n_moe, P, logits, agree = ref.sel.shape[1], ref.prompt_len, [], []
-  gen.set_cache(ref.cache)
+  ref.start(gen)
   for j in range(ref.positions):
-    lg, *per_block, _ = gen.check_step(int(ref.tokens[P + j]), P + j, ref.sel[j] if n_moe else None, ref.states[j],
-                                       per_stage=False)
+    lg, *per_block, _ = gen.check_step(int(ref.tokens[P + j]), ref.depth + j, ref.sel[j] if n_moe else None,
+                                       ref.states[j], per_stage=False)
     o, s, _ = _split(n_moe, *per_block)
     logits.append(lg)
     agree.append(not n_moe or bool((np.sort(o, -1) == np.sort(ref.sel[j], -1)).all()
@@ -284,7 +300,7 @@ def accuracy(logits: np.ndarray, exact: np.ndarray) -> dict:
 
 
 def check_tokens(ref: Reference, chk: dict, tokens: list[int]) -> dict:
-  """The timed run's tokens (tokens[0] is the reference's token at prompt_len, fed first) against the chained check
+  """The timed run's tokens (tokens[0] is the reference's token at its depth, fed first) against the chained check
   run's greedy tokens, while the timed run's inputs are the reference's and the chained run decides clearly."""
   want, given = chk["own_tokens"], ref.tokens[ref.prompt_len:]
   n = 0

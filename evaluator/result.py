@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from model.workload import Workload
+
 STAGES = ("block", "full")
 
 
@@ -18,7 +20,7 @@ class TrialSpec:
   device: str
   stage: str = "full"
   layers: int | None = None  # blocks to build; None: all of them (set by the ladder for stage "block")
-  prompt_len: int = 32
+  prompt_len: int = 32  # the workload's prompt (model/workload.py)
   n: int = 32  # tokens per measured round
   rounds: int = 3
   warmup: int = 3
@@ -36,7 +38,9 @@ class TrialSpec:
   profile: bool = False  # add a per-kernel profile from a separate, unjitted pass
   # build and time the prefill graph (prefill tok/s); without it the prompt goes through decode steps
   prefill: bool = True
-  max_context: int = 256
+  max_context: int = 256  # the KV cache's positions (an Evaluator's spec: its workload's, Workload.cache_positions)
+  # the workload's context: positions in the cache when decode timing begins (0: right after the prompt)
+  context: int = 0
   # directory of tinygrad's cache (CACHEDB: BEAM choices, compiled programs); None: tinygrad's own
   tinygrad_cache: str | None = None
   # BEAM search seconds per trial, past which kernels not in the cache get BEAM=0's heuristics; 0: no limit
@@ -46,6 +50,14 @@ class TrialSpec:
 
   @classmethod
   def from_json(cls, text: str) -> TrialSpec: return cls(**json.loads(text))
+
+  @property
+  def workload(self) -> Workload: return Workload(self.prompt_len, self.context)
+
+  @property
+  def decoded(self) -> int:
+    """Positions a trial decodes past the workload's depth: the check's, a round's, the warm-up's and the compile's."""
+    return max(self.check_positions, self.n, self.warmup, 2)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from evaluator.result import TrialResult, TrialSpec
 from model.filehash import file_sha256
 from model.registry import cache_dir
 from model.structure import StructureConfig
+from model.workload import PROMPT, Memory, Workload
 
 Phase = Callable[[str], None]
 # signals only something outside the trial process sends: `killed`, transient
@@ -142,6 +143,15 @@ def memory_limit() -> int:
   except OSError: return total
 
 
+def memory_bytes(device: str) -> int | None:
+  """The memory a device holds, in bytes: the card's (nvidia-smi) or, for the CPU, the host's (memory_limit); None
+  where unknown (a workload is then refused for the model's context length alone)."""
+  from evaluator.devices import kind, nvidia_memory, physical
+  if kind(device) == "CPU": return memory_limit()
+  key = physical(device).key
+  return nvidia_memory().get(key.removeprefix("nvidia-")) if key.startswith("nvidia-GPU-") else None
+
+
 def _kernel_log() -> str:
   try: return subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5).stdout
   except (OSError, subprocess.TimeoutExpired): return ""
@@ -193,7 +203,8 @@ class Evaluator:
   n: int = 32
   rounds: int = 3
   warmup: int = 3
-  prompt_len: int = 32
+  prompt_len: int = PROMPT  # the workload (model/workload.py): the prompt and the context decode is timed at
+  context: int = 0
   timeout: float = 900
   # time the prefill graph too (the prompt otherwise goes through decode steps: no prefill kernels to build)
   prefill: bool = True
@@ -209,23 +220,35 @@ class Evaluator:
     return cls(str(f.path), device, total, min(total, int(f.key("leading_dense_block_count", 0)) + 2), **kw)
 
   @property
+  def workload(self) -> Workload: return Workload(self.prompt_len, self.context)
+
+  def memory(self) -> tuple[Memory, str | None]:
+    """The device memory of a full-model trial at this workload before anything runs, and why it cannot run on this
+    device (one line; None where it can)."""
+    probe = self.spec({})
+    mem = Memory.of(self.model, probe.workload, probe.decoded)
+    return mem, mem.refusal(probe.workload, probe.decoded, self.device, memory_bytes(self.device))
+
+  @property
   def stages(self) -> list[str]: return ["block", "full"] if self.block_layers < self.total_layers else ["full"]
 
   def layers(self, stage: str) -> int | None:
     return self.block_layers if stage == "block" and self.block_layers < self.total_layers else None
 
   def spec(self, config: dict, stage: str = "full", **kw) -> TrialSpec:
-    return TrialSpec(self.model, config, self.device, stage, self.layers(stage), self.prompt_len, self.n, self.rounds,
+    """A trial's spec, its KV cache the workload's (Workload.cache_positions)."""
+    spec = TrialSpec(self.model, config, self.device, stage, self.layers(stage), self.prompt_len, self.n, self.rounds,
                      self.warmup, prefill=self.prefill, tinygrad_cache=self.tinygrad_cache,
-                     beam_budget_s=self.beam_budget, **kw)
+                     beam_budget_s=self.beam_budget, context=self.context, **kw)
+    return replace(spec, max_context=spec.workload.cache_positions(spec.decoded))
 
   def reference_path(self, stage: str, config: StructureConfig) -> str:
     """Where the reference of `config` for this file, device and stage is cached (evaluator/gate.py reference_key),
     its directory made: whichever process makes it saves it there."""
-    from evaluator.gate import reference_key
+    from evaluator.gate import GATE_PROMPT, reference_key
     probe = self.spec(config.to_dict(), stage)
-    key = reference_key(file_sha256(self.model), self.device, probe.layers or self.total_layers, probe.prompt_len,
-                        probe.check_positions, config)
+    key = reference_key(file_sha256(self.model), self.device, probe.layers or self.total_layers,
+                        min(probe.prompt_len, GATE_PROMPT), probe.check_positions, probe.workload.depth, config)
     (path := cache_dir() / "references" / f"{key}.npz").parent.mkdir(parents=True, exist_ok=True)
     return str(path)
 

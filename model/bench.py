@@ -1,10 +1,11 @@
 """The one decode benchmark, in the same steps wherever a decode figure is measured: the evaluator's trial process and
 `model bench` both run `prepare` then `measure` (the trial process checks the output between the two).
 
-prepare: the fixed prompt through the prefill graph (built, captured, then timed once) and the first decode steps, or,
-without prefill, through decode steps alone (the first builds and captures the decode graph). measure: warm-up steps,
-one step counted for kernels and bytes (and timed, for the round length), then `rounds` rounds of greedy steps from the
-same start, each step timed."""
+prepare: the workload's fixed prompt through the prefill graph (built, captured, then timed once: prefill tok/s and the
+time to the first token) or, without prefill, through decode steps alone (the first builds and captures the decode
+graph); then the cache filled to the workload's context (fill_context) and the first decode steps there. measure:
+warm-up steps, one step counted for kernels and bytes (and timed, for the round length), then `rounds` rounds of greedy
+steps from the same start, each step timed."""
 from __future__ import annotations
 
 import math
@@ -12,9 +13,11 @@ import statistics
 import time
 from collections.abc import Callable
 
-from tinygrad import Device, GlobalCounters
+from tinygrad import Device, GlobalCounters, Tensor
 
+from model.deepseek2 import Transformer, apply_rope, rope_table
 from model.generate import Generator, jit_stats
+from model.workload import Workload
 
 Phase = Callable[[str], None]
 # A round lasts at least ROUND_S where n tokens would take longer, and has at least MIN_ROUND_TOKENS: host jitter per
@@ -39,34 +42,66 @@ def _feed(gen: Generator, tokens: list[int], start: int = 0) -> int:
   return nxt
 
 
+def fill_context(model: Transformer, prompt_len: int, depth: int) -> None:
+  """Positions [prompt_len, depth) of every block's KV cache hold the prompt's rows again, one copy after another: each
+  row's compressed part as it is (it depends on no position) and its RoPE part rotated on to its new position, as the
+  model writes the same key there. Decode at depth then reads `depth` real-valued positions, no two alike (a copy
+  without the rotation would score as its original, and an attention that dropped whole copies would compute the same
+  output), without waiting on a prefill of depth tokens: one copy kernel per block, on the device."""
+  if depth <= prompt_len: return
+  hp, P, n = model.hp, prompt_len, depth - prompt_len
+  copies, kvl = -(-n // P), hp.kv_lora
+  cos, sin = rope_table(hp, (copies + 1) * P)
+  # the rotation by k * P positions (k = 1..copies), without the tables' magnitude (mscale: their value at position 0)
+  shift = lambda t: Tensor(t[P::P][:copies] / cos[0, 0], device=model.device)
+  for b in model.blocks:
+    rows = b.cache[0, :P].unsqueeze(0).expand(copies, P, b.cache.shape[-1])
+    pe = apply_rope(rows[..., kvl:].float().unsqueeze(0), shift(cos), shift(sin))[0]
+    b.cache[:, P:depth] = rows[..., :kvl].cat(pe.cast(b.cache.dtype), dim=-1).reshape(1, copies * P, -1)[:, :n]
+    b.cache.realize()
+  Device[model.device or Device.DEFAULT].synchronize()
+
+
 def percentile(xs: list[float], q: float) -> float:
   return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1] if len(xs) > 1 else xs[0]
 
 
-def prepare(gen: Generator, prompt_len: int, prefill: bool, phase: Phase = lambda name: None,
+def prepare(gen: Generator, work: Workload, prefill: bool, phase: Phase = lambda name: None,
             feed: bool = True) -> tuple[int, dict]:
-  """The prompt in the model's cache and the decode graph built: (the greedy token after the prompt, {prefill_tok_s}).
+  """The workload's prompt in the model's cache, the cache filled to its context and the decode graph built: (the greedy
+  token after the prompt, which decode at the context's depth starts from; {context, prompt, and with prefill
+  prefill_tok_s, ttft_s}). ttft_s: the timed prefill, from the prompt's tokens to the first token on the host.
 
-  feed=False (without prefill): only the decode graph is built; the caller puts the prompt into the cache itself (the
-  correctness check feeds it block by block, writing the same cache), and the token returned is not the
-  prompt's."""
-  prompt, out = bench_prompt(gen.model.hp.vocab, prompt_len), {}
+  feed=False (without prefill): only the decode graph is built; the caller puts the prompt and the fill into the cache
+  itself (the correctness check feeds its own, block by block, writing the same cache), and the token returned is not
+  the prompt's."""
+  prompt, out = bench_prompt(gen.model.hp.vocab, work.prompt), {"context": work.depth, "prompt": work.prompt}
   if prefill:
     phase("prefill")
     gen.prefill(prompt)  # builds and captures the prefill graph
     t0 = time.perf_counter()
     first = int(gen.prefill(prompt)[-1].argmax())
-    out["prefill_tok_s"] = len(prompt) / (time.perf_counter() - t0)
+    out["ttft_s"] = time.perf_counter() - t0
+    out["prefill_tok_s"] = work.prompt / out["ttft_s"]
+    fill(gen, work, phase)
     phase("compile")  # the first decode step builds the kernels (with the config's BEAM) and captures the JIT
-    gen.steps(first, prompt_len, 2)
+    gen.steps(first, work.depth, 2)
   else:
     phase("compile")
     first = _feed(gen, prompt[:1])
     if feed:
       phase("prompt")
       first = _feed(gen, prompt[1:], start=1)
+      fill(gen, work, phase)
   Device[Device.DEFAULT].synchronize()
   return first, out
+
+
+def fill(gen: Generator, work: Workload, phase: Phase) -> None:
+  """The cache filled from the prompt to the workload's depth, in a phase of its own where there is one to fill."""
+  if work.depth > work.prompt:
+    phase("fill")
+    fill_context(gen.model, work.prompt, work.depth)
 
 
 def measure(gen: Generator, first: int, pos: int, n: int, rounds: int, warmup: int,

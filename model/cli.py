@@ -11,21 +11,29 @@ from model.gguf_file import GGUFError, GGUFFile
 from model.memory import peak_rss_bytes
 from model.registry import ModelNotFound, resolve
 from model.structure import ConfigError
+from model.workload import PROMPT, Memory, Workload
 
 
-def _load(args) -> tuple:
+def _load(args, max_context: int) -> tuple:
+  """(the file, a Generator of its model under the selected config, load seconds, the config, the workload it was chosen
+  under or None: model.production.select)."""
   from model.deepseek2 import Transformer
   from model.generate import Generator
   from model.production import select
   from model.settings import apply_process_settings
   path = resolve(args.model)
-  cfg, which = select(path, args.model, args.config, args.baseline)
+  cfg, which, chosen = select(path, args.model, args.config, args.baseline)
   print(which, file=sys.stderr)
   apply_process_settings(cfg, args.device)
   f = GGUFFile(path)
   t0 = time.perf_counter()
-  m = Transformer(f, cfg, max_context=args.max_context, n_layers=args.layers)
-  return f, Generator(m), time.perf_counter() - t0, cfg
+  m = Transformer(f, cfg, max_context=max_context, n_layers=args.layers)
+  return f, Generator(m), time.perf_counter() - t0, cfg, chosen
+
+
+def _note(chosen: Workload | None, run: Workload) -> None:
+  from model.production import workload_note
+  if note := workload_note(chosen, run): print(note, file=sys.stderr)
 
 
 def cmd_synth(args) -> None:
@@ -47,10 +55,11 @@ def cmd_info(args) -> None:
 
 def cmd_run(args) -> None:
   from model.tokenizer import Tokenizer
-  f, gen, _, _ = _load(args)
+  f, gen, _, _, chosen = _load(args, args.max_context)
   tok = Tokenizer.from_metadata(f.metadata)
   text = tok.format_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
   ids = tok.encode(text)
+  _note(chosen, Workload(max(1, len(ids))))
   stream = tok.streamer()
   t0, n = time.perf_counter(), 0
   for t in gen.generate(ids, args.n, temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=tok.stop_ids):
@@ -66,12 +75,20 @@ def cmd_bench(args) -> None:
   from tinygrad import Device, GlobalCounters
 
   from model.bench import measure, prepare  # the one decode benchmark: the same steps as a trial's
-  f, gen, load_s, cfg = _load(args)
+  work = Workload(args.prompt, args.context)
+  # the KV cache of a trial of the same -n (evaluator/result.py TrialSpec.decoded: its 16 check positions, 3 warm-up
+  # steps), so that the same kernels run
+  decoded = max(args.n, 16, 3, 2)
+  if refusal := Memory.of(str(resolve(args.model)), work, decoded, args.layers).refusal(work, decoded, "", None):
+    print(f"model: error: {refusal}", file=sys.stderr)
+    sys.exit(1)
+  f, gen, load_s, cfg, chosen = _load(args, work.cache_positions(decoded))
+  _note(chosen, work)
   t0 = time.perf_counter()
-  first, figures = prepare(gen, args.prompt_len, prefill=True)
-  # the prefill graph's build and the first decode steps (kernels, BEAM, JIT capture)
+  first, figures = prepare(gen, work, prefill=True)
+  # the prefill graph's build, the fill to the context and the first decode steps (kernels, BEAM, JIT capture)
   compile_s = time.perf_counter() - t0
-  r = figures | measure(gen, first, args.prompt_len, args.n, args.rounds, warmup=3) | {"compile_s": compile_s}
+  r = figures | measure(gen, first, work.depth, args.n, args.rounds, warmup=3) | {"compile_s": compile_s}
   m = gen.model
   d = {"model": str(f.path), "device": Device.DEFAULT, "layers": len(m.blocks), "load_s": load_s,
        "file_bytes": f.path.stat().st_size, "kv_cache_bytes": m.kv_cache_bytes, "device_bytes": GlobalCounters.mem_used,
@@ -79,16 +96,16 @@ def cmd_bench(args) -> None:
        "config": cfg.to_dict()}
   if args.profile:
     from model.profile import kernel_profile, step_timeline
-    d["profile"] = kernel_profile(gen.step_jit, {"start_pos": args.prompt_len}, step_bytes=r["bytes_per_token"])
-    d["timeline"] = step_timeline(gen.step_jit, {"start_pos": args.prompt_len})
+    d["profile"] = kernel_profile(gen.step_jit, {"start_pos": work.depth}, step_bytes=r["bytes_per_token"])
+    d["timeline"] = step_timeline(gen.step_jit, {"start_pos": work.depth})
   if args.json: print(json.dumps(d))
   else:
-    print(f"{f.path.name}: {len(gen.model.blocks)} blocks, prompt {args.prompt_len}, {r['round_tokens']} tokens x "
-          f"{args.rounds} rounds")
+    print(f"{f.path.name}: {len(gen.model.blocks)} blocks, {work}, {r['round_tokens']} tokens x {args.rounds} rounds")
     print(f"  decode   {r['tok_s']:8.2f} tok/s (min {r['tok_s_min']:.2f}, max {r['tok_s_max']:.2f})   "
           f"{r['ms_p50']:.2f} ms/token p50, {r['ms_p90']:.2f} p90")
     print(f"  kernels  {r['kernels_per_token']} per token, {r['bytes_per_token'] / 1e6:.1f} MB read+written per token")
-    print(f"  prefill  {r['prefill_tok_s']:8.2f} tok/s    load {load_s:.1f} s, compile {r['compile_s']:.1f} s")
+    print(f"  prefill  {r['prefill_tok_s']:8.2f} tok/s, {r['ttft_s']:.3f} s to the first token    load {load_s:.1f} "
+          f"s, compile {r['compile_s']:.1f} s")
     print(f"  memory   device {d['device_bytes'] / 1e9:.2f} GB (file {d['file_bytes'] / 1e9:.2f} GB, KV cache "
           f"{d['kv_cache_bytes'] / 1e9:.3f} GB), host peak {d['host_peak_rss_bytes'] / 1e9:.2f} GB")
     for k in d.get("profile", []):
@@ -134,16 +151,20 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--baseline", action="store_true", help="the baseline config, ignoring any production config")
     c.add_argument("--device", help="tinygrad device, e.g. CPU, CUDA, METAL (default: tinygrad's default)")
     c.add_argument("--layers", type=int, help="run only the first N blocks")
-    c.add_argument("--max-context", type=int, default=512)
     c.set_defaults(fn=fn)
     if name == "run":
+      c.add_argument("--max-context", type=int, default=512)
       c.add_argument("--prompt", required=True)
       c.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
       c.add_argument("--temperature", type=float, default=0.0)
       c.add_argument("--top-p", type=float, default=1.0)
       c.add_argument("--seed", type=int)
     else:
-      c.add_argument("--prompt-len", type=int, default=32)
+      c.add_argument("--prompt", type=int, default=PROMPT, metavar="N",
+                     help=f"a prompt of N tokens, prefilled and timed (default {PROMPT})")
+      c.add_argument("--context", type=int, default=0, metavar="N",
+                     help="decode timed with N positions in the KV cache: the prompt's, then filled from its rows "
+                     "(model/bench.py fill_context; default: right after the prompt)")
       c.add_argument("--rounds", type=int, default=3)
       c.add_argument("--json", action="store_true", help="print one JSON object")
       c.add_argument("--profile", action="store_true",

@@ -44,6 +44,7 @@ def compare_doc(s: Session, study: Study, a: Trial, b: Trial, study_b: Study | N
   return {"schema": SCHEMA, "study": study.name, "study_b": sb.name, "a": a.number, "b": b.number,
           "state": {"a": a.state, "b": b.state},
           "where": {x: f"{st.model_name} on {st.device_name or st.device}" for x, st in (("a", study), ("b", sb))},
+          "workload": {"a": da["workload"], "b": db["workload"]},
           "precision": {"a": da["precision"], "b": db["precision"]},
           "accuracy": {"a": da["accuracy"], "b": db["accuracy"]},
           "estimate": {"a": da["estimate"], "b": db["estimate"]},
@@ -100,13 +101,15 @@ def compare_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
   if other: notes.append(f"A: {doc['study']}, {doc['where']['a']}; B: {doc['study_b']}, {doc['where']['b']} "
                         "(each against its own study's baseline)")
   heads = ["", f"A: {a} ({doc['state']['a']})", f"B: {b} ({doc['state']['b']})", "B/A"]
-  secs = [Section(f"{doc['study']}: {b} (B) against {a} (A)", heads, rows,
+  wa, wb = doc["workload"]["a"], doc["workload"]["b"]
+  work = wa + ("" if wb == wa else f" (B: {wb})")
+  secs = [Section(f"{doc['study']}: {b} (B) against {a} (A) at {work}", heads, rows,
                   records=[{"name": r[0], "a": r[1], "b": r[2], "ratio": r[3]} for r in rows])]
   if ks := doc["kernels"]:
-    num = lambda x, k, spec: num(x.get(k), spec) if x else "-"
+    side = lambda x, k, spec: num(x.get(k), spec) if x else "-"
     fields = (("count", "d"), ("us_per_token", ".1f"), ("gb_s", ".1f"))
-    krows = [[k["kernel"], *(num(k[x], f, spec) for f, spec in fields[:2] for x in "ab"), num(k["ratio"], ".3f", "x"),
-              num(k["a"], "gb_s", ".1f"), num(k["b"], "gb_s", ".1f")] for k in ks]
+    krows = [[k["kernel"], *(side(k[x], f, spec) for f, spec in fields[:2] for x in "ab"), num(k["ratio"], ".3f", "x"),
+              side(k["a"], "gb_s", ".1f"), side(k["b"], "gb_s", ".1f")] for k in ks]
     records = [{"kernel": k["kernel"], **{f"{x}_{f}": (k[x] or {}).get(f) for x in "ab" for f, _ in fields},
                 "ratio": k["ratio"]} for k in ks]
     secs.append(Section("per-kernel profile (B against A; -: not run on that side)",

@@ -28,6 +28,7 @@ from evaluator.cli import at_least
 from search.formats import Section, console, emit
 from search.leaderboard import SCHEMA, study_named
 from search.options import add_format, add_storage
+from search.study import study_workload
 
 PHASES = ("load_s", "compile_s", "prefill_s", "prompt_s", "check_s", "warmup_s", "measure_s", "profile_s", "overhead_s")
 MEASURED = ("ok", "wrong_output", "pruned", "runtime_error", "compile_error", "timeout", "oom", "killed",
@@ -101,11 +102,11 @@ def _time_to_best(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
           "time_to_best_s": elapsed[near["trial"]]}
 
 
-def cost_doc(study: str, trials: Sequence[Trial], n: int = 200,
-             measurements: Sequence[Measurement] = ()) -> dict[str, Any]:
-  """The `search cost --format json` document (docs/json.md): study_cost's figures with the document's `schema` and
-  `study`."""
-  return {"schema": SCHEMA, "study": study, **study_cost(trials, n, measurements)}
+def cost_doc(study: str, trials: Sequence[Trial], n: int = 200, measurements: Sequence[Measurement] = (),
+             workload: str = "") -> dict[str, Any]:
+  """The `search cost --format json` document (docs/json.md): study_cost's figures with the document's `schema`,
+  `study` and the study's workload."""
+  return {"schema": SCHEMA, "study": study, "workload": workload, **study_cost(trials, n, measurements)}
 
 
 def _s(v: float | None) -> str: return "" if v is None else f"{v:.1f}"
@@ -120,7 +121,8 @@ def cost_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
            _s(r["full_s"] or None), *(_s(r.get(p)) for p in PHASES)] for r in doc["trials"]]
   if not doc["n"]: return [Section("trial cost (s)", cols, rows, records=[])], ["no measured trial yet"]
   h = doc["projected_s"] / 3600
-  notes = [f"{doc['n']} measured trials ({doc['full_stage']} reached the full model, {doc['block_stage']} ran the "
+  notes = [f"{doc['n']} measured trials at {doc['workload']} ({doc['full_stage']} reached the full model, "
+           f"{doc['block_stage']} ran the "
            f"block proxy): {doc['mean_trial_s']:.1f} s per trial without setup, setup {doc['setup_s']:.1f} s once, "
            f"{doc['repeat_s']:.1f} s of re-measurements; the search's own share (outside every trial process) "
            f"{100 * doc['search_share']:.2f}%.",
@@ -144,6 +146,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
   with session(open_db(args.storage, create=False)) as s:
     st = study_named(s, args.storage, args.study)
-    doc = cost_doc(st.name, store.trials(s, st), args.project, store.measurements(s, st, stage=None))
+    doc = cost_doc(st.name, store.trials(s, st), args.project, store.measurements(s, st, stage=None),
+                   str(study_workload(s, st.name)))
   sections, notes = cost_view(doc)
   emit(args.format, sections, doc, console, notes)

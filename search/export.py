@@ -26,6 +26,7 @@ from search.formats import console
 from search.leaderboard import MIN_PAIRS, PRECISION, accuracy, leaderboard, precision, study_named, winner
 from search.options import add_storage
 from search.show import find_trial
+from search.study import study_workload
 
 
 def choose(s: Session, study: Study, which: str | None, unconfirmed: bool, force: bool = False) -> tuple[Trial, str]:
@@ -103,13 +104,15 @@ def default_path(study: Study) -> pathlib.Path: return production_dir() / f"{pro
 
 
 def render(s: Session, study: Study, t: Trial, why: str, url: str) -> str:
-  """The production file: a header (study, trial, figures, device, environment, code) and the config as TOML."""
+  """The production file: a header (study, trial, the model file's hash, the workload it was chosen under, figures,
+  device, environment, code) and the config as TOML."""
   e, base = store.estimates(s, study).get(t.config_hash), store.estimates(s, study).get(study.baseline_hash)
   m, env, code = t.metrics or {}, t.environment, t.git_state
   fig = f"{interval(e)} tok/s over {e.n} measurements" if e else f"{t.tok_s:.2f} tok/s"
   lines = [f"structsearch production config: study {study.name!r}, trial {t.number}, {why}",
            f"model {study.model_name}: {study.model_path} ({study.model_bytes / 1e6:.1f} MB, {study.layers} blocks)",
-           None, f"measured: {fig}" + (f", baseline {base.median:.2f} tok/s ({e.median / base.median:.3f}x)" if e
+           None, study_workload(s, study.name).line().removeprefix("# "),
+           f"measured: {fig}" + (f", baseline {base.median:.2f} tok/s ({e.median / base.median:.3f}x)" if e
                                        and base else "")
            + f", {m.get('kernels_per_token', '?')} kernels/token, {m.get('bytes_per_token', 0) / 1e6:.1f} MB/token",
            f"device: {study.device_name or study.device} ({study.device})",

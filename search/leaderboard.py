@@ -20,6 +20,7 @@ from evaluator.gate import accuracy_text
 from model.structure import ConfigError, StructureConfig, knob_named
 from search.formats import Section, console, emit, num
 from search.options import add_format, add_storage
+from search.study import study_workload
 from space.knobs import changes, flat
 
 SCHEMA = 2  # of every JSON document (docs/json.md)
@@ -165,7 +166,8 @@ def leaderboard(s: Session, study: Study, states: tuple[str, ...] = ("ok",), whe
   bt = next((t for t in trials if t.config_hash == study.baseline_hash and t.state == "ok"), None)
   return {"schema": SCHEMA, "study": study.name, "model": study.model_name, "model_sha256": study.model_sha256,
           "device": study.device, "device_name": study.device_name, "layers": study.layers,
-          "objectives": study.objectives, "baseline_hash": study.baseline_hash,
+          "objectives": study.objectives, "workload": str(study_workload(s, study.name)),
+          "baseline_hash": study.baseline_hash,
           "states": dict(collections.Counter(t.state for t in trials).most_common()),
           "baseline": {"trial": bt.number if bt
                        else None, "tok_s": base.median, "tok_s_low": base.low, "tok_s_high": base.high,
@@ -197,7 +199,8 @@ def leaderboard_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
                  for k in ("speedup", "low", "high", "pairs", "status")},
               **{f"accuracy_{k}": (r["accuracy"] or {}).get(k) for k in ACCURACY},
               "changes": " ".join(f"{k}={v}" for k, v in r["changes"].items())} for r in doc["rows"]]
-  title = (f"{doc['study']}: {doc['model']} ({doc['layers']} blocks) on {doc['device_name'] or doc['device']}  "
+  title = (f"{doc['study']}: {doc['model']} ({doc['layers']} blocks) on {doc['device_name'] or doc['device']}, "
+           f"{doc['workload']}  "
            f"[{', '.join(f'{k} {v}' for k, v in doc['states'].items())}]")
   drop = ("peak MB", "BW share", "MB/token", "kernels/token", "ms/token", "accuracy", "precision", "tok/s [90%] n",
           "confirmed [low, high]")

@@ -45,7 +45,7 @@ def report(url: str, name: str, out: pathlib.Path) -> pathlib.Path:
           if b["baseline"] else "the baseline has no ok measurement")
   lines = [f"# structsearch report: {name}", "",
            f"{b['model']} ({b['layers']} blocks, sha256 {b['model_sha256'][:16]}) on "
-           f"{b['device_name'] or b['device']}; objectives {b['objectives']}; trials: "
+           f"{b['device_name'] or b['device']}; {b['workload']}; objectives {b['objectives']}; trials: "
            f"{', '.join(f'{k} {v}' for k, v in b['states'].items())}. Written "
            f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC.", "",
            f"**{b['verdict'][:1].upper() + b['verdict'][1:]}.**", "",

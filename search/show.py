@@ -16,6 +16,7 @@ from model.structure import StructureConfig
 from search.formats import Section, console, emit, num
 from search.leaderboard import PRECISION, SCHEMA, accuracy, baseline, latest, precision, study_named
 from search.options import add_format, add_storage
+from search.study import study_workload
 from space.knobs import changes, flat
 
 ENVIRONMENT = ("device", "device_name", "driver", "tinygrad_version", "tinygrad_commit", "python", "host", "platform")
@@ -43,7 +44,8 @@ def trial_doc(s: Session, study: Study, t: Trial) -> dict[str, Any]:
   cfg = StructureConfig.from_json(t.config_json)
   env, git = src.environment, src.git_state
   numbers = {x.id: x.number for x in store.trials(s, study)}
-  return {"schema": SCHEMA, "study": study.name, "trial": t.number, "state": t.state, "stage": t.stage,
+  return {"schema": SCHEMA, "study": study.name, "workload": str(study_workload(s, study.name)), "trial": t.number,
+          "state": t.state, "stage": t.stage,
           "config_hash": t.config_hash, "config": cfg.to_dict(), "precision": precision(cfg), "accuracy": accuracy(t),
           "changes": changes(cfg, baseline(study)), "baseline": baseline(study).to_dict(),
           "reused_from": t.reused_from.number if t.reused_from else None,
@@ -76,7 +78,7 @@ def _kv(d: dict[str, Any], prefix: str = "") -> list[list[Any]]:
 def trial_view(doc: dict[str, Any]) -> list[Section]:
   e, c = doc["estimate"], doc["confirmed"]
   reused = f" (result of trial {doc['reused_from']})" if doc["reused_from"] is not None else ""
-  head = [["state", doc["state"] + reused],
+  head = [["state", doc["state"] + reused], ["workload", doc["workload"]],
           ["stage", doc["stage"]], ["config hash", doc["config_hash"]],
           ["precision", f"{doc['precision']}: {PRECISION[doc['precision']]}"],
           ["accuracy", accuracy_text(a := doc["accuracy"]) + (f" (against the exact reference over {a['positions']} "

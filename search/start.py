@@ -17,6 +17,7 @@ from evaluator.runner import default_device
 from model.backends.catalog import FAMILIES
 from model.registry import cache_dir, resolve
 from model.structure import ConfigError, StructureConfig
+from model.workload import PROMPT, Workload
 from search import leaderboard
 from search.confirm import confirm
 from search.dashboard import refresh
@@ -56,8 +57,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   # only repeat it
   p.add_argument("--sampler", choices=SAMPLERS, help="default coordinate: from the baseline one knob at a time, then "
                  "tpe (search/coordinate.py); nsga2 with two objectives")
-  p.add_argument("--objectives", choices=["tok_s", "tok_s,peak_memory"], metavar="OBJECTIVES",
-                 help="tok_s (the default: one objective) or tok_s,peak_memory (two: the Pareto front, nsga2)")
+  p.add_argument("--objectives", choices=OBJECTIVE_SETS, metavar="OBJECTIVES",
+                 help="tok_s (the default: one objective), or tok_s with prefill_tok_s and/or peak_memory "
+                 f"({', '.join(OBJECTIVE_SETS[1:])}: the Pareto front, nsga2)")
+  p.add_argument("--context", type=at_least(0), metavar="N",
+                 help="decode timed with N positions in the KV cache: the prompt's, then filled from its rows "
+                 "(model/bench.py fill_context; default: right after the prompt)")
+  p.add_argument("--prompt", type=at_least(1), metavar="N",
+                 help=f"a prompt of N tokens, prefilled and timed: prefill_tok_s, ttft_s (default {PROMPT})")
   p.add_argument("--seed", type=int, help="the sampler's random seed (default: none, a different search each run)")
   p.add_argument("-n", type=at_least(2), help="tokens per measured round (default 32)")
   p.add_argument("--rounds", type=at_least(1), help="measured rounds per trial (default 3)")
@@ -98,7 +105,22 @@ def _protocol(args: argparse.Namespace, info: ModelInfo, device: str, family: st
   return {"n": args.n, "rounds": args.rounds, "prefill": False if args.no_prefill
           else None, "block_layers": args.block_layers, "sampler": args.sampler, "seed": args.seed,
           "objectives": args.objectives, "fixed": fixed, "beam_budget": args.beam_budget, "family": args.family,
-          "exact": True if args.exact else None}
+          "exact": True if args.exact else None, "context": args.context, "prompt": args.prompt}
+
+
+# --objectives: tok_s alone, or with the others of search.study.OBJECTIVES
+OBJECTIVE_SETS = ["tok_s", "tok_s,peak_memory", "tok_s,prefill_tok_s", "tok_s,prefill_tok_s,peak_memory"]
+
+
+def memory(setup: Setup) -> None:
+  """The workload's device memory, said before a new study is made; a workload that cannot run on its device (past the
+  model's context length, or its memory) is refused in one line, exit code 1, before anything is created."""
+  Workload(setup.prompt, setup.context)  # a context shorter than the prompt: ValueError, one line
+  mem, refusal = setup.evaluator().memory()
+  if refusal:
+    print(f"search: error: {refusal}", file=sys.stderr)
+    sys.exit(1)
+  console.print(f"workload: {setup.workload}: {mem.text()} on {setup.device}", highlight=False)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -122,6 +144,7 @@ def run(args: argparse.Namespace) -> None:
     setup = Setup(name, path, args.model, devices[0], **protocol, **({"trials": args.trials} if args.trials else {}))
     if setup.exact: setup.fixed = exact_pins(info, devices[0], setup.family) | setup.fixed
     if setup.objectives != "tok_s" and args.sampler in (None, "tpe"): setup.sampler = "nsga2"
+    memory(setup)
     configs = given + (warm_start(args.storage, args.warm_start_from, info, setup) if args.warm_start_from else [])
     check_configs(setup, info, configs)
     # another `search start` created it at the same moment: join it

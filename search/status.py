@@ -16,6 +16,7 @@ from search.formats import Section, console, emit, num
 from search.leaderboard import SCHEMA, study_named, verdict
 from search.options import add_format, add_storage
 from search.proxy import proxy_fit
+from search.study import study_workload
 
 
 def studies(s: Session) -> dict[str, Any]:
@@ -26,6 +27,7 @@ def studies(s: Session) -> dict[str, Any]:
     best = max((e for h, e in est.items() if any(t.config_hash == h and t.state == "ok" for t in trials)),
                key=lambda e: e.median, default=None)
     out.append({"study": st.name, "model": st.model_name, "device": st.device, "device_name": st.device_name,
+                "workload": str(study_workload(s, st.name)),
                 "trials": len(trials), "ok": sum(t.state == "ok" for t in trials),
                 "failed": sum(bool(t.failure_class) for t in trials),
                 "best_tok_s": best.median if best else None,
@@ -35,8 +37,9 @@ def studies(s: Session) -> dict[str, Any]:
 
 
 def studies_view(doc: dict[str, Any]) -> list[Section]:
-  cols = ["study", "model", "device", "trials", "ok", "failed", "best tok/s", "speedup", "created", "finished"]
-  rows = [[d["study"], d["model"], d["device_name"] or d["device"], d["trials"], d["ok"], d["failed"],
+  cols = ["study", "model", "device", "workload", "trials", "ok", "failed", "best tok/s", "speedup", "created",
+          "finished"]
+  rows = [[d["study"], d["model"], d["device_name"] or d["device"], d["workload"], d["trials"], d["ok"], d["failed"],
            num(d["best_tok_s"]), num(d["speedup"], ".3f", "x"), d["created"], d["finished"]] for d in doc["studies"]]
   return [Section("studies", cols, rows, records=[{k: v for k, v in d.items()} for d in doc["studies"]],
                   wrap=("model",), drop=("finished", "created", "failed", "ok", "best tok/s"))]

@@ -30,6 +30,7 @@ from model.filehash import file_sha256
 from model.gguf_file import GGUFFile
 from model.registry import cache_dir
 from model.structure import KNOBS, ConfigError, StructureConfig
+from model.workload import PROMPT, Workload
 from search.coordinate import CoordinateSampler
 from space.knobs import SPACE_VERSION, Knob, ModelInfo, defaults, device_kind, knobs, to_config, to_params
 
@@ -37,13 +38,17 @@ from space.knobs import SPACE_VERSION, Knob, ModelInfo, defaults, device_kind, k
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 
 SAMPLERS = ("coordinate", "tpe", "random", "gp", "nsga2")
-METRICS = ("tok/s", "peak device bytes")  # the objectives of a study, in Optuna's order
+# the objectives a study may have (--objectives: tok_s first, then any of the others), each Optuna's direction and the
+# dashboard's axis title; prefill_tok_s is the timed prefill of the workload's prompt (model/bench.py prepare)
+OBJECTIVES = {"tok_s": ("maximize", "tok/s"), "prefill_tok_s": ("maximize", "prefill tok/s"),
+              "peak_memory": ("minimize", "peak device bytes")}
 # a worker that stops beating for 6 heartbeats is dead: its trial fails and its config is enqueued again
 HEARTBEAT_S = 10
 # the measurement protocol: Setup fields fixed when a study is created, and the `search start` option that sets each
 PROTOCOL = {"n": "-n", "rounds": "--rounds", "prefill": "--no-prefill", "block_layers": "--block-layers",
             "sampler": "--sampler", "seed": "--seed", "objectives": "--objectives", "fixed": "--fix",
-            "beam_budget": "--beam-budget", "family": "--family", "exact": "--exact"}
+            "beam_budget": "--beam-budget", "family": "--family", "exact": "--exact", "context": "--context",
+            "prompt": "--prompt"}
 
 
 class StudyMismatch(ValueError):
@@ -94,7 +99,7 @@ class Setup:
   model_name: str
   device: str  # this worker's device (another worker may use another device of the same model)
   sampler: str = "coordinate"
-  objectives: str = "tok_s"  # or "tok_s,peak_memory" (NSGA-II)
+  objectives: str = "tok_s"  # or tok_s and others of OBJECTIVES, comma-separated (NSGA-II)
   seed: int | None = None
   trials: int = 200  # the study's target number of finished trials
   fixed: dict[str, Any] = field(default_factory=dict)  # knobs pinned for the whole study (not searched)
@@ -108,7 +113,13 @@ class Setup:
   # the backends the study searches (model/backends/catalog.py FAMILIES): all that run on its device, or the
   # portable ones
   family: str = "all"
+  # the workload (model/workload.py): the prompt prefilled before decoding, the cache's positions when decode is timed
+  prompt: int = PROMPT
+  context: int = 0
   cache_key: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names the study's own tinygrad cache
+
+  @property
+  def workload(self) -> Workload: return Workload(self.prompt, self.context)
 
   @property
   def tinygrad_cache(self) -> str:
@@ -119,7 +130,7 @@ class Setup:
   def evaluator(self, timeout: float = 900, rounds: int | None = None) -> Evaluator:
     ev = Evaluator.for_model(self.model, self.device, n=self.n, rounds=rounds
                              or self.rounds, prefill=self.prefill, timeout=timeout, tinygrad_cache=self.tinygrad_cache,
-                             beam_budget=self.beam_budget)
+                             beam_budget=self.beam_budget, prompt_len=self.prompt, context=self.context)
     if self.block_layers: ev.block_layers = min(self.block_layers, ev.total_layers)
     # two objectives: no pruning, so no proxy stage to pay for
     if "," in self.objectives: ev.block_layers = ev.total_layers
@@ -191,6 +202,8 @@ def create(setup: Setup, url: str, info: ModelInfo, ev: Evaluator) -> bool:
   anything is written: the sampler can be built."""
   if setup.sampler == "coordinate" and "," in setup.objectives:
     raise ConfigError("the coordinate sampler climbs one objective (tok/s): with two, use nsga2 (their default) or tpe")
+  if "prefill_tok_s" in setup.objectives and not setup.prefill:
+    raise ConfigError("the prefill_tok_s objective times the prompt's prefill: leave out --no-prefill")
   sampler(setup.sampler, setup.seed, 8, setup.knobs(info), setup.fixed)
   sha, base = file_sha256(setup.model), setup.baseline(info)
   try:
@@ -202,11 +215,11 @@ def create(setup: Setup, url: str, info: ModelInfo, ev: Evaluator) -> bool:
   except sqlalchemy.exc.IntegrityError:  # our row is the claim: another `search start` made it first
     _wait_created(url, setup.name)
     return False
-  directions = ["maximize", "minimize"] if "," in setup.objectives else ["maximize"]
+  directions = [OBJECTIVES[o][0] for o in setup.objectives.split(",")]
   study = optuna.create_study(study_name=setup.name, storage=storage(url), directions=directions)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-    study.set_metric_names(list(METRICS[: len(directions)]))  # the dashboard's axis titles
+    study.set_metric_names([OBJECTIVES[o][1] for o in setup.objectives.split(",")])  # the dashboard's axis titles
   for f in fields(setup):
     if f.name != "name": study.set_user_attr(f.name, getattr(setup, f.name))
   study.set_user_attr("model_info", info_to_json(info))  # the last: a study with it is complete (study_exists)
@@ -230,12 +243,22 @@ def check_protocol(setup: Setup, given: dict[str, Any]) -> None:
                                  if flag == "--no-prefill" else
                                  ("--exact" if v else "8-bit activations allowed (no --exact)")
                                  if flag == "--exact" else
+                                 f"{flag} {v}" + (" (decode right after the prompt)" if not v else "")
+                                 if flag == "--context" else
                                  (" ".join(f"--fix {k}={x}" for k, x in v.items()) or "no --fix") if flag == "--fix"
                                  else
                                  f"{flag} {v}" if v is not None else f"no {flag}")
     raise StudyMismatch(f"study {setup.name!r} measures with {show(was)}, not {show(value)}: a study's measurement "
                         f"protocol is fixed when it is created; leave {flag} out to continue it, or start a new study "
                         "with --study NEW_NAME")
+
+
+def study_workload(s: sqlalchemy.orm.Session, name: str) -> Workload:
+  """A study's workload as its creator stored it with its protocol (Optuna's user attributes, through Optuna's public
+  storage on the session's database): what every view shows; the default for a study made before workloads."""
+  st = storage(s.get_bind().url.render_as_string(hide_password=False))
+  attrs = st.get_study_user_attrs(st.get_study_id_from_name(name))
+  return Workload(attrs.get("prompt", PROMPT), attrs.get("context", 0))
 
 
 def set_target(setup: Setup, url: str, trials: int) -> None:

@@ -208,8 +208,8 @@ class Runner:
       # all its measurements so far, not the first figure alone
       est = store.estimates(s, self.row).get(prior.config_hash)
     self.emit(Event("end", trial.number, f"config already measured in trial {prior.number}: its result is reused", row))
-    return self._value(trial, prior.state, est.median if est
-                       else prior.tok_s, (prior.metrics or {}).get("peak_device_bytes"), prior.error_text, is_base)
+    return self._value(trial, prior.state, est.median if est else prior.tok_s, prior.metrics or {}, prior.error_text,
+                       is_base)
 
   def _measure(self, trial: optuna.Trial, row: Trial, cfg: StructureConfig, mode: str,
                is_base: bool) -> float | tuple[float, float]:
@@ -231,7 +231,7 @@ class Runner:
     assert res is not None
     self._record(row, res.status, res, block, time.perf_counter() - t0 - spent, mode)
     again = res.status == "killed" and not is_base and self._again(trial, row)
-    return self._value(trial, res.status, res.tok_s, res.metrics.get("peak_device_bytes"), res.error, is_base, again)
+    return self._value(trial, res.status, res.tok_s, res.metrics, res.error, is_base, again)
 
   def _again(self, trial: optuna.Trial, row: Trial) -> bool:
     """Queue a config killed from outside (a signal, the kernel's OOM killer) again, whichever sampler runs, while it
@@ -261,7 +261,7 @@ class Runner:
     self.emit(Event("note", trial.number, f"trial {trial.number}: {why if res.ok else 'failed meanwhile'}"))
     raise LateResult(f"trial {trial.number} was failed while it ran")
 
-  def _value(self, trial: optuna.Trial, state: str, tok_s: float | None, peak: int | None, error: str | None,
+  def _value(self, trial: optuna.Trial, state: str, tok_s: float | None, metrics: dict, error: str | None,
              is_base: bool, again: bool = False) -> float | tuple[float, float]:
     """The trial's value for Optuna; a failure raises TrialFailed, and counts toward the target unless `again` (its
     config is queued again)."""
@@ -270,7 +270,10 @@ class Runner:
       raise TrialFailed(f"{state}: {(error or '').splitlines()[0][:300]}" if error else state)
     trial.set_constraint("wrong_output", 1.0 if state == "wrong_output" else 0.0)  # infeasible: never best
     value = tok_s if state == "ok" else 0.0
-    return (value, float(peak or 0)) if self.multi else value
+    if not self.multi: return value
+    figure = {"tok_s": value, "peak_memory": float(metrics.get("peak_device_bytes") or 0),
+              "prefill_tok_s": float(metrics.get("prefill_tok_s") or 0) if state == "ok" else 0.0}
+    return tuple(figure[o] for o in self.setup.objectives.split(","))
 
   def _record(self, row: Trial, state: str, res: TrialResult, block: TrialResult | None, overhead: float,
               mode: str) -> None:

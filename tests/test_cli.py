@@ -92,8 +92,7 @@ def test_synth_run_and_bench(tmp_path) -> None:
   r = run_model("run", "--model", str(out), "--prompt", "Hello world", "-n", "6", "--max-context", "64")
   assert r.returncode == 0, r.stderr
   assert "[6 tokens in" in r.stderr or "tokens in" in r.stderr
-  r = run_model("bench", "--model", str(out), "-n", "4", "--rounds", "1", "--prompt-len", "8", "--max-context", "64",
-                "--json")
+  r = run_model("bench", "--model", str(out), "-n", "4", "--rounds", "1", "--prompt", "8", "--json")
   assert r.returncode == 0, r.stderr
   d = json.loads(r.stdout.strip().splitlines()[-1])
   assert d["tok_s"] > 0 and d["kernels_per_token"] > 0 and d["layers"] == 2 and len(d["tokens"]) == 4

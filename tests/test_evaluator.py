@@ -20,6 +20,7 @@ from evaluator.gate import Reference
 from evaluator.lock import DeviceLock
 from evaluator.runner import Evaluator, ReferenceFailed, bandwidth, evaluate, memory_limit, oom_kills, sigkill_verdict
 from model.structure import StructureConfig
+from model.workload import Workload
 
 BASELINE: dict = {}
 
@@ -378,7 +379,7 @@ def test_slow_configs_measure_shorter_rounds(gguf_file, monkeypatch) -> None:
   assert driver.round_tokens(0.004, 32) == 32 and driver.round_tokens(0.19, 32) == 12
   assert driver.round_tokens(5.0, 32) == driver.MIN_ROUND_TOKENS and driver.round_tokens(5.0, 4) == 4
   gen = Generator(Transformer(GGUFFile(gguf_file("tiny", "q4_0")), max_context=64))
-  first, _ = driver.prepare(gen, 8, prefill=False)
+  first, _ = driver.prepare(gen, Workload(8), prefill=False)
   monkeypatch.setattr(driver, "ROUND_S", 1e-6)  # every step is slow against it
   m = driver.measure(gen, first, 8, 32, 2, 1)
   assert m["round_tokens"] == len(m["tokens"]) == driver.MIN_ROUND_TOKENS and len(m["tok_s_rounds"]) == 2 and m[

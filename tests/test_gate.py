@@ -237,7 +237,7 @@ def test_the_timed_run_is_checked_against_the_chained_run() -> None:
   P, n = 4, 6
   given = [7, 11, 12, 13, 14, 15, 16]
   ref = gate.Reference(np.array([1] * P + given), *(np.zeros((n, 0, 0)) for _ in range(3)), np.zeros((n, 5)),
-                       np.zeros((n, 3, 2)), np.zeros((1, P, 2)), P)
+                       np.zeros((n, 3, 2)), np.zeros((1, P, 2)), P, P)
   own, none = given[1:], {"tokens_differ": 0, "first_differing": None}
   check = lambda own_tokens, decided, timed: gate.check_tokens(ref, {"own_tokens": own_tokens,
                                                                      "own_decided": decided}, timed)
@@ -252,11 +252,12 @@ def test_the_timed_run_is_checked_against_the_chained_run() -> None:
 
 
 def test_reference_key_follows_code_and_tinygrad(tmp_path, monkeypatch) -> None:
-  key = gate.reference_key("ab" * 32, "CUDA:0", 47, 32, 16)
+  key = gate.reference_key("ab" * 32, "CUDA:0", 47, 32, 16, 32)
   assert "CUDA_0" in key and "L47" in key and "tinygrad0.14" in key
+  assert gate.reference_key("ab" * 32, "CUDA:0", 47, 32, 16, 4096) != key  # the depth its check positions start at
   (tmp_path / "deepseek2.py").write_text("# other code\n")
   monkeypatch.setattr(gate, "CODE", tmp_path)
-  assert gate.reference_key("ab" * 32, "CUDA:0", 47, 32, 16) != key
+  assert gate.reference_key("ab" * 32, "CUDA:0", 47, 32, 16, 32) != key
 
 
 def test_decisive_synthetic_routing_has_clear_margins(tmp_path) -> None:

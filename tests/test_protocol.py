@@ -90,6 +90,8 @@ def test_a_study_continues_from_its_name_with_its_stored_settings(study) -> None
   (["--fix", "topk=sort"], "measures with --fix beam=0, not --fix topk=sort"),
   (["--beam-budget", "60"], "measures with --beam-budget 0.0, not --beam-budget 60.0"),
   (["--family", "portable"], "measures with --family all, not --family portable"),
+  (["--context", "128"], "measures with --context 0 (decode right after the prompt), not --context 128"),
+  (["--prompt", "64"], "measures with --prompt 32, not --prompt 64"),
 ])
 def test_a_later_run_cannot_change_the_protocol(kept_study, capsys, change, message) -> None:
   url, _ = kept_study

@@ -362,9 +362,9 @@ def test_export_to_production_that_bench_uses(live, tmp_path, capsys) -> None:
   assert f"config: production config {path}" in r.stderr
   assert StructureConfig.from_dict(json.loads(r.stdout)["config"]) == StructureConfig.from_json(fresh.config_json)
   assert (select(pathlib.Path(live.model), live.model, None, True)
-          == (StructureConfig(), "config: the baseline (--baseline)"))
+          == (StructureConfig(), "config: the baseline (--baseline)", None))
   path.write_text(text.replace(sha_line(st.model_sha256), sha_line("f" * 64)))
-  cfg, line = select(pathlib.Path(live.model), live.model, None, False)
+  cfg, line, _ = select(pathlib.Path(live.model), live.model, None, False)
   assert (cfg == StructureConfig() and line.startswith("warning: ") and "ffffffffffffffff" in line
           and st.model_sha256[:16] in line)
 

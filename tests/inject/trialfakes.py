@@ -7,7 +7,9 @@
   wrong output); `scale_off_one_block` makes the routed down projection of the middle MoE block read each row's first
   block scale from its second block (a dequantization bug in one layer, whatever backend computes it);
   `dropped_residual_one_block` drops the attention residual of the middle block (in the per-op attention path and in
-  every fused attention stage). They patch model code as it is imported, so the trial process is the production one up
+  every fused attention stage); `attention_split_dropped` makes the per-op attention give no weight to the cache
+  positions 64..127 (a split of the context past position 64 dropped: right at a shallow context, wrong at depth).
+  They patch model code as it is imported, so the trial process is the production one up
   to the fault. A fault of a `search` process: `slow_study_creation` (2 s between finding no study and creating it).
 - Fake trials ($STRUCTSEARCH_FAKE_TRIALS, JSON: {"seconds": S, "proxy": "predicts" | "random", "status": STATUS})
   replace the evaluator's trial process in a `search` process: no tinygrad, a tok/s that is a fixed function of the
@@ -126,6 +128,25 @@ def _dropped_residual(m: ModuleType) -> None:
   m.Block.__call__, m.Block.attention, m.Transformer.__init__ = keep_x, faulty, mark
 
 
+DROPPED = (64, 128)  # the cache positions attention_split_dropped leaves out
+
+
+def _split_dropped(m: ModuleType) -> None:
+  """Block.attend's softmax over the cache positions (its last axis: start_pos + T of them, a symbolic length) adds
+  -inf at DROPPED: each block's row of the cache's length, shrunk to the positions attended, as the cache is."""
+  attend, softmax, init = m.Block.attend, m.Tensor.softmax, m.Transformer.__init__
+  def faulty(self, q_abs, q_pe, kv, start_pos):
+    m.Tensor.softmax = lambda x, *a, **kw: softmax(x + self._drop[:x.shape[-1]].cast(x.dtype), *a, **kw)
+    try: return attend(self, q_abs, q_pe, kv, start_pos)
+    finally: m.Tensor.softmax = softmax
+  def mark(self, *args, **kwargs) -> None:
+    init(self, *args, **kwargs)
+    drop = m.np.zeros(self.max_context, m.np.float32)
+    drop[DROPPED[0]:DROPPED[1]] = -m.np.inf
+    for b in self.blocks: b._drop = m.Tensor(drop, device=b.cache.device).realize()
+  m.Block.attend, m.Transformer.__init__ = faulty, mark
+
+
 FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
   "crash": ("model.generate", _on_first_step(_raise(RuntimeError("injected crash")))),
   "compile_error": ("model.generate", _on_first_step(_compile_error)),
@@ -138,6 +159,7 @@ FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
   "broken_argmax_topk": ("model.deepseek2", _broken_argmax),
   "scale_off_one_block": ("model.deepseek2", _scale_off),
   "dropped_residual_one_block": ("model.deepseek2", _dropped_residual),
+  "attention_split_dropped": ("model.deepseek2", _split_dropped),
   "slow_study_creation": ("search.study", _slow_study_creation),
 }
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from model.quants import BF16, F16, F32, LAYOUTS, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, QUANT_TYPES
 
@@ -46,85 +47,20 @@ CTYPES = {"half": "unsigned short", "unsigned short": "unsigned short", "unsigne
           "signed char": "signed char",
           "float": "float"}  # tinygrad dtype name -> the C type a kernel reads it as
 
-PRELUDE = r"""
-#define BYTE(v, i) (((v)[(i) >> 2] >> (8 * ((i) & 3))) & 255u)
-#ifndef INFINITY
-#define INFINITY __int_as_float(0x7f800000)
-#endif
-#define MAG(c) (__int_as_float(0x4B000000u | (unsigned)(c)) - 8388608.f)
-#define MAGB(v, k) (__int_as_float(__byte_perm((v), 0x4B000000u, 0x7440u | (k))) - 8388608.f)
-#ifdef __CUDACC_RTC__
-__device__ __forceinline__ float h2f(unsigned short h) {
-  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
-}
-__device__ __forceinline__ unsigned short f2h(float f) {
-  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
-}
-#define PREFETCH(p) asm volatile("prefetch.global.L2 [%0];" :: "l"(p))
-// a block's arrival at a count (its thread 0, after a __syncthreads): -> the count before it. Release: the block's
-// earlier writes are visible to the block that reads the last count; acquire: that block (after a __syncthreads) sees
-// every arrived block's writes (read them through L2: __ldcg).
-__device__ __forceinline__ int arrive(int* cnt) {
-  int old; asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(cnt) : "memory"); return old;
-}
-#if __CUDA_ARCH__ >= 900
-#define GRID_WAIT() do { asm volatile("griddepcontrol.wait;" ::: "memory"); \
-                         asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); } while (0)
-#else
-#define GRID_WAIT() ((void)0)
-#endif
-#else
-#define PREFETCH(p) ((void)(p))
-__device__ __forceinline__ int arrive(int* cnt) { __threadfence(); return atomicAdd(cnt, 1); }
-#ifndef GRID_WAIT
-#define GRID_WAIT() ((void)0)
-#endif
-#endif
-#ifdef STAMP
-// The step timeline's build of a kernel (model/profile.py step_timeline compiles the sources again with STAMP
-// defined): each kernel takes one more parameter, its launch's 4 words, into which its blocks put a clock in ns by max
-// reductions, never waiting on them: the first block's entry and the first return from GRID_WAIT (both inverted: ~t),
-// the last return from GRID_WAIT and the last block's exit (its last thread's return).
-#define STAMP_PARAM , unsigned long long* stamp_slot
-#ifdef __CUDACC_RTC__
-__device__ __forceinline__ unsigned long long stamp_now() {
-  unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t;
-}
-#else
-__device__ __forceinline__ unsigned long long stamp_now() { return clock64(); }
-#endif
-// the block's threads that have returned; 16 bytes, so the kernel's own arrays keep their alignment beside it
-__shared__ __align__(16) unsigned stamp_ended[4];
-struct Stamp {
-  unsigned long long* slot;
-  __device__ explicit Stamp(unsigned long long* s) : slot(s) {
-    if (threadIdx.x == 0) { stamp_ended[0] = 0; atomicMax(slot, ~stamp_now()); }
-    __syncthreads();
-  }
-  __device__ void wait() const {
-    if (threadIdx.x == 0) { const unsigned long long t = stamp_now(); atomicMax(slot + 1, ~t); atomicMax(slot + 2, t); }
-  }
-  __device__ ~Stamp() {
-    __threadfence_block();
-    if (atomicAdd(stamp_ended, 1u) == blockDim.x * blockDim.y * blockDim.z - 1) atomicMax(slot + 3, stamp_now());
-  }
-};
-#define STAMP_ENTER() Stamp stamp_(stamp_slot)
-#define STAMP_WAIT() stamp_.wait()
-#else
-#define STAMP_PARAM
-#define STAMP_ENTER() ((void)0)
-#define STAMP_WAIT() ((void)0)
-#endif
-__device__ __forceinline__ float group_sum(float a, int g) {
-  for (int m = g >> 1; m > 0; m >>= 1) a += __shfl_xor_sync(0xffffffffu, a, m);
-  return a;
-}
-__device__ __forceinline__ float warp_max(float a) {
-  for (int m = 16; m > 0; m >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, m));
-  return a;
-}
-"""
+CUDA_DIR = Path(__file__).with_name("cuda")  # the device files (package data)
+
+
+@functools.cache
+def device_file(name: str) -> str: return (CUDA_DIR / name).read_text()
+
+
+PRELUDE = "\n" + device_file("common.cuh")  # the helpers every kernel's source starts with
+
+
+def source(file: str, **defines: int | str) -> str:
+  """A kernel's one source (tinygrad compiles a single string): its variant's defines (names and numbers, no code), the
+  common helpers and its device file."""
+  return "".join(f"#define {k} {v}\n" for k, v in defines.items()) + PRELUDE + "\n" + device_file(file)
 
 
 def _words(v: str, expr: str, n16: int) -> tuple[tuple[tuple[str, str, str], ...], str]:
@@ -856,55 +792,11 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
   K), keeps an online softmax per warp, merges its warps and writes its split's (max, sum, unnormalised output) to part
   (H, splits, kvl + 2); blocks past the last position return at once. mla_vb merges the splits. Both read the position
   before they wait on the kernel before them (EARLY), so only one wait on memory follows that wait."""
-  D, (ch, S), P = kvl + rope, attention_splits(max_ctx), ATT_BATCH
-  nd, nv = D // 32, kvl // 32
+  ch, S = attention_splits(max_ctx)
   name = f"native_mla_attention_parts_h{heads}_{kvl}_{rope}_c{max_ctx}{'' if cache_half else '_f32'}"
-  ct = "unsigned short" if cache_half else "float"
-  ld = (lambda v: f"h2f({v})") if cache_half else (lambda v: v)
-  params = ["float* part", "const float* __restrict__ qc", f"const {ct}* __restrict__ cache",
-            "const int* __restrict__ early_pos"]
-  body = f"""const int h = blockIdx.x, sp = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n = early_pos[0] + 1, j0 = sp * {ch}, j1 = min(n, j0 + {ch});
-  {WAIT}
-  if (j0 >= n) return;
-  float qv[{nd}], ov[{nv}], m = -INFINITY, l = 0.f;
-  for (int k = 0; k < {nd}; k++) qv[k] = qc[(size_t)h * {D} + lane + 32 * k];
-  for (int k = 0; k < {nv}; k++) ov[k] = 0.f;
-  for (int jb = j0 + warp * {P}; jb < j1; jb += {WARPS * P}) {{
-    float v[{P}][{nd}], sc[{P}];
-    for (int b = 0; b < {P}; b++) {{
-      const int j = min(jb + b, j1 - 1); sc[b] = 0.f;
-      for (int k = 0; k < {nd}; k++) {{
-        v[b][k] = {ld(f'cache[(size_t)j * {D} + lane + 32 * k]')}; sc[b] = fmaf(qv[k], v[b][k], sc[b]);
-      }}
-    }}
-    for (int mm = 16; mm > 0; mm >>= 1) for (int b = 0; b < {P}; b++) sc[b] += __shfl_xor_sync(0xffffffffu, sc[b], mm);
-    float mn = m;
-    for (int b = 0; b < {P}; b++) {{ sc[b] = jb + b < j1 ? sc[b] * {scale!r}f : -INFINITY; mn = fmaxf(mn, sc[b]); }}
-    const float corr = expf(m - mn);
-    l *= corr;
-    for (int k = 0; k < {nv}; k++) ov[k] *= corr;
-    for (int b = 0; b < {P}; b++) {{
-      const float p = expf(sc[b] - mn); l += p;
-      for (int k = 0; k < {nv}; k++) ov[k] = fmaf(p, v[b][k], ov[k]);
-    }}
-    m = mn;
-  }}
-  __shared__ float sm[{WARPS}], sl[{WARPS}], so[{WARPS}][{kvl}];
-  if (lane == 0) {{ sm[warp] = m; sl[warp] = l; }}
-  for (int k = 0; k < {nv}; k++) so[warp][lane + 32 * k] = ov[k];
-  __syncthreads();
-  float M = -INFINITY;
-  for (int w = 0; w < {WARPS}; w++) M = fmaxf(M, sm[w]);
-  float f[{WARPS}], L = 0.f;
-  for (int w = 0; w < {WARPS}; w++) {{ f[w] = sm[w] == -INFINITY ? 0.f : expf(sm[w] - M); L += f[w] * sl[w]; }}
-  float* mine = part + ((size_t)h * {S} + sp) * {kvl + 2};
-  for (int c = threadIdx.x; c < {kvl}; c += {THREADS}) {{
-    float a = 0.f; for (int w = 0; w < {WARPS}; w++) a += f[w] * so[w][c];
-    mine[2 + c] = a;
-  }}
-  if (threadIdx.x == 0) {{ mine[0] = M; mine[1] = L; }}"""
-  return Kernel(name, kernel(name, params, body, waited=True), (heads, S, 1), (0,))
+  src = source("mla_attention.cu", KERNEL=name, KVL=kvl, ROPE=rope, CH=ch, SPLITS=S, SCALE=f"{scale!r}f",
+               CACHE_HALF=int(cache_half), WARPS=WARPS, THREADS=THREADS, BATCH=ATT_BATCH)
+  return Kernel(name, src, (heads, S, 1), (0,))
 
 
 @functools.cache

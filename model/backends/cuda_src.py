@@ -57,10 +57,7 @@ def device_file(name: str) -> str: return (CUDA_DIR / name).read_text()
 PRELUDE = "\n" + device_file("common.cuh")  # the helpers every kernel's source starts with
 
 
-def source(file: str, **defines: int | str) -> str:
-  """A kernel's one source (tinygrad compiles a single string): its variant's defines (names and numbers, no code), the
-  common helpers and its device file."""
-  return "".join(f"#define {k} {v}\n" for k, v in defines.items()) + PRELUDE + "\n" + device_file(file)
+def _line(c: str) -> str: return c.replace("\n", " ")  # C generated here, as the value of a define
 
 
 def _words(v: str, expr: str, n16: int) -> tuple[tuple[tuple[str, str, str], ...], str]:
@@ -524,16 +521,29 @@ def expert_id(v: str, experts: int) -> str:
   return f"min(max({v}, 0), {experts - 1})"
 
 
+def signature(name: str, params: list[str], threads: int = THREADS, resident: int = 1) -> str:
+  """A kernel's signature: its name and parameters, the launch's side of its source. resident: the blocks a
+  multiprocessor must be able to hold at once (__launch_bounds__' second argument: ptxas caps the registers to fit
+  them)."""
+  bounds = f"{threads}, {resident}" if resident > 1 else f"{threads}"
+  return f"extern \"C\" __global__ void __launch_bounds__({bounds}) {name}({', '.join(params)} STAMP_PARAM)"
+
+
 def kernel(name: str, params: list[str], body: str, threads: int = THREADS, waited: bool = False,
            resident: int = 1) -> str:
-  """The kernel's source; it starts with GRID_WAIT unless `waited` (its body waits on every path before it touches any
-  buffer but its weights: model/backends/cuda_graph.py lets it start while the kernels before it finish). resident: the
-  blocks a multiprocessor must be able to hold at once (__launch_bounds__' second argument: ptxas caps the registers
-  to fit them)."""
+  """The source of a kernel whose body is generated here; it starts with GRID_WAIT unless `waited` (its body waits on
+  every path before it touches any buffer but its weights: model/backends/cuda_graph.py lets it start while the kernels
+  before it finish)."""
   body = body if waited else f"{WAIT}\n  {body}"
-  bounds = f"{threads}, {resident}" if resident > 1 else f"{threads}"
-  return (f"{PRELUDE}\nextern \"C\" __global__ void __launch_bounds__({bounds}) "
-          f"{name}({', '.join(params)} STAMP_PARAM) {{\n  STAMP_ENTER();\n  {body}\n}}\n")
+  return f"{PRELUDE}\n{signature(name, params, threads, resident)} {{\n  STAMP_ENTER();\n  {body}\n}}\n"
+
+
+def device_kernel(name: str, params: list[str], file: str, threads: int = THREADS, **defines: int | str) -> str:
+  """The source of a kernel whose body is the device file `file` (which stamps its entry and waits itself): the defines
+  its variant needs (names and numbers; for now, also the C of gemv's products, generated here), the common helpers, its
+  signature and the file, one string, as tinygrad compiles a single source."""
+  return ("".join(f"#define {k} {v}\n" for k, v in defines.items()) + PRELUDE
+          + f"\n{signature(name, params, threads)} {{\n{device_file(file)}}}\n")
 
 
 def stamped(src: str) -> str:
@@ -738,37 +748,19 @@ def absorb_rope_kv(kb: W, heads: int, nope: int, rope: int, kvl: int, max_ctx: i
   < H); the extra row of blocks (blockIdx.y == H) rotates q_pe, normalises c_kv, rotates k_pe and writes [c_kv, k_pe]
   to the KV cache row of the position, an element a thread (each block sums c_kv's squares itself), so no block waits
   on memory more than once before its stores. Out: qc (H, kvl + rope) = [q_abs, rotated q_pe] and the cache."""
-  D, half = kvl + rope, rope // 2
   name = (f"native_mla_absorb_{QUANT_TYPES[kb.ggml_type].name.lower()}_h{heads}_{nope}_{rope}_{kvl}_c{max_ctx}"
           f"{'' if cache_half else '_f32'}")
+  absorb = _gemv_block([(kb, f"(size_t)h * {kvl} + {{o}}", "a")], "xh", kvl, R,
+                       lambda o, a: f"qc[(size_t)h * {kvl + rope} + {o}] = {a[0]};", early=True, wait=True)
+  blocks = -(-kvl // rows_per_block(kb.group_lanes, R))
   ct = "unsigned short" if cache_half else "float"
-  store = (lambda v: f"f2h({v})") if cache_half else (lambda v: v)
   params = ["float* qc", f"{ct}* cache", "const float* __restrict__ q", "const float* __restrict__ kv",
             "const float* __restrict__ gamma", "const float* __restrict__ cosv", "const float* __restrict__ sinv",
             "const int* __restrict__ pos"] + kb.params
-  head = (f"const int h = blockIdx.y; const float* xh = q + (size_t)h * {nope + rope};\n  "
-          + _gemv_block([(kb, f"(size_t)h * {kvl} + {{o}}", "a")], "xh", kvl, R, lambda o,
-                        a: f"qc[(size_t)h * {D} + {o}] = {a[0]};", early=True, wait=True))
-  blocks = -(-kvl // rows_per_block(kb.group_lanes, R))
-  T, NT = THREADS, blocks * THREADS
-  # RoPE of the pair (x0, x1) at rotation k of the position: its cos and sin, then the two rotated values
-  cs, r0, r1 = f"const float c = cosv[p * {half} + k], s = sinv[p * {half} + k];", "x0 * c - x1 * s", "x0 * s + x1 * c"
-  tail = f"""{WAIT} const int p = pos[0], g = blockIdx.x * {T} + threadIdx.x;
-  const float cv = g < {kvl} ? kv[g] : 0.f, cg = g < {kvl} ? gamma[g] : 0.f;
-  for (int i = g; i < {heads * half}; i += {NT}) {{ const int h = i / {half}, k = i % {half};
-    const float x0 = q[h * {nope + rope} + {nope} + 2 * k], x1 = q[h * {nope + rope} + {nope} + 2 * k + 1]; {cs}
-    qc[h * {D} + {kvl} + 2 * k] = {r0}; qc[h * {D} + {kvl} + 2 * k + 1] = {r1}; }}
-  for (int k = g; k < {half}; k += {NT}) {{ const float x0 = kv[{kvl} + 2 * k], x1 = kv[{kvl} + 2 * k + 1]; {cs}
-    cache[(size_t)p * {D} + {kvl} + 2 * k] = {store(r0)}; cache[(size_t)p * {D} + {kvl} + 2 * k + 1] = {store(r1)}; }}
-  __shared__ float sred[{WARPS}];
-  float ss = 0.f, rs;
-  for (int k = threadIdx.x * 4; k < {kvl}; k += {T * 4}) {{ const float4 v = *(const float4*)(kv + k);
-    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }}
-  {block_rs(kvl, eps, WARPS)}
-  if (g < {kvl}) cache[(size_t)p * {D} + g] = {store('(cv * rs) * cg')};
-  for (int k = g + {NT}; k < {kvl}; k += {NT}) cache[(size_t)p * {D} + k] = {store('(kv[k] * rs) * gamma[k]')};"""
-  body = f"if (blockIdx.y < {heads}) {{ {head} }}\n  else {{ {tail} }}"
-  return Kernel(name, kernel(name, params, body, waited=True), (blocks, heads + 1, 1), (0, 1))
+  src = device_kernel(name, params, "absorb_rope_kv.cu", HEADS=heads, NOPE=nope, ROPE=rope, KVL=kvl, EPS=f"{eps!r}f",
+                      CACHE_HALF=int(cache_half), WARPS=WARPS, THREADS=THREADS, NT=blocks * THREADS,
+                      ABSORB=_line(absorb))
+  return Kernel(name, src, (blocks, heads + 1, 1), (0, 1))
 
 
 ATT_CHUNK, ATT_SPLITS = 32, 64  # the fewest positions an MLA attention block scores, the most splits of the context
@@ -794,8 +786,10 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
   before they wait on the kernel before them (EARLY), so only one wait on memory follows that wait."""
   ch, S = attention_splits(max_ctx)
   name = f"native_mla_attention_parts_h{heads}_{kvl}_{rope}_c{max_ctx}{'' if cache_half else '_f32'}"
-  src = source("mla_attention.cu", KERNEL=name, KVL=kvl, ROPE=rope, CH=ch, SPLITS=S, SCALE=f"{scale!r}f",
-               CACHE_HALF=int(cache_half), WARPS=WARPS, THREADS=THREADS, BATCH=ATT_BATCH)
+  params = ["float* part", "const float* __restrict__ qc", f"const {'unsigned short' if cache_half else 'float'}* "
+            "__restrict__ cache", "const int* __restrict__ early_pos"]
+  src = device_kernel(name, params, "mla_attention.cu", KVL=kvl, ROPE=rope, CH=ch, SPLITS=S, SCALE=f"{scale!r}f",
+                      CACHE_HALF=int(cache_half), WARPS=WARPS, THREADS=THREADS, BATCH=ATT_BATCH)
   return Kernel(name, src, (heads, S, 1), (0,))
 
 

@@ -79,3 +79,15 @@ __device__ __forceinline__ float warp_max(float a) {
   for (int m = 16; m > 0; m >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, m));
   return a;
 }
+#ifdef CACHE_HALF
+// the KV cache's element (a kernel that reads or writes the cache defines CACHE_HALF): float16 (1) or float32 (0)
+#if CACHE_HALF
+typedef unsigned short cache_t;
+__device__ __forceinline__ float cache_value(cache_t v) { return h2f(v); }
+__device__ __forceinline__ cache_t cache_store(float v) { return f2h(v); }
+#else
+typedef float cache_t;
+__device__ __forceinline__ float cache_value(cache_t v) { return v; }
+__device__ __forceinline__ cache_t cache_store(float v) { return v; }
+#endif
+#endif

@@ -3,20 +3,11 @@
 // first KVL dims: V is a slice of K), keeps an online softmax per warp, merges its warps and writes its split's (max,
 // sum, unnormalised output) to part (H, SPLITS, KVL + 2); blocks past the last position return at once. A warp scores
 // BATCH positions at once (independent loads and reductions, then one softmax update).
-// Defines: KERNEL, KVL, ROPE, CH (positions a split), SPLITS, SCALE (a float literal), CACHE_HALF (0 or 1), WARPS,
+// The kernel's body (cuda_src writes its signature: part, qc, cache, early_pos). Defines: KVL, ROPE, CH (positions a split), SPLITS, SCALE (a float literal), CACHE_HALF (0 or 1), WARPS,
 // THREADS, BATCH.
 #define D (KVL + ROPE)  // a cache row
 #define ND (D / 32)  // the query's and a key's values a lane holds
 #define NV (KVL / 32)  // the output's
-#if CACHE_HALF
-typedef unsigned short cache_t;
-__device__ __forceinline__ float cache_value(cache_t v) { return h2f(v); }
-#else
-typedef float cache_t;
-__device__ __forceinline__ float cache_value(cache_t v) { return v; }
-#endif
-extern "C" __global__ void __launch_bounds__(THREADS) KERNEL(float* part, const float* __restrict__ qc,
-    const cache_t* __restrict__ cache, const int* __restrict__ early_pos STAMP_PARAM) {
   STAMP_ENTER();
   const int h = blockIdx.x, sp = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n = early_pos[0] + 1, j0 = sp * CH, j1 = min(n, j0 + CH);
@@ -59,4 +50,3 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL(float* part, const 
     mine[2 + c] = a;
   }
   if (threadIdx.x == 0) { mine[0] = M; mine[1] = L; }
-}

@@ -32,6 +32,7 @@ the tests.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +52,14 @@ CUDA_DIR = Path(__file__).with_name("cuda")  # the device files (package data)
 
 
 @functools.cache
-def device_file(name: str) -> str: return (CUDA_DIR / name).read_text()
+def device_file(name: str) -> str:
+  """A device file with its includes in place (tinygrad compiles a single source, so the source carries them)."""
+  return includes((CUDA_DIR / name).read_text())
+
+
+def includes(c: str) -> str:
+  """C with each line `#include "<device file>"` replaced by the file."""
+  return re.sub(r'^[ \t]*#include "([\w.]+)"[ \t]*$', lambda m: device_file(m[1]).rstrip("\n"), c, flags=re.M)
 
 
 PRELUDE = "\n" + device_file("common.cuh")  # the helpers every kernel's source starts with
@@ -530,20 +538,23 @@ def signature(name: str, params: list[str], threads: int = THREADS, resident: in
 
 
 def kernel(name: str, params: list[str], body: str, threads: int = THREADS, waited: bool = False,
-           resident: int = 1) -> str:
+           resident: int = 1, **defines: int | str) -> str:
   """The source of a kernel whose body is generated here; it starts with GRID_WAIT unless `waited` (its body waits on
   every path before it touches any buffer but its weights: model/backends/cuda_graph.py lets it start while the kernels
-  before it finish)."""
+  before it finish). defines: those of the device files it includes."""
   body = body if waited else f"{WAIT}\n  {body}"
-  return f"{PRELUDE}\n{signature(name, params, threads, resident)} {{\n  STAMP_ENTER();\n  {body}\n}}\n"
+  return (_defines(defines) + PRELUDE
+          + includes(f"\n{signature(name, params, threads, resident)} {{\n  STAMP_ENTER();\n  {body}\n}}\n"))
 
 
 def device_kernel(name: str, params: list[str], file: str, threads: int = THREADS, **defines: int | str) -> str:
   """The source of a kernel whose body is the device file `file` (which stamps its entry and waits itself): the defines
   its variant needs (names and numbers; for now, also the C of gemv's products, generated here), the common helpers, its
   signature and the file, one string, as tinygrad compiles a single source."""
-  return ("".join(f"#define {k} {v}\n" for k, v in defines.items()) + PRELUDE
-          + f"\n{signature(name, params, threads)} {{\n{device_file(file)}}}\n")
+  return _defines(defines) + PRELUDE + f"\n{signature(name, params, threads)} {{\n{device_file(file)}}}\n"
+
+
+def _defines(defines: dict[str, int | str]) -> str: return "".join(f"#define {k} {v}\n" for k, v in defines.items())
 
 
 def stamped(src: str) -> str:
@@ -860,63 +871,22 @@ class Route:
     return (([f"const float* __restrict__ {pre}bias"] if self.bias else [])
             + (["const int* __restrict__ force"] if self.forced else []))
 
-  def rank(self, threads: int, pre: str = "") -> str:
-    """C for every thread of a block of `threads` (it holds barriers): the first warp reads the logits (`<pre>logits`,
-    through L2) and applies the gating function and the bias (`<pre>bias`) into shared `sp` (probabilities) and `ssc`
-    (scores: -inf past the experts or where not a number); a thread per expert counts the scores above its own (ties to
-    the lower index, as the pairwise top-k) and puts the top k ids in rank order into shared `ssel`."""
-    E, epl = self.experts, -(-self.experts // 32)
-    prob = {1: "expf(lg[i] - mx) / den", 2: "1.f / (1.f + expf(-lg[i]))", 3: "lg[i]",
-            4: "sqrtf(logf(1.f + expf(lg[i])))"}[self.gating]
-    softmax = ("float mx = -INFINITY, den = 0.f;"
-               f" for (int i = 0; i < {epl}; i++) if (lane + 32 * i < {E}) mx = fmaxf(mx, lg[i]);"
-               " mx = warp_max(mx);"
-               f" for (int i = 0; i < {epl}; i++) if (lane + 32 * i < {E}) den += expf(lg[i] - mx);"
-               " den = group_sum(den, 32);") if self.gating == 1 else ""
-    beats = lambda c, d: f"(v.{c} > s || (v.{c} == s && j + {d} < e))"
-    return f"""__shared__ int ssel[{self.k}];
-  __shared__ __align__(16) float ssc[{32 * epl}];
-  __shared__ float sp[{32 * epl}];
-  if (threadIdx.x < 32) {{
-    const int lane = threadIdx.x;
-    float lg[{epl}];
-    for (int i = 0; i < {epl}; i++) lg[i] = lane + 32 * i < {E} ? __ldcg({pre}logits + lane + 32 * i) : 0.f;
-    {softmax}
-    for (int i = 0; i < {epl}; i++) {{
-      const int e = lane + 32 * i;
-      const float p = {prob}, s = e < {E} ? p{f' + {pre}bias[e]' if self.bias else ''} : 0.f;
-      sp[e] = p; ssc[e] = e < {E} && s == s ? s : -INFINITY;
-    }}
-  }}
-  __syncthreads();
-  for (int e = threadIdx.x; e < {E}; e += {threads}) {{
-    const float s = ssc[e]; int rank = 0;
-    for (int j = 0; j < {32 * epl}; j += 4) {{
-      const float4 v = *(const float4*)(ssc + j);
-      rank += {beats("x", 0)} + {beats("y", 1)} + {beats("z", 2)} + {beats("w", 3)};
-    }}
-    if (rank < {self.k}) ssel[rank] = e;
-  }}
-  __syncthreads();"""
+  def defines(self, threads: int, pre: str = "") -> dict[str, int | str]:
+    """The defines of route_rank.cuh and route_weights.cuh for a block of `threads` whose logits and bias parameters
+    are named with `pre`."""
+    scale = {"ROUTE_SCALE": f"{self.w_scale!r}f"} if self.w_scale not in (0.0, 1.0) else {}
+    return dict(ROUTE_E=self.experts, ROUTE_K=self.k, ROUTE_GATING=self.gating, ROUTE_BIAS=int(self.bias),
+                ROUTE_NORM=int(self.norm_w), ROUTE_FORCED=int(self.forced), ROUTE_THREADS=threads,
+                ROUTE_LOGITS=f"{pre}logits", ROUTE_BIAS_IN=f"{pre}bias") | scale
 
   def used(self, t: str) -> str:
     """C: the expert slot t uses (rank's `ssel`, or `force` where forced), clamped to the experts."""
-    return expert_id(f"{'force' if self.forced else 'ssel'}[{t}]", self.experts)
-
-  def weights(self, store: Callable[[str, str], str]) -> str:
-    """C for one thread, after rank: the routing weight of each slot's expert (its probability; softmax_weight: their
-    softmax; normalised to their sum and scaled as the model says); store(t, w) is the C that keeps slot t's."""
-    k = self.k
-    softmax_k = (f" float ws = -INFINITY; for (int t = 0; t < {k}; t++) ws = fmaxf(ws, wsel[t]); float se = 0.f;"
-                 f" for (int t = 0; t < {k}; t++) {{ wsel[t] = expf(wsel[t] - ws); se += wsel[t]; }}"
-                 f" for (int t = 0; t < {k}; t++) wsel[t] /= se;") if self.gating == 3 else ""
-    scale = f" wv *= {self.w_scale!r}f;" if self.w_scale not in (0.0, 1.0) else ""
-    return (f"float wsel[{k}]; for (int t = 0; t < {k}; t++) wsel[t] = sp[{self.used('t')}];{softmax_k}"
-            f" float sum = 0.f; for (int t = 0; t < {k}; t++) sum += wsel[t];"
-            f" for (int t = 0; t < {k}; t++) {{ float wv = wsel[t];"
-            f"{' wv = wv / fmaxf(sum, 6.103515625e-5f);' if self.norm_w else ''}{scale} {store('t', 'wv')} }}")
+    return f"ROUTE_USED({t})"
 
 
+# Route's ranking (every thread of the block) and weights (one thread, after it) in a generated body, with the route's
+# defines in the kernel's source
+ROUTE_RANK, ROUTE_WEIGHTS = '\n#include "route_rank.cuh"\n', '\n#include "route_weights.cuh"\n'
 ROUTER_R, ROUTER_WARPS = 1, 4  # the router's rows per row group and warps per block: 16 blocks for 64 experts
 
 
@@ -938,21 +908,9 @@ def router(w: W, eps: float, route: Route, logits_only: bool = False) -> Kernel:
     return Kernel(name, kernel(name, params, body, 32 * warps, waited=True), (blocks, 1, 1), (0,), 32 * warps)
   params = (["int* sel", "float* wts", "float* logits", "int* cnt"] + (["int* own"] if route.forced else [])
             + ["const float* __restrict__ x", "const float* __restrict__ gamma"] + route.params() + w.params)
-  store = lambda t, wv: (f"sel[{t}] = {route.used(t)}; wts[{t}] = {wv};"
-                         + (f" own[{t}] = ssel[{t}];" if route.forced else ""))
-  body = f"""{stage_decl(w.inp, "f32", warps)}
-  {products}
-  __shared__ int last;
-  __syncthreads();
-  if (threadIdx.x == 0) last = arrive(cnt) == (int)gridDim.x - 1;
-  __syncthreads();
-  if (!last) return;
-  {route.rank(32 * warps)}
-  if (threadIdx.x != 0) return;
-  {route.weights(store)}
-  cnt[0] = 0;"""
-  return Kernel(name, kernel(name, params, body, 32 * warps, waited=True), (blocks, 1, 1),
-                (0, 1, 2, 3) + ((4,) if route.forced else ()), 32 * warps)
+  src = device_kernel(name, params, "router.cu", 32 * warps, **route.defines(32 * warps),
+                      ROUTER_PRODUCTS=_line(f"{stage_decl(w.inp, 'f32', warps)} {products}"))
+  return Kernel(name, src, (blocks, 1, 1), (0, 1, 2, 3) + ((4,) if route.forced else ()), 32 * warps)
 
 
 @dataclass(frozen=True)
@@ -1050,7 +1008,7 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
     return (f" __syncthreads(); if (threadIdx.x < 32) {{ const int l = threadIdx.x, g = ({base} + bx * 32) / "
             f"32; const float v = sact[l]; const float am = warp_max(fabsf(v)), iv = {Q8_INV}; {rounding[act]} }}")
   if r:
-    choose = (f"{route.rank(32 * warps)} const int y = by, e = {route.used('y')};"
+    choose = (f"{ROUTE_RANK} const int y = by, e = {route.used('y')};"
               + " if (bx == 0 && threadIdx.x == 0) own[y] = ssel[y];" if route
               else f"const int y = by, e = {expert_id('sel[y]', r.experts)};")
     body.append(f"if (by < {k}) {{ {WAIT} {choose}\n  "
@@ -1065,8 +1023,9 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
   grid = (pb + k * rb, 1, 1)
   res = one_wave(grid[0], 32 * warps, sms, GLU_REGS)
   name += f"_b{res}" if res > 1 else ""
-  return Kernel(name, kernel(name, params, "\n  ".join(body), 32 * warps, waited=True, resident=res), grid,
-                (0, 1) if route else (0,), 32 * warps)
+  src = kernel(name, params, "\n  ".join(body), 32 * warps, waited=True, resident=res,
+               **(route.defines(32 * warps) if route else {}))
+  return Kernel(name, src, grid, (0, 1) if route else (0,), 32 * warps)
 
 
 HANDOFF = {"q8": 10, "x16": 18}  # floats a unit of 32 activations takes in glu's hand-off, by form (glu's docstring)
@@ -1156,11 +1115,15 @@ def _down_routing(r: FFN | None, route: Route | None, threads: int) -> tuple[lis
   if route is None:
     return (["const int* __restrict__ early_sel", "const float* __restrict__ wts"], "",
             lambda sl: expert_id(f"__ldcg(early_sel + {sl})", r.experts), "", lambda sl: f"wts[{sl}]")
-  keep = route.weights(lambda t, wv: f"swt[{t}] = {wv};")
-  keep = f"__shared__ float swt[{route.k}]; if (threadIdx.x == 0) {{ {keep} }}"
+  keep = f"__shared__ float swt[{route.k}]; if (threadIdx.x == 0) {{ {ROUTE_WEIGHTS} }}"
   return (["const float* __restrict__ early_logits"] + route.params("early_"),
-          (f"{WAIT} " if route.forced else "") + route.rank(threads, "early_"), route.used, keep + " __syncthreads();",
+          (f"{WAIT} " if route.forced else "") + ROUTE_RANK, route.used, keep + " __syncthreads();",
           lambda sl: f"swt[{sl}]")
+
+
+def _down_defines(route: Route | None, threads: int) -> dict[str, int | str]:
+  """down's defines for its route: Route.defines of the `early_` parameters, the weights kept in shared `swt`."""
+  return route.defines(threads, "early_") | {"ROUTE_STORE(t, wv)": "swt[t] = wv;"} if route else {}
 
 
 def _down_slots(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int, act: str,
@@ -1198,7 +1161,8 @@ def _down_slots(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int,
   body += ["}",
            *_down_combine("if (lane == 0) { " + " ".join(f"part[warp][{i}] = tot{i};" for i in range(R)) + " }", R, dim,
                           WARPS)]
-  return Kernel(name, kernel(name, params, "\n  ".join(body), waited=True), (-(-dim // R), 1, 1), (0,))
+  return Kernel(name, kernel(name, params, "\n  ".join(body), waited=True, **_down_defines(route, THREADS)),
+                (-(-dim // R), 1, 1), (0,))
 
 
 def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str, act_in: str = "f32",
@@ -1280,5 +1244,5 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
     body.append("{ " + " ".join(xs) + f" const float wk{j} = {wk}; " + " ".join(dots) + " }")
   sums, k = lane_sums([f"acc{i}" for i in range(R)])
   body += [sums, *_down_combine(f"if (lane < {R}) part[warp][{k}] = lsum;", R, dim, threads // 32)]
-  return Kernel(name, kernel(name, params, "\n  ".join(body), threads, waited=True), (-(-dim // R), 1, 1), (0,),
-                threads)
+  return Kernel(name, kernel(name, params, "\n  ".join(body), threads, waited=True, **_down_defines(route, threads)),
+                (-(-dim // R), 1, 1), (0,), threads)

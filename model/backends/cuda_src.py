@@ -804,44 +804,27 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
   return Kernel(name, src, (heads, S, 1), (0,))
 
 
+MLA_MERGE = '\n#include "mla_merge.cuh"\n'  # mla_vb's prologue
+
+
 @functools.cache
 def mla_vb(vb: W, heads: int, kvl: int, v_head: int, max_ctx: int) -> Kernel:
   """MLA's output per head, out (H, v_head) = v_b . o, from mla_attention's splits (grid: row blocks x heads): each
   block issues its v_b rows' reads, then merges the head's splits into o in shared memory while they are in flight:
   ATT_MERGE splits at a time, each thread's columns and their maxes and sums together through L2 (`__ldcg`: one wait for
   all of them), rescaled as an online softmax from one chunk to the next."""
-  (ch, S), MB, nc = attention_splits(max_ctx), ATT_MERGE, -(-kvl // THREADS)
+  ch, S = attention_splits(max_ctx)
   assert vb.inp == kvl
   G, R = vb.group_lanes, R_PRODUCT
   name = f"native_mla_vb_{QUANT_TYPES[vb.ggml_type].name.lower()}_h{heads}_{kvl}_{v_head}_c{max_ctx}"
   params = ["float* out", "const float* __restrict__ part", "const int* __restrict__ early_pos"] + vb.params
-  merge = f"""{{ const float* ph = part + (size_t)h * {S} * {kvl + 2};
-  float MX = -INFINITY, LT = 0.f, a[{nc}];
-  for (int i = 0; i < {nc}; i++) a[i] = 0.f;
-  for (int s0 = 0; s0 < active; s0 += {MB}) {{
-    float pm[{MB}], pl[{MB}], v[{MB}][{nc}];
-    for (int u = 0; u < {MB}; u++) {{ const bool ok = s0 + u < active; const float* p = ph + (s0 + u) * {kvl + 2};
-      pm[u] = ok ? __ldcg(p) : -INFINITY; pl[u] = ok ? __ldcg(p + 1) : 0.f;
-      for (int i = 0; i < {nc}; i++) {{ const int c = threadIdx.x + {THREADS} * i;
-        v[u][i] = ok && c < {kvl} ? __ldcg(p + 2 + c) : 0.f; }} }}
-    float mn = MX;
-    for (int u = 0; u < {MB}; u++) mn = fmaxf(mn, pm[u]);
-    const float corr = expf(MX - mn);
-    LT *= corr;
-    for (int i = 0; i < {nc}; i++) a[i] *= corr;
-    for (int u = 0; u < {MB}; u++) {{ const float f = expf(pm[u] - mn); LT += f * pl[u];
-      for (int i = 0; i < {nc}; i++) a[i] = fmaf(f, v[u][i], a[i]); }}
-    MX = mn;
-  }}
-  for (int i = 0; i < {nc}; i++) {{ const int c = threadIdx.x + {THREADS} * i;
-    if (c < {kvl}) sx[{sx_at('c')}] = a[i] / LT; }}
-  __syncthreads(); }}"""
   body = (f"const int h = blockIdx.y, active = (early_pos[0] + {ch}) / {ch}; {stage_decl(kvl, 'f32')}\n  "
           + group_setup(G, R) + "\n  " + gemv([(vb, f"(size_t)h * {v_head} + {{o}}", "a")], "sx", v_head, R,
-                 lambda o, a: f"out[(size_t)h * {v_head} + {o}] = {a[0]};", prologue=merge, early=True, staged=True,
+                 lambda o, a: f"out[(size_t)h * {v_head} + {o}] = {a[0]};", prologue=MLA_MERGE, early=True, staged=True,
                  wait=True))
   blocks = -(-v_head // rows_per_block(G, R))
-  return Kernel(name, kernel(name, params, body, waited=True), (blocks, heads, 1), (0,))
+  src = kernel(name, params, body, waited=True, SPLITS=S, KVL=kvl, MERGE=ATT_MERGE, THREADS=THREADS)
+  return Kernel(name, src, (blocks, heads, 1), (0,))
 
 
 GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softplus"}

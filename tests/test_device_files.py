@@ -65,19 +65,18 @@ def test_device_files_ship_and_are_used() -> None:
                                                                                        route).src,
           C.glu(routed, None, hp.n_used, hp.dim, 1e-5, route=route).src]
   for f in files:
-    body = C.device_file(f)
-    assert any(body in s for s in srcs), f
+    first = C.device_file(f).splitlines()[0]
+    assert any(first in s for s in srcs), f
     assert "#include" not in "".join(srcs), "includes are inlined: tinygrad compiles a single source"
 
 
 def test_kernel_defines_are_names_and_numbers() -> None:
-  """A device-file kernel's defines carry its variant (numbers, float literals, parameter names), no code; ABSORB and
-  ROUTER_PRODUCTS, the gemv products generated here, aside."""
+  """A device-file kernel's defines carry its variant (numbers, float literals, parameter names), no code."""
   hp = PRESETS["deepseek-v2-lite"]
   route = C.Route(hp.n_experts, hp.n_used, 1, False, True, 1.5, True)
   for k in (C.mla_attention(16, 512, 64, 256, 0.1, False), C.router(C.W("g_", F32, hp.dim), 1e-6, route)):
     defines = re.findall(r"^#define (\w+(?:\(.*?\))?) (.*)$", k.src.split(C.PRELUDE)[0], re.M)
     assert defines, k.name
     for name, value in defines:
-      if name in ("ABSORB", "ROUTER_PRODUCTS") or not name.isupper(): continue
+      if not name.isupper(): continue
       assert re.fullmatch(r"[\w.+-]+", value), (k.name, name, value)

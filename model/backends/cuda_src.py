@@ -65,9 +65,6 @@ def includes(c: str) -> str:
 PRELUDE = "\n" + device_file("common.cuh")  # the helpers every kernel's source starts with
 
 
-def _line(c: str) -> str: return c.replace("\n", " ")  # C generated here, as the value of a define
-
-
 def _words(v: str, expr: str, n16: int) -> tuple[tuple[tuple[str, str, str], ...], str]:
   """n16 16-byte loads from the byte address `expr` (loads), and the 32-bit words v[0..4*n16) made of them (decode)."""
   loads = tuple(("uint4", f"{v}{i}", f"{expr} + {16 * i}") for i in range(n16))
@@ -547,11 +544,16 @@ def kernel(name: str, params: list[str], body: str, threads: int = THREADS, wait
           + includes(f"\n{signature(name, params, threads, resident)} {{\n  STAMP_ENTER();\n  {body}\n}}\n"))
 
 
-def device_kernel(name: str, params: list[str], file: str, threads: int = THREADS, **defines: int | str) -> str:
+def device_kernel(name: str, params: list[str], file: str, threads: int = THREADS,
+                  generated: dict[str, str] | None = None, **defines: int | str) -> str:
   """The source of a kernel whose body is the device file `file` (which stamps its entry and waits itself): the defines
-  its variant needs (names and numbers; for now, also the C of gemv's products, generated here), the common helpers, its
-  signature and the file, one string, as tinygrad compiles a single source."""
-  return _defines(defines) + PRELUDE + f"\n{signature(name, params, threads)} {{\n{device_file(file)}}}\n"
+  its variant needs (names and numbers), the common helpers, its signature and the file, one string, as tinygrad
+  compiles a single source. generated: C generated here (gemv's products, for now) in place of the file's lines that
+  hold its key alone."""
+  body = device_file(file)
+  for key, c in (generated or {}).items():
+    body = re.sub(rf"^[ \t]*{key}[ \t]*$", lambda _, c=c: "  " + c, body, flags=re.M)
+  return _defines(defines) + PRELUDE + f"\n{signature(name, params, threads)} {{\n{body}}}\n"
 
 
 def _defines(defines: dict[str, int | str]) -> str: return "".join(f"#define {k} {v}\n" for k, v in defines.items())
@@ -770,7 +772,7 @@ def absorb_rope_kv(kb: W, heads: int, nope: int, rope: int, kvl: int, max_ctx: i
             "const int* __restrict__ pos"] + kb.params
   src = device_kernel(name, params, "absorb_rope_kv.cu", HEADS=heads, NOPE=nope, ROPE=rope, KVL=kvl, EPS=f"{eps!r}f",
                       CACHE_HALF=int(cache_half), WARPS=WARPS, THREADS=THREADS, NT=blocks * THREADS,
-                      ABSORB=_line(absorb))
+                      generated={"ABSORB": absorb})
   return Kernel(name, src, (blocks, heads + 1, 1), (0, 1))
 
 
@@ -892,7 +894,7 @@ def router(w: W, eps: float, route: Route, logits_only: bool = False) -> Kernel:
   params = (["int* sel", "float* wts", "float* logits", "int* cnt"] + (["int* own"] if route.forced else [])
             + ["const float* __restrict__ x", "const float* __restrict__ gamma"] + route.params() + w.params)
   src = device_kernel(name, params, "router.cu", 32 * warps, **route.defines(32 * warps),
-                      ROUTER_PRODUCTS=_line(f"{stage_decl(w.inp, 'f32', warps)} {products}"))
+                      generated={"ROUTER_PRODUCTS": f"{stage_decl(w.inp, 'f32', warps)}\n  {products}"})
   return Kernel(name, src, (blocks, 1, 1), (0, 1, 2, 3) + ((4,) if route.forced else ()), 32 * warps)
 
 

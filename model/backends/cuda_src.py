@@ -25,9 +25,14 @@ products (`x16`). Multi-token products (prefill) read x from memory instead and 
 TOKENS tokens.
 
 Kernels use static shared memory of at most the input's width in floats (8 KB at width 2048), no dynamic shared memory
-and no cooperative launches, so tinygrad can batch them into its CUDA graphs like its own. Device-specific helpers
-(inline PTX) sit inside `#ifdef __CUDACC_RTC__` (NVRTC defines it), so the same source also runs on the CPU emulator of
-the tests.
+and no cooperative launches, so tinygrad can batch them into its CUDA graphs like its own.
+
+The C that does not depend on a weight type's unit lives in device files (model/backends/cuda/: the helpers, the MLA
+attention, the absorption's RoPE and cache write, the merge of the attention's splits, the router and the routing),
+parameterised by defines; a kernel's source, the one string tinygrad compiles, is its variant's defines, the helpers,
+its signature (name and parameters, written here) and its files with their includes in place. The products (gemv and
+the per-unit code around it) are still generated here. Device-specific helpers (inline PTX) sit inside
+`#ifdef __CUDACC_RTC__` (NVRTC defines it), so the same source also runs on the CPU emulator of the tests.
 """
 from __future__ import annotations
 

@@ -531,7 +531,8 @@ def test_down_issues_its_weight_reads_before_its_wait() -> None:
   # forced ids (the correctness check) come from outside the graph's chain: that form waits before any read
   forced = cuda_src.down(routed, shared, 2, dim, "q8", "q8", cuda_src.Route(8, 2, 2, True, True, 1.8, True))
   body = forced.src[forced.src.index(forced.name):]
-  assert body.index(cuda_src.WAIT) < min(body.index("early_logits +"), body.index("force["), body.index("__ldcs("))
+  assert "#define ROUTE_LOGITS early_logits" in forced.src  # route_rank.cuh's read of the logits
+  assert body.index(cuda_src.WAIT) < min(body.index("ROUTE_LOGITS +"), body.index("force["), body.index("__ldcs("))
 
 
 @pytest.mark.parametrize("quant", ["Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"])

@@ -25,15 +25,22 @@ products (`x16`). Multi-token products (prefill) read x from memory instead and 
 TOKENS tokens.
 
 Kernels use static shared memory of at most the input's width in floats (8 KB at width 2048), no dynamic shared memory
-and no cooperative launches, so tinygrad can batch them into its CUDA graphs like its own. Device-specific helpers
-(inline PTX) sit inside `#ifdef __CUDACC_RTC__` (NVRTC defines it), so the same source also runs on the CPU emulator of
-the tests.
+and no cooperative launches, so tinygrad can batch them into its CUDA graphs like its own.
+
+The C that does not depend on a weight type's unit lives in device files (model/backends/cuda/: the helpers, the MLA
+attention, the absorption's RoPE and cache write, the merge of the attention's splits, the router and the routing),
+parameterised by defines; a kernel's source, the one string tinygrad compiles, is its variant's defines, the helpers,
+its signature (name and parameters, written here) and its files with their includes in place. The products (gemv and
+the per-unit code around it) are still generated here. Device-specific helpers (inline PTX) sit inside
+`#ifdef __CUDACC_RTC__` (NVRTC defines it), so the same source also runs on the CPU emulator of the tests.
 """
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from model.quants import BF16, F16, F32, LAYOUTS, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, QUANT_TYPES
 
@@ -46,85 +53,21 @@ CTYPES = {"half": "unsigned short", "unsigned short": "unsigned short", "unsigne
           "signed char": "signed char",
           "float": "float"}  # tinygrad dtype name -> the C type a kernel reads it as
 
-PRELUDE = r"""
-#define BYTE(v, i) (((v)[(i) >> 2] >> (8 * ((i) & 3))) & 255u)
-#ifndef INFINITY
-#define INFINITY __int_as_float(0x7f800000)
-#endif
-#define MAG(c) (__int_as_float(0x4B000000u | (unsigned)(c)) - 8388608.f)
-#define MAGB(v, k) (__int_as_float(__byte_perm((v), 0x4B000000u, 0x7440u | (k))) - 8388608.f)
-#ifdef __CUDACC_RTC__
-__device__ __forceinline__ float h2f(unsigned short h) {
-  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
-}
-__device__ __forceinline__ unsigned short f2h(float f) {
-  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
-}
-#define PREFETCH(p) asm volatile("prefetch.global.L2 [%0];" :: "l"(p))
-// a block's arrival at a count (its thread 0, after a __syncthreads): -> the count before it. Release: the block's
-// earlier writes are visible to the block that reads the last count; acquire: that block (after a __syncthreads) sees
-// every arrived block's writes (read them through L2: __ldcg).
-__device__ __forceinline__ int arrive(int* cnt) {
-  int old; asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(cnt) : "memory"); return old;
-}
-#if __CUDA_ARCH__ >= 900
-#define GRID_WAIT() do { asm volatile("griddepcontrol.wait;" ::: "memory"); \
-                         asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); } while (0)
-#else
-#define GRID_WAIT() ((void)0)
-#endif
-#else
-#define PREFETCH(p) ((void)(p))
-__device__ __forceinline__ int arrive(int* cnt) { __threadfence(); return atomicAdd(cnt, 1); }
-#ifndef GRID_WAIT
-#define GRID_WAIT() ((void)0)
-#endif
-#endif
-#ifdef STAMP
-// The step timeline's build of a kernel (model/profile.py step_timeline compiles the sources again with STAMP
-// defined): each kernel takes one more parameter, its launch's 4 words, into which its blocks put a clock in ns by max
-// reductions, never waiting on them: the first block's entry and the first return from GRID_WAIT (both inverted: ~t),
-// the last return from GRID_WAIT and the last block's exit (its last thread's return).
-#define STAMP_PARAM , unsigned long long* stamp_slot
-#ifdef __CUDACC_RTC__
-__device__ __forceinline__ unsigned long long stamp_now() {
-  unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t;
-}
-#else
-__device__ __forceinline__ unsigned long long stamp_now() { return clock64(); }
-#endif
-// the block's threads that have returned; 16 bytes, so the kernel's own arrays keep their alignment beside it
-__shared__ __align__(16) unsigned stamp_ended[4];
-struct Stamp {
-  unsigned long long* slot;
-  __device__ explicit Stamp(unsigned long long* s) : slot(s) {
-    if (threadIdx.x == 0) { stamp_ended[0] = 0; atomicMax(slot, ~stamp_now()); }
-    __syncthreads();
-  }
-  __device__ void wait() const {
-    if (threadIdx.x == 0) { const unsigned long long t = stamp_now(); atomicMax(slot + 1, ~t); atomicMax(slot + 2, t); }
-  }
-  __device__ ~Stamp() {
-    __threadfence_block();
-    if (atomicAdd(stamp_ended, 1u) == blockDim.x * blockDim.y * blockDim.z - 1) atomicMax(slot + 3, stamp_now());
-  }
-};
-#define STAMP_ENTER() Stamp stamp_(stamp_slot)
-#define STAMP_WAIT() stamp_.wait()
-#else
-#define STAMP_PARAM
-#define STAMP_ENTER() ((void)0)
-#define STAMP_WAIT() ((void)0)
-#endif
-__device__ __forceinline__ float group_sum(float a, int g) {
-  for (int m = g >> 1; m > 0; m >>= 1) a += __shfl_xor_sync(0xffffffffu, a, m);
-  return a;
-}
-__device__ __forceinline__ float warp_max(float a) {
-  for (int m = 16; m > 0; m >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, m));
-  return a;
-}
-"""
+CUDA_DIR = Path(__file__).with_name("cuda")  # the device files (package data)
+
+
+@functools.cache
+def device_file(name: str) -> str:
+  """A device file with its includes in place (tinygrad compiles a single source, so the source carries them)."""
+  return includes((CUDA_DIR / name).read_text())
+
+
+def includes(c: str) -> str:
+  """C with each line `#include "<device file>"` replaced by the file."""
+  return re.sub(r'^[ \t]*#include "([\w.]+)"[ \t]*$', lambda m: device_file(m[1]).rstrip("\n"), c, flags=re.M)
+
+
+PRELUDE = "\n" + device_file("common.cuh")  # the helpers every kernel's source starts with
 
 
 def _words(v: str, expr: str, n16: int) -> tuple[tuple[tuple[str, str, str], ...], str]:
@@ -588,16 +531,37 @@ def expert_id(v: str, experts: int) -> str:
   return f"min(max({v}, 0), {experts - 1})"
 
 
-def kernel(name: str, params: list[str], body: str, threads: int = THREADS, waited: bool = False,
-           resident: int = 1) -> str:
-  """The kernel's source; it starts with GRID_WAIT unless `waited` (its body waits on every path before it touches any
-  buffer but its weights: model/backends/cuda_graph.py lets it start while the kernels before it finish). resident: the
-  blocks a multiprocessor must be able to hold at once (__launch_bounds__' second argument: ptxas caps the registers
-  to fit them)."""
-  body = body if waited else f"{WAIT}\n  {body}"
+def signature(name: str, params: list[str], threads: int = THREADS, resident: int = 1) -> str:
+  """A kernel's signature: its name and parameters, the launch's side of its source. resident: the blocks a
+  multiprocessor must be able to hold at once (__launch_bounds__' second argument: ptxas caps the registers to fit
+  them)."""
   bounds = f"{threads}, {resident}" if resident > 1 else f"{threads}"
-  return (f"{PRELUDE}\nextern \"C\" __global__ void __launch_bounds__({bounds}) "
-          f"{name}({', '.join(params)} STAMP_PARAM) {{\n  STAMP_ENTER();\n  {body}\n}}\n")
+  return f"extern \"C\" __global__ void __launch_bounds__({bounds}) {name}({', '.join(params)} STAMP_PARAM)"
+
+
+def kernel(name: str, params: list[str], body: str, threads: int = THREADS, waited: bool = False,
+           resident: int = 1, **defines: int | str) -> str:
+  """The source of a kernel whose body is generated here; it starts with GRID_WAIT unless `waited` (its body waits on
+  every path before it touches any buffer but its weights: model/backends/cuda_graph.py lets it start while the kernels
+  before it finish). defines: those of the device files it includes."""
+  body = body if waited else f"{WAIT}\n  {body}"
+  return (_defines(defines) + PRELUDE
+          + includes(f"\n{signature(name, params, threads, resident)} {{\n  STAMP_ENTER();\n  {body}\n}}\n"))
+
+
+def device_kernel(name: str, params: list[str], file: str, threads: int = THREADS,
+                  generated: dict[str, str] | None = None, **defines: int | str) -> str:
+  """The source of a kernel whose body is the device file `file` (which stamps its entry and waits itself): the defines
+  its variant needs (names and numbers), the common helpers, its signature and the file, one string, as tinygrad
+  compiles a single source. generated: C generated here (gemv's products, for now) in place of the file's lines that
+  hold its key alone."""
+  body = device_file(file)
+  for key, c in (generated or {}).items():
+    body = re.sub(rf"^[ \t]*{key}[ \t]*$", lambda _, c=c: "  " + c, body, flags=re.M)
+  return _defines(defines) + PRELUDE + f"\n{signature(name, params, threads)} {{\n{body}}}\n"
+
+
+def _defines(defines: dict[str, int | str]) -> str: return "".join(f"#define {k} {v}\n" for k, v in defines.items())
 
 
 def stamped(src: str) -> str:
@@ -802,37 +766,19 @@ def absorb_rope_kv(kb: W, heads: int, nope: int, rope: int, kvl: int, max_ctx: i
   < H); the extra row of blocks (blockIdx.y == H) rotates q_pe, normalises c_kv, rotates k_pe and writes [c_kv, k_pe]
   to the KV cache row of the position, an element a thread (each block sums c_kv's squares itself), so no block waits
   on memory more than once before its stores. Out: qc (H, kvl + rope) = [q_abs, rotated q_pe] and the cache."""
-  D, half = kvl + rope, rope // 2
   name = (f"native_mla_absorb_{QUANT_TYPES[kb.ggml_type].name.lower()}_h{heads}_{nope}_{rope}_{kvl}_c{max_ctx}"
           f"{'' if cache_half else '_f32'}")
+  absorb = _gemv_block([(kb, f"(size_t)h * {kvl} + {{o}}", "a")], "xh", kvl, R,
+                       lambda o, a: f"qc[(size_t)h * {kvl + rope} + {o}] = {a[0]};", early=True, wait=True)
+  blocks = -(-kvl // rows_per_block(kb.group_lanes, R))
   ct = "unsigned short" if cache_half else "float"
-  store = (lambda v: f"f2h({v})") if cache_half else (lambda v: v)
   params = ["float* qc", f"{ct}* cache", "const float* __restrict__ q", "const float* __restrict__ kv",
             "const float* __restrict__ gamma", "const float* __restrict__ cosv", "const float* __restrict__ sinv",
             "const int* __restrict__ pos"] + kb.params
-  head = (f"const int h = blockIdx.y; const float* xh = q + (size_t)h * {nope + rope};\n  "
-          + _gemv_block([(kb, f"(size_t)h * {kvl} + {{o}}", "a")], "xh", kvl, R, lambda o,
-                        a: f"qc[(size_t)h * {D} + {o}] = {a[0]};", early=True, wait=True))
-  blocks = -(-kvl // rows_per_block(kb.group_lanes, R))
-  T, NT = THREADS, blocks * THREADS
-  # RoPE of the pair (x0, x1) at rotation k of the position: its cos and sin, then the two rotated values
-  cs, r0, r1 = f"const float c = cosv[p * {half} + k], s = sinv[p * {half} + k];", "x0 * c - x1 * s", "x0 * s + x1 * c"
-  tail = f"""{WAIT} const int p = pos[0], g = blockIdx.x * {T} + threadIdx.x;
-  const float cv = g < {kvl} ? kv[g] : 0.f, cg = g < {kvl} ? gamma[g] : 0.f;
-  for (int i = g; i < {heads * half}; i += {NT}) {{ const int h = i / {half}, k = i % {half};
-    const float x0 = q[h * {nope + rope} + {nope} + 2 * k], x1 = q[h * {nope + rope} + {nope} + 2 * k + 1]; {cs}
-    qc[h * {D} + {kvl} + 2 * k] = {r0}; qc[h * {D} + {kvl} + 2 * k + 1] = {r1}; }}
-  for (int k = g; k < {half}; k += {NT}) {{ const float x0 = kv[{kvl} + 2 * k], x1 = kv[{kvl} + 2 * k + 1]; {cs}
-    cache[(size_t)p * {D} + {kvl} + 2 * k] = {store(r0)}; cache[(size_t)p * {D} + {kvl} + 2 * k + 1] = {store(r1)}; }}
-  __shared__ float sred[{WARPS}];
-  float ss = 0.f, rs;
-  for (int k = threadIdx.x * 4; k < {kvl}; k += {T * 4}) {{ const float4 v = *(const float4*)(kv + k);
-    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }}
-  {block_rs(kvl, eps, WARPS)}
-  if (g < {kvl}) cache[(size_t)p * {D} + g] = {store('(cv * rs) * cg')};
-  for (int k = g + {NT}; k < {kvl}; k += {NT}) cache[(size_t)p * {D} + k] = {store('(kv[k] * rs) * gamma[k]')};"""
-  body = f"if (blockIdx.y < {heads}) {{ {head} }}\n  else {{ {tail} }}"
-  return Kernel(name, kernel(name, params, body, waited=True), (blocks, heads + 1, 1), (0, 1))
+  src = device_kernel(name, params, "absorb_rope_kv.cu", HEADS=heads, NOPE=nope, ROPE=rope, KVL=kvl, EPS=f"{eps!r}f",
+                      CACHE_HALF=int(cache_half), WARPS=WARPS, THREADS=THREADS, NT=blocks * THREADS,
+                      generated={"ABSORB": absorb})
+  return Kernel(name, src, (blocks, heads + 1, 1), (0, 1))
 
 
 ATT_CHUNK, ATT_SPLITS = 32, 64  # the fewest positions an MLA attention block scores, the most splits of the context
@@ -856,55 +802,16 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
   K), keeps an online softmax per warp, merges its warps and writes its split's (max, sum, unnormalised output) to part
   (H, splits, kvl + 2); blocks past the last position return at once. mla_vb merges the splits. Both read the position
   before they wait on the kernel before them (EARLY), so only one wait on memory follows that wait."""
-  D, (ch, S), P = kvl + rope, attention_splits(max_ctx), ATT_BATCH
-  nd, nv = D // 32, kvl // 32
+  ch, S = attention_splits(max_ctx)
   name = f"native_mla_attention_parts_h{heads}_{kvl}_{rope}_c{max_ctx}{'' if cache_half else '_f32'}"
-  ct = "unsigned short" if cache_half else "float"
-  ld = (lambda v: f"h2f({v})") if cache_half else (lambda v: v)
-  params = ["float* part", "const float* __restrict__ qc", f"const {ct}* __restrict__ cache",
-            "const int* __restrict__ early_pos"]
-  body = f"""const int h = blockIdx.x, sp = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n = early_pos[0] + 1, j0 = sp * {ch}, j1 = min(n, j0 + {ch});
-  {WAIT}
-  if (j0 >= n) return;
-  float qv[{nd}], ov[{nv}], m = -INFINITY, l = 0.f;
-  for (int k = 0; k < {nd}; k++) qv[k] = qc[(size_t)h * {D} + lane + 32 * k];
-  for (int k = 0; k < {nv}; k++) ov[k] = 0.f;
-  for (int jb = j0 + warp * {P}; jb < j1; jb += {WARPS * P}) {{
-    float v[{P}][{nd}], sc[{P}];
-    for (int b = 0; b < {P}; b++) {{
-      const int j = min(jb + b, j1 - 1); sc[b] = 0.f;
-      for (int k = 0; k < {nd}; k++) {{
-        v[b][k] = {ld(f'cache[(size_t)j * {D} + lane + 32 * k]')}; sc[b] = fmaf(qv[k], v[b][k], sc[b]);
-      }}
-    }}
-    for (int mm = 16; mm > 0; mm >>= 1) for (int b = 0; b < {P}; b++) sc[b] += __shfl_xor_sync(0xffffffffu, sc[b], mm);
-    float mn = m;
-    for (int b = 0; b < {P}; b++) {{ sc[b] = jb + b < j1 ? sc[b] * {scale!r}f : -INFINITY; mn = fmaxf(mn, sc[b]); }}
-    const float corr = expf(m - mn);
-    l *= corr;
-    for (int k = 0; k < {nv}; k++) ov[k] *= corr;
-    for (int b = 0; b < {P}; b++) {{
-      const float p = expf(sc[b] - mn); l += p;
-      for (int k = 0; k < {nv}; k++) ov[k] = fmaf(p, v[b][k], ov[k]);
-    }}
-    m = mn;
-  }}
-  __shared__ float sm[{WARPS}], sl[{WARPS}], so[{WARPS}][{kvl}];
-  if (lane == 0) {{ sm[warp] = m; sl[warp] = l; }}
-  for (int k = 0; k < {nv}; k++) so[warp][lane + 32 * k] = ov[k];
-  __syncthreads();
-  float M = -INFINITY;
-  for (int w = 0; w < {WARPS}; w++) M = fmaxf(M, sm[w]);
-  float f[{WARPS}], L = 0.f;
-  for (int w = 0; w < {WARPS}; w++) {{ f[w] = sm[w] == -INFINITY ? 0.f : expf(sm[w] - M); L += f[w] * sl[w]; }}
-  float* mine = part + ((size_t)h * {S} + sp) * {kvl + 2};
-  for (int c = threadIdx.x; c < {kvl}; c += {THREADS}) {{
-    float a = 0.f; for (int w = 0; w < {WARPS}; w++) a += f[w] * so[w][c];
-    mine[2 + c] = a;
-  }}
-  if (threadIdx.x == 0) {{ mine[0] = M; mine[1] = L; }}"""
-  return Kernel(name, kernel(name, params, body, waited=True), (heads, S, 1), (0,))
+  params = ["float* part", "const float* __restrict__ qc", f"const {'unsigned short' if cache_half else 'float'}* "
+            "__restrict__ cache", "const int* __restrict__ early_pos"]
+  src = device_kernel(name, params, "mla_attention.cu", KVL=kvl, ROPE=rope, CH=ch, SPLITS=S, SCALE=f"{scale!r}f",
+                      CACHE_HALF=int(cache_half), WARPS=WARPS, THREADS=THREADS, BATCH=ATT_BATCH)
+  return Kernel(name, src, (heads, S, 1), (0,))
+
+
+MLA_MERGE = '\n#include "mla_merge.cuh"\n'  # mla_vb's prologue
 
 
 @functools.cache
@@ -913,38 +820,18 @@ def mla_vb(vb: W, heads: int, kvl: int, v_head: int, max_ctx: int) -> Kernel:
   block issues its v_b rows' reads, then merges the head's splits into o in shared memory while they are in flight:
   ATT_MERGE splits at a time, each thread's columns and their maxes and sums together through L2 (`__ldcg`: one wait for
   all of them), rescaled as an online softmax from one chunk to the next."""
-  (ch, S), MB, nc = attention_splits(max_ctx), ATT_MERGE, -(-kvl // THREADS)
+  ch, S = attention_splits(max_ctx)
   assert vb.inp == kvl
   G, R = vb.group_lanes, R_PRODUCT
   name = f"native_mla_vb_{QUANT_TYPES[vb.ggml_type].name.lower()}_h{heads}_{kvl}_{v_head}_c{max_ctx}"
   params = ["float* out", "const float* __restrict__ part", "const int* __restrict__ early_pos"] + vb.params
-  merge = f"""{{ const float* ph = part + (size_t)h * {S} * {kvl + 2};
-  float MX = -INFINITY, LT = 0.f, a[{nc}];
-  for (int i = 0; i < {nc}; i++) a[i] = 0.f;
-  for (int s0 = 0; s0 < active; s0 += {MB}) {{
-    float pm[{MB}], pl[{MB}], v[{MB}][{nc}];
-    for (int u = 0; u < {MB}; u++) {{ const bool ok = s0 + u < active; const float* p = ph + (s0 + u) * {kvl + 2};
-      pm[u] = ok ? __ldcg(p) : -INFINITY; pl[u] = ok ? __ldcg(p + 1) : 0.f;
-      for (int i = 0; i < {nc}; i++) {{ const int c = threadIdx.x + {THREADS} * i;
-        v[u][i] = ok && c < {kvl} ? __ldcg(p + 2 + c) : 0.f; }} }}
-    float mn = MX;
-    for (int u = 0; u < {MB}; u++) mn = fmaxf(mn, pm[u]);
-    const float corr = expf(MX - mn);
-    LT *= corr;
-    for (int i = 0; i < {nc}; i++) a[i] *= corr;
-    for (int u = 0; u < {MB}; u++) {{ const float f = expf(pm[u] - mn); LT += f * pl[u];
-      for (int i = 0; i < {nc}; i++) a[i] = fmaf(f, v[u][i], a[i]); }}
-    MX = mn;
-  }}
-  for (int i = 0; i < {nc}; i++) {{ const int c = threadIdx.x + {THREADS} * i;
-    if (c < {kvl}) sx[{sx_at('c')}] = a[i] / LT; }}
-  __syncthreads(); }}"""
   body = (f"const int h = blockIdx.y, active = (early_pos[0] + {ch}) / {ch}; {stage_decl(kvl, 'f32')}\n  "
           + group_setup(G, R) + "\n  " + gemv([(vb, f"(size_t)h * {v_head} + {{o}}", "a")], "sx", v_head, R,
-                 lambda o, a: f"out[(size_t)h * {v_head} + {o}] = {a[0]};", prologue=merge, early=True, staged=True,
+                 lambda o, a: f"out[(size_t)h * {v_head} + {o}] = {a[0]};", prologue=MLA_MERGE, early=True, staged=True,
                  wait=True))
   blocks = -(-v_head // rows_per_block(G, R))
-  return Kernel(name, kernel(name, params, body, waited=True), (blocks, heads, 1), (0,))
+  src = kernel(name, params, body, waited=True, SPLITS=S, KVL=kvl, MERGE=ATT_MERGE, THREADS=THREADS)
+  return Kernel(name, src, (blocks, heads, 1), (0,))
 
 
 GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softplus"}
@@ -974,63 +861,22 @@ class Route:
     return (([f"const float* __restrict__ {pre}bias"] if self.bias else [])
             + (["const int* __restrict__ force"] if self.forced else []))
 
-  def rank(self, threads: int, pre: str = "") -> str:
-    """C for every thread of a block of `threads` (it holds barriers): the first warp reads the logits (`<pre>logits`,
-    through L2) and applies the gating function and the bias (`<pre>bias`) into shared `sp` (probabilities) and `ssc`
-    (scores: -inf past the experts or where not a number); a thread per expert counts the scores above its own (ties to
-    the lower index, as the pairwise top-k) and puts the top k ids in rank order into shared `ssel`."""
-    E, epl = self.experts, -(-self.experts // 32)
-    prob = {1: "expf(lg[i] - mx) / den", 2: "1.f / (1.f + expf(-lg[i]))", 3: "lg[i]",
-            4: "sqrtf(logf(1.f + expf(lg[i])))"}[self.gating]
-    softmax = ("float mx = -INFINITY, den = 0.f;"
-               f" for (int i = 0; i < {epl}; i++) if (lane + 32 * i < {E}) mx = fmaxf(mx, lg[i]);"
-               " mx = warp_max(mx);"
-               f" for (int i = 0; i < {epl}; i++) if (lane + 32 * i < {E}) den += expf(lg[i] - mx);"
-               " den = group_sum(den, 32);") if self.gating == 1 else ""
-    beats = lambda c, d: f"(v.{c} > s || (v.{c} == s && j + {d} < e))"
-    return f"""__shared__ int ssel[{self.k}];
-  __shared__ __align__(16) float ssc[{32 * epl}];
-  __shared__ float sp[{32 * epl}];
-  if (threadIdx.x < 32) {{
-    const int lane = threadIdx.x;
-    float lg[{epl}];
-    for (int i = 0; i < {epl}; i++) lg[i] = lane + 32 * i < {E} ? __ldcg({pre}logits + lane + 32 * i) : 0.f;
-    {softmax}
-    for (int i = 0; i < {epl}; i++) {{
-      const int e = lane + 32 * i;
-      const float p = {prob}, s = e < {E} ? p{f' + {pre}bias[e]' if self.bias else ''} : 0.f;
-      sp[e] = p; ssc[e] = e < {E} && s == s ? s : -INFINITY;
-    }}
-  }}
-  __syncthreads();
-  for (int e = threadIdx.x; e < {E}; e += {threads}) {{
-    const float s = ssc[e]; int rank = 0;
-    for (int j = 0; j < {32 * epl}; j += 4) {{
-      const float4 v = *(const float4*)(ssc + j);
-      rank += {beats("x", 0)} + {beats("y", 1)} + {beats("z", 2)} + {beats("w", 3)};
-    }}
-    if (rank < {self.k}) ssel[rank] = e;
-  }}
-  __syncthreads();"""
+  def defines(self, threads: int, pre: str = "") -> dict[str, int | str]:
+    """The defines of route_rank.cuh and route_weights.cuh for a block of `threads` whose logits and bias parameters
+    are named with `pre`."""
+    scale = {"ROUTE_SCALE": f"{self.w_scale!r}f"} if self.w_scale not in (0.0, 1.0) else {}
+    return dict(ROUTE_E=self.experts, ROUTE_K=self.k, ROUTE_GATING=self.gating, ROUTE_BIAS=int(self.bias),
+                ROUTE_NORM=int(self.norm_w), ROUTE_FORCED=int(self.forced), ROUTE_THREADS=threads,
+                ROUTE_LOGITS=f"{pre}logits", ROUTE_BIAS_IN=f"{pre}bias") | scale
 
   def used(self, t: str) -> str:
     """C: the expert slot t uses (rank's `ssel`, or `force` where forced), clamped to the experts."""
-    return expert_id(f"{'force' if self.forced else 'ssel'}[{t}]", self.experts)
-
-  def weights(self, store: Callable[[str, str], str]) -> str:
-    """C for one thread, after rank: the routing weight of each slot's expert (its probability; softmax_weight: their
-    softmax; normalised to their sum and scaled as the model says); store(t, w) is the C that keeps slot t's."""
-    k = self.k
-    softmax_k = (f" float ws = -INFINITY; for (int t = 0; t < {k}; t++) ws = fmaxf(ws, wsel[t]); float se = 0.f;"
-                 f" for (int t = 0; t < {k}; t++) {{ wsel[t] = expf(wsel[t] - ws); se += wsel[t]; }}"
-                 f" for (int t = 0; t < {k}; t++) wsel[t] /= se;") if self.gating == 3 else ""
-    scale = f" wv *= {self.w_scale!r}f;" if self.w_scale not in (0.0, 1.0) else ""
-    return (f"float wsel[{k}]; for (int t = 0; t < {k}; t++) wsel[t] = sp[{self.used('t')}];{softmax_k}"
-            f" float sum = 0.f; for (int t = 0; t < {k}; t++) sum += wsel[t];"
-            f" for (int t = 0; t < {k}; t++) {{ float wv = wsel[t];"
-            f"{' wv = wv / fmaxf(sum, 6.103515625e-5f);' if self.norm_w else ''}{scale} {store('t', 'wv')} }}")
+    return f"ROUTE_USED({t})"
 
 
+# Route's ranking (every thread of the block) and weights (one thread, after it) in a generated body, with the route's
+# defines in the kernel's source
+ROUTE_RANK, ROUTE_WEIGHTS = '\n#include "route_rank.cuh"\n', '\n#include "route_weights.cuh"\n'
 ROUTER_R, ROUTER_WARPS = 1, 4  # the router's rows per row group and warps per block: 16 blocks for 64 experts
 
 
@@ -1052,21 +898,9 @@ def router(w: W, eps: float, route: Route, logits_only: bool = False) -> Kernel:
     return Kernel(name, kernel(name, params, body, 32 * warps, waited=True), (blocks, 1, 1), (0,), 32 * warps)
   params = (["int* sel", "float* wts", "float* logits", "int* cnt"] + (["int* own"] if route.forced else [])
             + ["const float* __restrict__ x", "const float* __restrict__ gamma"] + route.params() + w.params)
-  store = lambda t, wv: (f"sel[{t}] = {route.used(t)}; wts[{t}] = {wv};"
-                         + (f" own[{t}] = ssel[{t}];" if route.forced else ""))
-  body = f"""{stage_decl(w.inp, "f32", warps)}
-  {products}
-  __shared__ int last;
-  __syncthreads();
-  if (threadIdx.x == 0) last = arrive(cnt) == (int)gridDim.x - 1;
-  __syncthreads();
-  if (!last) return;
-  {route.rank(32 * warps)}
-  if (threadIdx.x != 0) return;
-  {route.weights(store)}
-  cnt[0] = 0;"""
-  return Kernel(name, kernel(name, params, body, 32 * warps, waited=True), (blocks, 1, 1),
-                (0, 1, 2, 3) + ((4,) if route.forced else ()), 32 * warps)
+  src = device_kernel(name, params, "router.cu", 32 * warps, **route.defines(32 * warps),
+                      generated={"ROUTER_PRODUCTS": f"{stage_decl(w.inp, 'f32', warps)}\n  {products}"})
+  return Kernel(name, src, (blocks, 1, 1), (0, 1, 2, 3) + ((4,) if route.forced else ()), 32 * warps)
 
 
 @dataclass(frozen=True)
@@ -1164,7 +998,7 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
     return (f" __syncthreads(); if (threadIdx.x < 32) {{ const int l = threadIdx.x, g = ({base} + bx * 32) / "
             f"32; const float v = sact[l]; const float am = warp_max(fabsf(v)), iv = {Q8_INV}; {rounding[act]} }}")
   if r:
-    choose = (f"{route.rank(32 * warps)} const int y = by, e = {route.used('y')};"
+    choose = (f"{ROUTE_RANK} const int y = by, e = {route.used('y')};"
               + " if (bx == 0 && threadIdx.x == 0) own[y] = ssel[y];" if route
               else f"const int y = by, e = {expert_id('sel[y]', r.experts)};")
     body.append(f"if (by < {k}) {{ {WAIT} {choose}\n  "
@@ -1179,8 +1013,9 @@ def glu(routed: FFN | None, plain: FFN | None, k: int, dim: int, eps: float, R: 
   grid = (pb + k * rb, 1, 1)
   res = one_wave(grid[0], 32 * warps, sms, GLU_REGS)
   name += f"_b{res}" if res > 1 else ""
-  return Kernel(name, kernel(name, params, "\n  ".join(body), 32 * warps, waited=True, resident=res), grid,
-                (0, 1) if route else (0,), 32 * warps)
+  src = kernel(name, params, "\n  ".join(body), 32 * warps, waited=True, resident=res,
+               **(route.defines(32 * warps) if route else {}))
+  return Kernel(name, src, grid, (0, 1) if route else (0,), 32 * warps)
 
 
 HANDOFF = {"q8": 10, "x16": 18}  # floats a unit of 32 activations takes in glu's hand-off, by form (glu's docstring)
@@ -1270,11 +1105,15 @@ def _down_routing(r: FFN | None, route: Route | None, threads: int) -> tuple[lis
   if route is None:
     return (["const int* __restrict__ early_sel", "const float* __restrict__ wts"], "",
             lambda sl: expert_id(f"__ldcg(early_sel + {sl})", r.experts), "", lambda sl: f"wts[{sl}]")
-  keep = route.weights(lambda t, wv: f"swt[{t}] = {wv};")
-  keep = f"__shared__ float swt[{route.k}]; if (threadIdx.x == 0) {{ {keep} }}"
+  keep = f"__shared__ float swt[{route.k}]; if (threadIdx.x == 0) {{ {ROUTE_WEIGHTS} }}"
   return (["const float* __restrict__ early_logits"] + route.params("early_"),
-          (f"{WAIT} " if route.forced else "") + route.rank(threads, "early_"), route.used, keep + " __syncthreads();",
+          (f"{WAIT} " if route.forced else "") + ROUTE_RANK, route.used, keep + " __syncthreads();",
           lambda sl: f"swt[{sl}]")
+
+
+def _down_defines(route: Route | None, threads: int) -> dict[str, int | str]:
+  """down's defines for its route: Route.defines of the `early_` parameters, the weights kept in shared `swt`."""
+  return route.defines(threads, "early_") | {"ROUTE_STORE(t, wv)": "swt[t] = wv;"} if route else {}
 
 
 def _down_slots(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int, act: str,
@@ -1312,7 +1151,8 @@ def _down_slots(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int,
   body += ["}",
            *_down_combine("if (lane == 0) { " + " ".join(f"part[warp][{i}] = tot{i};" for i in range(R)) + " }", R, dim,
                           WARPS)]
-  return Kernel(name, kernel(name, params, "\n  ".join(body), waited=True), (-(-dim // R), 1, 1), (0,))
+  return Kernel(name, kernel(name, params, "\n  ".join(body), waited=True, **_down_defines(route, THREADS)),
+                (-(-dim // R), 1, 1), (0,))
 
 
 def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str, act_in: str = "f32",
@@ -1394,5 +1234,5 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
     body.append("{ " + " ".join(xs) + f" const float wk{j} = {wk}; " + " ".join(dots) + " }")
   sums, k = lane_sums([f"acc{i}" for i in range(R)])
   body += [sums, *_down_combine(f"if (lane < {R}) part[warp][{k}] = lsum;", R, dim, threads // 32)]
-  return Kernel(name, kernel(name, params, "\n  ".join(body), threads, waited=True), (-(-dim // R), 1, 1), (0,),
-                threads)
+  return Kernel(name, kernel(name, params, "\n  ".join(body), threads, waited=True, **_down_defines(route, threads)),
+                (-(-dim // R), 1, 1), (0,), threads)

@@ -1,6 +1,8 @@
 # make demo: set up and run the main job on the embedded default (synthetic tiny model)
 # make test: set up and run the test suite
 VENV ?= .venv
+# more pytest options for make test (.ci/run: --durations=20)
+TEST_ARGS ?=
 BIN := $(VENV)/bin
 
 .PHONY: deps setup demo test test-slow lint
@@ -23,7 +25,7 @@ lint: setup
 	$(BIN)/ruff check .
 
 test: lint  # a crashed worker ends the run with its test named (xdist's file scheduling can stall replacing one)
-	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart 0
+	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart 0 $(TEST_ARGS)
 
 test-slow: setup  # the full-width GLM-4.7-Flash and DeepSeek-V2-Lite 2-layer files against llama.cpp (about 15 CPU minutes, 10 GB)
 	$(BIN)/pytest -q -m slow

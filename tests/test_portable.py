@@ -73,13 +73,22 @@ def portable_outputs(quant: str) -> list[Tensor]:
           dsl._down(x(64), x(3 + pseudo, 512), w((5, 64, 512)), 1, route, w((64, 1024)) if two else None)]
 
 
-@pytest.mark.parametrize("quant", sorted(catalog.get("dsl").quants))
-def test_every_portable_kernel_renders_for_cuda_metal_and_amd(quant: str, monkeypatch) -> None:
+# a K-quant's unrolled blocks take seconds to render per kernel and target: in the default suite each of its kernels
+# renders for one target in turn (every kernel and every target rendered for the type, and every kernel for every target
+# with the other types); `make test-slow` renders every one for every target
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+RENDER_CASES = [pytest.param(q, q not in K_QUANTS, id=q) for q in sorted(catalog.get("dsl").quants)] + [
+  pytest.param(q, True, id=f"{q}-every-target", marks=pytest.mark.slow) for q in K_QUANTS]
+
+
+@pytest.mark.parametrize("quant,every", RENDER_CASES)
+def test_every_portable_kernel_renders_for_cuda_metal_and_amd(quant: str, every: bool, monkeypatch) -> None:
   monkeypatch.setattr(dsl, "_local", lambda device: True)
   asts = [a for a in kernels(*portable_outputs(quant)) if a.arg.name.startswith("dsl_")]
   assert {a.arg.name.split("_")[1] for a in asts} == {"dense", "per", "expert", "res", "vec", "gate", "glu", "down"}
-  for kind in RENDERERS:
-    for a in asts:
+  kinds = list(RENDERERS)
+  for i, a in enumerate(asts):
+    for kind in kinds if every else [kinds[i % len(kinds)]]:
       src = render_source(a, renderer(kind))
       assert a.arg.name in src
       shared = {"CUDA": "__shared__", "METAL": "threadgroup", "AMD": "__attribute__((shared"}[kind]

@@ -63,7 +63,7 @@ def reads(src: str, sizes: frozenset[int]) -> bool:
   return any(int(n) in sizes for n in re.findall(r"\bdata\d+_(\d+)\b", src))
 
 
-@pytest.mark.parametrize("quant", ["q4_0", "q4_k_m"])
+@pytest.mark.parametrize("quant", ["q4_0", "q4_k_m", "f16"])
 def test_decode_matches_the_baseline_with_custom_kernels(gguf_file, quant: str) -> None:
   path = gguf_file("tiny", quant)
   info = ModelInfo.from_gguf(GGUFFile(path))

@@ -11,10 +11,11 @@ deps:  # system packages: clang for tinygrad's CPU backend, a C++ toolchain for 
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang cmake g++ make >/dev/null; }
 
 setup: deps $(VENV)/.installed
+# llama-cpp-python builds llama.cpp from source: here without its multimodal library (mtmd), which nothing loads
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(BIN)/python -m pip install -q -e ".[dev]"
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" $(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
 demo: setup  # 8 trials of the tiny model on the CPU at BEAM=0 (BEAM on the CPU costs minutes per trial), the best one confirmed, its report

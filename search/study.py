@@ -22,7 +22,7 @@ import sqlalchemy
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
 from db import store
-from db.engine import DBError, NoDatabase, engine_kwargs, hide_password, open_db, session
+from db.engine import DBError, NoDatabase, engine_kwargs, hide_password, open_db, reconnecting, session
 from db.models import Study
 from evaluator.devices import physical
 from evaluator.runner import Evaluator
@@ -63,9 +63,10 @@ def storage(url: str, heartbeat: float = HEARTBEAT_S, create: bool = False) -> R
     try:
       with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return RDBStorage(url, heartbeat_interval=max(1, round(heartbeat)), grace_period=max(3, round(6 * heartbeat)),
-                          heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=store.RETRIES),
-                          engine_kwargs=engine_kwargs(url))
+        st = RDBStorage(url, heartbeat_interval=max(1, round(heartbeat)), grace_period=max(3, round(6 * heartbeat)),
+                        heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=store.RETRIES),
+                        engine_kwargs=engine_kwargs(url))
+        return reconnecting(st.engine, reached=True) and st
     except Exception as e:  # noqa: BLE001 - Optuna raises bare SQLAlchemy or RuntimeErrors here
       raced = (isinstance(e, sqlalchemy.exc.IntegrityError) or isinstance(e, sqlalchemy.exc.SQLAlchemyError)
                and "already exists" in str(e))

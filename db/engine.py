@@ -2,6 +2,7 @@
 DBError."""
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -58,6 +59,21 @@ def _reason(e: DBAPIError) -> str:
   "x" does not exist', ..."""
   reason = re.sub(r"^.*failed: (FATAL: +)?", "", _line(e)).strip()
   return reason[:1].lower() + reason[1:]
+
+
+def failure(e: BaseException, url: str) -> str | None:
+  """One line for a database that failed under a running command (the driver's error anywhere in e's chain: Optuna
+  wraps it), None when e is no database error."""
+  while e is not None and not isinstance(e, DBAPIError): e = e.__cause__ or e.__context__
+  if e is None: return None
+  u, msg = make_url(url), str(e.orig or e).lower()
+  sqlite = u.get_backend_name() == "sqlite"
+  where = f"the SQLite database {u.database}" if sqlite else f"the database at {hide_password(url)}"
+  if "disk is full" in msg or "no space left" in msg: return f"the disk of {where} is full"
+  if "readonly database" in msg or "read-only file system" in msg or sqlite and not os.access(
+      Path(u.database or ".").parent, os.W_OK): return f"{where} is read-only"
+  if "malformed" in msg or "not a database" in msg: return f"{where} is corrupt ({_line(e)})"
+  return f"cannot use {where}: {_line(e)}" if sqlite else f"lost {where}: {_reason(e)}"
 
 
 def engine_kwargs(url: str) -> dict:
@@ -144,6 +160,7 @@ def open_db(url: str, create: bool = True) -> Engine:
     engine.dispose()
     if isinstance(e, DBError): raise
     if sqlite and "file is not a database" in str(e): raise DBError(f"{u.database} is not a SQLite database") from None
+    if sqlite and isinstance(e, DBAPIError): raise DBError(failure(e, url)) from None
     raise DBError(f"cannot set up the schema of the database at {safe}: {_line(e)}") from None
   return engine
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import pathlib
+import shlex
 import socket
 import time
 import warnings
@@ -53,6 +54,11 @@ class BaselineFailed(RuntimeError):
   """The baseline config failed: nothing of the study can be compared with it, so the study stops."""
 
 
+class ListenerFailed(RuntimeError):
+  """A listener could not write its files (the dashboard's artifacts: a full or read-only disk): the trial it heard of
+  is stored in both ledgers first, then the worker stops."""
+
+
 class Runner:
   """One worker of a study: proposes configs through Optuna, measures them with the evaluator, records everything, and
   tells its listeners (search/events.py) as it goes."""
@@ -73,10 +79,19 @@ class Runner:
     if not self.multi: self.study.pruner = optuna.pruners.PercentilePruner(25.0, n_startup_trials=5, n_warmup_steps=0)
     self.baseline = stored_baseline(url, setup, info)
     self.late: int | None = None  # the trial whose result came late (its Optuna trial was failed meanwhile)
+    self.broken: OSError | None = None  # a listener's failure, raised once the trial it heard of is told to Optuna
     with session(self.engine) as s: self.row = bind_device(s, store.get_study(s, setup.name), setup.device)
 
   def emit(self, e: Event) -> None:
-    for listen in self.listeners: listen(e)
+    for listen in self.listeners:
+      try: listen(e)
+      except OSError as err: self.broken = self.broken or err
+
+  def _listeners_ok(self) -> None:
+    if self.broken is not None:
+      raise ListenerFailed(f"cannot write the dashboard's artifacts ({self.broken.strerror or self.broken}: "
+                           f"{self.broken.filename or ''}); the trials so far are stored, and `search start --study "
+                           f"{shlex.quote(self.setup.name)}` continues once they can be written")
 
   def say(self, text: str) -> None: self.emit(Event("note", -1, text))
 
@@ -88,6 +103,7 @@ class Runner:
     t0, said = time.monotonic(), ""
     self._baseline_first()
     while timeout is None or time.monotonic() - t0 < timeout:
+      self._listeners_ok()
       self.reap()
       trials = self.study.get_trials(deepcopy=False)
       running = [t for t in trials if t.state == TrialState.RUNNING]  # between trials, none of them is this worker's
@@ -98,7 +114,7 @@ class Runner:
         if not self.multi and noise.settle(self.ev, self.engine, self.row, self.baseline.hash,
                                            max(2, self.setup.trials // 10), self.say):
           self.emit(Event("measured", -1, "the configs within the noise of the best"))
-        return
+        return self._listeners_ok()
       if done + len(running) >= self.setup.trials and not retries:
         waiting = ", ".join(str(t.number) for t in running)
         if said != (said := f"waiting for trial{'s' * (len(running) > 1)} {waiting} of other workers to finish, or to "

@@ -98,3 +98,93 @@ def test_a_postgresql_outage_is_ridden_out_and_no_measurement_is_lost(model, pri
   assert all(s == "ok" for s, _ in ours.values()) and len(ours) == 4, ours
   trials = optuna.load_study(study_name="pg", storage=url).trials
   assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 4
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+  """A small filesystem of this test's own (tmpfs, 4 MiB): filled up or made read-only mid-study."""
+  (d := tmp_path / "fs").mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(d)], capture_output=True).returncode:
+    pytest.skip("mounting a tmpfs is not permitted here")
+  yield d
+  subprocess.run(["umount", "-l", str(d)], check=True)
+
+
+def fill(d: pathlib.Path) -> None:
+  with open(d / "filler", "wb") as f:
+    try:
+      while True: f.write(b"\0" * 65536); f.flush()
+    except OSError: pass
+
+
+def read_only(d: pathlib.Path) -> None: subprocess.run(["mount", "-o", "remount,ro", str(d)], check=True)
+
+
+def assert_one_line(p: subprocess.Popen, out: str) -> None:
+  assert p.returncode not in (0, None) and "Traceback" not in out and "Exception" not in out, out
+  assert len([ln for ln in out.splitlines() if ln.startswith("search: error:")]) == 1, out
+
+
+def assert_ledgers_agree(url: str, study: str) -> None:
+  """No trial RUNNING in one ledger and finished in the other; every trial ours says ok is complete in Optuna's."""
+  optuna_states = {t.number: t.state for t in optuna.load_study(study_name=study, storage=url).trials}
+  TS = optuna.trial.TrialState
+  for n, state in rows(url, "SELECT number, state FROM ss_trial"):
+    assert (state == "running") == (optuna_states[n] == TS.RUNNING), (n, state, optuna_states)
+    if state == "ok": assert optuna_states[n] == TS.COMPLETE, (n, state, optuna_states)
+
+
+def test_a_database_disk_full_mid_study_is_one_line(model, tmpfs, inject) -> None:
+  url = f"sqlite:///{tmpfs / 's.db'}"
+  p = started(inject, "start", "--model", model, "--study", "s", "--storage", url, "--trials", "20", *FAST,
+              "--artifacts", str(tmpfs.parent / "artifacts"), seconds=1.5)
+  running_trial(url, p, after=1)
+  fill(tmpfs)
+  out = p.communicate(timeout=120)[0]
+  assert_one_line(p, out)
+  assert "is full" in out.splitlines()[-1], out
+  (tmpfs / "filler").unlink()
+  assert_ledgers_agree(url, "s")
+
+
+def test_a_read_only_database_is_one_line_and_untouched(model, tmpfs, inject) -> None:
+  """A file system remounted read-only under a study (SQLite holds its files open for writing: the remount waits for
+  the worker to end, so the study continued is the one refused)."""
+  url = f"sqlite:///{tmpfs / 's.db'}"
+  p = started(inject, "start", "--model", model, "--study", "s", "--storage", url, "--trials", "2", *FAST, seconds=0.2)
+  assert p.communicate(timeout=120)[0] and p.returncode == 0
+  before = {f.name: f.read_bytes() for f in tmpfs.iterdir() if f.is_file()}
+  read_only(tmpfs)
+  for argv in (["start", "--study", "s", "--trials", "4", *FAST], ["status"], ["leaderboard", "--study", "s"]):
+    p = started(inject, *argv, "--storage", url)
+    out = p.communicate(timeout=120)[0]
+    assert_one_line(p, out)
+    assert "read-only" in out, out
+  assert {f.name: f.read_bytes() for f in tmpfs.iterdir() if f.is_file()} == before
+
+
+def test_unwritable_artifacts_store_the_result_and_stop_in_one_line(model, tmpfs, tmp_path, inject) -> None:
+  url = f"sqlite:///{tmp_path / 's.db'}"
+  p = started(inject, "start", "--model", model, "--study", "s", "--storage", url, "--trials", "20", *FAST,
+              "--artifacts", str(tmpfs), seconds=1.5)
+  down = running_trial(url, p, after=1)
+  read_only(tmpfs)
+  out = p.communicate(timeout=120)[0]
+  assert_one_line(p, out)
+  assert "artifact" in out.splitlines()[-1], out
+  assert_ledgers_agree(url, "s")
+  assert rows(url, "SELECT state FROM ss_trial WHERE number = :n", n=down) == [("ok",)]
+
+
+def test_a_corrupt_database_is_one_line(model, tmp_path, inject) -> None:
+  url = f"sqlite:///{(db := tmp_path / 's.db')}"
+  p = started(inject, "start", "--model", model, "--study", "s", "--storage", url, "--trials", "2", *FAST, seconds=0.2)
+  assert p.communicate(timeout=120)[0] and p.returncode == 0
+  data = bytearray(db.read_bytes())
+  data[4096:] = b"\x5a" * (len(data) - 4096)  # every page past the first overwritten: the schema stays readable
+  db.write_bytes(bytes(data))
+  for argv in (["start", "--study", "s", "--trials", "4", *FAST], ["status"], ["leaderboard", "--study", "s"]):
+    p = started(inject, *argv, "--storage", url)
+    out = p.communicate(timeout=120)[0]
+    assert_one_line(p, out)
+    assert "is corrupt" in out, out

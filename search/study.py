@@ -172,8 +172,8 @@ def bind_device(s, row: Study, device: str) -> Study:
 
 
 def check_model(row: Study, path: str) -> None:
-  """Every command that measures checks that its model file is the study's, by SHA-256 (cached by path, size and
-  mtime)."""
+  """Every command that measures checks that its model file is the study's, by SHA-256 (cached by the file's identity:
+  model.filehash.file_identity)."""
   if not os.path.isfile(path):
     raise StudyMismatch(f"study {row.name!r} measures {row.model_path}, which is not on this host: pass --model with "
                         "the path of that file here")

@@ -31,11 +31,12 @@ from db.engine import open_db, session
 from db.models import GitState, Study, Trial
 from evaluator.result import TrialResult
 from evaluator.runner import Evaluator, ReferenceFailed
+from model.filehash import file_identity
 from model.structure import StructureConfig
 from search import noise
 from search.events import Event, Listener
 from search.proxy import ladder, proxy_fit
-from search.study import HEARTBEAT_S, Setup, bind_device, sampler, storage, stored_baseline
+from search.study import HEARTBEAT_S, Setup, StudyMismatch, bind_device, check_model, sampler, storage, stored_baseline
 from space.knobs import ModelInfo, suggest
 
 PROJECT = pathlib.Path(__file__).resolve().parents[1]
@@ -81,6 +82,7 @@ class Runner:
     self.late: int | None = None  # the trial whose result came late (its Optuna trial was failed meanwhile)
     self.broken: OSError | None = None  # a listener's failure, raised once the trial it heard of is told to Optuna
     with session(self.engine) as s: self.row = bind_device(s, store.get_study(s, setup.name), setup.device)
+    self.identity = file_identity(setup.model)  # the file measuring_setup checked by SHA-256
 
   def emit(self, e: Event) -> None:
     for listen in self.listeners:
@@ -121,6 +123,7 @@ class Runner:
                             "fail when their worker stops beating"): self.emit(Event("wait", -1, said))
         time.sleep(self.heartbeat)
         continue
+      self._same_model()
       try: self.study.optimize(self.objective, n_trials=1, catch=(TrialFailed,), gc_after_trial=False)
       except ValueError:  # Optuna cannot tell a trial it failed already: the late result is recorded (objective), go on
         if self.late is None: raise
@@ -129,6 +132,17 @@ class Runner:
           and noise.measure(self.ev, self.engine, self.row, self.baseline, self.baseline.hash, None,
                             f"baseline re-measured after {done} trials", self.say):
         self.emit(Event("measured", -1, "the baseline"))
+
+  def _same_model(self) -> None:
+    """Before every trial, the model file is the study's: a file whose identity changed (replaced, rewritten, even at
+    its size with its mtime set back) is hashed again, and one that is not the study's stops the worker before a trial
+    of another file is ranked with the study's."""
+    try: now = file_identity(self.setup.model)
+    except OSError: now = None  # gone: check_model says so
+    if now == self.identity: return
+    try: check_model(self.row, self.setup.model)
+    except StudyMismatch as e: raise StudyMismatch(f"the model file changed during the study: {e}") from None
+    self.identity = now
 
   def finished(self, trials: list[FrozenTrial] | None = None) -> int:
     """Trials with an outcome: completed, pruned, or failed by the evaluator (not interrupted, not lost with a dead

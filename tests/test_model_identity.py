@@ -37,9 +37,9 @@ def test_the_cached_hash_sees_a_same_size_file_with_its_mtime_set_back(tmp_path)
 def test_a_model_file_swapped_mid_study_stops_the_worker(gguf_file, tmp_path, inject) -> None:
   shutil.copy(gguf_file("tiny", "q4_0"), model := tmp_path / "m.gguf")
   url = f"sqlite:///{tmp_path / 's.db'}"
-  p = subprocess.Popen([sys.executable, "-m", "search", "start", "--model", str(model), "--study", "s", "--storage", url,
-                        "--trials", "8", *FAST], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       env=inject(seconds=1.0))
+  argv = ["start", "--model", str(model), "--study", "s", "--storage", url, "--trials", "8", *FAST]
+  p = subprocess.Popen([sys.executable, "-m", "search", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, env=inject(seconds=1.0))
   engine, running = create_engine(url), []
   deadline = time.time() + 90
   while not running and time.time() < deadline and p.poll() is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pathlib
 
 from model.registry import cache_dir
 
@@ -24,15 +25,25 @@ def file_identity(path: str | os.PathLike) -> str:
   return f"{os.path.abspath(path)}:{st.st_size}:{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}:{h.hexdigest()[:16]}"
 
 
+def cached_json(path: pathlib.Path) -> dict:
+  """A JSON cache file's contents ({} when there is none); a corrupt one is an error that names it."""
+  try: known = json.loads(path.read_text()) if path.exists() else {}
+  except (ValueError, OSError) as e:
+    raise ValueError(f"the cache file {path} is corrupt ({e}): remove it, and it is made again") from None
+  if not isinstance(known, dict): raise ValueError(f"the cache file {path} is corrupt (not a JSON object): remove it, "
+                                                   "and it is made again")
+  return known
+
+
 def file_sha256(path: str | os.PathLike) -> str:
   """SHA-256 of a (possibly 20 GB) file, remembered in the cache by its file_identity, so it is read once."""
   memo, key = cache_dir() / "sha256.json", file_identity(path)
-  known = json.loads(memo.read_text()) if memo.exists() else {}
+  known = cached_json(memo)
   if key not in known:
     h = hashlib.sha256()
     with open(path, "rb") as f:
       while chunk := f.read(1 << 24): h.update(chunk)
-    known = json.loads(memo.read_text()) if memo.exists() else {}  # another process may have added its own meanwhile
+    known = cached_json(memo)  # another process may have added its own meanwhile
     known[key] = h.hexdigest()
     memo.parent.mkdir(parents=True, exist_ok=True)
     tmp = memo.with_suffix(f".{os.getpid()}.tmp")

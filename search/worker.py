@@ -27,7 +27,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from db import store
 from db.capture import git_state
-from db.engine import open_db, session
+from db.engine import failure, open_db, session
 from db.models import GitState, Study, Trial
 from evaluator.result import TrialResult
 from evaluator.runner import Evaluator, ReferenceFailed
@@ -68,7 +68,7 @@ class Runner:
                listeners: Sequence[Listener] = (), heartbeat: float = HEARTBEAT_S):
     self.setup, self.ev, self.info, self.remeasure, self.listeners, self.heartbeat = (setup, ev, info, remeasure,
                                                                                       listeners, heartbeat)
-    self.engine = open_db(url, create=False)
+    self.engine, self.url = open_db(url, create=False), url
     self.multi = "," in setup.objectives
     self.storage = storage(url, heartbeat)
     self.study = optuna.load_study(study_name=setup.name, storage=self.storage)
@@ -228,6 +228,10 @@ class Runner:
     except (KeyboardInterrupt, SystemExit):
       with session(self.engine) as s: store.finish_trial(s, row, state="interrupted", error_text="stopped by the user")
       self.study.enqueue_trial(trial.params)  # measured first when the study continues
+      raise
+    except Exception as e:  # Optuna fails the trial as it stops the worker (a corrupt cache file): ours says so too
+      if failure(e, self.url) is None:
+        with session(self.engine) as s: store.finish_trial(s, row, state="interrupted", error_text=str(e))
       raise
 
   def _reuse(self, trial: optuna.Trial, row: Trial, prior: Trial, is_base: bool) -> float | tuple[float, float]:

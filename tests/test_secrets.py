@@ -11,7 +11,8 @@ from db.capture import git_state
 ENVRC = "export API_TOKEN=tok3n-V4lue-xyz\n"
 YAML = "db:\n  host: x\n  password: hunter22value\n"
 INI = "[default]\nregion = eu\naws_secret_access_key = wJalrXUtnFEMIK7MDENGbPxRfiCYzz\n"
-PEM = ["-----BEGIN RSA " + "PRIVATE KEY-----", *(f"MIIEow{i:02d}" + "QWxhZGRpbjpvcGVuIHNlc2FtZQ" * 2 for i in range(20)),
+BODY = "QWxhZGRpbjpvcGVuIHNlc2FtZQ" * 2
+PEM = ["-----BEGIN RSA " + "PRIVATE KEY-----", *(f"MIIEow{i:02d}{BODY}" for i in range(20)),
        "-----END RSA " + "PRIVATE KEY-----"]
 
 

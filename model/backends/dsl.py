@@ -29,13 +29,12 @@ from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
 from model.backends.registry import Backend, register
-from model.deepseek2 import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, SQRT_SOFTPLUS, rms_norm
 from model.quants import BF16, F16, F32, LAYOUTS, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, QUANT_TYPES
+from model.stages import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, SQRT_SOFTPLUS, rms_norm
 
 if TYPE_CHECKING:
-  from model.deepseek2 import Block
+  from model.stages import AttentionStage, FfnStage, Glu, MoeStage, RouterStage, Routing
   from model.weights import QWeight
-  Ffn = tuple[QWeight | None, QWeight | None, QWeight | None]  # gate, up, merged gate+up (merged, or the others)
 
 Planes = dict[str, UOp]  # each (rows, nblocks, field_len), as QWeight keeps them
 
@@ -63,11 +62,10 @@ def to_words(w: QWeight) -> QWeight:
   """w's code planes (WORDS) as 32-bit words (each field's bytes, little-endian), realized once."""
   for k in WORDS.get(w.ggml_type, ()):
     if (v := w.planes[k]).dtype == dtypes.uint32: continue
-    # a buffer of its own: bitcast(...).contiguous() of a realized buffer stays a lazy view, copied by every kernel
-    # reading it
-    w.planes[k] = Tensor.empty(*v.shape[:-1], v.shape[-1] * v.dtype.itemsize // 4, dtype=dtypes.uint32,
-                               device=v.device) \
-      .assign(v.bitcast(dtypes.uint32)).realize()
+    # a buffer of its own: bitcast(...).contiguous() of a realized buffer stays a lazy view, which every kernel that
+    # reads it copies
+    words = Tensor.empty(*v.shape[:-1], v.shape[-1] * v.dtype.itemsize // 4, dtype=dtypes.uint32, device=v.device)
+    w.planes[k] = words.assign(v.bitcast(dtypes.uint32)).realize()
   return w
 
 
@@ -83,11 +81,11 @@ def _byte(p: Planes, name: str, ggml_type: int, r: UOp, b: UOp, word: UOp | int,
 
 @dataclass(frozen=True)
 class _Spec:
-  """How a block splits: `outer` ranges pick a scale group, `inner` ranges an element of it. code(p, r, b, *outer,
-  *inner)
-  -> (the element's offset in the block, its integer code as float32); scale(p, r, b, *outer) -> (scale, bias or None):
-  the element's value is scale * code + bias. `word` is the inner range that picks a 32-bit word of the codes, which
-  LANES threads can split (None: the block is not split)."""
+  """How a block splits: `outer` ranges pick a scale group, `inner` ranges an element of it.
+  code(p, r, b, *outer, *inner) -> (the element's offset in the block, its integer code as float32);
+  scale(p, r, b, *outer) -> (scale, bias or None): the element's value is scale * code + bias.
+  `word` is the inner range that picks a 32-bit word of the codes, which LANES threads can split (None: the block is not
+  split)."""
   outer: tuple[int, ...]
   inner: tuple[int, ...]
   code: Callable[..., tuple[UOp, UOp]]
@@ -467,39 +465,39 @@ def _vec(x: Tensor, ws: tuple[QWeight, ...], norm: Norm | None = None, res: Tens
                  residual=res is not None, rows=rows)
 
 
-def attention(blk: Block, x: Tensor, start_pos, pos: Tensor | None) -> Tensor:
+def attention(st: AttentionStage, x: Tensor, start_pos: int | UOp, pos: Tensor | None) -> Tensor:
   """h = x + attention(x) for one token, in UOp kernels: q_a (or q) and kv_a as one product with the norm folded in,
   the KV cache write (each workgroup reduces c_kv's 1/rms), q_b with q_a's norm folded in, k_b reading q in place, the
   scores (q_pe rotated as they are read), softmax(scores) @ c_kv, v_b, and the output projection with the residual add
   folded in. With attn_act=q8 the three dense products (q_a/kv_a, q_b, the output projection) read their input
   normalised and rounded as the native kernels stage it (q8_round)."""
-  hp, q8 = blk.hp, blk.cfg.attn_act == "q8"
-  H, nope, rope, dim = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.dim
+  q8, eps = st.act == "q8", st.eps
+  H, nope, rope, kvl, dim = st.n_heads, st.qk_nope, st.qk_rope, st.kv_lora, st.dim
   xf = x.reshape(dim).float()
   # a dense product's input: normalised inside the kernel, or with attn_act=q8 normalised and rounded to 8 bits first
   def inp(v: Tensor, gamma: Tensor | None) -> tuple[Tensor, Norm | None]:
-    if not q8: return v, (gamma, hp.eps) if gamma is not None else None
-    return q8_round((rms_norm(v, gamma, hp.eps) if gamma is not None else v).contiguous()).contiguous(), None
-  first = blk.q_a if hp.q_lora else blk.q_b
+    if not q8: return v, (gamma, eps) if gamma is not None else None
+    return q8_round((rms_norm(v, gamma, eps) if gamma is not None else v).contiguous()).contiguous(), None
+  first = st.q_a if st.q_a is not None else st.q_b
   # kv_a's output at offset `at` of kv: after q_a's (or q's) in one product where the two weights share a type
-  one = first.ggml_type == blk.kv_a.ggml_type
-  xa, norm = inp(xf, blk.attn_norm)
-  qkv = _vec(xa, (first, blk.kv_a) if one else (first,), norm, rows=blk.cfg.rows("qkv_a"))
-  kv, at = (qkv, first.shape[0]) if one else (_vec(xa, (blk.kv_a,), norm, rows=blk.cfg.rows("qkv_a")), 0)
+  one = first.ggml_type == st.kv_a.ggml_type
+  xa, norm = inp(xf, st.attn_norm)
+  qkv = _vec(xa, (first, st.kv_a) if one else (first,), norm, rows=st.qkv_a_rows)
+  kv, at = (qkv, first.shape[0]) if one else (_vec(xa, (st.kv_a,), norm, rows=st.qkv_a_rows), 0)
   pos, bind = _position(start_pos)
-  cache = blk.cache.custom_kernel(kv, blk.kv_a_norm, blk.cos, blk.sin, *bind, fxn=partial(
-    kv_write_kernel, pos=pos, at=at, eps=hp.eps, local=_local(kv.device)))[0]
+  cache = st.cache.custom_kernel(kv, st.kv_a_norm, st.cos, st.sin, *bind, fxn=partial(
+    kv_write_kernel, pos=pos, at=at, eps=eps, local=_local(kv.device)))[0]
   q = qkv[:first.shape[0]]
-  if hp.q_lora:  # q_b reads q_a's output in place (the first rows of qkv) where the norm is folded in
-    qa, norm = inp(q if q8 else qkv, blk.q_a_norm)
-    q = _vec(qa, (blk.q_b,), norm)
-  q_abs = per_head(q.reshape(1, 1, H, nope + rope), blk.k_b).reshape(H, hp.kv_lora)  # k_b reads q's nope part in place
-  ctx = blk.cache.shape[1]
-  s = _custom(scores_kernel, (H, ctx), [q, q_abs, cache, blk.cos, blk.sin, *bind], pos=pos, scale=hp.kq_scale,
+  if st.q_a is not None:  # q_b reads q_a's output in place (the first rows of qkv) where the norm is folded in
+    qa, norm = inp(q if q8 else qkv, st.q_a_norm)
+    q = _vec(qa, (st.q_b,), norm)
+  q_abs = per_head(q.reshape(1, 1, H, nope + rope), st.k_b).reshape(H, kvl)  # k_b reads q's nope part in place
+  ctx = st.cache.shape[1]
+  s = _custom(scores_kernel, (H, ctx), [q, q_abs, cache, st.cos, st.sin, *bind], pos=pos, scale=st.kq_scale,
               nope=nope)
-  o = _custom(pv_kernel, (H, hp.kv_lora), [s, cache, *bind], pos=pos)
-  out = per_head(o.reshape(1, H, hp.kv_lora), blk.v_b)
-  return _vec(inp(out.reshape(-1), None)[0], (blk.wo,), res=xf, rows=blk.cfg.rows("attn_out")).reshape(1, 1, dim)
+  o = _custom(pv_kernel, (H, kvl), [s, cache, *bind], pos=pos)
+  out = per_head(o.reshape(1, H, kvl), st.v_b)
+  return _vec(inp(out.reshape(-1), None)[0], (st.wo,), res=xf, rows=st.attn_out_rows).reshape(1, 1, dim)
 
 
 def _gating(logits: UOp, gating: int, ids: Iterator[int]) -> Callable[[UOp], UOp]:
@@ -642,20 +640,20 @@ def pv_kernel(out: UOp, s: UOp, cache: UOp, *_var: UOp, pos: UOp | int, local: b
   return out[h, c].store(o).end(*hr, *rows).sink(arg=KernelInfo(name="dsl_pv", opts_to_apply=()))
 
 
-def _route(blk: Block) -> Route: return blk.hp.gating, blk.hp.norm_w, blk.hp.w_scale
+def _route(r: Routing) -> Route: return r.gating, r.norm_w, r.w_scale
 
 
-def router(blk: Block, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def router(st: RouterStage, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
   """The router logits with the norm folded in, the top-k (its own ids) and the routing weights of the ids used (its
   own, or `forced`): three UOp kernels."""
-  hp = blk.hp
-  logits = _vec(h.reshape(hp.dim).float(), (blk.gate_inp,), (blk.ffn_norm, hp.eps))
-  bias = [blk.probs_b] if blk.probs_b is not None else []
-  own = _custom(topk_kernel, (hp.n_used,), [logits, *bias], dtype=dtypes.int32, gating=hp.gating)
+  r = st.routing
+  logits = _vec(h.reshape(st.dim).float(), (st.gate_inp,), (st.ffn_norm, st.eps))
+  bias = [st.probs_b] if st.probs_b is not None else []
+  own = _custom(topk_kernel, (r.n_used,), [logits, *bias], dtype=dtypes.int32, gating=r.gating)
   sel = own if forced is None else forced.reshape(-1).cast(dtypes.int32)
-  w = _custom(weights_kernel, (hp.n_used,), [logits, sel], route=_route(blk))
-  K = lambda t: t.reshape(1, 1, hp.n_used)
-  return K(sel), K(w), K(own), logits.reshape(1, 1, hp.n_experts)
+  w = _custom(weights_kernel, (r.n_used,), [logits, sel], route=_route(r))
+  K = lambda t: t.reshape(1, 1, r.n_used)
+  return K(sel), K(w), K(own), logits.reshape(1, 1, r.n_experts)
 
 
 def q8_round(x: Tensor) -> Tensor:
@@ -682,7 +680,7 @@ def act_round(act: str) -> Callable[[Tensor], Tensor]:
   return {"q8": q8_round, "x16": x16_round}.get(act, lambda a: a)
 
 
-def _glu(x: Tensor, norm: Norm | None, w: Ffn, rows: int, sel: Tensor | None = None, shared: Ffn | None = None,
+def _glu(x: Tensor, norm: Norm | None, w: Glu, rows: int, sel: Tensor | None = None, shared: Glu | None = None,
          pseudo: int = 0) -> Tensor:
   """SiLU(gate . xn) * (up . xn): (S, hidden) for the S selected experts (sel) followed by the shared expert's rows as
   `pseudo` experts, or (1, hidden) for one plain FFN. Merged gate+up is one kernel with SiLU(gate) * up inside;
@@ -694,9 +692,8 @@ def _glu(x: Tensor, norm: Norm | None, w: Ffn, rows: int, sel: Tensor | None = N
     planes = list(w.planes.values()) + (list(sh.planes.values()) if sh is not None else [])
     return _custom(gate_up_kernel, (slots, w.shape[-2] // (2 if glu else 1)), srcs + planes, w=w, shared=sh,
                    eps=norm[1] if norm else None, experts=w.shape[0] if sel is not None else 0, glu=glu, rows=rows)
-  (gate, up, gate_up), (sg, su, sgu) = w, shared or (None, None, None)
-  if gate_up is not None: return prod_(gate_up, sgu, True)
-  return prod_(gate, sg, False).silu() * prod_(up, su, False)
+  if w.gate_up is not None: return prod_(w.gate_up, shared and shared.gate_up, True)
+  return prod_(w.gate, shared and shared.gate, False).silu() * prod_(w.up, shared and shared.up, False)
 
 
 def _down(res: Tensor, act: Tensor, w: QWeight, rows: int, routed: tuple[Tensor, Tensor, Route] | None = None,
@@ -717,51 +714,50 @@ def _ffn_input(hf: Tensor, gamma: Tensor, eps: float, act: str) -> tuple[Tensor,
   return hf, (gamma, eps)
 
 
-def _pseudo_experts(blk: Block) -> int:
+def _pseudo_experts(st: MoeStage) -> int:
   """How many pseudo-experts of the routed experts' width the shared expert runs as, inside the routed experts' kernels:
   its hidden width over theirs, where its weights have their types and form (merged gate+up or not); 0 where they do
   not (it runs kernels of its own)."""
-  if not blk.shared: return 0
-  routed = (blk.gate_exps, blk.up_exps, blk.gate_up_exps, blk.down_exps)
-  shared = (blk.gate_sh, blk.up_sh, blk.gate_up_sh, blk.down_sh)
-  kinds = lambda ws: [None if w is None else w.ggml_type for w in ws]
-  if kinds(routed) != kinds(shared): return 0
-  hidden, width = blk.down_sh.shape[-1], blk.n_ff_exp
+  if st.shared is None: return 0
+  kinds = lambda g: [None if w is None else w.ggml_type for w in (g.gate, g.up, g.gate_up, g.down)]
+  if kinds(st.experts) != kinds(st.shared): return 0
+  hidden, width = st.shared.hidden, st.experts.hidden
   return hidden // width if hidden % width == 0 else 0
 
 
-def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tensor:
+def moe(st: MoeStage, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tensor:
   """h + MoE FFN(h) for one token: SiLU(gate) * up of the selected experts and the shared expert (one kernel), then
   down over both with the routing weights (computed there from the router logits; wts is not read) and the residual
   add (another). A shared expert that cannot run as the routed experts' pseudo-experts (_pseudo_experts) has a kernel
   pair of its own."""
-  hp, gu, dn = blk.hp, blk.cfg.rows("gate_up"), blk.cfg.rows("down")
-  hf = h.reshape(hp.dim).float()
-  x, norm = _ffn_input(hf, blk.ffn_norm, hp.eps, blk.cfg.ffn_act)
-  rnd = act_round(blk.cfg.ffn_act)
-  routed, shared, n = (blk.gate_exps, blk.up_exps, blk.gate_up_exps), None, _pseudo_experts(blk)
-  res = hf
-  if blk.shared:
-    shared = (blk.gate_sh, blk.up_sh, blk.gate_up_sh)
-    if not n: res, shared = _down(hf, rnd(_glu(x, norm, shared, gu)), blk.down_sh, dn), None
-  act = rnd(_glu(x, norm, routed, gu, sel, shared, n))
-  out = _down(res, act, blk.down_exps, dn, (sel, logits, _route(blk)), blk.down_sh if n else None)
-  return out.reshape(1, 1, hp.dim)
+  gu, dn = st.gate_up_rows, st.down_rows
+  hf = h.reshape(st.dim).float()
+  x, norm = _ffn_input(hf, st.ffn_norm, st.eps, st.act)
+  rnd, shared, n, res = act_round(st.act), st.shared, _pseudo_experts(st), hf
+  if shared is not None and not n: res, shared = _down(hf, rnd(_glu(x, norm, shared, gu)), shared.down, dn), None
+  act = rnd(_glu(x, norm, st.experts, gu, sel, shared, n))
+  out = _down(res, act, st.experts.down, dn, (sel, logits, _route(st.routing)), shared.down if n else None)
+  return out.reshape(1, 1, st.dim)
 
 
-def ffn(blk: Block, h: Tensor) -> Tensor:
+def ffn(st: FfnStage, h: Tensor) -> Tensor:
   """h + FFN(h) for one token of a dense block: SiLU(gate) * up with the norm folded in, down with the residual add."""
-  hp, rnd = blk.hp, act_round(blk.cfg.ffn_act)
-  hf = h.reshape(hp.dim).float()
-  x, norm = _ffn_input(hf, blk.ffn_norm, hp.eps, blk.cfg.ffn_act)
-  act = _glu(x, norm, (blk.gate, blk.up, blk.gate_up), blk.cfg.rows("gate_up"))
-  return _down(hf, rnd(act), blk.down, blk.cfg.rows("down")).reshape(1, 1, hp.dim)
+  hf = h.reshape(st.dim).float()
+  x, norm = _ffn_input(hf, st.ffn_norm, st.eps, st.act)
+  act = _glu(x, norm, st.ffn, st.gate_up_rows)
+  return _down(hf, act_round(st.act)(act), st.ffn.down, st.down_rows).reshape(1, 1, st.dim)
 
 
 class DslBackend(Backend):
   name = "dsl"
-  attention, router, moe, ffn = staticmethod(attention), staticmethod(router), staticmethod(moe), staticmethod(ffn)
 
+  def attention(self, st: AttentionStage, x: Tensor, start_pos: int | UOp, pos: Tensor | None) -> Tensor:
+    return attention(st, x, start_pos, pos)
+  def router(self, st: RouterStage, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return router(st, h, forced)
+  def moe(self, st: MoeStage, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tensor:
+    return moe(st, h, sel, wts, logits)
+  def ffn(self, st: FfnStage, h: Tensor) -> Tensor: return ffn(st, h)
   def attach(self, w: QWeight, device: str | None) -> QWeight: return to_words(super().attach(w, device))
   def linear(self, x: Tensor, w: QWeight) -> Tensor: return linear(x, w)
   def per_head(self, x: Tensor, w: QWeight) -> Tensor: return per_head(x, w)

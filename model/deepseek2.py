@@ -137,8 +137,8 @@ def topk_indices(scores: Tensor, k: int, variant: str) -> Tensor:
 
 class Block:
   """One block: the per-op path's weights and code, and the inputs of the stages the config fuses (model/stages.py),
-  which the backends' fused stages receive. rope: the RoPE tables (cos, sin); scratch: each fused backend's, by
-  name."""
+  which the backends' fused stages receive. rope: the RoPE tables (cos, sin); scratch: by name, each fused backend's
+  buffers."""
 
   def __init__(self, f: GGUFFile, i: int, hp: Hparams, cfg: StructureConfig, load, max_context: int, device: str | None,
                rope: tuple[Tensor, Tensor], scratch: dict[str, dict[str, Tensor]]):
@@ -242,8 +242,8 @@ class Block:
     return x if mode == "none" else x.contiguous().realize() if mode == "realize" else x.contiguous()
 
   def project(self, xn: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The attention's projections of the normalised input: absorbed q (B, T, H, kv_lora), q_pe (B, T, H, rope), kv (B,
-    T, kv_lora + rope)."""
+    """The attention's projections of the normalised input: absorbed q (B, T, H, kv_lora), q_pe (B, T, H, rope) and
+    kv (B, T, kv_lora + rope)."""
     hp, (B, T, _) = self.hp, xn.shape
     H, nope, rope, kvl = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.kv_lora
     xq = rms_norm(K.linear(xn, self.q_a), self.q_a_norm, hp.eps) if hp.q_lora else xn
@@ -256,8 +256,8 @@ class Block:
     return q_abs, q_pe, self.barrier(K.linear(xn, self.kv_a), "kv_a")
 
   def attend(self, q_abs: Tensor, q_pe: Tensor, kv: Tensor, start_pos: int | UOp) -> Tensor:
-    """RoPE, the KV cache write, attention over the compressed cache and v_b: (B, T, H * v_head), before the output
-    projection."""
+    """RoPE, the KV cache write, attention over the compressed cache and v_b, before the output projection:
+    (B, T, H * v_head)."""
     hp, (B, T, H, _) = self.hp, q_abs.shape
     rope, kvl = hp.qk_rope, hp.kv_lora
     cos, sin = self.cos[start_pos:start_pos + T], self.sin[start_pos:start_pos + T]
@@ -292,8 +292,8 @@ class Block:
     return K.linear(self.barrier(g.silu() * u, point), down)
 
   def router_logits(self, xn: Tensor) -> Tensor:
-    """router_fp32=False rounds the input to fp16 in a buffer of its own: tinygrad folds cast(cast(x, half), float) into
-    x."""
+    """router_fp32=False rounds the input to fp16 in a buffer of its own, since tinygrad folds
+    cast(cast(x, half), float) into x."""
     return self.barrier(K.linear(xn.float() if self.cfg.router_fp32
                                  else xn.cast(dtypes.float16).contiguous(), self.gate_inp), "router_logits")
 
@@ -307,8 +307,8 @@ class Block:
     return probs if self.probs_b is None else probs + self.probs_b
 
   def route(self, logits: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """(the ids used, their weights, the router's own top-k ids), each (B, T, K); forced: ids to use instead of its
-    own."""
+    """(the ids used, their weights, the router's own top-k ids), each (B, T, K); forced: the ids to use instead of
+    the router's own."""
     hp = self.hp
     probs = self.probs(logits)
     own = topk_indices(probs if self.probs_b is None else probs + self.probs_b, hp.n_used, self.cfg.topk)  # (B, T, K)
@@ -328,8 +328,8 @@ class Block:
       g, u = gu[..., :self.n_ff_exp], gu[..., self.n_ff_exp:]
     else:
       g, u = K.expert(xe, sel, self.gate_exps), K.expert(xe, sel, self.up_exps)
-    # (B, T, K, D)
-    y = self.barrier(K.expert(self.barrier(g.silu() * u, "moe_gate_up"), sel, self.down_exps), "expert_down")
+    act = self.barrier(g.silu() * u, "moe_gate_up")
+    y = self.barrier(K.expert(act, sel, self.down_exps), "expert_down")  # (B, T, K, D)
     out = self.barrier((y * w.unsqueeze(-1)).sum(2), "moe_out")
     if self.shared: out = out + self._ffn(xn, self.gate_sh, self.up_sh, self.down_sh, self.gate_up_sh, "shexp_gate_up")
     return out
@@ -435,8 +435,8 @@ class Transformer:
     self.output = load("output.weight") if "output.weight" in f.tensors else self.token_embd
 
   def forward(self, tokens: Tensor, start_pos: int | UOp, all_logits: bool = False) -> Tensor:
-    """tokens (1, T) at positions start_pos.. -> float32 logits (1, T, vocab), or (1, 1, vocab) for the last token
-    only."""
+    """tokens (1, T) at positions start_pos.. -> float32 logits: (1, T, vocab), or for the last token alone
+    (1, 1, vocab)."""
     pos, x = self.decode_pos(start_pos) if tokens.shape[1] == 1 else None, self.embed(tokens)
     for b in self.blocks: x = b(x, start_pos, pos, self.act)
     return self.head(x if all_logits else x[:, -1:])

@@ -9,8 +9,8 @@ codes with a few wide loads instead of one load per byte.
 The schedule (the types of a kernel's ranges) is the same on every device that has workgroups: the elements of a block
 are unrolled, the blocks of a row are split over a workgroup (GROUP: consecutive threads read consecutive blocks, and
 the partial sums meet in shared memory), and each thread computes `ROWS` output rows, so one read of the input serves
-them all. Where the device has no workgroups (the CPU) the blocks stay a loop. The arithmetic never depends on the
-device.
+them all. Where the device has no workgroups (the CPU) the blocks stay a loop. On every device the arithmetic is the
+same.
 
 The expert kernel loads the selected expert ids inside the kernel and indexes the weight's rows by them: one kernel
 computes the rows of all K selected experts, with no gather. A custom kernel fuses with nothing: its input is realized
@@ -35,6 +35,7 @@ from model.stages import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, SQRT_SOFTPLUS, rms_no
 if TYPE_CHECKING:
   from model.stages import AttentionStage, FfnStage, Glu, MoeStage, RouterStage, Routing
   from model.weights import QWeight
+  Ffn = tuple[QWeight | None, QWeight | None, QWeight | None]  # gate, up, merged gate+up (merged, or the others)
 
 Planes = dict[str, UOp]  # each (rows, nblocks, field_len), as QWeight keeps them
 
@@ -62,8 +63,8 @@ def to_words(w: QWeight) -> QWeight:
   """w's code planes (WORDS) as 32-bit words (each field's bytes, little-endian), realized once."""
   for k in WORDS.get(w.ggml_type, ()):
     if (v := w.planes[k]).dtype == dtypes.uint32: continue
-    # a buffer of its own: bitcast(...).contiguous() of a realized buffer stays a lazy view, which every kernel that
-    # reads it copies
+    # a buffer of its own: bitcast(...).contiguous() of a realized buffer stays a lazy view, copied by each kernel
+    # that reads it
     words = Tensor.empty(*v.shape[:-1], v.shape[-1] * v.dtype.itemsize // 4, dtype=dtypes.uint32, device=v.device)
     w.planes[k] = words.assign(v.bitcast(dtypes.uint32)).realize()
   return w
@@ -84,8 +85,8 @@ class _Spec:
   """How a block splits: `outer` ranges pick a scale group, `inner` ranges an element of it.
   code(p, r, b, *outer, *inner) -> (the element's offset in the block, its integer code as float32);
   scale(p, r, b, *outer) -> (scale, bias or None): the element's value is scale * code + bias.
-  `word` is the inner range that picks a 32-bit word of the codes, which LANES threads can split (None: the block is not
-  split)."""
+  `word` is the inner range that picks a 32-bit word of the codes, which LANES threads can split (None: the block is
+  not split)."""
   outer: tuple[int, ...]
   inner: tuple[int, ...]
   code: Callable[..., tuple[UOp, UOp]]
@@ -119,8 +120,8 @@ def _k_code(t: int):
 
 def _k_scale(t: int):
   def scale(p: Planes, r: UOp, b: UOp, c1: UOp, c0: UOp, h: UOp) -> tuple[UOp, UOp]:
-    """Group g's 6-bit scale and min sit in sc bytes j, j+4, j+8 (j = g % 4), split differently for the first and last
-    4."""
+    """Group g's 6-bit scale and min sit in sc bytes j, j+4, j+8 (j = g % 4), split one way for the first 4 groups
+    and another for the last 4."""
     j = c0 * 2 + h
     a, m, hi = (_byte(p, "sc", t, r, b, word, j) for word in (0, 1, 2))
     first = c1 < 1
@@ -338,12 +339,12 @@ def _run(kernel: Callable[..., UOp], out_shape: tuple[int, ...], x: Tensor, srcs
   return out.custom_kernel(x, *srcs, *(w.planes[k] for k in names), fxn=fxn)[0]
 
 
-# ------------------------------------------------------------- fused decode stages (one token) -------------------
+# ---- fused decode stages (one token): the inputs each reads are model/stages.py's
 # The same stage boundaries as the native kernels where a product carries them: each RMSNorm is folded into the products
 # that read it, whose reduction computes its 1/rms alongside the product; the routing weights, the sum over the selected
 # experts, the shared expert and the residual add sit in down's kernel (the residual in the output projection's).
-# Attention's softmax and the router's top-k are kernels of their own: a UOp kernel cannot rank or normalise the outputs
-# of its own reduce.
+# Attention's softmax and the router's top-k are kernels of their own, as a UOp kernel cannot rank or normalise the
+# outputs of its own reduce.
 
 Norm = tuple[Tensor, float]  # an RMSNorm folded into a product: gamma and eps (the product reduces the 1/rms itself)
 
@@ -396,8 +397,8 @@ def gate_up_kernel(out: UOp, x: UOp, *srcs: UOp, w: QWeight, shared: QWeight | N
   R rows per expert), then for S - K pseudo-experts the rows of the shared expert `shared`, R each; or one plain FFN
   (S = 1, no sel). xn = rmsnorm(x) * gamma where the norm is folded in, else x. glu: the weights are merged gate+up (an
   expert's gate rows, then its up rows) and out = SiLU(gate . xn) * (up . xn): a thread computes a gate row and its up
-  row in one pass over the input (an unrolled pair of rows), and their product is a multiplying reduction over the
-  pair."""
+  row in one pass over the input (an unrolled pair of rows), and their product is a multiplying reduction over that
+  pair of rows."""
   gamma, srcs = _front(srcs, eps is not None)
   sel, srcs = _front(srcs, experts > 0)
   ids, (p, srcs) = count(), _planes(w, srcs)
@@ -680,7 +681,7 @@ def act_round(act: str) -> Callable[[Tensor], Tensor]:
   return {"q8": q8_round, "x16": x16_round}.get(act, lambda a: a)
 
 
-def _glu(x: Tensor, norm: Norm | None, w: Glu, rows: int, sel: Tensor | None = None, shared: Glu | None = None,
+def _glu(x: Tensor, norm: Norm | None, w: Ffn, rows: int, sel: Tensor | None = None, shared: Ffn | None = None,
          pseudo: int = 0) -> Tensor:
   """SiLU(gate . xn) * (up . xn): (S, hidden) for the S selected experts (sel) followed by the shared expert's rows as
   `pseudo` experts, or (1, hidden) for one plain FFN. Merged gate+up is one kernel with SiLU(gate) * up inside;
@@ -692,8 +693,12 @@ def _glu(x: Tensor, norm: Norm | None, w: Glu, rows: int, sel: Tensor | None = N
     planes = list(w.planes.values()) + (list(sh.planes.values()) if sh is not None else [])
     return _custom(gate_up_kernel, (slots, w.shape[-2] // (2 if glu else 1)), srcs + planes, w=w, shared=sh,
                    eps=norm[1] if norm else None, experts=w.shape[0] if sel is not None else 0, glu=glu, rows=rows)
-  if w.gate_up is not None: return prod_(w.gate_up, shared and shared.gate_up, True)
-  return prod_(w.gate, shared and shared.gate, False).silu() * prod_(w.up, shared and shared.up, False)
+  (gate, up, gate_up), (sg, su, sgu) = w, shared or (None, None, None)
+  if gate_up is not None: return prod_(gate_up, sgu, True)
+  return prod_(gate, sg, False).silu() * prod_(up, su, False)
+
+
+def _gate_up(g: Glu) -> Ffn: return g.gate, g.up, g.gate_up
 
 
 def _down(res: Tensor, act: Tensor, w: QWeight, rows: int, routed: tuple[Tensor, Tensor, Route] | None = None,
@@ -734,8 +739,9 @@ def moe(st: MoeStage, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Te
   hf = h.reshape(st.dim).float()
   x, norm = _ffn_input(hf, st.ffn_norm, st.eps, st.act)
   rnd, shared, n, res = act_round(st.act), st.shared, _pseudo_experts(st), hf
-  if shared is not None and not n: res, shared = _down(hf, rnd(_glu(x, norm, shared, gu)), shared.down, dn), None
-  act = rnd(_glu(x, norm, st.experts, gu, sel, shared, n))
+  if shared is not None and not n:  # the shared expert's kernels of its own, before the routed experts'
+    res, shared = _down(hf, rnd(_glu(x, norm, _gate_up(shared), gu)), shared.down, dn), None
+  act = rnd(_glu(x, norm, _gate_up(st.experts), gu, sel, shared and _gate_up(shared), n))
   out = _down(res, act, st.experts.down, dn, (sel, logits, _route(st.routing)), shared.down if n else None)
   return out.reshape(1, 1, st.dim)
 
@@ -744,7 +750,7 @@ def ffn(st: FfnStage, h: Tensor) -> Tensor:
   """h + FFN(h) for one token of a dense block: SiLU(gate) * up with the norm folded in, down with the residual add."""
   hf = h.reshape(st.dim).float()
   x, norm = _ffn_input(hf, st.ffn_norm, st.eps, st.act)
-  act = _glu(x, norm, st.ffn, st.gate_up_rows)
+  act = _glu(x, norm, _gate_up(st.ffn), st.gate_up_rows)
   return _down(hf, act_round(st.act)(act), st.ffn.down, st.down_rows).reshape(1, 1, st.dim)
 
 

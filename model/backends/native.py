@@ -123,7 +123,7 @@ def _rows_r(rows: int) -> int: return R_LARGE if rows >= 4096 else R_SMALL
 Q8_WARPS = 8
 
 
-def attention(st: AttentionStage, x: Tensor, start_pos, pos: Tensor) -> Tensor:
+def attention(st: AttentionStage, x: Tensor, start_pos: int | UOp, pos: Tensor) -> Tensor:
   """h = x + attention(x) for one token: norm + q_a/kv_a (or q/kv_a), q_a norm + q_b, absorption + RoPE + cache write,
   MLA attention split over the context, the splits' merge with v_b, output projection + residual: 6 kernels. With
   attn_act=q8 the three dense products stage their input in 8 bits (cuda_src.stage_x) and dot it in integers."""
@@ -297,7 +297,7 @@ class NativeBackend(Backend):
   def expert(self, x: Tensor, sel: Tensor, w: QWeight) -> Tensor: return expert(x, sel, w)
   def norm_linear(self, x: Tensor, gamma: Tensor, eps: float, w: QWeight) -> Tensor:
     return norm_linear(x, gamma, eps, w)
-  def attention(self, st: AttentionStage, x: Tensor, start_pos, pos: Tensor) -> Tensor:
+  def attention(self, st: AttentionStage, x: Tensor, start_pos: int | UOp, pos: Tensor) -> Tensor:
     return attention(st, x, start_pos, pos)
   def router(self, st: RouterStage, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return router(st, h, forced)

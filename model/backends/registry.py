@@ -80,13 +80,13 @@ class Backend(abc.ABC):
 
   def router(self, st: RouterStage, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The routing of one token h (1, 1, dim): (the ids used (1, 1, K) int32, their weights (1, 1, K), the router's own
-    top-k ids (1, 1, K), its logits (1, 1, E)); forced (1, 1, K): ids to use instead of its own (the correctness
-    check)."""
+    top-k ids (1, 1, K), its logits (1, 1, E)). forced (1, 1, K): the ids to use instead of its own, for the
+    correctness check."""
     raise self._lacks("router")
 
   def moe(self, st: MoeStage, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tensor:
-    """h + MoE FFN(h) for one token h (1, 1, dim), routed by the router's sel and wts (1, 1, K) (or by its logits (1, 1,
-    E), which route the same: a backend reads either). Returns (1, 1, dim)."""
+    """h + MoE FFN(h) for one token h (1, 1, dim), routed by the router's sel and wts (1, 1, K), or by sel and the
+    logits (1, 1, E) the weights come from (a backend reads either). Returns (1, 1, dim)."""
     raise self._lacks("moe")
 
   def ffn(self, st: FfnStage, h: Tensor) -> Tensor:

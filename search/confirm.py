@@ -16,8 +16,9 @@ from model.structure import StructureConfig
 from search import leaderboard
 from search.dashboard import refresh
 from search.formats import console, errors
-from search.leaderboard import MIN_PAIRS, baseline, winner
+from search.leaderboard import MIN_PAIRS, baseline
 from search.options import add_format, add_storage, device_name
+from search.show import find_trial
 from search.study import measuring_setup
 from search.view import label
 
@@ -31,10 +32,9 @@ def confirm(url: str, name: str, top: int = 3, pairs: int = 3, rounds: int = 5, 
   engine = open_db(url, create=False)
   with session(engine) as s:
     study = store.get_study(s, name)
-    base, seen, todo = baseline(study), {study.baseline_hash}, []
-    for t in store.leaderboard(s, study, limit=10 * top):
-      if t.config_hash not in seen and len(todo) < top: todo.append(t)
-      seen.add(t.config_hash)
+    base, rows = baseline(study), leaderboard.leaderboard(s, study)["rows"]
+    todo = [find_trial(s, study, str(r["trial"])) for r in rows
+            if r["config_hash"] != study.baseline_hash and not r["below_floor"]][:top]
     done = {c.config_hash for c in store.confirmations(s, study) if c.status == "ok"}
   if not again and (skip := [t for t in todo if t.config_hash in done]):
     say(f"already confirmed (--again re-measures): trials {', '.join(str(t.number) for t in skip)}")
@@ -63,11 +63,10 @@ def confirm(url: str, name: str, top: int = 3, pairs: int = 3, rounds: int = 5, 
     say(f"  {fields['status']}: speedup {fields['speedup']:.3f}x [{fields['speedup_low']:.3f}, "
         f"{fields['speedup_high']:.3f}]: {verdict}")
   with session(engine) as s:
-    win = winner(store.confirmations(s, study))
+    win = leaderboard.leaderboard(s, study)["winner"]
     s.get(Study, study.id).finished_at = utcnow()
   # a new winner: its per-kernel profile, as for every confirmed winner
-  if win is not None and any(c.id == win.id for c in out):
-    cand = next(t for t in todo if t.config_hash == win.config_hash)
+  if (cand := next((t for t in todo if t.number == win and any(c.trial_id == t.id for c in out)), None)) is not None:
     say(f"profiling the winner, trial {cand.number} (its step's kernels timed one name at a time)")
     r = ev.run(StructureConfig.from_json(cand.config_json).to_dict(), profile=True)
     if r.profile:

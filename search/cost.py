@@ -26,9 +26,8 @@ from db.engine import open_db, session
 from db.models import Measurement, Trial
 from evaluator.cli import at_least
 from search.formats import Section, console, emit
-from search.leaderboard import SCHEMA, study_named
+from search.leaderboard import SCHEMA, best_line, leaderboard, study_named
 from search.options import add_format, add_storage
-from search.study import study_workload
 
 PHASES = ("load_s", "compile_s", "prefill_s", "prompt_s", "check_s", "warmup_s", "measure_s", "profile_s", "overhead_s")
 MEASURED = ("ok", "wrong_output", "pruned", "runtime_error", "compile_error", "timeout", "oom", "killed",
@@ -103,10 +102,10 @@ def _time_to_best(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def cost_doc(study: str, trials: Sequence[Trial], n: int = 200, measurements: Sequence[Measurement] = (),
-             workload: str = "") -> dict[str, Any]:
+             workload: str = "", best: dict[str, Any] | None = None) -> dict[str, Any]:
   """The `search cost --format json` document (docs/json.md): study_cost's figures with the document's `schema`,
-  `study` and the study's workload."""
-  return {"schema": SCHEMA, "study": study, "workload": workload, **study_cost(trials, n, measurements)}
+  `study`, the study's workload and its best (the leaderboard's first, leaderboard.best_of)."""
+  return {"schema": SCHEMA, "study": study, "workload": workload, "best": best, **study_cost(trials, n, measurements)}
 
 
 def _s(v: float | None) -> str: return "" if v is None else f"{v:.1f}"
@@ -130,8 +129,9 @@ def cost_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
            "as measured)."]
   if doc["best_trial"] is not None:
     notes.append(f"time to best: {doc['time_to_best_s']:.0f} s of study wall time to trial {doc['near_best_trial']}, "
-                 f"the first within {NEAR_BEST:.0%} of the fastest (trial {doc['best_trial']}, "
-                 f"{doc['best_tok_s']:.2f} tok/s).")
+                 f"the first within {NEAR_BEST:.0%} of the fastest single figure (trial {doc['best_trial']}, "
+                 f"{doc['best_tok_s']:.2f} tok/s as first measured).")
+  notes.append(f"the study's {best_line(doc.get('best'))} (the leaderboard's first: what `search export` ships)")
   drop = ("profile", "overhead", "prompt", "prefill", "warmup", "check", "load", "measure", "compile", "repeats",
           "setup", "search", "ladder", "beam", "stage", "block stage", "full stage")
   return [Section("trial cost (s)", cols, rows, records=doc["trials"], drop=drop)], notes
@@ -146,7 +146,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
   with session(open_db(args.storage, create=False)) as s:
     st = study_named(s, args.storage, args.study)
+    board = leaderboard(s, st, top=1)
     doc = cost_doc(st.name, store.trials(s, st), args.project, store.measurements(s, st, stage=None),
-                   str(study_workload(s, st.name)))
+                   board["workload"], board["best"])
   sections, notes = cost_view(doc)
   emit(args.format, sections, doc, console, notes)

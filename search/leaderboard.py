@@ -11,11 +11,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from sqlalchemy.orm import Session
 
 from db import store
 from db.engine import hide_password, open_db, session
-from db.models import TRIAL_STATES, Confirmation, Study, Trial
+from db.models import TRIAL_STATES, Confirmation, Measurement, Study, Trial
 from db.store import interval
 from evaluator.cli import at_least
 from evaluator.gate import accuracy_text
@@ -27,6 +28,7 @@ from space.knobs import changes, flat
 
 SCHEMA = 2  # of every JSON document (docs/json.md)
 MIN_PAIRS = 2  # a confirmation needs this many A/B pairs: one pair has no spread
+NOISY = 0.05  # a host is noisy where a single measurement of the baseline has a 90% interval wider than this, each side
 
 
 # the accuracy figures (evaluator/gate.py accuracy), as the CSV's accuracy_* columns
@@ -172,9 +174,35 @@ def latest(s: Session, study: Study) -> dict[str, Confirmation]:
   return {c.config_hash: c for c in store.confirmations(s, study)}  # in id order: the latest wins
 
 
-def verdict(ranked: list[dict[str, Any]], baseline_hash: str | None, name: str) -> str:
+def noise(ms: list[Measurement]) -> dict[str, Any] | None:
+  """The baseline's own spread, from its measurements (ms): the half-width of a single measurement's 90% interval (1.645
+  robust standard deviations of its log figures, from their median absolute deviation: one outlier does not make a host
+  noisy), `noisy` past NOISY, and the highest host load its measurements saw; None with fewer than 3 measurements."""
+  if len(ms) < 3: return None
+  logs = np.log([m.tok_s for m in ms])
+  half = math.expm1(1.645 * 1.4826 * float(np.median(np.abs(logs - np.median(logs)))))
+  loads = [x for m in ms for x in (m.load_start, m.load_end) if x is not None]
+  return {"spread": half, "noisy": half > NOISY, "measurements": len(ms), "max_load": max(loads, default=None)}
+
+
+def _noisy(n: dict[str, Any] | None) -> str:
+  """The verdict's warning where the host is noisy."""
+  if n is None or not n["noisy"]: return ""
+  load = f", host load up to {n['max_load']:.1f}" if n["max_load"] else ""
+  return (f"; noisy host: the baseline's own measurements spread ±{n['spread']:.1%} (90%, {n['measurements']} "
+          f"measurements{load}), wider than ±{NOISY:.0%}: figures may move, measure on a quiet machine or with more "
+          "A/B pairs")
+
+
+def verdict(ranked: list[dict[str, Any]], baseline_hash: str | None, name: str,
+            host: dict[str, Any] | None = None) -> str:
   """One sentence on the ranked rows: the confirmed winner (the first row), or plainly that no config beats the
-  baseline, or that nothing is confirmed yet (naming the first config that is not the baseline)."""
+  baseline, or that nothing is confirmed yet (naming the first config that is not the baseline); with `host` (noise),
+  "noisy host" where the baseline's own spread is wide."""
+  return _verdict(ranked, baseline_hash, name) + _noisy(host)
+
+
+def _verdict(ranked: list[dict[str, Any]], baseline_hash: str | None, name: str) -> str:
   if ranked and ranked[0]["winner"]:
     w, c = ranked[0], ranked[0]["confirmed"]
     return (f"trial {w['trial']} beats the baseline: confirmed speedup {c['speedup']:.3f}x [{c['low']:.3f}, "
@@ -248,6 +276,7 @@ def leaderboard(s: Session, study: Study, states: tuple[str, ...] = ("ok",), whe
   rows = [r for r in ranked + rest if r["state"] in states
           and all(str(flats[r["trial"]][k]).lower() == v.lower() for k, v in (where or {}).items())]
   bt = next((t for t in trials if t.config_hash == study.baseline_hash and t.state == "ok"), None)
+  host = noise([m for m in store.measurements(s, study) if m.config_hash == study.baseline_hash])
   return {"schema": SCHEMA, "study": study.name, "model": study.model_name, "model_sha256": study.model_sha256,
           "device": study.device, "device_name": study.device_name, "layers": study.layers,
           "objectives": study.objectives, "workload": str(workload_of(attrs)),
@@ -258,7 +287,7 @@ def leaderboard(s: Session, study: Study, states: tuple[str, ...] = ("ok",), whe
                        "measurements": base.n} if base else None,
           "winner": ranked[0]["trial"] if ranked and ranked[0]["winner"] else None,
           "best": best_of(ranked[0], study.baseline_hash) if ranked else None,
-          "verdict": verdict(ranked, study.baseline_hash, study.name), "rows": rows[:top]}
+          "noise": host, "verdict": verdict(ranked, study.baseline_hash, study.name, host), "rows": rows[:top]}
 
 
 def best_of(r: dict[str, Any], baseline_hash: str | None) -> dict[str, Any]:

@@ -108,3 +108,106 @@ def test_no_winner_the_first_is_the_best_lower_bound(study, capsys) -> None:
   assert first["speedup_low"] < first["tok_s"] / base["tok_s"]
   assert doc["verdict"].startswith(f"nothing confirmed yet: the best measured config, trial {study['hot']}")
   assert re.search(r"lower bound 1\.\d{3}x", doc["verdict"])
+
+
+def _result(tok_s: float, ok: bool = True):
+  from evaluator.result import TrialResult
+  return TrialResult("ok" if ok else "runtime_error", {"stage": "full"}, {"tok_s": tok_s} if ok else {})
+
+
+def test_an_ab_interval_from_the_pairs_holds_its_level() -> None:
+  """With 2 pairs, a config no faster than the baseline was "faster in every pair" one time in four (the interval was
+  the pairs' min and max); a t interval on the log ratios at 90% says it about one time in twenty, and a real 10%
+  speedup is still found."""
+  import numpy as np
+
+  from evaluator.compare import Comparison
+  rng = np.random.default_rng(0)
+  def faster(speedup: float, pairs: int, noise: float = 0.03) -> float:
+    wins = 0
+    for _ in range(2000):
+      a, b = 100 * np.exp(rng.normal(0, noise, pairs)), 100 * speedup * np.exp(rng.normal(0, noise, pairs))
+      c = Comparison([_result(x) for x in a], [_result(x) for x in b])
+      wins += c.low > 1
+    return wins / 2000
+  assert faster(1.0, 2) < 0.07 and faster(1.0, 4) < 0.07
+  assert faster(1.10, 4) > 0.9
+  c = Comparison([_result(100.0)] * 3, [_result(110.0), _result(111.0), _result(109.0)])
+  assert c.low < c.speedup < c.high and c.speedup == pytest.approx(1.10, rel=1e-2) and c.decided
+
+
+class FakeEvaluator:
+  """Runs that report the given figures, in turn: the baseline's and the candidate's."""
+
+  def __init__(self, a, b):
+    self.figures, self.runs = {"a": iter(a), "b": iter(b)}, 0
+
+  def run(self, cfg: dict, stage: str = "full", **kw):
+    self.runs += 1
+    return _result(next(self.figures[cfg["side"]]))
+
+
+def test_pairs_go_on_until_the_interval_leaves_one() -> None:
+  """`--pairs` is the least: a clear speedup stops there; a config the noise cannot tell from the baseline runs to the
+  budget (`--max-pairs`), and the interval reported is the Bonferroni one over the looks the budget allowed."""
+  from evaluator.compare import LEVEL, compare
+  noisy = [100.0, 104.0, 97.0, 103.0, 98.0, 101.0, 99.0, 102.0]
+  ev = FakeEvaluator([100.0] * 8, [110.0, 111.0, 109.0, 110.0, 110.0, 110.0, 110.0, 110.0])
+  c = compare(ev, {"side": "a"}, {"side": "b"}, pairs=3, max_pairs=8)
+  assert len(c.ratios) == 3 and c.low > 1 and c.level == pytest.approx(1 - (1 - LEVEL) / 6)
+  ev = FakeEvaluator([100.0] * 8, noisy)
+  c = compare(ev, {"side": "a"}, {"side": "b"}, pairs=3, max_pairs=8)
+  assert len(c.ratios) == 8 and c.low < 1 < c.high and ev.runs == 16
+  c = compare(FakeEvaluator([100.0] * 8, noisy), {"side": "a"}, {"side": "b"}, pairs=2)  # no budget: exactly the pairs
+  assert len(c.ratios) == 2 and c.level == LEVEL
+
+
+def test_every_measurement_records_host_load_and_lock_waits(study, capsys) -> None:
+  """Each measurement stores the host's load average at its start and end and its wait for the device lock; a trial
+  that waited for another process's benchmark shows the wait in `search cost` apart from the search's own time."""
+  import threading
+  import time
+
+  from evaluator.lock import DeviceLock
+  url = study["url"]
+  with session(open_db(url)) as s:
+    # the study's own (the fixture's stored figures have no process behind them)
+    ms = [m for m in store.measurements(s, store.get_study(s, "d"), None) if m.kind == "trial" or m.wall_s]
+  assert ms and all(m.load_start is not None and m.load_end is not None and m.lock_wait_s is not None for m in ms)
+  held = threading.Event()
+  def hold() -> None:
+    with DeviceLock("CPU"):
+      held.set()
+      time.sleep(5)
+  threading.Thread(target=hold).start()
+  held.wait()
+  assert search("start", "--study", "d", "--storage", url, "--trials", "5", "--confirm", "0") == 0
+  with session(open_db(url)) as s:
+    st = store.get_study(s, "d")
+    t = next(t for t in store.trials(s, st) if t.number == 4)
+    waited = t.phases.get("lock_wait_s", 0) + t.phases.get("block_lock_wait_s", 0)
+    # the wait falls on the first run after the start: trial 4's, or a repeat of the baseline just before it
+    repeat = sum(m.lock_wait_s or 0 for m in store.measurements(s, st, None) if m.kind == "repeat" and m.wall_s
+                 and m.created_at >= t.started_at.replace(year=t.started_at.year - 1) and m.created_at <= t.started_at)
+  assert waited + repeat > 1.0
+  capsys.readouterr()
+  assert search("cost", "--study", "d", "--storage", url, "--format", "json") == 0
+  doc = json.loads(capsys.readouterr().out)
+  row = next(r for r in doc["trials"] if r["trial"] == 4)
+  assert row["lock_s"] == pytest.approx(waited + repeat, abs=0.01) and doc["lock_s"] >= row["lock_s"]
+  assert row["wall_s"] == pytest.approx(row["setup_s"] + row["repeat_s"] + row["lock_s"] + row["search_s"]
+                                        + row["block_s"] + row["full_s"])
+  assert search("cost", "--study", "d", "--storage", url) == 0
+  assert "waits for the device lock (another process benchmarking on it)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_noisy_host_is_named_in_the_verdict(study) -> None:
+  """The verdict says "noisy host" where the baseline's own measurements spread wider than ±5% (90%), not before."""
+  url = study["url"]
+  with session(open_db(url)) as s:
+    st = store.get_study(s, "d")
+    assert "noisy host" not in leaderboard(s, st)["verdict"]
+    for v in (80.0, 120.0, 85.0, 115.0) * 8: store.add_measurement(s, st.id, st.baseline_hash, "full", v, "repeat")
+    doc = leaderboard(s, st)
+  assert doc["noise"]["noisy"] and doc["noise"]["spread"] > 0.05
+  assert "; noisy host: the baseline's own measurements spread ±" in doc["verdict"]

@@ -326,7 +326,8 @@ def leaderboard_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
     rows.append([r["rank"] or "", r["trial"], tok, num(r["speedup"], ".3f", "x"), conf, num(r["ms_per_token"]),
                  num(r["kernels_per_token"], "d"), num(r["mb_per_token"], ".1f"), num(r["bandwidth_share"], ".1%"),
                  num(r["peak_memory_mb"], ".1f"), r["precision"], accuracy_text(r["accuracy"]),
-                 r["state"] if not r["failure"] else f"{r['state']}: {r['failure'][:60]}",
+                 r["state"] if not r["failure"] else f"{r['state']}: {r['failure'][:60]}"
+                 if not r["below_floor"] else f"{r['state']}, below the accuracy floor: {r['below_floor']}",
                  " ".join(f"{k}={v}" for k, v in r["changes"].items()) or "baseline"])
   records = [{**{k: v for k, v in r.items() if k not in ("confirmed", "accuracy", "changes", "trials")},
               "trials": " ".join(map(str, r["trials"])),
@@ -334,12 +335,13 @@ def leaderboard_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
                  for k in ("speedup", "low", "high", "pairs", "status")},
               **{f"accuracy_{k}": (r["accuracy"] or {}).get(k) for k in ACCURACY},
               "changes": " ".join(f"{k}={v}" for k, v in r["changes"].items())} for r in doc["rows"]]
+  fl = Floor(**doc["floor"])
   title = (f"{doc['study']}: {doc['model']} ({doc['layers']} blocks) on {doc['device_name'] or doc['device']}, "
-           f"{doc['workload']}  "
+           f"{doc['workload']}{f', accuracy floor {fl.text()}' if fl else ''}  "
            f"[{', '.join(f'{k} {v}' for k, v in doc['states'].items())}]")
-  drop = ("peak MB", "BW share", "MB/token", "kernels/token", "ms/token", "accuracy", "precision", "tok/s [90%] n",
-          "confirmed [low, high]")
-  wrap = ("state", "changes from the baseline")
+  # precision and accuracy are never left out: a config's speed means nothing without them
+  drop = ("peak MB", "BW share", "MB/token", "kernels/token", "ms/token", "tok/s [90%] n", "confirmed [low, high]")
+  wrap = ("state", "changes from the baseline", "accuracy")
   return [Section(title, cols, rows, records=records, wrap=wrap, drop=drop)], [best_line(doc["best"]), doc["verdict"]]
 
 

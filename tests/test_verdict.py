@@ -211,3 +211,86 @@ def test_a_noisy_host_is_named_in_the_verdict(study) -> None:
     doc = leaderboard(s, st)
   assert doc["noise"]["noisy"] and doc["noise"]["spread"] > 0.05
   assert "; noisy host: the baseline's own measurements spread ±" in doc["verdict"]
+
+
+ACC = {"positions": 16, "top1": 0.9375, "max_rel_err": 0.11, "median_rel_err": 0.02, "mean_kl": 3.3e-4, "max_kl": 1e-3}
+
+
+def _q8(st):
+  import dataclasses
+
+  from model.structure import StructureConfig
+  base = StructureConfig.from_json(st.baseline_config)
+  return dataclasses.replace(base, fused={**base.fused, "moe": "dsl"}, ffn_act="q8")
+
+
+def _q8_winner(s, st, number: int):
+  """A q8 config (top-1 94% against the exact reference), the fastest measured and A/B-confirmed faster: trial
+  `number`, made here, or the study's own trial of that config (number None)."""
+  from db.models import Trial
+  q8 = _q8(st)
+  if number is not None:
+    t = store.start_trial(s, st, number, q8.to_json(), q8.hash, None, "h:1")
+    store.finish_trial(s, t, state="ok", stage="full", tok_s=500.0, metrics={"tok_s": 500.0},
+                       check={"ok": True, "accuracy": ACC})
+  else:
+    t = next(t for t in store.trials(s, st) if t.config_hash == q8.hash)
+    s.get(Trial, t.id).check = {"ok": True, "accuracy": ACC}
+  spread(s, st, q8.hash, 500.0, 10, t)
+  store.add_confirmation(s, st, t, pairs=3, rounds=5, tok_s=150.0, baseline_tok_s=100.0, speedup=1.5,
+                         speedup_low=1.4, speedup_high=1.6, status="ok")
+  return t
+
+
+def test_an_accuracy_floor_at_start_and_at_export(study, gguf_file, capsys) -> None:
+  """`--min-top1`/`--max-kl` at `search start` are part of the study's protocol: a config below them is never the
+  best, whatever its speed; at `search export` a config below the floor is refused in one line, exit code 1, and
+  what export writes says its precision and accuracy."""
+  url, to = study["url"], study["tmp"] / "p.toml"
+  with session(open_db(url)) as s: _q8_winner(s, store.get_study(s, "d"), 99)
+  capsys.readouterr()
+  assert search("export", "--study", "d", "--storage", url, "--to", str(to), "--min-top1", "99%") == 1
+  err = capsys.readouterr().err
+  assert len(err.splitlines()) == 1 and "trial 99 (q8, top1 94%" in err and "below the accuracy floor" in err
+  assert not to.exists()
+  assert search("export", "--study", "d", "--storage", url, "--to", str(to), "--max-kl", "1e-3") == 0
+  out = " ".join(capsys.readouterr().out.split())
+  assert "trial 99 of d, confirmed winner" in out and "precision q8, accuracy top1 94% · err 1.1e-1 · KL 3e-4" in out
+
+  with session(open_db(url)) as s: (cfg := study["tmp"] / "q8.toml").write_text(_q8(store.get_study(s, "d")).to_toml())
+  assert search("start", "--model", gguf_file("tiny", "q4_0"), "--study", "f", "--storage", url, "--trials", "2",
+                "--min-top1", "0.99", "--max-kl", "1e-4", "--enqueue", str(cfg), *FAST) == 0
+  with session(open_db(url)) as s:
+    st = store.get_study(s, "f")
+    n = _q8_winner(s, st, None).number
+    doc = leaderboard(s, st)
+  q8 = next(r for r in doc["rows"] if r["trial"] == n)
+  assert doc["floor"] == {"min_top1": 0.99, "max_kl": 1e-4} and doc["winner"] is None
+  assert q8["rank"] == len(doc["rows"]) and q8["below_floor"] == "top1 93.8% < 99.0%; KL 3.3e-04 > 1.0e-04"
+  ranked = RankedStorage(url)
+  sid = ranked.get_study_id_from_name("f")
+  assert ranked.get_best_trial(sid).number != n
+  attrs = {t.number: t.user_attrs for t in ranked.get_all_trials(sid)}[n]
+  assert attrs["precision"] == "q8" and attrs["accuracy"].startswith("top1 94%")
+  assert attrs["accuracy floor"].startswith("below: top1 93.8%")
+  assert search("export", "--study", "f", "--storage", url, "--trial", str(n), "--to", str(to)) == 1
+  assert "below the accuracy floor (top1 >= 99.0%, KL <= 1.0e-04" in capsys.readouterr().err
+  assert search("start", "--study", "f", "--storage", url, "--min-top1", "0.9") == 2
+  assert "measures with --min-top1 0.99, not --min-top1 0.9" in capsys.readouterr().err
+  assert search("start", "--study", "f", "--storage", url, "--min-top1", "1.5") == 2
+
+
+def test_precision_and_accuracy_are_never_left_out(study) -> None:
+  """At 80 columns the leaderboard leaves out other columns, never precision nor accuracy, and cuts no value."""
+  import os
+  import subprocess
+  import sys
+  with session(open_db(study["url"])) as s: _q8_winner(s, store.get_study(s, "d"), 99)
+  env = {**os.environ, "COLUMNS": "80"}
+  out = subprocess.run([sys.executable, "-m", "search", "leaderboard", "--study", "d", "--storage", study["url"]],
+                       capture_output=True, text=True, env=env, timeout=120).stdout
+  table, left = out.split("left out at 80 columns: ")
+  assert "precision" in table and "accuracy" in table and "precision" not in left.splitlines()[0]
+  assert max(map(len, out.splitlines())) <= 80
+  flat = " ".join(re.sub(r"[│┃]", " ", table).split())
+  assert "q8" in flat and all(w in flat for w in ("top1", "94%", "1.1e-1", "3e-4"))

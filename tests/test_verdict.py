@@ -294,3 +294,63 @@ def test_precision_and_accuracy_are_never_left_out(study) -> None:
   assert max(map(len, out.splitlines())) <= 80
   flat = " ".join(re.sub(r"[│┃]", " ", table).split())
   assert "q8" in flat and all(w in flat for w in ("top1", "94%", "1.1e-1", "3e-4"))
+
+
+def _run(url: str, cols: int, *argv: str) -> str:
+  import os
+  import subprocess
+  import sys
+  return subprocess.run([sys.executable, "-m", "search", *argv, "--storage", url], capture_output=True, text=True,
+                        env={**os.environ, "COLUMNS": str(cols)}, timeout=120).stdout
+
+
+def test_compare_and_show_leave_whole_columns_out_never_cut_values(study) -> None:
+  """`compare` and `show` follow the leaderboard's fitting rule: B/A keeps its whole figures at 100 columns (it printed
+  `1`, `0`), and at 80 every line fits with its border, or a whole column is left out and named."""
+  url = study["url"]
+  for cols in (100, 80):
+    out = _run(url, cols, "compare", "--study", "d", "baseline", str(study["conf"]))
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= cols, out
+    assert all(line.rstrip().endswith(("│", "┃", "┓", "┫", "┛", "┩", "┤", "┘", "┐")) for line in lines
+               if line.startswith(("│", "┃", "┏", "┡", "└", "┣", "├"))), out
+    flat = " ".join(re.sub(r"[│┃]", " ", out).split())
+    left = next((line for line in lines if line.startswith("left out at")), "")
+    assert "tok/s 100 130 1.300x ms/token" in flat or "B/A" in left, out  # B/A whole, or the column named
+    out = _run(url, cols, "show", "--study", "d", str(study["conf"]))
+    assert max(map(len, out.splitlines())) <= cols, out
+    flat = " ".join(re.sub(r"[│┃]", " ", out).split())
+    assert "float arithmetic, checked against the exact reference at float tolerances" in flat or "x16" in flat \
+      or "8-bit activations with integer dot products, like llama.cpp's" in flat, out
+
+
+def test_the_live_view_cuts_nothing(study) -> None:
+  """The live view's configs wrap whole at 80 and 100 columns (they were cut at 80/100 characters), and the phase's
+  progress bar has a line of its own (it shared one with the table's header)."""
+  import io
+  import time
+
+  from rich.console import Console
+
+  from model.structure import StructureConfig
+  from search.view import LiveView, label
+  url = study["url"]
+  with session(open_db(url)) as s:
+    st = store.get_study(s, "d")
+    trials, base = store.trials(s, st), StructureConfig.from_json(st.baseline_config)
+  view = LiveView(Console(file=io.StringIO()), "d", 4, trials, base, url)
+  view.recent.extend(trials)
+  long = trials[study["hot"]]
+  view.current = (7, label(long.config_json, base) + " dsl_rows.qkv_a=2 dsl_rows.ffn_up=4", "compile",
+                  time.perf_counter() - 3)
+  view.walls = [10.0]
+  for width in (80, 100):
+    (out := Console(file=io.StringIO(), width=width)).print(view)
+    text = out.file.getvalue()
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= width, text
+    flat = " ".join(text.split())
+    assert all(label(t.config_json, base) in flat for t in trials), text
+    assert view.current[1] in flat
+    bar = next(i for i, line in enumerate(lines) if "━" in line)
+    assert "state" not in lines[bar] and "compile" in lines[bar], text

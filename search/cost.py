@@ -119,9 +119,9 @@ def _s(v: float | None) -> str: return "" if v is None else f"{v:.1f}"
 
 
 def cost_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
-  """The per-trial table (seconds per phase) and what it projects."""
-  cols = ["trial", "state", "stage", "beam", "ladder", "tok/s", "wall", "setup", "repeats", "lock wait", "search",
-          "block stage", "full stage", *(p[:-2] for p in PHASES)]
+  """The per-trial table (seconds per phase; block and full: the stages' walls) and what it projects."""
+  cols = ["trial", "state", "stage", "beam", "ladder", "tok/s", "wall", "setup", "repeats", "lock", "search",
+          "block", "full", *(p[:-2] for p in PHASES)]
   rows = [[r["trial"], r["state"], r["stage"], r["beam"], r["ladder"], _s(r["tok_s"]), _s(r["wall_s"]),
            _s(r["setup_s"]), _s(r["repeat_s"] or None), _s(r["lock_s"] or None), _s(r["search_s"]),
            _s(r["block_s"] or None),
@@ -133,7 +133,7 @@ def cost_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
            f"block proxy): {doc['mean_trial_s']:.1f} s per trial without setup, setup {doc['setup_s']:.1f} s once, "
            f"{doc['repeat_s']:.1f} s of re-measurements; waits for the device lock (another process benchmarking on "
            f"it) {doc['lock_s']:.1f} s, {100 * doc['lock_share']:.2f}%; the search's own share (outside every trial "
-           f"process, the lock waits left out) {100 * doc['search_share']:.2f}%.",
+           f"process, without the lock waits) {100 * doc['search_share']:.2f}%.",
            f"projected wall time of {doc['projected_n']} trials on one device: {h:.2f} h (setup once + the mean trial "
            "as measured)."]
   if doc["best_trial"] is not None:
@@ -142,7 +142,7 @@ def cost_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
                  f"{doc['best_tok_s']:.2f} tok/s as first measured).")
   notes.append(f"the study's {best_line(doc.get('best'))} (the leaderboard's first: what `search export` ships)")
   drop = ("profile", "overhead", "prompt", "prefill", "warmup", "check", "load", "measure", "compile", "repeats",
-          "setup", "lock wait", "search", "ladder", "beam", "stage", "block stage", "full stage")
+          "setup", "lock", "search", "ladder", "beam", "stage", "block", "full")
   return [Section("trial cost (s)", cols, rows, records=doc["trials"], drop=drop)], notes
 
 

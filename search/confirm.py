@@ -28,10 +28,11 @@ MAX_PAIRS = 8  # the default budget of A/B pairs per config (search confirm --ma
 
 def confirm(url: str, name: str, top: int = 3, pairs: int = 3, rounds: int = 5, device: str | None = None,
             say: Callable[[str], None] = print, again: bool = False, model: str | None = None,
-            max_pairs: int = MAX_PAIRS) -> list[Confirmation]:
-  """A/B-confirm the study's top configs, each over `pairs` to `max_pairs` pairs; a config confirmed before keeps its
-  figures unless `again`. `model`: this host's copy of the study's file (checked by SHA-256, as the stored path is)."""
-  max_pairs = max(pairs, max_pairs)
+            max_pairs: int | None = None) -> list[Confirmation]:
+  """A/B-confirm the study's top configs, each over `pairs` to `max_pairs` pairs (None: `pairs` exactly, as `search
+  start` confirms); a config confirmed before keeps its figures unless `again`. `model`: this host's copy of the
+  study's file (checked by SHA-256, as the stored path is)."""
+  max_pairs = max(pairs, max_pairs or pairs)
   setup, _ = measuring_setup(name, url, device, model)
   ev = setup.evaluator(rounds=rounds)
   engine = open_db(url, create=False)

@@ -188,10 +188,15 @@ def noise(ms: list[Measurement]) -> dict[str, Any] | None:
 def _noisy(n: dict[str, Any] | None) -> str:
   """The verdict's warning where the host is noisy."""
   if n is None or not n["noisy"]: return ""
-  load = f", host load up to {n['max_load']:.1f}" if n["max_load"] else ""
-  return (f"; noisy host: the baseline's own measurements spread ±{n['spread']:.1%} (90%, {n['measurements']} "
-          f"measurements{load}), wider than ±{NOISY:.0%}: figures may move, measure on a quiet machine or with more "
-          "A/B pairs")
+  return f"; noisy host: baseline spread ±{n['spread']:.1%} (90%) > ±{NOISY:.0%}"
+
+
+def noise_line(n: dict[str, Any] | None) -> str | None:
+  """What a noisy host means for the figures, said under the verdict; None where the host is not noisy."""
+  if n is None or not n["noisy"]: return None
+  load = f", host load up to {n['max_load']:.1f}" if n["max_load"] is not None else ""
+  return (f"noisy host ({n['measurements']} measurements of the baseline{load}): figures may move; measure on a quiet "
+          "machine, or confirm with more A/B pairs (`search confirm --max-pairs`)")
 
 
 def verdict(ranked: list[dict[str, Any]], baseline_hash: str | None, name: str,
@@ -342,7 +347,8 @@ def leaderboard_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
   # precision and accuracy are never left out: a config's speed means nothing without them
   drop = ("peak MB", "BW share", "MB/token", "kernels/token", "ms/token", "tok/s [90%] n", "confirmed [low, high]")
   wrap = ("state", "changes from the baseline", "accuracy")
-  return [Section(title, cols, rows, records=records, wrap=wrap, drop=drop)], [best_line(doc["best"]), doc["verdict"]]
+  notes = [best_line(doc["best"]), doc["verdict"], *filter(None, [noise_line(doc["noise"])])]
+  return [Section(title, cols, rows, records=records, wrap=wrap, drop=drop)], notes
 
 
 

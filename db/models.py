@@ -166,6 +166,11 @@ class Measurement(Base):
   rounds: Mapped[list[float] | None] = mapped_column(JSON)  # tok/s of each measured round
   kind: Mapped[str]  # one of KINDS
   wall_s: Mapped[float | None]  # seconds of the process that measured it (setup included); None before revision 0003
+  # the conditions it was made under (None before revision 0006): the host's 1-minute load average when its process
+  # started and ended, the seconds it waited for the device lock (another process benchmarking on the device)
+  load_start: Mapped[float | None]
+  load_end: Mapped[float | None]
+  lock_wait_s: Mapped[float | None]
   created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

@@ -99,10 +99,14 @@ def finish_trial(s: Session, trial: Trial, *, state: str, stage: str | None = No
   t.environment_id = environment and environment.id
   t.profile = profile_rows(profile or [])
   if state != "reused":
-    if block_tok_s is not None: add_measurement(s, t.study_id, t.config_hash, "block", block_tok_s, "trial", trial=t)
+    full = stage == "full" and (metrics or {}).get("block") is not None  # both stages ran: the block's under block_
+    if block_tok_s is not None:
+      add_measurement(s, t.study_id, t.config_hash, "block", block_tok_s, "trial", trial=t,
+                      **conditions((metrics or {}).get("block") if full else metrics, phases, "block_" if full else ""))
     if state == "ok" and tok_s is not None:
       add_measurement(s, t.study_id, t.config_hash, stage
-                      or "full", tok_s, "trial", trial=t, rounds=(metrics or {}).get("tok_s_rounds"))
+                      or "full", tok_s, "trial", trial=t, rounds=(metrics or {}).get("tok_s_rounds"),
+                      **conditions(metrics, phases))
   s.flush()
   return t
 
@@ -158,13 +162,23 @@ def confirmations(s: Session, study: Study) -> list[Confirmation]:
 
 
 def add_measurement(s: Session, study_id: int, config_hash: str, stage: str, tok_s: float, kind: str, trial: Trial
-                    | None = None, rounds: list[float] | None = None, wall_s: float | None = None) -> Measurement:
+                    | None = None, rounds: list[float] | None = None, wall_s: float | None = None,
+                    **conditions: float | None) -> Measurement:
+  """conditions: as `conditions` reads them from a run (load_start, load_end, lock_wait_s)."""
   if kind not in Measurement.KINDS: raise ValueError(f"not a measurement kind: {kind!r}")
   s.add(m := Measurement(study_id=study_id, trial_id=trial
                          and trial.id, config_hash=config_hash, stage=stage, tok_s=tok_s, rounds=rounds, kind=kind,
-                         wall_s=wall_s))
+                         wall_s=wall_s, **conditions))
   s.flush()
   return m
+
+
+def conditions(metrics: dict | None, phases: dict | None, prefix: str = "") -> dict[str, float | None]:
+  """The conditions of a measurement as a trial's run records them (evaluator/runner.py evaluate): the host's load
+  average at its process's start and end (metrics `host_load`) and its wait for the device lock (phases
+  `lock_wait_s`); `prefix`: the block stage's, where a trial stores both stages ("block_")."""
+  load = (metrics or {}).get("host_load") or (None, None)
+  return {"load_start": load[0], "load_end": load[1], "lock_wait_s": (phases or {}).get(f"{prefix}lock_wait_s")}
 
 
 def measurements(s: Session, study: Study, stage: str | None = "full") -> list[Measurement]:

@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from evaluator.lock import DeviceLock
 from evaluator.result import TrialResult, TrialSpec
@@ -170,9 +170,16 @@ def _signal_name(rc: int) -> str:
 
 def evaluate(spec: TrialSpec, timeout: float = 900, on_phase: Phase | None = None,
              on_wait: Phase | None = None) -> TrialResult:
-  """One trial under the device's lock: concurrent callers on one host wait (and say so through on_wait)."""
+  """One trial under the device's lock: concurrent callers on one host wait (and say so through on_wait). The result
+  records the conditions it was measured under: the seconds it waited for the lock (phases `lock_wait_s`: not the
+  trial's own time) and the host's 1-minute load average when its process started and ended (metrics `host_load`)."""
+  t0 = time.perf_counter()
   with DeviceLock(spec.device, on_wait, what=f"trial of {os.path.basename(spec.model)}"):
-    return run_process(spec, timeout, on_phase)
+    waited, load = time.perf_counter() - t0, os.getloadavg()[0]
+    res = run_process(spec, timeout, on_phase)
+  res.phases["lock_wait_s"] = round(waited, 3)
+  res.metrics["host_load"] = [round(load, 2), round(os.getloadavg()[0], 2)]
+  return res
 
 
 def bandwidths() -> dict:
@@ -219,6 +226,8 @@ class Evaluator:
   # tinygrad's cache directory for these trials (a study's own); None: tinygrad's default
   tinygrad_cache: str | None = None
   beam_budget: float = 0.0  # BEAM search seconds per trial (model.settings.time_beam_search); 0: no limit
+  # seconds the references made for the current `run` waited for the device lock (counted as its lock wait, not setup)
+  ref_lock_wait: float = field(default=0.0, init=False, repr=False)
 
   @classmethod
   def for_model(cls, model: str, device: str, **kw) -> Evaluator:
@@ -268,6 +277,7 @@ class Evaluator:
     config = config or StructureConfig()
     if not os.path.exists(path := self.reference_path(stage, config)):
       res = evaluate(replace(self.spec(config.to_dict(), stage), write_reference=path), self.timeout, on_phase, on_wait)
+      self.ref_lock_wait += res.phases["lock_wait_s"]
       if not res.ok: raise ReferenceFailed(res, _reference_config(config))
     return path
 
@@ -280,7 +290,7 @@ class Evaluator:
     timeout: the reference's run is about another trial's check and measure). A failed baseline
     reference raises ReferenceFailed (no trial can be checked); a failed twin reference fails this trial alone."""
     from evaluator.gate import twin
-    t0, ref, exact, make = time.perf_counter(), None, None, False
+    t0, ref, exact, make, self.ref_lock_wait = time.perf_counter(), None, None, False, 0.0
     if check:
       try: ref_cfg = twin(cfg := StructureConfig.from_dict(config))
       # the trial process reports the config as invalid
@@ -303,8 +313,10 @@ class Evaluator:
       failed = ReferenceFailed(res, _reference_config(ref_cfg))
       if ref_cfg == StructureConfig(): raise failed
       res.error = str(failed)
-    # the references made in processes of their own and the bandwidth figure: made on first use, cached after
-    res.phases["setup_s"] = round(setup, 3)
+    # the references made in processes of their own and the bandwidth figure: made on first use, cached after (their
+    # waits for the device lock are the run's lock wait)
+    res.phases["setup_s"] = round(setup - self.ref_lock_wait, 3)
+    res.phases["lock_wait_s"] = round(res.phases["lock_wait_s"] + self.ref_lock_wait, 3)
     return res
 
 

@@ -19,6 +19,7 @@ COMMANDS = (
   ("status", "the studies in a storage (with --study: its leaderboard)", "search.status"),
   ("list", "the studies in a storage", "search.status"),
   ("leaderboard", "a study's configs ranked (confirmed speedup, else estimated)", "search.leaderboard"),
+  ("best", "the one config a study would ship (the leaderboard's first), for scripts", "search.best"),
   ("show", "everything about one trial", "search.show"),
   ("compare", "two trials side by side, knob by knob, metric by metric and kernel by kernel", "search.compare"),
   ("cost", "what a study's trials cost, phase by phase, and the wall time of N trials", "search.cost"),

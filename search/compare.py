@@ -103,8 +103,9 @@ def compare_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
   heads = ["", f"A: {a} ({doc['state']['a']})", f"B: {b} ({doc['state']['b']})", "B/A"]
   wa, wb = doc["workload"]["a"], doc["workload"]["b"]
   work = wa + ("" if wb == wa else f" (B: {wb})")
+  # the names and both sides wrap: B/A keeps its whole figures at any width that fits them
   secs = [Section(f"{doc['study']}: {b} (B) against {a} (A) at {work}", heads, rows,
-                  records=[{"name": r[0], "a": r[1], "b": r[2], "ratio": r[3]} for r in rows])]
+                  records=[{"name": r[0], "a": r[1], "b": r[2], "ratio": r[3]} for r in rows], wrap=tuple(heads[:3]))]
   if ks := doc["kernels"]:
     side = lambda x, k, spec: num(x.get(k), spec) if x else "-"
     fields = (("count", "d"), ("us_per_token", ".1f"), ("gb_s", ".1f"))

@@ -1,6 +1,7 @@
 """Confirmation: the top configs of a study re-measured against the study's baseline in the evaluator's A/B mode (fresh
-processes, alternating, more rounds). The winner is the config with the best lower bound of its speedup, not one lucky
-run."""
+processes, alternating, more rounds), pair after pair from a minimum until the speedup's interval leaves 1 on one side
+or a budget of pairs is spent (evaluator/compare.py). The winner is the config with the best lower bound of its speedup,
+not one lucky run."""
 from __future__ import annotations
 
 import argparse
@@ -16,36 +17,41 @@ from model.structure import StructureConfig
 from search import leaderboard
 from search.dashboard import refresh
 from search.formats import console, errors
-from search.leaderboard import MIN_PAIRS, baseline, winner
+from search.leaderboard import MIN_PAIRS, baseline
 from search.options import add_format, add_storage, device_name
+from search.show import find_trial
 from search.study import measuring_setup
 from search.view import label
 
+MAX_PAIRS = 8  # the default budget of A/B pairs per config (search confirm --max-pairs)
+
 
 def confirm(url: str, name: str, top: int = 3, pairs: int = 3, rounds: int = 5, device: str | None = None,
-            say: Callable[[str], None] = print, again: bool = False, model: str | None = None) -> list[Confirmation]:
-  """A/B-confirm the study's top configs; a config confirmed before keeps its figures unless `again`. `model`: this
-  host's copy of the study's file (checked by SHA-256, as the stored path is)."""
+            say: Callable[[str], None] = print, again: bool = False, model: str | None = None,
+            max_pairs: int | None = None) -> list[Confirmation]:
+  """A/B-confirm the study's top configs, each over `pairs` to `max_pairs` pairs (None: `pairs` exactly, as `search
+  start` confirms); a config confirmed before keeps its figures unless `again`. `model`: this host's copy of the
+  study's file (checked by SHA-256, as the stored path is)."""
+  max_pairs = max(pairs, max_pairs or pairs)
   setup, _ = measuring_setup(name, url, device, model)
   ev = setup.evaluator(rounds=rounds)
   engine = open_db(url, create=False)
   with session(engine) as s:
     study = store.get_study(s, name)
-    base, seen, todo = baseline(study), {study.baseline_hash}, []
-    for t in store.leaderboard(s, study, limit=10 * top):
-      if t.config_hash not in seen and len(todo) < top: todo.append(t)
-      seen.add(t.config_hash)
+    base, rows = baseline(study), leaderboard.leaderboard(s, study)["rows"]
+    todo = [find_trial(s, study, str(r["trial"])) for r in rows
+            if r["config_hash"] != study.baseline_hash and not r["below_floor"]][:top]
     done = {c.config_hash for c in store.confirmations(s, study) if c.status == "ok"}
   if not again and (skip := [t for t in todo if t.config_hash in done]):
     say(f"already confirmed (--again re-measures): trials {', '.join(str(t.number) for t in skip)}")
     todo = [t for t in todo if t.config_hash not in done]
   out = []
   for i, t in enumerate(todo):
-    say(f"confirming {i + 1}/{len(todo)}: trial {t.number} ({label(t.config_json, base)}), {pairs} A/B pairs against "
-        "the baseline")
-    c = compare(ev, base.to_dict(), StructureConfig.from_json(t.config_json).to_dict(), pairs,
-                on_run=lambda side, j: say(f"  pair {j + 1}/{pairs}: {'baseline' if side == 'a' else 'candidate'}"))
-    fields = {"pairs": pairs, "rounds": rounds, "status": "ok"}
+    say(f"confirming {i + 1}/{len(todo)}: trial {t.number} ({label(t.config_json, base)}), {pairs} to {max_pairs} A/B "
+        "pairs against the baseline (until the interval leaves 1)")
+    c = compare(ev, base.to_dict(), StructureConfig.from_json(t.config_json).to_dict(), pairs, max_pairs=max_pairs,
+                on_run=lambda side, j: say(f"  pair {j + 1}: {'baseline' if side == 'a' else 'candidate'}"))
+    fields = {"pairs": len(c.ratios), "rounds": rounds, "status": "ok"}
     if c.failed is not None:
       fields |= {"status": c.failed.status, "tok_s": 0.0, "baseline_tok_s": 0.0, "speedup": 0.0, "speedup_low": 0.0,
                                         "speedup_high": 0.0}
@@ -56,18 +62,20 @@ def confirm(url: str, name: str, top: int = 3, pairs: int = 3, rounds: int = 5, 
       for side, h, trial in (("a", study.baseline_hash, None), ("b", t.config_hash, t)):
         for r in getattr(c, side):
           if r.ok: store.add_measurement(s, study.id, h, r.spec["stage"], r.tok_s, "confirm", trial=trial,
-                                         rounds=r.metrics.get("tok_s_rounds"), wall_s=r.cost_s)
-    verdict = ("failed" if fields["status"] != "ok" else "faster than the baseline in every pair"
-               if fields["speedup_low"] > 1 else
-               "not faster than the baseline" if fields["speedup"] <= 1 else "not faster in every pair: inconclusive")
+                                         rounds=r.metrics.get("tok_s_rounds"), wall_s=r.cost_s,
+                                         **store.conditions(r.metrics, r.phases))
+    verdict = ("failed" if fields["status"] != "ok" else "faster than the baseline (its interval is above 1)"
+               if fields["speedup_low"] > 1 else "slower than the baseline (its interval is below 1)"
+               if fields["speedup_high"] < 1 else
+               "not shown faster: inconclusive (its interval holds 1)" if fields["speedup"] > 1 else
+               "not faster than the baseline")
     say(f"  {fields['status']}: speedup {fields['speedup']:.3f}x [{fields['speedup_low']:.3f}, "
-        f"{fields['speedup_high']:.3f}]: {verdict}")
+        f"{fields['speedup_high']:.3f}] ({c.level:.1%} interval) over {fields['pairs']} pairs: {verdict}")
   with session(engine) as s:
-    win = winner(store.confirmations(s, study))
+    win = leaderboard.leaderboard(s, study)["winner"]
     s.get(Study, study.id).finished_at = utcnow()
   # a new winner: its per-kernel profile, as for every confirmed winner
-  if win is not None and any(c.id == win.id for c in out):
-    cand = next(t for t in todo if t.config_hash == win.config_hash)
+  if (cand := next((t for t in todo if t.number == win and any(c.trial_id == t.id for c in out)), None)) is not None:
     say(f"profiling the winner, trial {cand.number} (its step's kernels timed one name at a time)")
     r = ev.run(StructureConfig.from_json(cand.config_json).to_dict(), profile=True)
     if r.profile:
@@ -82,8 +90,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--top", type=at_least(1), default=3,
                  help="how many configs from the top of the leaderboard (default 3)")
   p.add_argument("--pairs", type=at_least(MIN_PAIRS), default=3,
-                 help=f"A/B pairs per config, baseline and config alternating in fresh processes (default 3, at least "
-                 f"{MIN_PAIRS})")
+                 help=f"the least A/B pairs per config, baseline and config alternating in fresh processes (default 3, "
+                 f"at least {MIN_PAIRS})")
+  p.add_argument("--max-pairs", type=at_least(MIN_PAIRS), default=MAX_PAIRS,
+                 help=f"the most A/B pairs per config: past --pairs, pairs go on until the speedup's interval leaves 1 "
+                 f"on one side (default {MAX_PAIRS})")
   p.add_argument("--rounds", type=at_least(1), default=5, help="measured rounds per A/B run (default 5)")
   p.add_argument("--device", type=device_name, help="tinygrad device (default: the study's)")
   p.add_argument("--model",
@@ -96,6 +107,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
   say = console.print if args.format == "table" else errors.print  # the progress; stdout keeps the document alone
   confirm(args.storage, args.study, top=args.top, pairs=args.pairs, rounds=args.rounds, device=args.device, say=say,
-          again=args.again, model=str(resolve(args.model).resolve()) if args.model else None)
+          again=args.again, model=str(resolve(args.model).resolve()) if args.model else None, max_pairs=args.max_pairs)
   refresh(args.storage, args.study, args.artifacts)
   leaderboard.show(args.storage, args.study, args.format, top=15)

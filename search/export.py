@@ -9,7 +9,9 @@ import datetime
 import os
 import pathlib
 import re
+import sys
 import tempfile
+from dataclasses import astuple
 
 import git
 from sqlalchemy.orm import Session
@@ -23,56 +25,76 @@ from model.production import model_key as production_key
 from model.production import production_dir, sha_line
 from model.structure import StructureConfig
 from search.formats import console
-from search.leaderboard import MIN_PAIRS, PRECISION, accuracy, leaderboard, precision, study_named, winner
+from search.leaderboard import (
+  MIN_PAIRS,
+  PRECISION,
+  Floor,
+  accuracy,
+  add_floor,
+  floor,
+  leaderboard,
+  precision,
+  study_named,
+)
 from search.options import add_storage
 from search.show import find_trial
 from search.study import study_workload
 
 
-def choose(s: Session, study: Study, which: str | None, unconfirmed: bool, force: bool = False) -> tuple[Trial, str]:
-  """The trial to export (`which`: a number or "baseline"; None: the confirmed winner, or with `unconfirmed` the first
-  config of the leaderboard that is not the baseline nor confirmed slower than it) and a label saying what it is.
-  Refused (ValueError): a study with no finished trial; a trial that did not measure ok (wrong output, failed, pruned,
-  interrupted); the baseline itself; a config whose confirmation says it is not faster than the baseline (whatever
-  `unconfirmed` says); an unconfirmed one without `unconfirmed`, and with it one whose estimate is not above the
-  baseline's interval, unless `force`. A confirmation counts with at least MIN_PAIRS A/B pairs."""
+def choose(s: Session, study: Study, which: str | None, unconfirmed: bool, force: bool = False,
+           fl: Floor | None = None) -> tuple[Trial, str]:
+  """The trial to export (`which`: a number or "baseline"; None: the leaderboard's first where it is the confirmed
+  winner, or with `unconfirmed` the first config of the leaderboard that is not the baseline nor confirmed slower than
+  it) and a label saying what it is. Refused (ValueError): a study with no finished trial; a trial that did not measure
+  ok (wrong output, failed, pruned, interrupted); the baseline itself; a config whose confirmation says it is not faster
+  than the baseline (whatever `unconfirmed` says); an unconfirmed one without `unconfirmed`, and with it one whose
+  estimate is not above the baseline's interval, unless `force`; one below the accuracy floor (BelowFloor: the study's,
+  raised by `fl`). A confirmation counts with at least MIN_PAIRS A/B pairs."""
   trials = store.trials(s, study)
   if not any(t.state not in ("running", "interrupted") for t in trials):
     raise ValueError(f"study {study.name!r} has no finished trial")
-  conf = {c.config_hash: c for c in store.confirmations(s, study)}
-  win = winner(list(conf.values()))
+  doc, conf = leaderboard(s, study), {c.config_hash: c for c in store.confirmations(s, study)}
+  rows = {r["config_hash"]: r for r in doc["rows"]}
   if which is not None:
     t = find_trial(s, study, which)
     src = t.reused_from or t
     if src.state != "ok":
       why = f" ({src.failure_class})" if src.failure_class and src.failure_class != src.state else ""
       raise ValueError(f"trial {t.number} is {src.state}{why}: only a config measured ok can go to production")
-  elif win is not None: t = s.get(Trial, win.trial_id)
+  elif doc["winner"] is not None: t = find_trial(s, study, str(doc["winner"]))
   elif not unconfirmed:
     raise ValueError(f"study {study.name!r} has no confirmed winner (`search confirm --study {study.name}`; "
                      "--unconfirmed exports the best measured config)")
   else:
-    cands = [r for r in leaderboard(s, study)["rows"]
-             if r["config_hash"] != study.baseline_hash and not _slower(conf.get(r["config_hash"]))]
+    cands = [r for r in doc["rows"] if r["config_hash"] != study.baseline_hash and not r["below_floor"]
+             and not _slower(conf.get(r["config_hash"]))]
     if not cands: raise ValueError(f"study {study.name!r} has no measured config but the baseline and those confirmed "
-                                   "slower than it")
+                                   "slower than it or below its accuracy floor")
     t = find_trial(s, study, str(cands[0]["trial"]))  # the leaderboard's first
   if t.config_hash == study.baseline_hash:
     raise ValueError(f"trial {t.number} is the baseline config: production without a config is the baseline already")
+  r, fl = rows[t.config_hash], floor(s, study).tighter(*(astuple(fl) if fl else (None, None)))
+  if why := fl.fails(r["accuracy"], r["precision"]):
+    raise BelowFloor(f"trial {t.number} ({r['precision']}, {accuracy_text(r['accuracy'])}) is below the accuracy floor "
+                     f"({fl.text()}: {why}); not exported")
   c = conf.get(t.config_hash)
   if _slower(c):
     raise ValueError(f"trial {t.number} was confirmed {'not faster than' if c.status == 'ok' else 'failing against'} "
                      f"the baseline ({c.status}: {_ci(c)} over {c.pairs} A/B pairs); not exported")
   if c is not None and c.pairs >= MIN_PAIRS and c.speedup_low > 1.0:
     return (t,
-            f"{'confirmed winner' if c is win else 'confirmed faster than the baseline'}: speedup {_ci(c)} over "
-            f"{c.pairs} A/B pairs")
+            f"{'confirmed winner' if doc['winner'] == t.number else 'confirmed faster than the baseline'}: speedup "
+            f"{_ci(c)} over {c.pairs} A/B pairs")
   if not unconfirmed:
     state = ("not confirmed" if c is None
              else f"confirmed at {_ci(c)} over {c.pairs} A/B pairs, which does not show it faster")
     raise ValueError(f"trial {t.number} is {state} (`search confirm --study {study.name}`, or export it with "
                      "--unconfirmed)")
   return t, _unconfirmed(s, study, t, c, force)
+
+
+class BelowFloor(ValueError):
+  """A config below the accuracy floor asked to go to production: refused, exit code 1."""
 
 
 def _unconfirmed(s: Session, study: Study, t: Trial, c: Confirmation | None, force: bool) -> str:
@@ -178,10 +200,11 @@ def _staged(path: pathlib.Path, text: str) -> pathlib.Path:
 
 
 def export(s: Session, study: Study, url: str, which: str | None, unconfirmed: bool, to: str | None, do_commit: bool,
-           force: bool = False) -> tuple[pathlib.Path, str]:
-  """Write (and with do_commit commit) the chosen config; returns its path and a line saying what was written. Nothing
-  is written where anything fails: the file appears once it is committed."""
-  t, why = choose(s, study, which, unconfirmed, force)
+           force: bool = False, fl: Floor | None = None) -> tuple[pathlib.Path, str]:
+  """Write (and with do_commit commit) the chosen config; returns its path and a line saying what was written (its
+  precision class and accuracy among it). Nothing is written where anything fails: the file appears once it is
+  committed."""
+  t, why = choose(s, study, which, unconfirmed, force, fl)
   path = pathlib.Path(to).expanduser() if to else default_path(study)
   text, root = render(s, study, t, why, url), repository(path) if do_commit else None
   tmp = _staged(path, text)
@@ -198,7 +221,8 @@ def export(s: Session, study: Study, url: str, which: str | None, unconfirmed: b
     os.replace(tmp, path)
   finally: tmp.unlink(missing_ok=True)
   store.add_export(s, study, t, str(path.resolve()), sha, branch, diff)
-  return (path, f"wrote {path}: trial {t.number} of {study.name}, {why}"
+  acc = f"precision {precision(StructureConfig.from_json(t.config_json))}, accuracy {accuracy_text(accuracy(t))}"
+  return (path, f"wrote {path}: trial {t.number} of {study.name}, {why}; {acc}"
           + (f"; committed {sha[:12]} on branch {branch}" if sha else ""))
 
 
@@ -216,10 +240,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  help="with --unconfirmed: export a config whose estimate is not above the baseline's interval")
   p.add_argument("--commit", action="store_true",
                  help="commit the file on a new branch of the git repository it lives in")
+  add_floor(p, "refuse a config below it, on top of the study's own floor")
 
 
 def run(args: argparse.Namespace) -> None:
-  with session(open_db(args.storage, create=False)) as s:
-    _, line = export(s, study_named(s, args.storage, args.study), args.storage, None if args.best else args.trial,
-                     args.unconfirmed, args.to, args.commit, args.force)
-  console.print(line)
+  try:
+    with session(open_db(args.storage, create=False)) as s:
+      _, line = export(s, study_named(s, args.storage, args.study), args.storage, None if args.best else args.trial,
+                       args.unconfirmed, args.to, args.commit, args.force, Floor(args.min_top1, args.max_kl))
+  except BelowFloor as e:
+    print(f"search: error: {e}", file=sys.stderr)
+    sys.exit(1)
+  console.print(line, highlight=False)

@@ -52,19 +52,55 @@ class Section:
 def _cell(v: Any) -> str: return "" if v is None else str(v)
 
 
+def _need(sec: Section, i: int) -> int:
+  """Column i's least width with its padding and border: its longest line, or a wrapping column's longest word (folded
+  past WRAP_MIN)."""
+  cells = [sec.columns[i], *(_cell(r[i]) for r in sec.rows)]
+  if sec.columns[i] in sec.wrap:
+    return 3 + min(WRAP_MIN, max((cell_len(w) for c in cells for w in c.split()), default=0))
+  return 3 + max((cell_len(line) for c in cells for line in c.splitlines()), default=0)
+
+
 def fitting(sec: Section, width: int) -> list[int]:
   """The indices of the columns the rich table shows at this console width: all of them where every value fits whole (a
   wrapping column at its longest word, folded past WRAP_MIN), else without the `drop` columns, in their order, until it
-  does."""
-  def need(i: int) -> int:  # the column's width with its padding and border
-    cells = [sec.columns[i], *(_cell(r[i]) for r in sec.rows)]
-    if sec.columns[i] in sec.wrap:
-      return 3 + min(WRAP_MIN, max((cell_len(w) for c in cells for w in c.split()), default=0))
-    return 3 + max((cell_len(line) for c in cells for line in c.splitlines()), default=0)
-  cols, gone = list(range(len(sec.columns))), iter(sec.drop)
-  while 1 + sum(map(need, cols)) > width and (c := next(gone, None)) is not None:
-    if c in sec.columns: cols.remove(sec.columns.index(c))
+  does; where that is not enough, without more whole columns from the right (the first kept)."""
+  cols = list(range(len(sec.columns)))
+  gone = iter([*(sec.columns.index(c) for c in sec.drop if c in sec.columns), *range(len(sec.columns) - 1, 0, -1)])
+  while 1 + sum(_need(sec, i) for i in cols) > width and (c := next(gone, None)) is not None:
+    if c in cols: cols.remove(c)
   return cols
+
+
+def _wrap_widths(sec: Section, cols: list[int], width: int) -> dict[int, int]:
+  """The widths of the wrapping columns among cols (every column, where even the fitting ones are too wide): their
+  whole lines (at most 90) where the table fits so, else the widest level that fits, none below its least width. Rich
+  then never narrows a column that may not wrap, which would cut its values."""
+  wrap, fold = [i for i in cols if sec.columns[i] in sec.wrap], 1 + sum(_need(sec, i) for i in cols) > width
+  if fold: wrap = cols  # nothing fits whole: every column folds
+  room = width - 1 - sum(_need(sec, i) for i in cols if i not in wrap) - 3 * len(wrap)
+  full = {i: min(90, max(cell_len(line) for c in [sec.columns[i], *(_cell(r[i]) for r in sec.rows)]
+                         for line in c.splitlines() or [""])) for i in wrap}
+  least = {i: 1 if fold else min(full[i], max(1, _need(sec, i) - 3)) for i in wrap}
+  fit = lambda level: {i: max(least[i], min(full[i], level)) for i in wrap}
+  level = max(full.values(), default=0)
+  while level > 1 and sum(fit(level).values()) > room: level -= 1
+  return fit(level)
+
+
+def table(sec: Section, width: int) -> tuple[Table, str | None]:
+  """The section as a rich table that fits `width` with every value whole (fitting, _wrap_widths), and the line that
+  names the columns it leaves out (None where it shows them all)."""
+  # at least as wide as its title, which rich would otherwise wrap to a narrow table's width
+  t = Table(title=sec.title, min_width=min(len(sec.title) + 4, width))
+  cols = fitting(sec, width)
+  widths = _wrap_widths(sec, cols, width)
+  for i in cols:
+    t.add_column(sec.columns[i], overflow="fold", no_wrap=i not in widths, max_width=widths.get(i))
+  for r in sec.rows: t.add_row(*(_cell(r[i]) for i in cols))
+  left = [c for i, c in enumerate(sec.columns) if i not in cols]
+  return t, (f"left out at {width} columns: {', '.join(left)} (a wider terminal, COLUMNS=N or --format csv shows them)"
+             if left else None)
 
 
 def markdown(sections: list[Section], notes: list[str] = (), level: int = 3) -> str:
@@ -104,15 +140,8 @@ def emit(fmt: str, sections: list[Section], data: Any, console: Console, notes: 
         console.print(f"[bold]{sec.title}[/]")
         console.print(Syntax(sec.code, sec.lang, word_wrap=True) if sec.code else "(empty)")
         continue
-      # at least as wide as its title, which rich would otherwise wrap to a narrow table's width
-      t = Table(title=sec.title, min_width=min(len(sec.title) + 4, console.width))
-      cols = fitting(sec, console.width)
-      for c in (sec.columns[i] for i in cols):
-        t.add_column(c, overflow="fold", no_wrap=c not in sec.wrap, max_width=90 if c in sec.wrap else None)
-      for r in sec.rows: t.add_row(*(_cell(r[i]) for i in cols))
+      t, left = table(sec, console.width)
       console.print(t)
-      if left := [c for i, c in enumerate(sec.columns) if i not in cols]:
-        console.print(f"left out at {console.width} columns: {', '.join(left)} (a wider terminal, COLUMNS=N or "
-                      "--format csv shows them)")
+      if left: console.print(left)
     for n in notes: console.print(n)
   else: raise ValueError(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")

@@ -2,9 +2,10 @@
 Optuna plots read, so that their best trial, history and importance agree with the leaderboard.
 
 A complete trial's first value is the figure its config ranks by on the leaderboard, in tok/s (leaderboard.figure: the
-confirmed speedup times the baseline's estimate where an A/B confirmation exists, else the config's estimate, the median
-of all its measurements), whatever the trial's own first figure was; its user attributes carry the estimate with its
-90% interval and count, the speedup, the confirmation and the rank; the study's user attributes say what its knob
+lower bound of its speedup, from its A/B confirmation where one exists, else from its estimate, times the baseline's
+estimate), whatever the trial's own first figure was; its user attributes carry the estimate with its 90% interval and
+count, the speedup and its lower bound, the confirmation, the rank, the precision class and the accuracy figures (with
+the accuracy floor's verdict); the best trial is the leaderboard's first; the study's user attributes say what its knob
 importance rests on (search/effects.py, the dashboard's importance). The storage is read at every call, so
 re-measurements and confirmations show as soon as they are stored. Nothing is written: the values the workers told
 Optuna stay as they were (the samplers learn from them).
@@ -23,6 +24,7 @@ from sqlalchemy import select
 from db import store
 from db.engine import engine_kwargs, open_db, session
 from db.models import Trial
+from evaluator.gate import accuracy_text
 from search import effects
 from search.leaderboard import figure, leaderboard
 
@@ -52,12 +54,12 @@ class RankedStorage(BaseStorage):
     return t if name is None else self._ranked(self.rdb.get_study_id_from_name(name), [t])[0]
 
   def get_best_trial(self, study_id: int) -> FrozenTrial:
-    """The complete trial of the highest figure (of a config's trials, the first); ValueError where none is complete."""
+    """The leaderboard's first (of its config's trials, the first); ValueError where no trial is complete."""
     if len(self.get_study_directions(study_id)) > 1:
       raise RuntimeError("Best trial can be obtained only for single-objective optimization.")
     done = [t for t in self.get_all_trials(study_id, deepcopy=False, states=(TrialState.COMPLETE,)) if t.values]
     if not done: raise ValueError("No trials are completed yet.")
-    return max(done, key=lambda t: (t.values[0], -t.number))
+    return min(done, key=lambda t: (t.user_attrs.get("rank") or len(done) + 1, t.number))
 
   def _ranked(self, study_id: int, trials: list[FrozenTrial]) -> list[FrozenTrial]:
     with session(self.ours) as s:
@@ -79,7 +81,9 @@ class RankedStorage(BaseStorage):
         if c else None
       t.user_attrs = {**t.user_attrs, "rank": r["rank"], "estimate_tok_s": r["tok_s"], "estimate_low": r["tok_s_low"],
                       "estimate_high": r["tok_s_high"], "measurements": r["measurements"], "speedup": r["speedup"],
-                      "confirmed": conf}
+                      "speedup_low": r["speedup_low"], "confirmed": conf, "precision": r["precision"],
+                      "accuracy": accuracy_text(r["accuracy"]),
+                      "accuracy floor": f"below: {r['below_floor']}" if r["below_floor"] else "met"}
       out.append(t)
     return out
 

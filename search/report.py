@@ -49,6 +49,7 @@ def report(url: str, name: str, out: pathlib.Path) -> pathlib.Path:
            f"{', '.join(f'{k} {v}' for k, v in b['states'].items())}. Written "
            f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC.", "",
            f"**{b['verdict'][:1].upper() + b['verdict'][1:]}.**", "",
+           f"The config to ship ({notes[0]}).", "",
            f"Noise: {base}. tok/s is the median of a config's measurements with a 90% interval (db.store.estimates).",
            "", markdown(secs, level=2), ""]
   for key, plot in PLOTS.items():

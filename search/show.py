@@ -91,22 +91,22 @@ def trial_view(doc: dict[str, Any]) -> list[Section]:
           ["failure", doc["failure_class"] or ""], ["worker", doc["worker"]], ["started", doc["started_at"]],
           ["finished", doc["finished_at"]]]
   base = flat(StructureConfig.from_dict(doc["baseline"]))
-  secs = [Section(f"trial {doc['trial']} of {doc['study']}", ["", ""], head),
+  secs = [Section(f"trial {doc['trial']} of {doc['study']}", ["", ""], head, wrap=("",)),
           Section("config: changes from the baseline", ["knob", "value", "baseline"],
-                  [[k, v, base[k]] for k, v in doc["changes"].items()]),
+                  [[k, v, base[k]] for k, v in doc["changes"].items()], wrap=("value", "baseline")),
           Section("config (TOML)", code=StructureConfig.from_dict(doc["config"]).to_toml(), lang="toml"),
-          Section("metrics", ["metric", "value"], _kv(doc["metrics"])),
+          Section("metrics", ["metric", "value"], _kv(doc["metrics"]), wrap=("metric", "value")),
           Section("phases (s)", ["phase", "seconds"], _kv(doc["phases"])),
-          Section("correctness check", ["", ""], _kv(doc["check"])),
+          Section("correctness check", ["", ""], _kv(doc["check"]), wrap=("",)),
           Section("measurements", ["kind", "stage", "tok/s", "rounds", "at"],
                   [[m["kind"], m["stage"], f"{m['tok_s']:.2f}", " ".join(f"{x:.2f}" for x in m["rounds"] or ()),
-                    m["at"][:19]] for m in doc["measurements"]])]
+                    m["at"][:19]] for m in doc["measurements"]], wrap=("rounds",), drop=("at",))]
   if doc["error_text"]: secs.append(Section("failure text", code=doc["error_text"], lang="text"))
   if doc["profile"]:
     secs.append(Section("per-kernel profile", ["rank", "kernel", "count", "us/token", "GB/s", "share"],
                         [[p["rank"], p["name"], p["count"], f"{p['us_per_token']:.1f}", num(p["gb_s"], ".1f"),
-                          f"{p['share']:.1%}"] for p in doc["profile"]]))
-  if doc["environment"]: secs.append(Section("environment", ["", ""], _kv(doc["environment"])))
+                          f"{p['share']:.1%}"] for p in doc["profile"]], wrap=("kernel",), drop=("GB/s", "count")))
+  if doc["environment"]: secs.append(Section("environment", ["", ""], _kv(doc["environment"]), wrap=("",)))
   if g := doc["git"]:
     secs.append(Section("git state", ["", ""],
                         [["commit", g["commit"]], ["branch", g["branch"] or "(detached)"], ["dirty", g["dirty"]]]))

@@ -24,7 +24,7 @@ from search.confirm import confirm
 from search.dashboard import refresh
 from search.formats import console
 from search.join import work
-from search.leaderboard import MIN_PAIRS
+from search.leaderboard import MIN_PAIRS, add_floor
 from search.options import add_running, add_storage, between, device_list, device_name
 from search.study import (
   SAMPLERS,
@@ -84,6 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--family", choices=FAMILIES,
                  help="the kernel backends the study searches: all that run on its device (default), or "
                  "portable: only those that render for every device (tensor, fp16_cache, dsl), whatever the device")
+  add_floor(p, "the study's: configs below it are never its best nor exported")
   p.add_argument("--enqueue", action="append", help="a config file (.json/.toml) to measure first; repeatable")
   p.add_argument("--warm-start-from", help="enqueue the best configs of another study that apply to this model")
   p.add_argument("--remeasure", action="store_true",
@@ -107,7 +108,8 @@ def _protocol(args: argparse.Namespace, info: ModelInfo, device: str, family: st
   return {"n": args.n, "rounds": args.rounds, "prefill": False if args.no_prefill
           else None, "block_layers": args.block_layers, "sampler": args.sampler, "seed": args.seed,
           "objectives": args.objectives, "fixed": fixed, "beam_budget": args.beam_budget, "family": args.family,
-          "exact": True if args.exact else None, "context": args.context, "prompt": args.prompt}
+          "exact": True if args.exact else None, "context": args.context, "prompt": args.prompt,
+          "min_top1": args.min_top1, "max_kl": args.max_kl}
 
 
 MAX_ROUNDS = 100  # measured rounds per trial: more only lengthens every trial of the study

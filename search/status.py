@@ -13,36 +13,33 @@ from db.engine import open_db, session
 from evaluator.cli import at_least
 from search import leaderboard
 from search.formats import Section, console, emit, num
-from search.leaderboard import SCHEMA, study_named, verdict
+from search.leaderboard import SCHEMA, study_named
 from search.options import add_format, add_storage
 from search.proxy import proxy_fit
-from search.study import study_workload
 
 
 def studies(s: Session) -> dict[str, Any]:
   out = []
   for st in store.studies(s):
-    trials, est = store.trials(s, st), store.estimates(s, st)
-    base = est.get(st.baseline_hash)
-    best = max((e for h, e in est.items() if any(t.config_hash == h and t.state == "ok" for t in trials)),
-               key=lambda e: e.median, default=None)
+    trials, doc = store.trials(s, st), leaderboard.leaderboard(s, st)
+    best = doc["best"]
     out.append({"study": st.name, "model": st.model_name, "device": st.device, "device_name": st.device_name,
-                "workload": str(study_workload(s, st.name)),
-                "trials": len(trials), "ok": sum(t.state == "ok" for t in trials),
-                "failed": sum(bool(t.failure_class) for t in trials),
-                "best_tok_s": best.median if best else None,
-                "speedup": best.median / base.median if best and base else None, "verdict": verdict(s, st),
+                "workload": doc["workload"], "trials": len(trials), "ok": sum(t.state == "ok" for t in trials),
+                "failed": sum(bool(t.failure_class) for t in trials), "best": best,
+                "best_trial": best["trial"] if best else None, "best_tok_s": best["tok_s"] if best else None,
+                "speedup": best["speedup"] if best else None, "verdict": doc["verdict"],
                 "created": _day(st.created_at), "finished": _day(st.finished_at)})
   return {"schema": SCHEMA, "study": None, "studies": out}
 
 
 def studies_view(doc: dict[str, Any]) -> list[Section]:
-  cols = ["study", "model", "device", "workload", "trials", "ok", "failed", "best tok/s", "speedup", "created",
-          "finished"]
+  cols = ["study", "model", "device", "workload", "trials", "ok", "failed", "best trial", "best tok/s", "speedup",
+          "verdict", "created", "finished"]
   rows = [[d["study"], d["model"], d["device_name"] or d["device"], d["workload"], d["trials"], d["ok"], d["failed"],
-           num(d["best_tok_s"]), num(d["speedup"], ".3f", "x"), d["created"], d["finished"]] for d in doc["studies"]]
-  return [Section("studies", cols, rows, records=[{k: v for k, v in d.items()} for d in doc["studies"]],
-                  wrap=("model",), drop=("finished", "created", "failed", "ok", "best tok/s"))]
+           "" if d["best_trial"] is None else d["best_trial"], num(d["best_tok_s"]), num(d["speedup"], ".3f", "x"),
+           d["verdict"], d["created"], d["finished"]] for d in doc["studies"]]
+  return [Section("studies", cols, rows, records=[{k: v for k, v in d.items() if k != "best"} for d in doc["studies"]],
+                  wrap=("model", "verdict"), drop=("finished", "created", "failed", "ok", "best tok/s", "verdict"))]
 
 
 def _day(d: datetime.datetime | None) -> str: return d.strftime("%Y-%m-%d %H:%M") if d else ""

@@ -48,7 +48,7 @@ HEARTBEAT_S = 10
 PROTOCOL = {"n": "-n", "rounds": "--rounds", "prefill": "--no-prefill", "block_layers": "--block-layers",
             "sampler": "--sampler", "seed": "--seed", "objectives": "--objectives", "fixed": "--fix",
             "beam_budget": "--beam-budget", "family": "--family", "exact": "--exact", "context": "--context",
-            "prompt": "--prompt"}
+            "prompt": "--prompt", "min_top1": "--min-top1", "max_kl": "--max-kl"}
 
 
 class StudyMismatch(ValueError):
@@ -127,6 +127,9 @@ class Setup:
   # the workload (model/workload.py): the prompt prefilled before decoding, the cache's positions when decode is timed
   prompt: int = PROMPT
   context: int = 0
+  # the accuracy floor (search/leaderboard.py Floor): configs below it are never the best nor exported; None: none
+  min_top1: float | None = None
+  max_kl: float | None = None
   cache_key: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names the study's own tinygrad cache
 
   @property
@@ -264,12 +267,23 @@ def check_protocol(setup: Setup, given: dict[str, Any]) -> None:
                         "with --study NEW_NAME")
 
 
-def study_workload(s: sqlalchemy.orm.Session, name: str) -> Workload:
-  """A study's workload as its creator stored it with its protocol (Optuna's user attributes, through Optuna's public
-  storage on the session's database): what every view shows; the default for a study made before workloads."""
-  st = storage(s.get_bind().url.render_as_string(hide_password=False))
-  attrs = st.get_study_user_attrs(st.get_study_id_from_name(name))
+def study_attrs(s: sqlalchemy.orm.Session, name: str) -> dict[str, Any]:
+  """A study's protocol as its creator stored it (Optuna's user attributes, through Optuna's public storage on the
+  session's database, read only: a caller inside a writing transaction is not blocked by a schema check)."""
+  url = s.get_bind().url.render_as_string(hide_password=False)
+  st = RDBStorage(url, engine_kwargs=engine_kwargs(url), skip_compatibility_check=True, skip_table_creation=True)
+  try: return st.get_study_user_attrs(st.get_study_id_from_name(name))
+  finally: st.engine.dispose()
+
+
+def workload_of(attrs: dict[str, Any]) -> Workload:
+  """The workload in a study's stored protocol; the default for a study made before workloads."""
   return Workload(attrs.get("prompt", PROMPT), attrs.get("context", 0))
+
+
+def study_workload(s: sqlalchemy.orm.Session, name: str) -> Workload:
+  """A study's workload: what every view shows."""
+  return workload_of(study_attrs(s, name))
 
 
 def set_target(setup: Setup, url: str, trials: int) -> None:

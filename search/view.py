@@ -1,17 +1,17 @@
 """The live view of a running study (rich): progress, the current trial's phase, the study's leader (the leaderboard's
 first: its estimate with its interval and count, its speedup over the baseline's estimate, confirmed or not), recent
 results, failures, ETA. On a terminal it redraws in place; elsewhere (logs, CI) it prints one line per finished
-trial."""
+trial. Nothing is cut: the current trial's config wraps, the recent trials' table follows the views' fitting rule
+(search/formats.py table: whole columns left out and named), and the phase's progress is rich's own, on its line."""
 from __future__ import annotations
 
 import collections
 import statistics
 import time
 
-from rich.console import Console, Group
+from rich.console import Console, ConsoleOptions, RenderResult
 from rich.markup import escape
-from rich.progress_bar import ProgressBar
-from rich.table import Table
+from rich.progress import BarColumn, Progress, TextColumn
 from rich.text import Text
 
 from db import store
@@ -19,6 +19,7 @@ from db.engine import open_db, session
 from db.models import Trial
 from model.structure import StructureConfig
 from search.events import Event
+from search.formats import Section, table
 from search.leaderboard import leaderboard
 from space.knobs import describe
 
@@ -97,23 +98,25 @@ class LiveView:
            f"{r['speedup']:.3f}x estimated" if r["speedup"] is not None else "no baseline yet")
     return f"trial {r['trial']}: {est} tok/s over {r['measurements']} ({how})"
 
-  def __rich__(self) -> Group:
+  def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
     best = self.leader()
-    head = Text.from_markup(f"[bold]{escape(self.study)}[/]  trials {self.done}/{self.total}   best {escape(best)}   "
-                            f"ETA {self.eta()}")
-    parts: list = [head]
+    yield Text.from_markup(f"[bold]{escape(self.study)}[/]  trials {self.done}/{self.total}   best {escape(best)}   "
+                           f"ETA {self.eta()}")
     if self.current:
       n, lbl, phase, t0 = self.current
       elapsed = time.perf_counter() - t0
       expect = statistics.median(self.walls) if self.walls else max(elapsed * 2, 1.0)
-      bar = ProgressBar(total=expect, completed=min(elapsed, expect), width=50)
-      parts += [Text(f"trial {n}: {lbl[:100]}"), Group(Text(f"  {phase}  {elapsed:.0f} s"), bar)]
-    t = Table(box=None, pad_edge=False)
-    for col in ("#", "state", "tok/s", "block", "config"): t.add_column(col)
-    for r in self.recent:
-      t.add_row(str(r.number), r.state, f"{r.tok_s:.2f}{self.speedup(r.tok_s)}" if r.tok_s else "",
-                f"{r.block_tok_s:.2f}" if r.block_tok_s else "", label(r.config_json, self.base)[:80])
-    parts.append(t)
-    if self.failures: parts.append(Text("failures: " + ", ".join(f"{k} {v}" for k, v in self.failures.most_common())))
-    parts += [Text(n, style="dim") for n in self.notes]
-    return Group(*parts)
+      bar = Progress(TextColumn("  {task.description}"), BarColumn(bar_width=50), console=console,
+                     auto_refresh=False)
+      bar.add_task(f"{phase}  {elapsed:.0f} s", total=expect, completed=min(elapsed, expect))
+      yield Text(f"trial {n}: {lbl}")
+      yield bar.get_renderable()
+    rows = [[str(r.number), r.state, f"{r.tok_s:.2f}{self.speedup(r.tok_s)}" if r.tok_s else "",
+             f"{r.block_tok_s:.2f}" if r.block_tok_s else "", label(r.config_json, self.base)] for r in self.recent]
+    t, left = table(Section("", ["#", "state", "tok/s", "block", "config"], rows, wrap=("config",),
+                            drop=("block", "tok/s")), options.max_width)
+    t.title, t.box, t.pad_edge = None, None, False
+    yield t
+    if left: yield Text(left, style="dim")
+    if self.failures: yield Text("failures: " + ", ".join(f"{k} {v}" for k, v in self.failures.most_common()))
+    yield from (Text(n, style="dim") for n in self.notes)

@@ -288,7 +288,8 @@ class Runner:
       store.mark_interrupted(s, self.row, [trial.number], "its worker stopped beating (killed or cut off)")
       if res.ok and res.tok_s is not None:
         store.add_measurement(s, self.row.id, row.config_hash, res.spec["stage"], res.tok_s, "trial", trial=row,
-                              rounds=res.metrics.get("tok_s_rounds"), wall_s=res.cost_s)
+                              rounds=res.metrics.get("tok_s_rounds"), wall_s=res.cost_s,
+                              **store.conditions(res.metrics, res.phases))
       t = s.get(Trial, row.id)
       t.error_text = f"{t.error_text or ''}; {why}" if res.ok else t.error_text
     self.late = trial.number
@@ -317,7 +318,8 @@ class Runner:
       metrics["search_overhead_s"], metrics["ladder"] = round(overhead, 3), mode
       if block is not None:
         metrics["block"] = {k: block.metrics.get(k)
-                            for k in ("tok_s", "tok_s_min", "tok_s_max", "layers", "kernels_per_token", "beam")}
+                            for k in ("tok_s", "tok_s_min", "tok_s_max", "layers", "kernels_per_token", "beam",
+                                      "host_load")}
       phases = {**res.phases, **({f"block_{k}": v for k, v in block.phases.items()} if block is not None
                                  and block is not res else {})}
       row = store.finish_trial(

@@ -75,7 +75,8 @@ def test_no_import_cycles_and_no_upward_arrows() -> None:
   views = ("search.view", "search.leaderboard", "search.dashboard", "search.report", "search.plots", "search.cost",
            "search.export")
   assert not [(v, d) for v in views for d in graph[v] if d in ("search.worker", "search.noise", "search.cli")]
-  assert "search.worker" not in {m for m, deps in graph.items() for d in deps if d == "search.worker"} - {"search.cli"}
+  # the worker runs under the commands that run it (`start` through `join`'s work, `worker`), nowhere else
+  assert {m for m, deps in graph.items() if "search.worker" in deps} == {"search.join"}
 
 
 def test_no_backend_imports_the_model() -> None:
@@ -286,3 +287,12 @@ def test_the_space_and_the_views_load_no_tinygrad() -> None:
   code = f"import sys, {', '.join(views)}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'tinygrad'))"
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PROJECT, check=True)
   assert r.stdout.strip() == "[]"
+
+
+def test_no_function_longer_than_80_lines() -> None:
+  """A function that does not fit a screen is split by meaning (docs/architecture.md)."""
+  long = [f"{p.relative_to(PROJECT)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+          for pkg in PACKAGES for p in (PROJECT / pkg).rglob("*.py")
+          for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+          and n.end_lineno - n.lineno + 1 > 80]
+  assert long == []

@@ -1155,6 +1155,25 @@ def _down_slots(routed: FFN | None, plain: FFN | None, k: int, dim: int, R: int,
                 (-(-dim // R), 1, 1), (0,))
 
 
+def _down_handoff(act_in: str, threads: int, J: int, P: int) -> list[str]:
+  """C: each thread's J units of glu's hand-off (act_in q8 or x16; none for f32) into shared memory, read back after the
+  barrier: 8 words (at float `at` of act) to the thread's 8 in `sw`, then the unit's scale and sum."""
+  t = lambda j: f"(threadIdx.x + {threads * j})"
+  words = lambda sw, at, j: (f"{{ const int4* a = (const int4*)act + ({at}) / 4; ((int4*){sw})[{t(j)} * 2] = a[0];"
+                             f" ((int4*){sw})[{t(j)} * 2 + 1] = a[1]; }}")
+  if act_in == "q8":
+    return [f"__shared__ __align__(16) int sxq[{threads * J * 8}], ssq[{threads * J}]; __shared__ float "
+            f"sdx[{threads * J}];"] + [
+      f"{words('sxq', f'p{j} * 8', j)} sdx[{t(j)}] = act[{P * 8} + p{j}]; ssq[{t(j)}] = ((const int*)act)["
+      f"{P * 9} + p{j}];" for j in range(J)]
+  if act_in == "x16":
+    return [f"__shared__ __align__(16) int sxh[{threads * J * 8}]; __shared__ __align__(16) int sxl["
+            f"{threads * J * 8}]; __shared__ float sdh[{threads * J}], sxs[{threads * J}];"] + [
+      f"{words('sxh', f'p{j} * 8', j)} {words('sxl', f'{P * 8} + p{j} * 8', j)} sdh[{t(j)}] = act[{P * 16} + "
+      f"p{j}]; sxs[{t(j)}] = act[{P * 17} + p{j}];" for j in range(J)]
+  return []
+
+
 def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: str, act_in: str = "f32",
                 route: Route | None = None) -> Kernel:
   """down with the work split over (slot, unit) pairs: the k routed slots and the plain FFN's rows cut into slots of the
@@ -1198,22 +1217,8 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
     loads += [unit_loads(w, row, f"u{j}", f"_{j}_{i}", True) for i, row in enumerate(rows[j])]
   # the reads out while gate+up finishes (EARLY: early_sel, early_logits)
   body += loads + ([] if route and route.forced else [WAIT]) + [weights]
-  # each thread's units of glu's hand-off into shared memory, read back after the barrier: 8 words (at float `at` of
-  # act) to the thread's 8 in `sw`, then the unit's scale and sum
+  body += _down_handoff(act_in, threads, J, P) + ["__syncthreads();"]
   t = lambda j: f"(threadIdx.x + {threads * j})"
-  words = lambda sw, at, j: (f"{{ const int4* a = (const int4*)act + ({at}) / 4; ((int4*){sw})[{t(j)} * 2] = a[0];"
-                             f" ((int4*){sw})[{t(j)} * 2 + 1] = a[1]; }}")
-  if act_in == "q8":
-    body.append(f"__shared__ __align__(16) int sxq[{threads * J * 8}], ssq[{threads * J}]; __shared__ float "
-                f"sdx[{threads * J}];")
-    body += [f"{words('sxq', f'p{j} * 8', j)} sdx[{t(j)}] = act[{P * 8} + p{j}]; ssq[{t(j)}] = ((const int*)act)["
-             f"{P * 9} + p{j}];" for j in range(J)]
-  if act_in == "x16":
-    body.append(f"__shared__ __align__(16) int sxh[{threads * J * 8}]; __shared__ __align__(16) int sxl["
-                f"{threads * J * 8}]; __shared__ float sdh[{threads * J}], sxs[{threads * J}];")
-    body += [f"{words('sxh', f'p{j} * 8', j)} {words('sxl', f'{P * 8} + p{j} * 8', j)} sdh[{t(j)}] = act[{P * 16} + "
-             f"p{j}]; sxs[{t(j)}] = act[{P * 17} + p{j}];" for j in range(J)]
-  body.append("__syncthreads();")
   for j, w in enumerate(ws):
     sj = f"s{j}"
     if act_in == "q8": xs = [load_xq(j, "sxq", "sdx", "ssq", t(j))]

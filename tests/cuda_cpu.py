@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -72,9 +73,9 @@ def _key(*parts: str) -> str:
 
 
 def _gxx(out: Path, args: list[str], what: str, code: str | None = None) -> Path:
-  """out, built by g++ (into a temporary file first: processes may build it at once)."""
+  """out, built by g++ (into a temporary file first: processes and threads may build it at once)."""
   if not out.exists():
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     r = subprocess.run(["g++", *FLAGS, *args, "-o", str(tmp)], input=code, capture_output=True, text=True)
     if r.returncode: raise CompileError(f"g++ cannot compile {what}:\n" + "\n".join(r.stderr.splitlines()[:25]))
     os.replace(tmp, out)

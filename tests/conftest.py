@@ -1,6 +1,7 @@
 """Shared fixtures: synthetic GGUF files, written once per test session."""
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import pathlib
@@ -36,14 +37,32 @@ if not os.environ.get("NVRTC_PATH") and (spec := importlib.util.find_spec(
     os.environ["NVRTC_PATH"] = str(lib)
 
 
+def _run_dir(tmp_path_factory) -> pathlib.Path:
+  """This run's directory, which its xdist workers share (each has a base temp of its own inside it)."""
+  base = tmp_path_factory.getbasetemp()
+  return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory) -> None:
-  """References, bandwidth figures, device locks, synthesised models, production configs and generated programs of this
-  test session only."""
-  os.environ["STRUCTSEARCH_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+  """References, bandwidth figures, device locks, synthesised models and production configs of this test worker only;
+  the programs tinygrad generates, of the whole run."""
+  os.environ["STRUCTSEARCH_CACHE"] = str(cache := tmp_path_factory.mktemp("cache"))
   os.environ["STRUCTSEARCH_HOME"] = str(tmp_path_factory.mktemp("home"))
-  # the kernels this process generates and those of the trial processes it starts, in one file (as a study's trials)
+  # the kernels both workers generate and those of the trial processes they start, in one file (as a study's trials)
+  (cache / "programs.db").symlink_to(_run_dir(tmp_path_factory) / "programs.db")
   programs.use(str(cache_dir() / "programs.db"))
+
+
+def _synthetic(tmp_path_factory, name: str, *args, **kw) -> str:
+  """write_synthetic(path, *args, **kw) once per run: the first worker to ask writes the file, the other one waits for
+  it (the GLM-width files take minutes and gigabytes)."""
+  path = _run_dir(tmp_path_factory) / "synth" / name
+  path.parent.mkdir(exist_ok=True)
+  with open(f"{path}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not path.exists(): os.replace(write_synthetic(path.with_suffix(".part"), *args, **kw), path)
+  return str(path)
 
 
 @pytest.fixture(scope="session")
@@ -51,8 +70,8 @@ def gguf_file(tmp_path_factory):
   cache: dict[tuple[str, str, bool], str] = {}
   def get(preset: str, quant: str, legacy: bool = False) -> str:
     if (key := (preset, quant, legacy)) not in cache:
-      path = tmp_path_factory.mktemp("ref") / f"{preset}-{quant}{'-legacy' if legacy else ''}.gguf"
-      cache[key] = str(write_synthetic(path, preset, quant=quant, legacy_kv_b=legacy))
+      name = f"{preset}-{quant}{'-legacy' if legacy else ''}.gguf"
+      cache[key] = _synthetic(tmp_path_factory, name, preset, quant=quant, legacy_kv_b=legacy)
     return cache[key]
   return get
 
@@ -62,8 +81,7 @@ def glm_file(tmp_path_factory):
   """mix -> a 2-layer GLM-4.7-Flash-shaped file in that quant mix, written on first use."""
   paths: dict[str, str] = {}
   def get(mix: str) -> str:
-    if mix not in paths:
-      paths[mix] = str(write_synthetic(tmp_path_factory.mktemp("glm") / f"glm2-{mix}.gguf", "glm", layers=2, quant=mix))
+    if mix not in paths: paths[mix] = _synthetic(tmp_path_factory, f"glm2-{mix}.gguf", "glm", layers=2, quant=mix)
     return paths[mix]
   return get
 

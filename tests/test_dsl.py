@@ -46,16 +46,16 @@ def test_space_offers_dsl_exactly_for_supported_types(gguf_file, monkeypatch) ->
 
 @functools.cache
 def run(path: str, cfg_json: str) -> tuple[np.ndarray, np.ndarray, tuple[tuple[str, str], ...], frozenset[int]]:
-  """Teacher-forced prefill logits, decode step logits, the decode step's kernels, and the sizes of the expert weights'
-  largest planes (their codes; no other buffer of the tiny models has those sizes)."""
+  """Teacher-forced prefill logits, decode step logits, that step's kernels (the search's decode step but for the argmax
+  after the head: one decode graph captured per config), and the sizes of the expert weights' largest planes (their
+  codes; no other buffer of the tiny models has those sizes)."""
   model = Transformer(GGUFFile(path), StructureConfig.from_json(cfg_json), max_context=32)
   gen = Generator(model, chunk=len(TOKENS))
   prefill = gen.prefill(TOKENS).astype(np.float64)
   steps = np.stack([gen.step_logits(1, len(TOKENS) + i) for i in range(3)]).astype(np.float64)
-  for i in range(3): gen.step(1, len(TOKENS) + i)
   exps = frozenset(max(p.numel() for p in w.planes.values()) for b in model.blocks if b.moe
                    for w in (b.gate_exps, b.up_exps, b.down_exps))
-  return prefill, steps, tuple(jit_kernels(gen.step_jit)), exps
+  return prefill, steps, tuple(jit_kernels(gen.step_logits_jit)), exps
 
 
 def reads(src: str, sizes: frozenset[int]) -> bool:
@@ -63,7 +63,7 @@ def reads(src: str, sizes: frozenset[int]) -> bool:
   return any(int(n) in sizes for n in re.findall(r"\bdata\d+_(\d+)\b", src))
 
 
-@pytest.mark.parametrize("quant", ["q4_0", "q4_k_m"])
+@pytest.mark.parametrize("quant", ["q4_0", "q4_k_m", "f16"])
 def test_decode_matches_the_baseline_with_custom_kernels(gguf_file, quant: str) -> None:
   path = gguf_file("tiny", quant)
   info = ModelInfo.from_gguf(GGUFFile(path))

@@ -73,13 +73,22 @@ def portable_outputs(quant: str) -> list[Tensor]:
           dsl._down(x(64), x(3 + pseudo, 512), w((5, 64, 512)), 1, route, w((64, 1024)) if two else None)]
 
 
-@pytest.mark.parametrize("quant", sorted(catalog.get("dsl").quants))
-def test_every_portable_kernel_renders_for_cuda_metal_and_amd(quant: str, monkeypatch) -> None:
+# a K-quant's unrolled blocks take seconds to render per kernel and target: in the default suite each of its kernels
+# renders for one target in turn (every kernel and every target rendered for the type, and every kernel for every target
+# with the other types); `make test-slow` renders every one for every target
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+RENDER_CASES = [pytest.param(q, q not in K_QUANTS, id=q) for q in sorted(catalog.get("dsl").quants)] + [
+  pytest.param(q, True, id=f"{q}-every-target", marks=pytest.mark.slow) for q in K_QUANTS]
+
+
+@pytest.mark.parametrize("quant,every", RENDER_CASES)
+def test_every_portable_kernel_renders_for_cuda_metal_and_amd(quant: str, every: bool, monkeypatch) -> None:
   monkeypatch.setattr(dsl, "_local", lambda device: True)
   asts = [a for a in kernels(*portable_outputs(quant)) if a.arg.name.startswith("dsl_")]
   assert {a.arg.name.split("_")[1] for a in asts} == {"dense", "per", "expert", "res", "vec", "gate", "glu", "down"}
-  for kind in RENDERERS:
-    for a in asts:
+  kinds = list(RENDERERS)
+  for i, a in enumerate(asts):
+    for kind in kinds if every else [kinds[i % len(kinds)]]:
       src = render_source(a, renderer(kind))
       assert a.arg.name in src
       shared = {"CUDA": "__shared__", "METAL": "threadgroup", "AMD": "__attribute__((shared"}[kind]
@@ -131,17 +140,19 @@ for quant in sys.argv[1:]:
 """
 
 
-def test_portable_kernels_compute_the_reference_under_the_metal_emulator() -> None:
+# a type's emulated kernels take a CPU quarter-minute: a seed file's type and a K-quant here, two more in make test-slow
+@pytest.mark.parametrize("quants", [pytest.param(("Q4_0", "Q4_K"), id="Q4_0-Q4_K"),
+                                    pytest.param(("Q8_0", "Q6_K"), id="Q8_0-Q6_K", marks=pytest.mark.slow)])
+def test_portable_kernels_compute_the_reference_under_the_metal_emulator(quants: tuple[str, ...]) -> None:
   """tinygrad's Python emulator with Metal's features (workgroups, shared memory): the experts' product, SiLU(gate) * up
   of merged gate+up weights (one kernel) with the norm folded in and down over the selected experts equal the tensor
-  backend's, for the types of the Q4_0 seed files and a K-quant, with rows of 16 and of 44 blocks, and gate+up at its
-  default 4 rows per thread for the seed files' types."""
-  quants = ["Q4_0", "Q8_0", "Q6_K", "Q4_K"]
+  backend's, for the types of the seed files (Q4_0, Q8_0) and K-quants, with rows of 16 and of 44 blocks, and gate+up at
+  its default 4 rows per thread for the seed files' types."""
   env = {**os.environ, "DEV": "PYTHON::METAL"}
   out = subprocess.run([sys.executable, "-c", EMULATED, *quants], env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   errs = {tuple(line.split()[:2]): float(line.split()[2]) for line in out.stdout.splitlines()}
-  wide = {("Q4_0", "down44"), ("Q8_0", "down44")}
+  wide = {(q, "down44") for q in quants if q in ("Q4_0", "Q8_0")}
   assert set(errs) == {(q, k) for q in quants for k in ("expert", "down", "glu")} | wide
   assert all(e < 1e-5 for e in errs.values()), errs
 

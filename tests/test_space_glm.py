@@ -5,12 +5,14 @@ single-knob change of the space, the barriers in two joint configs (joint_barrie
 Q6_K and Q8_0 weights) and F16 the backend knobs, the knobs whose code depends on the weights' type (the structural
 knobs build the same graph around any product; fp16_cache's products are the same float matmuls over a matrix
 dequantized by the baseline's own code, so Q4_0 proves them). The mixes run from tests/test_space_glm_mixes.py, so that
-a parallel run can give them a worker of their own.
+a parallel run can give them a worker of their own; F16's in `make test-slow` (its file is 2.7 GB; tests/test_dsl.py
+decodes the tiny F16 file on dsl).
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from knobcheck import check_knob, gguf, mix_info
 
 from model.structure import STAGES, StructureConfig
@@ -19,6 +21,7 @@ from space.knobs import ModelInfo, single_knob_changes
 TOKENS = tuple((7919 * i + 17) % 1000 for i in range(8))
 INFO = {mix: mix_info(mix, "glm") for mix in ("q4_0", "q8_0", "q4_k_m", "f16")}
 MIXES = ("q4_0",)
+SLOW = ("f16",)
 
 
 def cases(mixes: tuple[str, ...]) -> list[tuple[str, str, object]]:
@@ -44,10 +47,11 @@ def joint_barriers() -> list[tuple[str, StructureConfig]]:
 
 def pytest_generate_tests(metafunc) -> None:
   mixes = metafunc.module.MIXES
+  marks = lambda mix: [pytest.mark.slow] if mix in SLOW else []
   if "label" in metafunc.fixturenames:
-    cs = cases(mixes)
-    metafunc.parametrize("mix,label,cfg", cs, ids=[f"{m}-{lbl}" for m, lbl, _ in cs])
-  elif "mix" in metafunc.fixturenames: metafunc.parametrize("mix", mixes)
+    cs = [pytest.param(*c, id=f"{c[0]}-{c[1]}", marks=marks(c[0])) for c in cases(mixes)]
+    metafunc.parametrize("mix,label,cfg", cs)
+  elif "mix" in metafunc.fixturenames: metafunc.parametrize("mix", [pytest.param(m, marks=marks(m)) for m in mixes])
 
 
 def test_glm_model_info(glm_file, mix: str) -> None:

@@ -102,10 +102,12 @@ def trial_lines(r: TrialResult, device: str, model_name: str, quant: str, config
   cfg = StructureConfig.from_dict(r.spec["config"])
   config_name = config_name or describe(cfg) or "baseline"
   layers = r.metrics.get("layers") or int(GGUFFile(r.spec["model"]).key("block_count"))
-  head = common("", device, model_name, layers, quant, config_name) | {"config_hash": cfg.hash, "beam": cfg.beam}
-  line = lambda kind, **kw: head | {"kind": kind} | kw | {"command": command}
   m, bw, out = r.metrics, r.spec.get("bandwidth_gbs"), []
+  # every line of the trial carries its workload: a profile or gate line at depth is told apart from one right after
+  # the prompt
   work = {"context": m.get("context", r.spec["prompt_len"]), "prompt": r.spec["prompt_len"]}
+  head = common("", device, model_name, layers, quant, config_name) | {"config_hash": cfg.hash, "beam": cfg.beam} | work
+  line = lambda kind, **kw: head | {"kind": kind} | kw | {"command": command}
   if r.ok:
     figures = {k: _round(m.get(k), n) for k, n in (("tok_s", 2), ("tok_s_min", 2), ("tok_s_max", 2),
                                                    ("ms_per_token", 3), ("ms_p50", 3),
@@ -116,11 +118,11 @@ def trial_lines(r: TrialResult, device: str, model_name: str, quant: str, config
     # llama-bench at the same depth: the context the trial was given (none: decode right after the prompt, d = 0)
     t = llama and llama_test(llama, r.spec.get("context", 0))
     vs = {"llama_cpp_tok_s": (f := llama_figures(t))["tok_s"], "llama_cpp_tok_s_stddev": f["tok_s_stddev"]} if t else {}
-    out.append(line("decode", knobs=describe(cfg) or "baseline", **work, **figures, bandwidth_gb_s=_round(bw, 1),
+    out.append(line("decode", knobs=describe(cfg) or "baseline", **figures, bandwidth_gb_s=_round(bw, 1),
                     compile_s=_round(r.phases.get("compile_s"), 2), **vs))
     if m.get("prefill_tok_s"):
       pp = llama and llama_test(llama, prompt=work["prompt"])
-      out.append(line("prefill", **work, prefill_tok_s=_round(m["prefill_tok_s"], 1), ttft_s=_round(m["ttft_s"], 4),
+      out.append(line("prefill", prefill_tok_s=_round(m["prefill_tok_s"], 1), ttft_s=_round(m["ttft_s"], 4),
                       **({"llama_cpp_prefill_tok_s": _round(pp["avg_ts"], 1)} if pp else {})))
   out.append(line("trial", status=r.status, **{k: _round(v, 2) for k, v in r.phases.items()},
                   **({"phase": r.phase, "error": r.error[-400:]} if not r.ok else {})))

@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
+from pathlib import Path
 
 import git
 
@@ -44,6 +46,20 @@ SECRET_TEXT = re.compile("|".join((
 )))
 
 
+# a secret's name assigned a value (detect-secrets' KeywordDetector's classes): quoted in any file, bare in the files
+# CONFIG_SUFFIXES name (and dotfiles, files without a suffix)
+KEYWORD = (r"[A-Za-z0-9_.-]*(?:password|passwd|pwd|passphrase|secret|token|api_?key|auth_?key|access_?key|private_?key"
+           r"|client_?key|credential)[A-Za-z0-9_.-]*")
+QUOTED = re.compile(rf"(?i){KEYWORD}[\"']?\s*(?::=|=>|[:=])\s*[\"'][^\"'\s]+[\"']")
+BARE = re.compile(rf"(?i)^\s*(?:export\s+)?{KEYWORD}\s*[:=]\s*[^\s\"'#]")
+CONFIG_SUFFIXES = (".envrc", ".sh", ".bash", ".zsh", ".fish", ".yaml", ".yml", ".ini", ".cfg", ".conf", ".toml",
+                   ".properties", ".txt", ".json")
+# a private key block: its whole body is left out, wherever a hunk cuts it
+PEM_BEGIN = re.compile(r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----")
+PEM_END = re.compile(r"-----END (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----")
+BODY = re.compile(r"^\s*[A-Za-z0-9+/=]{16,}\s*$")  # a line that may belong to one
+
+
 def fingerprint_hash(d: dict) -> str:
   """sha256 hex of the canonical JSON of d (sorted keys, no whitespace)."""
   return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
@@ -57,15 +73,51 @@ def looks_secret(path: str) -> bool:
              for p in SECRET_PATTERNS)
 
 
-def without_secret_hunks(diff: str) -> tuple[str, list[str]]:
-  """The diff without the hunks whose lines match SECRET_TEXT, and a '# left out: ...' line for each hunk left out."""
-  kept, notes, name = [], [], "?"
+def keyword_secret(name: str, line: str) -> bool:
+  """Whether a line assigns a value to a secret's name, as detect-secrets' KeywordDetector reads it: a quoted value in
+  any file, a bare one in a shell, dotenv or config file (`export API_TOKEN=x`, YAML `password: x`, INI
+  `aws_secret_access_key = x`)."""
+  if QUOTED.search(line): return True
+  base = name.rsplit("/", 1)[-1].lower()
+  return (base.startswith(".") or "." not in base or base.endswith(CONFIG_SUFFIXES)) and BARE.search(line) is not None
+
+
+def pem_blocks(text: str) -> list[range]:
+  """The line numbers (from 1) of each private key block in text, its BEGIN line to its END line (or the text's end)."""
+  blocks, start, i = [], None, 0
+  for i, line in enumerate(text.splitlines(), 1):
+    if start is None and PEM_BEGIN.search(line): start = i
+    elif start is not None and PEM_END.search(line): blocks.append(range(start, i + 1)); start = None
+  return blocks + ([range(start, i + 1)] if start is not None else [])
+
+
+def _in_pem(header: str, old: list[range], new: list[range]) -> bool:
+  """Whether a hunk (`@@ -a,b +c,d @@`) touches a private key block of the file before (old) or after (new) the
+  change."""
+  m = re.match(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@", header)
+  if m is None: return False
+  a, b, c, d = (int(x) if x is not None else 1 for x in m.groups())
+  return any(range(a, a + max(b, 1)).start < r.stop and r.start < a + max(b, 1) for r in old) or \
+    any(c < r.stop and r.start < c + max(d, 1) for r in new)
+
+
+def without_secret_hunks(diff: str, sources: Callable[[str], tuple[str, str]] | None = None) -> tuple[str, list[str]]:
+  """The diff without the hunks that hold a secret: a token of a known form or a private key line (SECRET_TEXT), a value
+  assigned to a secret's name (keyword_secret), or any line of a private key block, found in the whole file before and
+  after the change (`sources(name)`: its two texts), so a body line far from its BEGIN line is found too. A '# left
+  out: ...' line for each hunk left out."""
+  kept, notes, name, blocks = [], [], "?", None
   for block in re.split(r"(?m)^(?=diff --git |@@ )", diff):
     if block.startswith("diff --git "):
       name = block.split("\n", 1)[0].removeprefix("diff --git a/").rpartition(" b/")[0] or block.split("\n", 1)[0]
-    elif block.startswith("@@ ") and SECRET_TEXT.search(block):
-      notes.append(f"# left out: a hunk of {name} ({block.split(' @@', 1)[0]} @@) that matches a private key or token "
-                   "pattern")
+      blocks = None  # the file's key blocks, found once one of its hunks has a line that may be a key's
+    lines = block.splitlines()[1:]
+    if block.startswith("@@ ") and sources is not None and blocks is None and any(BODY.match(ln[1:]) for ln in lines):
+      blocks = tuple(pem_blocks(t) for t in sources(name))
+    if block.startswith("@@ ") and (SECRET_TEXT.search(block) or (blocks and _in_pem(block, *blocks))
+                                    or any(keyword_secret(name, ln[1:]) for ln in lines)):
+      notes.append(f"# left out: a hunk of {name} ({block.split(' @@', 1)[0]} @@) that holds a private key, a token or "
+                   "a password")
       continue
     kept.append(block)
   return "".join(kept), notes
@@ -88,10 +140,22 @@ def git_state(path: str | os.PathLike = ".") -> dict | None:
     left_out = sorted(f for f in changed if f and (f in ignored or looks_secret(f)))
     diff = repo.git.diff("HEAD", "--no-color", "--no-ext-diff", "--no-renames", "--", ".",
                          *(f":(exclude,literal){f}" for f in left_out))
-    diff, hunks = without_secret_hunks(diff)
+    tree = Path(repo.working_tree_dir)
+    diff, hunks = without_secret_hunks(diff, lambda name: (_committed(repo, name), _text(tree / name)))
     untracked = [f for f in repo.untracked_files if not looks_secret(f)]
     left_out += sorted(f for f in repo.untracked_files if looks_secret(f))
     tail = ("".join(f"\n# untracked: {f}" for f in untracked) + "".join(f"\n# left out: {f}" for f in left_out)
             + "".join(f"\n{n}" for n in hunks))
     return {"commit": repo.head.commit.hexsha, "branch": None if repo.head.is_detached else repo.active_branch.name,
             "dirty": bool(diff or untracked or left_out or hunks), "diff": (diff + tail).lstrip("\n")}
+
+
+
+def _committed(repo: git.Repo, name: str) -> str:
+  try: return repo.git.show(f"HEAD:{name}")
+  except git.GitCommandError: return ""  # new in the work tree
+
+
+def _text(path: Path) -> str:
+  try: return path.read_text(errors="replace")
+  except OSError: return ""  # deleted

@@ -2,7 +2,9 @@
 DBError."""
 from __future__ import annotations
 
+import os
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +22,7 @@ from db.models import VERSION_TABLE
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 PG_LOCK_KEY = 0x5353_4442  # any constant: the pg_advisory_xact_lock that serialises concurrent migrations
+OUTAGE_S = 90  # how long a server database that was reached may stay unreachable before the command gives up on it
 
 
 class DBError(RuntimeError):
@@ -58,10 +61,49 @@ def _reason(e: DBAPIError) -> str:
   return reason[:1].lower() + reason[1:]
 
 
+def failure(e: BaseException, url: str) -> str | None:
+  """One line for a database that failed under a running command (the driver's error anywhere in e's chain: Optuna
+  wraps it), None when e is no database error."""
+  while e is not None and not isinstance(e, DBAPIError): e = e.__cause__ or e.__context__
+  if e is None: return None
+  u, msg = make_url(url), str(e.orig or e).lower()
+  sqlite = u.get_backend_name() == "sqlite"
+  where = f"the SQLite database {u.database}" if sqlite else f"the database at {hide_password(url)}"
+  if "disk is full" in msg or "no space left" in msg: return f"the disk of {where} is full"
+  if "readonly database" in msg or "read-only file system" in msg or sqlite and not os.access(
+      Path(u.database or ".").parent, os.W_OK): return f"{where} is read-only"
+  if "malformed" in msg or "not a database" in msg: return f"{where} is corrupt ({_line(e)})"
+  return f"cannot use {where}: {_line(e)}" if sqlite else f"lost {where}: {_reason(e)}"
+
+
 def engine_kwargs(url: str) -> dict:
   """Engine options of every connection to url, ours and Optuna's: SQLite waits up to 30 s for a lock (its default is 5
-  s)."""
-  return {"connect_args": {"timeout": 30}} if make_url(url).get_backend_name() == "sqlite" else {}
+  s); a server's pooled connections are checked before use (a restarted server left them dead), and a connection
+  attempt gives up after 10 s."""
+  u = make_url(url)
+  if u.get_backend_name() == "sqlite": return {"connect_args": {"timeout": 30}}
+  return {"pool_pre_ping": True, "connect_args": {} if "connect_timeout" in u.query else {"connect_timeout": 10}}
+
+
+def reconnecting(engine: Engine, reached: bool = False, outage_s: float = OUTAGE_S) -> Engine:
+  """A server database that was reached once (by this engine, or `reached` already) and then goes away (restarted,
+  failed over, the network cut) is waited for: each new connection is tried again with backoff for up to outage_s. A
+  server never reached fails at once."""
+  if engine.dialect.name != "postgresql": return engine
+  reached = [True] if reached else []
+  @event.listens_for(engine, "do_connect")
+  def connect(dialect, conn_rec, cargs, cparams):
+    deadline, wait = time.monotonic() + outage_s, 0.25
+    while True:
+      try: conn = dialect.connect(*cargs, **cparams)
+      except dialect.loaded_dbapi.OperationalError:
+        if not reached or time.monotonic() + wait > deadline: raise
+        time.sleep(wait)
+        wait = min(2 * wait, 5.0)
+        continue
+      reached.append(True)
+      return conn
+  return engine
 
 
 def _create_engine(u: URL) -> Engine:
@@ -70,8 +112,7 @@ def _create_engine(u: URL) -> Engine:
     event.listen(engine, "connect", lambda dbapi_conn, _: dbapi_conn.execute("PRAGMA foreign_keys = ON"))
     return engine
   if u.get_backend_name() == "postgresql":
-    return create_engine(u, pool_pre_ping=True, connect_args={} if "connect_timeout" in u.query
-                         else {"connect_timeout": 10})
+    return reconnecting(create_engine(u, **engine_kwargs(u.render_as_string(hide_password=False))))
   raise ArgumentError(f"backend {u.get_backend_name()!r} is not supported (use sqlite:///FILE or "
                       "postgresql+psycopg://USER@HOST:PORT/DB)")
 
@@ -119,6 +160,7 @@ def open_db(url: str, create: bool = True) -> Engine:
     engine.dispose()
     if isinstance(e, DBError): raise
     if sqlite and "file is not a database" in str(e): raise DBError(f"{u.database} is not a SQLite database") from None
+    if sqlite and isinstance(e, DBAPIError): raise DBError(failure(e, url)) from None
     raise DBError(f"cannot set up the schema of the database at {safe}: {_line(e)}") from None
   return engine
 

@@ -34,6 +34,11 @@ def check_device(device: str) -> str:
   _, colon, i = device.partition(":")
   if kind(device) not in kinds or (colon and not i.isdigit()):
     raise ValueError(f"{device!r} is not a tinygrad device: KIND or KIND:INDEX, KIND one of {', '.join(kinds)}")
+  if kind(device) == "CPU" and index(device) > 0:
+    raise ValueError(f"{device!r}: this host has one CPU device, CPU (or CPU:0)")
+  if kind(device) in NVIDIA and (gpus := nvidia_gpus()) and index(device) >= (n := len(_visible(device) or gpus)):
+    raise ValueError(f"{device!r}: this host has {n} {kind(device)} device{'s' * (n > 1)}, {kind(device)}:0 to "
+                     f"{kind(device)}:{n - 1}")
   return device
 
 
@@ -67,12 +72,17 @@ def nvidia_memory() -> dict[str, int]:
   return {uuid.strip(): int(float(mib)) << 20 for uuid, mib in rows if mib.strip().replace(".", "").isdigit()}
 
 
+def _visible(device: str) -> list[str]:
+  """The cards CUDA_VISIBLE_DEVICES leaves a CUDA device ([]: all of them)."""
+  if kind(device) != "CUDA": return []
+  return [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+
+
 def physical(device: str) -> PhysicalDevice:
   k, i = kind(device), index(device)
   if k == "CPU": return PhysicalDevice("CPU", platform.processor() or platform.machine())
   if k not in NVIDIA: return PhysicalDevice(f"{k}-{i}", "")
-  visible = ([v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()] if k == "CUDA"
-             else [])
+  visible = _visible(device)
   card = visible[i] if i < len(visible) else str(i)
   gpus = nvidia_gpus()
   for n, (name, uuid) in enumerate(gpus):

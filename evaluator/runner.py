@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from evaluator.lock import DeviceLock
 from evaluator.result import TrialResult, TrialSpec
-from model.filehash import file_sha256
+from model.filehash import cached_json, file_sha256
 from model.registry import cache_dir
 from model.structure import StructureConfig
 from model.workload import PROMPT, Memory, Workload
@@ -175,11 +175,19 @@ def evaluate(spec: TrialSpec, timeout: float = 900, on_phase: Phase | None = Non
     return run_process(spec, timeout, on_phase)
 
 
+def bandwidths() -> dict:
+  """The cached bandwidth figures by host and device; a corrupt cache file is an error that names it (checked before a
+  study is made, not in its first trial)."""
+  known = cached_json(path := cache_dir() / "bandwidth.json")
+  for key, entry in known.items():
+    if not (isinstance(entry, dict) and isinstance(entry.get("gb_s"), (int, float))):
+      raise ValueError(f"the cache file {path} is corrupt ({key}: {entry!r}): remove it, and it is made again")
+  return known
+
+
 def bandwidth(device: str, remeasure: bool = False, on_wait: Phase | None = None) -> float:
   """The device's streaming read bandwidth in GB/s, measured once per device and host and cached."""
-  path = cache_dir() / "bandwidth.json"
-  known = json.loads(path.read_text()) if path.exists() else {}
-  key = f"{os.uname().nodename}:{device}"
+  path, known, key = cache_dir() / "bandwidth.json", bandwidths(), f"{os.uname().nodename}:{device}"
   if remeasure or key not in known:
     with DeviceLock(device, on_wait, what="bandwidth probe"):
       out = subprocess.run([sys.executable, "-m", "evaluator.bandwidth", device], capture_output=True, text=True,

@@ -12,16 +12,16 @@ import numpy as np
 from tinygrad import GlobalCounters, Tensor, UOp, dtypes
 from tinygrad.uop.ops import resolve
 
+from model import stages as S
 from model import weights as W
 from model.backends import catalog
 from model.backends import registry as K
 from model.errors import ConfigError
 from model.gguf_file import GGUFError, GGUFFile
 from model.quants import F32, QUANT_TYPES
+from model.stages import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, SQRT_SOFTPLUS, rms_norm
 from model.structure import StructureConfig
 from model.weights import QWeight, upload
-
-SOFTMAX, SIGMOID, SOFTMAX_WEIGHT, SQRT_SOFTPLUS = 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -115,11 +115,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
   return Tensor.stack(x0 * c - x1 * s, x0 * s + x1 * c, dim=-1).reshape(x.shape)
 
 
-def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-  xf = x.float()
-  return xf * (xf.square().mean(-1, keepdim=True) + eps).rsqrt() * w
-
-
 def topk_indices(scores: Tensor, k: int, variant: str) -> Tensor:
   """Indices (…, k) of the k largest scores (StructureConfig.topk)."""
   n = scores.shape[-1]
@@ -141,10 +136,14 @@ def topk_indices(scores: Tensor, k: int, variant: str) -> Tensor:
 
 
 class Block:
+  """One block: the per-op path's weights and code, and the inputs of the stages the config fuses (model/stages.py),
+  which the backends' fused stages receive. rope: the RoPE tables (cos, sin); scratch: by name, each fused backend's
+  buffers."""
+
   def __init__(self, f: GGUFFile, i: int, hp: Hparams, cfg: StructureConfig, load, max_context: int, device: str | None,
-               shared: dict):
+               rope: tuple[Tensor, Tensor], scratch: dict[str, dict[str, Tensor]]):
     self.hp, self.cfg, self.i = hp, cfg, i
-    self.cos, self.sin, self.scratch = shared["cos"], shared["sin"], shared
+    (self.cos, self.sin), self.scratch = rope, scratch
     p = f"blk.{i}."
     has = lambda n: p + n + ".weight" in f.tensors
     self.attn_norm, self.ffn_norm, self.kv_a_norm = (load(p + n + ".weight", norm=True)
@@ -190,6 +189,32 @@ class Block:
     self.kv_dtype = dtypes.float16 if cfg.kv_dtype == "float16" else dtypes.float32
     self.cache = Tensor.zeros(1, max_context, hp.kv_lora + hp.qk_rope, dtype=self.kv_dtype,
                               device=device).contiguous().realize()
+    self.attention_in, self.router_in, self.moe_in, self.ffn_in = self._stage_inputs()
+
+  def _stage_inputs(self) -> tuple[S.AttentionStage | None, S.RouterStage | None, S.MoeStage | None,
+                                   S.FfnStage | None]:
+    """The inputs of the stages the config fuses in this block (None for the others): the attention's, and the router's
+    and MoE's of an MoE block or the FFN's of a dense one."""
+    hp, cfg, fused = self.hp, self.cfg, self.cfg.fused
+    scratch = lambda stage: self.scratch.get(fused[stage], {})
+    att = S.AttentionStage(
+      hp.dim, hp.n_heads, hp.qk_nope, hp.qk_rope, hp.kv_lora, hp.v_head, hp.eps, hp.kq_scale, self.attn_norm,
+      self.q_a if hp.q_lora else None, self.q_a_norm if hp.q_lora else None, self.q_b, self.kv_a, self.kv_a_norm,
+      self.k_b, self.v_b, self.wo, self.cache, self.cos, self.sin, scratch("attention"), cfg.attn_act,
+      cfg.rows("qkv_a"), cfg.rows("attn_out")) if "attention" in fused else None
+    # what the FFN stages share: the norm and the knobs of their products
+    common = dict(dim=hp.dim, eps=hp.eps, ffn_norm=self.ffn_norm, act=cfg.ffn_act, gate_up_rows=cfg.rows("gate_up"),
+                  down_rows=cfg.rows("down"))
+    if not self.moe:
+      ffn = S.FfnStage(ffn=S.Glu(self.gate, self.up, self.gate_up, self.down), **common) if "ffn" in fused else None
+      return att, None, None, ffn
+    routing = S.Routing(hp.n_experts, hp.n_used, hp.gating, hp.norm_w, hp.w_scale)
+    router = (S.RouterStage(hp.dim, hp.eps, self.ffn_norm, self.gate_inp, self.probs_b, routing, scratch("router"))
+              if "router" in fused else None)
+    experts = S.Glu(self.gate_exps, self.up_exps, self.gate_up_exps, self.down_exps)
+    shared = S.Glu(self.gate_sh, self.up_sh, self.gate_up_sh, self.down_sh) if self.shared else None
+    moe = S.MoeStage(routing=routing, experts=experts, shared=shared, **common) if "moe" in fused else None
+    return att, router, moe, None
 
   def _absorb_k_b(self) -> None:
     """MLA absorption at load time: q_b's nope rows of each head pre-multiplied by k_b, stored as one fp16 matrix."""
@@ -217,8 +242,8 @@ class Block:
     return x if mode == "none" else x.contiguous().realize() if mode == "realize" else x.contiguous()
 
   def project(self, xn: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The attention's projections of the normalised input: absorbed q (B, T, H, kv_lora), q_pe (B, T, H, rope), kv (B,
-    T, kv_lora + rope)."""
+    """The attention's projections of the normalised input: absorbed q (B, T, H, kv_lora), q_pe (B, T, H, rope) and
+    kv (B, T, kv_lora + rope)."""
     hp, (B, T, _) = self.hp, xn.shape
     H, nope, rope, kvl = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.kv_lora
     xq = rms_norm(K.linear(xn, self.q_a), self.q_a_norm, hp.eps) if hp.q_lora else xn
@@ -231,8 +256,8 @@ class Block:
     return q_abs, q_pe, self.barrier(K.linear(xn, self.kv_a), "kv_a")
 
   def attend(self, q_abs: Tensor, q_pe: Tensor, kv: Tensor, start_pos: int | UOp) -> Tensor:
-    """RoPE, the KV cache write, attention over the compressed cache and v_b: (B, T, H * v_head), before the output
-    projection."""
+    """RoPE, the KV cache write, attention over the compressed cache and v_b, before the output projection:
+    (B, T, H * v_head)."""
     hp, (B, T, H, _) = self.hp, q_abs.shape
     rope, kvl = hp.qk_rope, hp.kv_lora
     cos, sin = self.cos[start_pos:start_pos + T], self.sin[start_pos:start_pos + T]
@@ -267,8 +292,8 @@ class Block:
     return K.linear(self.barrier(g.silu() * u, point), down)
 
   def router_logits(self, xn: Tensor) -> Tensor:
-    """router_fp32=False rounds the input to fp16 in a buffer of its own: tinygrad folds cast(cast(x, half), float) into
-    x."""
+    """router_fp32=False rounds the input to fp16 in a buffer of its own, since tinygrad folds
+    cast(cast(x, half), float) into x."""
     return self.barrier(K.linear(xn.float() if self.cfg.router_fp32
                                  else xn.cast(dtypes.float16).contiguous(), self.gate_inp), "router_logits")
 
@@ -282,8 +307,8 @@ class Block:
     return probs if self.probs_b is None else probs + self.probs_b
 
   def route(self, logits: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """(the ids used, their weights, the router's own top-k ids), each (B, T, K); forced: ids to use instead of its
-    own."""
+    """(the ids used, their weights, the router's own top-k ids), each (B, T, K); forced: the ids to use instead of
+    the router's own."""
     hp = self.hp
     probs = self.probs(logits)
     own = topk_indices(probs if self.probs_b is None else probs + self.probs_b, hp.n_used, self.cfg.topk)  # (B, T, K)
@@ -303,8 +328,8 @@ class Block:
       g, u = gu[..., :self.n_ff_exp], gu[..., self.n_ff_exp:]
     else:
       g, u = K.expert(xe, sel, self.gate_exps), K.expert(xe, sel, self.up_exps)
-    # (B, T, K, D)
-    y = self.barrier(K.expert(self.barrier(g.silu() * u, "moe_gate_up"), sel, self.down_exps), "expert_down")
+    act = self.barrier(g.silu() * u, "moe_gate_up")
+    y = self.barrier(K.expert(act, sel, self.down_exps), "expert_down")  # (B, T, K, D)
     out = self.barrier((y * w.unsqueeze(-1)).sum(2), "moe_out")
     if self.shared: out = out + self._ffn(xn, self.gate_sh, self.up_sh, self.down_sh, self.gate_up_sh, "shexp_gate_up")
     return out
@@ -315,7 +340,7 @@ class Block:
     the attention's output and the FFN's input; routing in MoE blocks)."""
     hp, fused = self.hp, self.cfg.fused if x.shape[1] == 1 else {}
     stage = lambda name: K.get(fused[name]) if name in fused else None
-    if (b := stage("attention")) is not None: h = b.attention(self, x, start_pos, pos).cast(act)
+    if (b := stage("attention")) is not None: h = b.attention(self.attention_in, x, start_pos, pos).cast(act)
     else: h = x + self.attention(rms_norm(x, self.attn_norm, hp.eps), start_pos).cast(act)
     if check is not None: h = check.feed(h)
     xn = None
@@ -325,14 +350,14 @@ class Block:
       return xn
     if not self.moe:
       # a kernel's output: block_out bounds nothing here
-      if (b := stage("ffn")) is not None: return b.ffn(self, h).cast(act)
+      if (b := stage("ffn")) is not None: return b.ffn(self.ffn_in, h).cast(act)
       return self.barrier(h + self._ffn(norm(), self.gate, self.up, self.down, self.gate_up, "dense_gate_up").cast(act),
                           "block_out")
     forced, rb = check.forced if check is not None else None, stage("router")
     # one backend's router and MoE in one, where it offers that: its MoE kernels route from the logits themselves
-    joint = rb is not None and rb is stage("moe") and rb.routed_moe is not None
-    if joint: out, own, logits = rb.routed_moe(self, h, forced)
-    elif rb is not None: sel, w, own, logits = rb.router(self, h, forced)
+    joint = rb is not None and rb is stage("moe") and rb.offers("routed_moe")
+    if joint: out, own, logits = rb.routed_moe(self.router_in, self.moe_in, h, forced)
+    elif rb is not None: sel, w, own, logits = rb.router(self.router_in, h, forced)
     else:
       logits = self.router_logits(norm())
       sel, w, own = self.route(logits, forced)
@@ -340,7 +365,7 @@ class Block:
       check.own, check.logits = own.reshape(-1, hp.n_used), logits.float().reshape(-1, hp.n_experts)
       check.scores = self.scores(logits.float()).reshape(-1, hp.n_experts)
     if joint: return out.cast(act)
-    if (b := stage("moe")) is not None: return b.moe(self, h, sel, w, logits).cast(act)
+    if (b := stage("moe")) is not None: return b.moe(self.moe_in, h, sel, w, logits).cast(act)
     return self.barrier(h + self.experts(norm(), sel, w).cast(act), "block_out")
 
 
@@ -368,16 +393,16 @@ class Check:
 class Transformer:
   """A deepseek2 model built from a GGUF file and a StructureConfig, with its KV cache on `device`."""
 
-  def __init__(self, f: GGUFFile, cfg: StructureConfig | None = None, max_context: int = 4096, device: str
-               | None = None, n_layers: int | None = None):
+  def __init__(self, f: GGUFFile, cfg: StructureConfig | None = None, max_context: int = 4096,
+               device: str | None = None, n_layers: int | None = None):
     self.file, self.cfg, self.hp = f, cfg or StructureConfig(), Hparams.from_gguf(f)
     hp, self.device = self.hp, device
     self.max_context = min(max_context, hp.context_length)
     self.act = dtypes.float16 if self.cfg.act_dtype == "float16" else dtypes.float32
     self.load_peak_bytes = 0  # device memory high-water mark while loading (raw bytes and their planes coexist briefly)
 
-    def load(name: str, norm: bool = False, role: str = "dense", shape: tuple[int, ...] | None = None, stage: str
-             | None = None):
+    def load(name: str, norm: bool = False, role: str = "dense", shape: tuple[int, ...] | None = None,
+             stage: str | None = None):
       """A tensor of the file on the device: a norm as float32, a matrix as a QWeight of the backend that computes its
       products (the fused stage's where its stage is fused, else the config's backend for its type and role)."""
       if name not in f.tensors: raise GGUFError(f"{f.path.name}: tensor {name} is missing")
@@ -400,19 +425,18 @@ class Transformer:
     if not 1 <= n <= hp.n_layers: raise ValueError(f"n_layers={n} is outside 1..{hp.n_layers}")
     cos, sin = rope_table(hp, self.max_context)
     self.cos, self.sin = upload(cos, device), upload(sin, device)
-    # shared by the blocks: the RoPE tables and the native kernels' scratch (split-attention partials, the router's
-    # arrival counter)
-    shared = {"cos": self.cos, "sin": self.sin}
-    for b in sorted({b for b in self.cfg.fused.values() if catalog.get(b).scratch}):
-      shared |= K.get(b).scratch(hp, self.max_context, device)
+    # shared by the blocks: the RoPE tables, and each fused backend's scratch where its row has one
+    scratch = {b: K.get(b).scratch(hp.n_heads, hp.kv_lora, self.max_context, device)
+               for b in sorted(set(self.cfg.fused.values())) if catalog.get(b).scratch}
     self.token_embd = load("token_embd.weight")
-    self.blocks = [Block(f, i, hp, self.cfg, load, self.max_context, device, shared) for i in range(n)]
+    self.blocks = [Block(f, i, hp, self.cfg, load, self.max_context, device, (self.cos, self.sin), scratch)
+                   for i in range(n)]
     self.output_norm = load("output_norm.weight", norm=True)
     self.output = load("output.weight") if "output.weight" in f.tensors else self.token_embd
 
   def forward(self, tokens: Tensor, start_pos: int | UOp, all_logits: bool = False) -> Tensor:
-    """tokens (1, T) at positions start_pos.. -> float32 logits (1, T, vocab), or (1, 1, vocab) for the last token
-    only."""
+    """tokens (1, T) at positions start_pos.. -> float32 logits: (1, T, vocab), or for the last token alone
+    (1, 1, vocab)."""
     pos, x = self.decode_pos(start_pos) if tokens.shape[1] == 1 else None, self.embed(tokens)
     for b in self.blocks: x = b(x, start_pos, pos, self.act)
     return self.head(x if all_logits else x[:, -1:])
@@ -421,8 +445,8 @@ class Transformer:
 
   def head(self, x: Tensor) -> Tensor:
     """The final norm and the output head (in one, where the output weight's backend folds the norm: norm_linear)."""
-    fold = K.get(self.output.backend).norm_linear
-    if fold is not None: return fold(x, self.output_norm, self.hp.eps, self.output)
+    if (b := K.get(self.output.backend)).offers("norm_linear"):
+      return b.norm_linear(x, self.output_norm, self.hp.eps, self.output)
     return K.linear(rms_norm(x, self.output_norm, self.hp.eps), self.output)
 
   def decode_pos(self, start_pos: int | UOp) -> Tensor | None:

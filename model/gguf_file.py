@@ -85,6 +85,13 @@ def _nbytes(ggml_type: int, shape: tuple[int, ...]) -> int:
   return 0 if t is None else math.prod(shape) // t.block * t.nbytes
 
 
+ARCHITECTURES = ("deepseek2",)  # the GGUF architectures model/deepseek2.py builds
+# the sizes a model of them cannot have at 0: layers, widths, heads, ranks
+POSITIVE_KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
+                 "attention.head_count_kv", "attention.kv_lora_rank", "attention.key_length", "attention.value_length",
+                 "rope.dimension_count", "vocab_size")
+
+
 class GGUFFile:
   """One GGUF file. Tensor data stays on disk until `read()` reads one tensor's bytes."""
 
@@ -107,8 +114,15 @@ class GGUFFile:
       if info.offset + info.nbytes > size:
         raise GGUFError(f"{self.path.name}: tensor {info.name} ({info.type_name}) ends at byte "
                         f"{info.offset + info.nbytes} but the file has {size} bytes: the file is truncated")
+      if 0 in info.shape: raise GGUFError(f"{self.path.name}: tensor {info.name} has a zero dimension {info.shape}")
       self.tensors[info.name] = info
     self.arch: str = self.metadata.get("general.architecture", "")
+    if self.arch not in ARCHITECTURES:
+      raise GGUFError(f"{self.path.name}: architecture {self.arch!r} is not supported (supported: "
+                      f"{', '.join(ARCHITECTURES)})")
+    for name in POSITIVE_KEYS:
+      if (v := self.key(name)) is not None and not (isinstance(v, int) and v > 0):
+        raise GGUFError(f"{self.path.name}: {self.arch}.{name} is {v!r}, not a positive integer")
 
   def key(self, name: str, default: Any = None) -> Any:
     """An architecture key such as `block_count` (read as `<arch>.block_count`)."""

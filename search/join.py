@@ -4,12 +4,13 @@ the end."""
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from rich.live import Live
 
 from db import store
-from db.engine import DBError, hide_password, open_db, session
+from db.engine import DBError, failure, hide_password, open_db, session
 from model.registry import resolve
 from search import leaderboard
 from search.dashboard import Uploader, artifact_dir, artifact_store
@@ -41,9 +42,15 @@ def work(setup: Setup, url: str, info: ModelInfo, args: argparse.Namespace) -> N
     print(f"search: error: {e}", file=sys.stderr)
     sys.exit(1)
   except KeyboardInterrupt:
-    console.print(f"stopped: the running trial is marked interrupted; `search start --study {setup.name} --storage "
-                  f"{hide_password(url)}` continues")
+    console.print(f"stopped: the running trial is marked interrupted; `search start --study {shlex.quote(setup.name)} "
+                  f"--storage {shlex.quote(hide_password(url))}` continues")
     sys.exit(130)
+  except Exception as e:
+    if (line := failure(e, url)) is None: raise
+    # Optuna's trial and ours stay running alike: the next run fails both once its heartbeat is stale, and measures the
+    # config again
+    print(f"search: error: {line}; the trials measured so far are stored", file=sys.stderr)
+    sys.exit(1)
   uploader.refresh()  # other workers' measurements since each trial ended changed their figures too
   leaderboard.show(url, setup.name, top=15)
 

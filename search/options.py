@@ -3,6 +3,9 @@ before anything runs (a bad value is one line and exit code 2)."""
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import pathlib
 
 from db.engine import default_url
 from evaluator.cli import at_least
@@ -33,8 +36,16 @@ def add_running(p: argparse.ArgumentParser) -> None:
 
 def positive(text: str) -> float:
   v = at_least(0, float)(text)
-  if v == 0: raise argparse.ArgumentTypeError("0 is not a positive number of seconds")
+  if v == 0 or not math.isfinite(v): raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
   return v
+
+
+def between(lo: int, hi: int):
+  """An argparse type: an integer from lo to hi."""
+  def parse(text: str) -> int:
+    if (v := at_least(lo)(text)) > hi: raise argparse.ArgumentTypeError(f"{text} is above {hi}")
+    return v
+  return parse
 
 
 def port_number(text: str) -> int:
@@ -53,3 +64,14 @@ def device_list(text: str) -> list[str]:
   if len(set(devices)) != len(devices) or not devices:
     raise argparse.ArgumentTypeError(f"{text!r}: name each device once, comma-separated")
   return devices
+
+
+def out_dir(text: str) -> pathlib.Path:
+  """A directory to write into (nothing is made here): an existing one that can be written, or a new one under a
+  directory that can be."""
+  p = pathlib.Path(text).expanduser()
+  if p.exists() and not p.is_dir(): raise argparse.ArgumentTypeError(f"{text} is a file, not a directory")
+  parent = next(a for a in (p.absolute(), *p.absolute().parents) if a.exists())
+  if not parent.is_dir(): raise argparse.ArgumentTypeError(f"{parent} is a file, not a directory")
+  if not os.access(parent, os.W_OK | os.X_OK): raise argparse.ArgumentTypeError(f"{parent} cannot be written")
+  return p

@@ -13,7 +13,7 @@ import markdown as md
 
 from search.formats import console, markdown
 from search.leaderboard import leaderboard_view
-from search.options import add_storage
+from search.options import add_storage, out_dir
 from search.plots import PLOTS, load
 
 CAPTIONS = {"history": "Optimisation history: each config's estimate with its 90% interval (measured once, again, or "
@@ -68,8 +68,12 @@ def report(url: str, name: str, out: pathlib.Path) -> pathlib.Path:
 def add_arguments(p: argparse.ArgumentParser) -> None:
   add_storage(p)
   p.add_argument("--study", required=True, help="the study to report")
-  p.add_argument("--out", required=True, help="directory to write report.md, report.html and the plots into")
+  p.add_argument("--out", required=True, type=out_dir,
+                 help="directory to write report.md, report.html and the plots into")
 
 
 def run(args: argparse.Namespace) -> None:
-  console.print(f"report of {args.study}: {report(args.storage, args.study, pathlib.Path(args.out))}")
+  try: html = report(args.storage, args.study, args.out)
+  except OSError as e:  # a file system that takes no files (/proc), or full
+    raise ValueError(f"cannot write the report into {args.out}: {e.strerror or e}") from None
+  console.print(f"report of {args.study}: {html}")

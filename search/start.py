@@ -6,6 +6,7 @@ import argparse
 import os
 import pathlib
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import sys
 from db import store
 from db.engine import DBError, default_url, hide_password, open_db, session
 from evaluator.cli import at_least
-from evaluator.runner import default_device
+from evaluator.runner import bandwidths, default_device
 from model.backends.catalog import FAMILIES
 from model.registry import cache_dir, resolve
 from model.structure import ConfigError, StructureConfig
@@ -24,7 +25,7 @@ from search.dashboard import refresh
 from search.formats import console
 from search.join import work
 from search.leaderboard import MIN_PAIRS
-from search.options import add_running, add_storage, device_list, device_name
+from search.options import add_running, add_storage, between, device_list, device_name
 from search.study import (
   SAMPLERS,
   Setup,
@@ -67,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  help=f"a prompt of N tokens, prefilled and timed: prefill_tok_s, ttft_s (default {PROMPT})")
   p.add_argument("--seed", type=int, help="the sampler's random seed (default: none, a different search each run)")
   p.add_argument("-n", type=at_least(2), help="tokens per measured round (default 32)")
-  p.add_argument("--rounds", type=at_least(1), help="measured rounds per trial (default 3)")
+  p.add_argument("--rounds", type=between(1, MAX_ROUNDS), help=f"measured rounds per trial (default 3, at most "
+                 f"{MAX_ROUNDS})")
   p.add_argument("--block-layers", type=at_least(1),
                  help="blocks of the ladder's stage-1 proxy (default: the leading dense blocks + 2)")
   p.add_argument("--no-prefill", action="store_true", default=None,
@@ -108,6 +110,8 @@ def _protocol(args: argparse.Namespace, info: ModelInfo, device: str, family: st
           "exact": True if args.exact else None, "context": args.context, "prompt": args.prompt}
 
 
+MAX_ROUNDS = 100  # measured rounds per trial: more only lengthens every trial of the study
+
 # --objectives: tok_s alone, or with the others of search.study.OBJECTIVES
 OBJECTIVE_SETS = ["tok_s", "tok_s,peak_memory", "tok_s,prefill_tok_s", "tok_s,prefill_tok_s,peak_memory"]
 
@@ -130,6 +134,7 @@ def run(args: argparse.Namespace) -> None:
                   "writers); use --storage postgresql+psycopg://...")
   if args.study is None and args.model is None:
     raise ConfigError("search start needs --model (a new study) or --study (one to continue)")
+  bandwidths()  # the caches a trial reads, checked before anything is made
   path = str(resolve(args.model).resolve()) if args.model else None
   stem = args.model and (pathlib.Path(args.model).stem if args.model.endswith(".gguf") or os.sep in args.model
                          else args.model)
@@ -171,10 +176,11 @@ def run(args: argparse.Namespace) -> None:
             model=setup.model)
     refresh(args.storage, name, args.artifacts)
     leaderboard.show(args.storage, name, top=15)
-  where = "" if args.storage == default_url() else f" --storage {hide_password(args.storage)}"
-  console.print(f"review: `search leaderboard --study {name}{where}`; `search report --study {name}{where} --out "
-                f"report-{name}` (Markdown, HTML, plots); `search dashboard --study {name}{where}` (web dashboard on "
-                "127.0.0.1:8080)")
+  where = "" if args.storage == default_url() else f" --storage {shlex.quote(hide_password(args.storage))}"
+  q = shlex.quote(name)  # a name pasted into a shell runs nothing
+  console.print(f"review: `search leaderboard --study {q}{where}`; `search report --study {q}{where} --out "
+                f"{shlex.quote(f'report-{name}')}` (Markdown, HTML, plots); `search dashboard --study {q}{where}` (web "
+                "dashboard on 127.0.0.1:8080)", highlight=False, markup=False)
 
 
 def _spawn_worker(setup: Setup, args: argparse.Namespace, device: str) -> tuple[str, subprocess.Popen, pathlib.Path]:

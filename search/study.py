@@ -22,7 +22,7 @@ import sqlalchemy
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
 from db import store
-from db.engine import DBError, NoDatabase, engine_kwargs, hide_password, open_db, session
+from db.engine import DBError, NoDatabase, engine_kwargs, hide_password, open_db, reconnecting, session
 from db.models import Study
 from evaluator.devices import physical
 from evaluator.runner import Evaluator
@@ -55,6 +55,15 @@ class StudyMismatch(ValueError):
   """A study used against what it is: another model file, device model, space version or measurement protocol."""
 
 
+class _Storage(RDBStorage):
+  """Optuna's storage, where a heartbeat that cannot be written (the database full, read-only, away) is a missed beat,
+  as the grace period allows, not an exception in Optuna's heartbeat thread."""
+
+  def record_heartbeat(self, trial_id: int) -> None:
+    try: super().record_heartbeat(trial_id)
+    except optuna.exceptions.StorageInternalError: pass
+
+
 def storage(url: str, heartbeat: float = HEARTBEAT_S, create: bool = False) -> RDBStorage:
   """Optuna's storage on our database (our schema migrated first, so an unreachable or foreign database fails with one
   line; without `create`, a database that does not exist is an error)."""
@@ -63,9 +72,11 @@ def storage(url: str, heartbeat: float = HEARTBEAT_S, create: bool = False) -> R
     try:
       with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return RDBStorage(url, heartbeat_interval=max(1, round(heartbeat)), grace_period=max(3, round(6 * heartbeat)),
-                          heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=store.RETRIES),
-                          engine_kwargs=engine_kwargs(url))
+        st = _Storage(url, heartbeat_interval=max(1, round(heartbeat)), grace_period=max(3, round(6 * heartbeat)),
+                      heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=store.RETRIES),
+                      engine_kwargs=engine_kwargs(url))
+      reconnecting(st.engine, reached=True)  # a server that goes away later is waited for
+      return st
     except Exception as e:  # noqa: BLE001 - Optuna raises bare SQLAlchemy or RuntimeErrors here
       raced = (isinstance(e, sqlalchemy.exc.IntegrityError) or isinstance(e, sqlalchemy.exc.SQLAlchemyError)
                and "already exists" in str(e))
@@ -161,8 +172,8 @@ def bind_device(s, row: Study, device: str) -> Study:
 
 
 def check_model(row: Study, path: str) -> None:
-  """Every command that measures checks that its model file is the study's, by SHA-256 (cached by path, size and
-  mtime)."""
+  """Every command that measures checks that its model file is the study's, by SHA-256 (cached by the file's identity:
+  model.filehash.file_identity)."""
   if not os.path.isfile(path):
     raise StudyMismatch(f"study {row.name!r} measures {row.model_path}, which is not on this host: pass --model with "
                         "the path of that file here")

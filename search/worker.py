@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import pathlib
+import shlex
 import socket
 import time
 import warnings
@@ -26,15 +27,16 @@ from optuna.trial import FrozenTrial, TrialState
 
 from db import store
 from db.capture import git_state
-from db.engine import open_db, session
+from db.engine import failure, open_db, session
 from db.models import GitState, Study, Trial
 from evaluator.result import TrialResult
 from evaluator.runner import Evaluator, ReferenceFailed
+from model.filehash import file_identity
 from model.structure import StructureConfig
 from search import noise
 from search.events import Event, Listener
 from search.proxy import ladder, proxy_fit
-from search.study import HEARTBEAT_S, Setup, bind_device, sampler, storage, stored_baseline
+from search.study import HEARTBEAT_S, Setup, StudyMismatch, bind_device, check_model, sampler, storage, stored_baseline
 from space.knobs import ModelInfo, suggest
 
 PROJECT = pathlib.Path(__file__).resolve().parents[1]
@@ -53,6 +55,11 @@ class BaselineFailed(RuntimeError):
   """The baseline config failed: nothing of the study can be compared with it, so the study stops."""
 
 
+class ListenerFailed(RuntimeError):
+  """A listener could not write its files (the dashboard's artifacts: a full or read-only disk): the trial it heard of
+  is stored in both ledgers first, then the worker stops."""
+
+
 class Runner:
   """One worker of a study: proposes configs through Optuna, measures them with the evaluator, records everything, and
   tells its listeners (search/events.py) as it goes."""
@@ -61,7 +68,7 @@ class Runner:
                listeners: Sequence[Listener] = (), heartbeat: float = HEARTBEAT_S):
     self.setup, self.ev, self.info, self.remeasure, self.listeners, self.heartbeat = (setup, ev, info, remeasure,
                                                                                       listeners, heartbeat)
-    self.engine = open_db(url, create=False)
+    self.engine, self.url = open_db(url, create=False), url
     self.multi = "," in setup.objectives
     self.storage = storage(url, heartbeat)
     self.study = optuna.load_study(study_name=setup.name, storage=self.storage)
@@ -73,10 +80,20 @@ class Runner:
     if not self.multi: self.study.pruner = optuna.pruners.PercentilePruner(25.0, n_startup_trials=5, n_warmup_steps=0)
     self.baseline = stored_baseline(url, setup, info)
     self.late: int | None = None  # the trial whose result came late (its Optuna trial was failed meanwhile)
+    self.broken: OSError | None = None  # a listener's failure, raised once the trial it heard of is told to Optuna
     with session(self.engine) as s: self.row = bind_device(s, store.get_study(s, setup.name), setup.device)
+    self.identity = file_identity(setup.model)  # the file measuring_setup checked by SHA-256
 
   def emit(self, e: Event) -> None:
-    for listen in self.listeners: listen(e)
+    for listen in self.listeners:
+      try: listen(e)
+      except OSError as err: self.broken = self.broken or err
+
+  def _listeners_ok(self) -> None:
+    if self.broken is not None:
+      raise ListenerFailed(f"cannot write the dashboard's artifacts ({self.broken.strerror or self.broken}: "
+                           f"{self.broken.filename or ''}); the trials so far are stored, and `search start --study "
+                           f"{shlex.quote(self.setup.name)}` continues once they can be written")
 
   def say(self, text: str) -> None: self.emit(Event("note", -1, text))
 
@@ -88,6 +105,7 @@ class Runner:
     t0, said = time.monotonic(), ""
     self._baseline_first()
     while timeout is None or time.monotonic() - t0 < timeout:
+      self._listeners_ok()
       self.reap()
       trials = self.study.get_trials(deepcopy=False)
       running = [t for t in trials if t.state == TrialState.RUNNING]  # between trials, none of them is this worker's
@@ -98,13 +116,14 @@ class Runner:
         if not self.multi and noise.settle(self.ev, self.engine, self.row, self.baseline.hash,
                                            max(2, self.setup.trials // 10), self.say):
           self.emit(Event("measured", -1, "the configs within the noise of the best"))
-        return
+        return self._listeners_ok()
       if done + len(running) >= self.setup.trials and not retries:
         waiting = ", ".join(str(t.number) for t in running)
         if said != (said := f"waiting for trial{'s' * (len(running) > 1)} {waiting} of other workers to finish, or to "
                             "fail when their worker stops beating"): self.emit(Event("wait", -1, said))
         time.sleep(self.heartbeat)
         continue
+      self._same_model()
       try: self.study.optimize(self.objective, n_trials=1, catch=(TrialFailed,), gc_after_trial=False)
       except ValueError:  # Optuna cannot tell a trial it failed already: the late result is recorded (objective), go on
         if self.late is None: raise
@@ -113,6 +132,17 @@ class Runner:
           and noise.measure(self.ev, self.engine, self.row, self.baseline, self.baseline.hash, None,
                             f"baseline re-measured after {done} trials", self.say):
         self.emit(Event("measured", -1, "the baseline"))
+
+  def _same_model(self) -> None:
+    """Before every trial, the model file is the study's: a file whose identity changed (replaced, rewritten, even at
+    its size with its mtime set back) is hashed again, and one that is not the study's stops the worker before a trial
+    of another file is ranked with the study's."""
+    try: now = file_identity(self.setup.model)
+    except OSError: now = None  # gone: check_model says so
+    if now == self.identity: return
+    try: check_model(self.row, self.setup.model)
+    except StudyMismatch as e: raise StudyMismatch(f"the model file changed during the study: {e}") from None
+    self.identity = now
 
   def finished(self, trials: list[FrozenTrial] | None = None) -> int:
     """Trials with an outcome: completed, pruned, or failed by the evaluator (not interrupted, not lost with a dead
@@ -198,6 +228,10 @@ class Runner:
     except (KeyboardInterrupt, SystemExit):
       with session(self.engine) as s: store.finish_trial(s, row, state="interrupted", error_text="stopped by the user")
       self.study.enqueue_trial(trial.params)  # measured first when the study continues
+      raise
+    except Exception as e:  # Optuna fails the trial as it stops the worker (a corrupt cache file): ours says so too
+      if failure(e, self.url) is None:
+        with session(self.engine) as s: store.finish_trial(s, row, state="interrupted", error_text=str(e))
       raise
 
   def _reuse(self, trial: optuna.Trial, row: Trial, prior: Trial, is_base: bool) -> float | tuple[float, float]:

@@ -1,6 +1,6 @@
-"""The architecture's numbers (docs/architecture.md): the project's import graph has no cycle and no upward arrow, the
-config type loads no tinygrad, a backend is one new file and one catalog row, a knob is one declaration beside its
-field."""
+"""The architecture's numbers (docs/architecture.md): the project's import graph has no cycle and no upward arrow, no
+backend imports the model, the config type loads no tinygrad, a backend (with fused stages or without) is one new file
+and one catalog row, a knob is one declaration beside its field."""
 from __future__ import annotations
 
 import ast
@@ -78,6 +78,14 @@ def test_no_import_cycles_and_no_upward_arrows() -> None:
   assert "search.worker" not in {m for m, deps in graph.items() for d in deps if d == "search.worker"} - {"search.cli"}
 
 
+def test_no_backend_imports_the_model() -> None:
+  """The backends see the model through the stage contract (model/stages.py) alone: no module of model/backends imports
+  model.deepseek2, which calls the registry that imports them."""
+  graph = import_graph()
+  backends = [m for m in graph if m.startswith("model.backends.")]
+  assert len(backends) >= 7 and [m for m in backends if "model.deepseek2" in graph[m]] == []
+
+
 def test_the_config_loads_no_tinygrad() -> None:
   code = "import sys, model.structure; print(sorted(m for m in sys.modules if m.split('.')[0] == 'tinygrad'))"
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PROJECT, check=True)
@@ -128,6 +136,68 @@ def test_a_new_backend_is_one_file_and_one_catalog_row(gguf_file, tmp_path, monk
   assert_close("a test backend", logits[1], logits[0], 1e-4)
 
 
+PLAIN = '''
+"""A test fused backend: its FFN stages as tinygrad ops over the stage's inputs (model/stages.py), its products against
+the weight dequantized where it is used."""
+from model.backends.registry import Backend, register
+from model.stages import rms_norm
+
+CALLS = []  # the stages the model called
+
+
+class Plain(Backend):
+  name = "plain"
+  def linear(self, x, w): return x.float() @ w.to_float().T
+  def per_head(self, x, w): return (x.float().unsqueeze(-2) * w.to_float()).sum(-1)
+  def expert(self, x, sel, w): return (x.float().unsqueeze(-2) * w.to_float()[sel]).sum(-1)
+
+  def glu(self, x, g): return self.linear(self.linear(x, g.gate).silu() * self.linear(x, g.up), g.down)
+
+  def ffn(self, st, h):
+    CALLS.append("ffn")
+    return h + self.glu(rms_norm(h, st.ffn_norm, st.eps), st.ffn)
+
+  def moe(self, st, h, sel, wts, logits):
+    CALLS.append("moe")
+    xn, e = rms_norm(h, st.ffn_norm, st.eps), st.experts
+    xe = xn.unsqueeze(2)  # (1, 1, 1, dim): the K selected experts' one input
+    y = self.expert(self.expert(xe, sel, e.gate).silu() * self.expert(xe, sel, e.up), sel, e.down)
+    out = (y * wts.unsqueeze(-1)).sum(2)
+    return h + (out if st.shared is None else out + self.glu(xn, st.shared))
+
+
+register(Plain())
+'''
+
+
+def test_a_fused_backend_is_written_against_the_stage_contract(gguf_file, tmp_path, monkeypatch) -> None:
+  """A backend whose ffn and moe stages are written here from their inputs (model/stages.py) alone, and its catalog row
+  listing them: a tiny model decodes the baseline's logits with both stages on it. A stage it lacks raises ConfigError
+  naming both; a row that lists a stage its backend lacks is refused when the backend registers."""
+  (tmp_path / "plain_backend.py").write_text(PLAIN)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+  row = catalog.Row("plain", "plain_backend", "a test fused backend", stages=frozenset({"ffn", "moe"}))
+  monkeypatch.setitem(catalog.CATALOG, "plain", row)
+  from model.deepseek2 import Transformer
+  from model.generate import Generator
+  from model.gguf_file import GGUFFile
+  path, tokens = gguf_file("tiny", "q4_0"), [(7919 * i + 17) % 1000 for i in range(8)]
+  def decode(cfg: StructureConfig) -> np.ndarray:
+    gen = Generator(Transformer(GGUFFile(path), cfg, max_context=16), chunk=len(tokens))
+    gen.prefill(tokens)
+    return np.stack([gen.step_logits(t, len(tokens) + i) for i, t in enumerate((5, 7, 11))]).astype(np.float64)
+  base = decode(StructureConfig(kv_dtype="float32"))
+  got = decode(StructureConfig(kv_dtype="float32", fused={"ffn": "plain", "moe": "plain"}))
+  assert set(sys.modules["plain_backend"].CALLS) == {"ffn", "moe"}
+  assert_close("a fused test backend", got, base, 1e-4)
+  plain = registry.get("plain")
+  assert plain.offers("moe") and not plain.offers("attention") and not plain.offers("routed_moe")
+  with pytest.raises(ConfigError, match="backend plain has no attention stage"): plain.attention(None, None, 0, None)
+  monkeypatch.setitem(catalog.CATALOG, "plain", dataclasses.replace(row, stages=frozenset({"ffn", "moe", "router"})))
+  with pytest.raises(ConfigError, match="backend plain implements no router stage"): registry.register(type(plain)())
+
+
 def test_backend_traits_come_from_the_catalog(monkeypatch) -> None:
   """The space's single changes, the gate's twin and precision class ask the catalog for traits, not names: a
   device-specific backend renamed is still preferred for 8-bit activations and checked against its twin."""
@@ -142,8 +212,8 @@ def test_backend_traits_come_from_the_catalog(monkeypatch) -> None:
   cfg = StructureConfig(fused={"moe": "cuda_c", "attention": "cuda_c"}, ffn_act="q8")
   assert twin(cfg) == StructureConfig(fused={"moe": "dsl"}, ffn_act="q8")
   assert tolerance(StructureConfig(backends={"Q4_0:dense": "fp16_cache"}), 2048) == (FP16_TOL, {})
-  assert tolerance(cfg, 2048)[0] == FP32_TOL < tolerance(cfg, 2048)[1]["ffn"] and "attention" not in tolerance(cfg,
-                                                                                                              2048)[1]
+  tol, per_stage = tolerance(cfg, 2048)
+  assert tol == FP32_TOL < per_stage["ffn"] and "attention" not in per_stage
 
 
 KNOB = ('  probe: str = knob("plain", ("plain", "wide"), "a test knob", applies=lambda m: m.moe, stages=("router",), '

@@ -145,13 +145,14 @@ def test_router_and_moe_in_one_in_the_cpu_emulator(gguf_file, monkeypatch, prese
   with native_on_cpu(monkeypatch):
     m = Transformer(gguf(path), StructureConfig.from_dict(ALL_NATIVE), max_context=16)
     blk, K = next(b for b in m.blocks if b.moe), m.hp.n_used
+    router, moe = blk.router_in, blk.moe_in  # what the stages receive (model/stages.py)
     h = Tensor(rng.standard_normal((1, 1, m.hp.dim)).astype(np.float32))
     for forced in (None, Tensor(np.arange(K, dtype=np.int32)[::-1].copy().reshape(1, 1, K))):
-      out, own, logits = native.routed_moe(blk, h, forced)
-      sel, wts, own_r, logits_r = native.router(blk, h, forced)
+      out, own, logits = native.routed_moe(router, moe, h, forced)
+      sel, wts, own_r, logits_r = native.router(router, h, forced)
       np.testing.assert_array_equal(own.numpy(), own_r.numpy())
       np.testing.assert_array_equal(logits.numpy(), logits_r.numpy())
-      np.testing.assert_allclose(out.numpy(), native.moe(blk, h, sel, wts, logits_r).numpy(), rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(out.numpy(), native.moe(moe, h, sel, wts, logits_r).numpy(), rtol=1e-5, atol=1e-6)
 
 
 def _glu_case(t: int, seed: int, dim: int, F: int, E: int, Fs: int) -> tuple:
@@ -581,9 +582,9 @@ def test_q8_attention_input_in_the_cpu_emulator(gguf_file, monkeypatch, mix: str
   with native_on_cpu(monkeypatch):
     for name, c in (("native", cfg("native")), ("dsl", cfg("dsl")), ("float32", cfg("native", "float32"))):
       m = Transformer(gguf(path), c, max_context=16)
-      blk, backend = m.blocks[0], registry.get(c.fused["attention"])
+      att, backend = m.blocks[0].attention_in, registry.get(c.fused["attention"])
       start = lambda i, name=name: Variable("start_pos", 0, 15).bind(i) if name == "dsl" else i
-      runs[name] = np.stack([(backend.attention(blk, x, start(i), m.decode_pos(i)) - x).numpy().reshape(-1)
+      runs[name] = np.stack([(backend.attention(att, x, start(i), m.decode_pos(i)) - x).numpy().reshape(-1)
                              for i, x in enumerate(xs)])
   tol = tolerance(cfg("native"), 256)[1]["attention"]
   twin, far = rel_err(runs["native"], runs["dsl"]), rel_err(runs["native"], runs["float32"])

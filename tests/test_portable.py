@@ -23,7 +23,8 @@ from tinygrad.uop.ops import Ops
 
 import model.backends.dsl as dsl
 from model.backends import catalog
-from model.deepseek2 import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, SQRT_SOFTPLUS, Block
+from model.deepseek2 import Block
+from model.stages import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, SQRT_SOFTPLUS
 from model.structure import DSL_ROWS
 
 RENDERERS = {"CUDA": (CUDARenderer, Target("CUDA", "CUDA", "sm_90")),

@@ -9,8 +9,8 @@ codes with a few wide loads instead of one load per byte.
 The schedule (the types of a kernel's ranges) is the same on every device that has workgroups: the elements of a block
 are unrolled, the blocks of a row are split over a workgroup (GROUP: consecutive threads read consecutive blocks, and
 the partial sums meet in shared memory), and each thread computes `ROWS` output rows, so one read of the input serves
-them all. Where the device has no workgroups (the CPU) the blocks stay a loop. The arithmetic never depends on the
-device.
+them all. Where the device has no workgroups (the CPU) the blocks stay a loop. On every device the arithmetic is the
+same.
 
 The expert kernel loads the selected expert ids inside the kernel and indexes the weight's rows by them: one kernel
 computes the rows of all K selected experts, with no gather. A custom kernel fuses with nothing: its input is realized
@@ -29,11 +29,11 @@ from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
 from model.backends.registry import Backend, register
-from model.deepseek2 import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, SQRT_SOFTPLUS, rms_norm
 from model.quants import BF16, F16, F32, LAYOUTS, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, QUANT_TYPES
+from model.stages import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, SQRT_SOFTPLUS, rms_norm
 
 if TYPE_CHECKING:
-  from model.deepseek2 import Block
+  from model.stages import AttentionStage, FfnStage, Glu, MoeStage, RouterStage, Routing
   from model.weights import QWeight
   Ffn = tuple[QWeight | None, QWeight | None, QWeight | None]  # gate, up, merged gate+up (merged, or the others)
 
@@ -63,11 +63,10 @@ def to_words(w: QWeight) -> QWeight:
   """w's code planes (WORDS) as 32-bit words (each field's bytes, little-endian), realized once."""
   for k in WORDS.get(w.ggml_type, ()):
     if (v := w.planes[k]).dtype == dtypes.uint32: continue
-    # a buffer of its own: bitcast(...).contiguous() of a realized buffer stays a lazy view, copied by every kernel
-    # reading it
-    w.planes[k] = Tensor.empty(*v.shape[:-1], v.shape[-1] * v.dtype.itemsize // 4, dtype=dtypes.uint32,
-                               device=v.device) \
-      .assign(v.bitcast(dtypes.uint32)).realize()
+    # a buffer of its own: bitcast(...).contiguous() of a realized buffer stays a lazy view, copied by each kernel
+    # that reads it
+    words = Tensor.empty(*v.shape[:-1], v.shape[-1] * v.dtype.itemsize // 4, dtype=dtypes.uint32, device=v.device)
+    w.planes[k] = words.assign(v.bitcast(dtypes.uint32)).realize()
   return w
 
 
@@ -83,11 +82,11 @@ def _byte(p: Planes, name: str, ggml_type: int, r: UOp, b: UOp, word: UOp | int,
 
 @dataclass(frozen=True)
 class _Spec:
-  """How a block splits: `outer` ranges pick a scale group, `inner` ranges an element of it. code(p, r, b, *outer,
-  *inner)
-  -> (the element's offset in the block, its integer code as float32); scale(p, r, b, *outer) -> (scale, bias or None):
-  the element's value is scale * code + bias. `word` is the inner range that picks a 32-bit word of the codes, which
-  LANES threads can split (None: the block is not split)."""
+  """How a block splits: `outer` ranges pick a scale group, `inner` ranges an element of it.
+  code(p, r, b, *outer, *inner) -> (the element's offset in the block, its integer code as float32);
+  scale(p, r, b, *outer) -> (scale, bias or None): the element's value is scale * code + bias.
+  `word` is the inner range that picks a 32-bit word of the codes, which LANES threads can split (None: the block is
+  not split)."""
   outer: tuple[int, ...]
   inner: tuple[int, ...]
   code: Callable[..., tuple[UOp, UOp]]
@@ -121,8 +120,8 @@ def _k_code(t: int):
 
 def _k_scale(t: int):
   def scale(p: Planes, r: UOp, b: UOp, c1: UOp, c0: UOp, h: UOp) -> tuple[UOp, UOp]:
-    """Group g's 6-bit scale and min sit in sc bytes j, j+4, j+8 (j = g % 4), split differently for the first and last
-    4."""
+    """Group g's 6-bit scale and min sit in sc bytes j, j+4, j+8 (j = g % 4), split one way for the first 4 groups
+    and another for the last 4."""
     j = c0 * 2 + h
     a, m, hi = (_byte(p, "sc", t, r, b, word, j) for word in (0, 1, 2))
     first = c1 < 1
@@ -340,12 +339,12 @@ def _run(kernel: Callable[..., UOp], out_shape: tuple[int, ...], x: Tensor, srcs
   return out.custom_kernel(x, *srcs, *(w.planes[k] for k in names), fxn=fxn)[0]
 
 
-# ------------------------------------------------------------- fused decode stages (one token) -------------------
+# ---- fused decode stages (one token): the inputs each reads are model/stages.py's
 # The same stage boundaries as the native kernels where a product carries them: each RMSNorm is folded into the products
 # that read it, whose reduction computes its 1/rms alongside the product; the routing weights, the sum over the selected
 # experts, the shared expert and the residual add sit in down's kernel (the residual in the output projection's).
-# Attention's softmax and the router's top-k are kernels of their own: a UOp kernel cannot rank or normalise the outputs
-# of its own reduce.
+# Attention's softmax and the router's top-k are kernels of their own, as a UOp kernel cannot rank or normalise the
+# outputs of its own reduce.
 
 Norm = tuple[Tensor, float]  # an RMSNorm folded into a product: gamma and eps (the product reduces the 1/rms itself)
 
@@ -398,8 +397,8 @@ def gate_up_kernel(out: UOp, x: UOp, *srcs: UOp, w: QWeight, shared: QWeight | N
   R rows per expert), then for S - K pseudo-experts the rows of the shared expert `shared`, R each; or one plain FFN
   (S = 1, no sel). xn = rmsnorm(x) * gamma where the norm is folded in, else x. glu: the weights are merged gate+up (an
   expert's gate rows, then its up rows) and out = SiLU(gate . xn) * (up . xn): a thread computes a gate row and its up
-  row in one pass over the input (an unrolled pair of rows), and their product is a multiplying reduction over the
-  pair."""
+  row in one pass over the input (an unrolled pair of rows), and their product is a multiplying reduction over that
+  pair of rows."""
   gamma, srcs = _front(srcs, eps is not None)
   sel, srcs = _front(srcs, experts > 0)
   ids, (p, srcs) = count(), _planes(w, srcs)
@@ -467,39 +466,39 @@ def _vec(x: Tensor, ws: tuple[QWeight, ...], norm: Norm | None = None, res: Tens
                  residual=res is not None, rows=rows)
 
 
-def attention(blk: Block, x: Tensor, start_pos, pos: Tensor | None) -> Tensor:
+def attention(st: AttentionStage, x: Tensor, start_pos: int | UOp, pos: Tensor | None) -> Tensor:
   """h = x + attention(x) for one token, in UOp kernels: q_a (or q) and kv_a as one product with the norm folded in,
   the KV cache write (each workgroup reduces c_kv's 1/rms), q_b with q_a's norm folded in, k_b reading q in place, the
   scores (q_pe rotated as they are read), softmax(scores) @ c_kv, v_b, and the output projection with the residual add
   folded in. With attn_act=q8 the three dense products (q_a/kv_a, q_b, the output projection) read their input
   normalised and rounded as the native kernels stage it (q8_round)."""
-  hp, q8 = blk.hp, blk.cfg.attn_act == "q8"
-  H, nope, rope, dim = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.dim
+  q8, eps = st.act == "q8", st.eps
+  H, nope, rope, kvl, dim = st.n_heads, st.qk_nope, st.qk_rope, st.kv_lora, st.dim
   xf = x.reshape(dim).float()
   # a dense product's input: normalised inside the kernel, or with attn_act=q8 normalised and rounded to 8 bits first
   def inp(v: Tensor, gamma: Tensor | None) -> tuple[Tensor, Norm | None]:
-    if not q8: return v, (gamma, hp.eps) if gamma is not None else None
-    return q8_round((rms_norm(v, gamma, hp.eps) if gamma is not None else v).contiguous()).contiguous(), None
-  first = blk.q_a if hp.q_lora else blk.q_b
+    if not q8: return v, (gamma, eps) if gamma is not None else None
+    return q8_round((rms_norm(v, gamma, eps) if gamma is not None else v).contiguous()).contiguous(), None
+  first = st.q_a if st.q_a is not None else st.q_b
   # kv_a's output at offset `at` of kv: after q_a's (or q's) in one product where the two weights share a type
-  one = first.ggml_type == blk.kv_a.ggml_type
-  xa, norm = inp(xf, blk.attn_norm)
-  qkv = _vec(xa, (first, blk.kv_a) if one else (first,), norm, rows=blk.cfg.rows("qkv_a"))
-  kv, at = (qkv, first.shape[0]) if one else (_vec(xa, (blk.kv_a,), norm, rows=blk.cfg.rows("qkv_a")), 0)
+  one = first.ggml_type == st.kv_a.ggml_type
+  xa, norm = inp(xf, st.attn_norm)
+  qkv = _vec(xa, (first, st.kv_a) if one else (first,), norm, rows=st.qkv_a_rows)
+  kv, at = (qkv, first.shape[0]) if one else (_vec(xa, (st.kv_a,), norm, rows=st.qkv_a_rows), 0)
   pos, bind = _position(start_pos)
-  cache = blk.cache.custom_kernel(kv, blk.kv_a_norm, blk.cos, blk.sin, *bind, fxn=partial(
-    kv_write_kernel, pos=pos, at=at, eps=hp.eps, local=_local(kv.device)))[0]
+  cache = st.cache.custom_kernel(kv, st.kv_a_norm, st.cos, st.sin, *bind, fxn=partial(
+    kv_write_kernel, pos=pos, at=at, eps=eps, local=_local(kv.device)))[0]
   q = qkv[:first.shape[0]]
-  if hp.q_lora:  # q_b reads q_a's output in place (the first rows of qkv) where the norm is folded in
-    qa, norm = inp(q if q8 else qkv, blk.q_a_norm)
-    q = _vec(qa, (blk.q_b,), norm)
-  q_abs = per_head(q.reshape(1, 1, H, nope + rope), blk.k_b).reshape(H, hp.kv_lora)  # k_b reads q's nope part in place
-  ctx = blk.cache.shape[1]
-  s = _custom(scores_kernel, (H, ctx), [q, q_abs, cache, blk.cos, blk.sin, *bind], pos=pos, scale=hp.kq_scale,
+  if st.q_a is not None:  # q_b reads q_a's output in place (the first rows of qkv) where the norm is folded in
+    qa, norm = inp(q if q8 else qkv, st.q_a_norm)
+    q = _vec(qa, (st.q_b,), norm)
+  q_abs = per_head(q.reshape(1, 1, H, nope + rope), st.k_b).reshape(H, kvl)  # k_b reads q's nope part in place
+  ctx = st.cache.shape[1]
+  s = _custom(scores_kernel, (H, ctx), [q, q_abs, cache, st.cos, st.sin, *bind], pos=pos, scale=st.kq_scale,
               nope=nope)
-  o = _custom(pv_kernel, (H, hp.kv_lora), [s, cache, *bind], pos=pos)
-  out = per_head(o.reshape(1, H, hp.kv_lora), blk.v_b)
-  return _vec(inp(out.reshape(-1), None)[0], (blk.wo,), res=xf, rows=blk.cfg.rows("attn_out")).reshape(1, 1, dim)
+  o = _custom(pv_kernel, (H, kvl), [s, cache, *bind], pos=pos)
+  out = per_head(o.reshape(1, H, kvl), st.v_b)
+  return _vec(inp(out.reshape(-1), None)[0], (st.wo,), res=xf, rows=st.attn_out_rows).reshape(1, 1, dim)
 
 
 def _gating(logits: UOp, gating: int, ids: Iterator[int]) -> Callable[[UOp], UOp]:
@@ -642,20 +641,20 @@ def pv_kernel(out: UOp, s: UOp, cache: UOp, *_var: UOp, pos: UOp | int, local: b
   return out[h, c].store(o).end(*hr, *rows).sink(arg=KernelInfo(name="dsl_pv", opts_to_apply=()))
 
 
-def _route(blk: Block) -> Route: return blk.hp.gating, blk.hp.norm_w, blk.hp.w_scale
+def _route(r: Routing) -> Route: return r.gating, r.norm_w, r.w_scale
 
 
-def router(blk: Block, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def router(st: RouterStage, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
   """The router logits with the norm folded in, the top-k (its own ids) and the routing weights of the ids used (its
   own, or `forced`): three UOp kernels."""
-  hp = blk.hp
-  logits = _vec(h.reshape(hp.dim).float(), (blk.gate_inp,), (blk.ffn_norm, hp.eps))
-  bias = [blk.probs_b] if blk.probs_b is not None else []
-  own = _custom(topk_kernel, (hp.n_used,), [logits, *bias], dtype=dtypes.int32, gating=hp.gating)
+  r = st.routing
+  logits = _vec(h.reshape(st.dim).float(), (st.gate_inp,), (st.ffn_norm, st.eps))
+  bias = [st.probs_b] if st.probs_b is not None else []
+  own = _custom(topk_kernel, (r.n_used,), [logits, *bias], dtype=dtypes.int32, gating=r.gating)
   sel = own if forced is None else forced.reshape(-1).cast(dtypes.int32)
-  w = _custom(weights_kernel, (hp.n_used,), [logits, sel], route=_route(blk))
-  K = lambda t: t.reshape(1, 1, hp.n_used)
-  return K(sel), K(w), K(own), logits.reshape(1, 1, hp.n_experts)
+  w = _custom(weights_kernel, (r.n_used,), [logits, sel], route=_route(r))
+  K = lambda t: t.reshape(1, 1, r.n_used)
+  return K(sel), K(w), K(own), logits.reshape(1, 1, r.n_experts)
 
 
 def q8_round(x: Tensor) -> Tensor:
@@ -699,6 +698,9 @@ def _glu(x: Tensor, norm: Norm | None, w: Ffn, rows: int, sel: Tensor | None = N
   return prod_(gate, sg, False).silu() * prod_(up, su, False)
 
 
+def _gate_up(g: Glu) -> Ffn: return g.gate, g.up, g.gate_up
+
+
 def _down(res: Tensor, act: Tensor, w: QWeight, rows: int, routed: tuple[Tensor, Tensor, Route] | None = None,
           shared: QWeight | None = None) -> Tensor:
   """res + down . act [over the selected experts of routed = (sel, router logits, route), weighted by their routing
@@ -717,51 +719,51 @@ def _ffn_input(hf: Tensor, gamma: Tensor, eps: float, act: str) -> tuple[Tensor,
   return hf, (gamma, eps)
 
 
-def _pseudo_experts(blk: Block) -> int:
+def _pseudo_experts(st: MoeStage) -> int:
   """How many pseudo-experts of the routed experts' width the shared expert runs as, inside the routed experts' kernels:
   its hidden width over theirs, where its weights have their types and form (merged gate+up or not); 0 where they do
   not (it runs kernels of its own)."""
-  if not blk.shared: return 0
-  routed = (blk.gate_exps, blk.up_exps, blk.gate_up_exps, blk.down_exps)
-  shared = (blk.gate_sh, blk.up_sh, blk.gate_up_sh, blk.down_sh)
-  kinds = lambda ws: [None if w is None else w.ggml_type for w in ws]
-  if kinds(routed) != kinds(shared): return 0
-  hidden, width = blk.down_sh.shape[-1], blk.n_ff_exp
+  if st.shared is None: return 0
+  kinds = lambda g: [None if w is None else w.ggml_type for w in (g.gate, g.up, g.gate_up, g.down)]
+  if kinds(st.experts) != kinds(st.shared): return 0
+  hidden, width = st.shared.hidden, st.experts.hidden
   return hidden // width if hidden % width == 0 else 0
 
 
-def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tensor:
+def moe(st: MoeStage, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tensor:
   """h + MoE FFN(h) for one token: SiLU(gate) * up of the selected experts and the shared expert (one kernel), then
   down over both with the routing weights (computed there from the router logits; wts is not read) and the residual
   add (another). A shared expert that cannot run as the routed experts' pseudo-experts (_pseudo_experts) has a kernel
   pair of its own."""
-  hp, gu, dn = blk.hp, blk.cfg.rows("gate_up"), blk.cfg.rows("down")
-  hf = h.reshape(hp.dim).float()
-  x, norm = _ffn_input(hf, blk.ffn_norm, hp.eps, blk.cfg.ffn_act)
-  rnd = act_round(blk.cfg.ffn_act)
-  routed, shared, n = (blk.gate_exps, blk.up_exps, blk.gate_up_exps), None, _pseudo_experts(blk)
-  res = hf
-  if blk.shared:
-    shared = (blk.gate_sh, blk.up_sh, blk.gate_up_sh)
-    if not n: res, shared = _down(hf, rnd(_glu(x, norm, shared, gu)), blk.down_sh, dn), None
-  act = rnd(_glu(x, norm, routed, gu, sel, shared, n))
-  out = _down(res, act, blk.down_exps, dn, (sel, logits, _route(blk)), blk.down_sh if n else None)
-  return out.reshape(1, 1, hp.dim)
+  gu, dn = st.gate_up_rows, st.down_rows
+  hf = h.reshape(st.dim).float()
+  x, norm = _ffn_input(hf, st.ffn_norm, st.eps, st.act)
+  rnd, shared, n, res = act_round(st.act), st.shared, _pseudo_experts(st), hf
+  if shared is not None and not n:  # the shared expert's kernels of its own, before the routed experts'
+    res, shared = _down(hf, rnd(_glu(x, norm, _gate_up(shared), gu)), shared.down, dn), None
+  act = rnd(_glu(x, norm, _gate_up(st.experts), gu, sel, shared and _gate_up(shared), n))
+  out = _down(res, act, st.experts.down, dn, (sel, logits, _route(st.routing)), shared.down if n else None)
+  return out.reshape(1, 1, st.dim)
 
 
-def ffn(blk: Block, h: Tensor) -> Tensor:
+def ffn(st: FfnStage, h: Tensor) -> Tensor:
   """h + FFN(h) for one token of a dense block: SiLU(gate) * up with the norm folded in, down with the residual add."""
-  hp, rnd = blk.hp, act_round(blk.cfg.ffn_act)
-  hf = h.reshape(hp.dim).float()
-  x, norm = _ffn_input(hf, blk.ffn_norm, hp.eps, blk.cfg.ffn_act)
-  act = _glu(x, norm, (blk.gate, blk.up, blk.gate_up), blk.cfg.rows("gate_up"))
-  return _down(hf, rnd(act), blk.down, blk.cfg.rows("down")).reshape(1, 1, hp.dim)
+  hf = h.reshape(st.dim).float()
+  x, norm = _ffn_input(hf, st.ffn_norm, st.eps, st.act)
+  act = _glu(x, norm, _gate_up(st.ffn), st.gate_up_rows)
+  return _down(hf, act_round(st.act)(act), st.ffn.down, st.down_rows).reshape(1, 1, st.dim)
 
 
 class DslBackend(Backend):
   name = "dsl"
-  attention, router, moe, ffn = staticmethod(attention), staticmethod(router), staticmethod(moe), staticmethod(ffn)
 
+  def attention(self, st: AttentionStage, x: Tensor, start_pos: int | UOp, pos: Tensor | None) -> Tensor:
+    return attention(st, x, start_pos, pos)
+  def router(self, st: RouterStage, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return router(st, h, forced)
+  def moe(self, st: MoeStage, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tensor:
+    return moe(st, h, sel, wts, logits)
+  def ffn(self, st: FfnStage, h: Tensor) -> Tensor: return ffn(st, h)
   def attach(self, w: QWeight, device: str | None) -> QWeight: return to_words(super().attach(w, device))
   def linear(self, x: Tensor, w: QWeight) -> Tensor: return linear(x, w)
   def per_head(self, x: Tensor, w: QWeight) -> Tensor: return per_head(x, w)

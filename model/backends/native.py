@@ -22,12 +22,12 @@ from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
 from model.backends import cuda_graph
 from model.backends import cuda_src as C
 from model.backends.registry import Backend, register
-from model.deepseek2 import rms_norm
 from model.errors import ConfigError
 from model.quants import QUANT_TYPES
+from model.stages import rms_norm
 
 if TYPE_CHECKING:
-  from model.deepseek2 import Block
+  from model.stages import AttentionStage, FfnStage, Glu, MoeStage, RouterStage
   from model.weights import QWeight
 
 
@@ -108,130 +108,121 @@ def expert(x: Tensor, sel: Tensor, w: QWeight) -> Tensor:
                   slots=slots).reshape(B, T, K, out)
 
 
-# ------------------------------------------------------------------ fused decode stages
-# ---------------------------------
+# ---- fused decode stages (one token): the inputs each reads are model/stages.py's
 
-R_SMALL, R_LARGE = 2, 4  # rows per row group: 2 where a matrix has few rows (more blocks in flight), 4 otherwise and
-# wherever a kernel normalises its input (more rows share the block's staged input), but the first attention kernel's
-# (C.QKV_ROWS)
+# rows per row group: 2 where a matrix has few rows (more blocks in flight); 4 otherwise, and wherever a kernel
+# normalises its input (more rows share the block's staged input), but in the first attention kernel (C.QKV_ROWS)
+R_SMALL, R_LARGE = 2, 4
 
 
 def _rows_r(rows: int) -> int: return R_LARGE if rows >= 4096 else R_SMALL
+
+
 # warps a block of the attention's dense products with 8-bit input (attn_act=q8): the staged input takes a quarter of
-# float32's shared memory, and a block of 8 warps shares it over twice the rows (GLM-4.7-Flash: the residual
-# product 5.43 us against 6.67 with 4 warps, q_b 2.84 against 3.02 on an H100: benchmarks/kernel_sweep.py)
+# float32's shared memory, and a block of 8 warps shares it over twice the rows (benchmarks/kernel_sweep.py)
 Q8_WARPS = 8
 
 
-def attention(blk: Block, x: Tensor, start_pos, pos: Tensor) -> Tensor:
+def attention(st: AttentionStage, x: Tensor, start_pos: int | UOp, pos: Tensor) -> Tensor:
   """h = x + attention(x) for one token: norm + q_a/kv_a (or q/kv_a), q_a norm + q_b, absorption + RoPE + cache write,
   MLA attention split over the context, the splits' merge with v_b, output projection + residual: 6 kernels. With
   attn_act=q8 the three dense products stage their input in 8 bits (cuda_src.stage_x) and dot it in integers."""
-  hp, dev = blk.hp, x.device
-  H, nope, rope, kvl, dim = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.kv_lora, hp.dim
+  dev = x.device
+  H, nope, rope, kvl, dim = st.n_heads, st.qk_nope, st.qk_rope, st.kv_lora, st.dim
   xf = f32(x)
-  first = blk.q_a if hp.q_lora else blk.q_b
-  rows = (first.shape[0], blk.kv_a.shape[0])
+  first = st.q_a if st.q_a is not None else st.q_b
+  rows = (first.shape[0], st.kv_a.shape[0])
   sms = sm_count(dev)
   # the dense products' input: float32, or 8 bits (attn_act=q8) in blocks of Q8_WARPS warps
-  act, warps = ("q8", Q8_WARPS) if blk.cfg.attn_act == "q8" else ("f32", C.WARPS)
-  k1 = C.dense(((cw("a_", first), rows[0]), (cw("b_", blk.kv_a), rows[1])), C.QKV_ROWS, hp.eps,
+  act, warps = ("q8", Q8_WARPS) if st.act == "q8" else ("f32", C.WARPS)
+  k1 = C.dense(((cw("a_", first), rows[0]), (cw("b_", st.kv_a), rows[1])), C.QKV_ROWS, st.eps,
                warps=C.QKV_WARPS, act=act, sms=sms)
-  qa, kv = launch(k1, [empty(rows[0], device=dev), empty(rows[1], device=dev), xf, blk.attn_norm, *planes(first),
-                       *planes(blk.kv_a)], row_bytes(first) * rows[0] + row_bytes(blk.kv_a) * rows[1])[:2]
-  if hp.q_lora:
-    nq = blk.q_b.shape[0]
-    k2 = C.dense(((cw("a_", blk.q_b), nq),), R_LARGE, hp.eps, warps=warps, act=act, sms=sms)
-    q = launch(k2, [empty(nq, device=dev), qa, blk.q_a_norm, *planes(blk.q_b)], row_bytes(blk.q_b) * nq)[0]
+  qa, kv = launch(k1, [empty(rows[0], device=dev), empty(rows[1], device=dev), xf, st.attn_norm, *planes(first),
+                       *planes(st.kv_a)], row_bytes(first) * rows[0] + row_bytes(st.kv_a) * rows[1])[:2]
+  if st.q_a is not None:
+    nq = st.q_b.shape[0]
+    k2 = C.dense(((cw("a_", st.q_b), nq),), R_LARGE, st.eps, warps=warps, act=act, sms=sms)
+    q = launch(k2, [empty(nq, device=dev), qa, st.q_a_norm, *planes(st.q_b)], row_bytes(st.q_b) * nq)[0]
   else: q = qa
-  D, cache_half = kvl + rope, blk.cache.dtype == dtypes.float16
-  k3 = C.absorb_rope_kv(cw("k_", blk.k_b), H, nope, rope, kvl, blk.cache.shape[1], hp.eps, cache_half)
-  qc, cache = launch(k3, [empty(H * D, device=dev), blk.cache, q, kv, blk.kv_a_norm, blk.cos, blk.sin, pos,
-                          *planes(blk.k_b)], row_bytes(blk.k_b) * H * kvl + D * 2)[:2]
-  k4 = C.mla_attention(H, kvl, rope, blk.cache.shape[1], hp.kq_scale, cache_half)
-  part = launch(k4, [blk.scratch["part"], qc, cache, pos], cache.nbytes() // 4)[0]
-  k5 = C.mla_vb(cw("w_", blk.v_b), H, kvl, hp.v_head, blk.cache.shape[1])
-  a = launch(k5, [empty(H * hp.v_head, device=dev), part, pos, *planes(blk.v_b)],
-             row_bytes(blk.v_b) * H * hp.v_head)[0]
-  k6 = C.dense(((cw("a_", blk.wo), dim),), _rows_r(dim), None, residual=True, warps=warps, act=act, sms=sms)
-  return launch(k6, [empty(1, 1, dim, device=dev), a, xf, *planes(blk.wo)], row_bytes(blk.wo) * dim)[0]
+  D, ctx, cache_half = kvl + rope, st.cache.shape[1], st.cache.dtype == dtypes.float16
+  k3 = C.absorb_rope_kv(cw("k_", st.k_b), H, nope, rope, kvl, ctx, st.eps, cache_half)
+  qc, cache = launch(k3, [empty(H * D, device=dev), st.cache, q, kv, st.kv_a_norm, st.cos, st.sin, pos,
+                          *planes(st.k_b)], row_bytes(st.k_b) * H * kvl + D * 2)[:2]
+  k4 = C.mla_attention(H, kvl, rope, ctx, st.kq_scale, cache_half)
+  part = launch(k4, [st.scratch["part"], qc, cache, pos], cache.nbytes() // 4)[0]
+  k5 = C.mla_vb(cw("w_", st.v_b), H, kvl, st.v_head, ctx)
+  a = launch(k5, [empty(H * st.v_head, device=dev), part, pos, *planes(st.v_b)], row_bytes(st.v_b) * H * st.v_head)[0]
+  k6 = C.dense(((cw("a_", st.wo), dim),), _rows_r(dim), None, residual=True, warps=warps, act=act, sms=sms)
+  return launch(k6, [empty(1, 1, dim, device=dev), a, xf, *planes(st.wo)], row_bytes(st.wo) * dim)[0]
 
 
-def _route(blk: Block, forced: Tensor | None) -> tuple[C.Route, list[Tensor]]:
-  """The block's routing as the kernels compute it, and the inputs it reads besides the logits (C.Route.params)."""
-  hp = blk.hp
-  route = C.Route(hp.n_experts, hp.n_used, hp.gating, blk.probs_b is not None, hp.norm_w, hp.w_scale,
-                  forced is not None)
-  return route, ([blk.probs_b] if blk.probs_b is not None else []) + ([i32(forced)] if forced is not None else [])
+def _route(st: RouterStage, forced: Tensor | None) -> tuple[C.Route, list[Tensor]]:
+  """The routing as the kernels compute it, and the inputs it reads besides the logits (C.Route.params)."""
+  r = st.routing
+  route = C.Route(r.n_experts, r.n_used, r.gating, st.probs_b is not None, r.norm_w, r.w_scale, forced is not None)
+  return route, ([st.probs_b] if st.probs_b is not None else []) + ([i32(forced)] if forced is not None else [])
 
 
-def router(blk: Block, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def router(st: RouterStage, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
   """(the ids used (1, 1, K), their weights, the router's own top-k ids, its logits (1, 1, E)) for one token; forced:
   ids to use instead of its own (the correctness check)."""
-  hp, dev, w = blk.hp, h.device, blk.gate_inp
-  E, K = hp.n_experts, hp.n_used
-  route, ins = _route(blk, forced)
+  dev, w, E, K = h.device, st.gate_inp, st.routing.n_experts, st.routing.n_used
+  route, ins = _route(st, forced)
   outs = [empty(1, 1, K, dtype=dtypes.int32, device=dev), empty(1, 1, K, device=dev), empty(1, 1, E, device=dev),
-          blk.scratch["router_cnt"]] + ([empty(1, 1, K, dtype=dtypes.int32, device=dev)] if forced is not None else [])
-  res = launch(C.router(cw("g_", w), hp.eps, route), [*outs, f32(h), blk.ffn_norm, *ins, *planes(w)], row_bytes(w) * E)
+          st.scratch["router_cnt"]] + ([empty(1, 1, K, dtype=dtypes.int32, device=dev)] if forced is not None else [])
+  res = launch(C.router(cw("g_", w), st.eps, route), [*outs, f32(h), st.ffn_norm, *ins, *planes(w)], row_bytes(w) * E)
   return res[0], res[1], res[4] if forced is not None else res[0], res[2]
 
 
-def _ffn(gate: QWeight | None, up: QWeight | None, down: QWeight, gate_up: QWeight | None, hidden: int,
-         experts: int = 0) -> C.FFN:
-  g = gate_up if gate_up is not None else gate
-  rows = g.shape[-2]
-  return C.FFN(cw("", g), cw("", g if gate_up is not None else up), cw("", down), hidden, experts, rows,
-               hidden if gate_up is not None else 0)
+def _ffn(g: Glu, experts: int = 0) -> tuple[C.FFN, list[Tensor]]:
+  """An FFN (or a stack of `experts`) as the kernels take it, and its gate and up planes."""
+  first = g.gate_up if g.gate_up is not None else g.gate
+  ffn = C.FFN(cw("", first), cw("", first if g.gate_up is not None else g.up), cw("", g.down), g.hidden, experts,
+              first.shape[-2], g.hidden if g.gate_up is not None else 0)
+  return ffn, planes(g.gate_up) if g.gate_up is not None else planes(g.gate) + planes(g.up)
 
 
-def _ffn_planes(gate: QWeight | None, up: QWeight | None, gate_up: QWeight | None) -> list[Tensor]:
-  return planes(gate_up) if gate_up is not None else planes(gate) + planes(up)
-
-
-def moe(blk: Block, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tensor:
+def moe(st: MoeStage, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tensor:
   """h + MoE FFN(h) for one token, routed by sel/wts (the router logits they come from are not read): the selected
   experts' and the shared expert's gate+up+SiLU in one kernel, their down projections with the routing weights, the
   shared expert and the residual add in another."""
   sel = i32(sel)
-  return _moe(blk, h, None, [sel], [sel, f32(wts)])[0]
+  return _moe(st, h, None, [sel], [sel, f32(wts)])[0]
 
 
-def routed_moe(blk: Block, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def routed_moe(router: RouterStage, moe: MoeStage, h: Tensor,
+               forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
   """The router and the MoE in one (both stages native): (h + MoE FFN(h), the own top-k ids (1, 1, K), the router
   logits (1, 1, E)) for one token. The router kernel computes the logits alone; gate+up's and down's blocks each rank
   them themselves (C.Route), so no kernel waits on a ranking: the router's last-block count and ranking leave the
   step. forced: ids to use instead of its own (the correctness check)."""
-  hp, w = blk.hp, blk.gate_inp
-  route, ins = _route(blk, forced)
-  logits = launch(C.router(cw("g_", w), hp.eps, route, logits_only=True),
-                  [empty(1, 1, hp.n_experts, device=h.device), f32(h), blk.ffn_norm, *planes(w)],
-                  row_bytes(w) * hp.n_experts)[0]
-  out, own = _moe(blk, h, route, [logits, *ins], [logits, *ins])
+  w, E = router.gate_inp, router.routing.n_experts
+  route, ins = _route(router, forced)
+  logits = launch(C.router(cw("g_", w), router.eps, route, logits_only=True),
+                  [empty(1, 1, E, device=h.device), f32(h), router.ffn_norm, *planes(w)], row_bytes(w) * E)[0]
+  out, own = _moe(moe, h, route, [logits, *ins], [logits, *ins])
   return out, own, logits
 
 
-def _moe(blk: Block, h: Tensor, route: C.Route | None, glu_in: Sequence[Tensor],
+def _moe(st: MoeStage, h: Tensor, route: C.Route | None, glu_in: Sequence[Tensor],
          down_in: Sequence[Tensor]) -> tuple[Tensor, Tensor | None]:
-  hp, dev, K, F = blk.hp, h.device, blk.hp.n_used, blk.n_ff_exp
-  routed = _ffn(blk.gate_exps, blk.up_exps, blk.down_exps, blk.gate_up_exps, F, hp.n_experts)
-  rp = _ffn_planes(blk.gate_exps, blk.up_exps, blk.gate_up_exps)
-  plain, pp, Fp = None, [], 0
-  if blk.shared:
-    Fp = blk.down_sh.shape[-1]
-    plain, pp = (_ffn(blk.gate_sh, blk.up_sh, blk.down_sh, blk.gate_up_sh, Fp),
-                 _ffn_planes(blk.gate_sh, blk.up_sh, blk.gate_up_sh))
-  return _glu_down(blk, h, routed, plain, rp, pp, K * F + Fp,
-                   row_bytes(blk.down_exps) * hp.dim * K + (row_bytes(blk.down_sh) * hp.dim if blk.shared else 0), dev,
-                   route, glu_in, down_in)
+  K, routed_down = st.routing.n_used, st.experts.down
+  routed, rp = _ffn(st.experts, st.routing.n_experts)
+  plain, pp, plain_down = None, [], []
+  down_bytes = row_bytes(routed_down) * st.dim * K
+  if st.shared is not None:
+    (plain, pp), plain_down = _ffn(st.shared), planes(st.shared.down)
+    down_bytes += row_bytes(st.shared.down) * st.dim
+  n_act = K * st.experts.hidden + (st.shared.hidden if st.shared is not None else 0)
+  return _glu_down(st, h, routed, plain, rp, pp, n_act, down_bytes, route, glu_in,
+                   [*down_in, *planes(routed_down)], plain_down)
 
 
-def ffn(blk: Block, h: Tensor) -> Tensor:
+def ffn(st: FfnStage, h: Tensor) -> Tensor:
   """h + FFN(h) for one token of a dense block: gate+up+SiLU in one kernel, down + residual in another."""
-  F = blk.down.shape[-1]
-  plain = _ffn(blk.gate, blk.up, blk.down, blk.gate_up, F)
-  return _glu_down(blk, h, None, plain, [], _ffn_planes(blk.gate, blk.up, blk.gate_up), F,
-                   row_bytes(blk.down) * blk.hp.dim, h.device)[0]
+  plain, pp = _ffn(st.ffn)
+  return _glu_down(st, h, None, plain, [], pp, st.ffn.hidden, row_bytes(st.ffn.down) * st.dim,
+                   plain_down=planes(st.ffn.down))[0]
 
 
 @functools.cache
@@ -249,34 +240,30 @@ def handoff_rows(routed: C.FFN | None, plain: C.FFN | None, k: int, sms: int, fo
   """glu's rows per row group where it writes its output in the form down's products read (C.HANDOFF), else 0: where
   down reads it (C.down_reads_handoff), with R_LARGE where its blocks of 32 outputs fit one wave on a device of `sms`
   multiprocessors (C.handoff_fits); else, 8-bit, with R_SMALL, blocks of twice the warps at half the registers a
-  thread. On an H200 (benchmarks/kernel_sweep.py), DeepSeek-V2-Lite's 352 blocks: 8-bit, gate+up 11.13 -> 11.41 us and
-  down 8.51 -> 6.54; 16-bit, whose blocks of 16 warps take 100 registers a thread (one a multiprocessor), gate+up
-  12.74 -> 16.56 against down 9.84 -> 7.20, so none."""
+  thread; 16-bit, none: its blocks of 16 warps would take a multiprocessor each (benchmarks/kernel_sweep.py)."""
   if not C.down_reads_handoff(routed, plain): return 0
   if C.handoff_fits(routed, plain, k, sms, R_LARGE): return R_LARGE
   return R_SMALL if form == "q8" else 0
 
 
-def _glu_down(blk: Block, h: Tensor, routed: C.FFN | None, plain: C.FFN | None, rp: list[Tensor], pp: list[Tensor],
-              n_act: int, down_bytes: int, dev: str, route: C.Route | None = None, glu_in: Sequence[Tensor] = (),
-              down_in: Sequence[Tensor] = ()) -> tuple[Tensor, Tensor | None]:
-  """(h + the FFNs' output, with a route gate+up's own top-k ids); glu_in, down_in: the routed stack's routing
-  inputs of each kernel (the ids, and down's weights; with a route, the logits and Route.params)."""
-  hp, K = blk.hp, blk.hp.n_used if routed else 0
-  hf = f32(h)
-  gu_bytes = n_act * 2 * (hp.dim // QUANT_TYPES[(routed
-                                                 or plain).gate.ggml_type].block) * QUANT_TYPES[(
-                                                   routed or plain).gate.ggml_type].nbytes
-  form = {"float32": "f32"}.get(blk.cfg.ffn_act, blk.cfg.ffn_act)
+def _glu_down(st: MoeStage | FfnStage, h: Tensor, routed: C.FFN | None, plain: C.FFN | None, rp: list[Tensor],
+              pp: list[Tensor], n_act: int, down_bytes: int, route: C.Route | None = None,
+              glu_in: Sequence[Tensor] = (), routed_down: Sequence[Tensor] = (),
+              plain_down: Sequence[Tensor] = ()) -> tuple[Tensor, Tensor | None]:
+  """(h + the FFNs' output, with a route gate+up's own top-k ids): gate+up with SiLU over the routed stack's rp and the
+  plain FFN's pp planes, then down over routed_down (its routing inputs, then its planes) and plain_down; glu_in: the
+  routed stack's routing inputs of gate+up (the ids; with a route, the logits and Route.params)."""
+  dev, K, hf = h.device, st.routing.n_used if routed else 0, f32(h)
+  g = (routed or plain).gate
+  gu_bytes = n_act * 2 * (st.dim // QUANT_TYPES[g.ggml_type].block) * QUANT_TYPES[g.ggml_type].nbytes
+  form = {"float32": "f32"}.get(st.act, st.act)
   ho = handoff_rows(routed, plain, K, sm_count(dev), form) if form in C.HANDOFF else 0
-  kg = C.glu(routed, plain, K, hp.dim, hp.eps, ho or R_LARGE, form, ho > 0, sm_count(dev), route)
+  kg = C.glu(routed, plain, K, st.dim, st.eps, ho or R_LARGE, form, ho > 0, sm_count(dev), route)
   outs = [empty(n_act // 32 * C.HANDOFF[form] if ho else n_act, device=dev)]
   outs += [empty(1, 1, K, dtype=dtypes.int32, device=dev)] if route else []
-  res = launch(kg, [*outs, hf, blk.ffn_norm, *glu_in, *rp, *pp], gu_bytes)
-  kd = C.down(routed, plain, K, hp.dim, form, form if ho else "f32", route)
-  routed_down = [*down_in, *planes(blk.down_exps)] if routed else []
-  plain_down = planes(blk.down_sh if routed else blk.down) if plain else []
-  out = launch(kd, [empty(1, 1, hp.dim, device=dev), hf, res[0], *routed_down, *plain_down], down_bytes)[0]
+  res = launch(kg, [*outs, hf, st.ffn_norm, *glu_in, *rp, *pp], gu_bytes)
+  kd = C.down(routed, plain, K, st.dim, form, form if ho else "f32", route)
+  out = launch(kd, [empty(1, 1, st.dim, device=dev), hf, res[0], *routed_down, *plain_down], down_bytes)[0]
   return out, res[1] if route else None
 
 
@@ -298,19 +285,28 @@ class NativeBackend(Backend):
     cuda_graph.install(Device.canonicalize(device))
     return w
 
-  def scratch(self, hp, max_context: int, device: str | None) -> dict[str, Tensor]:
+  def scratch(self, n_heads: int, kv_lora: int, max_context: int, device: str | None) -> dict[str, Tensor]:
     """Split attention's partials and the router's counter, shared by the blocks."""
     splits = C.attention_splits(max_context)[1]
-    return {"part": Tensor.zeros(hp.n_heads * splits * (hp.kv_lora + 2), device=device).contiguous().realize(),
+    return {"part": Tensor.zeros(n_heads * splits * (kv_lora + 2), device=device).contiguous().realize(),
             "router_cnt": Tensor.zeros(1, dtype=dtypes.int32, device=device).contiguous().realize()}
 
   def rows(self, w: QWeight, idx: Tensor) -> Tensor: return rows(w, idx)
-  norm_linear = staticmethod(norm_linear)
   def linear(self, x: Tensor, w: QWeight) -> Tensor: return linear(x, w)
   def per_head(self, x: Tensor, w: QWeight) -> Tensor: return per_head(x, w)
   def expert(self, x: Tensor, sel: Tensor, w: QWeight) -> Tensor: return expert(x, sel, w)
-  attention, router, moe, ffn = staticmethod(attention), staticmethod(router), staticmethod(moe), staticmethod(ffn)
-  routed_moe = staticmethod(routed_moe)
+  def norm_linear(self, x: Tensor, gamma: Tensor, eps: float, w: QWeight) -> Tensor:
+    return norm_linear(x, gamma, eps, w)
+  def attention(self, st: AttentionStage, x: Tensor, start_pos: int | UOp, pos: Tensor) -> Tensor:
+    return attention(st, x, start_pos, pos)
+  def router(self, st: RouterStage, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return router(st, h, forced)
+  def moe(self, st: MoeStage, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tensor:
+    return moe(st, h, sel, wts, logits)
+  def ffn(self, st: FfnStage, h: Tensor) -> Tensor: return ffn(st, h)
+  def routed_moe(self, router: RouterStage, moe: MoeStage, h: Tensor,
+                 forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    return routed_moe(router, moe, h, forced)
 
 
 def available(device: str | None = None) -> bool:

@@ -1,6 +1,6 @@
 """The `tensor` backend: products as tinygrad ops over the GGUF block planes, dequantized lazily inside the product as a
-packed dot (each group's scale multiplies after the group's inner sum), so tinygrad fuses the dequantization into the
-product's kernel."""
+packed dot (each group's scale multiplies after the group's inner sum), which tinygrad fuses into the product's
+kernel."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

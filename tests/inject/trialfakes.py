@@ -111,14 +111,15 @@ def _dropped_residual(m: ModuleType) -> None:
   """The middle block's attention stage returns its attention output without the residual x: in the per-op path
   (Block.attention, whose output __call__ adds to x) and in every fused attention stage (which adds x itself). Patched
   into every block, acting where a block's marker (per-block data, 1 in the middle block) is set."""
-  call, attention = m.Block.__call__, m.Block.attention
+  call, attention, running = m.Block.__call__, m.Block.attention, {}
   def keep_x(self, x, *args, **kwargs):
-    self._x = x
+    self._x, running["block"] = x, self
     return call(self, x, *args, **kwargs)
   def faulty(self, xn, start_pos): return attention(self, xn, start_pos) - self._x * self._faulty.reshape(1, 1, 1)
-  def fused(stage):
-    def faulty_stage(blk, x, *args): return stage(blk, x, *args) - x * blk._faulty.reshape(1, 1, 1).cast(x.dtype)
-    return staticmethod(faulty_stage)
+  def fused(stage):  # a backend's stage receives the stage's inputs, not the block: the block running it has the marker
+    def faulty_stage(backend, st, x, *args):
+      return stage(backend, st, x, *args) - x * running["block"]._faulty.reshape(1, 1, 1).cast(x.dtype)
+    return faulty_stage
   for b in {type(m.K.get(n)) for n in m.catalog.names() if "attention" in m.catalog.get(n).stages}:
     b.attention = fused(b.attention)
   init = m.Transformer.__init__

@@ -3,8 +3,9 @@
 The source (the exact string tinygrad would compile with NVRTC) is compiled as C++20 by g++ with tests/cuda_cpu.h, which
 provides CUDA's built-ins and runs each block's threads as fibers of one OS thread, switched at barriers (see its first
 comment for the execution model and what is not emulated). Float code is compiled without contraction or fast-math, so
-each thread performs the same float operations in the same order as on a GPU. Libraries are cached by a hash of their
-source in a temporary directory.
+each thread performs the same float operations in the same order as on a GPU; and unoptimised (x86-64's float operations
+are the same scalar IEEE ones at any level), as a kernel is compiled once and run for a few blocks, from a precompiled
+header. Libraries are cached by a hash of their source in a temporary directory.
 
 Each launch runs in a forked process, on copies of the arrays in shared memory that end at an inaccessible page: a
 kernel that deadlocks is killed after `timeout` seconds (the message says where each thread waits), a read or write past
@@ -21,14 +22,14 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
 HEADER = Path(__file__).with_name("cuda_cpu.h")
-FLAGS = ("-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-fwrapv", "-fPIC", "-shared", "-pthread",
-         "-w")
+FLAGS = ("-std=c++20", "-O0", "-ffp-contract=off", "-fno-strict-aliasing", "-fwrapv", "-fPIC", "-pthread", "-w")
 ENTRY = """
 extern "C" int cuda_cpu_entry(const unsigned* grid, const unsigned* block, void** args, const int* kinds,
                               const int* sizes, int nargs, cuda_cpu::Report* report, void** guard_addrs,
@@ -66,20 +67,36 @@ def _cache_dir() -> Path:
   return path
 
 
+def _key(*parts: str) -> str:
+  version = subprocess.run(["g++", "-dumpfullversion"], capture_output=True, text=True, check=True).stdout
+  return hashlib.sha256("\0".join((HEADER.read_text(), version, *FLAGS, *parts)).encode()).hexdigest()[:32]
+
+
+def _gxx(out: Path, args: list[str], what: str, code: str | None = None) -> Path:
+  """out, built by g++ (into a temporary file first: processes and threads may build it at once)."""
+  if not out.exists():
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    r = subprocess.run(["g++", *FLAGS, *args, "-o", str(tmp)], input=code, capture_output=True, text=True)
+    if r.returncode: raise CompileError(f"g++ cannot compile {what}:\n" + "\n".join(r.stderr.splitlines()[:25]))
+    os.replace(tmp, out)
+  return out
+
+
+@functools.cache
+def _pch_dir() -> Path:
+  """A directory holding only the header, precompiled: searched before the header's own, so each kernel's compile
+  reads it in place of parsing the header (g++ falls back to the header where it does not match)."""
+  (d := _cache_dir() / f"pch-{_key()}").mkdir(exist_ok=True)
+  return _gxx(d / f"{HEADER.name}.gch", ["-x", "c++-header", str(HEADER)], HEADER.name).parent
+
+
 @functools.cache
 def _entry(src: str, name: str):
   """The compiled kernel's entry point (compiled once per source; the library is reused across processes)."""
   if not available(): raise CompileError("g++ is not installed (`make deps` installs it)")
   code = f'#include "cuda_cpu.h"\n#line 1 "{name}.cu"\n{src}\n{ENTRY.format(name=name)}'
-  version = subprocess.run(["g++", "-dumpfullversion"], capture_output=True, text=True, check=True).stdout
-  key = hashlib.sha256("\0".join((HEADER.read_text(), version, *FLAGS, code)).encode()).hexdigest()[:32]
-  lib = _cache_dir() / f"{key}.so"
-  if not lib.exists():
-    tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-    r = subprocess.run(["g++", *FLAGS, "-I", str(HEADER.parent), "-x", "c++", "-", "-o", str(tmp)], input=code,
-                       capture_output=True, text=True)
-    if r.returncode: raise CompileError(f"g++ cannot compile {name}:\n" + "\n".join(r.stderr.splitlines()[:25]))
-    os.replace(tmp, lib)
+  lib = _gxx(_cache_dir() / f"{_key(code)}.so", ["-shared", "-I", str(_pch_dir()), "-I", str(HEADER.parent), "-x",
+                                                 "c++", "-"], name, code)
   fn = ctypes.CDLL(str(lib)).cuda_cpu_entry
   fn.restype = ctypes.c_int
   return fn

@@ -9,10 +9,14 @@ from collections.abc import Iterator
 
 import cuda_cpu
 import numpy as np
-from tinygrad import Tensor
+from knobcheck import gguf
+from tinygrad import Tensor, dtypes
 
 from model.backends import cuda_src, native
+from model.backends.catalog import STAGES
+from model.deepseek2 import Transformer
 from model.quants import LAYOUTS
+from model.structure import StructureConfig
 
 _VIEW = {np.dtype(np.float16): np.uint16}  # fp16 buffers are `unsigned short*` in the kernels
 _PLANES = tuple(f"_{p}" for p in sorted({p for layout in LAYOUTS.values() for p in layout}))
@@ -57,6 +61,25 @@ def native_on_cpu(monkeypatch) -> Iterator[None]:
   yield
 
 
+ALL_NATIVE = {"fused": dict.fromkeys(STAGES, "native")}
+
+
+def model_kernels(path: str, cfg: StructureConfig, monkeypatch, positions: int = 1) -> list[cuda_src.Kernel]:
+  """The native kernels one eager decode step of a model builds (recorded, not run: the CPU stands in for the GPU)."""
+  seen: list[cuda_src.Kernel] = []
+  def record(k, params, mem, ops=0):
+    seen.append(k)
+    return params
+  monkeypatch.setattr(native, "launch", record)
+  monkeypatch.setattr(native.NativeBackend, "check", lambda self, device: None)
+  monkeypatch.setattr(native, "sm_count", lambda device: 132)
+  m = Transformer(gguf(path), cfg, max_context=64)
+  for i in range(positions): m.forward(Tensor([[1]], dtype=dtypes.int32), i)
+  return list({k.name: k for k in seen}.values())
+
+
+# 10 positions: the attention's splits of 8 (context 16) both hold some
+TOKENS_EMU = tuple((7919 * i + 17) % 1000 for i in range(10))
 
 
 def launch_nothing(k: cuda_src.Kernel, params: list[Tensor], mem: int, ops: int = 0) -> list[Tensor]:

@@ -25,8 +25,7 @@ from model.synth import write_synthetic
 os.environ["LRU"] = "0"  # for the trial processes tests start
 tinygrad.helpers.LRU.value = 0
 # the tests read the commands' tables and sentences piped, where they follow COLUMNS: wide, as without it (xdist's
-# workers
-# get COLUMNS=80), in this process and those it starts; tests of narrow output set their own
+# workers get COLUMNS=80), in this process and those it starts; tests of narrow output set their own
 os.environ["COLUMNS"] = "200"
 
 # NVIDIA's runtime compiler from the nvidia-cuda-nvrtc-cu12 wheel (a dev dependency), for tests/test_native.py's compile

@@ -9,16 +9,13 @@ import pathlib
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 
 import optuna
 import pytest
-from sqlalchemy import create_engine, text
+from test_faults import FAST, rows, started
 
-FAST = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--fix", "beam=0", "--confirm", "0", "--seed",
-        "0", "--heartbeat", "0.5"]
 PG_BIN = next(iter(sorted(pathlib.Path("/usr/lib/postgresql").glob("*/bin"))[-1:]), None)
 
 
@@ -26,16 +23,6 @@ PG_BIN = next(iter(sorted(pathlib.Path("/usr/lib/postgresql").glob("*/bin"))[-1:
 def model(gguf_file) -> str: return gguf_file("tiny", "q4_0")
 
 
-def rows(url: str, sql: str, **params) -> list:
-  e = create_engine(url)
-  try:
-    with e.connect() as c: return list(c.execute(text(sql), params))
-  finally: e.dispose()
-
-
-def started(inject, *argv: str, seconds: float = 1.0) -> subprocess.Popen:
-  return subprocess.Popen([sys.executable, "-m", "search", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, env=inject(seconds=seconds), start_new_session=True)
 
 
 def running_trial(url: str, proc: subprocess.Popen, after: int = 0, timeout: float = 90) -> int:

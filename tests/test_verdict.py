@@ -10,21 +10,12 @@ import re
 import optuna
 import pytest
 from inject.trialfakes import install_fake_trials
+from test_truth import FAST, search
 
 from db import store
 from db.engine import open_db, session
-from search.cli import main as search_main
 from search.leaderboard import leaderboard
 from search.ranked import RankedStorage
-
-FAST = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--fix", "beam=0", "--confirm", "0",
-        "--seed", "0"]
-
-
-def search(*argv: str) -> int:
-  try: search_main(list(argv))
-  except SystemExit as e: return int(e.code or 0)
-  return 0
 
 
 def spread(s, st, h: str, v: float, n: int, trial=None) -> None:

@@ -225,6 +225,7 @@ class Runner:
       if is_base: self.emit(Event("end", trial.number, r.status, row))
       raise BaselineFailed(f"the baseline config failed to make the reference in trial {trial.number} ({r.status}: "
                            f"{r.error}): the study stops") from None
+    except optuna.TrialPruned: raise  # recorded as pruned, its proxy figure kept (_measure)
     except (KeyboardInterrupt, SystemExit):
       with session(self.engine) as s: store.finish_trial(s, row, state="interrupted", error_text="stopped by the user")
       self.study.enqueue_trial(trial.params)  # measured first when the study continues

@@ -22,8 +22,8 @@ GENERATED = {"_words", "_k_quant", "_q6_k", "_q_0", "_f16", "unit_loads", "unit_
              "q8_code", "quantize_x", "x16_split", "quantize_x16", "unit_idot16", "block_rs", "stage_x", "stage_decl",
              "load_xq", "load_xq16", "load_x", "prefetch_rows", "gemv", "group_setup", "expert_id", "kernel",
              "_tile_body", "product", "rows", "dense", "absorb_rope_kv", "mla_vb", "router", "_down_defines", "glu",
-             "lane_sums", "_down_combine", "_down_routing", "_down_slots", "_down_units", "_gemv_block", "quantize",
-             "<module>"}
+             "lane_sums", "_down_combine", "_down_routing", "_down_slots", "_down_units", "_down_handoff",
+             "_gemv_block", "quantize", "<module>"}
 LAUNCH = {"device_kernel"}  # the signature's braces around a device file's body
 
 

@@ -166,9 +166,11 @@ def test_leaderboard_in_four_formats(live, capsys) -> None:
   for r in rows: assert r["tok_s_low"] <= r["tok_s"] <= r["tok_s_high"] and r["measurements"] >= 1
   conf = [r for r in rows if r["confirmed"]]
   assert len(conf) == 1 and conf[0]["confirmed"]["pairs"] == 2
-  key = lambda r: r["confirmed"]["speedup"] if r["confirmed"] else r["speedup"]
-  # confirmed speedup first, else estimated
-  assert [key(r) for r in rows] == sorted((key(r) for r in rows), reverse=True)
+  # configs A/B-confirmed faster than the baseline (two pairs at least, the interval's low end above 1) first, then the
+  # rest; within each by the lower bound of the speedup (the confirmation's where there is one)
+  faster = lambda c: c is not None and c["status"] == "ok" and c["pairs"] >= 2 and c["low"] > 1.0
+  order = [(not faster(r["confirmed"]), -r["speedup_low"]) for r in rows]
+  assert order == sorted(order) and all(r["below_floor"] is None for r in rows)
   assert search("leaderboard", "--study", "r", "--storage", live.url, "--format", "csv") == 0
   table = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
   assert [int(r["trial"]) for r in table] == [r["trial"] for r in rows] and "confirmed_speedup" in table[0]

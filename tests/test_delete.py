@@ -2,7 +2,6 @@
 yes), and a study that only Optuna's ledger holds is removed too."""
 from __future__ import annotations
 
-import pathlib
 import subprocess
 import sys
 
@@ -27,14 +26,15 @@ def count(url: str, table: str) -> int:
 
 def test_delete_removes_both_ledgers_and_the_artifacts(gguf_file, tmp_path) -> None:
   from inject.trialfakes import env
-  url, arts = f"sqlite:///{tmp_path / 's.db'}", pathlib.Path(f"{tmp_path / 's.db'}-artifacts")
+  # the artifacts in a folder of their own (--artifacts): delete finds them only where it is told
+  url, arts = f"sqlite:///{tmp_path / 's.db'}", tmp_path / "arts"
   r = search("start", "--model", gguf_file("tiny", "q4_0"), "--study", "gone", "--storage", url, "--trials", "2", *FAST,
-             env=env(seconds=0.05))
+             "--artifacts", str(arts), env=env(seconds=0.05))
   assert r.returncode == 0, r.stderr
   assert count(url, "ss_trial") >= 2 and any(p.is_file() for p in arts.rglob("*"))
   r = search("delete", "--study", "gone", "--storage", url)  # no terminal to ask: refused, nothing removed
   assert r.returncode == 2 and "add --yes" in r.stderr and "gone" in optuna.get_all_study_names(url)
-  r = search("delete", "--study", "gone", "--storage", url, "--yes")
+  r = search("delete", "--study", "gone", "--storage", url, "--yes", "--artifacts", str(arts))
   assert r.returncode == 0 and "removed study 'gone'" in r.stdout, r.stderr
   assert optuna.get_all_study_names(url) == []
   assert [count(url, t) for t in ("ss_study", "ss_trial", "ss_measurement")] == [0, 0, 0]

@@ -201,7 +201,7 @@ class Block:
       hp.dim, hp.n_heads, hp.qk_nope, hp.qk_rope, hp.kv_lora, hp.v_head, hp.eps, hp.kq_scale, self.attn_norm,
       self.q_a if hp.q_lora else None, self.q_a_norm if hp.q_lora else None, self.q_b, self.kv_a, self.kv_a_norm,
       self.k_b, self.v_b, self.wo, self.cache, self.cos, self.sin, scratch("attention"), cfg.attn_act,
-      cfg.rows("qkv_a"), cfg.rows("attn_out")) if "attention" in fused else None
+      cfg.rows("qkv_a"), cfg.rows("attn_out"), cfg.attn_layout) if "attention" in fused else None
     # what the FFN stages share: the norm and the knobs of their products
     common = dict(dim=hp.dim, eps=hp.eps, ffn_norm=self.ffn_norm, act=cfg.ffn_act, gate_up_rows=cfg.rows("gate_up"),
                   down_rows=cfg.rows("down"))

@@ -82,6 +82,7 @@ class AttentionStage:
   act: str  # StructureConfig.attn_act: the dense products' input
   qkv_a_rows: int  # StructureConfig.rows: output rows per thread of the dsl products
   attn_out_rows: int
+  layout: str  # StructureConfig.attn_layout: per_head or all_heads
 
 
 @dataclass(frozen=True, eq=False)

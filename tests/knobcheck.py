@@ -29,7 +29,7 @@ from model.gguf_file import GGUFFile
 from model.structure import StructureConfig
 from space.knobs import ModelInfo
 
-FP16_KNOBS = ("backend.", "fused.", "act_dtype", "mla_absorb", "router_fp32", "kv_dtype")
+FP16_KNOBS = ("backend.", "fused.", "act_dtype", "mla_absorb", "router_fp32", "kv_dtype", "attn_layout")
 # 8-bit activations: held to the gate's tolerance of their class
 Q8_KNOBS = ("ffn_act", "attn_act")
 

@@ -50,6 +50,18 @@ def test_fused_stages_in_the_cpu_emulator(gguf_file, monkeypatch, preset: str, m
   assert_close("all stages native", got, base, 2e-2)
 
 
+def test_all_heads_attention_in_the_cpu_emulator(gguf_file, monkeypatch) -> None:
+  """attn_layout=all_heads on native (the tensor-core attention over all heads, run by the CUDA emulator): decode
+  logits equal the baseline's within the fp16 bound."""
+  path = gguf_file("tiny", "q4_0")
+  base = base_logits(path)
+  cfg = StructureConfig.from_dict(ALL_NATIVE | {"attn_layout": "all_heads"})
+  assert any(k.name.startswith("native_mla_attention_heads_h4_") for k in model_kernels(path, cfg, monkeypatch))
+  monkeypatch.undo()
+  with native_on_cpu(monkeypatch): got = eager_logits(path, cfg)
+  assert_close("all stages native, all-heads attention", got, base, 2e-2)
+
+
 @pytest.mark.parametrize("mix,quant", [("q4_0", "Q4_0"), ("q4_k_m", "Q4_K")])
 def test_the_embedding_is_its_backends_in_the_cpu_emulator(gguf_file, monkeypatch, mix: str, quant: str) -> None:
   """The embedding lookup is the token table's backend's (registry.rows): with its type's dense products on the native

@@ -550,15 +550,16 @@ def kernel(name: str, params: list[str], body: str, threads: int = THREADS, wait
 
 
 def device_kernel(name: str, params: list[str], file: str, threads: int = THREADS,
-                  generated: dict[str, str] | None = None, **defines: int | str) -> str:
+                  generated: dict[str, str] | None = None, pre: tuple[str, ...] = (), **defines: int | str) -> str:
   """The source of a kernel whose body is the device file `file` (which stamps its entry and waits itself): the defines
-  its variant needs (names and numbers), the common helpers, its signature and the file, one string, as tinygrad
-  compiles a single source. generated: C generated here (gemv's products, for now) in place of the file's lines that
-  hold its key alone."""
+  its variant needs (names and numbers), the common helpers, the device files `pre` (helpers of its own), its signature
+  and the file, one string, as tinygrad compiles a single source. generated: C generated here (gemv's products, for
+  now) in place of the file's lines that hold its key alone."""
   body = device_file(file)
   for key, c in (generated or {}).items():
     body = re.sub(rf"^[ \t]*{key}[ \t]*$", lambda _, c=c: "  " + c, body, flags=re.M)
-  return _defines(defines) + PRELUDE + f"\n{signature(name, params, threads)} {{\n{body}}}\n"
+  helpers = "".join("\n" + device_file(f) for f in pre)
+  return _defines(defines) + PRELUDE + helpers + f"\n{signature(name, params, threads)} {{\n{body}}}\n"
 
 
 def _defines(defines: dict[str, int | str]) -> str: return "".join(f"#define {k} {v}\n" for k, v in defines.items())
@@ -811,19 +812,49 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
   return Kernel(name, src, (heads, S, 1), (0,))
 
 
+AH_THREADS, AH_TILE = 256, 16  # the all-heads attention's threads a block, and the positions it stages at once
+
+
+def heads_splits(max_ctx: int, sms: int) -> tuple[int, int]:
+  """(positions per split, splits) of the all-heads attention for a cache of max_ctx positions: about two blocks a
+  multiprocessor over a full cache, at least 64 positions a split (a split's partial, heads x kv_lora floats, stays
+  smaller than its cache rows)."""
+  ch = max(64, -(-max_ctx // (2 * sms * AH_TILE)) * AH_TILE)
+  return ch, -(-max_ctx // ch)
+
+
+@functools.cache
+def mla_attention_heads(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, cache_half: bool,
+                        sms: int) -> Kernel:
+  """MLA decode attention for all heads at once (grid: splits of the context): each block reads each position of its
+  split once, AH_TILE at a time staged as float16, scores it against every head and accumulates P . V on the tensor
+  cores (mma.cuh), and writes its split's (max, sum, unnormalised output) per head to part (H, splits, kvl + 2), as
+  mla_attention does, for mla_vb's merge."""
+  ch, S = heads_splits(max_ctx, sms)
+  name = f"native_mla_attention_heads_h{heads}_{kvl}_{rope}_c{max_ctx}_s{S}{'' if cache_half else '_f32'}"
+  params = ["float* part", "const float* __restrict__ qc", f"const {'unsigned short' if cache_half else 'float'}* "
+            "__restrict__ cache", "const int* __restrict__ early_pos"]
+  src = device_kernel(name, params, "mla_heads.cu", threads=AH_THREADS, pre=("mma.cuh",), HEADS=heads, KVL=kvl,
+                      ROPE=rope, CH=ch, SPLITS=S, SCALE=f"{scale!r}f", CACHE_HALF=int(cache_half), THREADS=AH_THREADS,
+                      TP=AH_TILE)
+  return Kernel(name, src, (S, 1, 1), (0,), AH_THREADS)
+
+
 MLA_MERGE = '\n#include "mla_merge.cuh"\n'  # mla_vb's prologue
 
 
 @functools.cache
-def mla_vb(vb: W, heads: int, kvl: int, v_head: int, max_ctx: int) -> Kernel:
-  """MLA's output per head, out (H, v_head) = v_b . o, from mla_attention's splits (grid: row blocks x heads): each
+def mla_vb(vb: W, heads: int, kvl: int, v_head: int, max_ctx: int, splits: tuple[int, int] | None = None) -> Kernel:
+  """MLA's output per head, out (H, v_head) = v_b . o, from the attention's splits (grid: row blocks x heads): each
   block issues its v_b rows' reads, then merges the head's splits into o in shared memory while they are in flight:
   ATT_MERGE splits at a time, each thread's columns and their maxes and sums together through L2 (`__ldcg`: one wait for
-  all of them), rescaled as an online softmax from one chunk to the next."""
-  ch, S = attention_splits(max_ctx)
+  all of them), rescaled as an online softmax from one chunk to the next. splits: (positions a split, splits) of the
+  all-heads attention (heads_splits), else mla_attention's."""
+  ch, S = splits or attention_splits(max_ctx)
   assert vb.inp == kvl
   G, R = vb.group_lanes, R_PRODUCT
-  name = f"native_mla_vb_{QUANT_TYPES[vb.ggml_type].name.lower()}_h{heads}_{kvl}_{v_head}_c{max_ctx}"
+  name = (f"native_mla_vb_{QUANT_TYPES[vb.ggml_type].name.lower()}_h{heads}_{kvl}_{v_head}_c{max_ctx}"
+          + (f"_s{S}" if splits else ""))
   params = ["float* out", "const float* __restrict__ part", "const int* __restrict__ early_pos"] + vb.params
   body = (f"const int h = blockIdx.y, active = (early_pos[0] + {ch}) / {ch}; {stage_decl(kvl, 'f32')}\n  "
           + group_setup(G, R) + "\n  " + gemv([(vb, f"(size_t)h * {v_head} + {{o}}", "a")], "sx", v_head, R,

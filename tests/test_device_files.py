@@ -63,7 +63,9 @@ def test_device_files_ship_and_are_used() -> None:
   srcs = [C.mla_attention(4, 128, 32, 64, 0.1, True).src, C.mla_vb(W(128, "w_"), 4, 128, 32, 64).src,
           C.absorb_rope_kv(W(32, "k_"), 4, 32, 32, 128, 64, 1e-5, True).src, C.router(C.W("g_", F32, hp.dim), 1e-5,
                                                                                        route).src,
-          C.glu(routed, None, hp.n_used, hp.dim, 1e-5, route=route).src]
+          C.glu(routed, None, hp.n_used, hp.dim, 1e-5, route=route).src,
+          C.mla_attention_heads(4, 128, 32, 64, 0.1, True, 132).src, C.mla_combine(4, 128, 64, 132).src,
+          C.mla_vb(W(128, "w_"), 4, 128, 32, 64, merged=True).src]
   for f in files:
     first = C.device_file(f).splitlines()[0]
     assert any(first in s for s in srcs), f

@@ -758,29 +758,32 @@ def test_attention_kernel_splits_the_context(monkeypatch) -> None:
 
 @pytest.mark.parametrize("H, kvl, rope, half", [(2, 64, 32, True), (20, 128, 64, False)])
 def test_all_heads_attention_kernel(H: int, kvl: int, rope: int, half: bool) -> None:
-  """The all-heads MLA attention kernel (attn_layout=all_heads) and mla_vb merging its splits (CUDA emulator, the
-  tensor-core product through mma.cuh's shuffles): one row tile of heads and two (20 heads: 4 padded), a float16 and a
-  float32 cache, three splits with data, the last ending inside a tile; stale NaN partials past them. Query and weights
-  go through float16, so it is held to 3e-3 of the output's scale."""
-  ctx, p, scale, sms = 256, 149, 0.11, 132
-  ch, S = cuda_src.heads_splits(ctx, sms)
-  assert (ch, S) == (64, 4)
+  """The all-heads MLA attention kernel (attn_layout=all_heads), the merge of its splits and mla_vb reading the merged
+  output (CUDA emulator, the tensor-core products through mma.cuh's shuffles): one row tile of heads and two (20 heads:
+  12 padded), a float16 and a float32 cache; 8 splits of which 5 hold positions, 2 tiles each, the last ending inside
+  its second tile; stale NaN partials past them. Query and weights go through float16: held to 3e-3 of the output."""
+  ctx, p, scale, sms = 256, 149, 0.11, 4
+  S = cuda_src.heads_splits(ctx, sms)
+  assert S == 8
   rng = np.random.default_rng(2)
   cache = rng.standard_normal((ctx, kvl + rope)).astype(np.float16 if half else np.float32)
   qc = rng.standard_normal((H, kvl + rope)).astype(np.float32)
   vb_planes, vb = kernel_weight(TYPES["Q8_0"], (H, 32, kvl), kvl)
-  ka = cuda_src.mla_attention_heads(H, kvl, rope, ctx, scale, half, sms)
-  kv = cuda_src.mla_vb(cuda_src.W("w_", TYPES["Q8_0"], kvl), H, kvl, 32, ctx, (ch, S))
-  part, out = np.full(H * S * (kvl + 2), np.nan, np.float32), np.zeros((H, 32), np.float32)
-  pos = np.array([p], np.int32)
+  ka, km = cuda_src.mla_attention_heads(H, kvl, rope, ctx, scale, half, sms), cuda_src.mla_combine(H, kvl, ctx, sms)
+  kv = cuda_src.mla_vb(cuda_src.W("w_", TYPES["Q8_0"], kvl), H, kvl, 32, ctx, merged=True)
+  part, o = np.full(H * S * (kvl + 2), np.nan, np.float32), np.zeros((H, kvl), np.float32)
+  out, pos = np.zeros((H, 32), np.float32), np.array([p], np.int32)
   launch_kernel(ka.src, ka.name, ka.grid, (ka.threads, 1, 1), [part, qc, cache.view(np.uint16) if half else cache, pos])
-  launch_kernel(kv.src, kv.name, kv.grid, (kv.threads, 1, 1), [out, part, pos, *vb_planes])
+  launch_kernel(km.src, km.name, km.grid, (km.threads, 1, 1), [o, part, pos])
+  launch_kernel(kv.src, kv.name, kv.grid, (kv.threads, 1, 1), [out, o, *vb_planes])
   c = cache[:p + 1].astype(np.float64)
   s = qc.astype(np.float64) @ c.T * scale
   w = np.exp(s - s.max(-1, keepdims=True))
-  want = np.einsum("hvc,hc->hv", vb, (w / w.sum(-1, keepdims=True)) @ c[:, :kvl])
+  want_o = (w / w.sum(-1, keepdims=True)) @ c[:, :kvl]
+  np.testing.assert_allclose(o, want_o, rtol=3e-3, atol=3e-3 * np.abs(want_o).max())
+  want = np.einsum("hvc,hc->hv", vb, want_o)
   np.testing.assert_allclose(out, want, rtol=3e-3, atol=3e-3 * np.abs(want).max())
-  assert np.isnan(part.reshape(H, S, kvl + 2)[:, 3:]).all()  # the split past the position wrote nothing
+  assert np.isnan(part.reshape(H, S, kvl + 2)[:, 5:]).all()  # the splits past the position wrote nothing
 
 
 @pytest.mark.parametrize("quant, heads, nope, rope, kvl", [("Q4_0", 3, 32, 16, 512), ("Q8_0", 20, 64, 64, 128)])

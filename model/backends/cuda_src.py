@@ -815,12 +815,10 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
 AH_THREADS, AH_TILE = 256, 16  # the all-heads attention's threads a block, and the positions it stages at once
 
 
-def heads_splits(max_ctx: int, sms: int) -> tuple[int, int]:
-  """(positions per split, splits) of the all-heads attention for a cache of max_ctx positions: about two blocks a
-  multiprocessor over a full cache, at least 64 positions a split (a split's partial, heads x kv_lora floats, stays
-  smaller than its cache rows)."""
-  ch = max(64, -(-max_ctx // (2 * sms * AH_TILE)) * AH_TILE)
-  return ch, -(-max_ctx // ch)
+def heads_splits(max_ctx: int, sms: int) -> int:
+  """The splits of the all-heads attention for a cache of max_ctx positions: two blocks a multiprocessor, fewer where
+  the cache holds fewer tiles. The positions a split holds follow the step's position (cuda/heads_split.cuh)."""
+  return min(2 * sms, -(-max_ctx // AH_TILE))
 
 
 @functools.cache
@@ -828,41 +826,55 @@ def mla_attention_heads(heads: int, kvl: int, rope: int, max_ctx: int, scale: fl
                         sms: int) -> Kernel:
   """MLA decode attention for all heads at once (grid: splits of the context): each block reads each position of its
   split once, AH_TILE at a time staged as float16, scores it against every head and accumulates P . V on the tensor
-  cores (mma.cuh), and writes its split's (max, sum, unnormalised output) per head to part (H, splits, kvl + 2), as
-  mla_attention does, for mla_vb's merge."""
-  ch, S = heads_splits(max_ctx, sms)
+  cores (mma.cuh), and writes its split's (max, sum, unnormalised output) per head to part (H, splits, kvl + 2) for
+  mla_combine."""
+  S = heads_splits(max_ctx, sms)
   name = f"native_mla_attention_heads_h{heads}_{kvl}_{rope}_c{max_ctx}_s{S}{'' if cache_half else '_f32'}"
   params = ["float* part", "const float* __restrict__ qc", f"const {'unsigned short' if cache_half else 'float'}* "
             "__restrict__ cache", "const int* __restrict__ early_pos"]
   src = device_kernel(name, params, "mla_heads.cu", threads=AH_THREADS, pre=("mma.cuh",), HEADS=heads, KVL=kvl,
-                      ROPE=rope, CH=ch, SPLITS=S, SCALE=f"{scale!r}f", CACHE_HALF=int(cache_half), THREADS=AH_THREADS,
+                      ROPE=rope, SPLITS=S, SCALE=f"{scale!r}f", CACHE_HALF=int(cache_half), THREADS=AH_THREADS,
                       TP=AH_TILE)
   return Kernel(name, src, (S, 1, 1), (0,), AH_THREADS)
 
 
+@functools.cache
+def mla_combine(heads: int, kvl: int, max_ctx: int, sms: int) -> Kernel:
+  """The all-heads attention's splits merged once per head (grid: heads x blocks of THREADS columns): o (H, kvl),
+  which mla_vb (merged) reads."""
+  S = heads_splits(max_ctx, sms)
+  name = f"native_mla_combine_h{heads}_{kvl}_s{S}"
+  params = ["float* o", "const float* __restrict__ part", "const int* __restrict__ early_pos"]
+  src = device_kernel(name, params, "mla_combine.cu", KVL=kvl, SPLITS=S, TP=AH_TILE, THREADS=THREADS, MERGE=ATT_MERGE)
+  return Kernel(name, src, (heads, -(-kvl // THREADS), 1), (0,))
+
+
 MLA_MERGE = '\n#include "mla_merge.cuh"\n'  # mla_vb's prologue
+MLA_LOAD = '\n#include "mla_load.cuh"\n'  # mla_vb's prologue after mla_combine
 
 
 @functools.cache
-def mla_vb(vb: W, heads: int, kvl: int, v_head: int, max_ctx: int, splits: tuple[int, int] | None = None) -> Kernel:
-  """MLA's output per head, out (H, v_head) = v_b . o, from the attention's splits (grid: row blocks x heads): each
-  block issues its v_b rows' reads, then merges the head's splits into o in shared memory while they are in flight:
-  ATT_MERGE splits at a time, each thread's columns and their maxes and sums together through L2 (`__ldcg`: one wait for
-  all of them), rescaled as an online softmax from one chunk to the next. splits: (positions a split, splits) of the
-  all-heads attention (heads_splits), else mla_attention's."""
-  ch, S = splits or attention_splits(max_ctx)
+def mla_vb(vb: W, heads: int, kvl: int, v_head: int, max_ctx: int, merged: bool = False) -> Kernel:
+  """MLA's output per head, out (H, v_head) = v_b . o (grid: row blocks x heads): each block issues its v_b rows' reads,
+  then stages o in shared memory while they are in flight: merged, o as mla_combine wrote it; else merging the head's
+  splits of mla_attention, ATT_MERGE splits at a time, each thread's columns and their maxes and sums together through
+  L2 (`__ldcg`: one wait for all of them), rescaled as an online softmax from one chunk to the next."""
+  ch, S = attention_splits(max_ctx)
   assert vb.inp == kvl
   G, R = vb.group_lanes, R_PRODUCT
-  name = (f"native_mla_vb_{QUANT_TYPES[vb.ggml_type].name.lower()}_h{heads}_{kvl}_{v_head}_c{max_ctx}"
-          + (f"_s{S}" if splits else ""))
-  params = ["float* out", "const float* __restrict__ part", "const int* __restrict__ early_pos"] + vb.params
-  body = (f"const int h = blockIdx.y, active = (early_pos[0] + {ch}) / {ch}; {stage_decl(kvl, 'f32')}\n  "
-          + group_setup(G, R) + "\n  " + gemv([(vb, f"(size_t)h * {v_head} + {{o}}", "a")], "sx", v_head, R,
-                 lambda o, a: f"out[(size_t)h * {v_head} + {o}] = {a[0]};", prologue=MLA_MERGE, early=True, staged=True,
-                 wait=True))
+  name = f"native_mla_vb_{QUANT_TYPES[vb.ggml_type].name.lower()}_h{heads}_{kvl}_{v_head}_c{max_ctx}"
+  if merged:
+    name, first = name + "_o", f"const int h = blockIdx.y; {stage_decl(kvl, 'f32')}"
+    params = ["float* out", "const float* __restrict__ o"] + vb.params
+  else:
+    first = f"const int h = blockIdx.y, active = (early_pos[0] + {ch}) / {ch}; {stage_decl(kvl, 'f32')}"
+    params = ["float* out", "const float* __restrict__ part", "const int* __restrict__ early_pos"] + vb.params
+  body = (first + "\n  " + group_setup(G, R) + "\n  " + gemv([(vb, f"(size_t)h * {v_head} + {{o}}", "a")], "sx", v_head,
+          R, lambda o, a: f"out[(size_t)h * {v_head} + {o}] = {a[0]};", prologue=MLA_LOAD if merged else MLA_MERGE,
+          early=True, staged=True, wait=True))
   blocks = -(-v_head // rows_per_block(G, R))
-  src = kernel(name, params, body, waited=True, SPLITS=S, KVL=kvl, MERGE=ATT_MERGE, THREADS=THREADS)
-  return Kernel(name, src, (blocks, heads, 1), (0,))
+  defines = dict(KVL=kvl, THREADS=THREADS) if merged else dict(SPLITS=S, KVL=kvl, MERGE=ATT_MERGE, THREADS=THREADS)
+  return Kernel(name, kernel(name, params, body, waited=True, **defines), (blocks, heads, 1), (0,))
 
 
 GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softplus"}

@@ -125,8 +125,10 @@ Q8_WARPS = 8
 
 def attention(st: AttentionStage, x: Tensor, start_pos: int | UOp, pos: Tensor) -> Tensor:
   """h = x + attention(x) for one token: norm + q_a/kv_a (or q/kv_a), q_a norm + q_b, absorption + RoPE + cache write,
-  MLA attention split over the context, the splits' merge with v_b, output projection + residual: 6 kernels. With
-  attn_act=q8 the three dense products stage their input in 8 bits (cuda_src.stage_x) and dot it in integers."""
+  MLA attention split over the context, the splits' merge with v_b, output projection + residual: 6 kernels; with
+  attn_layout=all_heads the attention reads each position once for all heads on the tensor cores and its splits are
+  merged by a kernel of their own before v_b (7). With attn_act=q8 the three dense products stage their input in 8 bits
+  (cuda_src.stage_x) and dot it in integers."""
   dev = x.device
   H, nope, rope, kvl, dim = st.n_heads, st.qk_nope, st.qk_rope, st.kv_lora, st.dim
   xf = f32(x)
@@ -148,12 +150,18 @@ def attention(st: AttentionStage, x: Tensor, start_pos: int | UOp, pos: Tensor) 
   k3 = C.absorb_rope_kv(cw("k_", st.k_b), H, nope, rope, kvl, ctx, st.eps, cache_half)
   qc, cache = launch(k3, [empty(H * D, device=dev), st.cache, q, kv, st.kv_a_norm, st.cos, st.sin, pos,
                           *planes(st.k_b)], row_bytes(st.k_b) * H * kvl + D * 2)[:2]
-  if st.layout == "all_heads":
-    k4, splits = C.mla_attention_heads(H, kvl, rope, ctx, st.kq_scale, cache_half, sms), C.heads_splits(ctx, sms)
-  else: k4, splits = C.mla_attention(H, kvl, rope, ctx, st.kq_scale, cache_half), None
-  part = launch(k4, [st.scratch["part"], qc, cache, pos], cache.nbytes() // 4)[0]
-  k5 = C.mla_vb(cw("w_", st.v_b), H, kvl, st.v_head, ctx, splits)
-  a = launch(k5, [empty(H * st.v_head, device=dev), part, pos, *planes(st.v_b)], row_bytes(st.v_b) * H * st.v_head)[0]
+  vb_bytes = row_bytes(st.v_b) * H * st.v_head
+  if st.layout == "all_heads":  # every position read once for all heads; the splits merged once, then v_b
+    k4 = C.mla_attention_heads(H, kvl, rope, ctx, st.kq_scale, cache_half, sms)
+    part = launch(k4, [st.scratch["part"], qc, cache, pos], cache.nbytes() // 4)[0]
+    o = launch(C.mla_combine(H, kvl, ctx, sms), [empty(H * kvl, device=dev), part, pos], 0)[0]
+    k5 = C.mla_vb(cw("w_", st.v_b), H, kvl, st.v_head, ctx, merged=True)
+    a = launch(k5, [empty(H * st.v_head, device=dev), o, *planes(st.v_b)], vb_bytes)[0]
+  else:
+    part = launch(C.mla_attention(H, kvl, rope, ctx, st.kq_scale, cache_half), [st.scratch["part"], qc, cache, pos],
+                  cache.nbytes() // 4)[0]
+    k5 = C.mla_vb(cw("w_", st.v_b), H, kvl, st.v_head, ctx)
+    a = launch(k5, [empty(H * st.v_head, device=dev), part, pos, *planes(st.v_b)], vb_bytes)[0]
   k6 = C.dense(((cw("a_", st.wo), dim),), _rows_r(dim), None, residual=True, warps=warps, act=act, sms=sms)
   return launch(k6, [empty(1, 1, dim, device=dev), a, xf, *planes(st.wo)], row_bytes(st.wo) * dim)[0]
 
@@ -289,7 +297,7 @@ class NativeBackend(Backend):
 
   def scratch(self, n_heads: int, kv_lora: int, max_context: int, device: str | None) -> dict[str, Tensor]:
     """Split attention's partials and the router's counter, shared by the blocks."""
-    splits = max(C.attention_splits(max_context)[1], C.heads_splits(max_context, sm_count(device or Device.DEFAULT))[1])
+    splits = max(C.attention_splits(max_context)[1], C.heads_splits(max_context, sm_count(device or Device.DEFAULT)))
     return {"part": Tensor.zeros(n_heads * splits * (kv_lora + 2), device=device).contiguous().realize(),
             "router_cnt": Tensor.zeros(1, dtype=dtypes.int32, device=device).contiguous().realize()}
 

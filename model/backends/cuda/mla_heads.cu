@@ -1,13 +1,13 @@
-// MLA decode attention over the compressed cache for all heads at once (cuda_src.mla_attention_heads; grid: splits of
-// the context, THREADS threads): a block reads each position of its split once, TP positions at a time staged in
-// shared memory as float16, and scores them against every head on the tensor cores (mma.cuh): S (heads x TP) = Q . C^T,
-// the heads padded to HP, the warps splitting the heads' tiles and the k-steps of the cache row; then an online softmax
-// per head over the tile, its weights in float16, and O (heads x KVL) += P . V, each warp holding KVL / NW columns of
-// every head (V is the first KVL values of the cache rows). It writes its split's (max, sum, unnormalised output) per
-// head to part (HEADS, SPLITS, KVL + 2), as mla_attention does, for mla_vb's merge; blocks past the last position
-// return at once.
-// The kernel's body (cuda_src writes its signature: part, qc, cache, early_pos). Defines: HEADS, KVL, ROPE, CH
-// (positions a split, a multiple of TP), SPLITS, SCALE (a float literal), CACHE_HALF (0 or 1), THREADS, TP (16).
+// MLA decode attention over the compressed cache for all heads at once (cuda_src.mla_attention_heads; grid: SPLITS
+// splits of the context, THREADS threads): a block reads each position of its split once, TP positions at a time staged
+// in shared memory as float16 (the next tile's reads in flight in registers meanwhile), and scores them against every
+// head on the tensor cores (mma.cuh): S (heads x TP) = Q . C^T, the heads padded to HP, the warps splitting the heads'
+// tiles and the k-steps of the cache row; then an online softmax per head over the tile, its weights in float16, and
+// O (heads x KVL) += P . V, each warp holding KVL / NW columns of every head (V is the first KVL values of the cache
+// rows). It writes its split's (max, sum, unnormalised output) per head to part (HEADS, SPLITS, KVL + 2) for
+// mla_combine; blocks past the last position return at once.
+// The kernel's body (cuda_src writes its signature: part, qc, cache, early_pos). Defines: HEADS, KVL, ROPE, SPLITS,
+// SCALE (a float literal), CACHE_HALF (0 or 1), THREADS, TP (16).
 #define D (KVL + ROPE)  // a cache row
 #define HP ((HEADS + 15) / 16 * 16)  // the heads padded to the product's 16 rows
 #define MT (HP / 16)  // the heads' row tiles
@@ -18,9 +18,12 @@
 #define SROW (D + 8)  // halves a staged row takes (padded: the fragments' loads hit distinct banks)
 #define PROW (TP + 8)  // halves a row of P takes
 #define NT (KVL / NW / 8)  // a warp's 8-column tiles of O
+#define LOADS ((TP * D / 8 + THREADS - 1) / THREADS)  // a thread's 16-byte pieces of a staged tile
   STAMP_ENTER();
   const int sp = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int n = early_pos[0] + 1, j0 = sp * CH, j1 = min(n, j0 + CH);
+  const int n = early_pos[0] + 1;
+#include "heads_split.cuh"
+  const int j0 = sp * ch, j1 = min(n, j0 + ch);
   GRID_WAIT(); STAMP_WAIT();
   if (j0 >= n) return;
   __shared__ __align__(16) unsigned short sc[TP * SROW];
@@ -37,20 +40,37 @@
   float o[MT][NT][4];
   for (int m = 0; m < MT; m++) for (int c = 0; c < NT; c++) for (int r = 0; r < 4; r++) o[m][c][r] = 0.f;
   if (tid < HP) { srow[0][tid] = -INFINITY; srow[1][tid] = 0.f; }
-  for (int j = j0; j < j1; j += TP) {
-    for (int u = tid; u < TP * (D / 8); u += THREADS) {  // the tile's rows (the last valid one past j1)
-      const int r = u / (D / 8), c = u % (D / 8) * 8;
-      const size_t at = (size_t)min(j + r, j1 - 1) * D + c;
-      uint4 v;
 #if CACHE_HALF
-      v = *(const uint4*)(cache + at);
+  uint4 nx[LOADS];
 #else
-      const float4 a = *(const float4*)(cache + at), b = *(const float4*)(cache + at + 4);
-      v.x = pack_h2(a.x, a.y); v.y = pack_h2(a.z, a.w); v.z = pack_h2(b.x, b.y); v.w = pack_h2(b.z, b.w);
+  float4 nx[LOADS][2];
 #endif
-      *(uint4*)(sc + r * SROW + c) = v;
+  auto fetch = [&](int j) {  // the reads of tile j: rows past j1 repeat the last valid one
+    for (int i = 0; i < LOADS; i++) {
+      const int u = min(tid + i * THREADS, TP * (D / 8) - 1), r = u / (D / 8), c = u % (D / 8) * 8;
+      const size_t at = (size_t)min(j + r, j1 - 1) * D + c;
+#if CACHE_HALF
+      nx[i] = *(const uint4*)(cache + at);
+#else
+      nx[i][0] = *(const float4*)(cache + at); nx[i][1] = *(const float4*)(cache + at + 4);
+#endif
+    }
+  };
+  fetch(j0);
+  for (int j = j0; j < j1; j += TP) {
+    for (int i = 0; i < LOADS; i++) {
+      const int u = tid + i * THREADS;
+      if (u >= TP * (D / 8)) break;
+#if CACHE_HALF
+      const uint4 v = nx[i];
+#else
+      const float4 a = nx[i][0], b = nx[i][1];
+      uint4 v; v.x = pack_h2(a.x, a.y); v.y = pack_h2(a.z, a.w); v.z = pack_h2(b.x, b.y); v.w = pack_h2(b.z, b.w);
+#endif
+      *(uint4*)(sc + u / (D / 8) * SROW + u % (D / 8) * 8) = v;
     }
     __syncthreads();
+    if (j + TP < j1) fetch(j + TP);  // in flight while this tile is scored
     if (kg < KG) {  // S's partial sums over the warp's k-steps
       float s[TP / 8][4];
       for (int c = 0; c < TP / 8; c++) for (int r = 0; r < 4; r++) s[c][r] = 0.f;

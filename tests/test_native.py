@@ -760,11 +760,11 @@ def test_attention_kernel_splits_the_context(monkeypatch) -> None:
 def test_all_heads_attention_kernel(H: int, kvl: int, rope: int, half: bool) -> None:
   """The all-heads MLA attention kernel (attn_layout=all_heads), the merge of its splits and mla_vb reading the merged
   output (CUDA emulator, the tensor-core products through mma.cuh's shuffles): one row tile of heads and two (20 heads:
-  12 padded), a float16 and a float32 cache; 8 splits of which 5 hold positions, 2 tiles each, the last ending inside
+  12 padded), a float16 and a float32 cache; 4 splits of which 3 hold positions, 4 tiles each, the last ending inside
   its second tile; stale NaN partials past them. Query and weights go through float16: held to 3e-3 of the output."""
   ctx, p, scale, sms = 256, 149, 0.11, 4
   S = cuda_src.heads_splits(ctx, sms)
-  assert S == 8
+  assert S == 4
   rng = np.random.default_rng(2)
   cache = rng.standard_normal((ctx, kvl + rope)).astype(np.float16 if half else np.float32)
   qc = rng.standard_normal((H, kvl + rope)).astype(np.float32)
@@ -783,7 +783,27 @@ def test_all_heads_attention_kernel(H: int, kvl: int, rope: int, half: bool) -> 
   np.testing.assert_allclose(o, want_o, rtol=3e-3, atol=3e-3 * np.abs(want_o).max())
   want = np.einsum("hvc,hc->hv", vb, want_o)
   np.testing.assert_allclose(out, want, rtol=3e-3, atol=3e-3 * np.abs(want).max())
-  assert np.isnan(part.reshape(H, S, kvl + 2)[:, 5:]).all()  # the splits past the position wrote nothing
+  assert np.isnan(part.reshape(H, S, kvl + 2)[:, 3:]).all()  # the split past the position wrote nothing
+
+
+def test_combine_merges_every_active_split() -> None:
+  """mla_combine alone (CUDA emulator): the splits that hold positions, more than a block's groups read at once (its
+  warps' groups times ATT_MERGE), merged as one softmax; the stale NaN splits past them are not read."""
+  H, kvl, ctx, sms, p = 3, 64, 65536, 132, 30000
+  S = cuda_src.heads_splits(ctx, sms)
+  ch = max(cuda_src.AH_LEAST, -(-(p + 1) // (S * cuda_src.AH_TILE)) * cuda_src.AH_TILE)
+  active = -(-(p + 1) // ch)
+  assert active > cuda_src.AH_THREADS // cuda_src.COMBINE_COLS * cuda_src.ATT_MERGE and active < S
+  rng = np.random.default_rng(3)
+  part = np.full((H, S, kvl + 2), np.nan, np.float32)
+  part[:, :active, 0] = rng.uniform(-3, 3, (H, active))
+  part[:, :active, 1] = rng.uniform(0.5, 2, (H, active))
+  part[:, :active, 2:] = rng.standard_normal((H, active, kvl))
+  k, o = cuda_src.mla_combine(H, kvl, ctx, sms), np.zeros((H, kvl), np.float32)
+  launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [o, part.reshape(-1), np.array([p], np.int32)])
+  f = np.exp(part[:, :active, 0].astype(np.float64) - part[:, :active, 0].max(1, keepdims=True))
+  want = np.einsum("hs,hsc->hc", f, part[:, :active, 2:]) / (f * part[:, :active, 1]).sum(1)[:, None]
+  np.testing.assert_allclose(o, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("quant, heads, nope, rope, kvl", [("Q4_0", 3, 32, 16, 512), ("Q8_0", 20, 64, 64, 128)])

@@ -813,12 +813,14 @@ def mla_attention(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, c
 
 
 AH_THREADS, AH_TILE = 256, 16  # the all-heads attention's threads a block, and the positions it stages at once
+AH_LEAST = 64  # the fewest positions a split of it holds: a split's partial (heads x kv_lora floats) is not worth less
+COMBINE_COLS = 32  # the columns a block of mla_combine merges (a warp's loads of a split: one 128-byte line)
 
 
 def heads_splits(max_ctx: int, sms: int) -> int:
   """The splits of the all-heads attention for a cache of max_ctx positions: two blocks a multiprocessor, fewer where
   the cache holds fewer tiles. The positions a split holds follow the step's position (cuda/heads_split.cuh)."""
-  return min(2 * sms, -(-max_ctx // AH_TILE))
+  return min(2 * sms, -(-max_ctx // AH_LEAST))
 
 
 @functools.cache
@@ -834,19 +836,20 @@ def mla_attention_heads(heads: int, kvl: int, rope: int, max_ctx: int, scale: fl
             "__restrict__ cache", "const int* __restrict__ early_pos"]
   src = device_kernel(name, params, "mla_heads.cu", threads=AH_THREADS, pre=("mma.cuh",), HEADS=heads, KVL=kvl,
                       ROPE=rope, SPLITS=S, SCALE=f"{scale!r}f", CACHE_HALF=int(cache_half), THREADS=AH_THREADS,
-                      TP=AH_TILE)
+                      TP=AH_TILE, LEAST=AH_LEAST)
   return Kernel(name, src, (S, 1, 1), (0,), AH_THREADS)
 
 
 @functools.cache
 def mla_combine(heads: int, kvl: int, max_ctx: int, sms: int) -> Kernel:
-  """The all-heads attention's splits merged once per head (grid: heads x blocks of THREADS columns): o (H, kvl),
-  which mla_vb (merged) reads."""
+  """The all-heads attention's splits merged once per head (grid: heads x blocks of COMBINE_COLS columns, its warps
+  over the splits): o (H, kvl), which mla_vb (merged) reads."""
   S = heads_splits(max_ctx, sms)
   name = f"native_mla_combine_h{heads}_{kvl}_s{S}"
   params = ["float* o", "const float* __restrict__ part", "const int* __restrict__ early_pos"]
-  src = device_kernel(name, params, "mla_combine.cu", KVL=kvl, SPLITS=S, TP=AH_TILE, THREADS=THREADS, MERGE=ATT_MERGE)
-  return Kernel(name, src, (heads, -(-kvl // THREADS), 1), (0,))
+  src = device_kernel(name, params, "mla_combine.cu", threads=AH_THREADS, KVL=kvl, SPLITS=S, TP=AH_TILE,
+                      THREADS=AH_THREADS, CC=COMBINE_COLS, MERGE=ATT_MERGE, LEAST=AH_LEAST)
+  return Kernel(name, src, (heads, kvl // COMBINE_COLS, 1), (0,), AH_THREADS)
 
 
 MLA_MERGE = '\n#include "mla_merge.cuh"\n'  # mla_vb's prologue

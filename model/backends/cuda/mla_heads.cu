@@ -41,11 +41,13 @@
   for (int m = 0; m < MT; m++) for (int c = 0; c < NT; c++) for (int r = 0; r < 4; r++) o[m][c][r] = 0.f;
   if (tid < HP) { srow[0][tid] = -INFINITY; srow[1][tid] = 0.f; }
 #if CACHE_HALF
-  uint4 nx[LOADS];
+  typedef uint4 Piece[LOADS];
 #else
-  float4 nx[LOADS][2];
+  typedef float4 Piece[LOADS][2];
 #endif
-  auto fetch = [&](int j) {  // the reads of tile j: rows past j1 repeat the last valid one
+  Piece nx0, nx1;  // the reads of the next two tiles, in flight while a tile is scored
+  auto fetch = [&](Piece& nx, int j) {  // the reads of tile j: rows past j1 repeat the last valid one
+    if (j >= j1) return;
     for (int i = 0; i < LOADS; i++) {
       const int u = min(tid + i * THREADS, TP * (D / 8) - 1), r = u / (D / 8), c = u % (D / 8) * 8;
       const size_t at = (size_t)min(j + r, j1 - 1) * D + c;
@@ -56,8 +58,7 @@
 #endif
     }
   };
-  fetch(j0);
-  for (int j = j0; j < j1; j += TP) {
+  auto tile = [&](Piece& nx, int j) {  // tile j from nx: staged, its reads j + 2 TP issued into nx, then scored
     for (int i = 0; i < LOADS; i++) {
       const int u = tid + i * THREADS;
       if (u >= TP * (D / 8)) break;
@@ -70,7 +71,7 @@
       *(uint4*)(sc + u / (D / 8) * SROW + u % (D / 8) * 8) = v;
     }
     __syncthreads();
-    if (j + TP < j1) fetch(j + TP);  // in flight while this tile is scored
+    fetch(nx, j + 2 * TP);
     if (kg < KG) {  // S's partial sums over the warp's k-steps
       float s[TP / 8][4];
       for (int c = 0; c < TP / 8; c++) for (int r = 0; r < 4; r++) s[c][r] = 0.f;
@@ -120,7 +121,9 @@
       }
     }
     __syncthreads();
-  }
+  };
+  fetch(nx0, j0); fetch(nx1, j0 + TP);
+  for (int j = j0; j < j1; j += 2 * TP) { tile(nx0, j); if (j + TP < j1) tile(nx1, j + TP); }
   for (int m = 0; m < MT; m++) for (int c = 0; c < NT; c++) {
     const int h = m * 16 + g, col = (warp * NT + c) * 8 + 2 * t;
     if (h < HEADS) { float* p = part + ((size_t)h * SPLITS + sp) * (KVL + 2) + 2 + col; p[0] = o[m][c][0]; p[1] = o[m][c][1]; }

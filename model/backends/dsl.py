@@ -467,12 +467,27 @@ def _vec(x: Tensor, ws: tuple[QWeight, ...], norm: Norm | None = None, res: Tens
                  residual=res is not None, rows=rows)
 
 
+def _decode(q: Tensor, q_abs: Tensor, cache: Tensor, rope: tuple[Tensor, Tensor], at: tuple[int | UOp, list[Tensor]],
+            scale: float, nope: int, layout: str) -> Tensor:
+  """softmax(scores) @ c_kv (H, kv_lora) of one token's query (q_b's output q, the absorbed q_abs (H, kv_lora)) over
+  the cache's positions 0..pos (at: `_position`'s), in the kernels of the layout (per_head or all_heads: see
+  model/backends/dsl_attention.py)."""
+  (H, kvl), ctx, (pos, bind) = q_abs.shape, cache.shape[1], at
+  s = _custom(scores_kernel, (H, ctx), [q, q_abs, cache, *rope, *bind], pos=pos, scale=scale, nope=nope,
+              all_heads=layout == "all_heads")
+  if layout == "per_head": return _custom(pv_kernel, (H, kvl), [s, cache, *bind], pos=pos)
+  ch = chunk(ctx)
+  w = _custom(split_softmax_kernel, (-(-ctx // ch), H, ch + 1), [s, *bind], pos=pos)
+  part = _custom(pv_split_kernel, (w.shape[0], H, kvl), [w, cache, *bind], pos=pos)
+  return _custom(merge_kernel, (H, kvl), [w, part, *bind], pos=pos)
+
+
 def attention(st: AttentionStage, x: Tensor, start_pos: int | UOp, pos: Tensor | None) -> Tensor:
   """h = x + attention(x) for one token, in UOp kernels: q_a (or q) and kv_a as one product with the norm folded in,
   the KV cache write (each workgroup reduces c_kv's 1/rms), q_b with q_a's norm folded in, k_b reading q in place, the
-  scores (q_pe rotated as they are read), softmax(scores) @ c_kv, v_b, and the output projection with the residual add
-  folded in. With attn_act=q8 the three dense products (q_a/kv_a, q_b, the output projection) read their input
-  normalised and rounded as the native kernels stage it (q8_round)."""
+  scores (q_pe rotated as they are read) and softmax(scores) @ c_kv (`_decode`), v_b, and the output projection with
+  the residual add folded in. With attn_act=q8 the three dense products (q_a/kv_a, q_b, the output projection) read
+  their input normalised and rounded as the native kernels stage it (q8_round)."""
   q8, eps = st.act == "q8", st.eps
   H, nope, rope, kvl, dim = st.n_heads, st.qk_nope, st.qk_rope, st.kv_lora, st.dim
   xf = x.reshape(dim).float()
@@ -494,15 +509,7 @@ def attention(st: AttentionStage, x: Tensor, start_pos: int | UOp, pos: Tensor |
     qa, norm = inp(q if q8 else qkv, st.q_a_norm)
     q = _vec(qa, (st.q_b,), norm)
   q_abs = per_head(q.reshape(1, 1, H, nope + rope), st.k_b).reshape(H, kvl)  # k_b reads q's nope part in place
-  ctx, all_heads = st.cache.shape[1], st.layout == "all_heads"
-  s = _custom(scores_kernel, (H, ctx), [q, q_abs, cache, st.cos, st.sin, *bind], pos=pos, scale=st.kq_scale,
-              nope=nope, all_heads=all_heads)
-  if all_heads:  # the context in splits of ch positions (dsl_attention's module docstring)
-    ch = chunk(ctx)
-    w = _custom(split_softmax_kernel, (-(-ctx // ch), H, ch + 1), [s, *bind], pos=pos)
-    part = _custom(pv_split_kernel, (w.shape[0], H, kvl), [w, cache, *bind], pos=pos)
-    o = _custom(merge_kernel, (H, kvl), [w, part, *bind], pos=pos)
-  else: o = _custom(pv_kernel, (H, kvl), [s, cache, *bind], pos=pos)
+  o = _decode(q, q_abs, cache, (st.cos, st.sin), (pos, bind), st.kq_scale, nope, st.layout)
   out = per_head(o.reshape(1, H, kvl), st.v_b)
   return _vec(inp(out.reshape(-1), None)[0], (st.wo,), res=xf, rows=st.attn_out_rows).reshape(1, 1, dim)
 

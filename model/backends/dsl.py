@@ -35,6 +35,7 @@ from model.backends.dsl_attention import (
   merge_kernel,
   pv_kernel,
   pv_split_kernel,
+  scores_all_kernel,
   scores_kernel,
   split_softmax_kernel,
 )
@@ -473,8 +474,8 @@ def _decode(q: Tensor, q_abs: Tensor, cache: Tensor, rope: tuple[Tensor, Tensor]
   the cache's positions 0..pos (at: `_position`'s), in the kernels of the layout (per_head or all_heads: see
   model/backends/dsl_attention.py)."""
   (H, kvl), ctx, (pos, bind) = q_abs.shape, cache.shape[1], at
-  s = _custom(scores_kernel, (H, ctx), [q, q_abs, cache, *rope, *bind], pos=pos, scale=scale, nope=nope,
-              all_heads=layout == "all_heads")
+  s = _custom(scores_kernel if layout == "per_head" else scores_all_kernel, (H, ctx), [q, q_abs, cache, *rope, *bind],
+              pos=pos, scale=scale, nope=nope)
   if layout == "per_head": return _custom(pv_kernel, (H, kvl), [s, cache, *bind], pos=pos)
   ch = chunk(ctx)
   w = _custom(split_softmax_kernel, (-(-ctx // ch), H, ch + 1), [s, *bind], pos=pos)

@@ -13,7 +13,7 @@ position.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import count
 
 from tinygrad import Tensor, UOp, dtypes
@@ -21,6 +21,8 @@ from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
 from model.backends.dsl_uops import _axis, _f, _pow2, _split
 
+POSITIONS = 4  # positions per thread of the all_heads scores
+COLUMNS = 4  # consecutive values of a row per thread of the all_heads weighted sum
 SPLITS = 128  # at most this many splits of a full cache: times kv_lora's column chunks, a few hundred workgroups
 
 
@@ -66,16 +68,13 @@ def kv_write_kernel(cache: UOp, kv: UOp, gamma: UOp, cos: UOp, sin: UOp, *_var: 
   return _sink(cache[0, pos, c].store((c < kvl).where(normed, rot).cast(cache.dtype)), cr, "dsl_kv_write")
 
 
-def scores_kernel(out: UOp, q: UOp, q_abs: UOp, cache: UOp, cos: UOp, sin: UOp, *_var: UOp, pos: UOp | int,
-                  scale: float, nope: int, local: bool, all_heads: bool = False) -> UOp:
-  """out (H, context): the attention scores of the positions 0..pos, scale * (q_abs[h] . c_kv[t] + rope(q_pe[h]) .
-  k_pe[t]); q (H * (nope + rope),) is q_b's output, whose rope part is rotated as it is read. A workgroup per head and
-  position, or with all_heads per position for every head (unrolled: each value of the row read once serves them all):
-  its threads split the row of the cache (GROUP_REDUCE), each reading pairs of values in unrolled steps."""
-  ids, (H, kvl), width = count(), q_abs.shape, cache.shape[-1]
+def _score(q: UOp, q_abs: UOp, cache: UOp, cos: UOp, sin: UOp, pos: UOp | int, t: UOp, h: UOp, scale: float, nope: int,
+           ids: Iterator[int], local: bool) -> UOp:
+  """scale * (q_abs[h] . c_kv[t] + rope(q_pe[h]) . k_pe[t]): q (H * (nope + rope),) is q_b's output, whose rope part is
+  rotated as it is read. The threads of a workgroup split the row of the cache (GROUP_REDUCE), each reading pairs of
+  values in unrolled steps."""
+  (_, kvl), width = q_abs.shape, cache.shape[-1]
   rope = width - kvl
-  h, *hr = _axis(H, ids, AxisType.UPCAST if all_heads else AxisType.GLOBAL if local else AxisType.WEAK)
-  t = UOp.range(pos + 1, next(ids), AxisType.GLOBAL if local else AxisType.WEAK)
   u = 2 if width % 4 else 4
   g = _pow2(width // u, 16) if local else 1
   base, red = _split(width // 2, ids, (AxisType.REDUCE, AxisType.GROUP_REDUCE, AxisType.UNROLL), (g, u // 2))
@@ -84,11 +83,33 @@ def scores_kernel(out: UOp, q: UOp, q_abs: UOp, cache: UOp, cos: UOp, sin: UOp, 
   i = (base - kvl // 2).maximum(0).minimum(rope // 2 - 1)  # the pair of the rope part
   qpe = _roped(lambda k: _f(q[h * (nope + rope) + nope + k]), cos, sin, pos, i, j)
   qv = (r < kvl).where(_f(q_abs[h, r.minimum(kvl - 1)]), qpe)
-  dot = (qv * _f(cache[0, t, r])).reduce(*red, j, arg=Ops.ADD)
-  return _sink(out[h, t].store(dot * scale), (*hr, t), "dsl_scores_all" if all_heads else "dsl_scores")
+  return (qv * _f(cache[0, t, r])).reduce(*red, j, arg=Ops.ADD) * scale
 
 
-def _threads(n: int, ids, local: bool) -> tuple[UOp, tuple[UOp, ...]]:
+def scores_kernel(out: UOp, q: UOp, q_abs: UOp, cache: UOp, cos: UOp, sin: UOp, *_var: UOp, pos: UOp | int,
+                  scale: float, nope: int, local: bool) -> UOp:
+  """out (H, context): the attention scores (`_score`) of the positions 0..pos, a workgroup per head and position."""
+  ids, H = count(), q_abs.shape[0]
+  h, *hr = _axis(H, ids, AxisType.GLOBAL if local else AxisType.WEAK)
+  t = UOp.range(pos + 1, next(ids), AxisType.GLOBAL if local else AxisType.WEAK)
+  return _sink(out[h, t].store(_score(q, q_abs, cache, cos, sin, pos, t, h, scale, nope, ids, local)), (*hr, t),
+               "dsl_scores")
+
+
+def scores_all_kernel(out: UOp, q: UOp, q_abs: UOp, cache: UOp, cos: UOp, sin: UOp, *_var: UOp, pos: UOp | int,
+                      scale: float, nope: int, local: bool) -> UOp:
+  """out (H, context): the attention scores (`_score`) of the positions 0..pos for every head, a workgroup per
+  POSITIONS of them: each value of a row read once serves every head, and each value of the query every position
+  (heads and positions unrolled)."""
+  ids, H, ctx = count(), q_abs.shape[0], cache.shape[1]
+  h, *hr = _axis(H, ids, AxisType.UPCAST)
+  tg, *tr = _upto(pos // POSITIONS + 1, ids, AxisType.GLOBAL if local else AxisType.WEAK)
+  t = tg * POSITIONS + (tu := UOp.range(POSITIONS, next(ids), AxisType.UPCAST))
+  dot = _score(q, q_abs, cache, cos, sin, pos, t.minimum(ctx - 1), h, scale, nope, ids, local)
+  return _sink(out[h, t.valid(t <= pos)].store(dot), (*hr, *tr, tu), "dsl_scores_all")
+
+
+def _threads(n: int, ids: Iterator[int], local: bool) -> tuple[UOp, tuple[UOp, ...]]:
   """An index over n values, a thread each: consecutive threads of a workgroup read consecutive values."""
   return _split(n, ids, (AxisType.GLOBAL if local else AxisType.WEAK, AxisType.LOCAL), (_pow2(n, 32) if local else 1,))
 
@@ -107,9 +128,15 @@ def pv_kernel(out: UOp, s: UOp, cache: UOp, *_var: UOp, pos: UOp | int, local: b
   return _sink(out[h, c].store(o), (*hr, *rows), "dsl_pv")
 
 
-def _live(pos: UOp | int, ch: int, ids, kind: AxisType) -> UOp:
-  """A range over the splits that hold positions 0..pos (ch each)."""
-  return UOp.range(pos // ch + 1, next(ids), kind)
+def _upto(n: UOp | int, ids: Iterator[int], kind: AxisType) -> tuple[UOp, ...]:
+  """`_axis` over n, an int or an expression of the bound decode position (one whose bounds leave a single value is
+  folded as a range of one)."""
+  return _axis(1 if isinstance(n, UOp) and n.vmax <= 1 else n, ids, kind)
+
+
+def _live(pos: UOp | int, ch: int, ids: Iterator[int], kind: AxisType) -> tuple[UOp, ...]:
+  """`_axis` over the splits that hold positions 0..pos (ch each)."""
+  return _upto(pos // ch + 1, ids, kind)
 
 
 def split_softmax_kernel(w: UOp, s: UOp, *_var: UOp, pos: UOp | int, local: bool) -> UOp:
@@ -117,7 +144,7 @@ def split_softmax_kernel(w: UOp, s: UOp, *_var: UOp, pos: UOp | int, local: bool
   split (0 past pos), then the log of its sum of exponentials (its max added back). A thread per split and head."""
   ids, (_, H, n), ctx = count(), w.shape, s.shape[1]
   ch = n - 1
-  sp = _live(pos, ch, ids, AxisType.GLOBAL if local else AxisType.WEAK)
+  sp, *sr = _live(pos, ch, ids, AxisType.GLOBAL if local else AxisType.WEAK)
   h, *hr = _axis(H, ids, AxisType.LOCAL if local else AxisType.WEAK)
   def score(i: UOp) -> UOp:
     t = sp * ch + i
@@ -126,19 +153,22 @@ def split_softmax_kernel(w: UOp, s: UOp, *_var: UOp, pos: UOp | int, local: bool
   z = (score(r := UOp.range(ch, next(ids), AxisType.REDUCE)) - m).exp().reduce(r, arg=Ops.ADD)
   i = UOp.range(n, next(ids), AxisType.LOOP)
   v = (i < ch).where((score(i.minimum(ch - 1)) - m).exp() / z, m + z.log())
-  return _sink(w[sp, h, i].store(v), (sp, *hr, i), "dsl_split_softmax")
+  return _sink(w[sp, h, i].store(v), (*sr, *hr, i), "dsl_split_softmax")
 
 
 def pv_split_kernel(o: UOp, w: UOp, cache: UOp, *_var: UOp, pos: UOp | int, local: bool) -> UOp:
   """o (splits, H, kv_lora): per split, sum over its positions of softmax weight w[split, h] times the cache's row, for
-  every head h (unrolled: each value of a row read once serves them all). A thread per split and value."""
+  every head h (unrolled: each value of a row read once serves them all). A thread per split and COLUMNS values (each
+  weight read once serves them all)."""
   ids, (_, H, kvl), ch, ctx = count(), o.shape, w.shape[2] - 1, cache.shape[1]
-  sp = _live(pos, ch, ids, AxisType.GLOBAL if local else AxisType.WEAK)
-  c, cr = _threads(kvl, ids, local)
-  h = UOp.range(H, next(ids), AxisType.UPCAST)
+  sp, *sr = _live(pos, ch, ids, AxisType.GLOBAL if local else AxisType.WEAK)
+  u = _pow2(kvl, COLUMNS)
+  c, cr = _split(kvl, ids, (AxisType.GLOBAL if local else AxisType.WEAK, AxisType.LOCAL, AxisType.UPCAST),
+                 (_pow2(kvl // u, 32) if local else 1, u))
+  h, *hr = _axis(H, ids, AxisType.UPCAST)
   t = sp * ch + (i := UOp.range(ch, next(ids), AxisType.REDUCE))
   v = (t <= pos).where(_f(w[sp, h, i]) * _f(cache[0, t.minimum(ctx - 1), c]), UOp.const(0.0, dtypes.float32))
-  return _sink(o[sp, h, c].store(v.reduce(i, arg=Ops.ADD)), (sp, *cr, h), "dsl_pv_split")
+  return _sink(o[sp, h, c].store(v.reduce(i, arg=Ops.ADD)), (*sr, *cr, *hr), "dsl_pv_split")
 
 
 def merge_kernel(out: UOp, w: UOp, o: UOp, *_var: UOp, pos: UOp | int, local: bool) -> UOp:
@@ -148,7 +178,10 @@ def merge_kernel(out: UOp, w: UOp, o: UOp, *_var: UOp, pos: UOp | int, local: bo
   h, *hr = _axis(H, ids, AxisType.GLOBAL if local else AxisType.WEAK)
   c, cr = _threads(kvl, ids, local)
   lse = lambda sp: _f(w[sp, h, ch])
-  m = lse(sp := _live(pos, ch, ids, AxisType.REDUCE)).reduce(sp, arg=Ops.MAX)
-  z = (lse(sp := _live(pos, ch, ids, AxisType.REDUCE)) - m).exp().reduce(sp, arg=Ops.ADD)
-  v = ((lse(sp := _live(pos, ch, ids, AxisType.REDUCE)) - m).exp() * _f(o[sp, h, c])).reduce(sp, arg=Ops.ADD) / z
+  def over(v: Callable[[UOp], UOp], op: Ops) -> UOp:  # reduced over the live splits
+    sp, *sr = _live(pos, ch, ids, AxisType.REDUCE)
+    return v(sp).reduce(*sr, arg=op) if sr else v(sp)
+  m = over(lse, Ops.MAX)
+  z = over(lambda sp: (lse(sp) - m).exp(), Ops.ADD)
+  v = over(lambda sp: (lse(sp) - m).exp() * _f(o[sp, h, c]), Ops.ADD) / z
   return _sink(out[h, c].store(v), (*hr, *cr), "dsl_merge")

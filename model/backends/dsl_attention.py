@@ -22,6 +22,7 @@ from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 from model.backends.dsl_uops import _axis, _f, _pow2, _split
 
 POSITIONS = 4  # positions per thread of the all_heads scores
+THREADS = 32  # threads per workgroup of the all_heads scores
 COLUMNS = 4  # consecutive values of a row per thread of the all_heads weighted sum
 SPLITS = 128  # at most this many splits of a full cache: times kv_lora's column chunks, a few hundred workgroups
 
@@ -68,15 +69,17 @@ def kv_write_kernel(cache: UOp, kv: UOp, gamma: UOp, cos: UOp, sin: UOp, *_var: 
   return _sink(cache[0, pos, c].store((c < kvl).where(normed, rot).cast(cache.dtype)), cr, "dsl_kv_write")
 
 
+def _pair_step(width: int) -> int: return 2 if width % 4 else 4  # values of a row a thread reads per step
+def _row_threads(width: int, local: bool) -> int: return _pow2(width // _pair_step(width), 16) if local else 1
+
+
 def _score(q: UOp, q_abs: UOp, cache: UOp, cos: UOp, sin: UOp, pos: UOp | int, t: UOp, h: UOp, scale: float, nope: int,
            ids: Iterator[int], local: bool) -> UOp:
   """scale * (q_abs[h] . c_kv[t] + rope(q_pe[h]) . k_pe[t]): q (H * (nope + rope),) is q_b's output, whose rope part is
   rotated as it is read. The threads of a workgroup split the row of the cache (GROUP_REDUCE), each reading pairs of
   values in unrolled steps."""
   (_, kvl), width = q_abs.shape, cache.shape[-1]
-  rope = width - kvl
-  u = 2 if width % 4 else 4
-  g = _pow2(width // u, 16) if local else 1
+  rope, u, g = width - kvl, _pair_step(width), _row_threads(width, local)
   base, red = _split(width // 2, ids, (AxisType.REDUCE, AxisType.GROUP_REDUCE, AxisType.UNROLL), (g, u // 2))
   j = UOp.range(2, next(ids), AxisType.UNROLL)
   r = base * 2 + j  # the value of the row: pair base, element j of it
@@ -98,15 +101,17 @@ def scores_kernel(out: UOp, q: UOp, q_abs: UOp, cache: UOp, cos: UOp, sin: UOp, 
 
 def scores_all_kernel(out: UOp, q: UOp, q_abs: UOp, cache: UOp, cos: UOp, sin: UOp, *_var: UOp, pos: UOp | int,
                       scale: float, nope: int, local: bool) -> UOp:
-  """out (H, context): the attention scores (`_score`) of the positions 0..pos for every head, a workgroup per
-  POSITIONS of them: each value of a row read once serves every head, and each value of the query every position
-  (heads and positions unrolled)."""
-  ids, H, ctx = count(), q_abs.shape[0], cache.shape[1]
+  """out (H, context): the attention scores (`_score`) of the positions 0..pos for every head, POSITIONS of them per
+  thread group that splits a row: each value of a row read once serves every head, and each value of the query every
+  position (heads and positions unrolled). A workgroup holds groups of consecutive positions up to THREADS threads."""
+  ids, H, (_, ctx, width) = count(), q_abs.shape[0], cache.shape
+  spread = max(1, THREADS // _row_threads(width, local)) if local else 1
   h, *hr = _axis(H, ids, AxisType.UPCAST)
-  tg, *tr = _upto(pos // POSITIONS + 1, ids, AxisType.GLOBAL if local else AxisType.WEAK)
-  t = tg * POSITIONS + (tu := UOp.range(POSITIONS, next(ids), AxisType.UPCAST))
+  tg, *tr = _upto(pos // (POSITIONS * spread) + 1, ids, AxisType.GLOBAL if local else AxisType.WEAK)
+  tl, *lr = _axis(spread, ids, AxisType.LOCAL)
+  t = (tg * spread + tl) * POSITIONS + (tu := UOp.range(POSITIONS, next(ids), AxisType.UPCAST))
   dot = _score(q, q_abs, cache, cos, sin, pos, t.minimum(ctx - 1), h, scale, nope, ids, local)
-  return _sink(out[h, t.valid(t <= pos)].store(dot), (*hr, *tr, tu), "dsl_scores_all")
+  return _sink(out[h, t.valid(t <= pos)].store(dot), (*hr, *tr, *lr, tu), "dsl_scores_all")
 
 
 def _threads(n: int, ids: Iterator[int], local: bool) -> tuple[UOp, tuple[UOp, ...]]:

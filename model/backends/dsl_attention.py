@@ -4,12 +4,12 @@ and softmax(q . c_kv) @ c_kv for every head, in one of two layouts (StructureCon
 per_head: the scores of each head and position (a workgroup each, reading the position's row), then a thread per head
 and value that walks every position: the cache is read once per head, and the walk is not split over the context.
 
-all_heads: the scores of every head at once (a workgroup per position reads its row once, the heads unrolled), then the
+all_heads: the scores of every head at once (`scores_all_kernel`: each row read once, the heads unrolled), then the
 context split in chunks of `chunk` positions: per split and head its softmax (normalised within the split) and the
 log of its sum (`split_softmax_kernel`), per split the weighted sum of its rows for every head (`pv_split_kernel`: the
 cache's values read once for all heads), and the splits merged per head by their log-sums (`merge_kernel`), as
 flash-decoding does. Splits past the decode position are not launched: their count is a function of the bound
-position.
+position. Two kernels more than per_head, and the cache read twice instead of twice per head.
 """
 from __future__ import annotations
 

@@ -28,6 +28,18 @@ from typing import TYPE_CHECKING
 from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
+from model.backends.dsl_attention import (
+  _position,
+  chunk,
+  kv_write_kernel,
+  merge_kernel,
+  pv_kernel,
+  pv_split_kernel,
+  scores_all_kernel,
+  scores_kernel,
+  split_softmax_kernel,
+)
+from model.backends.dsl_uops import _axis, _f, _i, _pow2, _split
 from model.backends.registry import Backend, register
 from model.quants import BF16, F16, F32, LAYOUTS, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, QUANT_TYPES
 from model.stages import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, SQRT_SOFTPLUS, rms_norm
@@ -45,10 +57,6 @@ LANES = 4  # threads that split the words of a block (at most), so that consecut
 THREADS = 32  # at least this many threads per workgroup: rows are spread over workgroup threads when GROUP is smaller
 STEP = 8  # at most this many of a thread's blocks per unrolled step
 MIN_THREADS = 16384  # fewer threads than this in a launch: one row per thread, so that more threads share the work
-
-
-def _i(v: UOp) -> UOp: return v.cast(dtypes.int32)
-def _f(v: UOp) -> UOp: return v.cast(dtypes.float32)
 
 
 def _signed(ggml_type: int, name: str) -> bool: return LAYOUTS[ggml_type][name][2] == dtypes.int8
@@ -271,12 +279,6 @@ def _sink(store: UOp, ranges: tuple[UOp, ...], role: str, ggml_type: int) -> UOp
                                                 opts_to_apply=()))
 
 
-def _axis(size: int, ids: Iterator[int], kind: AxisType) -> tuple[UOp, ...]:
-  """(index, range) over `size`, or (constant 0,) for a single one: tinygrad folds a range of one away."""
-  if size == 1: return (UOp.const(0, dtypes.weakint),)
-  return (r := UOp.range(size, next(ids), kind)), r
-
-
 def _blocks(p: Planes) -> int: return next(iter(p.values())).shape[1]
 
 
@@ -466,12 +468,27 @@ def _vec(x: Tensor, ws: tuple[QWeight, ...], norm: Norm | None = None, res: Tens
                  residual=res is not None, rows=rows)
 
 
+def _decode(q: Tensor, q_abs: Tensor, cache: Tensor, rope: tuple[Tensor, Tensor], at: tuple[int | UOp, list[Tensor]],
+            scale: float, nope: int, layout: str) -> Tensor:
+  """softmax(scores) @ c_kv (H, kv_lora) of one token's query (q_b's output q, the absorbed q_abs (H, kv_lora)) over
+  the cache's positions 0..pos (at: `_position`'s), in the kernels of the layout (per_head or all_heads: see
+  model/backends/dsl_attention.py)."""
+  (H, kvl), ctx, (pos, bind) = q_abs.shape, cache.shape[1], at
+  s = _custom(scores_kernel if layout == "per_head" else scores_all_kernel, (H, ctx), [q, q_abs, cache, *rope, *bind],
+              pos=pos, scale=scale, nope=nope)
+  if layout == "per_head": return _custom(pv_kernel, (H, kvl), [s, cache, *bind], pos=pos)
+  ch = chunk(ctx)
+  w = _custom(split_softmax_kernel, (-(-ctx // ch), H, ch + 1), [s, *bind], pos=pos)
+  part = _custom(pv_split_kernel, (w.shape[0], H, kvl), [w, cache, *bind], pos=pos)
+  return _custom(merge_kernel, (H, kvl), [w, part, *bind], pos=pos)
+
+
 def attention(st: AttentionStage, x: Tensor, start_pos: int | UOp, pos: Tensor | None) -> Tensor:
   """h = x + attention(x) for one token, in UOp kernels: q_a (or q) and kv_a as one product with the norm folded in,
   the KV cache write (each workgroup reduces c_kv's 1/rms), q_b with q_a's norm folded in, k_b reading q in place, the
-  scores (q_pe rotated as they are read), softmax(scores) @ c_kv, v_b, and the output projection with the residual add
-  folded in. With attn_act=q8 the three dense products (q_a/kv_a, q_b, the output projection) read their input
-  normalised and rounded as the native kernels stage it (q8_round)."""
+  scores (q_pe rotated as they are read) and softmax(scores) @ c_kv (`_decode`), v_b, and the output projection with
+  the residual add folded in. With attn_act=q8 the three dense products (q_a/kv_a, q_b, the output projection) read
+  their input normalised and rounded as the native kernels stage it (q8_round)."""
   q8, eps = st.act == "q8", st.eps
   H, nope, rope, kvl, dim = st.n_heads, st.qk_nope, st.qk_rope, st.kv_lora, st.dim
   xf = x.reshape(dim).float()
@@ -493,10 +510,7 @@ def attention(st: AttentionStage, x: Tensor, start_pos: int | UOp, pos: Tensor |
     qa, norm = inp(q if q8 else qkv, st.q_a_norm)
     q = _vec(qa, (st.q_b,), norm)
   q_abs = per_head(q.reshape(1, 1, H, nope + rope), st.k_b).reshape(H, kvl)  # k_b reads q's nope part in place
-  ctx = st.cache.shape[1]
-  s = _custom(scores_kernel, (H, ctx), [q, q_abs, cache, st.cos, st.sin, *bind], pos=pos, scale=st.kq_scale,
-              nope=nope)
-  o = _custom(pv_kernel, (H, kvl), [s, cache, *bind], pos=pos)
+  o = _decode(q, q_abs, cache, (st.cos, st.sin), (pos, bind), st.kq_scale, nope, st.layout)
   out = per_head(o.reshape(1, H, kvl), st.v_b)
   return _vec(inp(out.reshape(-1), None)[0], (st.wo,), res=xf, rows=st.attn_out_rows).reshape(1, 1, dim)
 
@@ -558,87 +572,6 @@ def weights_kernel(w: UOp, logits: UOp, sel: UOp, *, route: Route, local: bool) 
   s, *sr = _axis(w.shape[0], ids, AxisType.LOCAL if local else AxisType.WEAK)
   v = _routing_weight(logits, sel, s, route, ids)
   return w[s].store(v).end(*sr).sink(arg=KernelInfo(name="dsl_weights", opts_to_apply=()))
-
-
-def _position(start_pos: int | UOp) -> tuple[int | UOp, list[Tensor]]:
-  """The decode position as a kernel reads it, and the sources that bind it: a JIT's position is a bound variable, which
-  a kernel reads as a parameter and its call takes as a source (after the buffers: the kernels take it as `*_var`)."""
-  if isinstance(start_pos, int): return start_pos, []
-  return start_pos.src[0].replace(op=Ops.PARAM), [Tensor(start_pos)]
-
-
-def _roped(x: Callable[[UOp], UOp], cos: UOp, sin: UOp, pos: UOp | int, i: UOp, j: UOp) -> UOp:
-  """Element 2i + j of x (its values x(0..)) rotated by RoPE at position pos (adjacent pairs, as apply_rope)."""
-  x0, x1, c, s = x(i * 2), x(i * 2 + 1), _f(cos[pos, i]), _f(sin[pos, i])
-  return (j.eq(0).where(x0 * c - x1 * s, x0 * s + x1 * c) if isinstance(j, UOp)
-          else (x0 * c - x1 * s if j == 0 else x0 * s + x1 * c))
-
-
-def _split(n: int, ids: Iterator[int], kinds: tuple[AxisType, ...],
-           sizes: tuple[int, ...]) -> tuple[UOp, tuple[UOp, ...]]:
-  """An index over n made of ranges of the given kinds and sizes (innermost last; the first takes what is left), and
-  its ranges: a loop split into threads of a workgroup and unrolled steps, without division in the kernel."""
-  idx, ranges = UOp.const(0, dtypes.weakint), []
-  for size, kind in zip((n // prod(sizes), *sizes), kinds, strict=True):
-    r, *rr = _axis(size, ids, kind)
-    idx, ranges = idx * size + r, ranges + rr
-  return idx, tuple(ranges)
-
-
-def _pow2(n: int, most: int) -> int: return next(g for g in (64, 32, 16, 8, 4, 2, 1) if g <= most and n % g == 0)
-
-
-def kv_write_kernel(cache: UOp, kv: UOp, gamma: UOp, cos: UOp, sin: UOp, *_var: UOp, pos: UOp | int, at: int,
-                    eps: float, local: bool) -> UOp:
-  """The KV cache's row at `pos` from kv_a's output, at offset `at` of kv (kv_lora + rope values): the first kv_lora
-  values normalised (times their 1/rms and gamma), the last rope values rotated, stored in the cache's dtype. A thread
-  computes UPCAST consecutive values; each workgroup reduces the 1/rms, its threads splitting the sum of squares."""
-  ids, kvl, width = count(), gamma.shape[0], cache.shape[-1]
-  u = _pow2(width, 8)
-  c, cr = _split(width, ids, (AxisType.GLOBAL if local else AxisType.WEAK, AxisType.UPCAST), (u,))
-  j, red = _split(kvl, ids, (AxisType.REDUCE, AxisType.GROUP_REDUCE), (_pow2(kvl, 64) if local else 1,))
-  rs = ((_f(kv[at + j]) * _f(kv[at + j])).reduce(*red, arg=Ops.ADD) * (1 / kvl) + eps).rsqrt()
-  rope = width - kvl
-  i = ((c - kvl) // 2).maximum(0).minimum(rope // 2 - 1)
-  rot = _roped(lambda k: _f(kv[at + kvl + k]), cos, sin, pos, i, (c - kvl) % 2)
-  normed = _f(kv[at + c.minimum(kvl - 1)]) * rs * _f(gamma[c.minimum(kvl - 1)])
-  store = cache[0, pos, c].store((c < kvl).where(normed, rot).cast(cache.dtype))
-  return store.end(*cr).sink(arg=KernelInfo(name="dsl_kv_write", opts_to_apply=()))
-
-
-def scores_kernel(out: UOp, q: UOp, q_abs: UOp, cache: UOp, cos: UOp, sin: UOp, *_var: UOp, pos: UOp | int,
-                  scale: float, nope: int, local: bool) -> UOp:
-  """out (H, context): the attention scores of the positions 0..pos, scale * (q_abs[h] . c_kv[t] + rope(q_pe[h]) .
-  k_pe[t]); q (H * (nope + rope),) is q_b's output, whose rope part is rotated as it is read. A workgroup per head and
-  position: its threads split the row of the cache (GROUP_REDUCE), each reading pairs of values in unrolled steps."""
-  ids, (H, kvl), width = count(), q_abs.shape, cache.shape[-1]
-  rope = width - kvl
-  h, *hr = _axis(H, ids, AxisType.GLOBAL if local else AxisType.WEAK)
-  t = UOp.range(pos + 1, next(ids), AxisType.GLOBAL if local else AxisType.WEAK)
-  u = 2 if width % 4 else 4
-  g = _pow2(width // u, 16) if local else 1
-  base, red = _split(width // 2, ids, (AxisType.REDUCE, AxisType.GROUP_REDUCE, AxisType.UNROLL), (g, u // 2))
-  j = UOp.range(2, next(ids), AxisType.UNROLL)
-  r = base * 2 + j  # the value of the row: pair base, element j of it
-  i = (base - kvl // 2).maximum(0).minimum(rope // 2 - 1)  # the pair of the rope part
-  qpe = _roped(lambda k: _f(q[h * (nope + rope) + nope + k]), cos, sin, pos, i, j)
-  qv = (r < kvl).where(_f(q_abs[h, r.minimum(kvl - 1)]), qpe)
-  dot = (qv * _f(cache[0, t, r])).reduce(*red, j, arg=Ops.ADD)
-  return out[h, t].store(dot * scale).end(*hr, t).sink(arg=KernelInfo(name="dsl_scores", opts_to_apply=()))
-
-
-def pv_kernel(out: UOp, s: UOp, cache: UOp, *_var: UOp, pos: UOp | int, local: bool) -> UOp:
-  """out (H, kv_lora) = softmax(s[h, 0..pos]) @ c_kv[0..pos]: a thread per head and value; each thread reduces the
-  scores' max and sum of exponentials itself, then the weighted sum of the cache's column (consecutive threads read
-  consecutive values of a row)."""
-  ids, (H, kvl) = count(), out.shape
-  h, *hr = _axis(H, ids, AxisType.GLOBAL if local else AxisType.WEAK)
-  c, rows = _rows(kvl, ids, local, 1)
-  def positions() -> UOp: return UOp.range(pos + 1, next(ids), AxisType.REDUCE)
-  m = _f(s[h, t := positions()]).reduce(t, arg=Ops.MAX)
-  z = (_f(s[h, t := positions()]) - m).exp().reduce(t, arg=Ops.ADD)
-  o = ((_f(s[h, t := positions()]) - m).exp() * _f(cache[0, t, c])).reduce(t, arg=Ops.ADD) / z
-  return out[h, c].store(o).end(*hr, *rows).sink(arg=KernelInfo(name="dsl_pv", opts_to_apply=()))
 
 
 def _route(r: Routing) -> Route: return r.gating, r.norm_w, r.w_scale

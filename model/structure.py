@@ -198,8 +198,8 @@ class StructureConfig:
                          "apply k_b per token, or absorb it into the q projection at load (fp16)",
                          stages=("attention",), precision="fp16")
   attn_layout: str = knob("per_head", ("per_head", "all_heads"),
-                          "the fused attention's decode over the compressed cache: per_head, a workgroup per head and "
-                          "split of the context; or all_heads, a workgroup per split reads each position once for all "
+                          "the fused attention's decode over the compressed cache: per_head, its workgroups a head "
+                          "each; or all_heads, a workgroup per split of the context reads each position once for all "
                           "heads (on tensor cores where the backend has them), its splits merged once",
                           fused_in=("attention",), precision="fp16")
   kv_dtype: str = knob("float16", ("float16", "float32"), "KV cache dtype", precision="fp16")

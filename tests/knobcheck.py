@@ -26,8 +26,8 @@ from evaluator.gate import FP16_TOL, rel_err
 from model.deepseek2 import Transformer
 from model.generate import Generator, jit_kernels, jit_stats
 from model.gguf_file import GGUFFile
-from model.structure import StructureConfig
-from space.knobs import ModelInfo
+from model.structure import KNOBS, StructureConfig
+from space.knobs import ModelInfo, flat, to_config
 
 FP16_KNOBS = ("backend.", "fused.", "act_dtype", "mla_absorb", "router_fp32", "kv_dtype", "attn_layout")
 # 8-bit activations: held to the gate's tolerance of their class
@@ -96,6 +96,11 @@ def check_knob(path: str, label: str, cfg: StructureConfig, tokens: tuple[int, .
                FP16_TOL if label.startswith(Q8_KNOBS) else 2e-2 if label.startswith(FP16_KNOBS) else 1e-3)
   assert code(kernels) != code(base_kernels), (f"{label} runs exactly the baseline's kernels (same sources): it "
                                                "changes nothing")
+  k = KNOBS[label.partition("=")[0]]
+  if k.fused_in:  # against the fused stage it needs with the knob at its default, which differs from the baseline
+    enabling = to_config(flat(cfg) | {k.name: k.default})
+    assert code(kernels) != code(run(path, enabling.to_json(), tokens)[1]), (
+      f"{label} runs exactly the kernels of {enabling.non_defaults()} (same sources): it changes nothing")
 
 
 def code(kernels: tuple[tuple[str, str], ...]) -> tuple[str, ...]:

@@ -138,7 +138,8 @@ def test_the_migrations_hashes_are_the_configs():
   for c in configs:
     d = json.loads(c.to_json())
     assert m.new_hash(d) == c.hash
-    assert m.old_hash(d) == hashlib.sha256(c.to_json().encode()).hexdigest()[:16]
+    known = {k: v for k, v in c.to_dict().items() if k in m.DEFAULTS}  # the fields 0004's code hashed
+    assert m.old_hash(d) == hashlib.sha256(json.dumps(known, sort_keys=True).encode()).hexdigest()[:16]
     if c.attn_act == "float32":  # stored before the knob: its default
       d.pop("attn_act")
       assert m.new_hash(d) == c.hash
@@ -159,12 +160,14 @@ def test_upgrade_re_keys_every_stored_hash_and_downgrade_restores_them(url):
   optuna.logging.set_verbosity(optuna.logging.WARNING)
   storage = optuna.storages.RDBStorage(url)
   cfgs = [StructureConfig(), StructureConfig(fused={"attention": "native"}, attn_act="q8"), StructureConfig(beam=2)]
-  old = [hashlib.sha256(c.to_json().encode()).hexdigest()[:16] for c in cfgs]
+  frozen = _migration("0005_config_hash").DEFAULTS  # the fields 0004's code wrote
+  as_0004 = [json.dumps({k: v for k, v in c.to_dict().items() if k in frozen}, sort_keys=True) for c in cfgs]
+  old = [hashlib.sha256(j.encode()).hexdigest()[:16] for j in as_0004]
   ot = optuna.create_study(storage=storage, study_name="s").ask()
   ot.set_user_attr("config_hash", old[1])
   _old_schema(url, "0004_baseline", _old_study("s"),
-              *(_trial_sql(1, n, c.to_json(), h) for n, (c, h) in enumerate(zip(cfgs, old, strict=True))),
-              f"UPDATE ss_study SET baseline_config = '{cfgs[0].to_json()}', baseline_hash = '{old[0]}'",
+              *(_trial_sql(1, n, j, h) for n, (j, h) in enumerate(zip(as_0004, old, strict=True))),
+              f"UPDATE ss_study SET baseline_config = '{as_0004[0]}', baseline_hash = '{old[0]}'",
               "INSERT INTO ss_measurement (study_id, trial_id, config_hash, stage, tok_s, kind, created_at) VALUES "
               f"(1, NULL, '{old[0]}', 'full', 1.0, 'repeat', '2026-01-01'), (1, 3, '{old[2]}', 'full', 2.0, 'trial', "
               "'2026-01-01')",

@@ -21,6 +21,7 @@ COMMANDS = (
   ("leaderboard", "a study's configs ranked (confirmed speedup, else estimated)", "search.leaderboard"),
   ("best", "the one config a study would ship (the leaderboard's first), for scripts", "search.best"),
   ("show", "everything about one trial", "search.show"),
+  ("profile", "a trial's per-kernel profile by stage and layer (made and stored where it has none)", "search.profile"),
   ("compare", "two trials side by side, knob by knob, metric by metric and kernel by kernel", "search.compare"),
   ("cost", "what a study's trials cost, phase by phase, and the wall time of N trials", "search.cost"),
   ("exports", "what `search export` put in production: each file, from which study and trial, since when, and whether "

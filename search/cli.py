@@ -29,6 +29,7 @@ COMMANDS = (
   ("dashboard", "serve optuna-dashboard on the storage (with the trials' artifacts)", "search.dashboard"),
   ("report", "a study's report: Markdown and HTML with PNG plots, in one directory", "search.report"),
   ("export", "write a study's config to the model's production config (TOML)", "search.export"),
+  ("rename", "rename a study in place, in Optuna's ledger and ours", "search.rename"),
   ("delete", "remove a study from its storage: Optuna's trials, ours and its dashboard artifacts", "search.delete"),
 )
 

@@ -50,6 +50,9 @@ BLOCK_STAGES = {"attention": ("attn_norm", "q_a", "q_a_norm", "q_b", "q_abs", "q
                         "gate_up_sh"),
                 "ffn": ("gate", "up", "down", "gate_up")}
 Place = tuple[str, int | None]  # (stage, layer); layer None: shared by the blocks, or outside them
+# a buffer's place, and whether it only hints at it: an MoE block's FFN norm, which the router reads and a fused MoE
+# stage reads again
+Owner = tuple[str, int | None, bool]
 
 
 def _launches(jit) -> list[tuple]:
@@ -80,30 +83,32 @@ def _buffers(v) -> list:
   return []
 
 
-def places(model: Transformer) -> dict[int, Place]:
-  """The stage and layer of each buffer the model's stages read, by the buffer's id: the blocks' weights, norms and KV
-  caches; the RoPE tables (the attention's, shared by the blocks); the embedding, the final norm and the output head."""
-  out: dict[int, Place] = {id(b): ("attention", None) for b in _buffers([model.cos, model.sin])}
+def places(model: Transformer) -> dict[int, Owner]:
+  """The place of each buffer the model's stages read, by the buffer's id: the blocks' weights, norms and KV caches;
+  the RoPE tables (the attention's, shared by the blocks); the embedding, the final norm and the output head."""
+  out: dict[int, Owner] = {id(b): ("attention", None, False) for b in _buffers([model.cos, model.sin])}
   for blk in model.blocks:
     for stage, names in BLOCK_STAGES.items():
-      for b in _buffers([getattr(blk, n, None) for n in names]): out[id(b)] = (stage, blk.i)
-    for b in _buffers(blk.ffn_norm): out[id(b)] = ("router" if blk.moe else "ffn", blk.i)
-  for b in _buffers([model.output_norm, model.output]): out[id(b)] = ("head", None)
-  for b in _buffers(model.token_embd): out.setdefault(id(b), ("embed", None))  # tied to the output: the head's too
+      for b in _buffers([getattr(blk, n, None) for n in names]): out[id(b)] = (stage, blk.i, False)
+    for b in _buffers(blk.ffn_norm): out[id(b)] = ("router", blk.i, True) if blk.moe else ("ffn", blk.i, False)
+  for b in _buffers([model.output_norm, model.output]): out[id(b)] = ("head", None, False)
+  # tied to the output: the head's too
+  for b in _buffers(model.token_embd): out.setdefault(id(b), ("embed", None, False))
   return out
 
 
-def stage_of(launches: list[tuple], where: dict[int, Place]) -> list[Place]:
-  """Each launch's stage and layer. Of the buffers it reads that `where` places, a block's own come first (several
-  stages of one block: joined by "+", a fused kernel of both); a shared one (the RoPE tables) names the stage, in the
-  layer of the launch before it. A launch that reads none of them belongs to the launch after it where that one reads
-  its output (a norm's sum of squares, fed to the projection that applies the norm), else where the launch before it
-  does (a softmax, a top-k, a residual add). The embedding's buffer read after the blocks is the (tied) head's."""
+def stage_of(launches: list[tuple], where: dict[int, Owner]) -> list[Place]:
+  """Each launch's stage and layer. Of the buffers it reads that `where` places, a block's own come first, those that
+  only hint last (several stages of one block: joined by "+", a fused kernel of both); a shared one (the RoPE tables)
+  names the stage, in the layer of the launch before it. A launch that reads none of them belongs to the launch after it
+  where that one reads its output (a norm's sum of squares, fed to the projection that applies the norm), else where
+  the launch before it does (a softmax, a top-k, a residual add). The embedding's buffer read after the blocks is the
+  (tied) head's."""
   def own(bufs: list) -> Place | None:
     found = [where[id(b)] for b in bufs if id(b) in where]
-    if mine := [p for p in found if p[1] is not None]:
+    if mine := [p for p in found if p[1] is not None and not p[2]] or [p for p in found if p[1] is not None]:
       return "+".join(s for s in STAGES if any(p[0] == s for p in mine)), mine[0][1]
-    return found[0] if found else None
+    return found[0][:2] if found else None
   placed = [own(bufs) for _, _, bufs, _ in launches]
   for i in reversed(range(len(launches) - 1)):
     if placed[i] is None and placed[i + 1] is not None and any(b is launches[i][2][0] for b in launches[i + 1][2][1:]):
@@ -202,7 +207,7 @@ def _timed(dev, before: list, per_rep: list, reps: int) -> float:
 
 
 def kernel_profile(jit, var_vals: dict[str, int], bandwidth_gbs: float | None = None, step_bytes: int = 256 << 20,
-                   where: dict[int, Place] | None = None, launches: int = 64, rounds: int = 3) -> list[dict]:
+                   where: dict[int, Owner] | None = None, launches: int = 64, rounds: int = 3) -> list[dict]:
   """Kernels of the step by device time per token, a row per kernel name and stage: name, stage and layers (from
   `where`: places(model); without it, none), launches per step, µs per token, µs per launch, bytes per token and GB/s
   (tinygrad's byte estimate over the time), share of the summed kernel time, and of the measured bandwidth where it is

@@ -69,9 +69,9 @@ def kernels(pa: list[dict[str, Any]], pb: list[dict[str, Any]]) -> list[dict[str
 
 
 def stage_ratios(pa: list[dict[str, Any]], pb: list[dict[str, Any]]) -> list[dict[str, Any]]:
-  """Two profiles' time by stage (search/profile.py stages), in the step's order: each side's launches and µs per token
-  (None where that side has no kernel of the stage), B/A, and B's change in µs per token: where the speed came from.
-  [] unless both sides have a profile."""
+  """Two profiles' time by stage (search/profile.py stages; A's order, then the stages B alone has): each side's
+  launches and µs per token (None where that side has no kernel of the stage), B/A, and B's change in µs per token:
+  where the speed came from. [] unless both sides have a profile."""
   if not pa or not pb: return []
   ga, gb = {g["stage"]: g for g in stages(pa)}, {g["stage"]: g for g in stages(pb)}
   side = lambda g: {"count": g["count"], "us_per_token": g["us_per_token"], "share": g["share"]} if g else None

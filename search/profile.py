@@ -23,7 +23,7 @@ from search.study import measuring_setup
 
 
 def stages(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-  """A profile's time by stage, in the step's order: launches, µs per token, share of the kernels' time, bytes per token
+  """A profile's time by stage, the largest first: launches, µs per token, share of the kernels' time, bytes per token
   (None where a kernel's are unknown). Rows stored before kernels had stages are one stage, "?"."""
   out: dict[str, dict[str, Any]] = {}
   for r in rows:
@@ -33,7 +33,7 @@ def stages(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     st["us_per_token"] += r["us_per_token"]
     st["share"] += r["share"]
     st["bytes"] = None if st["bytes"] is None or r.get("bytes") is None else st["bytes"] + r["bytes"]
-  return list(out.values())
+  return sorted(out.values(), key=lambda g: -g["us_per_token"])
 
 
 def profile_trial(ev: Evaluator, url: str, trial: Trial, say: Callable[[str], None]) -> list[dict[str, Any]]:

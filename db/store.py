@@ -29,8 +29,8 @@ from db.models import (
 )
 
 # of a kernel profile row, as ss_kernel_profile stores it
-PROFILE_COLUMNS = ("rank", "name", "stage", "layers", "count", "us_per_token", "bytes", "gb_s", "bandwidth_share",
-                   "share")
+PROFILE_COLUMNS = ("rank", "name", "count", "us_per_token", "gb_s", "share", "stage", "layers", "bytes",
+                   "bandwidth_share")
 UNMEASURED = ("running", "interrupted", "pruned", "reused")  # states that say nothing about how a config performs
 # failures that are not a property of the config: it is measured again when proposed again
 TRANSIENT = ("killed", "timeout")

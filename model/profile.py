@@ -49,9 +49,10 @@ BLOCK_STAGES = {"attention": ("attn_norm", "q_a", "q_a_norm", "q_b", "q_abs", "q
                 "moe": ("gate_exps", "up_exps", "down_exps", "gate_up_exps", "gate_sh", "up_sh", "down_sh",
                         "gate_up_sh"),
                 "ffn": ("gate", "up", "down", "gate_up")}
+NORMS = ("attn_norm", "q_a_norm", "kv_a_norm")  # the attention's RMSNorm weights (the FFN's: ffn_norm)
 Place = tuple[str, int | None]  # (stage, layer); layer None: shared by the blocks, or outside them
-# a buffer's place, and whether it only hints at it: an MoE block's FFN norm, which the router reads and a fused MoE
-# stage reads again
+# a buffer's place, and whether it is a norm's weight: it names the stage of a kernel that reads no other weight (an MoE
+# block's FFN norm: the router's, which a fused MoE stage reads again)
 Owner = tuple[str, int | None, bool]
 
 
@@ -89,29 +90,34 @@ def places(model: Transformer) -> dict[int, Owner]:
   out: dict[int, Owner] = {id(b): ("attention", None, False) for b in _buffers([model.cos, model.sin])}
   for blk in model.blocks:
     for stage, names in BLOCK_STAGES.items():
-      for b in _buffers([getattr(blk, n, None) for n in names]): out[id(b)] = (stage, blk.i, False)
-    for b in _buffers(blk.ffn_norm): out[id(b)] = ("router", blk.i, True) if blk.moe else ("ffn", blk.i, False)
-  for b in _buffers([model.output_norm, model.output]): out[id(b)] = ("head", None, False)
+      for n in names:
+        for b in _buffers(getattr(blk, n, None)): out[id(b)] = (stage, blk.i, n in NORMS)
+    for b in _buffers(blk.ffn_norm): out[id(b)] = ("router" if blk.moe else "ffn", blk.i, True)
+  out |= {id(b): ("head", None, True) for b in _buffers(model.output_norm)}
+  out |= {id(b): ("head", None, False) for b in _buffers(model.output)}
   # tied to the output: the head's too
   for b in _buffers(model.token_embd): out.setdefault(id(b), ("embed", None, False))
   return out
 
 
 def stage_of(launches: list[tuple], where: dict[int, Owner]) -> list[Place]:
-  """Each launch's stage and layer. Of the buffers it reads that `where` places, a block's own come first, those that
-  only hint last (several stages of one block: joined by "+", a fused kernel of both); a shared one (the RoPE tables)
-  names the stage, in the layer of the launch before it. A launch that reads none of them belongs to the launch after it
-  where that one reads its output (a norm's sum of squares, fed to the projection that applies the norm), else where
-  the launch before it does (a softmax, a top-k, a residual add). The embedding's buffer read after the blocks is the
-  (tied) head's."""
+  """Each launch's stage and layer. Of the buffers it reads that `where` places, a block's own weights come first, its
+  norms' only where it reads no other (several stages of one block: joined by "+", a fused kernel of both); a shared
+  one (the RoPE tables) names the stage, in the layer of the launch before it. A launch that reads none of them belongs
+  to the launch after it where that one reads its output, its inputs and a norm's weight (the norm's sum of squares, fed
+  to the kernel that applies the norm), else where the launch before it does (a softmax, a top-k, a residual add). The
+  embedding's buffer read after the blocks is the (tied) head's."""
   def own(bufs: list) -> Place | None:
     found = [where[id(b)] for b in bufs if id(b) in where]
     if mine := [p for p in found if p[1] is not None and not p[2]] or [p for p in found if p[1] is not None]:
       return "+".join(s for s in STAGES if any(p[0] == s for p in mine)), mine[0][1]
     return found[0][:2] if found else None
   placed = [own(bufs) for _, _, bufs, _ in launches]
+  def applies(mine: list, then: list) -> bool:  # `then` normalizes by `mine`'s sum of squares
+    ids = {id(b) for b in then[1:]}
+    return any(id(b) in where and where[id(b)][2] for b in then) and all(id(b) in ids for b in mine)
   for i in reversed(range(len(launches) - 1)):
-    if placed[i] is None and placed[i + 1] is not None and any(b is launches[i][2][0] for b in launches[i + 1][2][1:]):
+    if placed[i] is None and placed[i + 1] is not None and applies(launches[i][2], launches[i + 1][2]):
       placed[i] = placed[i + 1]
   out, prev, blocks = [], ("embed", None), False
   for p in placed:

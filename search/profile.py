@@ -1,6 +1,7 @@
 """`search profile`: a trial's per-kernel profile, each kernel named by the model's stage and the layers it ran in, and
 its time by stage. A study profiles its baseline (its trial) and its confirmed configs (`search confirm`) itself; for
-any other trial the profile is made here, in a trial process on this host's device, and stored with the trial."""
+any other trial the profile is made here, in a trial process on this host's device, stored with the trial and attached
+to its dashboard files."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,7 @@ from db.models import Study, Trial
 from evaluator.runner import Evaluator
 from model.registry import resolve
 from model.structure import StructureConfig
+from search.dashboard import refresh
 from search.formats import Section, console, emit, errors, num
 from search.leaderboard import SCHEMA, leaderboard, study_named
 from search.options import add_format, add_storage, device_name
@@ -85,6 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--device", type=device_name, help="tinygrad device to profile on (default: the study's)")
   p.add_argument("--model",
                  help="where the study's model file is on this host (default: the study's path; checked by SHA-256)")
+  p.add_argument("--artifacts", help="directory of the trials' dashboard artifacts, where a profile made here is "
+                 "attached to its trial (default: beside a SQLite database)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -101,6 +105,7 @@ def run(args: argparse.Namespace) -> None:
     setup, _ = measuring_setup(args.study, url, args.device, str(resolve(args.model).resolve()) if args.model else None)
     rows = kernel_rows(profile_trial(setup.evaluator(), url, t, say))
     if not rows: raise RuntimeError(f"trial {number} could not be profiled")
+    refresh(url, args.study, args.artifacts)  # the dashboard's files of the trial, its profile now among them
   doc = {"schema": SCHEMA, "study": args.study, "trial": number, "config_hash": h,
          "profiled": "now" if made else "stored", "stages": stages(rows), "kernels": rows}
   notes = [] if made else [f"the profile stored with trial {number} (--again profiles it anew)"]

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 import git
 import nbclient
 import nbformat
+import optuna
 import pytest
+from optuna.artifacts import get_all_artifact_meta
 from PIL import Image
 
 from db import store
@@ -252,6 +254,8 @@ def test_profiles_by_stage_and_the_kernel_diff(live, tmp_path, capsys) -> None:
   with session(open_db(url)) as s:
     made = next(t for t in store.trials(s, store.get_study(s, "r")) if t.number == bare.number).profile
     assert made and all(p.stage for p in made)
+  study = optuna.load_study(study_name="r", storage=url)  # and attached to the trial's dashboard files
+  assert f"trial-{bare.number}-profile.csv" in {m.filename for m in get_all_artifact_meta(study, storage=url)}
   assert search("compare", "--study", "r", "--storage", url, "baseline", str(bare.number), "--format", "json") == 0
   cmp = json.loads(capsys.readouterr().out)
   att = next(g for g in cmp["stages"] if g["stage"] == "attention")

@@ -35,6 +35,7 @@ from model.structure import StructureConfig
 from search.cli import main as search_main
 from search.leaderboard import leaderboard
 from search.noise import near_best
+from search.study import storage
 
 PROJECT = pathlib.Path(__file__).resolve().parents[1]
 BASELINE = StructureConfig().hash  # the study's baseline: it pins beam=0, the default
@@ -254,8 +255,9 @@ def test_profiles_by_stage_and_the_kernel_diff(live, tmp_path, capsys) -> None:
   with session(open_db(url)) as s:
     made = next(t for t in store.trials(s, store.get_study(s, "r")) if t.number == bare.number).profile
     assert made and all(p.stage for p in made)
-  study = optuna.load_study(study_name="r", storage=url)  # and attached to the trial's dashboard files
-  assert f"trial-{bare.number}-profile.csv" in {m.filename for m in get_all_artifact_meta(study, storage=url)}
+  st = storage(url)  # and attached to the trial's dashboard files
+  study = optuna.load_study(study_name="r", storage=st)
+  assert f"trial-{bare.number}-profile.csv" in {m.filename for m in get_all_artifact_meta(study, storage=st)}
   assert search("compare", "--study", "r", "--storage", url, "baseline", str(bare.number), "--format", "json") == 0
   cmp = json.loads(capsys.readouterr().out)
   att = next(g for g in cmp["stages"] if g["stage"] == "attention")

@@ -127,9 +127,15 @@ class KernelProfile(Base):
   trial_id: Mapped[int] = mapped_column(ForeignKey("ss_trial.id"), index=True)
   rank: Mapped[int]
   name: Mapped[str]
+  # the model's stage that built the kernel (model/profile.py STAGES, "a+b" for a kernel of two) and the layers it ran
+  # in ("1-3,5"; "" outside the blocks); None before revision 0007
+  stage: Mapped[str | None]
+  layers: Mapped[str | None]
   count: Mapped[int]
   us_per_token: Mapped[float]
+  bytes: Mapped[int | None] = mapped_column(BigInteger)  # read and written per token (tinygrad's estimate)
   gb_s: Mapped[float | None]
+  bandwidth_share: Mapped[float | None]  # of the device's measured bandwidth
   share: Mapped[float]
 
 

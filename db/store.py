@@ -29,7 +29,8 @@ from db.models import (
 )
 
 # of a kernel profile row, as ss_kernel_profile stores it
-PROFILE_COLUMNS = ("rank", "name", "count", "us_per_token", "gb_s", "share")
+PROFILE_COLUMNS = ("rank", "name", "count", "us_per_token", "gb_s", "share", "stage", "layers", "bytes",
+                   "bandwidth_share")
 UNMEASURED = ("running", "interrupted", "pruned", "reused")  # states that say nothing about how a config performs
 # failures that are not a property of the config: it is measured again when proposed again
 TRANSIENT = ("killed", "timeout")
@@ -87,8 +88,8 @@ def finish_trial(s: Session, trial: Trial, *, state: str, stage: str | None = No
                  block_tok_s: float | None = None, metrics: dict | None = None, phases: dict | None = None, check: dict
                  | None = None, failure_class: str | None = None, error_text: str | None = None, reused_from: Trial
                  | None = None, profile: list[dict] | None = None, environment: Environment | None = None) -> Trial:
-  """Record the outcome and the environment the trial process ran in; profile rows are dicts with rank, name, count,
-  us_per_token, gb_s, share. A measured figure (the block proxy's, the full model's when ok) is also stored as one of
+  """Record the outcome and the environment the trial process ran in; profile rows are model/profile.py's (the keys of
+  PROFILE_COLUMNS). A measured figure (the block proxy's, the full model's when ok) is also stored as one of
   the config's measurements; a reused trial measured nothing."""
   if state not in TRIAL_STATES or state == "running": raise ValueError(f"not a final trial state: {state!r}")
   t = s.get(Trial, trial.id)
@@ -113,7 +114,7 @@ def finish_trial(s: Session, trial: Trial, *, state: str, stage: str | None = No
 
 def profile_rows(profile: list[dict]) -> list[KernelProfile]:
   """A trial's per-kernel profile (model/profile.py rows) as ss_kernel_profile rows."""
-  return [KernelProfile(**{k: row[k] for k in PROFILE_COLUMNS}) for row in profile]
+  return [KernelProfile(**{k: row.get(k) for k in PROFILE_COLUMNS}) for row in profile]
 
 
 def find_measured(s: Session, study: Study, config_hash: str, retries: int = RETRIES) -> Trial | None:

@@ -130,8 +130,9 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
       return
   if spec.profile:
     rec.phase("profile")
-    from model.profile import kernel_profile, step_timeline
-    res.profile = kernel_profile(gen.step_jit, {"start_pos": pos}, spec.bandwidth_gbs, m["bytes_per_token"])
+    from model.profile import kernel_profile, places, step_timeline
+    res.profile = kernel_profile(gen.step_jit, {"start_pos": pos}, spec.bandwidth_gbs, m["bytes_per_token"],
+                                 where=places(gen.model))
     res.timeline = step_timeline(gen.step_jit, {"start_pos": pos})
     # against ms_per_token: the graph's own cost
     res.metrics["kernel_us_per_token"] = sum(p["us_per_token"] for p in res.profile)

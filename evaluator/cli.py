@@ -68,11 +68,11 @@ def summary(r: TrialResult) -> Table:
 
 def profile_table(r: TrialResult) -> Table:
   t = Table(title=f"kernels by time per decode step (each timed alone: {r.profile[0].get('timing', 'host launches')})")
-  for col in ("#", "kernel", "launches", "µs/token", "share", "GB/s"):
-    t.add_column(col, justify="right" if col != "kernel" else "left")
+  for col in ("#", "stage", "layers", "kernel", "launches", "µs/token", "share", "GB/s"):
+    t.add_column(col, justify="right" if col not in ("stage", "kernel") else "left")
   for p in r.profile:
-    t.add_row(str(p["rank"]), p["name"], str(p["count"]), f"{p['us_per_token']:.1f}", f"{100 * p['share']:.1f}%",
-              f"{p['gb_s']:.0f}" if p["gb_s"] is not None else "")
+    t.add_row(str(p["rank"]), p["stage"], p["layers"], p["name"], str(p["count"]), f"{p['us_per_token']:.1f}",
+              f"{100 * p['share']:.1f}%", f"{p['gb_s']:.0f}" if p["gb_s"] is not None else "")
   return t
 
 

@@ -95,8 +95,9 @@ def cmd_bench(args) -> None:
        "load_peak_device_bytes": m.load_peak_bytes, "host_peak_rss_bytes": peak_rss_bytes(), **r,
        "config": cfg.to_dict()}
   if args.profile:
-    from model.profile import kernel_profile, step_timeline
-    d["profile"] = kernel_profile(gen.step_jit, {"start_pos": work.depth}, step_bytes=r["bytes_per_token"])
+    from model.profile import kernel_profile, places, step_timeline
+    d["profile"] = kernel_profile(gen.step_jit, {"start_pos": work.depth}, step_bytes=r["bytes_per_token"],
+                                  where=places(gen.model))
     d["timeline"] = step_timeline(gen.step_jit, {"start_pos": work.depth})
   if args.json: print(json.dumps(d))
   else:
@@ -109,7 +110,8 @@ def cmd_bench(args) -> None:
     print(f"  memory   device {d['device_bytes'] / 1e9:.2f} GB (file {d['file_bytes'] / 1e9:.2f} GB, KV cache "
           f"{d['kv_cache_bytes'] / 1e9:.3f} GB), host peak {d['host_peak_rss_bytes'] / 1e9:.2f} GB")
     for k in d.get("profile", []):
-      print(f"  {k['rank']:3d} {k['name'][:60]:60s} x{k['count']:<4d} {k['us_per_token']:9.1f} us/token "
+      print(f"  {k['rank']:3d} {k['stage']:10s} {k['layers'] or '-':6s} {k['name'][:50]:50s} x{k['count']:<4d} "
+            f"{k['us_per_token']:9.1f} us/token "
             f"{k['us_per_launch']:7.1f} us {k['share']:6.1%}" + (f" {k['gb_s']:8.1f} GB/s" if k["gb_s"] else ""))
     if d.get("profile"):
       print(f"  kernels' device time {sum(k['us_per_token'] for k in d['profile']):.1f} us/token (a step takes "

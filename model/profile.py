@@ -16,6 +16,11 @@ by one (`timing` says which).
 What a name costs per token is its time per launch times its launches per step. The graph's own scheduling, the
 dependencies between kernels and the host's share are what the timed step costs beyond the sum of these (the evaluator
 reports both).
+
+Each launch is given the model's stage (embed, attention, router, moe, ffn, head) and block that built it, from the
+buffers it reads: a block's weights and KV cache name their stage and layer (`places`); a launch that reads none of them
+(a softmax, a top-k, a residual add over intermediates) belongs where the launch before it does. A row is one kernel
+name in one stage, with the layers it ran in.
 """
 from __future__ import annotations
 
@@ -33,7 +38,22 @@ from tinygrad.engine.realize import get_graph_runtime, get_runtime, resolve_para
 from tinygrad.helpers import ansistrip
 from tinygrad.uop.ops import Ops, UOp, sym_infer
 
+from model.deepseek2 import Transformer
 from model.generate import capture_first
+
+STAGES = ("embed", "attention", "router", "moe", "ffn", "head")  # in a step's order
+# a block's attributes by the stage that reads them (ffn_norm: the router's in an MoE block, the FFN's in a dense one)
+BLOCK_STAGES = {"attention": ("attn_norm", "q_a", "q_a_norm", "q_b", "q_abs", "q_pe", "kv_a", "kv_a_norm", "k_b",
+                              "k_b_t", "v_b", "wo", "cache"),
+                "router": ("gate_inp", "probs_b"),
+                "moe": ("gate_exps", "up_exps", "down_exps", "gate_up_exps", "gate_sh", "up_sh", "down_sh",
+                        "gate_up_sh"),
+                "ffn": ("gate", "up", "down", "gate_up")}
+NORMS = ("attn_norm", "q_a_norm", "kv_a_norm")  # the attention's RMSNorm weights (the FFN's: ffn_norm)
+Place = tuple[str, int | None]  # (stage, layer); layer None: shared by the blocks, or outside them
+# a buffer's place, and whether it is a norm's weight: it names the stage of a kernel that reads no other weight (an MoE
+# block's FFN norm: the router's, which a fused MoE stage reads again)
+Owner = tuple[str, int | None, bool]
 
 
 def _launches(jit) -> list[tuple]:
@@ -52,6 +72,70 @@ def _launches(jit) -> list[tuple]:
       for bufs, dv in unwrap_multi(call, [resolved[i] for i in ast.arg.globals]):
         out.append((ast, get_runtime(bufs[0].device, ast), [b.ensure_allocated() for b in bufs], dv))
   return out
+
+
+def _buffers(v) -> list:
+  """The device buffers of a model attribute: a tensor's, a weight's planes and cache, those of a dict or list."""
+  from model.weights import QWeight
+  if isinstance(v, Tensor): return [v.uop.base.buffer]
+  if isinstance(v, QWeight): return _buffers(v.planes) + _buffers(v.cache)
+  if isinstance(v, dict): return [b for x in v.values() for b in _buffers(x)]
+  if isinstance(v, (list, tuple)): return [b for x in v for b in _buffers(x)]
+  return []
+
+
+def places(model: Transformer) -> dict[int, Owner]:
+  """The place of each buffer the model's stages read, by the buffer's id: the blocks' weights, norms and KV caches;
+  the RoPE tables (the attention's, shared by the blocks); the embedding, the final norm and the output head."""
+  out: dict[int, Owner] = {id(b): ("attention", None, False) for b in _buffers([model.cos, model.sin])}
+  for blk in model.blocks:
+    for stage, names in BLOCK_STAGES.items():
+      for n in names:
+        for b in _buffers(getattr(blk, n, None)): out[id(b)] = (stage, blk.i, n in NORMS)
+    for b in _buffers(blk.ffn_norm): out[id(b)] = ("router" if blk.moe else "ffn", blk.i, True)
+  out |= {id(b): ("head", None, True) for b in _buffers(model.output_norm)}
+  out |= {id(b): ("head", None, False) for b in _buffers(model.output)}
+  # tied to the output: the head's too
+  for b in _buffers(model.token_embd): out.setdefault(id(b), ("embed", None, False))
+  return out
+
+
+def stage_of(launches: list[tuple], where: dict[int, Owner]) -> list[Place]:
+  """Each launch's stage and layer. Of the buffers it reads that `where` places, a block's own weights come first, its
+  norms' only where it reads no other (several stages of one block: joined by "+", a fused kernel of both); a shared
+  one (the RoPE tables) names the stage, in the layer of the launch before it. A launch that reads none of them belongs
+  to the launch after it where that one reads its output, its inputs and a norm's weight (the norm's sum of squares, fed
+  to the kernel that applies the norm), else where the launch before it does (a softmax, a top-k, a residual add). The
+  embedding's buffer read after the blocks is the (tied) head's."""
+  def own(bufs: list) -> Place | None:
+    found = [where[id(b)] for b in bufs if id(b) in where]
+    if mine := [p for p in found if p[1] is not None and not p[2]] or [p for p in found if p[1] is not None]:
+      return "+".join(s for s in STAGES if any(p[0] == s for p in mine)), mine[0][1]
+    return found[0][:2] if found else None
+  placed = [own(bufs) for _, _, bufs, _ in launches]
+  def applies(mine: list, then: list) -> bool:  # `then` normalizes by `mine`'s sum of squares
+    ids = {id(b) for b in then[1:]}
+    return any(id(b) in where and where[id(b)][2] for b in then) and all(id(b) in ids for b in mine)
+  for i in reversed(range(len(launches) - 1)):
+    if placed[i] is None and placed[i + 1] is not None and applies(launches[i][2], launches[i + 1][2]):
+      placed[i] = placed[i + 1]
+  out, prev, blocks = [], ("embed", None), False
+  for p in placed:
+    if p is not None and p[1] is None:  # shared, or outside the blocks
+      p = ("head", None) if p[0] == "embed" and blocks else (p[0], prev[1] if p[0] == prev[0].split("+")[-1] else None)
+    prev = p or prev
+    blocks = blocks or prev[1] is not None
+    out.append(prev)
+  return out
+
+
+def layers_text(layers: list[int]) -> str:
+  """Layer numbers as runs: [0, 1, 2, 5] -> "0-2,5"."""
+  runs: list[list[int]] = []
+  for i in sorted(set(layers)):
+    if runs and i == runs[-1][1] + 1: runs[-1][1] = i
+    else: runs.append([i, i])
+  return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _calls(launches: list[tuple], var_vals: dict[str, int]) -> list:
@@ -129,13 +213,19 @@ def _timed(dev, before: list, per_rep: list, reps: int) -> float:
 
 
 def kernel_profile(jit, var_vals: dict[str, int], bandwidth_gbs: float | None = None, step_bytes: int = 256 << 20,
-                   launches: int = 64, rounds: int = 3) -> list[dict]:
-  """Kernels of the step by device time per token: name, launches per step, µs per token, µs per launch, GB/s
+                   where: dict[int, Owner] | None = None, launches: int = 64, rounds: int = 3) -> list[dict]:
+  """Kernels of the step by device time per token, a row per kernel name and stage: name, stage and layers (from
+  `where`: places(model); without it, none), launches per step, µs per token, µs per launch, bytes per token and GB/s
   (tinygrad's byte estimate over the time), share of the summed kernel time, and of the measured bandwidth where it is
-  given. step_bytes: what one step reads (the sweep reads as much, up to 256 MiB); launches: how many launches of a name
+  given. step_bytes: what one step reads (the sweep reads as much, up to 256 MiB); launches: how many launches of a row
   are timed together (its launches per step, repeated)."""
-  groups: dict[str, list[tuple]] = collections.defaultdict(list)
-  for launch in _launches(jit): groups[ansistrip(launch[0].arg.name)].append(launch)
+  groups: dict[tuple[str, str], list[tuple]] = collections.defaultdict(list)
+  layers: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
+  found = _launches(jit)
+  for launch, (stage, layer) in zip(found, stage_of(found, where or {}), strict=True):
+    key = (ansistrip(launch[0].arg.name), stage if where else "")
+    groups[key].append(launch)
+    if layer is not None: layers[key].append(layer)
   dev = Device[Device.DEFAULT]
   sweep, sweep_jit = _sweep(min(step_bytes, 256 << 20))
   sweep_launches = _launches(sweep_jit)
@@ -143,25 +233,14 @@ def kernel_profile(jit, var_vals: dict[str, int], bandwidth_gbs: float | None = 
   dev.synchronize()
   sweep_s = _timed(dev, [], sweep, 8) / 8  # the sweep's device time (its launches are far shorter than its run)
   rows = []
-  for name, ls in groups.items():
-    calls = _calls(ls, var_vals)
-    t0 = time.perf_counter()
-    for c in calls: c()  # warm: compiled, resident; and the host's time to queue them
-    host_s = (time.perf_counter() - t0) / len(calls)
-    dev.synchronize()
-    reps = math.ceil(launches / len(calls))
-    # queue time covered twice over
-    busy = sweep * (math.ceil(1.5 * reps * (len(calls) * host_s + len(sweep) * 20e-6) / sweep_s) + 1)
-    with_k, without = _cuda_graph((sweep_launches + ls) * reps, var_vals), _cuda_graph(sweep_launches * reps, var_vals)
-    if with_k is not None and without is not None:
-      diffs = [_timed(dev, busy, [with_k], 1) - _timed(dev, busy, [without], 1) for _ in range(rounds)]
-    else: diffs = [_timed(dev, busy, sweep + calls, reps) - _timed(dev, busy, sweep, reps) for _ in range(rounds)]
-    timing = "cuda graph" if with_k is not None else "host launches"
-    per_launch = max(statistics.median(diffs), 0.0) / (reps * len(calls)) * 1e6
+  for (name, stage), ls in groups.items():
+    per_launch, timing = _time_launches(dev, ls, var_vals, sweep, sweep_launches, sweep_s, launches, rounds)
     sink = ls[0][0].src[0]
     est = sink.arg.estimates if sink.op is Ops.SINK and sink.arg is not None else None
     mem = float(sym_infer(est.mem, {**var_vals, **ls[0][3]})) if est is not None else None
-    rows.append({"name": name, "count": len(ls), "us_per_token": per_launch * len(ls), "us_per_launch": per_launch,
+    rows.append({"name": name, "stage": stage, "layers": layers_text(layers[(name, stage)]), "count": len(ls),
+                 "us_per_token": per_launch * len(ls), "us_per_launch": per_launch,
+                 "bytes": int(mem * len(ls)) if mem is not None else None,
                  "gb_s": mem / per_launch / 1e3 if mem and per_launch > 0 else None, "timing": timing})
   total = sum(r["us_per_token"] for r in rows) or 1.0
   rows.sort(key=lambda r: -r["us_per_token"])
@@ -169,6 +248,25 @@ def kernel_profile(jit, var_vals: dict[str, int], bandwidth_gbs: float | None = 
     r |= {"rank": i + 1, "share": r["us_per_token"] / total,
           "bandwidth_share": r["gb_s"] / bandwidth_gbs if r["gb_s"] and bandwidth_gbs else None}
   return rows
+
+
+def _time_launches(dev, ls: list[tuple], var_vals: dict[str, int], sweep: list, sweep_launches: list, sweep_s: float,
+                   launches: int, rounds: int) -> tuple[float, str]:
+  """(µs per launch of one row's launches, how they were timed): the median difference of the sweeps with and without
+  them, over `rounds`."""
+  calls = _calls(ls, var_vals)
+  t0 = time.perf_counter()
+  for c in calls: c()  # warm: compiled, resident; and the host's time to queue them
+  host_s = (time.perf_counter() - t0) / len(calls)
+  dev.synchronize()
+  reps = math.ceil(launches / len(calls))
+  # queue time covered twice over
+  busy = sweep * (math.ceil(1.5 * reps * (len(calls) * host_s + len(sweep) * 20e-6) / sweep_s) + 1)
+  with_k, without = _cuda_graph((sweep_launches + ls) * reps, var_vals), _cuda_graph(sweep_launches * reps, var_vals)
+  if graph := with_k is not None and without is not None:
+    diffs = [_timed(dev, busy, [with_k], 1) - _timed(dev, busy, [without], 1) for _ in range(rounds)]
+  else: diffs = [_timed(dev, busy, sweep + calls, reps) - _timed(dev, busy, sweep, reps) for _ in range(rounds)]
+  return max(statistics.median(diffs), 0.0) / (reps * len(calls)) * 1e6, "cuda graph" if graph else "host launches"
 
 
 STAMP_WORDS = 4  # a stamped launch's words (cuda_src PRELUDE's Stamp): ~first entry, ~first wait, last wait, last exit

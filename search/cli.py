@@ -21,6 +21,7 @@ COMMANDS = (
   ("leaderboard", "a study's configs ranked (confirmed speedup, else estimated)", "search.leaderboard"),
   ("best", "the one config a study would ship (the leaderboard's first), for scripts", "search.best"),
   ("show", "everything about one trial", "search.show"),
+  ("profile", "a trial's per-kernel profile by stage and layer (made and stored where it has none)", "search.profile"),
   ("compare", "two trials side by side, knob by knob, metric by metric and kernel by kernel", "search.compare"),
   ("cost", "what a study's trials cost, phase by phase, and the wall time of N trials", "search.cost"),
   ("exports", "what `search export` put in production: each file, from which study and trial, since when, and whether "
@@ -28,6 +29,7 @@ COMMANDS = (
   ("dashboard", "serve optuna-dashboard on the storage (with the trials' artifacts)", "search.dashboard"),
   ("report", "a study's report: Markdown and HTML with PNG plots, in one directory", "search.report"),
   ("export", "write a study's config to the model's production config (TOML)", "search.export"),
+  ("rename", "rename a study in place, in Optuna's ledger and ours", "search.rename"),
   ("delete", "remove a study from its storage: Optuna's trials, ours and its dashboard artifacts", "search.delete"),
 )
 

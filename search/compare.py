@@ -16,6 +16,7 @@ from model.structure import StructureConfig
 from search.formats import Section, console, emit, num
 from search.leaderboard import SCHEMA, study_named
 from search.options import add_format, add_storage
+from search.profile import stages
 from search.show import find_trial, trial_doc
 from space.knobs import flat
 
@@ -50,20 +51,36 @@ def compare_doc(s: Session, study: Study, a: Trial, b: Trial, study_b: Study | N
           "estimate": {"a": da["estimate"], "b": db["estimate"]},
           "confirmed": {"a": da["confirmed"], "b": db["confirmed"]},
           "knobs": [{"knob": k, "a": fa[k], "b": fb[k]} for k in fa if fa[k] != fb[k]], "metrics": metrics,
-          "kernels": kernels(da["profile"], db["profile"])}
+          "stages": stage_ratios(da["profile"], db["profile"]), "kernels": kernels(da["profile"], db["profile"])}
 
 
 def kernels(pa: list[dict[str, Any]], pb: list[dict[str, Any]]) -> list[dict[str, Any]]:
-  """Two per-kernel profiles side by side by kernel name (B's order, then the kernels A alone runs): each side's
-  launches per token, microseconds per token and GB/s (None where that side does not run the kernel), and B/A in
+  """Two per-kernel profiles side by side by stage and kernel name (B's order, then the kernels A alone runs): each
+  side's launches per token, microseconds per token and GB/s (None where that side does not run the kernel), and B/A in
   time."""
-  ka, kb = {p["name"]: p for p in pa}, {p["name"]: p for p in pb}
+  ka, kb = {(p["stage"], p["name"]): p for p in pa}, {(p["stage"], p["name"]): p for p in pb}
   side = lambda p: {"count": p["count"], "us_per_token": p["us_per_token"], "gb_s": p["gb_s"]} if p else None
   out = []
-  for name in [*kb, *(n for n in ka if n not in kb)]:
-    a, b = ka.get(name), kb.get(name)
+  for key in [*kb, *(k for k in ka if k not in kb)]:
+    a, b = ka.get(key), kb.get(key)
     ratio = b["us_per_token"] / a["us_per_token"] if a and b and a["us_per_token"] else None
-    out.append({"kernel": name, "a": side(a), "b": side(b), "ratio": ratio})
+    out.append({"stage": key[0], "kernel": key[1], "a": side(a), "b": side(b), "ratio": ratio})
+  return out
+
+
+def stage_ratios(pa: list[dict[str, Any]], pb: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Two profiles' time by stage (search/profile.py stages; A's order, then the stages B alone has): each side's
+  launches and µs per token (None where that side has no kernel of the stage), B/A, and B's change in µs per token:
+  where the speed came from. [] unless both sides have a profile."""
+  if not pa or not pb: return []
+  ga, gb = {g["stage"]: g for g in stages(pa)}, {g["stage"]: g for g in stages(pb)}
+  side = lambda g: {"count": g["count"], "us_per_token": g["us_per_token"], "share": g["share"]} if g else None
+  out = []
+  for st in [*ga, *(x for x in gb if x not in ga)]:
+    a, b = ga.get(st), gb.get(st)
+    out.append({"stage": st, "a": side(a), "b": side(b),
+                "ratio": b["us_per_token"] / a["us_per_token"] if a and b and a["us_per_token"] else None,
+                "delta_us": (b["us_per_token"] if b else 0.0) - (a["us_per_token"] if a else 0.0)})
   return out
 
 
@@ -106,19 +123,36 @@ def compare_view(doc: dict[str, Any]) -> tuple[list[Section], list[str]]:
   # the names and both sides wrap: B/A keeps its whole figures at any width that fits them
   secs = [Section(f"{doc['study']}: {b} (B) against {a} (A) at {work}", heads, rows,
                   records=[{"name": r[0], "a": r[1], "b": r[2], "ratio": r[3]} for r in rows], wrap=tuple(heads[:3]))]
+  return secs + profile_sections(doc, notes), notes
+
+
+def profile_sections(doc: dict[str, Any], notes: list[str]) -> list[Section]:
+  """The kernel diff: time by stage, then kernel by kernel (notes: what is missing)."""
+  secs = []
+  if st := doc["stages"]:
+    srows = [[g["stage"], *(num((g[x] or {}).get("us_per_token"), ".1f") or "-" for x in "ab"),
+              num(g["ratio"], ".3f", "x"), f"{g['delta_us']:+.1f}"] for g in st]
+    secs.append(Section("time by stage (the kernels' µs per token, B against A; -: no kernel of it on that side)",
+                        ["stage", "A us/token", "B us/token", "B/A", "B-A us/token"], srows,
+                        records=[{"stage": g["stage"], "a_us_per_token": (g["a"] or {}).get("us_per_token"),
+                                  "b_us_per_token": (g["b"] or {}).get("us_per_token"), "ratio": g["ratio"],
+                                  "delta_us": g["delta_us"]} for g in st]))
+  elif doc["kernels"]:
+    notes.append("one side has no per-kernel profile: `search profile --study STUDY TRIAL` makes one")
   if ks := doc["kernels"]:
     side = lambda x, k, spec: num(x.get(k), spec) if x else "-"
     fields = (("count", "d"), ("us_per_token", ".1f"), ("gb_s", ".1f"))
-    krows = [[k["kernel"], *(side(k[x], f, spec) for f, spec in fields[:2] for x in "ab"), num(k["ratio"], ".3f", "x"),
-              side(k["a"], "gb_s", ".1f"), side(k["b"], "gb_s", ".1f")] for k in ks]
-    records = [{"kernel": k["kernel"], **{f"{x}_{f}": (k[x] or {}).get(f) for x in "ab" for f, _ in fields},
-                "ratio": k["ratio"]} for k in ks]
+    krows = [[k["stage"] or "?", k["kernel"], *(side(k[x], f, spec) for f, spec in fields[:2] for x in "ab"),
+              num(k["ratio"], ".3f", "x"), side(k["a"], "gb_s", ".1f"), side(k["b"], "gb_s", ".1f")] for k in ks]
+    records = [{"stage": k["stage"], "kernel": k["kernel"],
+                **{f"{x}_{f}": (k[x] or {}).get(f) for x in "ab" for f, _ in fields}, "ratio": k["ratio"]} for k in ks]
     secs.append(Section("per-kernel profile (B against A; -: not run on that side)",
-                        ["kernel", "A count", "B count", "A us/token", "B us/token", "B/A", "A GB/s", "B GB/s"], krows,
-                        records=records, wrap=("kernel",), drop=("A GB/s", "B GB/s", "A count", "B count")))
-  else: notes.append("no per-kernel profile on either side (`search confirm` profiles the winner; "
-                     "`model bench --profile`)")
-  return secs, notes
+                        ["stage", "kernel", "A count", "B count", "A us/token", "B us/token", "B/A", "A GB/s",
+                         "B GB/s"], krows, records=records, wrap=("kernel",),
+                        drop=("A GB/s", "B GB/s", "A count", "B count")))
+  else: notes.append("no per-kernel profile on either side (a study profiles its baseline, `search confirm` the "
+                     "configs it confirms faster; `search profile --study STUDY TRIAL` any trial)")
+  return secs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ from db.engine import open_db, session
 from db.models import Confirmation, Study, Trial, utcnow
 from evaluator.cli import at_least
 from evaluator.compare import compare
+from evaluator.runner import Evaluator
 from model.registry import resolve
 from model.structure import StructureConfig
 from search import leaderboard
@@ -19,6 +20,7 @@ from search.dashboard import refresh
 from search.formats import console, errors
 from search.leaderboard import MIN_PAIRS, baseline
 from search.options import add_format, add_storage, device_name
+from search.profile import profile_trial
 from search.show import find_trial
 from search.study import measuring_setup
 from search.view import label
@@ -74,14 +76,22 @@ def confirm(url: str, name: str, top: int = 3, pairs: int = 3, rounds: int = 5, 
   with session(engine) as s:
     win = leaderboard.leaderboard(s, study)["winner"]
     s.get(Study, study.id).finished_at = utcnow()
-  # a new winner: its per-kernel profile, as for every confirmed winner
-  if (cand := next((t for t in todo if t.number == win and any(c.trial_id == t.id for c in out)), None)) is not None:
-    say(f"profiling the winner, trial {cand.number} (its step's kernels timed one name at a time)")
-    r = ev.run(StructureConfig.from_json(cand.config_json).to_dict(), profile=True)
-    if r.profile:
-      # replaces its earlier rows
-      with session(engine) as s: s.get(Trial, cand.id).profile = store.profile_rows(r.profile)
+  _profile(ev, url, study, [t for t in todo if t.number == win or any(c.trial_id == t.id and c.status == "ok"
+                                                                     and c.speedup_low > 1 for c in out)], say)
   return out
+
+
+def _profile(ev: Evaluator, url: str, study: Study, confirmed: list[Trial], say: Callable[[str], None]) -> None:
+  """The per-kernel profiles a kernel diff reads: of the configs just confirmed faster and the winner (made anew: the
+  code may have changed since), and of the baseline where its trial has none (a study made before the baseline was
+  profiled)."""
+  with session(open_db(url, create=False)) as s:
+    base = next((t for t in store.trials(s, study) if t.config_hash == study.baseline_hash and t.state == "ok"), None)
+    todo = confirmed + ([base] if base is not None and not (base.reused_from or base).profile else [])
+  for t in todo:
+    say(f"profiling trial {t.number}{' (the baseline)' if t is base else ''}: its step's kernels, each name of each "
+        "stage timed alone")
+    profile_trial(ev, url, t, say)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -11,7 +11,10 @@ import re
 
 import markdown as md
 
-from search.formats import console, markdown
+from db import store
+from db.engine import open_db, session
+from search.compare import compare_doc, profile_sections
+from search.formats import Section, console, markdown
 from search.leaderboard import leaderboard_view
 from search.options import add_storage, out_dir
 from search.plots import PLOTS, load
@@ -51,7 +54,7 @@ def report(url: str, name: str, out: pathlib.Path) -> pathlib.Path:
            f"**{b['verdict'][:1].upper() + b['verdict'][1:]}.**", "",
            f"The config to ship ({notes[0]}).", "",
            f"Noise: {base}. tok/s is the median of a config's measurements with a 90% interval (db.store.estimates).",
-           "", markdown(secs, level=2), ""]
+           "", markdown(secs, level=2), "", *_kernel_diff(url, name, b), ""]
   for key, plot in PLOTS.items():
     if (fig := plot(d)) is None: continue
     fig.savefig(out / f"{key}.png", dpi=100)
@@ -64,6 +67,27 @@ def report(url: str, name: str, out: pathlib.Path) -> pathlib.Path:
   head = f"<meta charset='utf-8'><title>{name}</title><style>{CSS}</style>"
   (html := out / "report.html").write_text(f"<!doctype html><html><head>{head}</head><body>{body}</body></html>")
   return html
+
+
+def _kernel_diff(url: str, name: str, board: dict) -> list[str]:
+  """Markdown: where the speed came from, by stage and kernel: the config to ship against the baseline, or where that is
+  the baseline, the highest-ranked other config with a profile; both sides' profiles are needed (said where not)."""
+  with session(open_db(url, create=False)) as s:
+    st = store.get_study(s, name)
+    trials = {t.number: t for t in store.trials(s, st)}
+    base = trials.get((board["baseline"] or {}).get("trial"))
+    ranked = [trials[r["trial"]] for r in board["rows"] if r["config_hash"] != st.baseline_hash]
+    pick = next((t for t in ranked if t.number == (board["best"] or {}).get("trial")), None) or next(
+      (t for t in ranked if (t.reused_from or t).profile), None)
+    if pick is None: return []
+    missing = [w for w, t in (("the baseline", base), (f"trial {pick.number}", pick))
+               if t is None or not (t.reused_from or t).profile]
+    if missing: return [f"No kernel diff: no per-kernel profile of {' nor '.join(missing)} (`search profile --study "
+                        "STUDY TRIAL` makes one)."]
+    doc = compare_doc(s, st, base, pick)
+  secs: list[Section] = profile_sections(doc, [])
+  return [f"## Where the speed came from: trial {pick.number} against the baseline (trial {base.number})", "",
+          markdown(secs, level=3)]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

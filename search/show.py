@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 
 from db import store
 from db.engine import open_db, session
-from db.models import Study, Trial
+from db.models import KernelProfile, Study, Trial
 from db.store import interval
 from evaluator.gate import accuracy_text
 from model.structure import StructureConfig
@@ -36,6 +36,13 @@ def find_trial(s: Session, study: Study, which: str) -> Trial:
   return t
 
 
+def kernel_rows(profile: list[KernelProfile] | list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Per-kernel profile rows (stored, or model/profile.py's) as the views' documents hold them: the columns
+  ss_kernel_profile stores."""
+  get = lambda p, k: p.get(k) if isinstance(p, dict) else getattr(p, k)
+  return [{k: get(p, k) for k in store.PROFILE_COLUMNS} for p in profile]
+
+
 def trial_doc(s: Session, study: Study, t: Trial) -> dict[str, Any]:
   """Everything about one trial (`search show --format json`)."""
   src = t.reused_from or t
@@ -59,8 +66,7 @@ def trial_doc(s: Session, study: Study, t: Trial) -> dict[str, Any]:
           "measurements": [{"kind": m.kind, "stage": m.stage, "tok_s": m.tok_s, "rounds": m.rounds,
                             "trial": numbers.get(m.trial_id), "at": m.created_at.isoformat()}
                            for m in store.measurements(s, study, None) if m.config_hash == t.config_hash],
-          "profile": [{"rank": p.rank, "name": p.name, "count": p.count, "us_per_token": p.us_per_token, "gb_s": p.gb_s,
-                       "share": p.share} for p in src.profile],
+          "profile": kernel_rows(src.profile),
           "environment": {k: getattr(env, k) for k in ENVIRONMENT} if env else None,
           "git": {"commit": git.commit, "branch": git.branch, "dirty": git.dirty, "diff": git.diff} if git else None,
           "worker": t.worker, "started_at": t.started_at.isoformat(),
@@ -103,9 +109,11 @@ def trial_view(doc: dict[str, Any]) -> list[Section]:
                     m["at"][:19]] for m in doc["measurements"]], wrap=("rounds",), drop=("at",))]
   if doc["error_text"]: secs.append(Section("failure text", code=doc["error_text"], lang="text"))
   if doc["profile"]:
-    secs.append(Section("per-kernel profile", ["rank", "kernel", "count", "us/token", "GB/s", "share"],
-                        [[p["rank"], p["name"], p["count"], f"{p['us_per_token']:.1f}", num(p["gb_s"], ".1f"),
-                          f"{p['share']:.1%}"] for p in doc["profile"]], wrap=("kernel",), drop=("GB/s", "count")))
+    secs.append(Section("per-kernel profile",
+                        ["rank", "stage", "layers", "kernel", "count", "us/token", "GB/s", "share"],
+                        [[p["rank"], p["stage"] or "?", p["layers"] or "", p["name"], p["count"],
+                          f"{p['us_per_token']:.1f}", num(p["gb_s"], ".1f"), f"{p['share']:.1%}"]
+                         for p in doc["profile"]], wrap=("kernel",), drop=("GB/s", "count", "layers")))
   if doc["environment"]: secs.append(Section("environment", ["", ""], _kv(doc["environment"]), wrap=("",)))
   if g := doc["git"]:
     secs.append(Section("git state", ["", ""],

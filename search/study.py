@@ -102,6 +102,12 @@ def sampler(name: str, seed: int | None, n_startup: int, ks: list[Knob],
   raise ConfigError(f"unknown sampler {name!r}; choose one of: {', '.join(SAMPLERS)}")
 
 
+def tinygrad_cache(name: str, key: str) -> str:
+  """A study's own tinygrad cache directory on this host: its BEAM choices and compiled programs depend on no other
+  study or run, so a trial's compile time and BEAM choice are reproducible within the study."""
+  return str(cache_dir() / "tinygrad" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{key}")
+
+
 @dataclass
 class Setup:
   """What a study is: fixed when it is created (but the target `trials`), read back by every worker that joins it."""
@@ -136,10 +142,7 @@ class Setup:
   def workload(self) -> Workload: return Workload(self.prompt, self.context)
 
   @property
-  def tinygrad_cache(self) -> str:
-    """The study's own tinygrad cache directory on this host: its BEAM choices and compiled programs depend on no other
-    study or run, so a trial's compile time and BEAM choice are reproducible within the study."""
-    return str(cache_dir() / "tinygrad" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', self.name)}-{self.cache_key}")
+  def tinygrad_cache(self) -> str: return tinygrad_cache(self.name, self.cache_key)
 
   def evaluator(self, timeout: float = 900, rounds: int | None = None) -> Evaluator:
     ev = Evaluator.for_model(self.model, self.device, n=self.n, rounds=rounds

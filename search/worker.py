@@ -253,7 +253,8 @@ class Runner:
     wait = lambda msg: self.emit(Event("wait", trial.number, msg))
     stages, res = (["full"] if mode == "full" else self.ev.stages), None
     for stage in stages:
-      res = self.ev.run(cfg.to_dict(), stage, on_phase=phase(stage), on_wait=wait)
+      # the baseline's per-kernel profile, which every config's kernel diff is read against
+      res = self.ev.run(cfg.to_dict(), stage, profile=is_base and stage == "full", on_phase=phase(stage), on_wait=wait)
       spent += res.cost_s
       self._check_late(trial, row, res)
       if stage == "block" and len(stages) > 1:

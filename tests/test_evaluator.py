@@ -75,6 +75,25 @@ def test_prefill_and_kernel_profile(ev) -> None:
   assert 0 < r.metrics["kernel_us_per_token"] == pytest.approx(sum(p["us_per_token"] for p in r.profile))
 
 
+def test_kernels_take_the_stage_and_layer_of_what_they_read() -> None:
+  """Unit (model/profile.py stage_of), launches as (program, runtime, buffers, vars) with buffers that are only
+  identities: a block's weight names its stage and layer; a kernel of intermediates takes the place of the launch
+  right after it that applies a norm to its output and inputs (a norm's sum of squares), else of the launch before it
+  (a top-k); a norm's weight only names the stage of a kernel that reads no other (an MoE kernel that applies the FFN
+  norm is the MoE's); a shared RoPE table keeps the layer of the launch before."""
+  from model.profile import layers_text, stage_of
+  x, sq, rope, attn_norm, q_a, norm, gate_inp, logits, ids, exps, emb = (object() for _ in range(11))
+  where = {id(rope): ("attention", None, False), id(attn_norm): ("attention", 1, True),
+           id(q_a): ("attention", 1, False), id(norm): ("router", 1, True), id(gate_inp): ("router", 1, False),
+           id(exps): ("moe", 1, False), id(emb): ("embed", None, False)}
+  launch = lambda *bufs: (None, None, list(bufs), {})
+  launches = [launch(x, emb), launch(sq, x), launch(x, sq, x, attn_norm, q_a), launch(x, x, rope),
+              launch(logits, x, norm, gate_inp), launch(ids, logits), launch(x, ids, x, norm, exps), launch(x, x, emb)]
+  assert stage_of(launches, where) == [("embed", None), ("attention", 1), ("attention", 1), ("attention", 1),
+                                       ("router", 1), ("router", 1), ("moe", 1), ("head", None)]
+  assert layers_text([3, 0, 1, 2, 5, 5]) == "0-3,5" and layers_text([]) == ""
+
+
 def test_a_different_config_passes_the_gate_with_its_own_kernels(ev, baseline) -> None:
   base, fp16 = baseline[0], ev.run({"act_dtype": "float16", "merge_gate_up_routed": True})
   assert base.ok and fp16.ok, fp16.error

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 import git
 import nbclient
 import nbformat
+import optuna
 import pytest
+from optuna.artifacts import get_all_artifact_meta
 from PIL import Image
 
 from db import store
@@ -31,7 +33,9 @@ from db.engine import open_db, session
 from model.production import production_dir, select, sha_line
 from model.structure import StructureConfig
 from search.cli import main as search_main
+from search.leaderboard import leaderboard
 from search.noise import near_best
+from search.study import storage
 
 PROJECT = pathlib.Path(__file__).resolve().parents[1]
 BASELINE = StructureConfig().hash  # the study's baseline: it pins beam=0, the default
@@ -220,6 +224,50 @@ def test_show_and_compare(live, capsys) -> None:
   tok = next(m for m in cmp["metrics"] if m["metric"] == "tok_s")
   assert cmp["a"] == 0 and cmp["b"] == 1 and cmp["knobs"] and tok["ratio"] == pytest.approx(tok["b"] / tok["a"])
   assert search("compare", "--study", "r", "--storage", live.url, "0", "2") == 0 and "B/A" in capsys.readouterr().out
+
+
+def test_profiles_by_stage_and_the_kernel_diff(live, tmp_path, capsys) -> None:
+  """The study profiled its baseline itself, each kernel named by the stage and layers that built it; `search profile`
+  prints that, or makes and stores one for a trial that has none; compare and the report then show B/A by stage."""
+  live.finished()
+  db = tmp_path / "p.db"  # a copy: the profile made below must not reach the shared study
+  with sqlite3.connect(live.db) as src, sqlite3.connect(db) as dst: src.backup(dst)
+  url = f"sqlite:///{db}"
+  with session(open_db(url)) as s:
+    trials = store.trials(s, store.get_study(s, "r"))
+    base = next(t for t in trials if t.config_hash == BASELINE and t.state == "ok")
+    rows = {(p.stage, p.name): p for p in base.profile}
+    # a trial without a profile: the config to ship where that is not the baseline (the report's kernel diff is its)
+    best = leaderboard(s, store.get_study(s, "r"))["best"]["trial"]
+    bare = next(t for t in sorted(trials, key=lambda t: t.number != best)
+                if t.state == "ok" and t.config_hash != BASELINE and not t.profile)
+  # the tiny model: block 0 dense, blocks 1-2 MoE
+  assert {st for st, _ in rows} >= {"embed", "attention", "ffn", "head"} and any("moe" in st for st, _ in rows)
+  assert {p.layers for p in rows.values() if p.stage == "attention"} == {"0-2"}
+  assert all(p.layers == "0" for p in rows.values() if p.stage == "ffn")
+  assert sum(p.share for p in rows.values()) == pytest.approx(1) and all(p.bytes for p in rows.values())
+  assert search("profile", "--study", "r", "--storage", url, "--format", "json") == 0
+  doc = json.loads(capsys.readouterr().out)
+  assert doc["trial"] == base.number and doc["profiled"] == "stored" and len(doc["kernels"]) == len(rows)
+  assert search("profile", "--study", "r", "--storage", url, str(bare.number)) == 0
+  out = capsys.readouterr().out
+  assert f"trial {bare.number} has no stored profile: profiling it now" in out and "decode step by stage" in out
+  with session(open_db(url)) as s:
+    made = next(t for t in store.trials(s, store.get_study(s, "r")) if t.number == bare.number).profile
+    assert made and all(p.stage for p in made)
+  st = storage(url)  # and attached to the trial's dashboard files
+  study = optuna.load_study(study_name="r", storage=st)
+  assert f"trial-{bare.number}-profile.csv" in {m.filename for m in get_all_artifact_meta(study, storage=st)}
+  assert search("compare", "--study", "r", "--storage", url, "baseline", str(bare.number), "--format", "json") == 0
+  cmp = json.loads(capsys.readouterr().out)
+  att = next(g for g in cmp["stages"] if g["stage"] == "attention")
+  assert att["ratio"] == pytest.approx(att["b"]["us_per_token"] / att["a"]["us_per_token"])
+  assert all(k["stage"] for k in cmp["kernels"])
+  assert search("compare", "--study", "r", "--storage", url, "baseline", str(bare.number)) == 0
+  assert "time by stage" in capsys.readouterr().out
+  assert search("report", "--study", "r", "--storage", url, "--out", str(tmp_path / "rep")) == 0
+  md = (tmp_path / "rep" / "report.md").read_text()
+  assert "## Where the speed came from: trial" in md and "| attention |" in md
 
 
 def test_every_measurement_is_stored_and_estimated(live) -> None:

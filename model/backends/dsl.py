@@ -3,8 +3,8 @@ block planes directly, each with an explicit schedule, rendered by tinygrad for 
 
 A product is one kernel: a range per output index and REDUCE ranges over the weight's blocks, over the scale groups of a
 block and over the elements of a group (see `_SPECS`). Each group's codes are summed against the input first and scaled
-once (a packed dot). The integer planes are kept as 32-bit words (`to_words`, at load), so a thread reads a block's
-codes with a few wide loads instead of one load per byte.
+once (a packed dot); a group with a min (Q4_K, Q5_K) sums its values. The integer planes are kept as 32-bit words
+(`to_words`, at load), so a thread reads a block's codes and scales with a few wide loads instead of one per byte.
 
 The schedule (the types of a kernel's ranges) is the same on every device that has workgroups: the elements of a block
 are unrolled, the blocks of a row are split over a workgroup (GROUP: consecutive threads read consecutive blocks, and

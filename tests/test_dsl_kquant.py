@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from knobcheck import gguf, mix_info
+from knobcheck import assert_close, gguf, mix_info, routed
 from products import TYPES, random_weight
 from test_portable import kernels, render_source, renderer
 from tinygrad import Tensor
@@ -19,7 +19,7 @@ from tinygrad.renderer import Estimates
 from tinygrad.uop.ops import Ops
 
 import model.backends.dsl as dsl
-from evaluator.gate import Q8_TOL
+from evaluator.gate import FP16_TOL, Q8_TOL
 from model.backends import catalog
 from model.deepseek2 import Transformer
 from model.structure import StructureConfig
@@ -74,8 +74,20 @@ def test_q8_input_against_k_quant_weights(gguf_file, quant: str) -> None:
 def test_a_k_quant_mix_offers_q8_activations_on_dsl() -> None:
   """A Q4_K_M mix (FFN weights Q4_K, Q5_K, Q6_K; the attention's dense ones Q5_K and Q8_0) offers ffn_act=q8 and
   attn_act=q8 with their stages on dsl, on every device (native has no kernel for K-quants with 8-bit input; a Q4_0
-  file's change fuses native where it runs: tests/test_native.py). tests/test_space.py decodes both changes within the
-  q8 class of the baseline."""
+  file's change fuses native where it runs: tests/test_native.py)."""
   for device in ("CPU", "CUDA", "METAL"):
     on = {k.name: k.enable for k in knobs(mix_info("q4_k_m"), device) if k.name in ("ffn_act", "attn_act")}
     assert on == {"ffn_act": (("fused.moe", "dsl"),), "attn_act": (("fused.attention", "dsl"),)}, device
+
+
+def test_q8_activations_on_a_k_quant_mix(gguf_file) -> None:
+  """Every stage fused on dsl with ffn_act=q8 and attn_act=q8 on the Q4_K_M mix decodes near the baseline, every MoE
+  block routed as the baseline routes (as tests/knobcheck.py check_knob compares 8-bit knobs): within twice the gate's
+  FP16_TOL, the bound of the Q4_0 files' q8 decode (tests/test_native_model.py; attn_act=q8 alone moves the tiny Q4_0
+  file's logits by up to 5.5e-2 of their std), and away from it by more than a float reordering."""
+  path, tokens = gguf_file("tiny", "q4_k_m"), tuple((7919 * i + 17) % 1000 for i in range(16))
+  base, sel = routed(path, StructureConfig().to_json(), tokens)
+  cfg = StructureConfig(fused=dict.fromkeys(catalog.STAGES, "dsl"), ffn_act="q8", attn_act="q8")
+  got = routed(path, cfg.to_json(), tokens, sel)[0]
+  assert_close("dsl, 8-bit activations on K-quant weights", got, base, 2 * FP16_TOL)
+  assert (np.abs(got - base).max(1) / base.std(1)).max() > 1e-2

@@ -67,7 +67,8 @@ WORDS = {Q4_0: ("qs",), Q8_0: ("qs",), Q4_K: ("sc", "qs"), Q5_K: ("sc", "qh", "q
 
 
 def to_words(w: QWeight) -> QWeight:
-  """w's code planes (WORDS) as 32-bit words (each field's bytes, little-endian), realized once."""
+  """w's integer planes (WORDS: codes and packed scales) as 32-bit words (each field's bytes, little-endian), realized
+  once."""
   for k in WORDS.get(w.ggml_type, ()):
     if (v := w.planes[k]).dtype == dtypes.uint32: continue
     # a buffer of its own: bitcast(...).contiguous() of a realized buffer stays a lazy view, copied by each kernel

@@ -413,9 +413,9 @@ class Transformer:
       knob, what = (("ffn_act", f"the fused {stage} stage's weights") if stage in ("moe", "ffn") else
                     ("attn_act", "the attention's dense weights")
                     if stage == "attention" and name.split(".")[-2] in catalog.ATTN_DENSE else (None, ""))
-      if (knob and self.cfg.stage(stage) and (act := getattr(self.cfg, knob)) != "float32"
-          and quant not in catalog.Q8_QUANTS):
-        raise ConfigError(f"{knob}={act} needs {what} in {' or '.join(catalog.Q8_QUANTS)}; {name} is {quant}")
+      if (knob and (fused := self.cfg.stage(stage)) and (act := getattr(self.cfg, knob)) != "float32"
+          and quant not in (q8 := catalog.get(fused).q8_quants)):
+        raise ConfigError(f"{knob}={act} on {fused} needs {what} in {' or '.join(sorted(q8))}; {name} is {quant}")
       w = QWeight.from_bytes(f.read(name), info.ggml_type, shape or info.shape, device)
       self.load_peak_bytes = max(self.load_peak_bytes, GlobalCounters.mem_used)
       if norm: return w.to_float().reshape(-1).contiguous().realize()

@@ -37,17 +37,17 @@ class Knob:
   in two 8-bit planes, checked as fp32; `q8`: 8-bit activations, checked against their twin; or a function of the
   value). When it applies: `applies(info)` on the model file; `stages`: the fused stages that replace the per-op code it
   changes (it applies while one of them runs per op, or on a backend that `keeps` it); `fused_in`: it applies only
-  while one of these stages is fused (by backend `on`, where given); `needs`: (knob, condition on its value, a value
-  that meets it); `devices`: the device kinds it applies on. `allowed`: what a config may hold where that is more than
-  the choices; `env`: the tinygrad variable it sets in a trial process. `name`, `field` and `key` come from where it is
-  declared."""
+  while one of these stages is fused (by backend `on`, where given: a name, or a function of the model file that gives
+  one or None); `needs`: (knob, condition on its value, a value that meets it); `devices`: the device kinds it applies
+  on. `allowed`: what a config may hold where that is more than the choices; `env`: the tinygrad variable it sets in a
+  trial process. `name`, `field` and `key` come from where it is declared."""
   default: Any
   choices: tuple | Callable[[str, str], tuple]
   doc: str
   applies: Callable[[Info], bool] = lambda m: True
   stages: tuple[str, ...] = ()
   fused_in: tuple[str, ...] = ()
-  on: str | None = None
+  on: str | Callable[[Info], str | None] | None = None
   needs: tuple[str, Callable[[Any], bool], Any] | None = None
   devices: tuple[str, ...] | None = None
   precision: str | Callable[[Any], str] = "fp32"
@@ -112,6 +112,15 @@ def _ffn_acts(device: str, family: str) -> tuple[str, ...]:
   return ("float32", "q8", "x16") if native else ("float32", "q8")
 
 
+def _q8_on(quants: Callable[[Info], tuple[str, ...]]) -> Callable[[Info], str | None]:
+  """The backend an 8-bit activation knob runs on for a model file: any that fuses its stages (None) where all of them
+  dot the weights' types with 8-bit activations, else the first that does (catalog q8_quants)."""
+  def on(m: Info) -> str | None:
+    run = catalog.q8_backends(quants(m))
+    return None if set(run) >= {n for n in catalog.names() if catalog.get(n).stages} else run[0]
+  return on
+
+
 # a split point: nothing, a kernel boundary (.contiguous()), an execution barrier (.realize())
 BARRIER_MODES = ("none", "contiguous", "realize")
 
@@ -174,14 +183,14 @@ class StructureConfig:
                       "the fused FFN stages' activations: float32; q8, rounded to 8 bits per 32 with integer dot "
                       "products (llama.cpp's mmvq); or x16, held to 16 bits as two 8-bit planes per 32 with integer "
                       "dot products at twice q8's count (offered where a device-specific backend runs the FFN)",
-                      applies=lambda m: bool(m.ffn_quants) and set(m.ffn_quants) <= set(catalog.Q8_QUANTS),
-                      fused_in=("moe", "ffn"), precision=lambda v: "q8" if v == "q8" else "x16",
+                      applies=lambda m: bool(catalog.q8_backends(m.ffn_quants)), fused_in=("moe", "ffn"),
+                      on=_q8_on(lambda m: m.ffn_quants), precision=lambda v: "q8" if v == "q8" else "x16",
                       allowed=("float32", "q8", "x16"))
   attn_act: str = knob("float32", ("float32", "q8"),
                        "the fused attention's dense products' input (q_a and kv_a, q_b, the output projection): "
                        "float32, or q8, rounded to 8 bits per 32 with integer dot products (llama.cpp's mmvq)",
-                       applies=lambda m: bool(m.attn_quants) and set(m.attn_quants) <= set(catalog.Q8_QUANTS),
-                       fused_in=("attention",), precision="q8")
+                       applies=lambda m: bool(catalog.q8_backends(m.attn_quants)), fused_in=("attention",),
+                       on=_q8_on(lambda m: m.attn_quants), precision="q8")
   backends: dict[str, str] = table(Table("backend", BACKENDS, "<QUANT>:<role>"))  # absent: catalog.DEFAULT
   dsl_rows: dict[str, int] = table(Table("dsl_rows", DSL_ROWS, "product"))  # absent: its default
   barriers: dict[str, str] = table(Table("barrier", BARRIERS, "point", sparse=False))

@@ -119,11 +119,12 @@ def knobs(info: ModelInfo, device: str = "CPU", family: str = "all") -> list[Kno
       conds.append(lambda v, stages=stages, keep=keep: any(v.get(_fused(s), "off") in keep for s in stages))
     # only while one of these stages is fused; a single change fuses the first, device-specific where there is one
     if d.fused_in:
-      by = lambda s, d=d: d.on is None or d.on in catalog.stage_choices(s, device, family)
+      only = d.on(info) if callable(d.on) else d.on
+      by = lambda s, only=only: only is None or only in catalog.stage_choices(s, device, family)
       if not (on := [s for s in d.fused_in if fusable(s) and by(s)]): continue
-      runs = lambda backend, d=d: backend == d.on if d.on else backend != "off"
+      runs = lambda backend, only=only: backend == only if only else backend != "off"
       conds.append(lambda v, on=on, runs=runs: any(runs(v.get(_fused(s), "off")) for s in on))
-      enable += ((_fused(on[0]), d.on or max(catalog.stage_choices(on[0], device, family),
+      enable += ((_fused(on[0]), only or max(catalog.stage_choices(on[0], device, family),
                                              key=lambda b: not catalog.get(b).portable)),)
     if d.needs:
       other, cond, value = d.needs

@@ -592,21 +592,23 @@ def test_q8_attention_input_in_the_cpu_emulator(gguf_file, monkeypatch, mix: str
   assert twin.max() <= tol and twin.max() < far.min() / 4, (twin, far)
 
 
-def test_q8_activations_need_a_fused_ffn_stage_and_integer_codes(gguf_file) -> None:
+def test_q8_activations_need_a_fused_ffn_stage_and_integer_codes(gguf_file, monkeypatch) -> None:
   with pytest.raises(ConfigError, match="fused FFN stages only"): StructureConfig(ffn_act="q8")
-  with pytest.raises(ConfigError,
-                     match="ffn_act=q8 needs the fused moe stage's weights in Q4_0 or Q8_0; blk.1.ffn_gate_exps.weight "
-                     "is Q4_K"):
-    Transformer(GGUFFile(gguf_file("tiny", "q4_k")), StructureConfig(fused={"moe": "dsl"}, ffn_act="q8"),
+  with native_on_cpu(monkeypatch), pytest.raises(ConfigError, match="ffn_act=q8 on native needs the fused moe stage's "
+                                                  "weights in Q4_0 or Q8_0; blk.1.ffn_gate_exps.weight is Q4_K"):
+    Transformer(GGUFFile(gguf_file("tiny", "q4_k")), StructureConfig(fused={"moe": "native"}, ffn_act="q8"),
                 max_context=16)
-  names = lambda mix: {k.name for k in knobs(mix_info(mix), "CUDA")}
-  assert "ffn_act" in names("q4_0") and "ffn_act" in names("q8_0") and "ffn_act" not in names("q4_k_m")
+  # a K-quant mix: offered on dsl only, where native has no kernel (tests/test_dsl_kquant.py runs it on dsl)
+  on = lambda mix, name: next((k.enable for k in knobs(mix_info(mix), "CUDA") if k.name == name), None)
+  assert on("q4_0", "ffn_act") == on("q8_0", "ffn_act") == (("fused.moe", "native"),)
+  assert on("q4_k_m", "ffn_act") == (("fused.moe", "dsl"),)
   with pytest.raises(ConfigError, match="fused attention stage only"): StructureConfig(attn_act="q8")
-  with pytest.raises(ConfigError, match="attn_act=q8 needs the attention's dense weights in Q4_0 or Q8_0; "
-                     "blk.0.attn_q_a.weight is Q4_K"):
-    Transformer(GGUFFile(gguf_file("tiny", "q4_k")), StructureConfig(fused={"attention": "dsl"}, attn_act="q8"),
+  with native_on_cpu(monkeypatch), pytest.raises(ConfigError, match="attn_act=q8 on native needs the attention's dense "
+                                                  "weights in Q4_0 or Q8_0; blk.0.attn_q_a.weight is Q4_K"):
+    Transformer(GGUFFile(gguf_file("tiny", "q4_k")), StructureConfig(fused={"attention": "native"}, attn_act="q8"),
                 max_context=16)
-  assert "attn_act" in names("q4_0") and "attn_act" not in names("q4_k_m")
+  assert on("q4_0", "attn_act") == (("fused.attention", "native"),)
+  assert on("q4_k_m", "attn_act") == (("fused.attention", "dsl"),)
 
 
 @pytest.mark.skipif(native.available(), reason="checks the refusal where native cannot run")

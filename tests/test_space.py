@@ -20,7 +20,9 @@ from space.knobs import ModelInfo, knobs, sample, single_knob_changes, size, sta
 TOKENS = tuple((7919 * i + 17) % 1000 for i in range(16))
 # proved elsewhere: BEAM's settings, and the dsl products' rows per thread, which keep each row's sum in the same order
 # (tests/test_portable.py runs them all in one decode and checks each product's kernel)
-SEPARATE = ("beam", "dsl_rows")
+# and the 8-bit activations, which move this file's logits beyond FP16_TOL on Q4_0 as on K-quants (routed alike):
+# tests/test_dsl_kquant.py decodes both in one config
+SEPARATE = ("beam", "dsl_rows", "ffn_act", "attn_act")
 TINY_INFO = mix_info("q4_k_m")
 
 
@@ -99,11 +101,13 @@ def test_tiny_model_info(tiny) -> None:
   # the coordinate sampler's first changes fuse the stage that reads the most; stored studies keep their order
   assert [k.name for k in knobs(got)][:4] == ["fused.moe", "fused.attention", "fused.ffn", "fused.router"]
   assert [k.name for k in knobs(TINY_INFO)][:4] == [f"fused.{st}" for st in STAGES]
-  # then the weights' kernel backends (the tiny file's K-quants have no 8-bit activations), before the per-op knobs
+  # then the fused stages' 8-bit activations (the tiny file's K-quants on dsl) and the weights' kernel backends, before
+  # the per-op knobs
   names = [k.name for k in knobs(got, "CUDA")]
   backends = [i for i, n in enumerate(names) if n.startswith(("backend.", "dsl_rows."))]
   later = [i for i, n in enumerate(names) if n.startswith(("barrier.", "merge_", "topk", "kv_dtype", "act_dtype"))]
-  assert len(backends) > 4 and backends == list(range(4, 4 + len(backends))) and max(backends) < min(later)
+  assert names[4:6] == ["ffn_act", "attn_act"]
+  assert len(backends) > 4 and backends == list(range(6, 6 + len(backends))) and max(backends) < min(later)
 
 
 @pytest.mark.parametrize("label", [lbl for lbl, _ in single_knob_changes(TINY_INFO) if not lbl.startswith(SEPARATE)])

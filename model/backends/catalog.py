@@ -22,9 +22,9 @@ ROLES = ("dense", "expert")  # a weight's role: a matrix (`dense`), or a stack o
 #              down projections with the routing weights, the shared expert and the residual add
 #   ffn:       the same pair of kernels for a dense FFN block
 STAGES = ("attention", "router", "moe", "ffn")
-# weight types whose fused FFN stages can read 8-bit activations (StructureConfig.ffn_act = q8): one scale per block and
-# byte or nibble codes, which the kernels dot with the quantized activations in integers
-Q8_QUANTS = ("Q4_0", "Q8_0")
+# weight types whose products can read 8-bit activations (StructureConfig.ffn_act, attn_act = q8): integer codes with a
+# scale (and a min) per group, which a backend dots with the activations' 8-bit codes (its row's `q8_quants`)
+Q8_QUANTS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # the attention's dense products (GGUF tensor kinds), which the fused attention reads in 8 bits with attn_act=q8; k_b
 # and v_b, per-head products of other kernels, keep float32 input
 ATTN_DENSE = ("attn_q_a", "attn_q_b", "attn_q", "attn_kv_a_mqa", "attn_output")
@@ -38,7 +38,7 @@ class Row:
   the class of its arithmetic against the baseline's (fp32: reordered float32 work; fp16: weights rounded to fp16).
   `twin`: the portable backend that computes what it computes, rounding alike (the gate's reference for its 8-bit
   stages). `scratch`: its fused stages share buffers the model allocates once. `keeps`: the per-op knobs its fused
-  stages still read."""
+  stages still read. `q8_quants`: the weight types its fused stages dot with 8-bit activations (ffn_act, attn_act)."""
   name: str
   module: str  # the implementation, imported on first use
   doc: str
@@ -50,6 +50,7 @@ class Row:
   twin: str | None = None
   scratch: bool = False
   keeps: frozenset[str] = frozenset()
+  q8_quants: frozenset[str] = frozenset(Q8_QUANTS)
 
   @property
   def portable(self) -> bool: return self.devices is None
@@ -67,7 +68,7 @@ CATALOG: dict[str, Row] = {r.name: r for r in (
       precision="fp16"),
   Row("dsl", "model.backends.dsl", "tinygrad UOp custom kernels that read the planes", stages=frozenset(STAGES)),
   Row("native", "model.backends.native", "CUDA C generated per GGUF type, run inside tinygrad's CUDA graphs",
-      stages=frozenset(STAGES), devices=("CUDA",), twin="dsl", scratch=True),
+      stages=frozenset(STAGES), devices=("CUDA",), twin="dsl", scratch=True, q8_quants=frozenset(("Q4_0", "Q8_0"))),
 )}
 DEFAULT = "tensor"  # computes every product the config names no backend for
 FP16 = "fp16_cache"  # computes the products of weights held as fp16 matrices (an absorbed q projection)
@@ -100,6 +101,11 @@ def choices(quant: str, role: str, device: str, family: str = "all") -> tuple[st
 def stage_choices(stage: str, device: str, family: str = "all") -> tuple[str, ...]:
   """The backends that implement a fused stage on this device."""
   return tuple(r.name for r in CATALOG.values() if stage in r.stages and r.runs_on(device) and in_family(r, family))
+
+
+def q8_backends(quants: tuple[str, ...]) -> tuple[str, ...]:
+  """The backends with fused stages that dot every one of these weight types with 8-bit activations (none for none)."""
+  return tuple(r.name for r in CATALOG.values() if r.stages and quants and set(quants) <= r.q8_quants)
 
 
 def twin(name: str) -> str:

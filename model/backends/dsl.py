@@ -3,8 +3,8 @@ block planes directly, each with an explicit schedule, rendered by tinygrad for 
 
 A product is one kernel: a range per output index and REDUCE ranges over the weight's blocks, over the scale groups of a
 block and over the elements of a group (see `_SPECS`). Each group's codes are summed against the input first and scaled
-once (a packed dot). The integer planes are kept as 32-bit words (`to_words`, at load), so a thread reads a block's
-codes with a few wide loads instead of one load per byte.
+once (a packed dot); a group with a min (Q4_K, Q5_K) sums its values. The integer planes are kept as 32-bit words
+(`to_words`, at load), so a thread reads a block's codes and scales with a few wide loads instead of one per byte.
 
 The schedule (the types of a kernel's ranges) is the same on every device that has workgroups: the elements of a block
 are unrolled, the blocks of a row are split over a workgroup (GROUP: consecutive threads read consecutive blocks, and
@@ -62,13 +62,13 @@ MIN_THREADS = 16384  # fewer threads than this in a launch: one row per thread, 
 def _signed(ggml_type: int, name: str) -> bool: return LAYOUTS[ggml_type][name][2] == dtypes.int8
 
 
-# the planes read as 32-bit words. Q4_K and Q5_K keep byte planes: tinygrad 0.14's expander fails to broadcast their
-# word loads over the unrolled scale groups (a reshape error while rendering)
-WORDS = {Q4_0: ("qs",), Q8_0: ("qs",), Q6_K: ("ql", "qh", "sc")}
+# the planes read as 32-bit words
+WORDS = {Q4_0: ("qs",), Q8_0: ("qs",), Q4_K: ("sc", "qs"), Q5_K: ("sc", "qh", "qs"), Q6_K: ("ql", "qh", "sc")}
 
 
 def to_words(w: QWeight) -> QWeight:
-  """w's code planes (WORDS) as 32-bit words (each field's bytes, little-endian), realized once."""
+  """w's integer planes (WORDS: codes and packed scales) as 32-bit words (each field's bytes, little-endian), realized
+  once."""
   for k in WORDS.get(w.ggml_type, ()):
     if (v := w.planes[k]).dtype == dtypes.uint32: continue
     # a buffer of its own: bitcast(...).contiguous() of a realized buffer stays a lazy view, copied by each kernel
@@ -161,8 +161,9 @@ def _float(p: Planes, r: UOp, b: UOp) -> tuple[UOp, UOp]:
 
 _SPECS: dict[int, _Spec] = {
   Q4_0: _Spec((), (2, 4, 4), _q4_0, _d, 1), Q8_0: _Spec((), (8, 4), _q8_0, _d, 0),
-  Q4_K: _Spec((2, 2, 2), (8, 4), _k_code(Q4_K), _k_scale(Q4_K)),
-  Q5_K: _Spec((2, 2, 2), (8, 4), _k_code(Q5_K), _k_scale(Q5_K)), Q6_K: _Spec((2, 2, 2, 2), (4, 4), _q6_k, _q6_k_scale),
+  Q4_K: _Spec((2, 2, 2), (8, 4), _k_code(Q4_K), _k_scale(Q4_K), 0),
+  Q5_K: _Spec((2, 2, 2), (8, 4), _k_code(Q5_K), _k_scale(Q5_K), 0),
+  Q6_K: _Spec((2, 2, 2, 2), (4, 4), _q6_k, _q6_k_scale, 0),
   F32: _Spec((), (), _float, lambda *_: (None, None)), F16: _Spec((), (), _float, lambda *_: (None, None)),
   BF16: _Spec((), (), _float, lambda *_: (None, None))}
 
@@ -233,13 +234,15 @@ def _dot(xv: Callable[[UOp], UOp], p: Planes, ggml_type: int, r: UOp, ids: Itera
   off, code = spec.code(p, r, b, *outer, *at)
   x = _f(xv(i := b * QUANT_TYPES[ggml_type].block + off))
   scale, bias = spec.scale(p, r, b, *outer)
+  # a group with a min: its elements' values summed against the input, one reduction (a second one, of the input alone,
+  # would let tinygrad merge its word and byte ranges apart from the codes' reduction, which it cannot expand)
+  if bias is not None: code, scale = scale * code + bias, None
   inner_sum = lambda v: v.reduce(*inner, arg=Ops.ADD) if inner else v
   # product(v, sq): v in the product's element of the pair, sq in the sum of squares' (v alone without a pair)
   product = (lambda v, sq: ss[0].eq(0).where(v, sq)) if ss is not None else (lambda v, sq: v)
   raw = _f(ss[1](i)) if ss is not None else None
   term = inner_sum(product(x * code, raw * raw if raw is not None else None))
   if scale is not None: term = term * product(scale, UOp.const(1.0, dtypes.float32))
-  if bias is not None: term = term + inner_sum(x) * product(bias, UOp.const(0.0, dtypes.float32))
   return term.reduce(*red, *outer, arg=Ops.ADD) if (red or outer) else term
 
 

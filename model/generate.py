@@ -87,7 +87,9 @@ class Generator:
   Decode kernels are built with the config's BEAM width; prefill kernels at BEAM=0 (the search measures decode, and BEAM
   over the prefill kernels of a full model costs minutes)."""
 
-  def __init__(self, model: Transformer, chunk: int = 32):
+  def __init__(self, model: Transformer, chunk: int | None = None):
+    """chunk: the prompt's tokens per prefill graph call (None: the config's prefill_chunk)."""
+    chunk = model.cfg.prefill_chunk if chunk is None else chunk
     self.model, self.chunk, self.beam = model, min(chunk, model.max_context), model.cfg.beam
     self.pos = UOp.variable("start_pos", 0, model.max_context - 1)
     self.prefill_jit, self.step_jit, self.step_logits_jit = capture_first(self._prefill), capture_first(

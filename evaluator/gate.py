@@ -16,6 +16,10 @@ and the blocks carry it on; 8-bit activations compound over the blocks), so each
   logits must stay within the tolerance of the reference's; its own top-k must equal the reference's where the
   reference's margin exceeds twice the tolerance (nearer ones are near-ties, counted); its router logits must stay
   within the tolerance.
+- `prefill_check`: the prompt through the trial's prefill (chunks of many tokens, which run per op whatever the fused
+  stages, with the prefill knobs' paths) under the reference's routing of each prompt token: its logits over the prompt
+  and the KV cache rows it writes must stay within the tolerance of the reference's (its decode steps), and so must the
+  first check position decoded from that cache (decode reads what prefill wrote).
 - `chained`: a second pass chains the stages under the reference's routing, at every check position; while its own
   routing is the reference's with clear margins, its greedy tokens are what the timed run must produce
   (`check_tokens`), and its distance from the reference's logits is the trial's drift, a figure.
@@ -147,6 +151,8 @@ class Reference:
   cache: np.ndarray  # (blocks, prompt, kv_lora + rope) every block's KV cache rows of the prompt
   prompt_len: int
   depth: int  # the first check position: the prompt's length, or past it where the cache is filled to a context
+  prompt_sel: np.ndarray  # (prompt, n_moe, K) the experts each MoE block selected for each prompt token
+  prompt_logits: np.ndarray  # (prompt, vocab) after each prompt token
 
   @property
   def positions(self) -> int: return len(self.logits)
@@ -154,14 +160,15 @@ class Reference:
   def save(self, path: str) -> None:
     tmp = path + ".tmp.npz"
     np.savez(tmp, tokens=self.tokens, sel=self.sel, scores=self.scores, router=self.router, logits=self.logits,
-             states=self.states, cache=self.cache, prompt_len=self.prompt_len, depth=self.depth)
+             states=self.states, cache=self.cache, prompt_len=self.prompt_len, depth=self.depth,
+             prompt_sel=self.prompt_sel, prompt_logits=self.prompt_logits)
     os.replace(tmp, path)
 
   @classmethod
   def load(cls, path: str) -> Reference:
     with np.load(path) as z:
       return cls(z["tokens"], z["sel"], z["scores"], z["router"], z["logits"], z["states"], z["cache"],
-                 int(z["prompt_len"]), int(z["depth"]))
+                 int(z["prompt_len"]), int(z["depth"]), z["prompt_sel"], z["prompt_logits"])
 
   def start(self, gen) -> None:
     """The trial's cache as the reference's was at its first check position: the prompt's rows, filled to the depth."""
@@ -186,17 +193,21 @@ def make_reference(gen, prompt: list[int], positions: int, depth: int = 0) -> Re
   from model.bench import fill_context
   n_moe, P = sum(b.moe for b in gen.model.blocks), len(prompt)
   tokens, sel, scores, router, logits, states, depth = list(prompt), [], [], [], [], [], max(depth, P)
+  prompt_sel, prompt_logits = [], []
   for j in range(P + positions):
     if j == P: fill_context(gen.model, P, depth)
     lg, *per_block, outs = gen.check_step(tokens[j], j if j < P else depth + j - P)
     if j == P - 1: tokens.append(int(np.argmax(lg)))
-    if j < P: continue
     o, s, r = _split(n_moe, *per_block)
+    if j < P:
+      prompt_sel.append(o), prompt_logits.append(lg)
+      continue
     sel.append(o), scores.append(s), router.append(r), states.append(outs), logits.append(lg)
     tokens.append(int(np.argmax(lg)))
   return Reference(np.array(tokens[:P + positions + 1]), np.stack(sel), np.stack(scores).astype(np.float32),
                    np.stack(router).astype(np.float32), np.stack(logits).astype(np.float32),
-                   np.stack(states).astype(np.float32), gen.cache_rows(P), P, depth)
+                   np.stack(states).astype(np.float32), gen.cache_rows(P), P, depth, np.stack(prompt_sel),
+                   np.stack(prompt_logits).astype(np.float32))
 
 
 def stage_errors(outs: np.ndarray, states: np.ndarray) -> np.ndarray:
@@ -209,6 +220,23 @@ def stage_errors(outs: np.ndarray, states: np.ndarray) -> np.ndarray:
   return np.where(diff == 0, 0.0, np.nan_to_num(err, nan=np.inf))
 
 
+def prefill_check(gen, ref: Reference, tol: float) -> dict:
+  """The prompt through the config's prefill (its chunks of T > 1 tokens) with every MoE block routed as the reference
+  routed each prompt token: its logits over the prompt and the KV cache rows it writes against the reference's (its
+  decode steps), then the first check position decoded, stages chained under the reference's routing, from the cache
+  that prefill wrote (filled to the depth), against the reference's logits there. Errors as rel_err's, within tol."""
+  from model.bench import fill_context
+  n_moe, P = ref.sel.shape[1], ref.prompt_len
+  logits = gen.prefill_forced(ref.tokens[:P].tolist(), ref.prompt_sel if n_moe else None)
+  err = float(np.nan_to_num(rel_err(logits, ref.prompt_logits), nan=np.inf).max())
+  cache = float(np.nan_to_num(rel_err(gen.cache_rows(P), ref.cache), nan=np.inf).max())
+  fill_context(gen.model, P, ref.depth)
+  lg = gen.check_step(int(ref.tokens[P]), ref.depth, ref.sel[0] if n_moe else None)[0]
+  after = float(np.nan_to_num(rel_err(lg[None], ref.logits[:1]), nan=np.inf).max())
+  return {"prefill_ok": max(err, cache, after) <= tol, "prefill_tolerance": tol, "prefill_max_rel_err": err,
+          "prefill_cache_err": cache, "prefill_decode_err": after}
+
+
 def check(gen, ref: Reference, tol: float, part_tol: dict[str, float] | None = None,
           exact: Reference | None = None) -> dict:
   """The trial's arithmetic stage by stage, its routing, its own chained run and its accuracy (see the module
@@ -216,6 +244,8 @@ def check(gen, ref: Reference, tol: float, part_tol: dict[str, float] | None = N
   of a part ("attention", "ffn") that differs from tol (tolerance's second value). exact: the exact reference where
   `ref` is a twin's (None: `ref` is the exact one). Positions are reported as positions in the sequence (depth + j)."""
   part_tol = part_tol or {}
+  # a q8 config's prefill runs per op: its reference's 8-bit stages are within their parts' tolerance of it
+  pre = prefill_check(gen, ref, max([tol, *part_tol.values()]))
   n_moe, C, P, D = ref.sel.shape[1], ref.positions, ref.prompt_len, ref.depth
   forced = lambda j: ref.sel[j] if n_moe else None
   errs, own, rerr = [], [], []
@@ -235,7 +265,8 @@ def check(gen, ref: Reference, tol: float, part_tol: dict[str, float] | None = N
   router_err = float(np.max(rerr)) if rerr else 0.0
   bad = ~(err <= tols)
   worst = np.unravel_index(int(np.argmax(np.nan_to_num(err / tols, nan=np.inf))), err.shape)
-  ok = bool(np.isfinite(err).all()) and not bad.any() and not wrong_route.any() and router_err <= tol
+  ok = (bool(np.isfinite(err).all()) and not bad.any() and not wrong_route.any() and router_err <= tol
+        and pre["prefill_ok"])
   at = lambda mask: (D + np.flatnonzero(mask)).tolist()
   figures = {"ok": ok, "tolerance": tol, "ffn_tolerance": part_tol.get("ffn", tol),
              "attention_tolerance": part_tol.get("attention", tol), "positions": C, "stages": len(names),
@@ -245,7 +276,7 @@ def check(gen, ref: Reference, tol: float, part_tol: dict[str, float] | None = N
              "median_rel_err": float(np.median(err)), "worst_stage": f"{names[worst[1]]} at position {D + worst[0]}",
              "routing_decisions": int(flipped.size), "near_ties": int(near.sum()),
              "near_tie_flips": int((flipped & near).sum()), "wrong_routing": int(wrong_route.sum()),
-             "max_router_err": router_err}
+             "max_router_err": router_err} | pre
   logits, agreed = chained(gen, ref, tol)
   exact_logits = logits if exact is None else chained(gen, exact, tol)[0]
   return figures | _drift(ref, logits[:agreed], tol) | {"accuracy": accuracy(exact_logits, (exact or ref).logits)}
@@ -343,6 +374,10 @@ def verdict(check: dict) -> str:
     parts.append(f"{check['wrong_routing']} routing decisions differ where the reference's margin is decisive")
   if check["max_router_err"] > check["tolerance"]:
     parts.append(f"router logits differ by {check['max_router_err']:.3g} std")
+  if check.get("prefill_ok") is False:
+    parts.append(f"prefill differs from the reference's decode steps (prompt logits {check['prefill_max_rel_err']:.3g}"
+                 f" std, KV cache rows {check['prefill_cache_err']:.3g}, the decode step after it "
+                 f"{check['prefill_decode_err']:.3g}; tolerance {check['prefill_tolerance']:.0e})")
   if check.get("tokens_differ"):
     parts.append(f"the timed run's token {check['first_differing']} differs from the checked run's "
                  f"({check['tokens_differ']} of {check['tokens_compared']} compared)")

@@ -443,11 +443,14 @@ class Transformer:
     self.output_norm = load("output_norm.weight", norm=True)
     self.output = load("output.weight") if "output.weight" in f.tensors else self.token_embd
 
-  def forward(self, tokens: Tensor, start_pos: int | UOp, all_logits: bool = False) -> Tensor:
+  def forward(self, tokens: Tensor, start_pos: int | UOp, all_logits: bool = False,
+              forced: list[Tensor] | None = None) -> Tensor:
     """tokens (1, T) at positions start_pos.. -> float32 logits: (1, T, vocab), or for the last token alone
-    (1, 1, vocab)."""
+    (1, 1, vocab). forced: per MoE block, the expert ids (1, T, K) it uses instead of its own (the correctness check's
+    prefill)."""
     pos, x = self.decode_pos(start_pos) if tokens.shape[1] == 1 else None, self.embed(tokens)
-    for b in self.blocks: x = b(x, start_pos, pos, self.act)
+    ids = iter(forced or ())
+    for b in self.blocks: x = b(x, start_pos, pos, self.act, Check(next(ids)) if b.moe and forced else None)
     return self.head(x if all_logits else x[:, -1:])
 
   def embed(self, tokens: Tensor) -> Tensor: return K.rows(self.token_embd, tokens).cast(self.act)

@@ -172,6 +172,21 @@ class Generator:
       out.append(logits[:len(part)])
     return np.concatenate(out)
 
+  def prefill_forced(self, tokens: list[int], forced: np.ndarray | None) -> np.ndarray:
+    """prefill's logits (len(tokens), vocab) from position 0, in its chunks (at their exact sizes, outside the JIT),
+    every MoE block using the expert ids of forced (len(tokens), n_moe, K) instead of its own: the correctness check's
+    prefill, which routes as its reference did."""
+    self._check_room(len(tokens))
+    out = []
+    for i in range(0, len(tokens), self.chunk):
+      part = tokens[i:i + self.chunk]
+      ids = None if forced is None else [Tensor(np.ascontiguousarray(forced[i:i + len(part), b]).astype(np.int32),
+                                                device=self.model.device).reshape(1, len(part), -1)
+                                         for b in range(forced.shape[1])]
+      tok = Tensor([part], dtype=dtypes.int32, device=self.model.device)
+      out.append(self.model.forward(tok, self.pos.bind(i), all_logits=True, forced=ids)[0].numpy())
+    return np.concatenate(out)
+
   def step_logits(self, token: int, pos: int) -> np.ndarray:
     self._check_room(pos + 1)
     with Context(BEAM=self.beam): return read(self.step_logits_jit(self.token(token), self.pos.bind(pos)))

@@ -229,7 +229,10 @@ class StructureConfig:
                               "dequantised once per chunk and read per row by its tile's expert; or copied, each "
                               "tile's expert dequantised into a matrix of its own, read by a plain batched matmul",
                               applies=_moe, needs=_grouped)
-  prefill_chunk: int = knob(32, (32, 128, 512), "prompt tokens per prefill graph call (the last chunk padded)")
+  prefill_chunk: int = knob(32, (32, 512),
+                            "prompt tokens per grouped prefill graph call (the last chunk padded): a chunk dequantises "
+                            "its weights once for all its tokens (per token, a token reads its experts on its own and "
+                            "a larger chunk only pads a short prompt more)", needs=_grouped)
   kv_dtype: str = knob("float16", ("float16", "float32"), "KV cache dtype", precision="fp16")
   attention: str = knob("explicit", ("explicit", "sdpa"), "explicit matmul+softmax or scaled_dot_product_attention",
                         stages=("attention",))

@@ -444,14 +444,15 @@ class Transformer:
     self.output = load("output.weight") if "output.weight" in f.tensors else self.token_embd
 
   def forward(self, tokens: Tensor, start_pos: int | UOp, all_logits: bool = False,
-              forced: list[Tensor] | None = None) -> Tensor:
-    """tokens (1, T) at positions start_pos.. -> float32 logits: (1, T, vocab), or for the last token alone
-    (1, 1, vocab). forced: per MoE block, the expert ids (1, T, K) it uses instead of its own (the correctness check's
-    prefill)."""
-    pos, x = self.decode_pos(start_pos) if tokens.shape[1] == 1 else None, self.embed(tokens)
+              forced: list[Tensor] | None = None, at: Tensor | None = None) -> Tensor:
+    """tokens (1, T) at positions start_pos.. -> float32 logits: (1, T, vocab), or for one token alone (1, 1, vocab):
+    the last, or the one at index `at` (1,) (a padded prefill chunk's last real token). forced: per MoE block, the
+    expert ids (1, T, K) it uses instead of its own (the correctness check's prefill)."""
+    (_, T), pos, x = tokens.shape, self.decode_pos(start_pos) if tokens.shape[1] == 1 else None, self.embed(tokens)
     ids = iter(forced or ())
     for b in self.blocks: x = b(x, start_pos, pos, self.act, Check(next(ids)) if b.moe and forced else None)
-    return self.head(x if all_logits else x[:, -1:])
+    if all_logits: return self.head(x)
+    return self.head(x[:, -1:] if at is None else (Tensor.arange(T) == at).reshape(1, T, 1).where(x, 0).sum(1, True))
 
   def embed(self, tokens: Tensor) -> Tensor: return K.rows(self.token_embd, tokens).cast(self.act)
 

@@ -94,6 +94,7 @@ class Generator:
     self.pos = UOp.variable("start_pos", 0, model.max_context - 1)
     self.prefill_jit, self.step_jit, self.step_logits_jit = capture_first(self._prefill), capture_first(
       self._step), capture_first(self._step_logits)
+    self.prefill_last_jit = capture_first(self._prefill_last)
     self.sample_jit = capture_first(self._sample)  # temperature > 0: the greedy graph computes no noise
     # the correctness check (check_step): the embedding, the head, and one graph per kind of block (block_inputs)
     self.embed_jit, self.head_jit, self.block_jits = capture_first(self._embed), capture_first(self._head), {}
@@ -104,7 +105,7 @@ class Generator:
     dev, D = model.device, model.hp.dim
     self.token, self.temperature, self.seed = (Slot((1, 1), dtypes.int32, dev), Slot((1,), dtypes.float, dev),
                                                Slot((1,), dtypes.float, dev))
-    self.chunk_tokens = Slot((1, self.chunk), dtypes.int32, dev)
+    self.chunk_tokens, self.chunk_last = Slot((1, self.chunk), dtypes.int32, dev), Slot((1,), dtypes.int32, dev)
     # the sequence's tokens, which greedy steps read and write on the device (steps), and its last read on the host
     self.seq = Tensor.zeros(model.max_context + 1, dtype=dtypes.int32, device=dev).contiguous().realize()
     self.seq_held = np.zeros(model.max_context + 1, np.int32)
@@ -118,6 +119,9 @@ class Generator:
 
   def _prefill(self, tokens: Tensor, start_pos: UOp) -> Tensor:
     return self.model.forward(tokens, start_pos, all_logits=True)[0].contiguous()
+
+  def _prefill_last(self, tokens: Tensor, start_pos: UOp, last: Tensor) -> Tensor:
+    return self.model.forward(tokens, start_pos, at=last)[0, -1].contiguous()
 
   def _step_logits(self, token: Tensor, start_pos: UOp) -> Tensor:
     return self.model.forward(token, start_pos)[0, -1].contiguous()
@@ -157,8 +161,10 @@ class Generator:
     if end > self.model.max_context:
       raise ValueError(f"sequence of {end} tokens exceeds the context of {self.model.max_context}")
 
-  def prefill(self, tokens: list[int], start: int = 0) -> np.ndarray:
-    """Feed tokens at positions start.. in chunks; returns float32 logits (len(tokens), vocab) for every position."""
+  def prefill(self, tokens: list[int], start: int = 0, last: bool = False) -> np.ndarray:
+    """Feed tokens at positions start.. in chunks; returns float32 logits (len(tokens), vocab) for every position, or
+    with `last` the last token's alone (vocab,), what a generation reads: then each chunk computes the output head for
+    one token (its last) instead of all its positions, and the host reads one row, after the last chunk."""
     self._check_room(start + len(tokens))
     out = []
     for i in range(0, len(tokens), self.chunk):
@@ -167,9 +173,13 @@ class Generator:
       # the padded chunk would run past the cache: fall back to exact size
       if pos + self.chunk > self.model.max_context:
         logits = self.model.forward(Tensor([part], dtype=dtypes.int32), self.pos.bind(pos), all_logits=True)[0].numpy()
-      else:  # padding past the prompt writes cache rows that later steps overwrite before they read them
-        logits = read(self.prefill_jit(self.chunk_tokens([part + [0] * (self.chunk - len(part))]), self.pos.bind(pos)))
-      out.append(logits[:len(part)])
+        out.append(logits[-1] if last else logits)
+        continue
+      # padding past the prompt writes cache rows that later steps overwrite before they read them
+      args = self.chunk_tokens([part + [0] * (self.chunk - len(part))]), self.pos.bind(pos)
+      if last: out.append(self.prefill_last_jit(*args, self.chunk_last(len(part) - 1)))
+      else: out.append(read(self.prefill_jit(*args))[:len(part)])
+    if last: return out[-1] if isinstance(out[-1], np.ndarray) else read(out[-1])
     return np.concatenate(out)
 
   def prefill_forced(self, tokens: list[int], forced: np.ndarray | None) -> np.ndarray:
@@ -261,7 +271,7 @@ class Generator:
                stop: set[int] = frozenset()) -> Iterator[int]:
     """Yields up to n new tokens after the prompt; stops after a token in `stop`."""
     rng = np.random.default_rng(seed)
-    tok = sample(self.prefill(prompt)[-1], temperature, top_p, rng)
+    tok = sample(self.prefill(prompt, last=True), temperature, top_p, rng)
     pos = len(prompt)
     for i in range(n):
       yield tok

@@ -51,26 +51,26 @@ def blocks(path: str, merged: bool) -> Transformer:
 @pytest.mark.parametrize("quant", QUANTS)
 def test_grouped_products_match_the_per_token_path(gguf_file, quant: str) -> None:
   """The dense block's FFN and the MoE block's experts (routed and shared) of one chunk, grouped against per token: in
-  float32 up to the sums' order, indexed and copied weights, tiles of 16 and 64; on Q4_0 also in float16 within its
-  rounding (the dequantisation is the float32 one's, cast) and with gate and up merged."""
+  float32 up to the sums' order, with indexed weights in tiles of 16 and copied ones in tiles of 64; on Q4_0 also in
+  float16 within its rounding (the dequantisation is the float32 one's, cast) and with gate and up merged."""
   rng = np.random.default_rng(0)
-  for merged in (False, True) if quant == "q4_0" else (False,):
+  copied = StructureConfig(prefill_ffn="grouped", prefill_weights="copied", prefill_tile=64)
+  half = StructureConfig(prefill_ffn="grouped", prefill_dtype="float16")
+  cases = [(False, GROUPED, 1e-5), (False, copied, 1e-5)]
+  if quant == "q4_0": cases += [(False, half, 1e-2), (True, GROUPED, 1e-5)]
+  for merged, cfg, tol in cases:
     m = blocks(gguf_file("tiny", quant), merged)
     (dense, moe), hp, T = m.blocks, m.hp, 24
     xn = Tensor(rng.standard_normal((1, T, hp.dim)).astype(np.float32)).realize()
     sel = Tensor(routing(T, hp.n_experts, hp.n_used), dtype=dtypes.int32)
     w = Tensor(rng.random((1, T, hp.n_used)).astype(np.float32))
-    want_moe = moe.experts(xn, sel, w).numpy()
-    want_ffn = dense._ffn(xn, dense.gate, dense.up, dense.down, dense.gate_up, "dense_gate_up").numpy()
     experts = Glu(moe.gate_exps, moe.up_exps, moe.gate_up_exps, moe.down_exps)
-    shared = Glu(moe.gate_sh, moe.up_sh, moe.gate_up_sh, moe.down_sh)
-    cfgs = [(GROUPED, 1e-5), (StructureConfig(prefill_ffn="grouped", prefill_weights="copied", prefill_tile=64), 1e-5)]
-    if quant == "q4_0": cfgs.append((StructureConfig(prefill_ffn="grouped", prefill_dtype="float16"), 1e-2))
-    for cfg, tol in cfgs:
-      got = prefill.moe(xn, sel, w, experts, shared, hp.n_experts, cfg).numpy()
-      assert (gate.rel_err(got[0], want_moe[0]) <= tol).all(), (quant, merged, cfg.non_defaults())
-      got = prefill.glu(xn, Glu(dense.gate, dense.up, dense.gate_up, dense.down), cfg).numpy()
-      assert (gate.rel_err(got[0], want_ffn[0]) <= tol).all(), (quant, merged, cfg.non_defaults())
+    got = prefill.moe(xn, sel, w, experts, Glu(moe.gate_sh, moe.up_sh, moe.gate_up_sh, moe.down_sh), hp.n_experts, cfg)
+    assert (gate.rel_err(got.numpy()[0], moe.experts(xn, sel, w).numpy()[0]) <= tol).all(), (quant, merged, cfg)
+    if cfg.prefill_weights == "copied": continue  # the dense FFN reads no tiles
+    got = prefill.glu(xn, Glu(dense.gate, dense.up, dense.gate_up, dense.down), cfg).numpy()
+    want = dense._ffn(xn, dense.gate, dense.up, dense.down, dense.gate_up, "dense_gate_up").numpy()
+    assert (gate.rel_err(got[0], want[0]) <= tol).all(), (quant, merged, cfg)
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +96,8 @@ def test_decode_after_prefill_reads_the_cache_prefill_wrote(tiny) -> None:
 def test_gate_checks_prefill(tiny, monkeypatch) -> None:
   """Grouped prefill in float16 passes the gate's prefill check against the baseline's decode-step reference, within its
   precision class; a grouped prefill whose routed experts are 2% off fails it, and the verdict says so."""
-  f = GGUFFile(tiny)
-  ref = gate.make_reference(Generator(Transformer(f, max_context=32)), PROMPT, 2)
+  f, prompt = GGUFFile(tiny), PROMPT[:8]  # one chunk of 8
+  ref = gate.make_reference(Generator(Transformer(f, max_context=32)), prompt, 1)
   cfg = StructureConfig(prefill_ffn="grouped", prefill_dtype="float16", prefill_tile=64)
   tol = gate.tolerance(cfg, 256)[0]
   c = gate.prefill_check(Generator(Transformer(f, cfg, max_context=32), chunk=8), ref, tol)

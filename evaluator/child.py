@@ -113,7 +113,7 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
     ref = gate.Reference.load(spec.reference)
     exact = gate.Reference.load(spec.exact_reference) if spec.exact_reference else None
     # prefill first: check starts from the reference's cache, which the timed run continues
-    pre = gate.prefill_check(gen, exact or ref, tol)
+    pre = gate.prefill_check(gen, exact or ref, tol, part_tol)
     res.check = gate.check(gen, ref, tol, part_tol, exact) | pre
     res.check["ok"] = res.check["ok"] and pre["prefill_ok"]
     if not res.check["ok"]:

@@ -12,6 +12,7 @@ from tinygrad import Tensor, dtypes
 
 import evaluator.gate as gate
 import model.prefill as prefill
+from evaluator.runner import Evaluator
 from model.deepseek2 import Transformer
 from model.generate import Generator
 from model.gguf_file import GGUFFile
@@ -108,3 +109,13 @@ def test_gate_checks_prefill(tiny, monkeypatch) -> None:
   assert not c["prefill_ok"] and c["prefill_max_rel_err"] > gate.FP32_TOL and c["prefill_cache_err"] > gate.FP32_TOL, c
   assert "prefill differs" in gate.verdict({"failed_positions": 0, "wrong_routing": 0, "max_router_err": 0,
                                             "tolerance": gate.FP32_TOL} | c)
+
+
+def test_a_trial_checks_its_prefill(tiny) -> None:
+  """A trial (the evaluator's own process) runs the prefill check before the decode check and fails on it: grouped
+  prefill in float16 passes within its class, and its prefill is timed."""
+  ev = Evaluator.for_model(tiny, "CPU", n=8, rounds=1, prefill=True, timeout=300)
+  r = ev.run({"prefill_ffn": "grouped", "prefill_dtype": "float16"})
+  assert r.ok and r.check["prefill_ok"], r.error
+  assert 0 < r.check["prefill_max_rel_err"] <= r.check["prefill_tolerance"] == gate.FP16_TOL
+  assert r.metrics["prefill_tok_s"] > 0

@@ -16,6 +16,11 @@ and the blocks carry it on; 8-bit activations compound over the blocks), so each
   logits must stay within the tolerance of the reference's; its own top-k must equal the reference's where the
   reference's margin exceeds twice the tolerance (nearer ones are near-ties, counted); its router logits must stay
   within the tolerance.
+- `prefill_check` (the trial runs it before `check`): the prompt through the trial's prefill (chunks of many tokens,
+  which run per op whatever the fused stages, with the prefill knobs' paths) under the exact reference's routing of each
+  prompt token: its logits over the prompt and the KV cache rows it writes must stay within the tolerance of the exact
+  reference's (its decode steps), and the first check position decoded from that cache within the tolerance of the
+  same step decoded from the reference's cache (decode reads what prefill wrote).
 - `chained`: a second pass chains the stages under the reference's routing, at every check position; while its own
   routing is the reference's with clear margins, its greedy tokens are what the timed run must produce
   (`check_tokens`), and its distance from the reference's logits is the trial's drift, a figure.
@@ -147,6 +152,8 @@ class Reference:
   cache: np.ndarray  # (blocks, prompt, kv_lora + rope) every block's KV cache rows of the prompt
   prompt_len: int
   depth: int  # the first check position: the prompt's length, or past it where the cache is filled to a context
+  prompt_sel: np.ndarray  # (prompt, n_moe, K) the experts each MoE block selected for each prompt token
+  prompt_logits: np.ndarray  # (prompt, vocab) after each prompt token
 
   @property
   def positions(self) -> int: return len(self.logits)
@@ -154,14 +161,15 @@ class Reference:
   def save(self, path: str) -> None:
     tmp = path + ".tmp.npz"
     np.savez(tmp, tokens=self.tokens, sel=self.sel, scores=self.scores, router=self.router, logits=self.logits,
-             states=self.states, cache=self.cache, prompt_len=self.prompt_len, depth=self.depth)
+             states=self.states, cache=self.cache, prompt_len=self.prompt_len, depth=self.depth,
+             prompt_sel=self.prompt_sel, prompt_logits=self.prompt_logits)
     os.replace(tmp, path)
 
   @classmethod
   def load(cls, path: str) -> Reference:
     with np.load(path) as z:
       return cls(z["tokens"], z["sel"], z["scores"], z["router"], z["logits"], z["states"], z["cache"],
-                 int(z["prompt_len"]), int(z["depth"]))
+                 int(z["prompt_len"]), int(z["depth"]), z["prompt_sel"], z["prompt_logits"])
 
   def start(self, gen) -> None:
     """The trial's cache as the reference's was at its first check position: the prompt's rows, filled to the depth."""
@@ -186,17 +194,21 @@ def make_reference(gen, prompt: list[int], positions: int, depth: int = 0) -> Re
   from model.bench import fill_context
   n_moe, P = sum(b.moe for b in gen.model.blocks), len(prompt)
   tokens, sel, scores, router, logits, states, depth = list(prompt), [], [], [], [], [], max(depth, P)
+  prompt_sel, prompt_logits = [], []
   for j in range(P + positions):
     if j == P: fill_context(gen.model, P, depth)
     lg, *per_block, outs = gen.check_step(tokens[j], j if j < P else depth + j - P)
     if j == P - 1: tokens.append(int(np.argmax(lg)))
-    if j < P: continue
     o, s, r = _split(n_moe, *per_block)
+    if j < P:
+      prompt_sel.append(o), prompt_logits.append(lg)
+      continue
     sel.append(o), scores.append(s), router.append(r), states.append(outs), logits.append(lg)
     tokens.append(int(np.argmax(lg)))
   return Reference(np.array(tokens[:P + positions + 1]), np.stack(sel), np.stack(scores).astype(np.float32),
                    np.stack(router).astype(np.float32), np.stack(logits).astype(np.float32),
-                   np.stack(states).astype(np.float32), gen.cache_rows(P), P, depth)
+                   np.stack(states).astype(np.float32), gen.cache_rows(P), P, depth, np.stack(prompt_sel),
+                   np.stack(prompt_logits).astype(np.float32))
 
 
 def stage_errors(outs: np.ndarray, states: np.ndarray) -> np.ndarray:
@@ -207,6 +219,30 @@ def stage_errors(outs: np.ndarray, states: np.ndarray) -> np.ndarray:
   diff = np.abs(outs - states).max(-1)
   with np.errstate(divide="ignore", invalid="ignore"): err = diff / update.std(-1)
   return np.where(diff == 0, 0.0, np.nan_to_num(err, nan=np.inf))
+
+
+def prefill_check(gen, ref: Reference, tol: float, part_tol: dict[str, float] | None = None) -> dict:
+  """The prompt through the config's prefill (its chunks of T > 1 tokens, which run per op whatever the fused stages)
+  with every MoE block routed as the reference routed each prompt token: its logits over the prompt and the KV cache
+  rows it writes against the reference's (its decode steps), and the first check position decoded from the cache that
+  prefill wrote (filled to the depth), stages chained under the reference's routing, against the same step decoded
+  from the reference's cache. Errors as rel_err's, within tol; the decode step within the largest of part_tol too
+  (`check`'s), as its stages that read 8-bit activations may round a value of the two caches one step apart. ref: the
+  exact reference (the baseline's, whose arithmetic a q8 config's prefill keeps)."""
+  n_moe, P = ref.sel.shape[1], ref.prompt_len
+  worst = lambda got, want: float(np.nan_to_num(rel_err(got, want), nan=np.inf).max())
+  logits = gen.prefill_forced(ref.tokens[:P].tolist(), ref.prompt_sel if n_moe else None)
+  err, cache = worst(logits, ref.prompt_logits), worst(gen.cache_rows(P), ref.cache)
+  from model.bench import fill_context
+  fill_context(gen.model, P, ref.depth)
+  step = lambda: gen.check_step(int(ref.tokens[P]), ref.depth, ref.sel[0] if n_moe else None)[0][None]
+  after = step()
+  ref.start(gen)
+  after = worst(after, step())
+  step_tol = max([tol, *(part_tol or {}).values()])
+  return {"prefill_ok": max(err, cache) <= tol and after <= step_tol, "prefill_tolerance": tol,
+          "prefill_decode_tolerance": step_tol, "prefill_max_rel_err": err, "prefill_cache_err": cache,
+          "prefill_decode_err": after}
 
 
 def check(gen, ref: Reference, tol: float, part_tol: dict[str, float] | None = None,
@@ -343,6 +379,11 @@ def verdict(check: dict) -> str:
     parts.append(f"{check['wrong_routing']} routing decisions differ where the reference's margin is decisive")
   if check["max_router_err"] > check["tolerance"]:
     parts.append(f"router logits differ by {check['max_router_err']:.3g} std")
+  if check.get("prefill_ok") is False:
+    parts.append(f"prefill differs from the reference's decode steps (prompt logits {check['prefill_max_rel_err']:.3g}"
+                 f" std, KV cache rows {check['prefill_cache_err']:.3g}, the decode step after it "
+                 f"{check['prefill_decode_err']:.3g}; tolerance {check['prefill_tolerance']:.0e}, the decode step "
+                 f"{check['prefill_decode_tolerance']:.1e})")
   if check.get("tokens_differ"):
     parts.append(f"the timed run's token {check['first_differing']} differs from the checked run's "
                  f"({check['tokens_differ']} of {check['tokens_compared']} compared)")

@@ -12,6 +12,7 @@ import numpy as np
 from tinygrad import GlobalCounters, Tensor, UOp, dtypes
 from tinygrad.uop.ops import resolve
 
+from model import prefill
 from model import stages as S
 from model import weights as W
 from model.backends import catalog
@@ -348,11 +349,14 @@ class Block:
       nonlocal xn
       if xn is None: xn = rms_norm(h, self.ffn_norm, hp.eps)
       return xn
+    # the prompt's chunk: its FFN products over all its tokens at once (model/prefill.py)
+    grouped = x.shape[1] > 1 and self.cfg.prefill_ffn == "grouped"
     if not self.moe:
       # a kernel's output: block_out bounds nothing here
       if (b := stage("ffn")) is not None: return b.ffn(self.ffn_in, h).cast(act)
-      return self.barrier(h + self._ffn(norm(), self.gate, self.up, self.down, self.gate_up, "dense_gate_up").cast(act),
-                          "block_out")
+      ffn = (prefill.glu(norm(), S.Glu(self.gate, self.up, self.gate_up, self.down), self.cfg) if grouped else
+             self._ffn(norm(), self.gate, self.up, self.down, self.gate_up, "dense_gate_up"))
+      return self.barrier(h + ffn.cast(act), "block_out")
     forced, rb = check.forced if check is not None else None, stage("router")
     # one backend's router and MoE in one, where it offers that: its MoE kernels route from the logits themselves
     joint = rb is not None and rb is stage("moe") and rb.offers("routed_moe")
@@ -366,7 +370,12 @@ class Block:
       check.scores = self.scores(logits.float()).reshape(-1, hp.n_experts)
     if joint: return out.cast(act)
     if (b := stage("moe")) is not None: return b.moe(self.moe_in, h, sel, w, logits).cast(act)
-    return self.barrier(h + self.experts(norm(), sel, w).cast(act), "block_out")
+    if grouped:
+      shared = S.Glu(self.gate_sh, self.up_sh, self.gate_up_sh, self.down_sh) if self.shared else None
+      out = prefill.moe(norm(), sel, w, S.Glu(self.gate_exps, self.up_exps, self.gate_up_exps, self.down_exps), shared,
+                        hp.n_experts, self.cfg)
+    else: out = self.experts(norm(), sel, w)
+    return self.barrier(h + out.cast(act), "block_out")
 
 
 @dataclass
@@ -434,12 +443,16 @@ class Transformer:
     self.output_norm = load("output_norm.weight", norm=True)
     self.output = load("output.weight") if "output.weight" in f.tensors else self.token_embd
 
-  def forward(self, tokens: Tensor, start_pos: int | UOp, all_logits: bool = False) -> Tensor:
-    """tokens (1, T) at positions start_pos.. -> float32 logits: (1, T, vocab), or for the last token alone
-    (1, 1, vocab)."""
-    pos, x = self.decode_pos(start_pos) if tokens.shape[1] == 1 else None, self.embed(tokens)
-    for b in self.blocks: x = b(x, start_pos, pos, self.act)
-    return self.head(x if all_logits else x[:, -1:])
+  def forward(self, tokens: Tensor, start_pos: int | UOp, all_logits: bool = False,
+              forced: list[Tensor] | None = None, at: Tensor | None = None) -> Tensor:
+    """tokens (1, T) at positions start_pos.. -> float32 logits: (1, T, vocab), or for one token alone (1, 1, vocab):
+    the last, or the one at index `at` (1,) (a padded prefill chunk's last real token). forced: per MoE block, the
+    expert ids (1, T, K) it uses instead of its own (the correctness check's prefill)."""
+    (_, T), pos, x = tokens.shape, self.decode_pos(start_pos) if tokens.shape[1] == 1 else None, self.embed(tokens)
+    ids = iter(forced or ())
+    for b in self.blocks: x = b(x, start_pos, pos, self.act, Check(next(ids)) if b.moe and forced else None)
+    if all_logits: return self.head(x)
+    return self.head(x[:, -1:] if at is None else (Tensor.arange(T) == at).reshape(1, T, 1).where(x, 0).sum(1, True))
 
   def embed(self, tokens: Tensor) -> Tensor: return K.rows(self.token_embd, tokens).cast(self.act)
 

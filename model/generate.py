@@ -87,11 +87,14 @@ class Generator:
   Decode kernels are built with the config's BEAM width; prefill kernels at BEAM=0 (the search measures decode, and BEAM
   over the prefill kernels of a full model costs minutes)."""
 
-  def __init__(self, model: Transformer, chunk: int = 32):
+  def __init__(self, model: Transformer, chunk: int | None = None):
+    """chunk: the prompt's tokens per prefill graph call (None: the config's prefill_chunk)."""
+    chunk = model.cfg.prefill_chunk if chunk is None else chunk
     self.model, self.chunk, self.beam = model, min(chunk, model.max_context), model.cfg.beam
     self.pos = UOp.variable("start_pos", 0, model.max_context - 1)
     self.prefill_jit, self.step_jit, self.step_logits_jit = capture_first(self._prefill), capture_first(
       self._step), capture_first(self._step_logits)
+    self.prefill_last_jit = capture_first(self._prefill_last)
     self.sample_jit = capture_first(self._sample)  # temperature > 0: the greedy graph computes no noise
     # the correctness check (check_step): the embedding, the head, and one graph per kind of block (block_inputs)
     self.embed_jit, self.head_jit, self.block_jits = capture_first(self._embed), capture_first(self._head), {}
@@ -102,7 +105,7 @@ class Generator:
     dev, D = model.device, model.hp.dim
     self.token, self.temperature, self.seed = (Slot((1, 1), dtypes.int32, dev), Slot((1,), dtypes.float, dev),
                                                Slot((1,), dtypes.float, dev))
-    self.chunk_tokens = Slot((1, self.chunk), dtypes.int32, dev)
+    self.chunk_tokens, self.chunk_last = Slot((1, self.chunk), dtypes.int32, dev), Slot((1,), dtypes.int32, dev)
     # the sequence's tokens, which greedy steps read and write on the device (steps), and its last read on the host
     self.seq = Tensor.zeros(model.max_context + 1, dtype=dtypes.int32, device=dev).contiguous().realize()
     self.seq_held = np.zeros(model.max_context + 1, np.int32)
@@ -116,6 +119,9 @@ class Generator:
 
   def _prefill(self, tokens: Tensor, start_pos: UOp) -> Tensor:
     return self.model.forward(tokens, start_pos, all_logits=True)[0].contiguous()
+
+  def _prefill_last(self, tokens: Tensor, start_pos: UOp, last: Tensor) -> Tensor:
+    return self.model.forward(tokens, start_pos, at=last)[0, -1].contiguous()
 
   def _step_logits(self, token: Tensor, start_pos: UOp) -> Tensor:
     return self.model.forward(token, start_pos)[0, -1].contiguous()
@@ -155,8 +161,10 @@ class Generator:
     if end > self.model.max_context:
       raise ValueError(f"sequence of {end} tokens exceeds the context of {self.model.max_context}")
 
-  def prefill(self, tokens: list[int], start: int = 0) -> np.ndarray:
-    """Feed tokens at positions start.. in chunks; returns float32 logits (len(tokens), vocab) for every position."""
+  def prefill(self, tokens: list[int], start: int = 0, last: bool = False) -> np.ndarray:
+    """Feed tokens at positions start.. in chunks; returns float32 logits (len(tokens), vocab) for every position, or
+    with `last` the last token's alone (vocab,), what a generation reads: then each chunk computes the output head for
+    one token (its last) instead of all its positions, and the host reads one row, after the last chunk."""
     self._check_room(start + len(tokens))
     out = []
     for i in range(0, len(tokens), self.chunk):
@@ -165,9 +173,28 @@ class Generator:
       # the padded chunk would run past the cache: fall back to exact size
       if pos + self.chunk > self.model.max_context:
         logits = self.model.forward(Tensor([part], dtype=dtypes.int32), self.pos.bind(pos), all_logits=True)[0].numpy()
-      else:  # padding past the prompt writes cache rows that later steps overwrite before they read them
-        logits = read(self.prefill_jit(self.chunk_tokens([part + [0] * (self.chunk - len(part))]), self.pos.bind(pos)))
-      out.append(logits[:len(part)])
+        out.append(logits[-1] if last else logits)
+        continue
+      # padding past the prompt writes cache rows that later steps overwrite before they read them
+      args = self.chunk_tokens([part + [0] * (self.chunk - len(part))]), self.pos.bind(pos)
+      if last: out.append(self.prefill_last_jit(*args, self.chunk_last(len(part) - 1)))
+      else: out.append(read(self.prefill_jit(*args))[:len(part)])
+    if last: return out[-1] if isinstance(out[-1], np.ndarray) else read(out[-1])
+    return np.concatenate(out)
+
+  def prefill_forced(self, tokens: list[int], forced: np.ndarray | None) -> np.ndarray:
+    """prefill's logits (len(tokens), vocab) from position 0, in its chunks (at their exact sizes, outside the JIT),
+    every MoE block using the expert ids of forced (len(tokens), n_moe, K) instead of its own: the correctness check's
+    prefill, which routes as its reference did."""
+    self._check_room(len(tokens))
+    out = []
+    for i in range(0, len(tokens), self.chunk):
+      part = tokens[i:i + self.chunk]
+      ids = None if forced is None else [Tensor(np.ascontiguousarray(forced[i:i + len(part), b]).astype(np.int32),
+                                                device=self.model.device).reshape(1, len(part), -1)
+                                         for b in range(forced.shape[1])]
+      tok = Tensor([part], dtype=dtypes.int32, device=self.model.device)
+      out.append(self.model.forward(tok, self.pos.bind(i), all_logits=True, forced=ids)[0].numpy())
     return np.concatenate(out)
 
   def step_logits(self, token: int, pos: int) -> np.ndarray:
@@ -244,7 +271,7 @@ class Generator:
                stop: set[int] = frozenset()) -> Iterator[int]:
     """Yields up to n new tokens after the prompt; stops after a token in `stop`."""
     rng = np.random.default_rng(seed)
-    tok = sample(self.prefill(prompt)[-1], temperature, top_p, rng)
+    tok = sample(self.prefill(prompt, last=True), temperature, top_p, rng)
     pos = len(prompt)
     for i in range(n):
       yield tok

@@ -174,6 +174,7 @@ DSL_ROWS = {p: Knob(4 if p == "gate_up" else 1, (1, 2, 4),
                     f"output rows per thread of the dsl {p} product (its UPCAST)", fused_in=st, on="dsl")
             for p, st in DSL_PRODUCTS.items()}
 _beam = ("beam", lambda b: b > 0, 2)  # BEAM's settings apply when BEAM searches (a width of 2 shows them)
+_grouped = ("prefill_ffn", lambda v: v == "grouped", "grouped")  # grouped prefill's settings apply with it
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,27 @@ class StructureConfig:
                           "each; or all_heads, a workgroup per split of the context reads each position once for all "
                           "heads (on tensor cores where the backend has them), its splits merged once",
                           fused_in=("attention",), precision="fp16")
+  prefill_ffn: str = knob("per_token", ("per_token", "grouped"),
+                          "the prompt's FFN products over a chunk of tokens: per_token, each token's own, its experts "
+                          "gathered and dequantised inside the product as in decode; or grouped, the chunk's (token, "
+                          "expert) pairs grouped by expert in tiles, each product a batched matmul of dequantised "
+                          "weights, the shared expert's and the dense FFN's plain matmuls (model/prefill.py)")
+  prefill_dtype: str = knob("float32", ("float32", "float16"),
+                            "the dtype grouped prefill dequantises the FFN weights to and multiplies in (float16: "
+                            "tensor cores where the device has them; sums in float32)", needs=_grouped,
+                            precision="fp16")
+  prefill_tile: int = knob(16, (16, 64), "rows of a tile of grouped prefill's expert products: each expert's pairs "
+                           "padded to whole tiles (more rows: fewer tiles and weight reads, more padding)",
+                           applies=_moe, needs=_grouped)
+  prefill_weights: str = knob("indexed", ("indexed", "copied"),
+                              "how grouped prefill's expert products read the weights: indexed, every expert "
+                              "dequantised once per chunk and read per row by its tile's expert; or copied, each "
+                              "tile's expert dequantised into a matrix of its own, read by a plain batched matmul",
+                              applies=_moe, needs=_grouped)
+  prefill_chunk: int = knob(32, (32, 512),
+                            "prompt tokens per grouped prefill graph call (the last chunk padded): a chunk dequantises "
+                            "its weights once for all its tokens (per token, a token reads its experts on its own and "
+                            "a larger chunk only pads a short prompt more)", needs=_grouped)
   kv_dtype: str = knob("float16", ("float16", "float32"), "KV cache dtype", precision="fp16")
   attention: str = knob("explicit", ("explicit", "sdpa"), "explicit matmul+softmax or scaled_dot_product_attention",
                         stages=("attention",))

@@ -29,7 +29,10 @@ from model.gguf_file import GGUFFile
 from model.structure import KNOBS, StructureConfig
 from space.knobs import ModelInfo, flat, to_config
 
-FP16_KNOBS = ("backend.", "fused.", "act_dtype", "mla_absorb", "router_fp32", "kv_dtype", "attn_layout")
+FP16_KNOBS = ("backend.", "fused.", "act_dtype", "mla_absorb", "router_fp32", "kv_dtype", "attn_layout",
+              "prefill_dtype")
+# the prompt's: proved on the prefill graph (run_prefill), which decode never runs
+PREFILL_KNOBS = ("prefill_",)
 # 8-bit activations: held to the gate's tolerance of their class
 Q8_KNOBS = ("ffn_act", "attn_act")
 
@@ -82,11 +85,34 @@ def routed(path: str, cfg_json: str, tokens: tuple[int, ...], sel: bytes | None 
   return np.stack([o[0] for o in out]).astype(np.float64), np.stack([o[1] for o in out]).astype(np.int64).tobytes()
 
 
+@functools.cache
+def run_prefill(path: str, cfg_json: str, tokens: tuple[int, ...]) -> tuple[np.ndarray, tuple[tuple[str, str], ...]]:
+  """Under one config, the prefill's logits over `tokens` (len(tokens), vocab) float64, in the config's chunks, and the
+  kernels of its captured prefill graph. The cache holds the largest chunk, so no chunk is cut to fit."""
+  size = max(KNOBS["prefill_chunk"].valid())
+  gen = Generator(Transformer(gguf(path), StructureConfig.from_json(cfg_json), max_context=size))
+  return gen.prefill(list(tokens)).astype(np.float64), tuple(jit_kernels(gen.prefill_jit))
+
+
+def check_prefill_knob(path: str, label: str, cfg: StructureConfig, tokens: tuple[int, ...]) -> None:
+  """check_knob's proof on the prefill graph: logits over the prompt within the knob's tolerance of the baseline's, and
+  other kernels than the config's with this knob at its default (a knob that needs another's value is proved against
+  that value, not against the baseline, which the other knob alone already changes)."""
+  name = label.split("=")[0]
+  base_logits = run_prefill(path, StructureConfig().to_json(), tokens)[0]
+  logits, kernels = run_prefill(path, cfg.to_json(), tokens)
+  own = to_config(flat(cfg) | {name: KNOBS[name].default})
+  assert_close(label, logits, base_logits, 2e-2 if label.startswith(FP16_KNOBS) else 1e-3)
+  assert code(kernels) != code(run_prefill(path, own.to_json(), tokens)[1]), (f"{label} runs exactly the prefill "
+                                                                              "kernels it runs without it")
+
+
 def check_knob(path: str, label: str, cfg: StructureConfig, tokens: tuple[int, ...]) -> None:
   """(a) logits equal the baseline's within the knob's tolerance, the top token agrees wherever the baseline's lead
   exceeds it; (b) the decode step runs different kernels (names or sources) than the baseline's. 8-bit knobs are
   compared with every MoE block routed as the baseline routes (the gate's forced routing): their rounding may send a
-  router's near-tie to the other expert, which free routing then carries on."""
+  router's near-tie to the other expert, which free routing then carries on. The prefill knobs: check_prefill_knob."""
+  if label.startswith(PREFILL_KNOBS): return check_prefill_knob(path, label, cfg, tokens)
   base_logits, base_kernels = run(path, StructureConfig().to_json(), tokens)
   logits, kernels = run(path, cfg.to_json(), tokens)
   if label.startswith(Q8_KNOBS):

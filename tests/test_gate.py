@@ -237,7 +237,7 @@ def test_the_timed_run_is_checked_against_the_chained_run() -> None:
   P, n = 4, 6
   given = [7, 11, 12, 13, 14, 15, 16]
   ref = gate.Reference(np.array([1] * P + given), *(np.zeros((n, 0, 0)) for _ in range(3)), np.zeros((n, 5)),
-                       np.zeros((n, 3, 2)), np.zeros((1, P, 2)), P, P)
+                       np.zeros((n, 3, 2)), np.zeros((1, P, 2)), P, P, np.zeros((P, 0, 0)), np.zeros((P, 5)))
   own, none = given[1:], {"tokens_differ": 0, "first_differing": None}
   check = lambda own_tokens, decided, timed: gate.check_tokens(ref, {"own_tokens": own_tokens,
                                                                      "own_decided": decided}, timed)

@@ -25,9 +25,11 @@ SLOW = ("f16",)
 
 
 def cases(mixes: tuple[str, ...]) -> list[tuple[str, str, object]]:
-  # BEAM and dsl rows: see tests/test_space.py SEPARATE; the barriers: joint_barriers
+  # BEAM and dsl rows: see tests/test_space.py SEPARATE; the barriers: joint_barriers; the prefill knobs: proved on the
+  # tiny file (tests/test_space.py) and per quant type (tests/test_prefill.py), as grouped prefill dequantises every
+  # expert of a chunk, gigabytes in float32 at these widths
   out = [(mix, label, cfg) for mix in mixes for label, cfg in single_knob_changes(INFO[mix])
-         if not label.startswith(("beam", "dsl_rows", "barrier."))
+         if not label.startswith(("beam", "dsl_rows", "barrier.", "prefill_"))
          and (mix == "q4_0" or label.startswith("backend.") and not label.endswith("=fp16_cache"))]
   if "q4_0" in mixes: out += [("q4_0", label, cfg) for label, cfg in joint_barriers()]
   return out

@@ -1,0 +1,95 @@
+"""The prompt's FFN over a chunk of T > 1 tokens as batched products of dequantised weights (StructureConfig.prefill_ffn
+= grouped), where decode's per-token path gathers and dequantises each token's own experts, with no reuse over the
+chunk.
+
+Routed experts: the chunk's T*K (token, slot) pairs are laid out by expert in tiles of `prefill_tile` rows, each
+expert's pairs filling whole tiles of their own in the pairs' order (a counting sort on the device: `layout`); each
+tile's rows are multiplied by its expert's weights, then each pair's row is read back and weighted into its token. An
+expert with c pairs takes ceil(c / tile) tiles, so a chunk takes at most (T*K + m * (tile - 1)) // tile tiles with m =
+min(E, T*K): that static bound sizes the products, so a chunk size and a tile give one set of kernel shapes whatever the
+routing, no pair ever overflows, and the padding is at most tile - 1 rows per expert in use. The weights are read
+either `indexed`: every expert dequantised once per chunk into one buffer of `prefill_dtype`, which the product indexes
+per row by its tile's expert; or `copied`: each tile's expert dequantised into a matrix of its own (a weight read per
+tile), which the product then reads as a plain batched matmul (tensor cores where the device has them). The shared
+expert and the dense FFN are plain matmuls of weights dequantised once per chunk.
+"""
+from __future__ import annotations
+
+from tinygrad import Tensor, dtypes
+from tinygrad.dtype import DType
+
+from model.quants import to_float
+from model.stages import Glu
+from model.structure import StructureConfig
+from model.weights import QWeight
+
+
+def dtype(cfg: StructureConfig) -> DType: return dtypes.float16 if cfg.prefill_dtype == "float16" else dtypes.float32
+
+
+def dequant(w: QWeight, dt: DType, idx: Tensor | None = None) -> Tensor:
+  """w's values in dt, a buffer of their own (contiguous): all of them, or the matrices of the leading indices idx."""
+  if idx is None: return w.to_float().cast(dt).contiguous()
+  if w.cache is not None: return w.cache[idx].cast(dt).contiguous()
+  return to_float(w.view(w.shape, idx), w.ggml_type, (*idx.shape, *w.shape[1:])).cast(dt).contiguous()
+
+
+def linear(x: Tensor, w: QWeight, dt: DType) -> Tensor:
+  """x (..., in) @ w.T (out, in) dequantised to dt -> (..., out) float32: one matmul for all the chunk's tokens."""
+  return x.cast(dt).matmul(dequant(w, dt).T, dtype=dtypes.float32)
+
+
+def glu(x: Tensor, f: Glu, cfg: StructureConfig) -> Tensor:
+  """The SiLU-gated FFN f of x (..., dim), its products as `linear`: (..., dim) float32."""
+  dt = dtype(cfg)
+  if f.gate_up is not None: g, u = linear(x, f.gate_up, dt).split(f.hidden, dim=-1)
+  else: g, u = linear(x, f.gate, dt), linear(x, f.up, dt)
+  return linear((g.silu() * u).contiguous(), f.down, dt)
+
+
+def layout(sel: Tensor, n_experts: int, tile: int) -> tuple[Tensor, Tensor, Tensor]:
+  """The pairs of sel (T, K) by expert in tiles: (each tile's expert (N,), the token each row reads (N * tile,), each
+  pair's row (T * K,)). Padding rows read token 0 and no pair reads them back; tiles past the last used one take the
+  last expert."""
+  (T, K), E = sel.shape, n_experts
+  P = T * K
+  e, ar = sel.reshape(P).cast(dtypes.int32), Tensor.arange(P)
+  onehot = e.unsqueeze(1) == Tensor.arange(E).unsqueeze(0)  # (P, E)
+  tiles = (onehot.sum(0) + tile - 1) // tile  # each expert's tiles
+  end = tiles.cumsum()
+  start = end - tiles
+  # each pair's rank among its expert's pairs
+  rank = ((e.unsqueeze(0) == e.unsqueeze(1)) & (ar.unsqueeze(0) < ar.unsqueeze(1))).sum(1)
+  row = (onehot.where(start.unsqueeze(0), 0).sum(1) * tile + rank).cast(dtypes.int32)
+  N = (P + min(E, P) * (tile - 1)) // tile
+  tile_expert = (end.unsqueeze(0) <= Tensor.arange(N).unsqueeze(1)).sum(1).minimum(E - 1).cast(dtypes.int32)
+  token = (row.unsqueeze(0) == Tensor.arange(N * tile).unsqueeze(1)).where((ar // K).unsqueeze(0), 0).sum(1)
+  return tile_expert.contiguous(), token.cast(dtypes.int32).contiguous(), row.contiguous()
+
+
+def _product(x: Tensor, w: QWeight, tile_expert: Tensor, cfg: StructureConfig) -> Tensor:
+  """x (N, tile, in) by each tile's expert of w (E, out, in) -> (N, tile, out) float32."""
+  (N, tile, _), dt = x.shape, dtype(cfg)
+  if cfg.prefill_weights == "copied":
+    return x.matmul(dequant(w, dt, tile_expert).transpose(-1, -2), dtype=dtypes.float32)
+  # the index expanded over the tile's rows before the gather: tinygrad then reads the weights inside the product
+  # instead of copying each tile's matrix out first
+  wt = dequant(w, dt)[tile_expert.reshape(N, 1).expand(N, tile)]  # (N, tile, out, in)
+  return (x.unsqueeze(-2) * wt).sum(-1, dtype=dtypes.float32)
+
+
+def moe(xn: Tensor, sel: Tensor, wts: Tensor, experts: Glu, shared: Glu | None, n_experts: int,
+        cfg: StructureConfig) -> Tensor:
+  """The routed experts' outputs weighted and summed, plus the shared expert's, for xn (B, T, D) routed by sel and wts
+  (B, T, K): (B, T, D) float32."""
+  (B, T, D), K, tile = xn.shape, sel.shape[-1], cfg.prefill_tile
+  tile_expert, token, row = layout(sel.reshape(B * T, K), n_experts, tile)
+  x = xn.reshape(B * T, D)[token].cast(dtype(cfg)).reshape(-1, tile, D)
+  if experts.gate_up is not None:
+    g, u = _product(x, experts.gate_up, tile_expert, cfg).split(experts.hidden, dim=-1)
+  else:
+    g, u = _product(x, experts.gate, tile_expert, cfg), _product(x, experts.up, tile_expert, cfg)
+  act = (g.silu() * u).cast(dtype(cfg)).contiguous()
+  y = _product(act, experts.down, tile_expert, cfg).reshape(-1, D)
+  out = (y[row].reshape(B, T, K, D) * wts.unsqueeze(-1)).sum(2)
+  return out if shared is None else out + glu(xn, shared, cfg)

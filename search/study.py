@@ -154,8 +154,10 @@ class Setup:
     return ev
 
   def knobs(self, info: ModelInfo) -> list[Knob]:
-    """The study's space: the knobs of its model on its device kind with its backend family."""
-    return knobs(info, self.device, self.family)
+    """The study's space: the knobs of its model on its device kind with its backend family; how the prompt is
+    prefilled only where the prompt's speed is an objective (elsewhere those knobs change nothing it measures)."""
+    timed = self.prefill and "prefill_tok_s" in self.objectives.split(",")
+    return [k for k in knobs(info, self.device, self.family) if timed or not k.name.startswith("prefill_")]
 
   def baseline(self, info: ModelInfo) -> StructureConfig:
     """The baseline a new study stores: every knob at its default but the pinned ones."""

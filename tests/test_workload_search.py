@@ -11,7 +11,9 @@ import optuna
 from inject.trialfakes import install_fake_trials
 from test_protocol import FAST, search
 
-from search.study import load_setup
+from model.gguf_file import GGUFFile
+from search.study import Setup, load_setup
+from space.knobs import ModelInfo
 
 
 def test_a_studys_workload_reaches_its_trials_views_and_export(gguf_file, tmp_path, monkeypatch, capsys) -> None:
@@ -79,3 +81,14 @@ def test_model_bench_takes_the_workload_and_names_a_mismatch(gguf_file, tmp_path
   assert (a["context"], b["context"]) == (32, 96) and b["bytes_per_token"] > a["bytes_per_token"] and b["ttft_s"] > 0
   refused = run("--context", "4000")
   assert refused.returncode == 1 and refused.stderr.strip().endswith("past the model's context length of 2048")
+
+
+def test_prefill_knobs_are_searched_only_where_the_prompt_is_timed(gguf_file) -> None:
+  """How the prompt is prefilled is part of a study's space only when prefill_tok_s is one of its objectives and it
+  prefills: elsewhere those knobs change nothing the study measures."""
+  info = ModelInfo.from_gguf(GGUFFile(gguf_file("tiny", "q4_0")))
+  names = lambda **kw: {k.name for k in Setup("s", "m", "m", "CPU", **kw).knobs(info)}
+  assert "prefill_ffn" in names(objectives="tok_s,prefill_tok_s")
+  for kw in ({}, {"objectives": "tok_s,peak_memory"}, {"objectives": "tok_s,prefill_tok_s", "prefill": False}):
+    got = names(**kw)
+    assert got and not any(n.startswith("prefill_") for n in got), kw

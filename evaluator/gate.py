@@ -37,8 +37,9 @@ and the blocks carry it on; 8-bit activations compound over the blocks), so each
 Tolerances are of the reference's standard deviation at each position, errors the maximum over the elements. The
 config's precision class (StructureConfig.precision) picks them: FP32_TOL where it reorders float32 work (or holds
 activations to 16 bits, x16: within 1/64516 of a unit's largest value), FP16_TOL where it rounds to fp16 where its
-reference does not; the stages that read 8-bit activations (ffn_act, attn_act) get Q8_TOL at width 2048, scaled by
-sqrt(2048 / width), as one value one 8-bit step apart moves a stage by about step / sqrt(width). The blocks run one by
+reference does not; the stages that read 8-bit values (ffn_act's and attn_act's activations, kv_dtype=q8_0's cache)
+get Q8_TOL at width 2048, scaled by sqrt(2048 / width), as one value one 8-bit step apart moves a stage by about step /
+sqrt(width). The blocks run one by
 one, one captured graph per kind of block (model/generate.py), so a fault in one block's data is checked in that block.
 The figures behind the constants: docs/benchmarks.md.
 """
@@ -82,12 +83,13 @@ PARTS = {"attention": "attention", "router": "ffn", "moe": "ffn", "ffn": "ffn"}
 
 
 def tolerance(cfg: StructureConfig, dim: int) -> tuple[float, dict[str, float]]:
-  """(the tolerance of the config's precision class, {stage part: its own} for the parts that read 8-bit activations)
-  for a model of width dim: FP16_TOL where it rounds to fp16 where its reference does not, else FP32_TOL; the stages
-  that read 8-bit activations (the FFN's with ffn_act=q8, the attention's with attn_act=q8) Q8_TOL at width 2048,
-  scaled by sqrt(2048 / dim): one value one 8-bit step apart moves a stage by about step / sqrt(width)."""
+  """(the tolerance of the config's precision class, {stage part: its own} for the parts that read 8-bit values) for a
+  model of width dim: FP16_TOL where it rounds to fp16 where its reference does not, else FP32_TOL; the stages that
+  read 8-bit values (the FFN's with ffn_act=q8, the attention's with attn_act=q8 or kv_dtype=q8_0: the stages a knob is
+  fused in, or those whose per-op code it changes) Q8_TOL at width 2048, scaled by sqrt(2048 / dim): one value one
+  8-bit step apart moves a stage by about step / sqrt(width)."""
   tol = FP16_TOL if "fp16" in cfg.precision() else FP32_TOL
-  parts = {PARTS[s] for k in q8_knobs(cfg) for s in k.fused_in}
+  parts = {PARTS[s] for k in q8_knobs(cfg) for s in k.fused_in or k.stages}
   return tol, dict.fromkeys(sorted(parts), max(tol, Q8_TOL * math.sqrt(2048 / dim)))
 
 

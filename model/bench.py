@@ -55,10 +55,9 @@ def fill_context(model: Transformer, prompt_len: int, depth: int) -> None:
   # the rotation by k * P positions (k = 1..copies), without the tables' magnitude (mscale: their value at position 0)
   shift = lambda t: Tensor(t[P::P][:copies] / cos[0, 0], device=model.device)
   for b in model.blocks:
-    rows = b.cache[0, :P].unsqueeze(0).expand(copies, P, b.cache.shape[-1])
-    pe = apply_rope(rows[..., kvl:].float().unsqueeze(0), shift(cos), shift(sin))[0]
-    b.cache[:, P:depth] = rows[..., :kvl].cat(pe.cast(b.cache.dtype), dim=-1).reshape(1, copies * P, -1)[:, :n]
-    b.cache.realize()
+    rows = b.kv.rows(P)[0].unsqueeze(0).expand(copies, P, -1)
+    pe = apply_rope(rows[..., kvl:].unsqueeze(0), shift(cos), shift(sin))[0]
+    b.kv.write(P, rows[..., :kvl].cat(pe, dim=-1).reshape(1, copies * P, -1)[:, :n])
   Device[model.device or Device.DEFAULT].synchronize()
 
 

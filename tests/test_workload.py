@@ -86,7 +86,8 @@ def test_memory_and_refusals(gguf_file) -> None:
   path = gguf_file("tiny", "q4_0")
   work = Workload(context=1024)
   mem = Memory.of(path, work, 32)
-  assert mem.kv_cache == {"float16": 3 * 1056 * 160 * 2, "float32": 3 * 1056 * 160 * 4}
+  # q8_0: 160 values a position in 5 blocks of 32, each 32 int8 codes and a float16 scale
+  assert mem.kv_cache == {"float16": 3 * 1056 * 160 * 2, "float32": 3 * 1056 * 160 * 4, "q8_0": 3 * 1056 * 5 * 34}
   assert mem.peak() == mem.weights + mem.kv_cache["float16"] and mem.weights > 1e6
   assert mem.refusal(work, 32, "CPU", 10**12) is None
   assert mem.refusal(work, 32, "CPU", mem.peak() - 1).startswith("context 1024, prompt 32 needs weights")

@@ -181,9 +181,7 @@ class KVCache:
 
   def write(self, start: int, rows: Tensor) -> None:
     """Rows (1, T, width) written at positions start.. now, rounded as the model stores its own."""
-    for p, e in zip(self.planes, self.encode(rows), strict=True):
-      p[:, start:start + rows.shape[1]] = e
-      p.realize()
+    Tensor.realize(*self.store(start, rows))
 
   def nbytes(self) -> int: return sum(p.nbytes() for p in self.planes)
 

@@ -11,7 +11,7 @@ from tinygrad.engine.jit import _prepare_jit_inputs
 from tinygrad.helpers import Context, ansistrip
 from tinygrad.uop.ops import Ops
 
-from model.deepseek2 import Block, Check, Transformer
+from model.deepseek2 import Block, Check, KVCache, Transformer
 from model.weights import QWeight, read, write
 
 
@@ -71,6 +71,7 @@ def block_inputs(blk: Block) -> tuple[list[Tensor], tuple]:
     elif isinstance(v, QWeight):
       kind.append((path, v.quant, v.backend, v.shape))
       walk(path + ".planes", v.planes), walk(path + ".cache", v.cache)
+    elif isinstance(v, KVCache): walk(path + ".planes", v.planes)
     elif isinstance(v, dict):
       for k in sorted(v): walk(f"{path}.{k}", v[k])
     elif isinstance(v, (list, tuple)):

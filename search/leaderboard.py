@@ -36,7 +36,7 @@ ACCURACY = ("positions", "top1", "max_rel_err", "median_rel_err", "mean_kl", "ma
 PRECISION = {"exact": "float arithmetic, checked against the exact reference at float tolerances",
              "x16": "16-bit activations (two 8-bit planes per 32) with integer dot products, checked against the exact "
                     "reference at float tolerances",
-             "q8": "8-bit activations with integer dot products, or an 8-bit (q8_0) KV cache, like llama.cpp's"}
+             "q8": "8-bit activations with integer dot products, like llama.cpp's"}
 
 
 def precision(cfg: StructureConfig) -> str:

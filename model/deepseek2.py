@@ -178,15 +178,8 @@ class KVCache:
                                                                                  strict=True))
 
   def rows(self, n: int) -> Tensor: return self.decode(self.planes, n)
-
-  def write(self, start: int, rows: Tensor) -> None:
-    """Rows (1, T, width) written at positions start.. now, rounded as the model stores its own."""
-    Tensor.realize(*self.store(start, rows))
-
+  def cleared(self) -> list[Tensor]: return [p.assign(Tensor.zeros_like(p)) for p in self.planes]
   def nbytes(self) -> int: return sum(p.nbytes() for p in self.planes)
-
-  def reset(self) -> None:
-    for p in self.planes: p.assign(Tensor.zeros_like(p)).realize()
 
 
 class Block:
@@ -519,4 +512,4 @@ class Transformer:
   def kv_cache_bytes(self) -> int: return sum(b.kv.nbytes() for b in self.blocks)
 
   def reset(self) -> None:
-    for b in self.blocks: b.kv.reset()
+    Tensor.realize(*(t for b in self.blocks for t in b.kv.cleared()))

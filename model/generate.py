@@ -237,14 +237,15 @@ class Generator:
 
   def cache_rows(self, n: int) -> np.ndarray:
     """The KV cache rows of positions 0..n-1 of every block, as float32: (blocks, n, kv_lora + rope)."""
-    return np.stack([read(b.kv.rows(n).contiguous().realize())[0] for b in self.model.blocks])
+    Tensor.realize(*(rows := [b.kv.rows(n).contiguous() for b in self.model.blocks]))
+    return np.stack([read(r)[0] for r in rows])
 
   def set_cache(self, rows: np.ndarray) -> None:
     """Every block's KV cache holding `rows` (blocks, n, kv_lora + rope) at positions 0..n-1 (in its own dtype), zeros
     after."""
-    for b, r in zip(self.model.blocks, rows, strict=True):
-      b.kv.reset()
-      b.kv.write(0, Tensor(r[None].astype(np.float32), device=self.model.device))
+    self.model.reset()
+    Tensor.realize(*(t for b, r in zip(self.model.blocks, rows, strict=True)
+                     for t in b.kv.store(0, Tensor(r[None].astype(np.float32), device=self.model.device))))
 
   def step(self, token: int, pos: int, temperature: float = 0.0, seed: float = 0.0) -> int:
     """The next token after `token` at `pos`: greedy at temperature 0, else a Gumbel-max draw seeded by `seed`."""

@@ -34,7 +34,7 @@ def test_the_cache_rounds_as_llama_cpp() -> None:
   x[0, 1, 0] = 127
   x[0, 2, 40] = 1e3
   kv = KVCache("q8_0", 6, 64, None)
-  kv.write(2, Tensor(x))
+  Tensor.realize(*kv.store(2, Tensor(x)))
   want = gq.quantize(x.reshape(-1, 64), gq.GGMLQuantizationType.Q8_0).reshape(-1, 34)
   codes, scales = read(kv.planes[0])[0, 2:5].reshape(-1, 32), read(kv.planes[1])[0, 2:5].reshape(-1)
   np.testing.assert_array_equal(codes, want[:, 2:].view(np.int8))

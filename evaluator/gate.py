@@ -223,6 +223,16 @@ def stage_errors(outs: np.ndarray, states: np.ndarray) -> np.ndarray:
   return np.where(diff == 0, 0.0, np.nan_to_num(err, nan=np.inf))
 
 
+def prefill_basis(cfg: StructureConfig, ref: Reference, exact: Reference | None, tol: float,
+                  part_tol: dict[str, float]) -> tuple[Reference, float]:
+  """What a trial's prefill is checked against, and within what. Prefill runs per op: the exact reference at the
+  config's tolerance, unless an 8-bit knob of the config acts in the per-op code (kv_dtype=q8_0, the cache prefill
+  writes): then its twin's, which rounds alike, within that part's tolerance (prefill's sums, in another order than the
+  twin's decode steps, may round a cache value one 8-bit step apart)."""
+  if all(k.fused_in for k in q8_knobs(cfg)): return exact or ref, tol
+  return ref, max([tol, *part_tol.values()])
+
+
 def prefill_check(gen, ref: Reference, tol: float, part_tol: dict[str, float] | None = None) -> dict:
   """The prompt through the config's prefill (its chunks of T > 1 tokens, which run per op whatever the fused stages)
   with every MoE block routed as the reference routed each prompt token: its logits over the prompt and the KV cache

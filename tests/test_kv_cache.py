@@ -11,6 +11,7 @@ import pytest
 from knobcheck import assert_close, gguf, mix_info, routed
 from tinygrad import Tensor
 
+from evaluator import gate
 from evaluator.gate import FP32_TOL, Q8_TOL, tolerance, twin
 from model.backends import catalog
 from model.deepseek2 import KVCache, Transformer
@@ -73,3 +74,21 @@ def test_the_fused_attention_refuses_the_cache_and_the_space_does_not_offer_it()
     k = next(k for k in knobs(mix_info("q4_0"), device) if k.name == "kv_dtype")
     assert k.choices == ("float16", "float32", "q8_0") and k.when({}) and k.when({"fused.moe": "dsl"})
     assert not any(k.when({"fused.attention": b}) for b in fusing)
+
+
+
+def test_the_prefill_is_checked_against_the_twin(gguf_file) -> None:
+  """Prefill writes the 8-bit cache: the gate checks it against the twin's reference (the baseline with the same cache,
+  fed by decode steps), where it passes, within the attention's q8 tolerance; against the exact reference (a float16
+  cache) it would not pass at the float tolerance."""
+  from model.generate import Generator
+  f, prompt = gguf(gguf_file("tiny", "q4_0")), [(7919 * i + 17) % 1000 for i in range(8)]
+  exact, ref = (gate.make_reference(Generator(Transformer(f, c, max_context=32)), prompt, 1) for c in (None, Q8))
+  tol, part_tol = tolerance(Q8, 256)
+  basis, prefill_tol = gate.prefill_basis(Q8, ref, exact, tol, part_tol)
+  assert basis is ref and prefill_tol == part_tol["attention"]
+  assert gate.prefill_basis(StructureConfig(), exact, None, tol, {}) == (exact, tol)
+  gen = lambda: Generator(Transformer(f, Q8, max_context=32), chunk=8)
+  c = gate.prefill_check(gen(), basis, prefill_tol, part_tol)
+  assert c["prefill_ok"] and c["prefill_cache_err"] < FP32_TOL, c
+  assert not gate.prefill_check(gen(), exact, tol, part_tol)["prefill_ok"]

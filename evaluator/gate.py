@@ -37,11 +37,10 @@ and the blocks carry it on; 8-bit activations compound over the blocks), so each
 Tolerances are of the reference's standard deviation at each position, errors the maximum over the elements. The
 config's precision class (StructureConfig.precision) picks them: FP32_TOL where it reorders float32 work (or holds
 activations to 16 bits, x16: within 1/64516 of a unit's largest value), FP16_TOL where it rounds to fp16 where its
-reference does not; the stages that read 8-bit values (ffn_act's and attn_act's activations, kv_dtype=q8_0's cache)
-get Q8_TOL at width 2048, scaled by sqrt(2048 / width), as one value one 8-bit step apart moves a stage by about step /
-sqrt(width). The blocks run one by
-one, one captured graph per kind of block (model/generate.py), so a fault in one block's data is checked in that block.
-The figures behind the constants: docs/benchmarks.md.
+reference does not; the stages that read 8-bit values (ffn_act's and attn_act's activations, kv_dtype=q8_0's cache) get
+Q8_TOL at width 2048, scaled by sqrt(2048 / width), as one value one 8-bit step apart moves a stage by about step /
+sqrt(width). The blocks run one by one, one captured graph per kind of block (model/generate.py), so a fault in one
+block's data is checked in that block. The figures behind the constants: docs/benchmarks.md.
 """
 from __future__ import annotations
 

@@ -114,7 +114,7 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
     exact = gate.Reference.load(spec.exact_reference) if spec.exact_reference else None
     # a trial that prefills checks its prefill, first: check starts from the reference's cache, which the timed run
     # continues
-    pre = gate.prefill_check(gen, exact or ref, tol, part_tol) if spec.prefill else {}
+    pre = gate.prefill_check(gen, *gate.prefill_basis(cfg, ref, exact, tol, part_tol), part_tol) if spec.prefill else {}
     res.check = gate.check(gen, ref, tol, part_tol, exact) | pre
     res.check["ok"] = res.check["ok"] and pre.get("prefill_ok", True)
     if not res.check["ok"]:

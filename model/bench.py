@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from tinygrad import Device, GlobalCounters, Tensor
 
-from model.deepseek2 import Transformer, apply_rope, rope_table
+from model.deepseek2 import Block, Transformer, apply_rope, rope_table
 from model.generate import Generator, jit_stats
 from model.workload import Workload
 
@@ -47,18 +47,19 @@ def fill_context(model: Transformer, prompt_len: int, depth: int) -> None:
   row's compressed part as it is (it depends on no position) and its RoPE part rotated on to its new position, as the
   model writes the same key there. Decode at depth then reads `depth` real-valued positions, no two alike (a copy
   without the rotation would score as its original, and an attention that dropped whole copies would compute the same
-  output), without waiting on a prefill of depth tokens: one copy kernel per block, on the device."""
+  output), without waiting on a prefill of depth tokens: one graph of a copy kernel per block and cache plane, on the
+  device."""
   if depth <= prompt_len: return
   hp, P, n = model.hp, prompt_len, depth - prompt_len
   copies, kvl = -(-n // P), hp.kv_lora
   cos, sin = rope_table(hp, (copies + 1) * P)
   # the rotation by k * P positions (k = 1..copies), without the tables' magnitude (mscale: their value at position 0)
   shift = lambda t: Tensor(t[P::P][:copies] / cos[0, 0], device=model.device)
-  for b in model.blocks:
-    rows = b.cache[0, :P].unsqueeze(0).expand(copies, P, b.cache.shape[-1])
-    pe = apply_rope(rows[..., kvl:].float().unsqueeze(0), shift(cos), shift(sin))[0]
-    b.cache[:, P:depth] = rows[..., :kvl].cat(pe.cast(b.cache.dtype), dim=-1).reshape(1, copies * P, -1)[:, :n]
-    b.cache.realize()
+  def filled(b: Block) -> tuple[Tensor, ...]:
+    rows = b.kv.rows(P)[0].unsqueeze(0).expand(copies, P, -1)
+    pe = apply_rope(rows[..., kvl:].unsqueeze(0), shift(cos), shift(sin))[0]
+    return b.kv.store(P, rows[..., :kvl].cat(pe, dim=-1).reshape(1, copies * P, -1)[:, :n])
+  Tensor.realize(*(t for b in model.blocks for t in filled(b)))
   Device[model.device or Device.DEFAULT].synchronize()
 
 

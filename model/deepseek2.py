@@ -136,6 +136,52 @@ def topk_indices(scores: Tensor, k: int, variant: str) -> Tensor:
   return (onehot * ar.reshape(n, 1)).sum(-2).cast(dtypes.int32)
 
 
+Q8_BLOCK = 32  # values per q8_0 block of the KV cache (llama.cpp's QK8_0)
+FLOAT_KV = {"float16": dtypes.float16, "float32": dtypes.float32}
+
+
+class KVCache:
+  """One block's compressed KV cache of (1, context, width) values in StructureConfig.kv_dtype: one float16 or float32
+  tensor, or q8_0 as llama.cpp's -ctk q8_0 stores it, blocks of 32 int8 codes with one float16 scale (scale = max |x| /
+  127, code = x / scale rounded half away from zero), held as two planes, the codes (1, context, width) and the scales
+  (1, context, width / 32), so that a read of either stays coalesced."""
+
+  def __init__(self, dtype: str, context: int, width: int, device: str | None):
+    self.q8, self.blocks = dtype == "q8_0", width // Q8_BLOCK
+    if self.q8 and width % Q8_BLOCK:
+      raise ConfigError(f"kv_dtype=q8_0 needs a cache width (kv_lora + rope) in blocks of {Q8_BLOCK}; this is {width}")
+    shapes = ((width, dtypes.int8), (self.blocks, dtypes.float16)) if self.q8 else ((width, FLOAT_KV[dtype]),)
+    self.planes = tuple(Tensor.zeros(1, context, w, dtype=dt, device=device).contiguous().realize() for w, dt in shapes)
+
+  def encode(self, x: Tensor) -> tuple[Tensor, ...]:
+    """Rows (1, T, width) as the planes store them."""
+    if not self.q8: return (x.cast(self.planes[0].dtype),)
+    blocks = x.float().reshape(*x.shape[:-1], self.blocks, Q8_BLOCK)
+    d = blocks.abs().max(-1, keepdim=True) / 127
+    a = (blocks * (d == 0).where(0.0, 1 / d)).abs()
+    # roundf: half away from zero; floor(a + 0.5) would round 0.49999997 up
+    code = (a.floor() + (2 * (a - a.floor())).floor()) * blocks.sign()
+    return code.cast(dtypes.int8).reshape(x.shape), d.reshape(*x.shape[:-1], self.blocks).cast(dtypes.float16)
+
+  def decode(self, planes: tuple[Tensor, ...], n: int | UOp) -> Tensor:
+    """Positions 0..n-1 of the planes as float32 (1, n, width)."""
+    if not self.q8: return planes[0][:, 0:n].float()
+    codes, scales = planes[0][:, 0:n], planes[1][:, 0:n]
+    blocks = codes.float().reshape(*scales.shape, Q8_BLOCK)
+    return (blocks * scales.float().unsqueeze(-1)).reshape(codes.shape)
+
+  def store(self, start: int | UOp, new: Tensor) -> tuple[Tensor, ...]:
+    """The planes after the rows `new` (1, T, width) are stored at positions start..start+T-1, in one graph with what
+    reads them."""
+    at = slice(start, start + new.shape[1])
+    return tuple(Tensor(p.uop.after(p[:, at].uop.store(e.uop))) for p, e in zip(self.planes, self.encode(new),
+                                                                                 strict=True))
+
+  def rows(self, n: int) -> Tensor: return self.decode(self.planes, n)
+  def cleared(self) -> list[Tensor]: return [p.assign(Tensor.zeros_like(p)) for p in self.planes]
+  def nbytes(self) -> int: return sum(p.nbytes() for p in self.planes)
+
+
 class Block:
   """One block: the per-op path's weights and code, and the inputs of the stages the config fuses (model/stages.py),
   which the backends' fused stages receive. rope: the RoPE tables (cos, sin); scratch: by name, each fused backend's
@@ -187,9 +233,7 @@ class Block:
     else:
       self.gate, self.up, self.down = (load(p + n + ".weight", stage="ffn") for n in ("ffn_gate", "ffn_up", "ffn_down"))
       if cfg.merge_gate_up_dense: self.gate_up, self.gate, self.up = W.concat_rows(self.gate, self.up), None, None
-    self.kv_dtype = dtypes.float16 if cfg.kv_dtype == "float16" else dtypes.float32
-    self.cache = Tensor.zeros(1, max_context, hp.kv_lora + hp.qk_rope, dtype=self.kv_dtype,
-                              device=device).contiguous().realize()
+    self.kv = KVCache(cfg.kv_dtype, max_context, hp.kv_lora + hp.qk_rope, device)
     self.attention_in, self.router_in, self.moe_in, self.ffn_in = self._stage_inputs()
 
   def _stage_inputs(self) -> tuple[S.AttentionStage | None, S.RouterStage | None, S.MoeStage | None,
@@ -201,7 +245,7 @@ class Block:
     att = S.AttentionStage(
       hp.dim, hp.n_heads, hp.qk_nope, hp.qk_rope, hp.kv_lora, hp.v_head, hp.eps, hp.kq_scale, self.attn_norm,
       self.q_a if hp.q_lora else None, self.q_a_norm if hp.q_lora else None, self.q_b, self.kv_a, self.kv_a_norm,
-      self.k_b, self.v_b, self.wo, self.cache, self.cos, self.sin, scratch("attention"), cfg.attn_act,
+      self.k_b, self.v_b, self.wo, self.kv.planes[0], self.cos, self.sin, scratch("attention"), cfg.attn_act,
       cfg.rows("qkv_a"), cfg.rows("attn_out"), cfg.attn_layout) if "attention" in fused else None
     # what the FFN stages share: the norm and the knobs of their products
     common = dict(dim=hp.dim, eps=hp.eps, ffn_norm=self.ffn_norm, act=cfg.ffn_act, gate_up_rows=cfg.rows("gate_up"),
@@ -265,12 +309,10 @@ class Block:
     q_pe = apply_rope(q_pe, cos, sin)
     c_kv = rms_norm(kv[..., :kvl], self.kv_a_norm, hp.eps)
     k_pe = apply_rope(kv[..., kvl:].reshape(B, T, 1, rope), cos, sin).reshape(B, T, rope)
-    new = c_kv.cat(k_pe, dim=-1).cast(self.kv_dtype)
-    store = self.cache[:, start_pos:start_pos + T].uop.store(new.uop)
-    cache = Tensor(self.cache.uop.after(store))
-    if self.cfg.barriers["kv_write"] == "realize": cache = cache.realize()
-    elif self.cfg.barriers["kv_write"] == "contiguous": cache = cache.contiguous()
-    k = cache[:, 0:start_pos + T].float().unsqueeze(1)  # (B, 1, S, kvl+rope)
+    planes = self.kv.store(start_pos, c_kv.cat(k_pe, dim=-1))
+    if self.cfg.barriers["kv_write"] == "realize": planes = tuple(p.realize() for p in planes)
+    elif self.cfg.barriers["kv_write"] == "contiguous": planes = tuple(p.contiguous() for p in planes)
+    k = self.kv.decode(planes, start_pos + T).unsqueeze(1)  # (B, 1, S, kvl+rope)
     qc = q_abs.cat(q_pe, dim=-1).transpose(1, 2)  # (B, H, T, kvl+rope)
     mask = Tensor.full((1, 1, T, start_pos + T), -math.inf).triu(start_pos + 1) if resolve(T != 1) else None
     if self.cfg.attention == "sdpa":
@@ -467,7 +509,7 @@ class Transformer:
     return Tensor.full((1,), start_pos, dtype=dtypes.int32, device=self.device).contiguous() if self.cfg.fused else None
 
   @property
-  def kv_cache_bytes(self) -> int: return sum(b.cache.nbytes() for b in self.blocks)
+  def kv_cache_bytes(self) -> int: return sum(b.kv.nbytes() for b in self.blocks)
 
   def reset(self) -> None:
-    for b in self.blocks: b.cache.assign(Tensor.zeros_like(b.cache)).realize()
+    Tensor.realize(*(t for b in self.blocks for t in b.kv.cleared()))

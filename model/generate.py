@@ -11,7 +11,7 @@ from tinygrad.engine.jit import _prepare_jit_inputs
 from tinygrad.helpers import Context, ansistrip
 from tinygrad.uop.ops import Ops
 
-from model.deepseek2 import Block, Check, Transformer
+from model.deepseek2 import Block, Check, KVCache, Transformer
 from model.weights import QWeight, read, write
 
 
@@ -71,6 +71,7 @@ def block_inputs(blk: Block) -> tuple[list[Tensor], tuple]:
     elif isinstance(v, QWeight):
       kind.append((path, v.quant, v.backend, v.shape))
       walk(path + ".planes", v.planes), walk(path + ".cache", v.cache)
+    elif isinstance(v, KVCache): walk(path + ".planes", v.planes)
     elif isinstance(v, dict):
       for k in sorted(v): walk(f"{path}.{k}", v[k])
     elif isinstance(v, (list, tuple)):
@@ -236,15 +237,15 @@ class Generator:
 
   def cache_rows(self, n: int) -> np.ndarray:
     """The KV cache rows of positions 0..n-1 of every block, as float32: (blocks, n, kv_lora + rope)."""
-    return np.stack([read(b.cache)[0, :n].astype(np.float32) for b in self.model.blocks])
+    Tensor.realize(*(rows := [b.kv.rows(n).contiguous() for b in self.model.blocks]))
+    return np.stack([read(r)[0] for r in rows])
 
   def set_cache(self, rows: np.ndarray) -> None:
     """Every block's KV cache holding `rows` (blocks, n, kv_lora + rope) at positions 0..n-1 (in its own dtype), zeros
     after."""
-    for b, r in zip(self.model.blocks, rows, strict=True):
-      full = np.zeros(b.cache.shape, _to_np_dtype(b.cache.dtype))
-      full[0, :len(r)] = r
-      write(b.cache, full)
+    self.model.reset()
+    Tensor.realize(*(t for b, r in zip(self.model.blocks, rows, strict=True)
+                     for t in b.kv.store(0, Tensor(r[None].astype(np.float32), device=self.model.device))))
 
   def step(self, token: int, pos: int, temperature: float = 0.0, seed: float = 0.0) -> int:
     """The next token after `token` at `pos`: greedy at temperature 0, else a Gumbel-max draw seeded by `seed`."""

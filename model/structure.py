@@ -33,14 +33,14 @@ Info = Any  # what `applies` reads of a model file: space.knobs.ModelInfo
 class Knob:
   """One knob: its default, the values the search tries (`choices`: a tuple, or a function of the device and the backend
   family), what it changes (`doc`), when it applies, and the precision class of its values other than the default
-  (`fp32`: float32 work reordered; `fp16`: rounded to fp16 where the baseline is not; `x16`: activations held to 16 bits
-  in two 8-bit planes, checked as fp32; `q8`: 8-bit activations, checked against their twin; or a function of the
-  value). When it applies: `applies(info)` on the model file; `stages`: the fused stages that replace the per-op code it
-  changes (it applies while one of them runs per op, or on a backend that `keeps` it); `fused_in`: it applies only
-  while one of these stages is fused (by backend `on`, where given: a name, or a function of the model file that gives
-  one or None); `needs`: (knob, condition on its value, a value that meets it); `devices`: the device kinds it applies
-  on. `allowed`: what a config may hold where that is more than the choices; `env`: the tinygrad variable it sets in a
-  trial process. `name`, `field` and `key` come from where it is declared."""
+  (`fp32`: float32 work reordered; `fp16`: rounded to fp16 where the baseline is not; `x16`: activations held to 16
+  bits in two 8-bit planes, checked as fp32; `q8`: 8-bit activations or KV cache, checked against their twin; or a
+  function of the value). When it applies: `applies(info)` on the model file; `stages`: the fused stages that replace
+  the per-op code it changes (it applies while one of them runs per op, or on a backend that `keeps` it); `fused_in`:
+  it applies only while one of these stages is fused (by backend `on`, where given: a name, or a function of the model
+  file that gives one or None); `needs`: (knob, condition on its value, a value that meets it); `devices`: the device
+  kinds it applies on. `allowed`: what a config may hold where that is more than the choices; `env`: the tinygrad
+  variable it sets in a trial process. `name`, `field` and `key` come from where it is declared."""
   default: Any
   choices: tuple | Callable[[str, str], tuple]
   doc: str
@@ -233,7 +233,11 @@ class StructureConfig:
                             "prompt tokens per grouped prefill graph call (the last chunk padded): a chunk dequantises "
                             "its weights once for all its tokens (per token, a token reads its experts on its own and "
                             "a larger chunk only pads a short prompt more)", needs=_grouped)
-  kv_dtype: str = knob("float16", ("float16", "float32"), "KV cache dtype", precision="fp16")
+  kv_dtype: str = knob("float16", ("float16", "float32", "q8_0"),
+                       "KV cache dtype: float16, float32, or q8_0, llama.cpp's -ctk q8_0 (blocks of 32 int8 codes "
+                       "and a float16 scale: 34 bytes per 32 values), which only the per-op attention reads",
+                       stages=("attention",),
+                       precision=lambda v: "q8" if v == "q8_0" else "fp16")
   attention: str = knob("explicit", ("explicit", "sdpa"), "explicit matmul+softmax or scaled_dot_product_attention",
                         stages=("attention",))
   act_dtype: str = knob("float32", ("float16", "float32"), "residual stream dtype", precision="fp16")
@@ -273,6 +277,9 @@ class StructureConfig:
                           f"set fused.{DSL_PRODUCTS[key][0]}=dsl")
     if self.ffn_act != "float32" and not {"moe", "ffn"} & set(self.fused):
       raise ConfigError(f"ffn_act={self.ffn_act} is read by the fused FFN stages only: set fused.moe or fused.ffn")
+    if self.kv_dtype == "q8_0" and "attention" in self.fused:
+      raise ConfigError("kv_dtype=q8_0 is read by the per-op attention only: the fused attention stages read a float "
+                        "cache (unset fused.attention, or choose kv_dtype float16 or float32)")
     if self.attn_act != "float32" and "attention" not in self.fused:
       raise ConfigError(f"attn_act={self.attn_act} is read by the fused attention stage only: set fused.attention")
 

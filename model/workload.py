@@ -12,7 +12,8 @@ PROMPT = 32  # tokens prefilled before decoding, unless a workload says otherwis
 # the smallest KV cache a benchmark allocates, in positions: what every study measured with before workloads (a
 # native attention kernel's splits follow the cache's size, so a short workload keeps their kernels)
 MIN_CACHE = 256
-KV_BYTES = {"float16": 2, "float32": 4}  # a KV cache dtype's bytes per value (StructureConfig.kv_dtype)
+# a KV cache dtype's bytes per value (StructureConfig.kv_dtype): q8_0 holds 32 int8 codes and a float16 scale in 34
+KV_BYTES = {"float16": 2.0, "float32": 4.0, "q8_0": 34 / 32}
 LINE = re.compile(r"^# workload: context=(\d+) prompt=(\d+)$", re.M)
 
 
@@ -39,7 +40,7 @@ class Workload:
 
   def kv_cache_bytes(self, blocks: int, width: int, kv_dtype: str, decoded: int) -> int:
     """Every block's KV cache: blocks x positions x width (kv_lora + rope) x the dtype's bytes."""
-    return blocks * self.cache_positions(decoded) * width * KV_BYTES[kv_dtype]
+    return round(blocks * self.cache_positions(decoded) * width * KV_BYTES[kv_dtype])
 
   def __str__(self) -> str:
     return f"context {self.depth}, prompt {self.prompt}" + ("" if self.context else " (decode right after it)")
@@ -58,7 +59,7 @@ class Workload:
 @dataclass(frozen=True)
 class Memory:
   """The device memory a workload takes on a model file, before anything runs: the weights (the file's tensors) and the
-  KV cache in each dtype."""
+  KV cache in each dtype (KV_BYTES)."""
   weights: int
   kv_cache: dict[str, int]
   context_length: int  # the model's own
@@ -76,12 +77,13 @@ class Memory:
 
   def text(self) -> str:
     gb = lambda b: f"{b / 1e9:.2f} GB"
-    return (f"weights {gb(self.weights)} + KV cache {gb(self.kv_cache['float16'])} in float16 "
-            f"({gb(self.kv_cache['float32'])} in float32) = {gb(self.peak())} ({gb(self.peak('float32'))})")
+    others = ", ".join(f"{gb(self.peak(d))} with {d}" for d in KV_BYTES if d != "float16")
+    return (f"weights {gb(self.weights)} + KV cache {gb(self.kv_cache['float16'])} in float16 = {gb(self.peak())} "
+            f"({others})")
 
   def refusal(self, work: Workload, decoded: int, device: str, device_bytes: int | None) -> str | None:
     """Why the workload cannot run on this device (one line), or None: its cache past the model's context length, or
-    its smallest footprint (a float16 cache) past the device's memory."""
+    the baseline's footprint (a float16 cache: a study measures the baseline first) past the device's memory."""
     if (need := work.depth + decoded) > self.context_length:
       return (f"{work} needs {need} positions, past the model's context length of {self.context_length}")
     if device_bytes is not None and self.peak() > device_bytes:

@@ -40,8 +40,8 @@ PRECISION = {"exact": "float arithmetic, checked against the exact reference at 
 
 
 def precision(cfg: StructureConfig) -> str:
-  """A config's precision class (PRECISION): "q8" where a knob rounds activations to 8 bits, else "x16" where one
-  holds them in two 8-bit planes, else "exact"."""
+  """A config's precision class (PRECISION): "q8" where a knob rounds activations or the KV cache to 8 bits, else "x16"
+  where one holds them in two 8-bit planes, else "exact"."""
   classes = cfg.precision()
   return next((c for c in ("q8", "x16") if c in classes), "exact")
 

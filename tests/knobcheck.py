@@ -3,12 +3,12 @@ that a knob value keeps the baseline's logits (within its arithmetic's tolerance
 
 Tolerances, relative to the logits' std per position: 1e-3 for knobs that only reorder float32 work; 2e-2 for knobs that
 round to fp16 (fp16 weights cache, fp16 activations, the fp16 absorbed q projection, fp16 router input); 5e-2 (the
-gate's FP16_TOL) for 8-bit activations (the FFN's, the attention's dense products'). A float32 reordering alone moves
-logits by ~1e-6 of their std, but the baseline keeps an fp16 KV cache: a reordered sum that feeds it can land on the
-other side of an fp16 rounding boundary (2^-11 of the entry), which later positions read, and that reaches the order
-of 1e-4 of the logits' std. A real defect moves them by O(1). For the same reason kv_dtype=float32 is held to the fp16
-bound, and so are the backends: fp16_cache rounds weights to fp16, and the others sum a row's products in another order
-than the baseline's float32 reduction.
+gate's FP16_TOL) for 8-bit activations (the FFN's, the attention's dense products') and the q8_0 KV cache. A float32
+reordering alone moves logits by ~1e-6 of their std, but the baseline keeps an fp16 KV cache: a reordered sum that feeds
+it can land on the other side of an fp16 rounding boundary (2^-11 of the entry), which later positions read, and that
+reaches the order of 1e-4 of the logits' std. A real defect moves them by O(1). For the same reason kv_dtype=float32 is
+held to the fp16 bound, and so are the backends: fp16_cache rounds weights to fp16, and the others sum a row's products
+in another order than the baseline's float32 reduction.
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ FP16_KNOBS = ("backend.", "fused.", "act_dtype", "mla_absorb", "router_fp32", "k
               "prefill_dtype")
 # the prompt's: proved on the prefill graph (run_prefill), which decode never runs
 PREFILL_KNOBS = ("prefill_",)
-# 8-bit activations: held to the gate's tolerance of their class
-Q8_KNOBS = ("ffn_act", "attn_act")
+# 8-bit activations and the 8-bit KV cache: held to the gate's tolerance of their class
+Q8_KNOBS = ("ffn_act", "attn_act", "kv_dtype=q8_0")
 
 
 def mix_info(mix: str, preset: str = "tiny") -> ModelInfo:

@@ -44,6 +44,7 @@ def free_logits(m: Transformer, tokens: np.ndarray) -> np.ndarray:
 
 Q8 = '{"fused": {"moe": "dsl", "ffn": "dsl"}, "ffn_act": "q8"}'
 QA8 = '{"fused": {"attention": "dsl"}, "attn_act": "q8"}'  # the attention's dense products with 8-bit input
+KV8 = '{"kv_dtype": "q8_0"}'  # the per-op attention over an 8-bit KV cache
 
 
 @functools.cache
@@ -51,15 +52,15 @@ def reference(path: str, cfg_json: str = "{}") -> gate.Reference:
   return gate.make_reference(Generator(model(path, cfg_json)), PROMPT, POSITIONS)
 
 
-@pytest.mark.parametrize("cfg", ['{"barriers": {"moe_out": "contiguous"}}', '{"kv_dtype": "float32"}', Q8, QA8])
+@pytest.mark.parametrize("cfg", ['{"barriers": {"moe_out": "contiguous"}}', '{"kv_dtype": "float32"}', Q8, QA8, KV8])
 def test_legitimate_configs_pass_the_gate(deep, ref, cfg: str) -> None:
   """A kernel boundary (float32 reorderings), an fp32 KV cache against the baseline's fp16 one (the fp16 class), and
-  8-bit FFN activations against their dsl twin's reference; the boundary also fails a position-by-position comparison of
-  free-running logits, the gate of before."""
+  8-bit FFN activations against their dsl twin's reference (and an 8-bit KV cache against its twin's); the boundary
+  also fails a position-by-position comparison of free-running logits, the gate of before."""
   m = model(deep, cfg)
   twin, (tol, part_tol) = gate.twin(m.cfg), gate.tolerance(m.cfg, m.hp.dim)
   # tiny-deep's width is 256: one 8-bit step moves a stage sqrt(2048 / 256) times more than at GLM-4.7-Flash's
-  if cfg in (Q8, QA8):
+  if cfg in (Q8, QA8, KV8):
     assert twin == StructureConfig.from_json(cfg)
     part = "ffn" if cfg == Q8 else "attention"
     assert (tol, part_tol) == (gate.FP32_TOL, {part: pytest.approx(gate.Q8_TOL * 8**0.5)})
@@ -296,7 +297,8 @@ def test_the_check_builds_one_graph_per_kind_of_block(tmp_path) -> None:
                          [("{}", False), ("{}", True),
                           ('{"merge_gate_up_routed": true, "merge_gate_up_shared": true}', False),
                           ('{"fused": {"attention": "dsl", "router": "dsl", "moe": "dsl", "ffn": "dsl"}}', False),
-                          ('{"backends": {"Q4_0:expert": "fp16_cache"}, "mla_absorb": "load"}', False)])
+                          ('{"backends": {"Q4_0:expert": "fp16_cache"}, "mla_absorb": "load"}', False),
+                          (KV8, False)])
 def test_each_block_of_the_check_reads_its_own_weights_and_cache(tmp_path, cfg: str, legacy: bool) -> None:
   """The check's chained run (its own routing) computes what the decode graph computes, position after position: every
   block of a kind runs the kind's graph on its own weights, views of them (merged gate+up, the legacy kv_b split) and

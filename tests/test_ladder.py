@@ -93,7 +93,7 @@ def test_two_objectives_skip_the_proxy(model, tmp_path, monkeypatch) -> None:
 def test_replay_compares_samplers_only_on_a_dense_study(model, tmp_path, monkeypatch, capsys) -> None:
   install_fake_trials(monkeypatch.setattr)
   url = f"sqlite:///{tmp_path / 's.db'}"
-  free = ("topk", "kv_dtype")  # a 6-config sub-space, measured at random 18 times
+  free = ("topk", "router_fp32")  # a 6-config sub-space, measured at random 18 times
   pins = [f"--fix={k.name}={k.default}" for k in knobs(model_info(model), "CPU") if k.name not in free]
   args = ["--device", "CPU", "--no-prefill", "-n", "6", "--rounds", "1", "--confirm", "0", "--seed", "0", "--sampler",
           "random"]

@@ -293,7 +293,7 @@ def test_precision_class_and_accuracy_in_every_view_and_a_study_held_to_exact(de
   model = gguf_file("tiny", "q4_0")
   assert search("start", "--model", model, "--study", "x", "--storage", url, "--trials", "2", "--exact", *FAST) == 0
   setup, _ = load_setup("x", url)
-  assert setup.exact and setup.fixed == {"beam": 0, "ffn_act": "float32", "attn_act": "float32"}
+  assert setup.exact and setup.fixed == {"beam": 0, "ffn_act": "float32", "attn_act": "float32", "kv_dtype": "float16"}
   assert search("start", "--study", "x", "--storage", url, "--trials", "3", "--exact") == 0  # continued: its protocol
   assert search("start", "--study", "d", "--storage", url, "--exact") == 2
   assert "measures with 8-bit activations allowed (no --exact), not --exact" in capsys.readouterr().err

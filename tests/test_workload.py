@@ -73,6 +73,17 @@ def test_the_gate_catches_a_wrong_attention_at_depth(evs, inject) -> None:
   assert {s.split()[-1] for s in deep.check["failed_stages"]} == {"attention"} and "attention" in deep.error
 
 
+def test_an_8bit_cache_passes_the_gate_at_depth(evs) -> None:
+  """kv_dtype=q8_0 at DEPTH: checked against its twin (the baseline with the same cache), the attention at the q8
+  class's tolerance; the timed run continues from the twin's cache, filled to the depth, so its tokens are the checked
+  run's; its distance from the exact reference (a float16 cache) is measured, not zero and within that tolerance."""
+  r = evs[DEPTH].run({"kv_dtype": "q8_0"})
+  assert r.ok, r.error
+  c = r.check
+  assert c["attention_tolerance"] > c["tolerance"] and c["tokens_compared"] >= 1 and c["tokens_differ"] == 0
+  assert 0 < c["accuracy"]["max_rel_err"] < c["attention_tolerance"] and r.metrics["context"] == DEPTH
+
+
 def test_a_prompt_is_prefilled_and_timed(gguf_file) -> None:
   ev = Evaluator.for_model(gguf_file("tiny", "q4_0"), "CPU", n=8, rounds=1, prefill=True, timeout=300, prompt_len=48)
   r = ev.run({}, check=False)
@@ -86,7 +97,8 @@ def test_memory_and_refusals(gguf_file) -> None:
   path = gguf_file("tiny", "q4_0")
   work = Workload(context=1024)
   mem = Memory.of(path, work, 32)
-  assert mem.kv_cache == {"float16": 3 * 1056 * 160 * 2, "float32": 3 * 1056 * 160 * 4}
+  # q8_0: 160 values a position in 5 blocks of 32, each 32 int8 codes and a float16 scale
+  assert mem.kv_cache == {"float16": 3 * 1056 * 160 * 2, "float32": 3 * 1056 * 160 * 4, "q8_0": 3 * 1056 * 5 * 34}
   assert mem.peak() == mem.weights + mem.kv_cache["float16"] and mem.weights > 1e6
   assert mem.refusal(work, 32, "CPU", 10**12) is None
   assert mem.refusal(work, 32, "CPU", mem.peak() - 1).startswith("context 1024, prompt 32 needs weights")

@@ -125,7 +125,7 @@ def _dropped_residual(m: ModuleType) -> None:
   init = m.Transformer.__init__
   def mark(self, *args, **kwargs) -> None:
     init(self, *args, **kwargs)
-    for b in self.blocks: b._faulty = m.Tensor([float(b.i == _middle(self))], device=b.cache.device).realize()
+    for b in self.blocks: b._faulty = m.Tensor([float(b.i == _middle(self))], device=b.kv.planes[0].device).realize()
   m.Block.__call__, m.Block.attention, m.Transformer.__init__ = keep_x, faulty, mark
 
 
@@ -144,7 +144,7 @@ def _split_dropped(m: ModuleType) -> None:
     init(self, *args, **kwargs)
     drop = m.np.zeros(self.max_context, m.np.float32)
     drop[DROPPED[0]:DROPPED[1]] = -m.np.inf
-    for b in self.blocks: b._drop = m.Tensor(drop, device=b.cache.device).realize()
+    for b in self.blocks: b._drop = m.Tensor(drop, device=b.kv.planes[0].device).realize()
   m.Block.attend, m.Transformer.__init__ = faulty, mark
 
 

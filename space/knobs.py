@@ -20,7 +20,7 @@ from model.gguf_file import GGUFFile
 from model.quant_types import QUANT_TYPES
 from model.structure import KNOBS, STAGES, ConfigError, StructureConfig, knob_named
 
-SPACE_VERSION = 9
+SPACE_VERSION = 10
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+from knobcheck import mix_info
 from tinygrad import Tensor
 
 import evaluator.gate as gate
@@ -20,6 +21,7 @@ from model.deepseek2 import Transformer
 from model.generate import Generator
 from model.gguf_file import GGUFFile
 from model.structure import ConfigError, StructureConfig
+from space.knobs import knobs
 
 H, NOPE, ROPE, KVL, V, T, START = 3, 8, 4, 16, 6, 5, 4  # the chunk's 5 queries at positions 4..8 over 9 keys
 PROMPT = [(7919 * i + 17) % 1000 for i in range(12)]  # two chunks of 8, the second 4 tokens long
@@ -81,8 +83,12 @@ def test_decompressed_attention_under_the_metal_emulator(tmp_path) -> None:
 
 
 def test_decompressed_needs_the_projected_q() -> None:
+  """mla_absorb=load folds q's nope rows into k_b: a config refuses both, the space offers the form without it."""
   with pytest.raises(ConfigError, match="needs mla_absorb=runtime"):
     StructureConfig(prefill_attention="decompressed", mla_absorb="load")
+  k = next(k for k in knobs(mix_info("q4_0")) if k.name == "prefill_attention")
+  assert k.choices == ("absorbed", "decompressed") and ("mla_absorb", "runtime") in k.enable
+  assert k.when({"mla_absorb": "runtime"}) and not k.when({"mla_absorb": "load"})
 
 
 @pytest.fixture(scope="module")

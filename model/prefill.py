@@ -17,8 +17,9 @@ The attention (StructureConfig.prefill_attention = decompressed), as llama.cpp a
 keys (k_b^T c_kv, qk_nope dims) and values (v_b c_kv, v_head dims) decompressed from the compressed cache rows once per
 chunk, then ordinary causal attention with q's nope part as projected, the rope part of the keys one for all heads. A
 (query, key) pair then costs qk_nope + qk_rope + v_head products instead of the absorbed form's 2 * kv_lora + qk_rope,
-for kv_lora * (qk_nope + v_head) per head and key to decompress: the form for chunks of many queries. Both forms read
-and write the same compressed cache rows.
+for kv_lora * (qk_nope + v_head) per head and key to decompress: it saves products where a chunk's queries outnumber
+kv_lora * (qk_nope + v_head) / (2 * kv_lora - qk_nope - v_head), and costs them in smaller chunks. Both forms read and
+write the same compressed cache rows.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Decompressed prefill attention (model/prefill.py attention, StructureConfig.prefill_attention): the absorbed form's
 arithmetic, causal over the cache prefix and the chunk's own keys, on random inputs, on the CPU and under the Metal
-emulator; a prompt longer than a chunk and not a multiple of it prefilled in that form matches the absorbed prefill and
-the decode steps, writes the same cache rows, and the decode after it reads them; the gate passes it and fails it with
-its mask one key off. Its kernels and logits against the absorbed form's: tests/test_space.py (knobcheck's prefill
+emulator; a prompt longer than a chunk and not a multiple of it prefilled in that form matches the float64 reference
+and the decode steps, writes the same cache rows, and the decode after it reads them; the gate passes it and fails it
+with its mask one key off. Its kernels and logits against the absorbed form's: tests/test_space.py (knobcheck's prefill
 proof)."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 from knobcheck import mix_info
+from reference import reference_logits
 from tinygrad import Tensor
 
 import evaluator.gate as gate
@@ -89,6 +90,15 @@ def test_decompressed_needs_the_projected_q() -> None:
   k = next(k for k in knobs(mix_info("q4_0")) if k.name == "prefill_attention")
   assert k.choices == ("absorbed", "decompressed") and ("mla_absorb", "runtime") in k.enable
   assert k.when({"mla_absorb": "runtime"}) and not k.when({"mla_absorb": "load"})
+
+
+def test_decompressed_prefill_matches_the_float64_reference(gguf_file) -> None:
+  """With a float32 cache, 12 tokens in chunks of 8 against the numpy reference's causal pass, as tests/test_model.py
+  holds the absorbed prefill: on a legacy file, whose k_b is attn_kv_b's nope rows (Block.k_b_float)."""
+  path = gguf_file("tiny", "q8_0", True)
+  cfg = StructureConfig(prefill_attention="decompressed", kv_dtype="float32")
+  got = Generator(Transformer(GGUFFile(path), cfg, max_context=32), chunk=8).prefill(PROMPT)
+  assert gate.rel_err(got, reference_logits(path, PROMPT)).max() < 1e-4
 
 
 @pytest.fixture(scope="module")

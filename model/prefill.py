@@ -114,7 +114,8 @@ def attention(q_nope: Tensor, q_pe: Tensor, rows: Tensor, k_b: Tensor, v_b: Tens
               scale: float) -> Tensor:
   """The chunk's queries q_nope (B, T, H, nope) and rotated q_pe (B, T, H, rope) over the cache rows (B, S, kv_lora +
   rope) of positions 0..start_pos + T (the prefix and the chunk's own), decompressed per head by k_b (H, kv_lora, nope)
-  and v_b (H, v_head, kv_lora), causal: (B, T, H * v_head) float32."""
+  and v_b (H, v_head, kv_lora), causal: (B, T, H * v_head) float32. Its scores are explicit whatever the `attention`
+  knob, which picks decode's form."""
   (B, T, H, _), kvl = q_nope.shape, k_b.shape[1]
   c, k_pe = rows[..., :kvl].unsqueeze(1), rows[..., kvl:].unsqueeze(1)  # (B, 1, S, kvl), (B, 1, S, rope)
   # buffers of their own: the weights dequantised and the keys and values decompressed once per chunk, not per query

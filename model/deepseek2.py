@@ -286,9 +286,13 @@ class Block:
     mode = self.cfg.barriers[point]
     return x if mode == "none" else x.contiguous().realize() if mode == "realize" else x.contiguous()
 
+  def decompressed(self, T: int) -> bool:
+    """Whether a chunk of T tokens attends in the decompressed form (model/prefill.py): the prompt's, by the config."""
+    return T > 1 and self.cfg.prefill_attention == "decompressed"
+
   def project(self, xn: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The attention's projections of the normalised input: absorbed q (B, T, H, kv_lora), q_pe (B, T, H, rope) and
-    kv (B, T, kv_lora + rope)."""
+    """The attention's projections of the normalised input: absorbed q (B, T, H, kv_lora), or q's nope part (B, T, H,
+    nope) as projected for the decompressed form; q_pe (B, T, H, rope) and kv (B, T, kv_lora + rope)."""
     hp, (B, T, _) = self.hp, xn.shape
     H, nope, rope, kvl = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.kv_lora
     xq = rms_norm(K.linear(xn, self.q_a), self.q_a_norm, hp.eps) if hp.q_lora else xn
@@ -297,12 +301,12 @@ class Block:
       q_pe = K.linear(xq, self.q_pe).reshape(B, T, H, rope)
     else:
       q = self.barrier(K.linear(xq, self.q_b), "q_proj").reshape(B, T, H, nope + rope)
-      q_abs, q_pe = self.absorb(q[..., :nope]), q[..., nope:]
+      q_abs, q_pe = q[..., :nope] if self.decompressed(T) else self.absorb(q[..., :nope]), q[..., nope:]
     return q_abs, q_pe, self.barrier(K.linear(xn, self.kv_a), "kv_a")
 
   def attend(self, q_abs: Tensor, q_pe: Tensor, kv: Tensor, start_pos: int | UOp) -> Tensor:
-    """RoPE, the KV cache write, attention over the compressed cache and v_b, before the output projection:
-    (B, T, H * v_head)."""
+    """RoPE, the KV cache write, attention over the compressed cache and v_b (or, for a decompressed chunk, over the
+    keys and values decompressed from it), before the output projection: (B, T, H * v_head)."""
     hp, (B, T, H, _) = self.hp, q_abs.shape
     rope, kvl = hp.qk_rope, hp.kv_lora
     cos, sin = self.cos[start_pos:start_pos + T], self.sin[start_pos:start_pos + T]
@@ -312,9 +316,12 @@ class Block:
     planes = self.kv.store(start_pos, c_kv.cat(k_pe, dim=-1))
     if self.cfg.barriers["kv_write"] == "realize": planes = tuple(p.realize() for p in planes)
     elif self.cfg.barriers["kv_write"] == "contiguous": planes = tuple(p.contiguous() for p in planes)
-    k = self.kv.decode(planes, start_pos + T).unsqueeze(1)  # (B, 1, S, kvl+rope)
+    rows = self.kv.decode(planes, start_pos + T)  # (B, S, kvl+rope)
+    if self.decompressed(T):
+      return prefill.attention(q_abs, q_pe, rows, self.k_b_float(), self.v_b.to_float(), start_pos, hp.kq_scale)
+    k = rows.unsqueeze(1)  # (B, 1, S, kvl+rope)
     qc = q_abs.cat(q_pe, dim=-1).transpose(1, 2)  # (B, H, T, kvl+rope)
-    mask = Tensor.full((1, 1, T, start_pos + T), -math.inf).triu(start_pos + 1) if resolve(T != 1) else None
+    mask = prefill.causal_mask(T, start_pos) if resolve(T != 1) else None
     if self.cfg.attention == "sdpa":
       o = (qc * (hp.kq_scale * math.sqrt(kvl + rope))).scaled_dot_product_attention(k, k[..., :kvl], attn_mask=mask)
     else:

@@ -1,6 +1,6 @@
-"""The prompt's FFN over a chunk of T > 1 tokens as batched products of dequantised weights (StructureConfig.prefill_ffn
-= grouped), where decode's per-token path gathers and dequantises each token's own experts, with no reuse over the
-chunk.
+"""The prompt's chunks of T > 1 tokens in the forms that suit many queries. The FFN as batched products of dequantised
+weights (StructureConfig.prefill_ffn = grouped), where decode's per-token path gathers and dequantises each token's own
+experts, with no reuse over the chunk.
 
 Routed experts: the chunk's T*K (token, slot) pairs are laid out by expert in tiles of `prefill_tile` rows, each
 expert's pairs filling whole tiles of their own in the pairs' order (a counting sort on the device: `layout`); each
@@ -12,10 +12,20 @@ either `indexed`: every expert dequantised once per chunk into one buffer of `pr
 per row by its tile's expert; or `copied`: each tile's expert dequantised into a matrix of its own (a weight read per
 tile), which the product then reads as a plain batched matmul (tensor cores where the device has them). The shared
 expert and the dense FFN are plain matmuls of weights dequantised once per chunk.
+
+The attention (StructureConfig.prefill_attention = decompressed), as llama.cpp and FlashMLA prefill: each head's
+keys (k_b^T c_kv, qk_nope dims) and values (v_b c_kv, v_head dims) decompressed from the compressed cache rows once per
+chunk, then ordinary causal attention with q's nope part as projected, the rope part of the keys one for all heads. A
+(query, key) pair then costs qk_nope + qk_rope + v_head products instead of the absorbed form's 2 * kv_lora + qk_rope,
+for kv_lora * (qk_nope + v_head) per head and key to decompress: it saves products where a chunk's queries outnumber
+kv_lora * (qk_nope + v_head) / (2 * kv_lora - qk_nope - v_head), and costs them in smaller chunks. Both forms read and
+write the same compressed cache rows.
 """
 from __future__ import annotations
 
-from tinygrad import Tensor, dtypes
+import math
+
+from tinygrad import Tensor, UOp, dtypes
 from tinygrad.dtype import DType
 
 from model.quants import to_float
@@ -93,3 +103,24 @@ def moe(xn: Tensor, sel: Tensor, wts: Tensor, experts: Glu, shared: Glu | None, 
   y = _product(act, experts.down, tile_expert, cfg).reshape(-1, D)
   out = (y[row].reshape(B, T, K, D) * wts.unsqueeze(-1)).sum(2)
   return out if shared is None else out + glu(xn, shared, cfg)
+
+
+def causal_mask(T: int, start_pos: int | UOp) -> Tensor:
+  """(1, 1, T, start_pos + T): 0 where the chunk's query t (at position start_pos + t) reads the key, -inf past it."""
+  return Tensor.full((1, 1, T, start_pos + T), -math.inf).triu(start_pos + 1)
+
+
+def attention(q_nope: Tensor, q_pe: Tensor, rows: Tensor, k_b: Tensor, v_b: Tensor, start_pos: int | UOp,
+              scale: float) -> Tensor:
+  """The chunk's queries q_nope (B, T, H, nope) and rotated q_pe (B, T, H, rope) over the cache rows (B, S, kv_lora +
+  rope) of positions 0..start_pos + T (the prefix and the chunk's own), decompressed per head by k_b (H, kv_lora, nope)
+  and v_b (H, v_head, kv_lora), causal: (B, T, H * v_head) float32. Its scores are explicit whatever the `attention`
+  knob, which picks decode's form."""
+  (B, T, H, _), kvl = q_nope.shape, k_b.shape[1]
+  c, k_pe = rows[..., :kvl].unsqueeze(1), rows[..., kvl:].unsqueeze(1)  # (B, 1, S, kvl), (B, 1, S, rope)
+  # buffers of their own: the weights dequantised and the keys and values decompressed once per chunk, not per query
+  k_nope = (c @ k_b.contiguous()).contiguous()  # (B, H, S, nope)
+  v = (c @ v_b.contiguous().transpose(-1, -2)).contiguous()  # (B, H, S, v_head)
+  q_nope, q_pe = q_nope.transpose(1, 2), q_pe.transpose(1, 2)  # (B, H, T, ...)
+  s = (q_nope @ k_nope.transpose(-1, -2) + q_pe @ k_pe.transpose(-1, -2)) * scale + causal_mask(T, start_pos)
+  return (s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, H * v.shape[-1])

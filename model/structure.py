@@ -175,6 +175,7 @@ DSL_ROWS = {p: Knob(4 if p == "gate_up" else 1, (1, 2, 4),
             for p, st in DSL_PRODUCTS.items()}
 _beam = ("beam", lambda b: b > 0, 2)  # BEAM's settings apply when BEAM searches (a width of 2 shows them)
 _grouped = ("prefill_ffn", lambda v: v == "grouped", "grouped")  # grouped prefill's settings apply with it
+_runtime = ("mla_absorb", lambda v: v == "runtime", "runtime")  # q's nope rows as projected, not folded into k_b
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,11 @@ class StructureConfig:
                             "prompt tokens per grouped prefill graph call (the last chunk padded): a chunk dequantises "
                             "its weights once for all its tokens (per token, a token reads its experts on its own and "
                             "a larger chunk only pads a short prompt more)", needs=_grouped)
+  prefill_attention: str = knob("absorbed", ("absorbed", "decompressed"),
+                                "the prompt's MLA attention over a chunk: absorbed, as decode, each query absorbed "
+                                "into kv_lora dims scoring the compressed cache rows; or decompressed, each head's "
+                                "keys and values decompressed from those rows once per chunk, then attention at "
+                                "qk_nope + rope and v_head dims (model/prefill.py)", needs=_runtime)
   kv_dtype: str = knob("float16", ("float16", "float32", "q8_0"),
                        "KV cache dtype: float16, float32, or q8_0, llama.cpp's -ctk q8_0 (blocks of 32 int8 codes "
                        "and a float16 scale: 34 bytes per 32 values), which only the per-op attention reads",
@@ -269,6 +275,9 @@ class StructureConfig:
       if k.key is None: _check(k.name, getattr(self, k.name), k.valid())
     if "attention" in self.fused and self.mla_absorb != "runtime":
       raise ConfigError("fused.attention absorbs k_b per token: it needs mla_absorb=runtime")
+    if self.prefill_attention == "decompressed" and self.mla_absorb != "runtime":
+      raise ConfigError("prefill_attention=decompressed reads q's nope rows, which mla_absorb=load folds into k_b: it "
+                        "needs mla_absorb=runtime")
     if "moe" in self.fused and (k := next((k for k in self.backends if k.endswith(":expert")), None)):
       raise ConfigError(f"backends.{k} does not apply with fused.moe: the fused stage reads the expert weights itself")
     for key in self.dsl_rows:

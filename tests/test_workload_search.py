@@ -88,7 +88,7 @@ def test_prefill_knobs_are_searched_only_where_the_prompt_is_timed(gguf_file) ->
   prefills: elsewhere those knobs change nothing the study measures."""
   info = ModelInfo.from_gguf(GGUFFile(gguf_file("tiny", "q4_0")))
   names = lambda **kw: {k.name for k in Setup("s", "m", "m", "CPU", **kw).knobs(info)}
-  assert "prefill_ffn" in names(objectives="tok_s,prefill_tok_s")
+  assert {"prefill_ffn", "prefill_attention"} <= names(objectives="tok_s,prefill_tok_s")
   for kw in ({}, {"objectives": "tok_s,peak_memory"}, {"objectives": "tok_s,prefill_tok_s", "prefill": False}):
     got = names(**kw)
     assert got and not any(n.startswith("prefill_") for n in got), kw

@@ -85,7 +85,7 @@ def replay(url: str, name: str, samplers: list[str], trials: int, repeats: int,
       first: list[int] = []
       def objective(trial: optuna.Trial, first: list[int] = first) -> float:
         nonlocal missing, asked
-        h = suggest(trial, info, setup.device, setup.fixed, setup.family).hash
+        h = suggest(trial, setup.knobs(info), setup.fixed).hash
         asked += 1
         if h not in values:
           missing += 1

@@ -196,7 +196,7 @@ class Runner:
     self.study.enqueue_trial(params)
 
   def objective(self, trial: optuna.Trial) -> float | tuple[float, float]:
-    cfg = suggest(trial, self.info, self.setup.device, self.setup.fixed, self.setup.family)
+    cfg = suggest(trial, self.setup.knobs(self.info), self.setup.fixed)
     h, is_base = cfg.hash, cfg == self.baseline
     trial_id = self.storage.get_trial_id_from_study_id_trial_number(self.study_id, trial.number)
     with session(self.engine) as s:

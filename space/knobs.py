@@ -188,14 +188,13 @@ def _choose(ks: list[Knob], pick: Callable[[Knob], Any]) -> dict[str, Any]:
   return values
 
 
-def suggest(trial, info: ModelInfo, device: str = "CPU", fixed: dict[str, Any] | None = None,
-            family: str = "all") -> StructureConfig:
-  """Define-by-run: ask an Optuna trial for every knob that applies to this model and device (conditional ones only when
-  they apply), except the knobs pinned in `fixed`, which hold their pins even where they do not apply (a config differs
-  from the baseline only in what was changed)."""
+def suggest(trial, ks: list[Knob], fixed: dict[str, Any] | None = None) -> StructureConfig:
+  """Define-by-run: ask an Optuna trial for every knob of the space `ks` (a study's: Setup.knobs; conditional ones only
+  when they apply), except the knobs pinned in `fixed`, which hold their pins even where they do not apply (a config
+  differs from the baseline only in what was changed)."""
   fixed = fixed or {}
   pick = lambda k: fixed[k.name] if k.name in fixed else trial.suggest_categorical(k.name, k.choices)
-  return to_config(fixed | _choose(knobs(info, device, family), pick))
+  return to_config(fixed | _choose(ks, pick))
 
 
 def parse_pins(pins: list[str], info: ModelInfo, device: str = "CPU", family: str = "all") -> dict[str, Any]:

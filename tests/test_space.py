@@ -84,7 +84,7 @@ def test_sample_and_suggest_give_valid_configs(tiny) -> None:
   study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
   for _ in range(5):
     trial = study.ask()
-    assert isinstance(suggest(trial, info(tiny)), StructureConfig)
+    assert isinstance(suggest(trial, knobs(info(tiny))), StructureConfig)
     study.tell(trial, 1.0)
   assert to_config({}) == StructureConfig()
 

@@ -154,7 +154,8 @@ def attention(st: AttentionStage, x: Tensor, start_pos: int | UOp, pos: Tensor) 
   if st.layout == "all_heads":  # every position read once for all heads; the splits merged once, then v_b
     k4 = C.mla_attention_heads(H, kvl, rope, ctx, st.kq_scale, cache_half, sms)
     part = launch(k4, [st.scratch["part"], qc, cache, pos], cache.nbytes() // 4)[0]
-    o = launch(C.mla_combine(H, kvl, ctx, sms), [empty(H * kvl, device=dev), part, pos], 0)[0]
+    o = launch(C.mla_combine(H, kvl, ctx, sms), [empty(H * kvl, device=dev), part, pos],
+               H * C.heads_splits(ctx, sms) * (kvl + 2) * 4)[0]
     k5 = C.mla_vb(cw("w_", st.v_b), H, kvl, st.v_head, ctx, merged=True)
     a = launch(k5, [empty(H * st.v_head, device=dev), o, *planes(st.v_b)], vb_bytes)[0]
   else:

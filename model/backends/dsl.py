@@ -690,22 +690,6 @@ def ffn(st: FfnStage, h: Tensor) -> Tensor:
   return _down(hf, act_round(st.act)(act), st.ffn.down, st.down_rows).reshape(1, 1, st.dim)
 
 
-class DslBackend(Backend):
-  name = "dsl"
-
-  def attention(self, st: AttentionStage, x: Tensor, start_pos: int | UOp, pos: Tensor | None) -> Tensor:
-    return attention(st, x, start_pos, pos)
-  def router(self, st: RouterStage, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return router(st, h, forced)
-  def moe(self, st: MoeStage, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tensor:
-    return moe(st, h, sel, wts, logits)
-  def ffn(self, st: FfnStage, h: Tensor) -> Tensor: return ffn(st, h)
-  def attach(self, w: QWeight, device: str | None) -> QWeight: return to_words(super().attach(w, device))
-  def linear(self, x: Tensor, w: QWeight) -> Tensor: return linear(x, w)
-  def per_head(self, x: Tensor, w: QWeight) -> Tensor: return per_head(x, w)
-  def expert(self, x: Tensor, sel: Tensor, w: QWeight) -> Tensor: return expert(x, sel, w)
-
-
 def linear(x: Tensor, w: QWeight) -> Tensor:
   """x (..., in) @ w.T -> (..., out) float32, for a weight of shape (out, in)."""
   lead, (out, inp) = x.shape[:-1], w.shape
@@ -724,6 +708,20 @@ def expert(x: Tensor, sel: Tensor, w: QWeight) -> Tensor:
   xs = x.reshape(B * T, x.shape[2], inp)
   return _run(expert_kernel, (B * T, K, out), xs, (sel.reshape(B * T, K).cast(dtypes.int32),), w,
               n_experts=E).reshape(B, T, K, out)
+
+
+class DslBackend(Backend):
+  name = "dsl"
+  # its stages and products: this module's functions
+  attention = staticmethod(attention)
+  router = staticmethod(router)
+  moe = staticmethod(moe)
+  ffn = staticmethod(ffn)
+  linear = staticmethod(linear)
+  per_head = staticmethod(per_head)
+  expert = staticmethod(expert)
+
+  def attach(self, w: QWeight, device: str | None) -> QWeight: return to_words(super().attach(w, device))
 
 
 BACKEND = register(DslBackend())

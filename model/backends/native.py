@@ -302,22 +302,17 @@ class NativeBackend(Backend):
     return {"part": Tensor.zeros(n_heads * splits * (kv_lora + 2), device=device).contiguous().realize(),
             "router_cnt": Tensor.zeros(1, dtype=dtypes.int32, device=device).contiguous().realize()}
 
-  def rows(self, w: QWeight, idx: Tensor) -> Tensor: return rows(w, idx)
-  def linear(self, x: Tensor, w: QWeight) -> Tensor: return linear(x, w)
-  def per_head(self, x: Tensor, w: QWeight) -> Tensor: return per_head(x, w)
-  def expert(self, x: Tensor, sel: Tensor, w: QWeight) -> Tensor: return expert(x, sel, w)
-  def norm_linear(self, x: Tensor, gamma: Tensor, eps: float, w: QWeight) -> Tensor:
-    return norm_linear(x, gamma, eps, w)
-  def attention(self, st: AttentionStage, x: Tensor, start_pos: int | UOp, pos: Tensor) -> Tensor:
-    return attention(st, x, start_pos, pos)
-  def router(self, st: RouterStage, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return router(st, h, forced)
-  def moe(self, st: MoeStage, h: Tensor, sel: Tensor, wts: Tensor, logits: Tensor) -> Tensor:
-    return moe(st, h, sel, wts, logits)
-  def ffn(self, st: FfnStage, h: Tensor) -> Tensor: return ffn(st, h)
-  def routed_moe(self, router: RouterStage, moe: MoeStage, h: Tensor,
-                 forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    return routed_moe(router, moe, h, forced)
+  # its products and stages: this module's functions
+  rows = staticmethod(rows)
+  linear = staticmethod(linear)
+  per_head = staticmethod(per_head)
+  expert = staticmethod(expert)
+  norm_linear = staticmethod(norm_linear)
+  attention = staticmethod(attention)
+  router = staticmethod(router)
+  moe = staticmethod(moe)
+  ffn = staticmethod(ffn)
+  routed_moe = staticmethod(routed_moe)
 
 
 def available(device: str | None = None) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.abc
 import importlib.util
+import inspect
 import json
 import os
 import signal
@@ -117,11 +118,12 @@ def _dropped_residual(m: ModuleType) -> None:
     return call(self, x, *args, **kwargs)
   def faulty(self, xn, start_pos): return attention(self, xn, start_pos) - self._x * self._faulty.reshape(1, 1, 1)
   def fused(stage):  # a backend's stage receives the stage's inputs, not the block: the block running it has the marker
-    def faulty_stage(backend, st, x, *args):
-      return stage(backend, st, x, *args) - x * running["block"]._faulty.reshape(1, 1, 1).cast(x.dtype)
+    def faulty_stage(backend, st, x, *args):  # the stage as the class holds it: a method or a static function
+      got = stage.__get__(backend, type(backend))(st, x, *args)
+      return got - x * running["block"]._faulty.reshape(1, 1, 1).cast(x.dtype)
     return faulty_stage
   for b in {type(m.K.get(n)) for n in m.catalog.names() if "attention" in m.catalog.get(n).stages}:
-    b.attention = fused(b.attention)
+    b.attention = fused(inspect.getattr_static(b, "attention"))
   init = m.Transformer.__init__
   def mark(self, *args, **kwargs) -> None:
     init(self, *args, **kwargs)

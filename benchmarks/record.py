@@ -123,6 +123,8 @@ def trial_lines(r: TrialResult, device: str, model_name: str, quant: str, config
     if m.get("prefill_tok_s"):
       pp = llama and llama_test(llama, prompt=work["prompt"])
       out.append(line("prefill", prefill_tok_s=_round(m["prefill_tok_s"], 1), ttft_s=_round(m["ttft_s"], 4),
+                      **{k: _round(m[k], 1) for k in ("prefill_tok_s_min", "prefill_tok_s_max") if k in m},
+                      **{k: m[k] for k in ("prefill_runs", "prefill_chunk") if k in m},
                       **({"llama_cpp_prefill_tok_s": _round(pp["avg_ts"], 1)} if pp else {})))
   out.append(line("trial", status=r.status, **{k: _round(v, 2) for k, v in r.phases.items()},
                   **({"phase": r.phase, "error": r.error[-400:]} if not r.ok else {})))
@@ -130,6 +132,9 @@ def trial_lines(r: TrialResult, device: str, model_name: str, quant: str, config
     out.append(line("gate", name=config_name, state=r.status, **check_figures(r.check),
                     check_s=_round(r.phases.get("check_s"), 2)))
   out += [line("profile", **profile_fields(p, bw)) for p in r.profile]
+  # per graph call of a chunk of prefill_chunk tokens at position prefill_at
+  out += [line("prefill_profile", **profile_fields(p, bw), tflops=_round(p.get("tflops"), 2),
+               prefill_chunk=m.get("prefill_chunk"), prefill_at=m.get("prefill_profile_at")) for p in r.prefill_profile]
   tl = r.timeline
   out += [line("timeline", **{f: _round(v, 3) for f, v in row.items()}, span_us=_round(tl["span_us"], 2),
                stamped_us=_round(tl["stamped_us"], 2), plain_us=_round(tl["plain_us"], 2), steps=tl["steps"],

@@ -20,6 +20,8 @@
 #             llama-bench's decode at the same depth (-d 0,D,...), in the same call [none]
 #   PROMPTS   prompts P ...: each config also prefills a P-token prompt, timed (`evaluator run --prompt P`) beside
 #             llama-bench -p P -n 0 [none]
+#   WORKLOADS each config's runs: default (decode after a 32-token prompt), dD (decode at depth D), pP (a P-token
+#             prompt's prefill) [default, then dD for each of $DEPTHS, then pP for each of $PROMPTS]
 #   N ROUNDS  evaluator tokens per measured round and rounds [32 3]      LLAMA_N LLAMA_REPS  llama-bench -n and -r [128 5]
 #   DEVICE    [CUDA]   LLAMA_BENCH  a llama-bench binary to use instead of building one from .llama/llama.cpp.tar.gz;
 #             none: no llama.cpp figures (the configs only)
@@ -47,7 +49,7 @@ log "models: $MODELS; configs: $CONFIGS; device $DEVICE${DEPTHS:+; depths $DEPTH
 csv() { local IFS=,; echo "$*"; }
 LLAMA_D=$( [ -n "$DEPTHS" ] && echo "-d $(csv 0 $DEPTHS)" )  # llama-bench's decode depths, beside d = 0
 # each config's runs: the default workload, then each depth and each prompt (evaluator run's options, a name for its files)
-WORKLOADS="default $(for d in $DEPTHS; do echo "d$d"; done) $(for p in $PROMPTS; do echo "p$p"; done)"
+WORKLOADS=${WORKLOADS:-default $(for d in $DEPTHS; do echo "d$d"; done) $(for p in $PROMPTS; do echo "p$p"; done)}
 workopts() { case $1 in default) echo --no-prefill ;; d*) echo "--no-prefill --context ${1#d}" ;; p*) echo "--prompt ${1#p}" ;; esac; }
 
 BENCH=${LLAMA_BENCH:-$WORK/llama/build/bin/llama-bench} BUILD=

@@ -42,7 +42,9 @@ def summary(r: TrialResult) -> Table:
     t.add_row("per token", f"{m['kernels_per_token']} kernels in {m['graph_batches_per_token']} graph batches, "
                            f"{m['bytes_per_token'] / 1e6:.1f} MB, {m['gb_s']:.1f} GB/s{share}")
     if "prefill_tok_s" in m:
-      t.add_row("prefill", f"{m['prefill_tok_s']:.1f} tok/s, {m['ttft_s']:.3f} s to the first token")
+      spread = f" (min {m['prefill_tok_s_min']:.1f}, max {m['prefill_tok_s_max']:.1f} over {m['prefill_runs']} runs)" \
+        if "prefill_runs" in m else ""
+      t.add_row("prefill", f"{m['prefill_tok_s']:.1f} tok/s{spread}, {m['ttft_s']:.3f} s to the first token")
     t.add_row("memory",
               f"peak device {m['peak_device_bytes'] / 1e9:.3f} GB, host RSS {m['host_peak_rss_bytes'] / 1e9:.2f} GB")
     t.add_row("determinism",
@@ -73,6 +75,19 @@ def profile_table(r: TrialResult) -> Table:
   for p in r.profile:
     t.add_row(str(p["rank"]), p["stage"], p["layers"], p["name"], str(p["count"]), f"{p['us_per_token']:.1f}",
               f"{100 * p['share']:.1f}%", f"{p['gb_s']:.0f}" if p["gb_s"] is not None else "")
+  return t
+
+
+def prefill_profile_table(r: TrialResult) -> Table:
+  m, timing = r.metrics, r.prefill_profile[0].get("timing", "host launches")
+  t = Table(title=f"prefill kernels by time per graph call ({m['prefill_chunk']} tokens at position "
+                  f"{m['prefill_profile_at']}; each timed alone: {timing})")
+  for col in ("#", "stage", "layers", "kernel", "launches", "µs/call", "share", "GB/s", "TFLOPS"):
+    t.add_column(col, justify="right" if col not in ("stage", "kernel") else "left")
+  for p in r.prefill_profile:
+    t.add_row(str(p["rank"]), p["stage"], p["layers"], p["name"], str(p["count"]), f"{p['us_per_token']:.1f}",
+              f"{100 * p['share']:.1f}%", f"{p['gb_s']:.0f}" if p["gb_s"] is not None else "",
+              f"{p['tflops']:.1f}" if p.get("tflops") is not None else "")
   return t
 
 
@@ -119,6 +134,7 @@ def cmd_run(args) -> int:
   console.print(summary(r))
   if r.profile: console.print(profile_table(r))
   if r.timeline: console.print(timeline_table(r))
+  if r.prefill_profile: console.print(prefill_profile_table(r))
   if args.json: open(args.json, "w").write(r.to_json() + "\n")
   return 0 if r.ok else 1
 

@@ -78,6 +78,9 @@ class TrialResult:
   # with the profile, where the step's native kernels overlap (programmatic launch): each one's part of the step, as
   # they ran stamped (model/profile.py step_timeline)
   timeline: dict[str, Any] = field(default_factory=dict)
+  # with the profile and a timed prefill: the prefill graph's kernels, a row's time per graph call (a chunk of
+  # metrics["prefill_chunk"] tokens at position metrics["prefill_profile_at"])
+  prefill_profile: list[dict[str, Any]] = field(default_factory=list)
   error: str = ""  # error text of a failure (last lines of the traceback or of stderr)
   phase: str = ""  # the phase the trial was in when it ended
 

@@ -286,6 +286,13 @@ class Block:
     mode = self.cfg.barriers[point]
     return x if mode == "none" else x.contiguous().realize() if mode == "realize" else x.contiguous()
 
+  def product(self, x: Tensor, w: QWeight) -> Tensor:
+    """x (B, T, in) @ w.T, an attention product: the weight's backend's, or for a prompt's chunk with prefill_dense =
+    batched one product of the chunk's tokens (model/prefill.py linear)."""
+    if x.shape[1] > 1 and self.cfg.prefill_dense == "batched" and self.cfg.prefill_ffn == "grouped":
+      return prefill.linear(x, w, self.cfg)
+    return K.linear(x, w)
+
   def decompressed(self, T: int) -> bool:
     """Whether a chunk of T tokens attends in the decompressed form (model/prefill.py): the prompt's, by the config."""
     return T > 1 and self.cfg.prefill_attention == "decompressed"
@@ -295,14 +302,14 @@ class Block:
     nope) as projected for the decompressed form; q_pe (B, T, H, rope) and kv (B, T, kv_lora + rope)."""
     hp, (B, T, _) = self.hp, xn.shape
     H, nope, rope, kvl = hp.n_heads, hp.qk_nope, hp.qk_rope, hp.kv_lora
-    xq = rms_norm(K.linear(xn, self.q_a), self.q_a_norm, hp.eps) if hp.q_lora else xn
+    xq = rms_norm(self.product(xn, self.q_a), self.q_a_norm, hp.eps) if hp.q_lora else xn
     if self.cfg.mla_absorb == "load":
-      q_abs = self.barrier(K.linear(xq, self.q_abs), "q_proj").reshape(B, T, H, kvl)
-      q_pe = K.linear(xq, self.q_pe).reshape(B, T, H, rope)
+      q_abs = self.barrier(self.product(xq, self.q_abs), "q_proj").reshape(B, T, H, kvl)
+      q_pe = self.product(xq, self.q_pe).reshape(B, T, H, rope)
     else:
-      q = self.barrier(K.linear(xq, self.q_b), "q_proj").reshape(B, T, H, nope + rope)
+      q = self.barrier(self.product(xq, self.q_b), "q_proj").reshape(B, T, H, nope + rope)
       q_abs, q_pe = q[..., :nope] if self.decompressed(T) else self.absorb(q[..., :nope]), q[..., nope:]
-    return q_abs, q_pe, self.barrier(K.linear(xn, self.kv_a), "kv_a")
+    return q_abs, q_pe, self.barrier(self.product(xn, self.kv_a), "kv_a")
 
   def attend(self, q_abs: Tensor, q_pe: Tensor, kv: Tensor, start_pos: int | UOp) -> Tensor:
     """RoPE, the KV cache write, attention over the compressed cache and v_b (or, for a decompressed chunk, over the
@@ -317,20 +324,22 @@ class Block:
     if self.cfg.barriers["kv_write"] == "realize": planes = tuple(p.realize() for p in planes)
     elif self.cfg.barriers["kv_write"] == "contiguous": planes = tuple(p.contiguous() for p in planes)
     rows = self.kv.decode(planes, start_pos + T)  # (B, S, kvl+rope)
+    dt = prefill.attn_dtype(self.cfg, T)
     if self.decompressed(T):
-      return prefill.attention(q_abs, q_pe, rows, self.k_b_float(), self.v_b.to_float(), start_pos, hp.kq_scale)
-    k = rows.unsqueeze(1)  # (B, 1, S, kvl+rope)
-    qc = q_abs.cat(q_pe, dim=-1).transpose(1, 2)  # (B, H, T, kvl+rope)
+      return prefill.attention(q_abs, q_pe, rows, self.k_b_float(), self.v_b.to_float(), start_pos, hp.kq_scale, dt)
+    k = rows.unsqueeze(1).cast(dt)  # (B, 1, S, kvl+rope)
+    qc = q_abs.cat(q_pe, dim=-1).transpose(1, 2).cast(dt)  # (B, H, T, kvl+rope)
     mask = prefill.causal_mask(T, start_pos) if resolve(T != 1) else None
     if self.cfg.attention == "sdpa":
       o = (qc * (hp.kq_scale * math.sqrt(kvl + rope))).scaled_dot_product_attention(k, k[..., :kvl], attn_mask=mask)
+      o = o.float()
     else:
-      s = (qc @ k.transpose(-1, -2)) * hp.kq_scale
-      o = (s if mask is None else s + mask).softmax(-1) @ k[..., :kvl]  # (B, H, T, kvl)
+      s = qc.matmul(k.transpose(-1, -2), dtype=dtypes.float32) * hp.kq_scale
+      o = (s if mask is None else s + mask).softmax(-1).cast(dt).matmul(k[..., :kvl], dtype=dtypes.float32)
     return K.per_head(o.transpose(1, 2), self.v_b).reshape(B, T, H * hp.v_head)
 
   def attention(self, xn: Tensor, start_pos: int | UOp) -> Tensor:
-    return K.linear(self.barrier(self.attend(*self.project(xn), start_pos), "attn_out"), self.wo)
+    return self.product(self.barrier(self.attend(*self.project(xn), start_pos), "attn_out"), self.wo)
 
   def _ffn(self, x: Tensor, gate: QWeight | None, up: QWeight | None, down: QWeight, gate_up: QWeight | None,
            point: str) -> Tensor:
@@ -479,6 +488,7 @@ class Transformer:
       if norm: return w.to_float().reshape(-1).contiguous().realize()
       return K.get(self.cfg.stage(stage) or self.cfg.backend(w.quant, role)).attach(w, device)
 
+    if self.cfg.prefill_weights == "native": K.get("native").check(device)  # the prompt's products (model/prefill.py)
     n = hp.n_layers if n_layers is None else n_layers
     if not 1 <= n <= hp.n_layers: raise ValueError(f"n_layers={n} is outside 1..{hp.n_layers}")
     cos, sin = rope_table(hp, self.max_context)

@@ -10,8 +10,10 @@ min(E, T*K): that static bound sizes the products, so a chunk size and a tile gi
 routing, no pair ever overflows, and the padding is at most tile - 1 rows per expert in use. The weights are read
 either `indexed`: every expert dequantised once per chunk into one buffer of `prefill_dtype`, which the product indexes
 per row by its tile's expert; or `copied`: each tile's expert dequantised into a matrix of its own (a weight read per
-tile), which the product then reads as a plain batched matmul (tensor cores where the device has them). The shared
-expert and the dense FFN are plain matmuls of weights dequantised once per chunk.
+tile), which the product then reads as a plain batched matmul (tensor cores where the device has them); or `native`:
+the native backend's tensor-core kernels read each tile's expert quantised and dequantise it into shared memory
+(model/backends/cuda_grouped.py), no dequantised copy written. The shared expert and the dense FFN are plain matmuls of
+weights dequantised once per chunk, or native's kernels over the chunk's rows in tiles.
 
 The attention (StructureConfig.prefill_attention = decompressed), as llama.cpp and FlashMLA prefill: each head's
 keys (k_b^T c_kv, qk_nope dims) and values (v_b c_kv, v_head dims) decompressed from the compressed cache rows once per
@@ -28,6 +30,7 @@ import math
 from tinygrad import Tensor, UOp, dtypes
 from tinygrad.dtype import DType
 
+from model.backends import registry as K
 from model.quants import to_float
 from model.stages import Glu
 from model.structure import StructureConfig
@@ -44,17 +47,25 @@ def dequant(w: QWeight, dt: DType, idx: Tensor | None = None) -> Tensor:
   return to_float(w.view(w.shape, idx), w.ggml_type, (*idx.shape, *w.shape[1:])).cast(dt).contiguous()
 
 
-def linear(x: Tensor, w: QWeight, dt: DType) -> Tensor:
-  """x (..., in) @ w.T (out, in) dequantised to dt -> (..., out) float32: one matmul for all the chunk's tokens."""
+def linear(x: Tensor, w: QWeight, cfg: StructureConfig) -> Tensor:
+  """x (..., in) @ w.T (out, in) -> (..., out) float32: one matmul for all the chunk's tokens, of w dequantised to the
+  config's dtype, or native's product of the rows in tiles (prefill_weights=native)."""
+  if cfg.prefill_weights == "native" and w.cache is None:
+    lead, inp = x.shape[:-1], x.shape[-1]
+    M = math.prod(lead)
+    tile = 64 if M >= 256 else 16
+    tiles = -(-M // tile)
+    rows = x.reshape(M, inp).pad(((0, tiles * tile - M), None)).cast(dtypes.float16).reshape(tiles, tile, inp)
+    return K.get("native").grouped(rows, w, None).reshape(tiles * tile, -1)[:M].reshape(*lead, -1)
+  dt = dtype(cfg)
   return x.cast(dt).matmul(dequant(w, dt).T, dtype=dtypes.float32)
 
 
 def glu(x: Tensor, f: Glu, cfg: StructureConfig) -> Tensor:
   """The SiLU-gated FFN f of x (..., dim), its products as `linear`: (..., dim) float32."""
-  dt = dtype(cfg)
-  if f.gate_up is not None: g, u = linear(x, f.gate_up, dt).split(f.hidden, dim=-1)
-  else: g, u = linear(x, f.gate, dt), linear(x, f.up, dt)
-  return linear((g.silu() * u).contiguous(), f.down, dt)
+  if f.gate_up is not None: g, u = linear(x, f.gate_up, cfg).split(f.hidden, dim=-1)
+  else: g, u = linear(x, f.gate, cfg), linear(x, f.up, cfg)
+  return linear((g.silu() * u).contiguous(), f.down, cfg)
 
 
 def layout(sel: Tensor, n_experts: int, tile: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -79,6 +90,8 @@ def layout(sel: Tensor, n_experts: int, tile: int) -> tuple[Tensor, Tensor, Tens
 
 def _product(x: Tensor, w: QWeight, tile_expert: Tensor, cfg: StructureConfig) -> Tensor:
   """x (N, tile, in) by each tile's expert of w (E, out, in) -> (N, tile, out) float32."""
+  if cfg.prefill_weights == "native" and w.cache is None:
+    return K.get("native").grouped(x.cast(dtypes.float16), w, tile_expert)
   (N, tile, _), dt = x.shape, dtype(cfg)
   if cfg.prefill_weights == "copied":
     return x.matmul(dequant(w, dt, tile_expert).transpose(-1, -2), dtype=dtypes.float32)
@@ -94,12 +107,13 @@ def moe(xn: Tensor, sel: Tensor, wts: Tensor, experts: Glu, shared: Glu | None, 
   (B, T, K): (B, T, D) float32."""
   (B, T, D), K, tile = xn.shape, sel.shape[-1], cfg.prefill_tile
   tile_expert, token, row = layout(sel.reshape(B * T, K), n_experts, tile)
-  x = xn.reshape(B * T, D)[token].cast(dtype(cfg)).reshape(-1, tile, D)
+  x = xn.reshape(B * T, D)[token].cast(dtypes.float16 if cfg.prefill_weights == "native" else dtype(cfg))
+  x = x.reshape(-1, tile, D)
   if experts.gate_up is not None:
     g, u = _product(x, experts.gate_up, tile_expert, cfg).split(experts.hidden, dim=-1)
   else:
     g, u = _product(x, experts.gate, tile_expert, cfg), _product(x, experts.up, tile_expert, cfg)
-  act = (g.silu() * u).cast(dtype(cfg)).contiguous()
+  act = (g.silu() * u).cast(x.dtype).contiguous()
   y = _product(act, experts.down, tile_expert, cfg).reshape(-1, D)
   out = (y[row].reshape(B, T, K, D) * wts.unsqueeze(-1)).sum(2)
   return out if shared is None else out + glu(xn, shared, cfg)
@@ -110,17 +124,25 @@ def causal_mask(T: int, start_pos: int | UOp) -> Tensor:
   return Tensor.full((1, 1, T, start_pos + T), -math.inf).triu(start_pos + 1)
 
 
+def attn_dtype(cfg: StructureConfig, T: int) -> DType:
+  """The dtype a chunk of T tokens multiplies its attention in (prefill_attn_dtype; decode's single token: float32)."""
+  return dtypes.float16 if T > 1 and cfg.prefill_attn_dtype == "float16" else dtypes.float32
+
+
 def attention(q_nope: Tensor, q_pe: Tensor, rows: Tensor, k_b: Tensor, v_b: Tensor, start_pos: int | UOp,
-              scale: float) -> Tensor:
+              scale: float, dt: DType = dtypes.float32) -> Tensor:
   """The chunk's queries q_nope (B, T, H, nope) and rotated q_pe (B, T, H, rope) over the cache rows (B, S, kv_lora +
   rope) of positions 0..start_pos + T (the prefix and the chunk's own), decompressed per head by k_b (H, kv_lora, nope)
   and v_b (H, v_head, kv_lora), causal: (B, T, H * v_head) float32. Its scores are explicit whatever the `attention`
-  knob, which picks decode's form."""
+  knob, which picks decode's form. dt: the dtype its products multiply in (sums in float32), and the decompressed keys
+  and values are held in."""
   (B, T, H, _), kvl = q_nope.shape, k_b.shape[1]
+  rows = rows.cast(dt)
   c, k_pe = rows[..., :kvl].unsqueeze(1), rows[..., kvl:].unsqueeze(1)  # (B, 1, S, kvl), (B, 1, S, rope)
+  mm = lambda a, b: a.matmul(b, dtype=dtypes.float32)
   # buffers of their own: the weights dequantised and the keys and values decompressed once per chunk, not per query
-  k_nope = (c @ k_b.contiguous()).contiguous()  # (B, H, S, nope)
-  v = (c @ v_b.contiguous().transpose(-1, -2)).contiguous()  # (B, H, S, v_head)
-  q_nope, q_pe = q_nope.transpose(1, 2), q_pe.transpose(1, 2)  # (B, H, T, ...)
-  s = (q_nope @ k_nope.transpose(-1, -2) + q_pe @ k_pe.transpose(-1, -2)) * scale + causal_mask(T, start_pos)
-  return (s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, H * v.shape[-1])
+  k_nope = mm(c, k_b.cast(dt).contiguous()).cast(dt).contiguous()  # (B, H, S, nope)
+  v = mm(c, v_b.cast(dt).contiguous().transpose(-1, -2)).cast(dt).contiguous()  # (B, H, S, v_head)
+  q_nope, q_pe = q_nope.transpose(1, 2).cast(dt), q_pe.transpose(1, 2).cast(dt)  # (B, H, T, ...)
+  s = (mm(q_nope, k_nope.transpose(-1, -2)) + mm(q_pe, k_pe.transpose(-1, -2))) * scale + causal_mask(T, start_pos)
+  return mm(s.softmax(-1).cast(dt), v).transpose(1, 2).reshape(B, T, H * v.shape[-1])

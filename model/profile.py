@@ -215,10 +215,10 @@ def _timed(dev, before: list, per_rep: list, reps: int) -> float:
 def kernel_profile(jit, var_vals: dict[str, int], bandwidth_gbs: float | None = None, step_bytes: int = 256 << 20,
                    where: dict[int, Owner] | None = None, launches: int = 64, rounds: int = 3) -> list[dict]:
   """Kernels of the step by device time per token, a row per kernel name and stage: name, stage and layers (from
-  `where`: places(model); without it, none), launches per step, µs per token, µs per launch, bytes per token and GB/s
-  (tinygrad's byte estimate over the time), share of the summed kernel time, and of the measured bandwidth where it is
-  given. step_bytes: what one step reads (the sweep reads as much, up to 256 MiB); launches: how many launches of a row
-  are timed together (its launches per step, repeated)."""
+  `where`: places(model); without it, none), launches per step, µs per token, µs per launch, bytes per token, GB/s and
+  TFLOPS (tinygrad's byte and operation estimates over the time), share of the summed kernel time, and of the measured
+  bandwidth where it is given. step_bytes: what one step reads (the sweep reads as much, up to 256 MiB); launches: how
+  many launches of a row are timed together (its launches per step, repeated)."""
   groups: dict[tuple[str, str], list[tuple]] = collections.defaultdict(list)
   layers: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
   found = _launches(jit)
@@ -238,10 +238,12 @@ def kernel_profile(jit, var_vals: dict[str, int], bandwidth_gbs: float | None = 
     sink = ls[0][0].src[0]
     est = sink.arg.estimates if sink.op is Ops.SINK and sink.arg is not None else None
     mem = float(sym_infer(est.mem, {**var_vals, **ls[0][3]})) if est is not None else None
+    ops = float(sym_infer(est.ops, {**var_vals, **ls[0][3]})) if est is not None else None
     rows.append({"name": name, "stage": stage, "layers": layers_text(layers[(name, stage)]), "count": len(ls),
                  "us_per_token": per_launch * len(ls), "us_per_launch": per_launch,
                  "bytes": int(mem * len(ls)) if mem is not None else None,
-                 "gb_s": mem / per_launch / 1e3 if mem and per_launch > 0 else None, "timing": timing})
+                 "gb_s": mem / per_launch / 1e3 if mem and per_launch > 0 else None,
+                 "tflops": ops / per_launch / 1e6 if ops and per_launch > 0 else None, "timing": timing})
   total = sum(r["us_per_token"] for r in rows) or 1.0
   rows.sort(key=lambda r: -r["us_per_token"])
   for i, r in enumerate(rows):

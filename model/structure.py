@@ -33,14 +33,15 @@ Info = Any  # what `applies` reads of a model file: space.knobs.ModelInfo
 class Knob:
   """One knob: its default, the values the search tries (`choices`: a tuple, or a function of the device and the backend
   family), what it changes (`doc`), when it applies, and the precision class of its values other than the default
-  (`fp32`: float32 work reordered; `fp16`: rounded to fp16 where the baseline is not; `x16`: activations held to 16
-  bits in two 8-bit planes, checked as fp32; `q8`: 8-bit activations or KV cache, checked against their twin; or a
-  function of the value). When it applies: `applies(info)` on the model file; `stages`: the fused stages that replace
-  the per-op code it changes (it applies while one of them runs per op, or on a backend that `keeps` it); `fused_in`:
-  it applies only while one of these stages is fused (by backend `on`, where given: a name, or a function of the model
-  file that gives one or None); `needs`: (knob, condition on its value, a value that meets it); `devices`: the device
-  kinds it applies on. `allowed`: what a config may hold where that is more than the choices; `env`: the tinygrad
-  variable it sets in a trial process. `name`, `field` and `key` come from where it is declared."""
+  (`fp32`: float32 work reordered; `fp16`: rounded to fp16 where the baseline is not; `x16`: activations held to 16 bits
+  in two 8-bit planes, checked as fp32; `q8`: 8-bit activations or KV cache, checked against their twin; or a function
+  of the value). When it applies: `applies(info)` on the model file; `stages`: the fused stages that replace the per-op
+  code it changes (it applies while one of them runs per op, or on a backend that `keeps` it); `fused_in`: it applies
+  only while one of these stages is fused (by backend `on`, where given: a name, or a function of the model file that
+  gives one or None); `needs`: (knob, condition on its value, a value that meets it) for each knob whose value it needs
+  (all of them); `devices`: the device kinds it applies on. `allowed`: what a config may hold where that is more than
+  the choices; `env`: the tinygrad variable it sets in a trial process. `name`, `field` and `key` come from where it is
+  declared."""
   default: Any
   choices: tuple | Callable[[str, str], tuple]
   doc: str
@@ -48,7 +49,7 @@ class Knob:
   stages: tuple[str, ...] = ()
   fused_in: tuple[str, ...] = ()
   on: str | Callable[[Info], str | None] | None = None
-  needs: tuple[str, Callable[[Any], bool], Any] | None = None
+  needs: tuple[tuple[str, Callable[[Any], bool], Any], ...] = ()
   devices: tuple[str, ...] | None = None
   precision: str | Callable[[Any], str] = "fp32"
   allowed: tuple | Callable[[], tuple] | None = None
@@ -176,6 +177,14 @@ DSL_ROWS = {p: Knob(4 if p == "gate_up" else 1, (1, 2, 4),
 _beam = ("beam", lambda b: b > 0, 2)  # BEAM's settings apply when BEAM searches (a width of 2 shows them)
 _grouped = ("prefill_ffn", lambda v: v == "grouped", "grouped")  # grouped prefill's settings apply with it
 _runtime = ("mla_absorb", lambda v: v == "runtime", "runtime")  # q's nope rows as projected, not folded into k_b
+# grouped prefill's tinygrad forms, which dequantise the weights into prefill_dtype (native reads them quantised)
+_dequantised = ("prefill_weights", lambda v: v != "native", "indexed")
+
+
+def _prefill_weights(device: str, family: str) -> tuple[str, ...]:
+  """prefill_weights' values: native where the family's native backend runs the MoE stage on this device."""
+  return ("indexed", "copied", "native") if "native" in catalog.stage_choices("moe", device, family) else (
+    "indexed", "copied")
 
 
 @dataclass(frozen=True)
@@ -218,27 +227,40 @@ class StructureConfig:
                           "gathered and dequantised inside the product as in decode; or grouped, the chunk's (token, "
                           "expert) pairs grouped by expert in tiles, each product a batched matmul of dequantised "
                           "weights, the shared expert's and the dense FFN's plain matmuls (model/prefill.py)")
+  prefill_weights: str = knob("indexed", _prefill_weights,
+                              "how grouped prefill's products read the weights: indexed, every expert dequantised "
+                              "once per chunk (into prefill_dtype) and read per row by its tile's expert; copied, "
+                              "each tile's expert dequantised into a matrix of its own, read by a plain batched "
+                              "matmul; or native, hand-written CUDA kernels that read the quantised weights a stage at "
+                              "a time, dequantise them into shared memory as float16 and multiply on the tensor cores "
+                              "(model/backends/cuda_grouped.py; the shared expert's and the dense FFN's products too)",
+                              applies=_moe, needs=(_grouped,), allowed=("indexed", "copied", "native"),
+                              precision=lambda v: "fp16" if v == "native" else "fp32")
   prefill_dtype: str = knob("float32", ("float32", "float16"),
                             "the dtype grouped prefill dequantises the FFN weights to and multiplies in (float16: "
-                            "tensor cores where the device has them; sums in float32)", needs=_grouped,
+                            "tensor cores where the device has them; sums in float32)", needs=(_grouped, _dequantised),
                             precision="fp16")
   prefill_tile: int = knob(16, (16, 64), "rows of a tile of grouped prefill's expert products: each expert's pairs "
                            "padded to whole tiles (more rows: fewer tiles and weight reads, more padding)",
-                           applies=_moe, needs=_grouped)
-  prefill_weights: str = knob("indexed", ("indexed", "copied"),
-                              "how grouped prefill's expert products read the weights: indexed, every expert "
-                              "dequantised once per chunk and read per row by its tile's expert; or copied, each "
-                              "tile's expert dequantised into a matrix of its own, read by a plain batched matmul",
-                              applies=_moe, needs=_grouped)
+                           applies=_moe, needs=(_grouped,))
   prefill_chunk: int = knob(32, (32, 512),
                             "prompt tokens per grouped prefill graph call (the last chunk padded): a chunk dequantises "
                             "its weights once for all its tokens (per token, a token reads its experts on its own and "
-                            "a larger chunk only pads a short prompt more)", needs=_grouped)
+                            "a larger chunk only pads a short prompt more)", needs=(_grouped,))
+  prefill_dense: str = knob("per_token", ("per_token", "batched"),
+                            "the prompt's attention products over a chunk (q_a, q_b, kv_a, the output projection): "
+                            "per_token, the weight's backend's products as in decode; or batched, one product for the "
+                            "chunk's tokens as grouped prefill's dense FFN (prefill_weights' form and prefill_dtype)",
+                            needs=(_grouped,))
   prefill_attention: str = knob("absorbed", ("absorbed", "decompressed"),
                                 "the prompt's MLA attention over a chunk: absorbed, as decode, each query absorbed "
                                 "into kv_lora dims scoring the compressed cache rows; or decompressed, each head's "
                                 "keys and values decompressed from those rows once per chunk, then attention at "
-                                "qk_nope + rope and v_head dims (model/prefill.py)", needs=_runtime)
+                                "qk_nope + rope and v_head dims (model/prefill.py)", needs=(_runtime,))
+  prefill_attn_dtype: str = knob("float32", ("float32", "float16"),
+                                 "the dtype the prompt's attention over a chunk multiplies in, either form (float16: "
+                                 "tensor cores where the device has them, the decompressed keys and values held in it; "
+                                 "sums and the softmax in float32)", precision="fp16")
   kv_dtype: str = knob("float16", ("float16", "float32", "q8_0"),
                        "KV cache dtype: float16, float32, or q8_0, llama.cpp's -ctk q8_0 (blocks of 32 int8 codes "
                        "and a float16 scale: 34 bytes per 32 values), which only the per-op attention reads",
@@ -251,13 +273,13 @@ class StructureConfig:
                            precision="fp16")
   beam: int = knob(0, (0, 1, 2, 4, 8), "BEAM width for the decode kernels")
   beam_upcast_max: int = knob(256, (64, 128, 256),
-                              "tinygrad BEAM_UPCAST_MAX: largest upcast a BEAM candidate may apply", needs=_beam,
+                              "tinygrad BEAM_UPCAST_MAX: largest upcast a BEAM candidate may apply", needs=(_beam,),
                               env="BEAM_UPCAST_MAX")
   beam_local_max: int = knob(1024, (256, 512, 1024), "tinygrad BEAM_LOCAL_MAX: largest local (workgroup) size",
-                             needs=_beam, devices=GPU_DEVICES, env="BEAM_LOCAL_MAX")
+                             needs=(_beam,), devices=GPU_DEVICES, env="BEAM_LOCAL_MAX")
   beam_min_progress: float = knob(0.01, (0.01, 1.0, 5.0),
                                   "tinygrad BEAM_MIN_PROGRESS: BEAM stops when the best candidate gains less (µs)",
-                                  needs=_beam, env="BEAM_MIN_PROGRESS")
+                                  needs=(_beam,), env="BEAM_MIN_PROGRESS")
   jit_batch_size: int = knob(32, (0, 8, 32, 128),
                              "tinygrad JIT_BATCH_SIZE: kernels in the first JIT graph batch, doubling after (0: one "
                              "graph)", devices=GRAPH_DEVICES, env="JIT_BATCH_SIZE")
@@ -286,6 +308,9 @@ class StructureConfig:
                           f"set fused.{DSL_PRODUCTS[key][0]}=dsl")
     if self.ffn_act != "float32" and not {"moe", "ffn"} & set(self.fused):
       raise ConfigError(f"ffn_act={self.ffn_act} is read by the fused FFN stages only: set fused.moe or fused.ffn")
+    if self.prefill_weights == "native" and self.prefill_dtype != "float32":
+      raise ConfigError("prefill_dtype is read by grouped prefill's tinygrad forms; prefill_weights=native always "
+                        "multiplies in float16 (unset prefill_dtype)")
     if self.kv_dtype == "q8_0" and "attention" in self.fused:
       raise ConfigError("kv_dtype=q8_0 is read by the per-op attention only: the fused attention stages read a float "
                         "cache (unset fused.attention, or choose kv_dtype float16 or float32)")

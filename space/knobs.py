@@ -126,8 +126,7 @@ def knobs(info: ModelInfo, device: str = "CPU", family: str = "all") -> list[Kno
       conds.append(lambda v, on=on, runs=runs: any(runs(v.get(_fused(s), "off")) for s in on))
       enable += ((_fused(on[0]), only or max(catalog.stage_choices(on[0], device, family),
                                              key=lambda b: not catalog.get(b).portable)),)
-    if d.needs:
-      other, cond, value = d.needs
+    for other, cond, value in d.needs:
       conds.append(lambda v, other=other, cond=cond: cond(v.get(other, KNOBS[other].default)))
       enable += ((other, value),)
     when = None if not conds else conds[0] if len(conds) == 1 else lambda v, conds=conds: all(c(v) for c in conds)
@@ -222,7 +221,7 @@ def size(info: ModelInfo, device: str = "CPU", pins: dict[str, Any] | None = Non
   pins = pins or {}
   ks = knobs(info, device, family)
   # every condition reads only these
-  read = {_fused(s) for s in STAGES} | {d.needs[0] for d in KNOBS.values() if d.needs}
+  read = {_fused(s) for s in STAGES} | {n[0] for d in KNOBS.values() for n in d.needs}
   roots = [k for k in ks if k.name in read]
   rest = [k for k in ks if k not in roots]
   n = lambda k: 1 if k.name in pins else len(k.choices)

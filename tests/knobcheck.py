@@ -30,7 +30,7 @@ from model.structure import KNOBS, StructureConfig
 from space.knobs import ModelInfo, flat, to_config
 
 FP16_KNOBS = ("backend.", "fused.", "act_dtype", "mla_absorb", "router_fp32", "kv_dtype", "attn_layout",
-              "prefill_dtype")
+              "prefill_dtype", "prefill_attn_dtype")
 # the prompt's: proved on the prefill graph (run_prefill), which decode never runs
 PREFILL_KNOBS = ("prefill_",)
 # 8-bit activations and the 8-bit KV cache: held to the gate's tolerance of their class

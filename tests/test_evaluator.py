@@ -73,6 +73,12 @@ def test_prefill_and_kernel_profile(ev) -> None:
   assert all(p["us_per_token"] >= 0 and p["count"] >= 1 for p in r.profile) and r.profile[0]["us_per_token"] > 0
   assert {p["timing"] for p in r.profile} == {"host launches"}, "off CUDA the kernels are launched one by one"
   assert 0 < r.metrics["kernel_us_per_token"] == pytest.approx(sum(p["us_per_token"] for p in r.profile))
+  # the timed prefill's spread, and its graph's kernels (a prompt of one chunk: profiled at position 0)
+  m = r.metrics
+  assert 1 <= m["prefill_runs"] <= 3 and m["prefill_tok_s_min"] <= m["prefill_tok_s"] <= m["prefill_tok_s_max"]
+  assert r.prefill_profile and m["prefill_profile_at"] == 0 and m["prefill_chunk"] == 32
+  assert {p["stage"] for p in r.prefill_profile} >= {"attention", "moe"} and r.prefill_profile[0]["us_per_token"] > 0
+  assert all(p["tflops"] is None or p["tflops"] >= 0 for p in r.prefill_profile)
 
 
 def test_kernels_take_the_stage_and_layer_of_what_they_read() -> None:

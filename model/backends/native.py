@@ -20,6 +20,7 @@ from tinygrad.renderer import Estimates
 from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
 
 from model.backends import cuda_graph
+from model.backends import cuda_grouped as G
 from model.backends import cuda_src as C
 from model.backends.registry import Backend, register
 from model.errors import ConfigError
@@ -97,6 +98,19 @@ def per_head(x: Tensor, w: QWeight) -> Tensor:
   tn = min(n, C.TOKENS)
   return _product("per_head", (n, H, out), x.reshape(n, H, inp), [], w, H * out * -(-n // tn), tn=tn, n=n,
                   heads=H).reshape(*lead, H, out)
+
+
+def grouped(x: Tensor, w: QWeight, tile_expert: Tensor | None) -> Tensor:
+  """The prompt's product in tiles (Backend.grouped): cuda/grouped_mma.cu."""
+  (N, tile, inp), out, E = x.shape, w.shape[-2], w.shape[0] if len(w.shape) == 3 else 1
+  if G.stage_k(w.ggml_type, inp) is None or tile not in G.TILES:
+    raise ConfigError(f"prefill_weights=native has no product for {w.quant} rows of {inp} in tiles of {tile}")
+  te = Tensor.zeros(N, dtype=dtypes.int32, device=x.device) if tile_expert is None else i32(tile_expert)
+  # the matrices of at most min(N, E) experts, each tile's rows and outputs
+  mem = min(N, E) * out * row_bytes(w) + x.nbytes() + N * tile * out * 4
+  y = launch(G.grouped(w.ggml_type, E, out, inp, tile, N), [empty(N * tile, out, device=x.device), x, te, *planes(w)],
+             mem, 2 * N * tile * out * inp)[0]
+  return y.reshape(N, tile, out)
 
 
 def expert(x: Tensor, sel: Tensor, w: QWeight) -> Tensor:
@@ -307,6 +321,7 @@ class NativeBackend(Backend):
   linear = staticmethod(linear)
   per_head = staticmethod(per_head)
   expert = staticmethod(expert)
+  grouped = staticmethod(grouped)
   norm_linear = staticmethod(norm_linear)
   attention = staticmethod(attention)
   router = staticmethod(router)

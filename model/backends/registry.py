@@ -23,8 +23,9 @@ class Backend(abc.ABC):
   """An implementation of a catalog row. Every backend computes the products (linear, per_head, expert) of the weights
   attached to it, and the lookup rows. The fused decode stages (attention, router, moe, ffn: one token) are the methods
   a backend whose row lists the stage overrides; each receives the stage's inputs as the model built them at load
-  (model/stages.py) and the call's dynamic inputs. routed_moe and norm_linear are optional ones the model calls where
-  a backend has them (`offers`). Calling a stage a backend lacks raises ConfigError."""
+  (model/stages.py) and the call's dynamic inputs. routed_moe and norm_linear are optional ones the model calls where a
+  backend has them (`offers`); grouped, the prompt's products in tiles, one a config asks of the native backend. Calling
+  a stage a backend lacks raises ConfigError."""
   name: str = ""
 
   @property
@@ -102,6 +103,12 @@ class Backend(abc.ABC):
   def norm_linear(self, x: Tensor, gamma: Tensor, eps: float, w: QWeight) -> Tensor:
     """linear(rms_norm(x, gamma, eps), w): the final norm folded into the output head."""
     raise self._lacks("norm_linear")
+
+  def grouped(self, x: Tensor, w: QWeight, tile_expert: Tensor | None) -> Tensor:
+    """The prompt's product in tiles (model/prefill.py, prefill_weights=native): x (N, tile, in) float16, each tile's
+    rows by the matrix of w (E, out, in) that tile_expert (N,) int32 names, or by w (out, in) itself where it is None ->
+    (N, tile, out) float32."""
+    raise self._lacks("grouped")
 
   def _lacks(self, method: str) -> ConfigError: return ConfigError(f"backend {self.name} has no {method} stage")
 

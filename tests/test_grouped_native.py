@@ -1,0 +1,91 @@
+"""The native backend's grouped prompt products (prefill_weights=native, cuda/grouped_mma.cu) in the CUDA emulator:
+every quant type a K-quant mix holds, both tile heights, experts in any order, outputs past a whole block."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from knobcheck import mix_info
+from native_cpu import launch_kernel, native_on_cpu
+from products import TYPES, kernel_weight
+from test_prefill import routing
+from tinygrad import Tensor, dtypes
+
+import model.prefill as prefill
+from evaluator.gate import rel_err
+from model.backends import cuda_grouped, native
+from model.deepseek2 import Transformer
+from model.gguf_file import GGUFFile
+from model.stages import Glu
+from model.structure import ConfigError, StructureConfig
+from space.knobs import knobs
+
+
+@pytest.mark.parametrize("quant, out, inp, tile", [("Q4_0", 80, 256, 16), ("Q8_0", 64, 192, 64), ("Q4_K", 72, 256, 16),
+                                                   ("Q5_K", 64, 256, 16), ("Q6_K", 64, 512, 16),
+                                                   ("F16", 64, 64, 16), ("F32", 64, 128, 16)])
+def test_grouped_product_matches_the_dequantised_weights(quant: str, out: int, inp: int, tile: int) -> None:
+  """Each tile's rows by its expert's matrix, against gguf's dequantisation in float64 with the activations rounded to
+  float16 as the kernel reads them: float16 weights in the tensor cores' products, held to 2e-3 of the output. 80 and
+  72 outputs: a block past the last row (zeros, not stored)."""
+  E, tiles, t = 3, 3, TYPES[quant]
+  planes, w = kernel_weight(t, (E, out, inp), 7)
+  rng = np.random.default_rng(1)
+  x = rng.standard_normal((tiles * tile, inp)).astype(np.float16)
+  te = np.array([2, 0, 0], np.int32)
+  k = cuda_grouped.grouped(t, E, out, inp, tile, tiles)
+  y = np.full((tiles * tile, out), np.nan, np.float32)
+  launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [y, x.view(np.uint16), te, *planes])
+  xr = x.astype(np.float64).reshape(tiles, tile, inp)
+  want = np.einsum("nti,noi->nto", xr, w[te]).reshape(tiles * tile, out)
+  np.testing.assert_allclose(y, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+
+
+def test_stage_k_follows_the_units_span() -> None:
+  """A stage holds whole units: 128 inputs where the row holds whole stages, 64 else (DeepSeek-V2-Lite's dense FFN
+  rows, 10944); Q6_K's units spread over 128 of a row, so a 64-input stage cannot hold one."""
+  assert cuda_grouped.stage_k(TYPES["Q4_0"], 2048) == 128
+  assert cuda_grouped.stage_k(TYPES["Q4_0"], 10944) == 64
+  assert cuda_grouped.stage_k(TYPES["Q6_K"], 256) == 128
+  assert cuda_grouped.span(cuda_grouped.UNITS[TYPES["Q6_K"]]) == 128
+  assert cuda_grouped.stage_k(TYPES["Q4_0"], 96) is None
+
+
+@pytest.mark.parametrize("quant", ("q4_0", "q4_k", "q6_k"))
+def test_native_prefill_matches_the_per_token_path(gguf_file, monkeypatch, quant: str) -> None:
+  """prefill_weights=native in a model (the kernels in the CUDA emulator): the MoE block's routed and shared experts in
+  tiles of 16 and 64 and the dense block's FFN over a chunk of 24 rows (a partial tile), against the per-token
+  products, within float16's rounding."""
+  rng, kernels = np.random.default_rng(0), set()
+  with native_on_cpu(monkeypatch):
+    run = native.launch
+    monkeypatch.setattr(native, "launch", lambda k, *a: kernels.add(k.name) or run(k, *a))
+    m = Transformer(GGUFFile(gguf_file("tiny", quant)), max_context=8, n_layers=2)
+    (dense, moe), hp, T = m.blocks, m.hp, 24
+    xn = Tensor(rng.standard_normal((1, T, hp.dim)).astype(np.float32)).realize()
+    sel = Tensor(routing(T, hp.n_experts, hp.n_used), dtype=dtypes.int32)
+    w = Tensor(rng.random((1, T, hp.n_used)).astype(np.float32))
+    experts = Glu(moe.gate_exps, moe.up_exps, moe.gate_up_exps, moe.down_exps)
+    shared = Glu(moe.gate_sh, moe.up_sh, moe.gate_up_sh, moe.down_sh)
+    for tile in (16, 64):
+      cfg = StructureConfig(prefill_ffn="grouped", prefill_weights="native", prefill_tile=tile)
+      got = prefill.moe(xn, sel, w, experts, shared, hp.n_experts, cfg).numpy()[0]
+      assert (rel_err(got, moe.experts(xn, sel, w).numpy()[0]) <= 1e-2).all(), (quant, tile)
+    got = prefill.glu(xn, Glu(dense.gate, dense.up, dense.gate_up, dense.down), cfg).numpy()[0]
+    want = dense._ffn(xn, dense.gate, dense.up, dense.down, dense.gate_up, "dense_gate_up").numpy()[0]
+    assert (rel_err(got, want) <= 1e-2).all(), quant
+  # the routed experts' tiles of 16 and 64, the shared expert's and the dense FFN's rows in tiles of 16
+  assert {k.split("_t")[-1].split("x")[0] for k in kernels if k.startswith("native_grouped")} == {"16", "64"}
+
+
+def test_native_prefill_is_a_config_of_its_own() -> None:
+  """native reads the weights quantised: prefill_dtype, which the tinygrad forms dequantise into, is refused beside it;
+  the space offers native only where the family's native backend runs (CUDA), and prefill_dtype only off native."""
+  with pytest.raises(ConfigError, match="prefill_dtype"):
+    StructureConfig(prefill_ffn="grouped", prefill_weights="native", prefill_dtype="float16")
+  info = mix_info("q4_0")
+  on = {k.name: k for k in knobs(info, "CUDA")}
+  assert "native" in on["prefill_weights"].choices
+  assert "native" not in {k.name: k for k in knobs(info, "CUDA", "portable")}["prefill_weights"].choices
+  assert "native" not in {k.name: k for k in knobs(info, "CPU")}["prefill_weights"].choices
+  assert not on["prefill_dtype"].when({"prefill_ffn": "grouped", "prefill_weights": "native"})
+  assert on["prefill_dtype"].when({"prefill_ffn": "grouped", "prefill_weights": "copied"})

@@ -81,6 +81,7 @@ echo '{}' > "$WORK/baseline.json"
 cfgfile() { [ "$1" = baseline ] && echo "$WORK/baseline.json" || echo "${1#*=}"; }
 for m in $MODELS; do  # the correctness gate's references (the baseline's, and each config's twin): once per file, by the evaluator's own code
   [ -f "$(file "$m")" ] || continue
+  case " $WORKLOADS " in *" default "*) ;; *) continue ;; esac  # at a depth or a prompt, each trial makes its own
   log "references for $m"
   timeout "$(($(left) - 60))" "$PY" -c "import sys; from evaluator.runner import Evaluator; from evaluator.gate import twin
 from model.structure import StructureConfig

@@ -56,7 +56,7 @@ def linear(x: Tensor, w: QWeight, cfg: StructureConfig) -> Tensor:
     tile = 64 if M >= 256 else 16
     tiles = -(-M // tile)
     rows = x.reshape(M, inp).pad(((0, tiles * tile - M), None)).cast(dtypes.float16).reshape(tiles, tile, inp)
-    return K.get("native").grouped(rows, w, None).reshape(tiles * tile, -1)[:M].reshape(*lead, -1)
+    return K.get("native").grouped(rows, w, None, None).reshape(tiles * tile, -1)[:M].reshape(*lead, -1)
   dt = dtype(cfg)
   return x.cast(dt).matmul(dequant(w, dt).T, dtype=dtypes.float32)
 
@@ -68,10 +68,10 @@ def glu(x: Tensor, f: Glu, cfg: StructureConfig) -> Tensor:
   return linear((g.silu() * u).contiguous(), f.down, cfg)
 
 
-def layout(sel: Tensor, n_experts: int, tile: int) -> tuple[Tensor, Tensor, Tensor]:
+def layout(sel: Tensor, n_experts: int, tile: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
   """The pairs of sel (T, K) by expert in tiles: (each tile's expert (N,), the token each row reads (N * tile,), each
-  pair's row (T * K,)). Padding rows read token 0 and no pair reads them back; tiles past the last used one take the
-  last expert."""
+  pair's row (T * K,), the tiles in use (1,)). Padding rows read token 0 and no pair reads them back; tiles past the last
+  used one take the last expert."""
   (T, K), E = sel.shape, n_experts
   P = T * K
   e, ar = sel.reshape(P).cast(dtypes.int32), Tensor.arange(P)
@@ -85,13 +85,15 @@ def layout(sel: Tensor, n_experts: int, tile: int) -> tuple[Tensor, Tensor, Tens
   N = (P + min(E, P) * (tile - 1)) // tile
   tile_expert = (end.unsqueeze(0) <= Tensor.arange(N).unsqueeze(1)).sum(1).minimum(E - 1).cast(dtypes.int32)
   token = (row.unsqueeze(0) == Tensor.arange(N * tile).unsqueeze(1)).where((ar // K).unsqueeze(0), 0).sum(1)
-  return tile_expert.contiguous(), token.cast(dtypes.int32).contiguous(), row.contiguous()
+  used = end[-1:].cast(dtypes.int32)
+  return tile_expert.contiguous(), token.cast(dtypes.int32).contiguous(), row.contiguous(), used.contiguous()
 
 
-def _product(x: Tensor, w: QWeight, tile_expert: Tensor, cfg: StructureConfig) -> Tensor:
-  """x (N, tile, in) by each tile's expert of w (E, out, in) -> (N, tile, out) float32."""
+def _product(x: Tensor, w: QWeight, tile_expert: Tensor, used: Tensor, cfg: StructureConfig) -> Tensor:
+  """x (N, tile, in) by each tile's expert of w (E, out, in) -> (N, tile, out) float32 (native: zeros past the used
+  tiles)."""
   if cfg.prefill_weights == "native" and w.cache is None:
-    return K.get("native").grouped(x.cast(dtypes.float16), w, tile_expert)
+    return K.get("native").grouped(x.cast(dtypes.float16), w, tile_expert, used)
   (N, tile, _), dt = x.shape, dtype(cfg)
   if cfg.prefill_weights == "copied":
     return x.matmul(dequant(w, dt, tile_expert).transpose(-1, -2), dtype=dtypes.float32)
@@ -106,15 +108,15 @@ def moe(xn: Tensor, sel: Tensor, wts: Tensor, experts: Glu, shared: Glu | None, 
   """The routed experts' outputs weighted and summed, plus the shared expert's, for xn (B, T, D) routed by sel and wts
   (B, T, K): (B, T, D) float32."""
   (B, T, D), K, tile = xn.shape, sel.shape[-1], cfg.prefill_tile
-  tile_expert, token, row = layout(sel.reshape(B * T, K), n_experts, tile)
+  tile_expert, token, row, used = layout(sel.reshape(B * T, K), n_experts, tile)
   x = xn.reshape(B * T, D)[token].cast(dtypes.float16 if cfg.prefill_weights == "native" else dtype(cfg))
   x = x.reshape(-1, tile, D)
   if experts.gate_up is not None:
-    g, u = _product(x, experts.gate_up, tile_expert, cfg).split(experts.hidden, dim=-1)
+    g, u = _product(x, experts.gate_up, tile_expert, used, cfg).split(experts.hidden, dim=-1)
   else:
-    g, u = _product(x, experts.gate, tile_expert, cfg), _product(x, experts.up, tile_expert, cfg)
+    g, u = _product(x, experts.gate, tile_expert, used, cfg), _product(x, experts.up, tile_expert, used, cfg)
   act = (g.silu() * u).cast(x.dtype).contiguous()
-  y = _product(act, experts.down, tile_expert, cfg).reshape(-1, D)
+  y = _product(act, experts.down, tile_expert, used, cfg).reshape(-1, D)
   out = (y[row].reshape(B, T, K, D) * wts.unsqueeze(-1)).sum(2)
   return out if shared is None else out + glu(xn, shared, cfg)
 

@@ -240,7 +240,7 @@ class StructureConfig:
                             "the dtype grouped prefill dequantises the FFN weights to and multiplies in (float16: "
                             "tensor cores where the device has them; sums in float32)", needs=(_grouped, _dequantised),
                             precision="fp16")
-  prefill_tile: int = knob(16, (16, 64), "rows of a tile of grouped prefill's expert products: each expert's pairs "
+  prefill_tile: int = knob(16, (16, 32, 64), "rows of a tile of grouped prefill's expert products: each expert's pairs "
                            "padded to whole tiles (more rows: fewer tiles and weight reads, more padding)",
                            applies=_moe, needs=(_grouped,))
   prefill_chunk: int = knob(32, (32, 512),

@@ -20,23 +20,24 @@ from model.structure import ConfigError, StructureConfig
 from space.knobs import knobs
 
 
-@pytest.mark.parametrize("quant, out, inp, tile", [("Q4_0", 80, 256, 16), ("Q8_0", 64, 192, 64), ("Q4_K", 72, 256, 16),
+@pytest.mark.parametrize("quant, out, inp, tile", [("Q4_0", 80, 256, 16), ("Q8_0", 64, 192, 64), ("Q4_K", 72, 256, 32),
                                                    ("Q5_K", 64, 256, 16), ("Q6_K", 64, 512, 16),
                                                    ("F16", 64, 64, 16), ("F32", 64, 128, 16)])
 def test_grouped_product_matches_the_dequantised_weights(quant: str, out: int, inp: int, tile: int) -> None:
   """Each tile's rows by its expert's matrix, against gguf's dequantisation in float64 with the activations rounded to
   float16 as the kernel reads them: float16 weights in the tensor cores' products, held to 2e-3 of the output. 80 and
-  72 outputs: a block past the last row (zeros, not stored)."""
-  E, tiles, t = 3, 3, TYPES[quant]
+  72 outputs: a block past the last row (zeros, not stored); the last tile past the ones in use: zeros."""
+  E, tiles, t = 3, 4, TYPES[quant]
   planes, w = kernel_weight(t, (E, out, inp), 7)
   rng = np.random.default_rng(1)
   x = rng.standard_normal((tiles * tile, inp)).astype(np.float16)
-  te = np.array([2, 0, 0], np.int32)
+  te = np.array([2, 0, 0, 1], np.int32)  # the fourth tile not in use
   k = cuda_grouped.grouped(t, E, out, inp, tile, tiles)
   y = np.full((tiles * tile, out), np.nan, np.float32)
-  launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [y, x.view(np.uint16), te, *planes])
+  launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [y, x.view(np.uint16), te, np.array([3], np.int32), *planes])
   xr = x.astype(np.float64).reshape(tiles, tile, inp)
   want = np.einsum("nti,noi->nto", xr, w[te]).reshape(tiles * tile, out)
+  want[3 * tile:] = 0
   np.testing.assert_allclose(y, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
 
 
@@ -53,7 +54,7 @@ def test_stage_k_follows_the_units_span() -> None:
 @pytest.mark.parametrize("quant", ("q4_0", "q4_k", "q6_k"))
 def test_native_prefill_matches_the_per_token_path(gguf_file, monkeypatch, quant: str) -> None:
   """prefill_weights=native in a model (the kernels in the CUDA emulator): the MoE block's routed and shared experts in
-  tiles of 16 and 64 and the dense block's FFN over a chunk of 24 rows (a partial tile), against the per-token
+  tiles of 16, 32 and 64 and the dense block's FFN over a chunk of 24 rows (a partial tile), against the per-token
   products, within float16's rounding."""
   rng, kernels = np.random.default_rng(0), set()
   with native_on_cpu(monkeypatch):
@@ -66,7 +67,7 @@ def test_native_prefill_matches_the_per_token_path(gguf_file, monkeypatch, quant
     w = Tensor(rng.random((1, T, hp.n_used)).astype(np.float32))
     experts = Glu(moe.gate_exps, moe.up_exps, moe.gate_up_exps, moe.down_exps)
     shared = Glu(moe.gate_sh, moe.up_sh, moe.gate_up_sh, moe.down_sh)
-    for tile in (16, 64):
+    for tile in (16, 32, 64):
       cfg = StructureConfig(prefill_ffn="grouped", prefill_weights="native", prefill_tile=tile)
       got = prefill.moe(xn, sel, w, experts, shared, hp.n_experts, cfg).numpy()[0]
       assert (rel_err(got, moe.experts(xn, sel, w).numpy()[0]) <= 1e-2).all(), (quant, tile)
@@ -74,7 +75,7 @@ def test_native_prefill_matches_the_per_token_path(gguf_file, monkeypatch, quant
     want = dense._ffn(xn, dense.gate, dense.up, dense.down, dense.gate_up, "dense_gate_up").numpy()[0]
     assert (rel_err(got, want) <= 1e-2).all(), quant
   # the routed experts' tiles of 16 and 64, the shared expert's and the dense FFN's rows in tiles of 16
-  assert {k.split("_t")[-1].split("x")[0] for k in kernels if k.startswith("native_grouped")} == {"16", "64"}
+  assert {k.split("_t")[-1].split("x")[0] for k in kernels if k.startswith("native_grouped")} == {"16", "32", "64"}
 
 
 def test_native_prefill_is_a_config_of_its_own() -> None:

@@ -32,7 +32,7 @@ def routing(T: int, E: int, K: int) -> np.ndarray:
 
 def test_layout_puts_each_expert_in_whole_tiles_of_its_own() -> None:
   sel = routing(24, 8, 2)[0]
-  tile_expert, token, row = (t.numpy() for t in prefill.layout(Tensor(sel), 8, 16))
+  tile_expert, token, row, used = (t.numpy() for t in prefill.layout(Tensor(sel), 8, 16))
   P, tile = sel.size, 16
   assert len(tile_expert) == (P + min(8, P) * (tile - 1)) // tile and len(token) == len(tile_expert) * tile
   assert len(set(row.tolist())) == P  # one row per pair
@@ -41,6 +41,7 @@ def test_layout_puts_each_expert_in_whole_tiles_of_its_own() -> None:
   np.testing.assert_array_equal(tile_expert[row // tile], sel.reshape(-1))
   np.testing.assert_array_equal(token[row], np.arange(P) // 2)
   np.testing.assert_array_equal(tile_expert, [0, 0, 1, 2, 3, 4, 5, 6, 7, 7])
+  assert used.tolist() == [8]  # expert 0's two tiles and one each for experts 1..6
 
 
 @functools.cache

@@ -10,7 +10,7 @@ from model.backends.cuda_src import UNITS, Kernel, Unit, W, _unit_values, device
 from model.quants import QUANT_TYPES
 
 THREADS, BN = 128, 64  # a block's threads (4 warps) and outputs
-TILES = (16, 64)  # the rows a tile may hold (StructureConfig.prefill_tile)
+TILES = (16, 32, 64)  # the rows a tile may hold (StructureConfig.prefill_tile)
 
 
 def span(un: Unit) -> int:
@@ -44,13 +44,14 @@ def unit_store(w: W) -> str:
 @functools.cache
 def grouped(ggml_type: int, experts: int, out: int, inp: int, tile: int, tiles: int) -> Kernel:
   """The product of `tiles` tiles of `tile` rows (x: tiles * tile rows of inp float16 values) by a weight of this type
-  (experts matrices of out rows; 1: a dense weight), each tile by the matrix tile_expert names: y (tiles * tile, out)
-  float32. grid: tiles x blocks of BN outputs."""
+  (experts matrices of out rows; 1: a dense weight), each tile by the matrix tile_expert names, the first used[0] tiles:
+  y (tiles * tile, out) float32, zeros past them. grid: tiles x blocks of BN outputs."""
   bk, w = stage_k(ggml_type, inp), W("w", ggml_type, inp)
   assert bk is not None and tile in TILES, (ggml_type, inp, tile)
   name = f"native_grouped_{QUANT_TYPES[ggml_type].name.lower()}_e{experts}_{out}_{inp}_t{tile}x{tiles}"
-  params = ["float* y", "const unsigned short* __restrict__ x", "const int* __restrict__ tile_expert", *w.params]
+  params = ["float* y", "const unsigned short* __restrict__ x", "const int* __restrict__ tile_expert",
+            "const int* __restrict__ used", *w.params]
   src = device_kernel(name, params, "grouped_mma.cu", threads=THREADS, pre=("mma.cuh",),
                       generated={"DEQUANT_UNIT": unit_store(w)}, IN=inp, OUT=out, TILE=tile, BN=BN, BK=bk,
-                      UE=w.unit.elems, THREADS=THREADS, WR=2 if tile == 64 else 1)
+                      UE=w.unit.elems, THREADS=THREADS, WR=max(1, tile // 32))
   return Kernel(name, src, (tiles, -(-out // BN), 1), (0,), THREADS)

@@ -100,16 +100,17 @@ def per_head(x: Tensor, w: QWeight) -> Tensor:
                   heads=H).reshape(*lead, H, out)
 
 
-def grouped(x: Tensor, w: QWeight, tile_expert: Tensor | None) -> Tensor:
+def grouped(x: Tensor, w: QWeight, tile_expert: Tensor | None, used: Tensor | None) -> Tensor:
   """The prompt's product in tiles (Backend.grouped): cuda/grouped_mma.cu."""
   (N, tile, inp), out, E = x.shape, w.shape[-2], w.shape[0] if len(w.shape) == 3 else 1
   if G.stage_k(w.ggml_type, inp) is None or tile not in G.TILES:
     raise ConfigError(f"prefill_weights=native has no product for {w.quant} rows of {inp} in tiles of {tile}")
   te = Tensor.zeros(N, dtype=dtypes.int32, device=x.device) if tile_expert is None else i32(tile_expert)
+  used = Tensor.full((1,), N, dtype=dtypes.int32, device=x.device) if used is None else i32(used)
   # the matrices of at most min(N, E) experts, each tile's rows and outputs
   mem = min(N, E) * out * row_bytes(w) + x.nbytes() + N * tile * out * 4
-  y = launch(G.grouped(w.ggml_type, E, out, inp, tile, N), [empty(N * tile, out, device=x.device), x, te, *planes(w)],
-             mem, 2 * N * tile * out * inp)[0]
+  y = launch(G.grouped(w.ggml_type, E, out, inp, tile, N),
+             [empty(N * tile, out, device=x.device), x, te, used, *planes(w)], mem, 2 * N * tile * out * inp)[0]
   return y.reshape(N, tile, out)
 
 

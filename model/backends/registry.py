@@ -104,10 +104,10 @@ class Backend(abc.ABC):
     """linear(rms_norm(x, gamma, eps), w): the final norm folded into the output head."""
     raise self._lacks("norm_linear")
 
-  def grouped(self, x: Tensor, w: QWeight, tile_expert: Tensor | None) -> Tensor:
+  def grouped(self, x: Tensor, w: QWeight, tile_expert: Tensor | None, used: Tensor | None) -> Tensor:
     """The prompt's product in tiles (model/prefill.py, prefill_weights=native): x (N, tile, in) float16, each tile's
     rows by the matrix of w (E, out, in) that tile_expert (N,) int32 names, or by w (out, in) itself where it is None ->
-    (N, tile, out) float32."""
+    (N, tile, out) float32; the tiles from used (1,) int32 on (None: none) are zeros."""
     raise self._lacks("grouped")
 
   def _lacks(self, method: str) -> ConfigError: return ConfigError(f"backend {self.name} has no {method} stage")

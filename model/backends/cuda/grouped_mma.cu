@@ -19,6 +19,11 @@
   __shared__ __align__(16) unsigned short xs[TILE * SROW];
   __shared__ __align__(16) unsigned short ws[BN * SROW];
   GRID_WAIT(); STAMP_WAIT();
+  if (tile >= used[0]) {  // a tile past the ones in use: zeros (a gather by rows may read them)
+    for (int i = tid; i < TILE * BN; i += THREADS)
+      if (o0 + i % BN < OUT) y[((size_t)tile * TILE + i / BN) * OUT + o0 + i % BN] = 0.f;
+    return;
+  }
   const size_t base = (size_t)tile_expert[tile] * OUT;  // the expert's first weight row
   const unsigned short* xt = x + (size_t)tile * TILE * IN;
   float acc[MT][NT][4];

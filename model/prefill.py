@@ -97,9 +97,13 @@ def _product(x: Tensor, w: QWeight, tile_expert: Tensor, used: Tensor, cfg: Stru
   (N, tile, _), dt = x.shape, dtype(cfg)
   if cfg.prefill_weights == "copied":
     return x.matmul(dequant(w, dt, tile_expert).transpose(-1, -2), dtype=dtypes.float32)
-  # the index expanded over the tile's rows before the gather: tinygrad then reads the weights inside the product
-  # instead of copying each tile's matrix out first
-  wt = dequant(w, dt)[tile_expert.reshape(N, 1).expand(N, tile)]  # (N, tile, out, in)
+  # every expert, by an index that reads the layer's routing (used >= 1, so min(used, 0) adds 0): the dequantisation
+  # runs after the routing, and its buffer is reused from layer to layer instead of every layer's living from the
+  # graph's start, as weight-only kernels would be scheduled (GLM-4.7-Flash: 2.4 GB a layer). The index expanded over
+  # the tile's rows before the gather: tinygrad then reads the weights inside the product instead of copying each
+  # tile's matrix out first
+  every = Tensor.arange(w.shape[0], dtype=dtypes.int32) + used.minimum(0)
+  wt = dequant(w, dt, every)[tile_expert.reshape(N, 1).expand(N, tile)]  # (N, tile, out, in)
   return (x.unsqueeze(-2) * wt).sum(-1, dtype=dtypes.float32)
 
 

@@ -12,7 +12,7 @@ either `indexed`: every expert dequantised once per chunk into one buffer of `pr
 per row by its tile's expert; or `copied`: each tile's expert dequantised into a matrix of its own (a weight read per
 tile), which the product then reads as a plain batched matmul (tensor cores where the device has them); or `native`:
 the native backend's tensor-core kernels read each tile's expert quantised and dequantise it into shared memory
-(model/backends/cuda_grouped.py), no dequantised copy written. The shared expert and the dense FFN are plain matmuls of
+(model/backends/cuda_prefill.py), no dequantised copy written. The shared expert and the dense FFN are plain matmuls of
 weights dequantised once per chunk, or native's kernels over the chunk's rows in tiles.
 
 The attention (StructureConfig.prefill_attention = decompressed), as llama.cpp and FlashMLA prefill: each head's
@@ -70,8 +70,8 @@ def glu(x: Tensor, f: Glu, cfg: StructureConfig) -> Tensor:
 
 def layout(sel: Tensor, n_experts: int, tile: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
   """The pairs of sel (T, K) by expert in tiles: (each tile's expert (N,), the token each row reads (N * tile,), each
-  pair's row (T * K,), the tiles in use (1,)). Padding rows read token 0 and no pair reads them back; tiles past the last
-  used one take the last expert."""
+  pair's row (T * K,), the tiles in use (1,)). Padding rows read token 0 and no pair reads them back; tiles past the
+  last used one take the last expert."""
   (T, K), E = sel.shape, n_experts
   P = T * K
   e, ar = sel.reshape(P).cast(dtypes.int32), Tensor.arange(P)

@@ -181,6 +181,16 @@ _runtime = ("mla_absorb", lambda v: v == "runtime", "runtime")  # q's nope rows 
 _dequantised = ("prefill_weights", lambda v: v != "native", "indexed")
 
 
+# the prompt's attention in tinygrad's kernels, whose dtype prefill_attn_dtype sets (native's stage float16 itself)
+_tinygrad_attention = ("prefill_attention", lambda v: v != "native", "absorbed")
+
+
+def _prefill_attention(device: str, family: str) -> tuple[str, ...]:
+  """prefill_attention's values: native where the family's native backend runs the attention stage on this device."""
+  native = "native" in catalog.stage_choices("attention", device, family)
+  return ("absorbed", "decompressed", "native") if native else ("absorbed", "decompressed")
+
+
 def _prefill_weights(device: str, family: str) -> tuple[str, ...]:
   """prefill_weights' values: native where the family's native backend runs the MoE stage on this device."""
   return ("indexed", "copied", "native") if "native" in catalog.stage_choices("moe", device, family) else (
@@ -233,7 +243,7 @@ class StructureConfig:
                               "each tile's expert dequantised into a matrix of its own, read by a plain batched "
                               "matmul; or native, hand-written CUDA kernels that read the quantised weights a stage at "
                               "a time, dequantise them into shared memory as float16 and multiply on the tensor cores "
-                              "(model/backends/cuda_grouped.py; the shared expert's and the dense FFN's products too)",
+                              "(model/backends/cuda_prefill.py; the shared expert's and the dense FFN's products too)",
                               applies=_moe, needs=(_grouped,), allowed=("indexed", "copied", "native"),
                               precision=lambda v: "fp16" if v == "native" else "fp32")
   prefill_dtype: str = knob("float32", ("float32", "float16"),
@@ -252,19 +262,24 @@ class StructureConfig:
                             "per_token, the weight's backend's products as in decode; or batched, one product for the "
                             "chunk's tokens as grouped prefill's dense FFN (prefill_weights' form and prefill_dtype)",
                             needs=(_grouped,))
-  prefill_attention: str = knob("absorbed", ("absorbed", "decompressed"),
+  prefill_attention: str = knob("absorbed", _prefill_attention,
                                 "the prompt's MLA attention over a chunk: absorbed, as decode, each query absorbed "
-                                "into kv_lora dims scoring the compressed cache rows; or decompressed, each head's "
+                                "into kv_lora dims scoring the compressed cache rows; decompressed, each head's "
                                 "keys and values decompressed from those rows once per chunk, then attention at "
-                                "qk_nope + rope and v_head dims (model/prefill.py)", needs=(_runtime,))
+                                "qk_nope + rope and v_head dims (model/prefill.py); or native, the absorbed form in "
+                                "the native backend's all-heads kernels, each position read once for all the heads of "
+                                "a token on the tensor cores, a token a grid row (model/backends/cuda_prefill.py)",
+                                needs=(_runtime,), allowed=("absorbed", "decompressed", "native"),
+                                precision=lambda v: "fp16" if v == "native" else "fp32")
   prefill_attn_dtype: str = knob("float32", ("float32", "float16"),
-                                 "the dtype the prompt's attention over a chunk multiplies in, either form (float16: "
-                                 "tensor cores where the device has them, the decompressed keys and values held in it; "
-                                 "sums and the softmax in float32)", precision="fp16")
+                                 "the dtype the prompt's attention over a chunk multiplies in, either tinygrad form "
+                                 "(float16: tensor cores where the device has them, the decompressed keys and values "
+                                 "held in it; sums and the softmax in float32)", needs=(_tinygrad_attention,),
+                                 precision="fp16")
   kv_dtype: str = knob("float16", ("float16", "float32", "q8_0"),
                        "KV cache dtype: float16, float32, or q8_0, llama.cpp's -ctk q8_0 (blocks of 32 int8 codes "
                        "and a float16 scale: 34 bytes per 32 values), which only the per-op attention reads",
-                       stages=("attention",),
+                       stages=("attention",), needs=(("prefill_attention", lambda v: v != "native", "absorbed"),),
                        precision=lambda v: "q8" if v == "q8_0" else "fp16")
   attention: str = knob("explicit", ("explicit", "sdpa"), "explicit matmul+softmax or scaled_dot_product_attention",
                         stages=("attention",))
@@ -311,6 +326,11 @@ class StructureConfig:
     if self.prefill_weights == "native" and self.prefill_dtype != "float32":
       raise ConfigError("prefill_dtype is read by grouped prefill's tinygrad forms; prefill_weights=native always "
                         "multiplies in float16 (unset prefill_dtype)")
+    if self.prefill_attention == "native" and self.prefill_attn_dtype != "float32":
+      raise ConfigError("prefill_attn_dtype is read by the prompt's attention in tinygrad's kernels; "
+                        "prefill_attention=native stages float16 itself (unset prefill_attn_dtype)")
+    if self.prefill_attention == "native" and self.kv_dtype == "q8_0":
+      raise ConfigError("prefill_attention=native reads a float cache: choose kv_dtype float16 or float32")
     if self.kv_dtype == "q8_0" and "attention" in self.fused:
       raise ConfigError("kv_dtype=q8_0 is read by the per-op attention only: the fused attention stages read a float "
                         "cache (unset fused.attention, or choose kv_dtype float16 or float32)")

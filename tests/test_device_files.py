@@ -11,7 +11,7 @@ import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
 
-from model.backends import cuda_grouped as G
+from model.backends import cuda_prefill as G
 from model.backends import cuda_src as C
 from model.presets import PRESETS
 from model.quants import F32, Q4_0

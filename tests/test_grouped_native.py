@@ -12,7 +12,7 @@ from tinygrad import Tensor, dtypes
 
 import model.prefill as prefill
 from evaluator.gate import rel_err
-from model.backends import cuda_grouped, native
+from model.backends import cuda_prefill, native
 from model.deepseek2 import Transformer
 from model.gguf_file import GGUFFile
 from model.stages import Glu
@@ -32,7 +32,7 @@ def test_grouped_product_matches_the_dequantised_weights(quant: str, out: int, i
   rng = np.random.default_rng(1)
   x = rng.standard_normal((tiles * tile, inp)).astype(np.float16)
   te = np.array([2, 0, 0, 1], np.int32)  # the fourth tile not in use
-  k = cuda_grouped.grouped(t, E, out, inp, tile, tiles)
+  k = cuda_prefill.grouped(t, E, out, inp, tile, tiles)
   y = np.full((tiles * tile, out), np.nan, np.float32)
   launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [y, x.view(np.uint16), te, np.array([3], np.int32), *planes])
   xr = x.astype(np.float64).reshape(tiles, tile, inp)
@@ -44,11 +44,11 @@ def test_grouped_product_matches_the_dequantised_weights(quant: str, out: int, i
 def test_stage_k_follows_the_units_span() -> None:
   """A stage holds whole units: 128 inputs where the row holds whole stages, 64 else (DeepSeek-V2-Lite's dense FFN
   rows, 10944); Q6_K's units spread over 128 of a row, so a 64-input stage cannot hold one."""
-  assert cuda_grouped.stage_k(TYPES["Q4_0"], 2048) == 128
-  assert cuda_grouped.stage_k(TYPES["Q4_0"], 10944) == 64
-  assert cuda_grouped.stage_k(TYPES["Q6_K"], 256) == 128
-  assert cuda_grouped.span(cuda_grouped.UNITS[TYPES["Q6_K"]]) == 128
-  assert cuda_grouped.stage_k(TYPES["Q4_0"], 96) is None
+  assert cuda_prefill.stage_k(TYPES["Q4_0"], 2048) == 128
+  assert cuda_prefill.stage_k(TYPES["Q4_0"], 10944) == 64
+  assert cuda_prefill.stage_k(TYPES["Q6_K"], 256) == 128
+  assert cuda_prefill.span(cuda_prefill.UNITS[TYPES["Q6_K"]]) == 128
+  assert cuda_prefill.stage_k(TYPES["Q4_0"], 96) is None
 
 
 @pytest.mark.parametrize("quant", ("q4_0", "q4_k", "q6_k"))
@@ -80,7 +80,8 @@ def test_native_prefill_matches_the_per_token_path(gguf_file, monkeypatch, quant
 
 def test_native_prefill_is_a_config_of_its_own() -> None:
   """native reads the weights quantised: prefill_dtype, which the tinygrad forms dequantise into, is refused beside it;
-  the space offers native only where the family's native backend runs (CUDA), and prefill_dtype only off native."""
+  the space offers native only where the family's native backend runs (CUDA), and prefill_dtype only off native. The
+  same for the attention: prefill_attn_dtype and the 8-bit cache are refused beside prefill_attention=native."""
   with pytest.raises(ConfigError, match="prefill_dtype"):
     StructureConfig(prefill_ffn="grouped", prefill_weights="native", prefill_dtype="float16")
   info = mix_info("q4_0")
@@ -90,3 +91,56 @@ def test_native_prefill_is_a_config_of_its_own() -> None:
   assert "native" not in {k.name: k for k in knobs(info, "CPU")}["prefill_weights"].choices
   assert not on["prefill_dtype"].when({"prefill_ffn": "grouped", "prefill_weights": "native"})
   assert on["prefill_dtype"].when({"prefill_ffn": "grouped", "prefill_weights": "copied"})
+  # the attention likewise: native stages float16 itself and reads a float cache
+  for bad in ({"prefill_attn_dtype": "float16"}, {"kv_dtype": "q8_0"}):
+    with pytest.raises(ConfigError, match="prefill_attention=native"):
+      StructureConfig(prefill_attention="native", **bad)
+  assert "native" in on["prefill_attention"].choices
+  assert "native" not in {k.name: k for k in knobs(info, "CPU")}["prefill_attention"].choices
+  assert not on["prefill_attn_dtype"].when({"prefill_attention": "native"})
+  assert not on["kv_dtype"].when({"prefill_attention": "native"})
+
+
+@pytest.mark.parametrize("half", (True, False))
+def test_prefill_attention_kernels_are_causal_per_token(half: bool) -> None:
+  """prefill_attention=native's kernels (the all-heads attention with a token a grid row, then each token's splits
+  merged): 5 tokens at positions 70..74 of a 2048-position cache (2 splits, the second in use from position 1024 on:
+  none here), each token's heads over the positions up to its own; stale NaN partials of the unused split are not
+  read. Query and weights go through float16: held to 3e-3 of the output."""
+  H, kvl, rope, ctx, T, start, scale = 3, 64, 32, 2048, 5, 70, 0.11
+  rng = np.random.default_rng(4)
+  cache = rng.standard_normal((ctx, kvl + rope)).astype(np.float16 if half else np.float32)
+  qc = rng.standard_normal((T, H, kvl + rope)).astype(np.float32)
+  ka, km = cuda_prefill.mla_prefill(H, kvl, rope, ctx, scale, half, T)
+  S = cuda_prefill.prefill_splits(ctx)
+  assert S == 2 and ka.grid == (S, T, 1)
+  part, o, pos = np.full(T * H * S * (kvl + 2), np.nan, np.float32), np.zeros((T, H, kvl), np.float32), np.array(
+    [start], np.int32)
+  launch_kernel(ka.src, ka.name, ka.grid, (ka.threads, 1, 1), [part, qc, cache.view(np.uint16) if half else cache, pos])
+  launch_kernel(km.src, km.name, km.grid, (km.threads, 1, 1), [o, part, pos])
+  c = cache.astype(np.float64)
+  for t in range(T):
+    s = qc[t].astype(np.float64) @ c[:start + t + 1].T * scale
+    w = np.exp(s - s.max(-1, keepdims=True))
+    want = (w / w.sum(-1, keepdims=True)) @ c[:start + t + 1, :kvl]
+    np.testing.assert_allclose(o[t], want, rtol=3e-3, atol=3e-3 * np.abs(want).max(), err_msg=f"token {t}")
+
+
+def test_native_prefill_attention_in_the_model(gguf_file, monkeypatch) -> None:
+  """prefill_attention=native in a model (CUDA emulator): a prompt of 12 tokens in chunks of 8 and 4 (the second at
+  position 8, reading the first chunk's rows), against the absorbed form in tinygrad's kernels, within float16's
+  rounding; the native kernels ran."""
+  from tinygrad import Tensor as T_
+  path, kernels = gguf_file("tiny", "q4_0"), set()
+  tokens = [(7919 * i + 17) % 1000 for i in range(12)]
+  def logits(cfg: StructureConfig) -> np.ndarray:
+    m = Transformer(GGUFFile(path), cfg, max_context=32)
+    return np.concatenate([m.forward(T_([tokens[a:b]], dtype=dtypes.int32), a, all_logits=True)[0].numpy()
+                           for a, b in ((0, 8), (8, 12))])
+  want = logits(StructureConfig())
+  with native_on_cpu(monkeypatch):
+    run = native.launch
+    monkeypatch.setattr(native, "launch", lambda k, *a: kernels.add(k.name) or run(k, *a))
+    got = logits(StructureConfig(prefill_attention="native"))
+  assert (rel_err(got, want) <= 1e-2).all()
+  assert {k.split("_h")[0] for k in kernels} == {"native_mla_prefill", "native_mla_prefill_merge"}

@@ -20,7 +20,7 @@ from tinygrad.renderer import Estimates
 from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
 
 from model.backends import cuda_graph
-from model.backends import cuda_grouped as G
+from model.backends import cuda_prefill as G
 from model.backends import cuda_src as C
 from model.backends.registry import Backend, register
 from model.errors import ConfigError
@@ -112,6 +112,19 @@ def grouped(x: Tensor, w: QWeight, tile_expert: Tensor | None, used: Tensor | No
   y = launch(G.grouped(w.ggml_type, E, out, inp, tile, N),
              [empty(N * tile, out, device=x.device), x, te, used, *planes(w)], mem, 2 * N * tile * out * inp)[0]
   return y.reshape(N, tile, out)
+
+
+def prefill_attention(qc: Tensor, cache: Tensor, start: Tensor, kvl: int, scale: float) -> Tensor:
+  """The prompt's absorbed attention (Backend.prefill_attention): cuda_prefill.mla_prefill."""
+  (T, H, D), ctx = qc.shape, cache.shape[-2]
+  if cache.dtype not in (dtypes.float16, dtypes.float32):
+    raise ConfigError(f"prefill_attention=native reads a float16 or float32 cache; this one is {cache.dtype.name}")
+  ka, km = G.mla_prefill(H, kvl, D - kvl, ctx, scale, cache.dtype == dtypes.float16, T)
+  S, reads = G.prefill_splits(ctx), T * ctx * D * cache.dtype.itemsize // 2  # each token reads half the cache at most
+  part = launch(ka, [empty(T * H * S * (kvl + 2), device=qc.device), f32(qc).contiguous(), cache, i32(start)],
+                reads + T * H * S * (kvl + 2) * 4, 2 * T * H * (ctx // 2) * (D + kvl))[0]
+  o = launch(km, [empty(T * H * kvl, device=qc.device), part, i32(start)], T * H * S * (kvl + 2) * 4)[0]
+  return o.reshape(T, H, kvl)
 
 
 def expert(x: Tensor, sel: Tensor, w: QWeight) -> Tensor:
@@ -323,6 +336,7 @@ class NativeBackend(Backend):
   per_head = staticmethod(per_head)
   expert = staticmethod(expert)
   grouped = staticmethod(grouped)
+  prefill_attention = staticmethod(prefill_attention)
   norm_linear = staticmethod(norm_linear)
   attention = staticmethod(attention)
   router = staticmethod(router)

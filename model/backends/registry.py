@@ -24,8 +24,8 @@ class Backend(abc.ABC):
   attached to it, and the lookup rows. The fused decode stages (attention, router, moe, ffn: one token) are the methods
   a backend whose row lists the stage overrides; each receives the stage's inputs as the model built them at load
   (model/stages.py) and the call's dynamic inputs. routed_moe and norm_linear are optional ones the model calls where a
-  backend has them (`offers`); grouped, the prompt's products in tiles, one a config asks of the native backend. Calling
-  a stage a backend lacks raises ConfigError."""
+  backend has them (`offers`); grouped and prefill_attention, the prompt's products in tiles and its attention, ones a
+  config asks of the native backend. Calling a stage a backend lacks raises ConfigError."""
   name: str = ""
 
   @property
@@ -109,6 +109,12 @@ class Backend(abc.ABC):
     rows by the matrix of w (E, out, in) that tile_expert (N,) int32 names, or by w (out, in) itself where it is None ->
     (N, tile, out) float32; the tiles from used (1,) int32 on (None: none) are zeros."""
     raise self._lacks("grouped")
+
+  def prefill_attention(self, qc: Tensor, cache: Tensor, start: Tensor, kvl: int, scale: float) -> Tensor:
+    """The prompt's causal attention in the absorbed form (model/deepseek2.py, prefill_attention=native): the chunk's
+    queries qc (T, H, kvl + rope), absorbed and rotated, over the compressed cache (1, positions, kvl + rope) that holds
+    the chunk's own rows, token t at position start[0] + t -> (T, H, kvl) float32, before v_b."""
+    raise self._lacks("prefill_attention")
 
   def _lacks(self, method: str) -> ConfigError: return ConfigError(f"backend {self.name} has no {method} stage")
 

@@ -7,7 +7,8 @@
 // rows). It writes its split's (max, sum, unnormalised output) per head to part (HEADS, SPLITS, KVL + 2) for
 // mla_combine; blocks past the last position return at once.
 // The kernel's body (cuda_src writes its signature: part, qc, cache, early_pos). Defines: HEADS, KVL, ROPE, SPLITS,
-// SCALE (a float literal), CACHE_HALF (0 or 1), THREADS, TP (16).
+// SCALE (a float literal), CACHE_HALF (0 or 1), THREADS, TP (16); TOKENS for a prompt's chunk of that many tokens at
+// positions early_pos[0].. (grid: splits x tokens).
 #define D (KVL + ROPE)  // a cache row
 #define HP ((HEADS + 15) / 16 * 16)  // the heads padded to the product's 16 rows
 #define MT (HP / 16)  // the heads' row tiles
@@ -21,7 +22,12 @@
 #define LOADS ((TP * D / 8 + THREADS - 1) / THREADS)  // a thread's 16-byte pieces of a staged tile
   STAMP_ENTER();
   const int sp = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+#ifdef TOKENS  // the prompt's chunk (cuda_prefill.mla_prefill): a token a grid row, its query, partials and position
+  qc += (size_t)blockIdx.y * HEADS * D; part += (size_t)blockIdx.y * HEADS * SPLITS * (KVL + 2);
+  const int n = early_pos[0] + 1 + blockIdx.y;
+#else
   const int n = early_pos[0] + 1;
+#endif
 #include "heads_split.cuh"
   const int j0 = sp * ch, j1 = min(n, j0 + ch);
   GRID_WAIT(); STAMP_WAIT();

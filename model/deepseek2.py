@@ -324,7 +324,7 @@ class Block:
     if self.cfg.barriers["kv_write"] == "realize": planes = tuple(p.realize() for p in planes)
     elif self.cfg.barriers["kv_write"] == "contiguous": planes = tuple(p.contiguous() for p in planes)
     rows = self.kv.decode(planes, start_pos + T)  # (B, S, kvl+rope)
-    if T > 1 and self.cfg.prefill_attention == "native":  # the prompt's attention in native's all-heads kernels
+    if T > 1 and self.cfg.prefill_attention == "all_heads":  # the prompt's attention in native's all-heads kernels
       qc = q_abs.cat(q_pe, dim=-1).reshape(B * T, H, kvl + rope)
       start = Tensor.full((1,), start_pos, dtype=dtypes.int32, device=q_abs.device).contiguous()
       o = K.get("native").prefill_attention(qc, planes[0], start, kvl, hp.kq_scale).reshape(B, T, H, kvl)
@@ -493,7 +493,7 @@ class Transformer:
       if norm: return w.to_float().reshape(-1).contiguous().realize()
       return K.get(self.cfg.stage(stage) or self.cfg.backend(w.quant, role)).attach(w, device)
 
-    if "native" in (self.cfg.prefill_weights, self.cfg.prefill_attention):  # the prompt's native kernels
+    if self.cfg.prefill_weights == "quantised" or self.cfg.prefill_attention == "all_heads":  # the prompt's CUDA
       K.get("native").check(device)
     n = hp.n_layers if n_layers is None else n_layers
     if not 1 <= n <= hp.n_layers: raise ValueError(f"n_layers={n} is outside 1..{hp.n_layers}")

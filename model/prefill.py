@@ -10,7 +10,7 @@ min(E, T*K): that static bound sizes the products, so a chunk size and a tile gi
 routing, no pair ever overflows, and the padding is at most tile - 1 rows per expert in use. The weights are read
 either `indexed`: every expert dequantised once per chunk into one buffer of `prefill_dtype`, which the product indexes
 per row by its tile's expert; or `copied`: each tile's expert dequantised into a matrix of its own (a weight read per
-tile), which the product then reads as a plain batched matmul (tensor cores where the device has them); or `native`:
+tile), which the product then reads as a plain batched matmul (tensor cores where the device has them); or `quantised`:
 the native backend's tensor-core kernels read each tile's expert quantised and dequantise it into shared memory
 (model/backends/cuda_prefill.py), no dequantised copy written. The shared expert and the dense FFN are plain matmuls of
 weights dequantised once per chunk, or native's kernels over the chunk's rows in tiles.
@@ -49,8 +49,8 @@ def dequant(w: QWeight, dt: DType, idx: Tensor | None = None) -> Tensor:
 
 def linear(x: Tensor, w: QWeight, cfg: StructureConfig) -> Tensor:
   """x (..., in) @ w.T (out, in) -> (..., out) float32: one matmul for all the chunk's tokens, of w dequantised to the
-  config's dtype, or native's product of the rows in tiles (prefill_weights=native)."""
-  if cfg.prefill_weights == "native" and w.cache is None:
+  config's dtype, or native's product of the rows in tiles (prefill_weights=quantised)."""
+  if cfg.prefill_weights == "quantised" and w.cache is None:
     lead, inp = x.shape[:-1], x.shape[-1]
     M = math.prod(lead)
     tile = 64 if M >= 256 else 16
@@ -90,9 +90,9 @@ def layout(sel: Tensor, n_experts: int, tile: int) -> tuple[Tensor, Tensor, Tens
 
 
 def _product(x: Tensor, w: QWeight, tile_expert: Tensor, used: Tensor, cfg: StructureConfig) -> Tensor:
-  """x (N, tile, in) by each tile's expert of w (E, out, in) -> (N, tile, out) float32 (native: zeros past the used
+  """x (N, tile, in) by each tile's expert of w (E, out, in) -> (N, tile, out) float32 (quantised: zeros past the used
   tiles)."""
-  if cfg.prefill_weights == "native" and w.cache is None:
+  if cfg.prefill_weights == "quantised" and w.cache is None:
     return K.get("native").grouped(x.cast(dtypes.float16), w, tile_expert, used)
   (N, tile, _), dt = x.shape, dtype(cfg)
   if cfg.prefill_weights == "copied":
@@ -113,7 +113,7 @@ def moe(xn: Tensor, sel: Tensor, wts: Tensor, experts: Glu, shared: Glu | None, 
   (B, T, K): (B, T, D) float32."""
   (B, T, D), K, tile = xn.shape, sel.shape[-1], cfg.prefill_tile
   tile_expert, token, row, used = layout(sel.reshape(B * T, K), n_experts, tile)
-  x = xn.reshape(B * T, D)[token].cast(dtypes.float16 if cfg.prefill_weights == "native" else dtype(cfg))
+  x = xn.reshape(B * T, D)[token].cast(dtypes.float16 if cfg.prefill_weights == "quantised" else dtype(cfg))
   x = x.reshape(-1, tile, D)
   if experts.gate_up is not None:
     g, u = _product(x, experts.gate_up, tile_expert, used, cfg).split(experts.hidden, dim=-1)

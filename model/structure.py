@@ -177,23 +177,23 @@ DSL_ROWS = {p: Knob(4 if p == "gate_up" else 1, (1, 2, 4),
 _beam = ("beam", lambda b: b > 0, 2)  # BEAM's settings apply when BEAM searches (a width of 2 shows them)
 _grouped = ("prefill_ffn", lambda v: v == "grouped", "grouped")  # grouped prefill's settings apply with it
 _runtime = ("mla_absorb", lambda v: v == "runtime", "runtime")  # q's nope rows as projected, not folded into k_b
-# grouped prefill's tinygrad forms, which dequantise the weights into prefill_dtype (native reads them quantised)
-_dequantised = ("prefill_weights", lambda v: v != "native", "indexed")
+# grouped prefill's tinygrad forms, which dequantise the weights into prefill_dtype (quantised: CUDA kernels read them)
+_dequantised = ("prefill_weights", lambda v: v != "quantised", "indexed")
 
 
-# the prompt's attention in tinygrad's kernels, whose dtype prefill_attn_dtype sets (native's stage float16 itself)
-_tinygrad_attention = ("prefill_attention", lambda v: v != "native", "absorbed")
+# the prompt's attention in tinygrad's kernels, whose dtype prefill_attn_dtype sets (all_heads stages float16 itself)
+_tinygrad_attention = ("prefill_attention", lambda v: v != "all_heads", "absorbed")
 
 
 def _prefill_attention(device: str, family: str) -> tuple[str, ...]:
-  """prefill_attention's values: native where the family's native backend runs the attention stage on this device."""
+  """prefill_attention's values: all_heads where the family's native backend runs the attention stage on this device."""
   native = "native" in catalog.stage_choices("attention", device, family)
-  return ("absorbed", "decompressed", "native") if native else ("absorbed", "decompressed")
+  return ("absorbed", "decompressed", "all_heads") if native else ("absorbed", "decompressed")
 
 
 def _prefill_weights(device: str, family: str) -> tuple[str, ...]:
-  """prefill_weights' values: native where the family's native backend runs the MoE stage on this device."""
-  return ("indexed", "copied", "native") if "native" in catalog.stage_choices("moe", device, family) else (
+  """prefill_weights' values: quantised where the family's native backend runs the MoE stage on this device."""
+  return ("indexed", "copied", "quantised") if "native" in catalog.stage_choices("moe", device, family) else (
     "indexed", "copied")
 
 
@@ -241,11 +241,12 @@ class StructureConfig:
                               "how grouped prefill's products read the weights: indexed, every expert dequantised "
                               "once per chunk (into prefill_dtype) and read per row by its tile's expert; copied, "
                               "each tile's expert dequantised into a matrix of its own, read by a plain batched "
-                              "matmul; or native, hand-written CUDA kernels that read the quantised weights a stage at "
+                              "matmul; or quantised (offered where a device-specific backend runs the MoE stage), "
+                              "CUDA kernels that read the quantised weights a stage at "
                               "a time, dequantise them into shared memory as float16 and multiply on the tensor cores "
                               "(model/backends/cuda_prefill.py; the shared expert's and the dense FFN's products too)",
-                              applies=_moe, needs=(_grouped,), allowed=("indexed", "copied", "native"),
-                              precision=lambda v: "fp16" if v == "native" else "fp32")
+                              applies=_moe, needs=(_grouped,), allowed=("indexed", "copied", "quantised"),
+                              precision=lambda v: "fp16" if v == "quantised" else "fp32")
   prefill_dtype: str = knob("float32", ("float32", "float16"),
                             "the dtype grouped prefill dequantises the FFN weights to and multiplies in (float16: "
                             "tensor cores where the device has them; sums in float32)", needs=(_grouped, _dequantised),
@@ -266,11 +267,12 @@ class StructureConfig:
                                 "the prompt's MLA attention over a chunk: absorbed, as decode, each query absorbed "
                                 "into kv_lora dims scoring the compressed cache rows; decompressed, each head's "
                                 "keys and values decompressed from those rows once per chunk, then attention at "
-                                "qk_nope + rope and v_head dims (model/prefill.py); or native, the absorbed form in "
-                                "the native backend's all-heads kernels, each position read once for all the heads of "
-                                "a token on the tensor cores, a token a grid row (model/backends/cuda_prefill.py)",
-                                needs=(_runtime,), allowed=("absorbed", "decompressed", "native"),
-                                precision=lambda v: "fp16" if v == "native" else "fp32")
+                                "qk_nope + rope and v_head dims (model/prefill.py); or all_heads (offered where a "
+                                "device-specific backend runs the attention stage), the absorbed form in the all-heads "
+                                "decode kernels, each position read once for all the heads of a token on the tensor "
+                                "cores, a token a grid row (model/backends/cuda_prefill.py)",
+                                needs=(_runtime,), allowed=("absorbed", "decompressed", "all_heads"),
+                                precision=lambda v: "fp16" if v == "all_heads" else "fp32")
   prefill_attn_dtype: str = knob("float32", ("float32", "float16"),
                                  "the dtype the prompt's attention over a chunk multiplies in, either tinygrad form "
                                  "(float16: tensor cores where the device has them, the decompressed keys and values "
@@ -279,7 +281,7 @@ class StructureConfig:
   kv_dtype: str = knob("float16", ("float16", "float32", "q8_0"),
                        "KV cache dtype: float16, float32, or q8_0, llama.cpp's -ctk q8_0 (blocks of 32 int8 codes "
                        "and a float16 scale: 34 bytes per 32 values), which only the per-op attention reads",
-                       stages=("attention",), needs=(("prefill_attention", lambda v: v != "native", "absorbed"),),
+                       stages=("attention",), needs=(("prefill_attention", lambda v: v != "all_heads", "absorbed"),),
                        precision=lambda v: "q8" if v == "q8_0" else "fp16")
   attention: str = knob("explicit", ("explicit", "sdpa"), "explicit matmul+softmax or scaled_dot_product_attention",
                         stages=("attention",))
@@ -323,14 +325,14 @@ class StructureConfig:
                           f"set fused.{DSL_PRODUCTS[key][0]}=dsl")
     if self.ffn_act != "float32" and not {"moe", "ffn"} & set(self.fused):
       raise ConfigError(f"ffn_act={self.ffn_act} is read by the fused FFN stages only: set fused.moe or fused.ffn")
-    if self.prefill_weights == "native" and self.prefill_dtype != "float32":
-      raise ConfigError("prefill_dtype is read by grouped prefill's tinygrad forms; prefill_weights=native always "
+    if self.prefill_weights == "quantised" and self.prefill_dtype != "float32":
+      raise ConfigError("prefill_dtype is read by grouped prefill's tinygrad forms; prefill_weights=quantised always "
                         "multiplies in float16 (unset prefill_dtype)")
-    if self.prefill_attention == "native" and self.prefill_attn_dtype != "float32":
+    if self.prefill_attention == "all_heads" and self.prefill_attn_dtype != "float32":
       raise ConfigError("prefill_attn_dtype is read by the prompt's attention in tinygrad's kernels; "
-                        "prefill_attention=native stages float16 itself (unset prefill_attn_dtype)")
-    if self.prefill_attention == "native" and self.kv_dtype == "q8_0":
-      raise ConfigError("prefill_attention=native reads a float cache: choose kv_dtype float16 or float32")
+                        "prefill_attention=all_heads stages float16 itself (unset prefill_attn_dtype)")
+    if self.prefill_attention == "all_heads" and self.kv_dtype == "q8_0":
+      raise ConfigError("prefill_attention=all_heads reads a float cache: choose kv_dtype float16 or float32")
     if self.kv_dtype == "q8_0" and "attention" in self.fused:
       raise ConfigError("kv_dtype=q8_0 is read by the per-op attention only: the fused attention stages read a float "
                         "cache (unset fused.attention, or choose kv_dtype float16 or float32)")

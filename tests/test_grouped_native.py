@@ -1,4 +1,4 @@
-"""The native backend's grouped prompt products (prefill_weights=native, cuda/grouped_mma.cu) in the CUDA emulator:
+"""The native backend's grouped prompt products (prefill_weights=quantised, cuda/grouped_mma.cu) in the CUDA emulator:
 every quant type a K-quant mix holds, both tile heights, experts in any order, outputs past a whole block."""
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def test_stage_k_follows_the_units_span() -> None:
 
 @pytest.mark.parametrize("quant", ("q4_0", "q4_k", "q6_k"))
 def test_native_prefill_matches_the_per_token_path(gguf_file, monkeypatch, quant: str) -> None:
-  """prefill_weights=native in a model (the kernels in the CUDA emulator): the MoE block's routed and shared experts in
-  tiles of 16, 32 and 64 and the dense block's FFN over a chunk of 24 rows (a partial tile), against the per-token
+  """prefill_weights=quantised in a model (the kernels in the CUDA emulator): the MoE block's routed and shared experts
+  in tiles of 16, 32 and 64 and the dense block's FFN over a chunk of 24 rows (a partial tile), against the per-token
   products, within float16's rounding."""
   rng, kernels = np.random.default_rng(0), set()
   with native_on_cpu(monkeypatch):
@@ -68,7 +68,7 @@ def test_native_prefill_matches_the_per_token_path(gguf_file, monkeypatch, quant
     experts = Glu(moe.gate_exps, moe.up_exps, moe.gate_up_exps, moe.down_exps)
     shared = Glu(moe.gate_sh, moe.up_sh, moe.gate_up_sh, moe.down_sh)
     for tile in (16, 32, 64):
-      cfg = StructureConfig(prefill_ffn="grouped", prefill_weights="native", prefill_tile=tile)
+      cfg = StructureConfig(prefill_ffn="grouped", prefill_weights="quantised", prefill_tile=tile)
       got = prefill.moe(xn, sel, w, experts, shared, hp.n_experts, cfg).numpy()[0]
       assert (rel_err(got, moe.experts(xn, sel, w).numpy()[0]) <= 1e-2).all(), (quant, tile)
     got = prefill.glu(xn, Glu(dense.gate, dense.up, dense.gate_up, dense.down), cfg).numpy()[0]
@@ -79,31 +79,31 @@ def test_native_prefill_matches_the_per_token_path(gguf_file, monkeypatch, quant
 
 
 def test_native_prefill_is_a_config_of_its_own() -> None:
-  """native reads the weights quantised: prefill_dtype, which the tinygrad forms dequantise into, is refused beside it;
-  the space offers native only where the family's native backend runs (CUDA), and prefill_dtype only off native. The
-  same for the attention: prefill_attn_dtype and the 8-bit cache are refused beside prefill_attention=native."""
+  """quantised reads the weights quantised: prefill_dtype, which the tinygrad forms dequantise into, is refused beside
+  it; the space offers native only where the family's native backend runs (CUDA), and prefill_dtype only off it. The
+  same for the attention: prefill_attn_dtype and the 8-bit cache are refused beside prefill_attention=all_heads."""
   with pytest.raises(ConfigError, match="prefill_dtype"):
-    StructureConfig(prefill_ffn="grouped", prefill_weights="native", prefill_dtype="float16")
+    StructureConfig(prefill_ffn="grouped", prefill_weights="quantised", prefill_dtype="float16")
   info = mix_info("q4_0")
   on = {k.name: k for k in knobs(info, "CUDA")}
-  assert "native" in on["prefill_weights"].choices
-  assert "native" not in {k.name: k for k in knobs(info, "CUDA", "portable")}["prefill_weights"].choices
-  assert "native" not in {k.name: k for k in knobs(info, "CPU")}["prefill_weights"].choices
-  assert not on["prefill_dtype"].when({"prefill_ffn": "grouped", "prefill_weights": "native"})
+  assert "quantised" in on["prefill_weights"].choices
+  assert "quantised" not in {k.name: k for k in knobs(info, "CUDA", "portable")}["prefill_weights"].choices
+  assert "quantised" not in {k.name: k for k in knobs(info, "CPU")}["prefill_weights"].choices
+  assert not on["prefill_dtype"].when({"prefill_ffn": "grouped", "prefill_weights": "quantised"})
   assert on["prefill_dtype"].when({"prefill_ffn": "grouped", "prefill_weights": "copied"})
   # the attention likewise: native stages float16 itself and reads a float cache
   for bad in ({"prefill_attn_dtype": "float16"}, {"kv_dtype": "q8_0"}):
-    with pytest.raises(ConfigError, match="prefill_attention=native"):
-      StructureConfig(prefill_attention="native", **bad)
-  assert "native" in on["prefill_attention"].choices
-  assert "native" not in {k.name: k for k in knobs(info, "CPU")}["prefill_attention"].choices
-  assert not on["prefill_attn_dtype"].when({"prefill_attention": "native"})
-  assert not on["kv_dtype"].when({"prefill_attention": "native"})
+    with pytest.raises(ConfigError, match="prefill_attention=all_heads"):
+      StructureConfig(prefill_attention="all_heads", **bad)
+  assert "all_heads" in on["prefill_attention"].choices
+  assert "all_heads" not in {k.name: k for k in knobs(info, "CPU")}["prefill_attention"].choices
+  assert not on["prefill_attn_dtype"].when({"prefill_attention": "all_heads"})
+  assert not on["kv_dtype"].when({"prefill_attention": "all_heads"})
 
 
 @pytest.mark.parametrize("half", (True, False))
 def test_prefill_attention_kernels_are_causal_per_token(half: bool) -> None:
-  """prefill_attention=native's kernels (the all-heads attention with a token a grid row, then each token's splits
+  """prefill_attention=all_heads's kernels (the all-heads attention with a token a grid row, then each token's splits
   merged): 5 tokens at positions 70..74 of a 2048-position cache (2 splits, the second in use from position 1024 on:
   none here), each token's heads over the positions up to its own; stale NaN partials of the unused split are not
   read. Query and weights go through float16: held to 3e-3 of the output."""
@@ -127,7 +127,7 @@ def test_prefill_attention_kernels_are_causal_per_token(half: bool) -> None:
 
 
 def test_native_prefill_attention_in_the_model(gguf_file, monkeypatch) -> None:
-  """prefill_attention=native in a model (CUDA emulator): a prompt of 12 tokens in chunks of 8 and 4 (the second at
+  """prefill_attention=all_heads in a model (CUDA emulator): a prompt of 12 tokens in chunks of 8 and 4 (the second at
   position 8, reading the first chunk's rows), against the absorbed form in tinygrad's kernels, within float16's
   rounding; the native kernels ran."""
   from tinygrad import Tensor as T_
@@ -141,6 +141,6 @@ def test_native_prefill_attention_in_the_model(gguf_file, monkeypatch) -> None:
   with native_on_cpu(monkeypatch):
     run = native.launch
     monkeypatch.setattr(native, "launch", lambda k, *a: kernels.add(k.name) or run(k, *a))
-    got = logits(StructureConfig(prefill_attention="native"))
+    got = logits(StructureConfig(prefill_attention="all_heads"))
   assert (rel_err(got, want) <= 1e-2).all()
   assert {k.split("_h")[0] for k in kernels} == {"native_mla_prefill", "native_mla_prefill_merge"}

@@ -104,7 +104,7 @@ def grouped(x: Tensor, w: QWeight, tile_expert: Tensor | None, used: Tensor | No
   """The prompt's product in tiles (Backend.grouped): cuda/grouped_mma.cu."""
   (N, tile, inp), out, E = x.shape, w.shape[-2], w.shape[0] if len(w.shape) == 3 else 1
   if G.stage_k(w.ggml_type, inp) is None or tile not in G.TILES:
-    raise ConfigError(f"prefill_weights=native has no product for {w.quant} rows of {inp} in tiles of {tile}")
+    raise ConfigError(f"prefill_weights=quantised has no product for {w.quant} rows of {inp} in tiles of {tile}")
   te = Tensor.zeros(N, dtype=dtypes.int32, device=x.device) if tile_expert is None else i32(tile_expert)
   used = Tensor.full((1,), N, dtype=dtypes.int32, device=x.device) if used is None else i32(used)
   # the matrices of at most min(N, E) experts, each tile's rows and outputs
@@ -118,7 +118,7 @@ def prefill_attention(qc: Tensor, cache: Tensor, start: Tensor, kvl: int, scale:
   """The prompt's absorbed attention (Backend.prefill_attention): cuda_prefill.mla_prefill."""
   (T, H, D), ctx = qc.shape, cache.shape[-2]
   if cache.dtype not in (dtypes.float16, dtypes.float32):
-    raise ConfigError(f"prefill_attention=native reads a float16 or float32 cache; this one is {cache.dtype.name}")
+    raise ConfigError(f"prefill_attention=all_heads reads a float16 or float32 cache, not {cache.dtype.name}")
   ka, km = G.mla_prefill(H, kvl, D - kvl, ctx, scale, cache.dtype == dtypes.float16, T)
   S, reads = G.prefill_splits(ctx), T * ctx * D * cache.dtype.itemsize // 2  # each token reads half the cache at most
   part = launch(ka, [empty(T * H * S * (kvl + 2), device=qc.device), f32(qc).contiguous(), cache, i32(start)],

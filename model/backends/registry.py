@@ -105,13 +105,13 @@ class Backend(abc.ABC):
     raise self._lacks("norm_linear")
 
   def grouped(self, x: Tensor, w: QWeight, tile_expert: Tensor | None, used: Tensor | None) -> Tensor:
-    """The prompt's product in tiles (model/prefill.py, prefill_weights=native): x (N, tile, in) float16, each tile's
+    """The prompt's product in tiles (model/prefill.py, prefill_weights=quantised): x (N, tile, in) float16, each tile's
     rows by the matrix of w (E, out, in) that tile_expert (N,) int32 names, or by w (out, in) itself where it is None ->
     (N, tile, out) float32; the tiles from used (1,) int32 on (None: none) are zeros."""
     raise self._lacks("grouped")
 
   def prefill_attention(self, qc: Tensor, cache: Tensor, start: Tensor, kvl: int, scale: float) -> Tensor:
-    """The prompt's causal attention in the absorbed form (model/deepseek2.py, prefill_attention=native): the chunk's
+    """The prompt's causal attention in the absorbed form (model/deepseek2.py, prefill_attention=all_heads): the chunk's
     queries qc (T, H, kvl + rope), absorbed and rotated, over the compressed cache (1, positions, kvl + rope) that holds
     the chunk's own rows, token t at position start[0] + t -> (T, H, kvl) float32, before v_b."""
     raise self._lacks("prefill_attention")

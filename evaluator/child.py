@@ -141,7 +141,7 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
     # against ms_per_token: the graph's own cost
     res.metrics["kernel_us_per_token"] = sum(p["us_per_token"] for p in res.profile)
     if spec.prefill:  # the prefill graph's kernels at its last captured chunk (the longest attention)
-      at = max(i for i in range(0, work.prompt, gen.chunk) if i + gen.chunk <= gen.model.max_context)
+      at = max(i for i in range(0, work.prompt, gen.chunk) if gen.in_graph(i))
       # a prefill kernel runs long enough to be timed once per round (launches=1)
       res.prefill_profile = kernel_profile(gen.prefill_last_jit, {"start_pos": at}, spec.bandwidth_gbs,
                                            where=places(gen.model), launches=1)

@@ -323,12 +323,12 @@ class Block:
     planes = self.kv.store(start_pos, c_kv.cat(k_pe, dim=-1))
     if self.cfg.barriers["kv_write"] == "realize": planes = tuple(p.realize() for p in planes)
     elif self.cfg.barriers["kv_write"] == "contiguous": planes = tuple(p.contiguous() for p in planes)
-    rows = self.kv.decode(planes, start_pos + T)  # (B, S, kvl+rope)
     if T > 1 and self.cfg.prefill_attention == "all_heads":  # the prompt's attention in native's all-heads kernels
       qc = q_abs.cat(q_pe, dim=-1).reshape(B * T, H, kvl + rope)
       start = Tensor.full((1,), start_pos, dtype=dtypes.int32, device=q_abs.device).contiguous()
       o = K.get("native").prefill_attention(qc, planes[0], start, kvl, hp.kq_scale).reshape(B, T, H, kvl)
       return K.per_head(o, self.v_b).reshape(B, T, H * hp.v_head)
+    rows = self.kv.decode(planes, start_pos + T)  # (B, S, kvl+rope)
     dt = prefill.attn_dtype(self.cfg, T)
     if self.decompressed(T):
       return prefill.attention(q_abs, q_pe, rows, self.k_b_float(), self.v_b.to_float(), start_pos, hp.kq_scale, dt)

@@ -162,6 +162,11 @@ class Generator:
     if end > self.model.max_context:
       raise ValueError(f"sequence of {end} tokens exceeds the context of {self.model.max_context}")
 
+  def in_graph(self, pos: int) -> bool:
+    """Whether the chunk at position pos runs in the prefill graph: padded to a whole chunk, it fits the cache (else it
+    runs at its exact size outside the graph)."""
+    return pos + self.chunk <= self.model.max_context
+
   def prefill(self, tokens: list[int], start: int = 0, last: bool = False) -> np.ndarray:
     """Feed tokens at positions start.. in chunks; returns float32 logits (len(tokens), vocab) for every position, or
     with `last` the last token's alone (vocab,), what a generation reads: then each chunk computes the output head for
@@ -171,8 +176,7 @@ class Generator:
     for i in range(0, len(tokens), self.chunk):
       part = tokens[i:i + self.chunk]
       pos = start + i
-      # the padded chunk would run past the cache: fall back to exact size
-      if pos + self.chunk > self.model.max_context:
+      if not self.in_graph(pos):
         logits = self.model.forward(Tensor([part], dtype=dtypes.int32), self.pos.bind(pos), all_logits=True)[0].numpy()
         out.append(logits[-1] if last else logits)
         continue

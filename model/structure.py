@@ -185,16 +185,11 @@ _dequantised = ("prefill_weights", lambda v: v != "quantised", "indexed")
 _tinygrad_attention = ("prefill_attention", lambda v: v != "all_heads", "absorbed")
 
 
-def _prefill_attention(device: str, family: str) -> tuple[str, ...]:
-  """prefill_attention's values: all_heads where the family's native backend runs the attention stage on this device."""
-  native = "native" in catalog.stage_choices("attention", device, family)
-  return ("absorbed", "decompressed", "all_heads") if native else ("absorbed", "decompressed")
-
-
-def _prefill_weights(device: str, family: str) -> tuple[str, ...]:
-  """prefill_weights' values: quantised where the family's native backend runs the MoE stage on this device."""
-  return ("indexed", "copied", "quantised") if "native" in catalog.stage_choices("moe", device, family) else (
-    "indexed", "copied")
+def _with_native(stage: str, values: tuple[str, ...], native: str) -> Callable[[str, str], tuple[str, ...]]:
+  """A prefill knob's values on a device and backend family: `values`, and `native` (a value the native backend's
+  kernels run) where the family's native backend runs `stage` on that device."""
+  return lambda device, family: ((*values, native) if "native" in catalog.stage_choices(stage, device, family)
+                                 else values)
 
 
 @dataclass(frozen=True)
@@ -237,7 +232,7 @@ class StructureConfig:
                           "gathered and dequantised inside the product as in decode; or grouped, the chunk's (token, "
                           "expert) pairs grouped by expert in tiles, each product a batched matmul of dequantised "
                           "weights, the shared expert's and the dense FFN's plain matmuls (model/prefill.py)")
-  prefill_weights: str = knob("indexed", _prefill_weights,
+  prefill_weights: str = knob("indexed", _with_native("moe", ("indexed", "copied"), "quantised"),
                               "how grouped prefill's products read the weights: indexed, every expert dequantised "
                               "once per chunk (into prefill_dtype) and read per row by its tile's expert; copied, "
                               "each tile's expert dequantised into a matrix of its own, read by a plain batched "
@@ -263,7 +258,7 @@ class StructureConfig:
                             "per_token, the weight's backend's products as in decode; or batched, one product for the "
                             "chunk's tokens as grouped prefill's dense FFN (prefill_weights' form and prefill_dtype)",
                             needs=(_grouped,))
-  prefill_attention: str = knob("absorbed", _prefill_attention,
+  prefill_attention: str = knob("absorbed", _with_native("attention", ("absorbed", "decompressed"), "all_heads"),
                                 "the prompt's MLA attention over a chunk: absorbed, as decode, each query absorbed "
                                 "into kv_lora dims scoring the compressed cache rows; decompressed, each head's "
                                 "keys and values decompressed from those rows once per chunk, then attention at "

@@ -1,8 +1,8 @@
-"""The native backend's prompt kernels. Its products (StructureConfig.prefill_weights = native): many rows of float16
+"""The native backend's prompt kernels. Its products (StructureConfig.prefill_weights = quantised): many rows of float16
 activations by quantised weights on the tensor cores, each tile of rows by its own expert's matrix
 (cuda/grouped_mma.cu); the weight is read quantised, a stage of BN rows by BK inputs at a time, and dequantised into
 shared memory as float16 by the unit decoders the decode kernels use (cuda_src.UNITS), so no dequantised copy of any
-matrix is ever written to memory. Its attention (StructureConfig.prefill_attention = native): decode's all-heads
+matrix is ever written to memory. Its attention (StructureConfig.prefill_attention = all_heads): decode's all-heads
 kernels (cuda/mla_heads.cu, cuda/mla_combine.cu) with a token a grid row, each token at its own position (causal)."""
 from __future__ import annotations
 

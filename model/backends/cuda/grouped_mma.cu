@@ -1,13 +1,15 @@
-// The prompt's grouped product on the tensor cores (cuda_src.grouped; grid: tiles x blocks of BN outputs, THREADS
+// The prompt's grouped product on the tensor cores (cuda_prefill.grouped; grid: tiles x blocks of BN outputs, THREADS
 // threads): y (tiles * TILE, OUT) float32 = each tile's TILE rows of x (float16, rows of IN) by the weight rows of the
 // matrix its tile_expert names (E matrices of OUT rows; a dense weight is one). A block holds TILE rows by BN outputs and
 // walks the input BK elements a stage: the stage's rows of x copied into shared memory, the weight's BN rows read
-// quantised and dequantised there as float16 (DEQUANT_UNIT: cuda_src.unit_store, one unit of UE elements of a row),
+// quantised and dequantised there as float16 (DEQUANT_UNIT: cuda_prefill.unit_store, one unit of UE elements of a row),
 // then the warps' products with mma16816 (mma.cuh), float32 accumulators, stored once at the end. Weight rows past OUT
 // are zeros and not stored. The tiles of one expert are neighbours in the grid's fastest dimension, so their blocks
-// read the same weight rows at about the same time (through L2).
-// The kernel's body (cuda_src writes its signature: y, x, tile_expert, the weight's planes). Defines: IN, OUT, TILE (16
-// or 64), BN (64), BK (a multiple of the unit's span), UE, THREADS (128), WR (warps over the rows).
+// read the same weight rows at about the same time (through L2). Tiles from used[0] on hold no rows: their outputs
+// are zeros.
+// The kernel's body (cuda_prefill writes its signature: y, x, tile_expert, used, the weight's planes). Defines: IN,
+// OUT, TILE (16, 32 or 64), BN (64), BK (a multiple of the span of a unit's elements in the row), UE, THREADS (128), WR
+// (warps over the rows).
 #define WC (THREADS / 32 / WR)  // warps over the outputs
 #define MT (TILE / WR / 16)  // a warp's 16-row tiles
 #define NT (BN / WC / 8)  // a warp's 8-column tiles

@@ -56,3 +56,21 @@ def test_depths_and_prompts_beside_llama_cpp(tmp_path):
 
 
 def llama_cmd(lines) -> str: return next(x["command"] for x in lines if x["kind"] == "llama_cpp")
+
+
+def test_workloads_picks_each_configs_runs(tmp_path):
+  """WORKLOADS names the runs of each config: a prompt alone runs only its prefill (no decode after a 32-token prompt),
+  and with no default run the default workload's references are not made (each trial makes its own at its depth)."""
+  (bench := tmp_path / "llama-bench").write_text(STAND_IN)
+  bench.chmod(bench.stat().st_mode | stat.S_IEXEC)
+  env = os.environ | {"MODELS": "tiny", "DEVICE": "CPU", "CONFIGS": "baseline", "N": "4", "ROUNDS": "1",
+                      "WORK": str(tmp_path), "OUT": str(tmp_path / "out"), "LLAMA_BENCH": str(bench),
+                      "PYTHON": sys.executable, "PROMPTS": "40", "WORKLOADS": "p40"}
+  r = subprocess.run(["bash", "benchmarks/sidebyside.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                     timeout=900)
+  assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+  assert "references for" not in r.stdout
+  lines = render.load(tmp_path / "out" / "results.jsonl")
+  runs = [(x["kind"], x["context"]) for x in lines if x["kind"] in ("decode", "trial")]
+  assert runs == [("decode", 40), ("trial", 40)]
+  assert [x["prompt"] for x in lines if x["kind"] == "prefill" and x["config"] == "baseline"] == [40]

@@ -279,7 +279,7 @@ class Block:
 
   def absorb(self, q_nope: Tensor) -> Tensor:
     """q_nope (B, T, H, nope) -> (B, T, H, kv_lora): per head, k_b applied to q (MLA absorption at run time)."""
-    if self.k_b_t is None: return K.per_head(q_nope, self.k_b)
+    if self.k_b_t is None: return self.per_head(q_nope, self.k_b)
     return (q_nope.unsqueeze(-1) * self.k_b_t.to_float()).sum(-2)
 
   def barrier(self, x: Tensor, point: str) -> Tensor:
@@ -289,9 +289,16 @@ class Block:
   def product(self, x: Tensor, w: QWeight) -> Tensor:
     """x (B, T, in) @ w.T, an attention product: the weight's backend's, or for a prompt's chunk with prefill_dense =
     batched one product of the chunk's tokens (model/prefill.py linear)."""
-    if x.shape[1] > 1 and self.cfg.prefill_dense == "batched" and self.cfg.prefill_ffn == "grouped":
-      return prefill.linear(x, w, self.cfg)
-    return K.linear(x, w)
+    return prefill.linear(x, w, self.cfg) if self.batched(x.shape[1]) else K.linear(x, w)
+
+  def per_head(self, x: Tensor, w: QWeight) -> Tensor:
+    """x (B, T, H, in) by w (H, out, in), k_b's and v_b's products: the weight's backend's, or for a prompt's chunk with
+    prefill_dense = batched each head's product over the chunk's tokens at once (model/prefill.py per_head)."""
+    return prefill.per_head(x, w, self.cfg) if self.batched(x.shape[1]) else K.per_head(x, w)
+
+  def batched(self, T: int) -> bool:
+    """Whether a chunk of T tokens runs the attention's products over all its tokens at once (prefill_dense)."""
+    return T > 1 and self.cfg.prefill_dense == "batched" and self.cfg.prefill_ffn == "grouped"
 
   def decompressed(self, T: int) -> bool:
     """Whether a chunk of T tokens attends in the decompressed form (model/prefill.py): the prompt's, by the config."""
@@ -311,9 +318,10 @@ class Block:
       q_abs, q_pe = q[..., :nope] if self.decompressed(T) else self.absorb(q[..., :nope]), q[..., nope:]
     return q_abs, q_pe, self.barrier(self.product(xn, self.kv_a), "kv_a")
 
-  def attend(self, q_abs: Tensor, q_pe: Tensor, kv: Tensor, start_pos: int | UOp) -> Tensor:
+  def attend(self, q_abs: Tensor, q_pe: Tensor, kv: Tensor, start_pos: int | UOp, pos: Tensor | None) -> Tensor:
     """RoPE, the KV cache write, attention over the compressed cache and v_b (or, for a decompressed chunk, over the
-    keys and values decompressed from it), before the output projection: (B, T, H * v_head)."""
+    keys and values decompressed from it), before the output projection: (B, T, H * v_head). pos: start_pos as a
+    device tensor, for the prompt's all-heads kernels."""
     hp, (B, T, H, _) = self.hp, q_abs.shape
     rope, kvl = hp.qk_rope, hp.kv_lora
     cos, sin = self.cos[start_pos:start_pos + T], self.sin[start_pos:start_pos + T]
@@ -325,9 +333,9 @@ class Block:
     elif self.cfg.barriers["kv_write"] == "contiguous": planes = tuple(p.contiguous() for p in planes)
     if T > 1 and self.cfg.prefill_attention == "all_heads":  # the prompt's attention in native's all-heads kernels
       qc = q_abs.cat(q_pe, dim=-1).reshape(B * T, H, kvl + rope)
-      start = Tensor.full((1,), start_pos, dtype=dtypes.int32, device=q_abs.device).contiguous()
-      o = K.get("native").prefill_attention(qc, planes[0], start, kvl, hp.kq_scale).reshape(B, T, H, kvl)
-      return K.per_head(o, self.v_b).reshape(B, T, H * hp.v_head)
+      assert pos is not None, "the all-heads prompt attention reads the position from the device"
+      o = K.get("native").prefill_attention(qc, planes[0], pos, kvl, hp.kq_scale).reshape(B, T, H, kvl)
+      return self.per_head(o, self.v_b).reshape(B, T, H * hp.v_head)
     rows = self.kv.decode(planes, start_pos + T)  # (B, S, kvl+rope)
     dt = prefill.attn_dtype(self.cfg, T)
     if self.decompressed(T):
@@ -341,10 +349,10 @@ class Block:
     else:
       s = qc.matmul(k.transpose(-1, -2), dtype=dtypes.float32) * hp.kq_scale
       o = (s if mask is None else s + mask).softmax(-1).cast(dt).matmul(k[..., :kvl], dtype=dtypes.float32)
-    return K.per_head(o.transpose(1, 2), self.v_b).reshape(B, T, H * hp.v_head)
+    return self.per_head(o.transpose(1, 2), self.v_b).reshape(B, T, H * hp.v_head)
 
-  def attention(self, xn: Tensor, start_pos: int | UOp) -> Tensor:
-    return self.product(self.barrier(self.attend(*self.project(xn), start_pos), "attn_out"), self.wo)
+  def attention(self, xn: Tensor, start_pos: int | UOp, pos: Tensor | None) -> Tensor:
+    return self.product(self.barrier(self.attend(*self.project(xn), start_pos, pos), "attn_out"), self.wo)
 
   def _ffn(self, x: Tensor, gate: QWeight | None, up: QWeight | None, down: QWeight, gate_up: QWeight | None,
            point: str) -> Tensor:
@@ -405,7 +413,7 @@ class Block:
     hp, fused = self.hp, self.cfg.fused if x.shape[1] == 1 else {}
     stage = lambda name: K.get(fused[name]) if name in fused else None
     if (b := stage("attention")) is not None: h = b.attention(self.attention_in, x, start_pos, pos).cast(act)
-    else: h = x + self.attention(rms_norm(x, self.attn_norm, hp.eps), start_pos).cast(act)
+    else: h = x + self.attention(rms_norm(x, self.attn_norm, hp.eps), start_pos, pos).cast(act)
     if check is not None: h = check.feed(h)
     xn = None
     def norm() -> Tensor:
@@ -513,7 +521,7 @@ class Transformer:
     """tokens (1, T) at positions start_pos.. -> float32 logits: (1, T, vocab), or for one token alone (1, 1, vocab):
     the last, or the one at index `at` (1,) (a padded prefill chunk's last real token). forced: per MoE block, the
     expert ids (1, T, K) it uses instead of its own (the correctness check's prefill)."""
-    (_, T), pos, x = tokens.shape, self.decode_pos(start_pos) if tokens.shape[1] == 1 else None, self.embed(tokens)
+    (_, T), pos, x = tokens.shape, self.device_pos(start_pos, tokens.shape[1]), self.embed(tokens)
     ids = iter(forced or ())
     for b in self.blocks: x = b(x, start_pos, pos, self.act, Check(next(ids)) if b.moe and forced else None)
     if all_logits: return self.head(x)
@@ -527,9 +535,11 @@ class Transformer:
       return b.norm_linear(x, self.output_norm, self.hp.eps, self.output)
     return K.linear(rms_norm(x, self.output_norm, self.hp.eps), self.output)
 
-  def decode_pos(self, start_pos: int | UOp) -> Tensor | None:
-    """The position as a device tensor, for the fused stages' kernels (None when the config fuses none)."""
-    return Tensor.full((1,), start_pos, dtype=dtypes.int32, device=self.device).contiguous() if self.cfg.fused else None
+  def device_pos(self, start_pos: int | UOp, T: int) -> Tensor | None:
+    """The position as a device tensor, for the native kernels: the fused stages' (one token) and the prompt's
+    all-heads attention (several); None where no kernel reads it."""
+    needed = bool(self.cfg.fused) if T == 1 else self.cfg.prefill_attention == "all_heads"
+    return Tensor.full((1,), start_pos, dtype=dtypes.int32, device=self.device).contiguous() if needed else None
 
   @property
   def kv_cache_bytes(self) -> int: return sum(b.kv.nbytes() for b in self.blocks)

@@ -139,7 +139,7 @@ class Generator:
     buffers."""
     chk = Check(forced, h, per_stage)
     m = self.model
-    out = blk(x.cast(m.act), start_pos, m.decode_pos(start_pos), m.act, chk).float().contiguous()
+    out = blk(x.cast(m.act), start_pos, m.device_pos(start_pos, x.shape[1]), m.act, chk).float().contiguous()
     if not blk.moe: return chk.att, out
     return (chk.att, out, chk.own.cast(dtypes.int32).contiguous(), chk.scores.float().contiguous(),
             chk.logits.contiguous())

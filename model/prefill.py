@@ -61,6 +61,25 @@ def linear(x: Tensor, w: QWeight, cfg: StructureConfig) -> Tensor:
   return x.cast(dt).matmul(dequant(w, dt).T, dtype=dtypes.float32)
 
 
+def per_head(x: Tensor, w: QWeight, cfg: StructureConfig) -> Tensor:
+  """x (..., H, in) with w (H, out, in) -> (..., H, out) float32: each head's matrix by all the chunk's tokens at once,
+  dequantised to the config's dtype for one batched matmul, or native's product in tiles with the heads as experts
+  (prefill_weights=quantised)."""
+  lead, (H, out, inp) = x.shape[:-2], w.shape
+  M = math.prod(lead)
+  xh = x.reshape(M, H, inp).transpose(0, 1)  # (H, M, in)
+  if cfg.prefill_weights == "quantised" and w.cache is None:
+    tile = 64 if M >= 256 else 16
+    per = -(-M // tile)  # a head's tiles
+    rows = xh.pad((None, (0, per * tile - M), None)).cast(dtypes.float16).reshape(H * per, tile, inp)
+    heads = Tensor.arange(H, dtype=dtypes.int32).reshape(H, 1).expand(H, per).reshape(H * per)
+    y = K.get("native").grouped(rows, w, heads, None).reshape(H, per * tile, out)[:, :M]
+  else:
+    dt = dtype(cfg)
+    y = xh.cast(dt).matmul(dequant(w, dt).transpose(-1, -2), dtype=dtypes.float32)  # (H, M, out)
+  return y.transpose(0, 1).reshape(*lead, H, out)
+
+
 def glu(x: Tensor, f: Glu, cfg: StructureConfig) -> Tensor:
   """The SiLU-gated FFN f of x (..., dim), its products as `linear`: (..., dim) float32."""
   if f.gate_up is not None: g, u = linear(x, f.gate_up, cfg).split(f.hidden, dim=-1)

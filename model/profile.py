@@ -141,7 +141,7 @@ def layers_text(layers: list[int]) -> str:
 def _calls(launches: list[tuple], var_vals: dict[str, int]) -> list:
   """Each launch as a function that queues it on the device."""
   def call(runtime, bufs: list, vals, gs, ls):
-    return lambda: runtime(*bufs, global_size=gs, local_size=ls, vals=vals)
+    return lambda wait=False: runtime(*bufs, global_size=gs, local_size=ls, vals=vals, wait=wait)
   out = []
   for prg, runtime, bufs, dv in launches:
     vv = {**var_vals, **dv}
@@ -213,12 +213,16 @@ def _timed(dev, before: list, per_rep: list, reps: int) -> float:
 
 
 def kernel_profile(jit, var_vals: dict[str, int], bandwidth_gbs: float | None = None, step_bytes: int = 256 << 20,
-                   where: dict[int, Owner] | None = None, launches: int = 64, rounds: int = 3) -> list[dict]:
+                   where: dict[int, Owner] | None = None, launches: int = 64, rounds: int = 3,
+                   in_order: bool = False) -> list[dict]:
   """Kernels of the step by device time per token, a row per kernel name and stage: name, stage and layers (from
   `where`: places(model); without it, none), launches per step, µs per token, µs per launch, bytes per token, GB/s and
   TFLOPS (tinygrad's byte and operation estimates over the time), share of the summed kernel time, and of the measured
   bandwidth where it is given. step_bytes: what one step reads (the sweep reads as much, up to 256 MiB); launches: how
-  many launches of a row are timed together (its launches per step, repeated)."""
+  many launches of a row are timed together (its launches per step, repeated). in_order: each launch timed alone while
+  the whole graph runs in its order, `rounds` times (the device's own timer; for kernels far longer than a launch), so
+  every kernel reads what the graph gives it: after the graph, a scratch buffer the planner shares holds another
+  kernel's output, and an index read from there sends a kernel run out of order out of bounds."""
   groups: dict[tuple[str, str], list[tuple]] = collections.defaultdict(list)
   layers: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
   found = _launches(jit)
@@ -227,14 +231,21 @@ def kernel_profile(jit, var_vals: dict[str, int], bandwidth_gbs: float | None = 
     groups[key].append(launch)
     if layer is not None: layers[key].append(layer)
   dev = Device[Device.DEFAULT]
-  sweep, sweep_jit = _sweep(min(step_bytes, 256 << 20))
-  sweep_launches = _launches(sweep_jit)
-  for c in sweep * 2: c()  # warm
-  dev.synchronize()
-  sweep_s = _timed(dev, [], sweep, 8) / 8  # the sweep's device time (its launches are far shorter than its run)
+  if in_order:
+    each = _in_order(found, var_vals, rounds)
+    timed = {key: (statistics.fmean(each[id(launch)] for launch in ls), "in order, device timer")
+             for key, ls in groups.items()}
+  else:
+    sweep, sweep_jit = _sweep(min(step_bytes, 256 << 20))
+    sweep_launches = _launches(sweep_jit)
+    for c in sweep * 2: c()  # warm
+    dev.synchronize()
+    sweep_s = _timed(dev, [], sweep, 8) / 8  # the sweep's device time (its launches are far shorter than its run)
+    timed = {key: _time_launches(dev, ls, var_vals, sweep, sweep_launches, sweep_s, launches, rounds)
+             for key, ls in groups.items()}
   rows = []
   for (name, stage), ls in groups.items():
-    per_launch, timing = _time_launches(dev, ls, var_vals, sweep, sweep_launches, sweep_s, launches, rounds)
+    per_launch, timing = timed[(name, stage)]
     sink = ls[0][0].src[0]
     est = sink.arg.estimates if sink.op is Ops.SINK and sink.arg is not None else None
     mem = float(sym_infer(est.mem, {**var_vals, **ls[0][3]})) if est is not None else None
@@ -250,6 +261,15 @@ def kernel_profile(jit, var_vals: dict[str, int], bandwidth_gbs: float | None = 
     r |= {"rank": i + 1, "share": r["us_per_token"] / total,
           "bandwidth_share": r["gb_s"] / bandwidth_gbs if r["gb_s"] and bandwidth_gbs else None}
   return rows
+
+
+def _in_order(launches: list[tuple], var_vals: dict[str, int], rounds: int) -> dict[int, float]:
+  """µs of each launch (by id), the median over `rounds` runs of all of them in their order, each waited for and timed
+  by the device (a first run warms, untimed)."""
+  calls = _calls(launches, var_vals)
+  for c in calls: c()
+  times = [[c(wait=True) for c in calls] for _ in range(rounds)]
+  return {id(launch): statistics.median(t[i] for t in times) * 1e6 for i, launch in enumerate(launches)}
 
 
 def _time_launches(dev, ls: list[tuple], var_vals: dict[str, int], sweep: list, sweep_launches: list, sweep_s: float,

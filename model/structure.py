@@ -254,7 +254,8 @@ class StructureConfig:
                             "its weights once for all its tokens (per token, a token reads its experts on its own and "
                             "a larger chunk only pads a short prompt more)", needs=(_grouped,))
   prefill_dense: str = knob("per_token", ("per_token", "batched"),
-                            "the prompt's attention products over a chunk (q_a, q_b, kv_a, the output projection): "
+                            "the prompt's attention products over a chunk (q_a, q_b, kv_a, the output projection, and "
+                            "per head k_b's absorption and v_b): "
                             "per_token, the weight's backend's products as in decode; or batched, one product for the "
                             "chunk's tokens as grouped prefill's dense FFN (prefill_weights' form and prefill_dtype)",
                             needs=(_grouped,))

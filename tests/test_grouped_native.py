@@ -13,6 +13,7 @@ from tinygrad import Tensor, dtypes
 import model.prefill as prefill
 from evaluator.gate import rel_err
 from model.backends import cuda_prefill, native
+from model.backends import registry as K
 from model.deepseek2 import Transformer
 from model.gguf_file import GGUFFile
 from model.stages import Glu
@@ -20,7 +21,7 @@ from model.structure import ConfigError, StructureConfig
 from space.knobs import knobs
 
 
-@pytest.mark.parametrize("quant, out, inp, tile", [("Q4_0", 80, 256, 16), ("Q8_0", 64, 192, 64), ("Q4_K", 72, 256, 32),
+@pytest.mark.parametrize("quant, out, inp, tile", [("Q4_0", 80, 256, 16), ("Q8_0", 64, 96, 64), ("Q4_K", 72, 256, 32),
                                                    ("Q5_K", 64, 256, 16), ("Q6_K", 64, 512, 16),
                                                    ("F16", 64, 64, 16), ("F32", 64, 128, 16)])
 def test_grouped_product_matches_the_dequantised_weights(quant: str, out: int, inp: int, tile: int) -> None:
@@ -42,13 +43,16 @@ def test_grouped_product_matches_the_dequantised_weights(quant: str, out: int, i
 
 
 def test_stage_k_follows_the_units_span() -> None:
-  """A stage holds whole units: 128 inputs where the row holds whole stages, 64 else (DeepSeek-V2-Lite's dense FFN
-  rows, 10944); Q6_K's units spread over 128 of a row, so a 64-input stage cannot hold one."""
+  """A stage holds whole units: 128 inputs where the row holds whole stages, else 64 (DeepSeek-V2-Lite's dense FFN
+  rows, 10944; GLM-4.7-Flash's k_b, 192), else 32; Q6_K's units spread over 128 of a row, so a 64-input stage cannot
+  hold one."""
   assert cuda_prefill.stage_k(TYPES["Q4_0"], 2048) == 128
   assert cuda_prefill.stage_k(TYPES["Q4_0"], 10944) == 64
+  assert cuda_prefill.stage_k(TYPES["Q8_0"], 96) == 32
   assert cuda_prefill.stage_k(TYPES["Q6_K"], 256) == 128
   assert cuda_prefill.span(cuda_prefill.UNITS[TYPES["Q6_K"]]) == 128
-  assert cuda_prefill.stage_k(TYPES["Q4_0"], 96) is None
+  assert cuda_prefill.stage_k(TYPES["Q6_K"], 320) is None
+  assert cuda_prefill.stage_k(TYPES["Q4_0"], 48) is None
 
 
 def test_native_prefill_matches_the_per_token_path(gguf_file, monkeypatch) -> None:
@@ -76,6 +80,26 @@ def test_native_prefill_matches_the_per_token_path(gguf_file, monkeypatch) -> No
     assert (rel_err(got, want) <= 1e-2).all(), quant
   # the routed experts' tiles of 16 and 64, the shared expert's and the dense FFN's rows in tiles of 16
   assert {k.split("_t")[-1].split("x")[0] for k in kernels if k.startswith("native_grouped")} == {"16", "32", "64"}
+
+
+def test_per_head_products_over_the_chunk(gguf_file, monkeypatch) -> None:
+  """prefill_dense=batched's per-head products (k_b's absorption, v_b) of a chunk of 20 tokens: native's tiles with the
+  heads as experts (prefill_weights=quantised, a partial tile, CUDA emulator) and the dequantised batched matmul, each
+  against the weight's own per-token product."""
+  m = Transformer(GGUFFile(gguf_file("tiny", "q4_0")), max_context=8, n_layers=1)
+  rng, blk, kernels = np.random.default_rng(0), m.blocks[0], set()
+  with native_on_cpu(monkeypatch):
+    run = native.launch
+    monkeypatch.setattr(native, "launch", lambda k, *a: kernels.add(k.name) or run(k, *a))
+    for w in (blk.k_b, blk.v_b):
+      H, _, inp = w.shape
+      x = Tensor(rng.standard_normal((1, 20, H, inp)).astype(np.float32)).realize()
+      want = K.per_head(x, w).numpy()
+      got = prefill.per_head(x, w, StructureConfig(prefill_ffn="grouped")).numpy()
+      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+      got = prefill.per_head(x, w, StructureConfig(prefill_ffn="grouped", prefill_weights="quantised")).numpy()
+      assert (rel_err(got, want) <= 1e-2).all(), w.shape
+  assert len([k for k in kernels if k.startswith(f"native_grouped_q4_0_e{H}_")]) == 2, kernels
 
 
 def test_native_prefill_is_a_config_of_its_own() -> None:

@@ -585,7 +585,7 @@ def test_q8_attention_input_in_the_cpu_emulator(gguf_file, monkeypatch, mix: str
       m = Transformer(gguf(path), c, max_context=16)
       att, backend = m.blocks[0].attention_in, registry.get(c.fused["attention"])
       start = lambda i, name=name: Variable("start_pos", 0, 15).bind(i) if name == "dsl" else i
-      runs[name] = np.stack([(backend.attention(att, x, start(i), m.decode_pos(i)) - x).numpy().reshape(-1)
+      runs[name] = np.stack([(backend.attention(att, x, start(i), m.device_pos(i, 1)) - x).numpy().reshape(-1)
                              for i, x in enumerate(xs)])
   tol = tolerance(cfg("native"), 256)[1]["attention"]
   twin, far = rel_err(runs["native"], runs["dsl"]), rel_err(runs["native"], runs["float32"])

@@ -36,10 +36,10 @@ def span(un: Unit) -> int:
 
 
 def stage_k(ggml_type: int, inp: int) -> int | None:
-  """The inputs a stage of the product walks for a weight of this type and row length: 128 where the row holds whole
-  stages of it, else 64; None where neither is a multiple of the unit's span or divides the row."""
+  """The inputs a stage of the product walks for a weight of this type and row length: the most of 128, 64 and 32 that
+  divides the row and is a multiple of the unit's span; None where none is."""
   if ggml_type not in UNITS: return None
-  return next((bk for bk in (128, 64) if inp % bk == 0 and bk % span(UNITS[ggml_type]) == 0), None)
+  return next((bk for bk in (128, 64, 32) if inp % bk == 0 and bk % span(UNITS[ggml_type]) == 0), None)
 
 
 def unit_store(w: W) -> str:

@@ -120,7 +120,8 @@ def table(spec: str, lines: list[dict[str, Any]]) -> str:
   if len(rows) != 3 or set(opts) - {"where", "sort", "first", "empty"}:
     raise ValueError(f"bad spec of {name}: it needs where/sort/first/empty lines and three table rows (header, "
                      "alignment, format)")
-  sel = [x for x in lines if all(matches(x, t) for t in shlex.split(opts.get("where", "")))]
+  terms = shlex.split(opts.get("where", ""))
+  sel = [x for x in lines if all(matches(x, t) for t in terms)]
   # stable sorts, the last key first; lines without the field go last
   for key in reversed(opts.get("sort", "").split()):
     name = key.lstrip("-")

@@ -66,7 +66,8 @@ def test_device_files_ship_and_are_used() -> None:
                                                                                        route).src,
           C.glu(routed, None, hp.n_used, hp.dim, 1e-5, route=route).src,
           C.mla_attention_heads(4, 128, 32, 64, 0.1, True, 132).src, C.mla_combine(4, 128, 64, 132).src,
-          C.mla_vb(W(128, "w_"), 4, 128, 32, 64, merged=True).src, G.grouped(Q4_0, 4, 64, 128, 16, 2).src]
+          C.mla_vb(W(128, "w_"), 4, 128, 32, 64, merged=True).src, G.grouped(Q4_0, 4, 64, 128, 16, 2).src,
+          *(k.src for k in G.mla_prefill(4, 128, 64, 256, 0.1, True, 4))]
   for f in files:
     first = C.device_file(f).splitlines()[0]
     assert any(first in s for s in srcs), f

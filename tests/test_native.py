@@ -25,7 +25,7 @@ from tinygrad.device import CompileError
 from tinygrad.uop.ops import Ops
 
 from evaluator.gate import rel_err, tolerance
-from model.backends import catalog, cuda_graph, cuda_src, native, registry
+from model.backends import catalog, cuda_graph, cuda_prefill, cuda_src, native, registry
 from model.deepseek2 import Transformer
 from model.generate import Generator, jit_kernels
 from model.gguf_file import GGUFFile
@@ -93,11 +93,12 @@ def kind(name: str) -> str:
 
 def test_native_sources_compile_for_ampere_and_hopper(glm_shape, gguf_file, monkeypatch) -> None:
   """Every native kernel a decode step of GLM-4.7-Flash's shape builds (Q4_0 and the Q4_K_M mix, all stages fused and
-  the per-op products), of the tiny-lite preset (direct q, softmax router, two shared experts), and the multi-token
-  products of each type, compiles with NVIDIA's runtime compiler as tinygrad compiles it on the GPU: every distinct
-  source for sm_90, and one of each kind (role and variant) for sm_80 and in the step timeline's build (STAMP), which
-  differ from sm_90 only in the preprocessor branches of the helpers (cuda/common.cuh). Two threads compile at once
-  (NVRTC compiles separate programs concurrently); this runs on any Linux machine."""
+  the per-op products), of the tiny-lite preset (direct q, softmax router, two shared experts), the multi-token
+  products of each type and the prompt's kernels, compiles with NVIDIA's runtime compiler as tinygrad compiles it on
+  the GPU: every distinct source for sm_90, and one of each kind (role and variant) for sm_80 and in the step
+  timeline's build (STAMP), which differ from sm_90 only in the preprocessor branches of the helpers
+  (cuda/common.cuh). Two threads compile at once (NVRTC compiles separate programs concurrently); this runs on any
+  Linux machine."""
   hopper, ampere = (nvrtc(arch) for arch in ("sm_90", "sm_80"))
   kernels = [k
              for path,
@@ -114,8 +115,13 @@ def test_native_sources_compile_for_ampere_and_hopper(glm_shape, gguf_file, monk
   kernels += [cuda_src.product(role, t, shape, **dims) for t in cuda_src.UNITS
               for role, shape, dims in (("dense", (1536, 2048), {"tn": 8, "n": 13}),
                                         ("per_head", (20, 512, 256), {"tn": 8, "n": 11, "heads": 20}))]
+  # the prompt's: products of three stage widths and tiles, the attention and its merge
+  kernels += [cuda_prefill.grouped(TYPES[t], 4, 64, inp, tile, 3) for t, inp, tile in (("Q4_K", 256, 64),
+                                                                                      ("Q6_K", 256, 16),
+                                                                                      ("Q8_0", 96, 32))]
+  kernels += cuda_prefill.mla_prefill(20, 512, 64, 2048, 0.1, True, 8)
   names = {k.name.split("_")[1] for k in kernels}
-  assert {"dense", "per", "expert", "mla", "router", "glu", "down", "rows"} <= names, names
+  assert {"dense", "per", "expert", "mla", "router", "glu", "down", "rows", "grouped"} <= names, names
   sources = {k.src: k for k in kernels}.values()  # each source once: the configs share most of their kernels
   for k in sources: assert re.search(rf"void __launch_bounds__\({k.threads}(, \d+)?\) {k.name}\(", k.src), k.name
   kinds = {kind(k.name): k for k in sources}.values()

@@ -3,7 +3,8 @@ activations by quantised weights on the tensor cores, each tile of rows by its o
 (cuda/grouped_mma.cu); the weight is read quantised, a stage of BN rows by BK inputs at a time, and dequantised into
 shared memory as float16 by the unit decoders the decode kernels use (cuda_src.UNITS), so no dequantised copy of any
 matrix is ever written to memory. Its attention (StructureConfig.prefill_attention = all_heads): decode's all-heads
-kernels (cuda/mla_heads.cu, cuda/mla_combine.cu) with a token a grid row, each token at its own position (causal)."""
+kernel (cuda/mla_heads.cu) with a token a grid row, each token at its own position (causal), and a merge of each
+token's splits (cuda/mla_prefill_merge.cu)."""
 from __future__ import annotations
 
 import functools
@@ -12,8 +13,6 @@ from model.backends.cuda_src import (
   AH_LEAST,
   AH_THREADS,
   AH_TILE,
-  ATT_MERGE,
-  COMBINE_COLS,
   UNITS,
   Kernel,
   Unit,
@@ -72,6 +71,7 @@ def grouped(ggml_type: int, experts: int, out: int, inp: int, tile: int, tiles: 
   return Kernel(name, src, (tiles, -(-out // BN), 1), (0,), THREADS)
 
 
+MERGE_THREADS = 128  # a block of the prompt attention's merge (a token's head): 4 of kv_lora's columns a thread
 PREFILL_SPLIT = 1024  # the positions a split of the prompt's attention holds at most (a token's splits: its partials)
 
 
@@ -86,7 +86,7 @@ def mla_prefill(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, cac
                 tokens: int) -> tuple[Kernel, Kernel]:
   """The absorbed attention of a chunk of `tokens` tokens at positions early_pos[0].. over the compressed cache, each
   token's heads over the positions up to its own: (the all-heads kernel, grid splits x tokens, writing part (tokens,
-  heads, splits, kvl + 2); the merge of each token's splits, grid heads x column blocks x tokens, writing o (tokens,
+  heads, splits, kvl + 2); the merge of each token's splits, grid heads x tokens, writing o (tokens,
   heads, kvl))."""
   S = prefill_splits(max_ctx)
   tag = f"h{heads}_{kvl}_{rope}_c{max_ctx}_s{S}_t{tokens}{'' if cache_half else '_f32'}"
@@ -97,7 +97,7 @@ def mla_prefill(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, cac
                        THREADS=AH_THREADS, TP=AH_TILE, LEAST=AH_LEAST, TOKENS=tokens)
   merge = device_kernel(f"native_mla_prefill_merge_{tag}", ["float* o", "const float* __restrict__ part",
                                                              "const int* __restrict__ early_pos"],
-                        "mla_combine.cu", threads=AH_THREADS, KVL=kvl, SPLITS=S, TP=AH_TILE, THREADS=AH_THREADS,
-                        CC=COMBINE_COLS, MERGE=ATT_MERGE, LEAST=AH_LEAST, TOKENS=tokens)
+                        "mla_prefill_merge.cu", threads=MERGE_THREADS, HEADS=heads, KVL=kvl, SPLITS=S, TP=AH_TILE,
+                        LEAST=AH_LEAST, THREADS=MERGE_THREADS)
   return (Kernel(f"native_mla_prefill_{tag}", attn, (S, tokens, 1), (0,), AH_THREADS),
-          Kernel(f"native_mla_prefill_merge_{tag}", merge, (heads, kvl // COMBINE_COLS, tokens), (0,), AH_THREADS))
+          Kernel(f"native_mla_prefill_merge_{tag}", merge, (heads, tokens, 1), (0,), MERGE_THREADS))

@@ -3,16 +3,10 @@
 // outputs), mla_heads.cu), weighted as one softmax over all positions, for mla_vb (mla_load.cuh). The block's warps
 // take every (THREADS / CC)-th split, a lane a column, MERGE splits at a time read together through L2 (`__ldcg`: the
 // kernel before wrote them), then merge their sums in shared memory.
-// The kernel's body (cuda_src writes its signature: o, part, early_pos). Defines: KVL, SPLITS, TP, THREADS, CC, MERGE;
-// TOKENS for a prompt's chunk of that many tokens at positions early_pos[0].. (grid: heads x column blocks x tokens).
+// The kernel's body (cuda_src writes its signature: o, part, early_pos). Defines: KVL, SPLITS, TP, THREADS, CC, MERGE.
 #define SG (THREADS / CC)  // the block's groups of splits
   STAMP_ENTER();
-#ifdef TOKENS  // the prompt's chunk (cuda_prefill.mla_prefill): a token a grid layer, its partials, output and position
-  part += (size_t)blockIdx.z * gridDim.x * SPLITS * (KVL + 2); o += (size_t)blockIdx.z * gridDim.x * KVL;
-  const int h = blockIdx.x, sg = threadIdx.x / CC, c = blockIdx.y * CC + threadIdx.x % CC, n = early_pos[0] + 1 + blockIdx.z;
-#else
   const int h = blockIdx.x, sg = threadIdx.x / CC, c = blockIdx.y * CC + threadIdx.x % CC, n = early_pos[0] + 1;
-#endif
 #include "heads_split.cuh"
   const int active = (n + ch - 1) / ch;
   GRID_WAIT(); STAMP_WAIT();

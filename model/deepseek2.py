@@ -520,10 +520,14 @@ class Transformer:
               forced: list[Tensor] | None = None, at: Tensor | None = None) -> Tensor:
     """tokens (1, T) at positions start_pos.. -> float32 logits: (1, T, vocab), or for one token alone (1, 1, vocab):
     the last, or the one at index `at` (1,) (a padded prefill chunk's last real token). forced: per MoE block, the
-    expert ids (1, T, K) it uses instead of its own (the correctness check's prefill)."""
+    expert ids (1, T, K) it uses instead of its own (the correctness check's prefill, which realizes each block's output
+    before the next block: a routing that does not come from the activations would let tinygrad schedule every block's
+    weight copies at the start, all of them alive at once)."""
     (_, T), pos, x = tokens.shape, self.device_pos(start_pos, tokens.shape[1]), self.embed(tokens)
     ids = iter(forced or ())
-    for b in self.blocks: x = b(x, start_pos, pos, self.act, Check(next(ids)) if b.moe and forced else None)
+    for b in self.blocks:
+      x = b(x, start_pos, pos, self.act, Check(next(ids)) if b.moe and forced else None)
+      if forced: x = x.realize()
     if all_logits: return self.head(x)
     return self.head(x[:, -1:] if at is None else (Tensor.arange(T) == at).reshape(1, T, 1).where(x, 0).sum(1, True))
 

@@ -145,7 +145,8 @@ def trial_lines(r: TrialResult, device: str, model_name: str, quant: str, config
 def profile_fields(p: dict[str, Any], bw: float | None) -> dict[str, Any]:
   """A `profile` line's fields from one kernel's row of a per-kernel profile (model/profile.py); bw: the device's
   measured GB/s."""
-  return {"rank": p["rank"], "name": p["name"], "count": p["count"], "us_per_token": _round(p["us_per_token"], 2),
+  return {"rank": p["rank"], "name": p["name"], "stage": p.get("stage") or None, "in_layers": p.get("layers") or None,
+          "count": p["count"], "us_per_token": _round(p["us_per_token"], 2),
           "us_per_launch": _round(p.get("us_per_launch"), 2), "share": _round(p["share"], 4), "timing": p.get("timing"),
           "gb_s": _round(p["gb_s"], 2), "bandwidth_share": _round(p["gb_s"] / bw, 4) if p["gb_s"] is not None and bw
           else None}

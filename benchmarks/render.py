@@ -23,7 +23,7 @@ field? for present);
 fields. The header and alignment rows are copied, the last row is formatted for each line (Python format fields); a cell
 whose fields a line lacks (or holds null) is left empty. Besides a line's own fields: mb_per_token, X_gb and X_mb for
 each X_bytes, rank (the position in the table), vs_baseline (tok_s over that of the table's first `config` "baseline"
-line) and vs_llama (tok_s over llama_cpp_tok_s).
+line), vs_llama (tok_s over llama_cpp_tok_s) and vs_llama_prefill (prefill_tok_s over llama_cpp_prefill_tok_s).
 """
 from __future__ import annotations
 
@@ -58,6 +58,8 @@ REQUIRED = {
   "timeline": ("layers", "config", "config_hash", "beam", "rank", "name", "count", "us_per_token", "handoff_us",
                "work_us", "share", "span_us", "plain_us"),
   "prefill": ("layers", "config", "prompt", "prefill_tok_s", "ttft_s"),
+  "prefill_profile": ("layers", "config", "config_hash", "beam", "prompt", "rank", "name", "count", "us_per_token",
+                      "share", "prefill_chunk", "prefill_at"),
   "study": ("layers", "study", "n", "mean_trial_s", "setup_s", "search_share", "projected_n", "projected_s"),
   "confirmation": ("layers", "config", "config_hash", "study", "trial", "pairs", "tok_s", "baseline_tok_s", "speedup",
                    "speedup_low", "speedup_high", "status"),
@@ -99,6 +101,8 @@ def derived(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if x.get("tok_s") is not None:
       if base: d["vs_baseline"] = x["tok_s"] / base
       if x.get("llama_cpp_tok_s"): d["vs_llama"] = x["tok_s"] / x["llama_cpp_tok_s"]
+    if x.get("prefill_tok_s") is not None and x.get("llama_cpp_prefill_tok_s"):
+      d["vs_llama_prefill"] = x["prefill_tok_s"] / x["llama_cpp_prefill_tok_s"]
     out.append(d)
   return out
 

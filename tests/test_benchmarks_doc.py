@@ -44,6 +44,13 @@ def test_table_selects_orders_and_formats(opts, want):
   assert render.table(f"{opts}\n{ROWS}", LINES).splitlines() == ROWS.splitlines()[:2] + want
 
 
+def test_prefill_lines_compare_with_llama_cpp_s_prompt():
+  lines = [{"kind": "prefill", "config": "ours", "prefill_tok_s": 1500.0, "llama_cpp_prefill_tok_s": 6000.0},
+           {"kind": "prefill", "config": "llama.cpp", "prefill_tok_s": 6000.0}]
+  spec = "where: kind=prefill\n| config | vs |\n|---|---:|\n| {config} | {vs_llama_prefill:.2f}x |\n"
+  assert render.table(spec, lines).splitlines()[2:] == ["| ours | 0.25x |", "| llama.cpp |  |"]
+
+
 def test_a_table_that_selects_nothing_is_an_error_unless_it_says_what_to_print():
   with pytest.raises(ValueError, match="selects no line"): render.table(f"where: kind=gate\n{ROWS}", LINES)
   assert render.table(f"where: kind=gate\nempty: *none yet*\n{ROWS}", LINES) == "*none yet*\n"

@@ -217,8 +217,8 @@ def test_a_scale_off_by_one_block_fails(deep, cfg: str) -> None:
 def test_a_dropped_residual_at_one_position_fails(deep, ref, monkeypatch) -> None:
   m, p = _marked(deep, 15), ref.prompt_len + 5
   right = Block.attention
-  def attention(self, xn, start_pos):
-    return right(self, xn, start_pos) - ((_pos(start_pos) == p) & self.marker).reshape(1, 1, 1).where(self._x, 0)
+  def attention(self, xn, start_pos, pos):
+    return right(self, xn, start_pos, pos) - ((_pos(start_pos) == p) & self.marker).reshape(1, 1, 1).where(self._x, 0)
   call = Block.__call__
   def keep_x(self, x, *a, **kw):
     self._x = x

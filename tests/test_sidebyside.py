@@ -81,6 +81,8 @@ def test_every_figure_is_a_results_line(out):
   profile = [x for x in lines if x["kind"] == "profile"]
   assert profile and {x["config"] for x in profile} == {"sorted"} and [x["rank"] for x in profile] == list(range(1, len(
     profile) + 1))
+  # each kernel's stage and the blocks it runs in (profile.places)
+  assert {"attention", "moe"} <= {x["stage"] for x in profile} and any(x["in_layers"] == "0-2" for x in profile)
 
 
 def test_each_result_is_kept_whole(out):

@@ -116,7 +116,8 @@ def _dropped_residual(m: ModuleType) -> None:
   def keep_x(self, x, *args, **kwargs):
     self._x, running["block"] = x, self
     return call(self, x, *args, **kwargs)
-  def faulty(self, xn, start_pos): return attention(self, xn, start_pos) - self._x * self._faulty.reshape(1, 1, 1)
+  def faulty(self, xn, start_pos, pos):
+    return attention(self, xn, start_pos, pos) - self._x * self._faulty.reshape(1, 1, 1)
   def fused(stage):  # a backend's stage receives the stage's inputs, not the block: the block running it has the marker
     def faulty_stage(backend, st, x, *args):  # the stage as the class holds it: a method or a static function
       got = stage.__get__(backend, type(backend))(st, x, *args)
@@ -138,9 +139,9 @@ def _split_dropped(m: ModuleType) -> None:
   """Block.attend's softmax over the cache positions (its last axis: start_pos + T of them, a symbolic length) adds
   -inf at DROPPED: each block's row of the cache's length, shrunk to the positions attended, as the cache is."""
   attend, softmax, init = m.Block.attend, m.Tensor.softmax, m.Transformer.__init__
-  def faulty(self, q_abs, q_pe, kv, start_pos):
+  def faulty(self, q_abs, q_pe, kv, start_pos, pos):
     m.Tensor.softmax = lambda x, *a, **kw: softmax(x + self._drop[:x.shape[-1]].cast(x.dtype), *a, **kw)
-    try: return attend(self, q_abs, q_pe, kv, start_pos)
+    try: return attend(self, q_abs, q_pe, kv, start_pos, pos)
     finally: m.Tensor.softmax = softmax
   def mark(self, *args, **kwargs) -> None:
     init(self, *args, **kwargs)

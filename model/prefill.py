@@ -47,13 +47,19 @@ def dequant(w: QWeight, dt: DType, idx: Tensor | None = None) -> Tensor:
   return to_float(w.view(w.shape, idx), w.ggml_type, (*idx.shape, *w.shape[1:])).cast(dt).contiguous()
 
 
+def row_tile(M: int) -> int:
+  """The tile height of native's product of M rows by one matrix (a dense weight, a head's): 64 where the rows fill
+  several tiles, else 16 (a short chunk pads less)."""
+  return 64 if M >= 256 else 16
+
+
 def linear(x: Tensor, w: QWeight, cfg: StructureConfig) -> Tensor:
   """x (..., in) @ w.T (out, in) -> (..., out) float32: one matmul for all the chunk's tokens, of w dequantised to the
   config's dtype, or native's product of the rows in tiles (prefill_weights=quantised)."""
   if cfg.prefill_weights == "quantised" and w.cache is None:
     lead, inp = x.shape[:-1], x.shape[-1]
     M = math.prod(lead)
-    tile = 64 if M >= 256 else 16
+    tile = row_tile(M)
     tiles = -(-M // tile)
     rows = x.reshape(M, inp).pad(((0, tiles * tile - M), None)).cast(dtypes.float16).reshape(tiles, tile, inp)
     return K.get("native").grouped(rows, w, None, None).reshape(tiles * tile, -1)[:M].reshape(*lead, -1)
@@ -69,7 +75,7 @@ def per_head(x: Tensor, w: QWeight, cfg: StructureConfig) -> Tensor:
   M = math.prod(lead)
   xh = x.reshape(M, H, inp).transpose(0, 1)  # (H, M, in)
   if cfg.prefill_weights == "quantised" and w.cache is None:
-    tile = 64 if M >= 256 else 16
+    tile = row_tile(M)
     per = -(-M // tile)  # a head's tiles
     rows = xh.pad((None, (0, per * tile - M), None)).cast(dtypes.float16).reshape(H * per, tile, inp)
     heads = Tensor.arange(H, dtype=dtypes.int32).reshape(H, 1).expand(H, per).reshape(H * per)

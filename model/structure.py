@@ -269,6 +269,10 @@ class StructureConfig:
                                 "cores, a token a grid row (model/backends/cuda_prefill.py)",
                                 needs=(_runtime,), allowed=("absorbed", "decompressed", "all_heads"),
                                 precision=lambda v: "fp16" if v == "all_heads" else "fp32")
+  prefill_attn_tokens: int = knob(1, (1, 2), "the tokens of a chunk whose queries one block of the all-heads prompt "
+                                  "attention holds: their heads are its rows, so each staged piece of the cache serves "
+                                  "them all (MMA rows: GLM-4.7-Flash's 20 heads fill 20 of 32, two tokens' 40 of 48)",
+                                  needs=(("prefill_attention", lambda v: v == "all_heads", "all_heads"),))
   prefill_attn_dtype: str = knob("float32", ("float32", "float16"),
                                  "the dtype the prompt's attention over a chunk multiplies in, either tinygrad form "
                                  "(float16: tensor cores where the device has them, the decompressed keys and values "

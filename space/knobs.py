@@ -112,6 +112,8 @@ def knobs(info: ModelInfo, device: str = "CPU", family: str = "all") -> list[Kno
   out = []
   for d in KNOBS.values():
     if not d.applies(info) or (d.devices is not None and kind not in d.devices): continue
+    # a knob that needs a value another knob does not offer here never applies (all_heads' settings off CUDA)
+    if any(value not in KNOBS[other].domain(device, family) for other, _, value in d.needs): continue
     conds, enable = [], ()
     # while one of its stages runs per op (or on a backend that keeps it)
     if stages := [s for s in d.stages if fusable(s)]:

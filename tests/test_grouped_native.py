@@ -123,22 +123,28 @@ def test_native_prefill_is_a_config_of_its_own() -> None:
   assert "all_heads" in on["prefill_attention"].choices
   assert "all_heads" not in {k.name: k for k in knobs(info, "CPU")}["prefill_attention"].choices
   assert not on["prefill_attn_dtype"].when({"prefill_attention": "all_heads"})
+  # the tokens a block of it holds: a setting of all_heads, and nowhere else
+  assert on["prefill_attn_tokens"].when({"prefill_attention": "all_heads"})
+  assert not on["prefill_attn_tokens"].when({"prefill_attention": "absorbed"})
+  assert "prefill_attn_tokens" not in {k.name for k in knobs(info, "CPU")}
   assert not on["kv_dtype"].when({"prefill_attention": "all_heads"})
 
 
-@pytest.mark.parametrize("half", (True, False))
-def test_prefill_attention_kernels_are_causal_per_token(half: bool) -> None:
-  """prefill_attention=all_heads's kernels (the all-heads attention with a token a grid row, then each token's splits
-  merged): 5 tokens at positions 70..74 of a 2048-position cache (2 splits, the second in use from position 1024 on:
-  none here), each token's heads over the positions up to its own; stale NaN partials of the unused split are not
-  read. Query and weights go through float16: held to 3e-3 of the output."""
-  H, kvl, rope, ctx, T, start, scale = 3, 64, 32, 2048, 5, 70, 0.11
+@pytest.mark.parametrize("half, tt, start, ctx", ((True, 1, 70, 2048), (False, 1, 70, 2048), (True, 2, 319, 5120)))
+def test_prefill_attention_kernels_are_causal_per_token(half: bool, tt: int, start: int, ctx: int) -> None:
+  """prefill_attention=all_heads's kernels (the all-heads attention with `tt` tokens a block, then each token's splits
+  merged): 5 tokens at positions start.. of a cache of ctx positions, each token's heads over the positions up to its
+  own; stale NaN partials of an unused split are not read. Two tokens a block from position 319 of 5 splits: a block's
+  splits are sized by its last token's 321 positions, 4 splits of 80, where the first token's 320 alone would make 5 of
+  64 (the merge must size them alike), and the last block holds one token. Query and weights go through float16: held
+  to 3e-3 of the output."""
+  H, kvl, rope, T, scale = 3, 64, 32, 5, 0.11
   rng = np.random.default_rng(4)
   cache = rng.standard_normal((ctx, kvl + rope)).astype(np.float16 if half else np.float32)
   qc = rng.standard_normal((T, H, kvl + rope)).astype(np.float32)
-  ka, km = cuda_prefill.mla_prefill(H, kvl, rope, ctx, scale, half, T)
+  ka, km = cuda_prefill.mla_prefill(H, kvl, rope, ctx, scale, half, T, tt)
   S = cuda_prefill.prefill_splits(ctx)
-  assert S == 2 and ka.grid == (S, T, 1)
+  assert S == ctx // 1024 and ka.grid == (S, -(-T // tt), 1)
   part, o, pos = np.full(T * H * S * (kvl + 2), np.nan, np.float32), np.zeros((T, H, kvl), np.float32), np.array(
     [start], np.int32)
   launch_kernel(ka.src, ka.name, ka.grid, (ka.threads, 1, 1), [part, qc, cache.view(np.uint16) if half else cache, pos])
@@ -166,6 +172,8 @@ def test_native_prefill_attention_in_the_model(gguf_file, monkeypatch) -> None:
   with native_on_cpu(monkeypatch):
     run = native.launch
     monkeypatch.setattr(native, "launch", lambda k, *a: kernels.add(k.name) or run(k, *a))
-    got = logits(StructureConfig(prefill_attention="all_heads"))
-  assert (rel_err(got, want) <= 1e-2).all()
+    for tt in (1, 2):
+      got = logits(StructureConfig(prefill_attention="all_heads", prefill_attn_tokens=tt))
+      assert (rel_err(got, want) <= 1e-2).all(), tt
   assert {k.split("_h")[0] for k in kernels} == {"native_mla_prefill", "native_mla_prefill_merge"}
+  assert {k.endswith(("_t8x2", "_t4x2")) for k in kernels} == {True, False}, kernels

@@ -110,10 +110,12 @@ class Backend(abc.ABC):
     (N, tile, out) float32; the tiles from used (1,) int32 on (None: none) are zeros."""
     raise self._lacks("grouped")
 
-  def prefill_attention(self, qc: Tensor, cache: Tensor, start: Tensor, kvl: int, scale: float) -> Tensor:
+  def prefill_attention(self, qc: Tensor, cache: Tensor, start: Tensor, kvl: int, scale: float,
+                        tokens: int = 1) -> Tensor:
     """The prompt's causal attention in the absorbed form (model/deepseek2.py, prefill_attention=all_heads): the chunk's
     queries qc (T, H, kvl + rope), absorbed and rotated, over the compressed cache (1, positions, kvl + rope) that holds
-    the chunk's own rows, token t at position start[0] + t -> (T, H, kvl) float32, before v_b."""
+    the chunk's own rows, token t at position start[0] + t -> (T, H, kvl) float32, before v_b. tokens: how many tokens'
+    queries read each staged piece of the cache together (StructureConfig.prefill_attn_tokens)."""
     raise self._lacks("prefill_attention")
 
   def _lacks(self, method: str) -> ConfigError: return ConfigError(f"backend {self.name} has no {method} stage")

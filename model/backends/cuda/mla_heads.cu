@@ -8,9 +8,16 @@
 // mla_combine; blocks past the last position return at once.
 // The kernel's body (cuda_src writes its signature: part, qc, cache, early_pos). Defines: HEADS, KVL, ROPE, SPLITS,
 // SCALE (a float literal), CACHE_HALF (0 or 1), THREADS, TP (16); TOKENS for a prompt's chunk of that many tokens at
-// positions early_pos[0].. (grid: splits x tokens).
+// positions early_pos[0].., TT of them a block (grid: splits x groups of TT tokens): the block's rows are its tokens'
+// heads, each token's rows scoring the positions up to its own, so the staged cache serves TT tokens at once (a row
+// of an earlier token may hold no position of a split past its own: NaN there, in its row alone, which no merge reads).
+#ifdef TOKENS
+#define ROWS (HEADS * TT)  // the block's rows of queries: its tokens' heads, token by token
+#else
+#define ROWS HEADS
+#endif
 #define D (KVL + ROPE)  // a cache row
-#define HP ((HEADS + 15) / 16 * 16)  // the heads padded to the product's 16 rows
+#define HP ((ROWS + 15) / 16 * 16)  // the rows padded to the product's 16
 #define MT (HP / 16)  // the heads' row tiles
 #define NW (THREADS / 32)  // warps
 #define KG (NW / MT)  // the warps of a row tile in S = Q . C^T, each over its share of the k-steps
@@ -22,11 +29,18 @@
 #define LOADS ((TP * D / 8 + THREADS - 1) / THREADS)  // a thread's 16-byte pieces of a staged tile
   STAMP_ENTER();
   const int sp = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-#ifdef TOKENS  // the prompt's chunk (cuda_prefill.mla_prefill): a token a grid row, its query, partials and position
-  qc += (size_t)blockIdx.y * HEADS * D; part += (size_t)blockIdx.y * HEADS * SPLITS * (KVL + 2);
-  const int n = early_pos[0] + 1 + blockIdx.y;
+#ifdef TOKENS  // the prompt's chunk (cuda_prefill.mla_prefill): TT tokens a grid row, their queries and partials
+  qc += (size_t)blockIdx.y * ROWS * D; part += (size_t)blockIdx.y * ROWS * SPLITS * (KVL + 2);
+  // the positions its first token attends (its last token's: n, which sizes the splits) and the rows it holds
+  const int n0 = early_pos[0] + 1 + blockIdx.y * TT, rows = min(TT, TOKENS - (int)blockIdx.y * TT) * HEADS;
+  const int n = n0 + rows / HEADS - 1;
 #else
-  const int n = early_pos[0] + 1;
+  const int n = early_pos[0] + 1, rows = HEADS;
+#endif
+#ifdef TOKENS
+#define ROW_END(r) min(j1, n0 + (r) / HEADS)  // past the positions row r's token attends (causal)
+#else
+#define ROW_END(r) j1
 #endif
 #include "heads_split.cuh"
   const int j0 = sp * ch, j1 = min(n, j0 + ch);
@@ -40,7 +54,7 @@
   unsigned qa[KMAX][4];  // the warp's fragments of the absorbed query (and the rotated q_pe) in float16
   for (int i = 0; i < KMAX; i++) for (int r = 0; r < 4; r++) {
     const int h = mt * 16 + g + 8 * (r & 1), c = (ks0 + i) * 16 + 2 * t + 8 * (r >> 1);
-    const bool ok = kg < KG && ks0 + i < ks1 && h < HEADS;
+    const bool ok = kg < KG && ks0 + i < ks1 && h < rows;
     qa[i][r] = ok ? pack_h2(qc[(size_t)h * D + c], qc[(size_t)h * D + c + 1]) : 0u;
   }
   float o[MT][NT][4];
@@ -96,7 +110,7 @@
       float v[2], mx = -INFINITY;
       for (int e = 0; e < 2; e++) {
         float a = 0.f; for (int q = 0; q < KG; q++) a += ss[q][h][c + e];
-        v[e] = j + c + e < j1 ? a * SCALE : -INFINITY; mx = fmaxf(mx, v[e]);
+        v[e] = j + c + e < ROW_END(h) ? a * SCALE : -INFINITY; mx = fmaxf(mx, v[e]);
       }
       for (int m = 4; m > 0; m >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, m));
       const float mo = srow[0][h], mn = fmaxf(mo, mx);
@@ -132,8 +146,8 @@
   for (int j = j0; j < j1; j += 2 * TP) { tile(nx0, j); if (j + TP < j1) tile(nx1, j + TP); }
   for (int m = 0; m < MT; m++) for (int c = 0; c < NT; c++) {
     const int h = m * 16 + g, col = (warp * NT + c) * 8 + 2 * t;
-    if (h < HEADS) { float* p = part + ((size_t)h * SPLITS + sp) * (KVL + 2) + 2 + col; p[0] = o[m][c][0]; p[1] = o[m][c][1]; }
-    if (h + 8 < HEADS) { float* p = part + ((size_t)(h + 8) * SPLITS + sp) * (KVL + 2) + 2 + col;
+    if (h < rows) { float* p = part + ((size_t)h * SPLITS + sp) * (KVL + 2) + 2 + col; p[0] = o[m][c][0]; p[1] = o[m][c][1]; }
+    if (h + 8 < rows) { float* p = part + ((size_t)(h + 8) * SPLITS + sp) * (KVL + 2) + 2 + col;
                          p[0] = o[m][c][2]; p[1] = o[m][c][3]; }
   }
-  if (tid < HEADS) { float* p = part + ((size_t)tid * SPLITS + sp) * (KVL + 2); p[0] = srow[0][tid]; p[1] = srow[1][tid]; }
+  if (tid < rows) { float* p = part + ((size_t)tid * SPLITS + sp) * (KVL + 2); p[0] = srow[0][tid]; p[1] = srow[1][tid]; }

@@ -4,12 +4,13 @@
 // early_pos[0] + t. A block holds a token's head, a thread KVL / THREADS of its columns, and walks the splits in order
 // (a token's splits are few: its context over 1,024 positions a split).
 // The kernel's body (cuda_prefill writes its signature: o, part, early_pos). Defines: HEADS, KVL, SPLITS, TP, LEAST,
-// THREADS.
+// THREADS, TOKENS, TT (the tokens a block of the attention held: the last of them sized its splits).
 #define NC ((KVL + THREADS - 1) / THREADS)  // the columns a thread merges
   STAMP_ENTER();
-  const int h = blockIdx.x, tok = blockIdx.y, n = early_pos[0] + 1 + tok;
+  const int h = blockIdx.x, tok = blockIdx.y, own = early_pos[0] + 1 + tok;  // the positions the token attends
+  const int n = early_pos[0] + min(tok / TT * TT + TT, TOKENS);  // those of its attention block's last token
 #include "heads_split.cuh"
-  const int active = (n + ch - 1) / ch;
+  const int active = (own + ch - 1) / ch;
   GRID_WAIT(); STAMP_WAIT();
   const float* ph = part + ((size_t)tok * HEADS + h) * SPLITS * (KVL + 2);
   float mx = -INFINITY, lt = 0.f, a[NC];

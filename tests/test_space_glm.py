@@ -5,8 +5,9 @@ single-knob change of the space, the barriers in two joint configs (joint_barrie
 Q6_K and Q8_0 weights) and F16 the backend knobs, the knobs whose code depends on the weights' type (the structural
 knobs build the same graph around any product; fp16_cache's products are the same float matmuls over a matrix
 dequantized by the baseline's own code, so Q4_0 proves them). The mixes run from tests/test_space_glm_mixes.py, so that
-a parallel run can give them a worker of their own; F16's in `make test-slow` (its file is 2.7 GB; tests/test_dsl.py
-decodes the tiny F16 file on dsl).
+a parallel run can give them a worker of their own; F16's and Q8_0's in `make test-slow` (F16's file is 2.7 GB, and
+tests/test_dsl.py decodes the tiny F16 file on dsl; Q4_K_M's mix holds Q8_0 weights at these widths, and
+tests/test_dsl.py proves the Q8_0 products on their own).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from space.knobs import ModelInfo, single_knob_changes
 TOKENS = tuple((7919 * i + 17) % 1000 for i in range(8))
 INFO = {mix: mix_info(mix, "glm") for mix in ("q4_0", "q8_0", "q4_k_m", "f16")}
 MIXES = ("q4_0",)
-SLOW = ("f16",)
+SLOW = ("f16", "q8_0")
 
 
 def cases(mixes: tuple[str, ...]) -> list[tuple[str, str, object]]:

@@ -30,7 +30,8 @@ test: lint  # a crashed worker ends the run with its test named (xdist's file sc
 
 # depth beyond make test, each covered there at a smaller size: the full-width GLM-4.7-Flash and DeepSeek-V2-Lite 2-layer
 # files against llama.cpp (about 15 CPU minutes, 10 GB), the GLM-width F16 and Q8_0 knob proofs (F16: a 2.7 GB file;
-# Q8_0's weights are in the Q4_K_M proof too), the K-quants' portable kernels rendered for every target, Q8_0 and Q6_K in
-# the Metal emulator
+# Q8_0's weights are in the Q4_K_M proof too), the tiny Q4_K_M file decoded with every type on dsl at once (each type's
+# dsl backend is proved alone), the K-quants' portable kernels rendered for every target, Q8_0 and Q6_K in the Metal
+# emulator
 test-slow: setup
 	$(BIN)/pytest -q -m slow

@@ -28,15 +28,21 @@ print(json.dumps(out))
 """
 
 
-def test_depths_and_prompts_beside_llama_cpp(tmp_path):
+def sidebyside(tmp_path, **env: str) -> subprocess.CompletedProcess:
+  """benchmarks/sidebyside.sh on the tiny model's baseline on the CPU, beside the llama-bench stand-in, with `env`."""
   (bench := tmp_path / "llama-bench").write_text(STAND_IN)
   bench.chmod(bench.stat().st_mode | stat.S_IEXEC)
   env = os.environ | {"MODELS": "tiny", "DEVICE": "CPU", "CONFIGS": "baseline", "N": "4", "ROUNDS": "1",
                       "WORK": str(tmp_path), "OUT": str(tmp_path / "out"), "LLAMA_BENCH": str(bench),
-                      "PYTHON": sys.executable, "DEPTHS": "96", "PROMPTS": "40"}
+                      "PYTHON": sys.executable} | env
   r = subprocess.run(["bash", "benchmarks/sidebyside.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                      timeout=900)
   assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+  return r
+
+
+def test_depths_and_prompts_beside_llama_cpp(tmp_path):
+  sidebyside(tmp_path, DEPTHS="96", PROMPTS="40")
   lines = render.load(tmp_path / "out" / "results.jsonl")
   assert {i: m for i, x in enumerate(lines) if (m := render.missing(x))} == {}
   llama = [(x["kind"], x.get("context"), x.get("prompt")) for x in lines if x["config"] == "llama.cpp"]
@@ -61,14 +67,7 @@ def llama_cmd(lines) -> str: return next(x["command"] for x in lines if x["kind"
 def test_workloads_picks_each_configs_runs(tmp_path):
   """WORKLOADS names the runs of each config: a prompt alone runs only its prefill (no decode after a 32-token prompt),
   and with no default run the default workload's references are not made (each trial makes its own at its depth)."""
-  (bench := tmp_path / "llama-bench").write_text(STAND_IN)
-  bench.chmod(bench.stat().st_mode | stat.S_IEXEC)
-  env = os.environ | {"MODELS": "tiny", "DEVICE": "CPU", "CONFIGS": "baseline", "N": "4", "ROUNDS": "1",
-                      "WORK": str(tmp_path), "OUT": str(tmp_path / "out"), "LLAMA_BENCH": str(bench),
-                      "PYTHON": sys.executable, "PROMPTS": "40", "WORKLOADS": "p40"}
-  r = subprocess.run(["bash", "benchmarks/sidebyside.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
-                     timeout=900)
-  assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+  r = sidebyside(tmp_path, PROMPTS="40", WORKLOADS="p40")
   assert "references for" not in r.stdout
   lines = render.load(tmp_path / "out" / "results.jsonl")
   runs = [(x["kind"], x["context"]) for x in lines if x["kind"] in ("decode", "trial")]

@@ -47,10 +47,16 @@ def dequant(w: QWeight, dt: DType, idx: Tensor | None = None) -> Tensor:
   return to_float(w.view(w.shape, idx), w.ggml_type, (*idx.shape, *w.shape[1:])).cast(dt).contiguous()
 
 
-def row_tile(M: int) -> int:
-  """The tile height of native's product of M rows by one matrix (a dense weight, a head's): 64 where the rows fill
-  several tiles, else 16 (a short chunk pads less)."""
-  return 64 if M >= 256 else 16
+def _in_tiles(xs: Tensor, w: QWeight) -> Tensor:
+  """Native's product in tiles of G groups of M rows, xs (G, M, in), group g's rows by w's matrix g (w (G, out, in)),
+  or by w itself (w (out, in), G = 1) -> (G, M, out) float32. Tiles of 64 rows where the rows fill several, else 16
+  (a short chunk pads less)."""
+  G, M, inp = xs.shape
+  tile = 64 if M >= 256 else 16
+  per = -(-M // tile)  # a group's tiles
+  rows = xs.pad((None, (0, per * tile - M), None)).cast(dtypes.float16).reshape(G * per, tile, inp)
+  groups = None if G == 1 else Tensor.arange(G, dtype=dtypes.int32).reshape(G, 1).expand(G, per).reshape(G * per)
+  return K.get("native").grouped(rows, w, groups, None).reshape(G, per * tile, -1)[:, :M]
 
 
 def linear(x: Tensor, w: QWeight, cfg: StructureConfig) -> Tensor:
@@ -58,11 +64,7 @@ def linear(x: Tensor, w: QWeight, cfg: StructureConfig) -> Tensor:
   config's dtype, or native's product of the rows in tiles (prefill_weights=quantised)."""
   if cfg.prefill_weights == "quantised" and w.cache is None:
     lead, inp = x.shape[:-1], x.shape[-1]
-    M = math.prod(lead)
-    tile = row_tile(M)
-    tiles = -(-M // tile)
-    rows = x.reshape(M, inp).pad(((0, tiles * tile - M), None)).cast(dtypes.float16).reshape(tiles, tile, inp)
-    return K.get("native").grouped(rows, w, None, None).reshape(tiles * tile, -1)[:M].reshape(*lead, -1)
+    return _in_tiles(x.reshape(1, math.prod(lead), inp), w)[0].reshape(*lead, -1)
   dt = dtype(cfg)
   return x.cast(dt).matmul(dequant(w, dt).T, dtype=dtypes.float32)
 
@@ -72,14 +74,8 @@ def per_head(x: Tensor, w: QWeight, cfg: StructureConfig) -> Tensor:
   dequantised to the config's dtype for one batched matmul, or native's product in tiles with the heads as experts
   (prefill_weights=quantised)."""
   lead, (H, out, inp) = x.shape[:-2], w.shape
-  M = math.prod(lead)
-  xh = x.reshape(M, H, inp).transpose(0, 1)  # (H, M, in)
-  if cfg.prefill_weights == "quantised" and w.cache is None:
-    tile = row_tile(M)
-    per = -(-M // tile)  # a head's tiles
-    rows = xh.pad((None, (0, per * tile - M), None)).cast(dtypes.float16).reshape(H * per, tile, inp)
-    heads = Tensor.arange(H, dtype=dtypes.int32).reshape(H, 1).expand(H, per).reshape(H * per)
-    y = K.get("native").grouped(rows, w, heads, None).reshape(H, per * tile, out)[:, :M]
+  xh = x.reshape(math.prod(lead), H, inp).transpose(0, 1)  # (H, M, in)
+  if cfg.prefill_weights == "quantised" and w.cache is None: y = _in_tiles(xh, w)
   else:
     dt = dtype(cfg)
     y = xh.cast(dt).matmul(dequant(w, dt).transpose(-1, -2), dtype=dtypes.float32)  # (H, M, out)

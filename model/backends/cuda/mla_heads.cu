@@ -34,12 +34,9 @@
   // the positions its first token attends (its last token's: n, which sizes the splits) and the rows it holds
   const int n0 = early_pos[0] + 1 + blockIdx.y * TT, rows = min(TT, TOKENS - (int)blockIdx.y * TT) * HEADS;
   const int n = n0 + rows / HEADS - 1;
-#else
-  const int n = early_pos[0] + 1, rows = HEADS;
-#endif
-#ifdef TOKENS
 #define ROW_END(r) min(j1, n0 + (r) / HEADS)  // past the positions row r's token attends (causal)
 #else
+  const int n = early_pos[0] + 1, rows = HEADS;
 #define ROW_END(r) j1
 #endif
 #include "heads_split.cuh"

@@ -79,6 +79,8 @@ def test_prefill_and_kernel_profile(ev) -> None:
   assert r.prefill_profile and m["prefill_profile_at"] == 0 and m["prefill_chunk"] == 32
   assert {p["stage"] for p in r.prefill_profile} >= {"attention", "moe"} and r.prefill_profile[0]["us_per_token"] > 0
   assert all(p["tflops"] is None or p["tflops"] >= 0 for p in r.prefill_profile)
+  # each prefill kernel timed as the whole graph runs in its order (replayed alone, one could read another's scratch)
+  assert {p["timing"] for p in r.prefill_profile} == {"in order, device timer"}
 
 
 def test_kernels_take_the_stage_and_layer_of_what_they_read() -> None:

@@ -9,6 +9,8 @@ import sqlite3
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = """
 import json, sys
 import numpy as np
@@ -43,9 +45,25 @@ def rows(path: str) -> int:
   with sqlite3.connect(path) as c: return c.execute("SELECT count(*) FROM program").fetchone()[0]
 
 
-def test_a_second_process_generates_nothing_and_computes_the_same(tmp_path) -> None:
-  path = str(tmp_path / "programs.db")
-  first = run(path)
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory) -> tuple[pathlib.Path, dict]:
+  """The script's first process, on a file that does not exist yet: its file and its result (the same cold run in each
+  test that starts from one, made once)."""
+  path = tmp_path_factory.mktemp("cold") / "programs.db"
+  return path, run(str(path))
+
+
+@pytest.fixture
+def first(cold, tmp_path) -> tuple[str, dict]:
+  """This test's copy of the cold run's file (SQLite's backup: whole, whatever its journal holds), and the run's
+  result."""
+  path = tmp_path / "programs.db"
+  with sqlite3.connect(cold[0]) as src, sqlite3.connect(path) as dst: src.backup(dst)
+  return str(path), cold[1]
+
+
+def test_a_second_process_generates_nothing_and_computes_the_same(first, tmp_path) -> None:
+  path, first = first
   assert first["generated"] >= 2 and rows(path) == first["generated"]
   second = run(path)
   assert second["generated"] == 0 and second["out"] == first["out"] and rows(path) == first["generated"]
@@ -55,9 +73,9 @@ def test_a_second_process_generates_nothing_and_computes_the_same(tmp_path) -> N
   assert run(pooled)["generated"] == 0
 
 
-def test_beam_kernels_and_other_codegen_settings_are_generated_anew(tmp_path) -> None:
-  path = str(tmp_path / "programs.db")
-  first = run(path)
+def test_beam_kernels_and_other_codegen_settings_are_generated_anew(first) -> None:
+  path, first = first
+  assert rows(path) == first["generated"]
   # BEAM: searched in the process, and not kept for the next (its choice is the study's own, by timing)
   assert run(path, beam=1)["generated"] >= 1 and rows(path) == first["generated"]
   # a variable tinygrad's code generation reads directly, set otherwise: generated again, and kept apart
@@ -66,17 +84,16 @@ def test_beam_kernels_and_other_codegen_settings_are_generated_anew(tmp_path) ->
   assert other["out"] == first["out"]
 
 
-def test_an_unusable_file_leaves_generation_in_the_process(tmp_path) -> None:
+def test_an_unusable_file_leaves_generation_in_the_process(cold, tmp_path) -> None:
   path = tmp_path / "not-a-dir"
   path.write_text("a file where the cache's folder would be")
   out = run(str(path / "programs.db"))
-  assert out["generated"] >= 2 and out["out"] == run(str(tmp_path / "programs.db"))["out"]
+  assert out["generated"] >= 2 and out["out"] == cold[1]["out"]  # what a usable file's first process computes
   assert f"program cache {path / 'programs.db'} unusable" in out["stderr"], out["stderr"]
 
 
-def test_a_program_that_cannot_be_rebuilt_is_generated_again(tmp_path) -> None:
-  path = str(tmp_path / "programs.db")
-  first = run(path)
+def test_a_program_that_cannot_be_rebuilt_is_generated_again(first) -> None:
+  path, first = first
   with sqlite3.connect(path) as c: c.execute("UPDATE program SET val = ?", (b"not a pickle",))
   again = run(path)
   assert again["generated"] == first["generated"] and again["out"] == first["out"]

@@ -273,10 +273,6 @@ class StructureConfig:
                                   "attention holds: their heads are its rows, so each staged piece of the cache serves "
                                   "them all (MMA rows: GLM-4.7-Flash's 20 heads fill 20 of 32, two tokens' 40 of 48)",
                                   needs=(("prefill_attention", lambda v: v == "all_heads", "all_heads"),))
-  prefill_attn_tile: int = knob(16, (16, 32), "the cache positions one block of the all-heads prompt attention stages "
-                                "and scores at once: 16, as decode; or 32, twice the tensor-core products between "
-                                "the block's barriers, its warps' partial scores added into one shared array",
-                                needs=(("prefill_attention", lambda v: v == "all_heads", "all_heads"),))
   prefill_attn_dtype: str = knob("float32", ("float32", "float16"),
                                  "the dtype the prompt's attention over a chunk multiplies in, either tinygrad form "
                                  "(float16: tensor cores where the device has them, the decompressed keys and values "

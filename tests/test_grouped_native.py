@@ -123,29 +123,26 @@ def test_native_prefill_is_a_config_of_its_own() -> None:
   assert "all_heads" in on["prefill_attention"].choices
   assert "all_heads" not in {k.name: k for k in knobs(info, "CPU")}["prefill_attention"].choices
   assert not on["prefill_attn_dtype"].when({"prefill_attention": "all_heads"})
-  # the tokens a block of it holds and the positions it stages: settings of all_heads, and nowhere else
-  for name in ("prefill_attn_tokens", "prefill_attn_tile"):
-    assert on[name].when({"prefill_attention": "all_heads"})
-    assert not on[name].when({"prefill_attention": "absorbed"})
-    assert name not in {k.name for k in knobs(info, "CPU")}
+  # the tokens a block of it holds: a setting of all_heads, and nowhere else
+  assert on["prefill_attn_tokens"].when({"prefill_attention": "all_heads"})
+  assert not on["prefill_attn_tokens"].when({"prefill_attention": "absorbed"})
+  assert "prefill_attn_tokens" not in {k.name for k in knobs(info, "CPU")}
   assert not on["kv_dtype"].when({"prefill_attention": "all_heads"})
 
 
-@pytest.mark.parametrize("half, tt, start, ctx, tile", ((True, 1, 70, 2048, 16), (False, 1, 70, 2048, 16),
-                                                        (True, 2, 319, 5120, 16), (False, 1, 70, 2048, 32),
-                                                        (True, 2, 319, 5120, 32)))
-def test_prefill_attention_kernels_are_causal_per_token(half: bool, tt: int, start: int, ctx: int, tile: int) -> None:
-  """prefill_attention=all_heads's kernels (the all-heads attention with `tt` tokens a block, staging `tile` positions
-  at once, then each token's splits merged): 5 tokens at positions start.. of a cache of ctx positions, each token's
-  heads over the positions up to its own; stale NaN partials of an unused split are not read. Two tokens a block from
-  position 319 of 5 splits: a block's splits are sized by its last token's 321 positions (tiles of 16: 4 splits of 80),
-  where the first token's 320 alone would make 5 of 64 (the merge must size them alike), and the last block holds one
-  token. Query and weights go through float16: held to 3e-3 of the output."""
+@pytest.mark.parametrize("half, tt, start, ctx", ((True, 1, 70, 2048), (False, 1, 70, 2048), (True, 2, 319, 5120)))
+def test_prefill_attention_kernels_are_causal_per_token(half: bool, tt: int, start: int, ctx: int) -> None:
+  """prefill_attention=all_heads's kernels (the all-heads attention with `tt` tokens a block, then each token's splits
+  merged): 5 tokens at positions start.. of a cache of ctx positions, each token's heads over the positions up to its
+  own; stale NaN partials of an unused split are not read. Two tokens a block from position 319 of 5 splits: a block's
+  splits are sized by its last token's 321 positions, 4 splits of 80, where the first token's 320 alone would make 5 of
+  64 (the merge must size them alike), and the last block holds one token. Query and weights go through float16: held
+  to 3e-3 of the output."""
   H, kvl, rope, T, scale = 3, 64, 32, 5, 0.11
   rng = np.random.default_rng(4)
   cache = rng.standard_normal((ctx, kvl + rope)).astype(np.float16 if half else np.float32)
   qc = rng.standard_normal((T, H, kvl + rope)).astype(np.float32)
-  ka, km = cuda_prefill.mla_prefill(H, kvl, rope, ctx, scale, half, T, tt, tile)
+  ka, km = cuda_prefill.mla_prefill(H, kvl, rope, ctx, scale, half, T, tt)
   S = cuda_prefill.prefill_splits(ctx)
   assert S == ctx // 1024 and ka.grid == (S, -(-T // tt), 1)
   part, o, pos = np.full(T * H * S * (kvl + 2), np.nan, np.float32), np.zeros((T, H, kvl), np.float32), np.array(
@@ -175,9 +172,8 @@ def test_native_prefill_attention_in_the_model(gguf_file, monkeypatch) -> None:
   with native_on_cpu(monkeypatch):
     run = native.launch
     monkeypatch.setattr(native, "launch", lambda k, *a: kernels.add(k.name) or run(k, *a))
-    for tt, tile in ((1, 16), (2, 16), (1, 32)):
-      got = logits(StructureConfig(prefill_attention="all_heads", prefill_attn_tokens=tt, prefill_attn_tile=tile))
-      assert (rel_err(got, want) <= 1e-2).all(), (tt, tile)
+    for tt in (1, 2):
+      got = logits(StructureConfig(prefill_attention="all_heads", prefill_attn_tokens=tt))
+      assert (rel_err(got, want) <= 1e-2).all(), tt
   assert {k.split("_h")[0] for k in kernels} == {"native_mla_prefill", "native_mla_prefill_merge"}
   assert {k.endswith(("_t8x2", "_t4x2")) for k in kernels} == {True, False}, kernels
-  assert {k.endswith(("_t8_p32", "_t4_p32")) for k in kernels} == {True, False}, kernels

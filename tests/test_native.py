@@ -119,8 +119,7 @@ def test_native_sources_compile_for_ampere_and_hopper(glm_shape, gguf_file, monk
   kernels += [cuda_prefill.grouped(TYPES[t], 4, 64, inp, tile, 3) for t, inp, tile in (("Q4_K", 256, 64),
                                                                                       ("Q6_K", 256, 16),
                                                                                       ("Q8_0", 96, 32))]
-  kernels += [*cuda_prefill.mla_prefill(20, 512, 64, 2048, 0.1, True, 8), *cuda_prefill.mla_prefill(
-    20, 512, 64, 2048, 0.1, True, 8, 2, 32)]
+  kernels += cuda_prefill.mla_prefill(20, 512, 64, 2048, 0.1, True, 8)
   names = {k.name.split("_")[1] for k in kernels}
   assert {"dense", "per", "expert", "mla", "router", "glu", "down", "rows", "grouped"} <= names, names
   sources = {k.src: k for k in kernels}.values()  # each source once: the configs share most of their kernels

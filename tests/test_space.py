@@ -120,8 +120,7 @@ def test_device_and_beam_conditional_knobs() -> None:
   from space.knobs import parse_pins, to_params
   cpu, cuda = {k.name for k in knobs(TINY_INFO, "CPU")}, {k.name for k in knobs(TINY_INFO, "CUDA:0")}
   # no graphs on the CPU, no local (workgroup) dims to limit, no native prompt attention (prefill_attention=all_heads)
-  assert cuda - cpu == {"jit_batch_size", "beam_local_max", "prefill_attn_tokens",
-                         "prefill_attn_tile"}
+  assert cuda - cpu == {"jit_batch_size", "beam_local_max", "prefill_attn_tokens"}
   assert {"beam_upcast_max", "beam_min_progress"} <= cpu
   beam_limits = {k.name for k in knobs(TINY_INFO, "CUDA") if k.enable == (("beam", 2),)}
   assert beam_limits == {"beam_upcast_max", "beam_local_max", "beam_min_progress"}

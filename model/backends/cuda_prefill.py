@@ -83,23 +83,21 @@ def prefill_splits(max_ctx: int) -> int:
 
 @functools.cache
 def mla_prefill(heads: int, kvl: int, rope: int, max_ctx: int, scale: float, cache_half: bool,
-                tokens: int, tt: int = 1, tile: int = AH_TILE) -> tuple[Kernel, Kernel]:
+                tokens: int, tt: int = 1) -> tuple[Kernel, Kernel]:
   """The absorbed attention of a chunk of `tokens` tokens at positions early_pos[0].. over the compressed cache, each
   token's heads over the positions up to its own: (the all-heads kernel, grid splits x groups of `tt` tokens, whose
   heads are a block's rows, writing part (tokens, heads, splits, kvl + 2); the merge of each token's splits, grid heads
-  x tokens, writing o (tokens, heads, kvl)). tile: the positions a block stages at once (16 or 32)."""
-  if tile not in (16, 32): raise ValueError(f"the prompt attention stages 16 or 32 positions at once, not {tile}")
+  x tokens, writing o (tokens, heads, kvl))."""
   S = prefill_splits(max_ctx)
-  tag = (f"h{heads}_{kvl}_{rope}_c{max_ctx}_s{S}_t{tokens}{f'x{tt}' if tt > 1 else ''}"
-         f"{f'_p{tile}' if tile != AH_TILE else ''}{'' if cache_half else '_f32'}")
+  tag = f"h{heads}_{kvl}_{rope}_c{max_ctx}_s{S}_t{tokens}{f'x{tt}' if tt > 1 else ''}{'' if cache_half else '_f32'}"
   params = ["float* part", "const float* __restrict__ qc", f"const {'unsigned short' if cache_half else 'float'}* "
             "__restrict__ cache", "const int* __restrict__ early_pos"]
   attn = device_kernel(f"native_mla_prefill_{tag}", params, "mla_heads.cu", threads=AH_THREADS, pre=("mma.cuh",),
                        HEADS=heads, KVL=kvl, ROPE=rope, SPLITS=S, SCALE=f"{scale!r}f", CACHE_HALF=int(cache_half),
-                       THREADS=AH_THREADS, TP=tile, LEAST=AH_LEAST, TOKENS=tokens, TT=tt)
+                       THREADS=AH_THREADS, TP=AH_TILE, LEAST=AH_LEAST, TOKENS=tokens, TT=tt)
   merge = device_kernel(f"native_mla_prefill_merge_{tag}", ["float* o", "const float* __restrict__ part",
                                                              "const int* __restrict__ early_pos"],
-                        "mla_prefill_merge.cu", threads=MERGE_THREADS, HEADS=heads, KVL=kvl, SPLITS=S, TP=tile,
+                        "mla_prefill_merge.cu", threads=MERGE_THREADS, HEADS=heads, KVL=kvl, SPLITS=S, TP=AH_TILE,
                         LEAST=AH_LEAST, THREADS=MERGE_THREADS, TOKENS=tokens, TT=tt)
   return (Kernel(f"native_mla_prefill_{tag}", attn, (S, -(-tokens // tt), 1), (0,), AH_THREADS),
           Kernel(f"native_mla_prefill_merge_{tag}", merge, (heads, tokens, 1), (0,), MERGE_THREADS))

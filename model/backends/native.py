@@ -114,13 +114,12 @@ def grouped(x: Tensor, w: QWeight, tile_expert: Tensor | None, used: Tensor | No
   return y.reshape(N, tile, out)
 
 
-def prefill_attention(qc: Tensor, cache: Tensor, start: Tensor, kvl: int, scale: float, tokens: int = 1,
-                      tile: int = 16) -> Tensor:
+def prefill_attention(qc: Tensor, cache: Tensor, start: Tensor, kvl: int, scale: float, tokens: int = 1) -> Tensor:
   """The prompt's absorbed attention (Backend.prefill_attention): cuda_prefill.mla_prefill."""
   (T, H, D), ctx = qc.shape, cache.shape[-2]
   if cache.dtype not in (dtypes.float16, dtypes.float32):
     raise ConfigError(f"prefill_attention=all_heads reads a float16 or float32 cache, not {cache.dtype.name}")
-  ka, km = G.mla_prefill(H, kvl, D - kvl, ctx, scale, cache.dtype == dtypes.float16, T, min(tokens, T), tile)
+  ka, km = G.mla_prefill(H, kvl, D - kvl, ctx, scale, cache.dtype == dtypes.float16, T, min(tokens, T))
   S, reads = G.prefill_splits(ctx), T * ctx * D * cache.dtype.itemsize // 2  # each token reads half the cache at most
   part = launch(ka, [empty(T * H * S * (kvl + 2), device=qc.device), f32(qc).contiguous(), cache, i32(start)],
                 reads + T * H * S * (kvl + 2) * 4, 2 * T * H * (ctx // 2) * (D + kvl))[0]

@@ -111,12 +111,11 @@ class Backend(abc.ABC):
     raise self._lacks("grouped")
 
   def prefill_attention(self, qc: Tensor, cache: Tensor, start: Tensor, kvl: int, scale: float,
-                        tokens: int = 1, tile: int = 16) -> Tensor:
+                        tokens: int = 1) -> Tensor:
     """The prompt's causal attention in the absorbed form (model/deepseek2.py, prefill_attention=all_heads): the chunk's
     queries qc (T, H, kvl + rope), absorbed and rotated, over the compressed cache (1, positions, kvl + rope) that holds
     the chunk's own rows, token t at position start[0] + t -> (T, H, kvl) float32, before v_b. tokens: how many tokens'
-    queries read each staged piece of the cache together (StructureConfig.prefill_attn_tokens); tile: the positions
-    staged at once (StructureConfig.prefill_attn_tile)."""
+    queries read each staged piece of the cache together (StructureConfig.prefill_attn_tokens)."""
     raise self._lacks("prefill_attention")
 
   def _lacks(self, method: str) -> ConfigError: return ConfigError(f"backend {self.name} has no {method} stage")

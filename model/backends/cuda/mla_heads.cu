@@ -7,8 +7,7 @@
 // rows). It writes its split's (max, sum, unnormalised output) per head to part (HEADS, SPLITS, KVL + 2) for
 // mla_combine; blocks past the last position return at once.
 // The kernel's body (cuda_src writes its signature: part, qc, cache, early_pos). Defines: HEADS, KVL, ROPE, SPLITS,
-// SCALE (a float literal), CACHE_HALF (0 or 1), THREADS, TP (16 or 32: at 32 the k-groups add their scores into one
-// array, as their own arrays would not fit the shared memory, and one tile's reads are in flight); TOKENS for a prompt's chunk of that many tokens at
+// SCALE (a float literal), CACHE_HALF (0 or 1), THREADS, TP (16); TOKENS for a prompt's chunk of that many tokens at
 // positions early_pos[0].., TT of them a block (grid: splits x groups of TT tokens): the block's rows are its tokens'
 // heads, each token's rows scoring the positions up to its own, so the staged cache serves TT tokens at once (a row
 // of an earlier token may hold no position of a split past its own: NaN there, in its row alone, which no merge reads).
@@ -28,9 +27,6 @@
 #define PROW (TP + 8)  // halves a row of P takes
 #define NT (KVL / NW / 8)  // a warp's 8-column tiles of O
 #define LOADS ((TP * D / 8 + THREADS - 1) / THREADS)  // a thread's 16-byte pieces of a staged tile
-#define TPF (32 / TP)  // the tiles whose reads are in flight while one is scored: 32 positions
-#define SSUM (TP > 16)  // the k-groups add their partial scores into one array (ss[0])
-#define PE (TP / 8)  // the positions of a tile a thread of the softmax holds
   STAMP_ENTER();
   const int sp = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
 #ifdef TOKENS  // the prompt's chunk (cuda_prefill.mla_prefill): TT tokens a grid row, their queries and partials
@@ -49,12 +45,7 @@
   if (j0 >= n) return;
   __shared__ __align__(16) unsigned short sc[TP * SROW];
   __shared__ __align__(16) unsigned short sp16[HP * PROW];
-#if SSUM
-  __shared__ float ss[1][HP][TP + 1];
-  for (int i = tid; i < HP * (TP + 1); i += THREADS) (&ss[0][0][0])[i] = 0.f;
-#else
   __shared__ float ss[KG][HP][TP + 1];
-#endif
   __shared__ float srow[3][HP];  // per head: the running max, the running sum, the tile's rescale of O
   const int mt = warp % MT, kg = warp / MT, ks0 = kg * KS / KG, ks1 = (kg + 1) * KS / KG;
   unsigned qa[KMAX][4];  // the warp's fragments of the absorbed query (and the rotated q_pe) in float16
@@ -71,7 +62,7 @@
 #else
   typedef float4 Piece[LOADS][2];
 #endif
-  Piece nx0, nx1;  // the reads of the next TPF tiles, in flight while a tile is scored
+  Piece nx0, nx1;  // the reads of the next two tiles, in flight while a tile is scored
   auto fetch = [&](Piece& nx, int j) {  // the reads of tile j: rows past j1 repeat the last valid one
     if (j >= j1) return;
     for (int i = 0; i < LOADS; i++) {
@@ -84,7 +75,7 @@
 #endif
     }
   };
-  auto tile = [&](Piece& nx, int j) {  // tile j from nx: staged, its reads j + TPF TP issued into nx, then scored
+  auto tile = [&](Piece& nx, int j) {  // tile j from nx: staged, its reads j + 2 TP issued into nx, then scored
     for (int i = 0; i < LOADS; i++) {
       const int u = tid + i * THREADS;
       if (u >= TP * (D / 8)) break;
@@ -97,7 +88,7 @@
       *(uint4*)(sc + u / (D / 8) * SROW + u % (D / 8) * 8) = v;
     }
     __syncthreads();
-    fetch(nx, j + TPF * TP);
+    fetch(nx, j + 2 * TP);
     if (kg < KG) {  // S's partial sums over the warp's k-steps
       float s[TP / 8][4];
       for (int c = 0; c < TP / 8; c++) for (int r = 0; r < 4; r++) s[c][r] = 0.f;
@@ -107,65 +98,49 @@
         mma16816(s[c], qa[i], b);
       }
       for (int c = 0; c < TP / 8; c++) { const int col = c * 8 + 2 * t, h = mt * 16 + g;
-#if SSUM
-        atomicAdd(&ss[0][h][col], s[c][0]); atomicAdd(&ss[0][h][col + 1], s[c][1]);
-        atomicAdd(&ss[0][h + 8][col], s[c][2]); atomicAdd(&ss[0][h + 8][col + 1], s[c][3]);
-#else
         ss[kg][h][col] = s[c][0]; ss[kg][h][col + 1] = s[c][1]; ss[kg][h + 8][col] = s[c][2];
-        ss[kg][h + 8][col + 1] = s[c][3];
-#endif
-      }
+        ss[kg][h + 8][col + 1] = s[c][3]; }
     }
     __syncthreads();
-    for (int h = tid >> 3; h < HP; h += THREADS / 8) {  // the softmax: 8 threads a head, PE positions each
-      const int c = (tid & 7) * PE;
-      float v[PE], mx = -INFINITY;
-      for (int e = 0; e < PE; e++) {
-#if SSUM
-        const float a = ss[0][h][c + e]; ss[0][h][c + e] = 0.f;  // read, and cleared for the next tile's sums
-#else
+    for (int h = tid >> 3; h < HP; h += THREADS / 8) {  // the softmax: 8 threads a head, 2 positions each
+      const int c = (tid & 7) * 2;
+      float v[2], mx = -INFINITY;
+      for (int e = 0; e < 2; e++) {
         float a = 0.f; for (int q = 0; q < KG; q++) a += ss[q][h][c + e];
-#endif
         v[e] = j + c + e < ROW_END(h) ? a * SCALE : -INFINITY; mx = fmaxf(mx, v[e]);
       }
       for (int m = 4; m > 0; m >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, m));
       const float mo = srow[0][h], mn = fmaxf(mo, mx);
-      float l = -0.f;  // adding -0 is exact: the first pair's sum is l
-      for (int e = 0; e < PE; e += 2) {
-        const unsigned short p0 = f2h(expf(v[e] - mn)), p1 = f2h(expf(v[e + 1] - mn));
-        *(unsigned*)(sp16 + h * PROW + c + e) = (unsigned)p0 | ((unsigned)p1 << 16);
-        l += h2f(p0) + h2f(p1);
-      }
+      const unsigned short p0 = f2h(expf(v[0] - mn)), p1 = f2h(expf(v[1] - mn));
+      *(unsigned*)(sp16 + h * PROW + c) = (unsigned)p0 | ((unsigned)p1 << 16);
+      float l = h2f(p0) + h2f(p1);
       for (int m = 4; m > 0; m >>= 1) l += __shfl_xor_sync(0xffffffffu, l, m);
       __syncwarp();
       if ((tid & 7) == 0) { const float corr = expf(mo - mn); srow[0][h] = mn; srow[1][h] = srow[1][h] * corr + l;
                             srow[2][h] = corr; }
     }
     __syncthreads();
-    unsigned pa[MT][TP / 16][4];  // P's fragments (heads x the tile's positions, by 16)
+    unsigned pa[MT][4];  // P's fragments (heads x the tile's positions)
     float corr[MT][2];
     for (int m = 0; m < MT; m++) {
-      for (int k = 0; k < TP / 16; k++) {
-        const unsigned short* p = sp16 + (m * 16 + g) * PROW + k * 16 + 2 * t;
-        pa[m][k][0] = *(const unsigned*)p; pa[m][k][1] = *(const unsigned*)(p + 8 * PROW);
-        pa[m][k][2] = *(const unsigned*)(p + 8); pa[m][k][3] = *(const unsigned*)(p + 8 * PROW + 8);
-      }
+      const unsigned short* p = sp16 + (m * 16 + g) * PROW + 2 * t;
+      pa[m][0] = *(const unsigned*)p; pa[m][1] = *(const unsigned*)(p + 8 * PROW);
+      pa[m][2] = *(const unsigned*)(p + 8); pa[m][3] = *(const unsigned*)(p + 8 * PROW + 8);
       corr[m][0] = srow[2][m * 16 + g]; corr[m][1] = srow[2][m * 16 + g + 8];
     }
-    for (int c = 0; c < NT; c++) for (int k = 0; k < TP / 16; k++) {
-      const int col = (warp * NT + c) * 8 + g + k * 16 * SROW;  // V's column, in the tile's k-th 16 positions
+    for (int c = 0; c < NT; c++) {
+      const int col = (warp * NT + c) * 8 + g;
       const unsigned b[2] = {sc[2 * t * SROW + col] | ((unsigned)sc[(2 * t + 1) * SROW + col] << 16),
                              sc[(2 * t + 8) * SROW + col] | ((unsigned)sc[(2 * t + 9) * SROW + col] << 16)};
       for (int m = 0; m < MT; m++) {
-        if (k == 0) { o[m][c][0] *= corr[m][0]; o[m][c][1] *= corr[m][0]; o[m][c][2] *= corr[m][1];
-                      o[m][c][3] *= corr[m][1]; }
-        mma16816(o[m][c], pa[m][k], b);
+        o[m][c][0] *= corr[m][0]; o[m][c][1] *= corr[m][0]; o[m][c][2] *= corr[m][1]; o[m][c][3] *= corr[m][1];
+        mma16816(o[m][c], pa[m], b);
       }
     }
     __syncthreads();
   };
-  fetch(nx0, j0); if (TPF > 1) fetch(nx1, j0 + TP);
-  for (int j = j0; j < j1; j += TPF * TP) { tile(nx0, j); if (TPF > 1 && j + TP < j1) tile(nx1, j + TP); }
+  fetch(nx0, j0); fetch(nx1, j0 + TP);
+  for (int j = j0; j < j1; j += 2 * TP) { tile(nx0, j); if (j + TP < j1) tile(nx1, j + TP); }
   for (int m = 0; m < MT; m++) for (int c = 0; c < NT; c++) {
     const int h = m * 16 + g, col = (warp * NT + c) * 8 + 2 * t;
     if (h < rows) { float* p = part + ((size_t)h * SPLITS + sp) * (KVL + 2) + 2 + col; p[0] = o[m][c][0]; p[1] = o[m][c][1]; }

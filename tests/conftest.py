@@ -116,16 +116,18 @@ def pg_url():
   admin.dispose()
 
 
-# the test files by their time in a full run, longest first (2 cores, session 32; the files added in session 33 placed
-# by their times alone): with --no-loadscope-reorder (Makefile) xdist hands whole files to its workers in this order, so
-# the longest start first and the short ones fill in at the end (its own order, by number of tests, started some of the
-# longest last)
-LONGEST = ("test_portable.py", "test_native.py", "test_native_model.py", "test_evaluator.py", "test_space_glm_mixes.py",
-           "test_dsl.py", "test_space.py", "test_space_glm.py", "test_gate.py", "test_workload.py", "test_faults_db.py",
-           "test_sidebyside_workload.py", "test_verdict.py", "test_sidebyside.py", "test_workload_search.py",
-           "test_model.py", "test_faults.py", "test_search.py", "test_review.py", "test_truth.py", "test_probe.py",
-           "test_synth.py", "test_benchmarks_doc.py", "test_bad_input.py", "test_architecture.py", "test_delete.py",
-           "test_cli.py", "test_scaleout.py", "test_ladder.py")
+# the test files by their time in a full run, longest first (2 cores, session 37: 2114 s of tests over 2 workers),
+# those of 10 s or more: with --no-loadscope-reorder (Makefile) xdist hands whole files to its workers in this order,
+# so the longest start first and the short ones fill in at the end (its own order, by number of tests, started some
+# of the longest last)
+LONGEST = ("test_space.py", "test_evaluator.py", "test_native_model.py", "test_space_glm.py", "test_portable.py",
+           "test_gate.py", "test_faults.py", "test_dsl.py", "test_space_glm_mixes.py", "test_sidebyside.py",
+           "test_model.py", "test_search.py", "test_truth.py", "test_verdict.py", "test_review.py", "test_native.py",
+           "test_faults_db.py", "test_prefill.py", "test_grouped_native.py", "test_synth.py", "test_programs.py",
+           "test_architecture.py", "test_sidebyside_workload.py", "test_dsl_kquant.py", "test_scaleout.py",
+           "test_bad_input.py", "test_workload.py", "test_ladder.py", "test_study_script.py",
+           "test_prefill_attention.py", "test_kv_cache.py", "test_dsl_attention.py", "test_cli.py",
+           "test_reference.py", "test_db.py", "test_delete.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -55,8 +55,7 @@ def _in_tiles(xs: Tensor, w: QWeight) -> Tensor:
   tile = 64 if M >= 256 else 16
   per = -(-M // tile)  # a group's tiles
   rows = xs.pad((None, (0, per * tile - M), None)).cast(dtypes.float16).reshape(G * per, tile, inp)
-  groups = None if G == 1 else Tensor.arange(G, dtype=dtypes.int32).reshape(G, 1).expand(G, per).reshape(G * per)
-  return K.get("native").grouped(rows, w, groups, None).reshape(G, per * tile, -1)[:, :M]
+  return K.get("native").grouped(rows, w, None, None).reshape(G, per * tile, -1)[:, :M]
 
 
 def linear(x: Tensor, w: QWeight, cfg: StructureConfig) -> Tensor:

@@ -86,12 +86,17 @@ def test_native_prefill_matches_the_per_token_path(gguf_file, monkeypatch) -> No
 def test_per_head_products_over_the_chunk(gguf_file, monkeypatch) -> None:
   """prefill_dense=batched's per-head products (k_b's absorption, v_b) of a chunk of 20 tokens: native's tiles with the
   heads as experts (prefill_weights=quantised, a partial tile, CUDA emulator) and the dequantised batched matmul, each
-  against the weight's own per-token product."""
+  against the weight's own per-token product. The tiles' heads and the tiles in use are constants made once (k_b's and
+  v_b's products of a chunk read the same buffers), not a kernel in every product."""
   m = Transformer(GGUFFile(gguf_file("tiny", "q4_0")), max_context=8, n_layers=1)
-  rng, blk, kernels = np.random.default_rng(0), m.blocks[0], set()
+  rng, blk, kernels, inputs = np.random.default_rng(0), m.blocks[0], set(), []
   with native_on_cpu(monkeypatch):
     run = native.launch
-    monkeypatch.setattr(native, "launch", lambda k, *a: kernels.add(k.name) or run(k, *a))
+    def record(k, params, *a):
+      kernels.add(k.name)
+      if k.name.startswith("native_grouped"): inputs.append((params[2], params[3]))
+      return run(k, params, *a)
+    monkeypatch.setattr(native, "launch", record)
     for w in (blk.k_b, blk.v_b):
       H, _, inp = w.shape
       x = Tensor(rng.standard_normal((1, 20, H, inp)).astype(np.float32)).realize()
@@ -101,6 +106,10 @@ def test_per_head_products_over_the_chunk(gguf_file, monkeypatch) -> None:
       got = prefill.per_head(x, w, StructureConfig(prefill_ffn="grouped", prefill_weights="quantised")).numpy()
       assert (rel_err(got, want) <= 1e-2).all(), w.shape
   assert len([k for k in kernels if k.startswith(f"native_grouped_q4_0_e{H}_")]) == 2, kernels
+  (te, used), (te2, used2) = inputs
+  assert te is te2 and used is used2 and te.uop.is_realized and used.uop.is_realized
+  assert te.tolist() == [t // (len(te.tolist()) // H) for t in range(len(te.tolist()))] and used.tolist() == [len(
+    te.tolist())]
 
 
 def test_native_prefill_is_a_config_of_its_own() -> None:

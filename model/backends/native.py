@@ -100,13 +100,21 @@ def per_head(x: Tensor, w: QWeight) -> Tensor:
                   heads=H).reshape(*lead, H, out)
 
 
+@functools.cache
+def _int32s(values: tuple[int, ...], device: str) -> Tensor:
+  """A constant int32 vector on the device, copied there once: the grouped product's default inputs, which as fresh
+  tensors would be two kernels in every product of every layer of a chunk."""
+  return Tensor(list(values), dtype=dtypes.int32, device=device).realize()
+
+
 def grouped(x: Tensor, w: QWeight, tile_expert: Tensor | None, used: Tensor | None) -> Tensor:
   """The prompt's product in tiles (Backend.grouped): cuda/grouped_mma.cu."""
   (N, tile, inp), out, E = x.shape, w.shape[-2], w.shape[0] if len(w.shape) == 3 else 1
   if G.stage_k(w.ggml_type, inp) is None or tile not in G.TILES:
     raise ConfigError(f"prefill_weights=quantised has no product for {w.quant} rows of {inp} in tiles of {tile}")
-  te = Tensor.zeros(N, dtype=dtypes.int32, device=x.device) if tile_expert is None else i32(tile_expert)
-  used = Tensor.full((1,), N, dtype=dtypes.int32, device=x.device) if used is None else i32(used)
+  if tile_expert is None and N % E: raise ConfigError(f"{N} tiles do not split evenly over {E} matrices")
+  te = _int32s(tuple(i // (N // E) for i in range(N)), x.device) if tile_expert is None else i32(tile_expert)
+  used = _int32s((N,), x.device) if used is None else i32(used)
   # the matrices of at most min(N, E) experts, each tile's rows and outputs
   mem = min(N, E) * out * row_bytes(w) + x.nbytes() + N * tile * out * 4
   y = launch(G.grouped(w.ggml_type, E, out, inp, tile, N),

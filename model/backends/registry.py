@@ -106,8 +106,9 @@ class Backend(abc.ABC):
 
   def grouped(self, x: Tensor, w: QWeight, tile_expert: Tensor | None, used: Tensor | None) -> Tensor:
     """The prompt's product in tiles (model/prefill.py, prefill_weights=quantised): x (N, tile, in) float16, each tile's
-    rows by the matrix of w (E, out, in) that tile_expert (N,) int32 names, or by w (out, in) itself where it is None ->
-    (N, tile, out) float32; the tiles from used (1,) int32 on (None: none) are zeros."""
+    rows by the matrix of w (E, out, in) that tile_expert (N,) int32 names, or where it is None in the matrices' order,
+    N / E tiles each (w (out, in): all by w) -> (N, tile, out) float32; the tiles from used (1,) int32 on (None: none)
+    are zeros."""
     raise self._lacks("grouped")
 
   def prefill_attention(self, qc: Tensor, cache: Tensor, start: Tensor, kvl: int, scale: float,

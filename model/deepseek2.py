@@ -334,8 +334,8 @@ class Block:
     if T > 1 and self.cfg.prefill_attention == "all_heads":  # the prompt's attention in native's all-heads kernels
       qc = q_abs.cat(q_pe, dim=-1).reshape(B * T, H, kvl + rope)
       assert pos is not None, "the all-heads prompt attention reads the position from the device"
-      o = K.get("native").prefill_attention(qc, planes[0], pos, kvl, hp.kq_scale,
-                                            self.cfg.prefill_attn_tokens).reshape(B, T, H, kvl)
+      o = K.get("native").prefill_attention(qc, planes[0], pos, kvl, hp.kq_scale, self.cfg.prefill_attn_tokens,
+                                            start_pos).reshape(B, T, H, kvl)
       return self.per_head(o, self.v_b).reshape(B, T, H * hp.v_head)
     rows = self.kv.decode(planes, start_pos + T)  # (B, S, kvl+rope)
     dt = prefill.attn_dtype(self.cfg, T)

@@ -166,6 +166,22 @@ def test_prefill_attention_kernels_are_causal_per_token(half: bool, tt: int, sta
     np.testing.assert_allclose(o[t], want, rtol=3e-3, atol=3e-3 * np.abs(want).max(), err_msg=f"token {t}")
 
 
+def test_prefill_attention_work_follows_the_chunks_position() -> None:
+  """The prompt attention's work estimates (the profile's TFLOPS and GB/s): each token's causal positions, and each
+  block's rows read once, at the chunk's position, a symbolic one (the prefill graph's bound variable) inferred per
+  launch as a number is."""
+  from tinygrad import UOp
+  from tinygrad.uop.ops import sym_infer
+  T, H, D, kvl, at = 40, 20, 576, 512, 3584
+  v = UOp.variable("start_pos", 0, 8191)
+  for tt in (1, 2, 3):
+    want_ops = sum(2 * H * (D + kvl) * (at + t + 1) for t in range(T))
+    want_mem = sum(at + min((b + 1) * tt, T) for b in range(-(-T // tt))) * D * 2
+    assert native.prefill_work(T, H, D, kvl, tt, at, 2) == (want_ops, want_mem)
+    ops, mem = native.prefill_work(T, H, D, kvl, tt, v.bind(at), 2)
+    assert (sym_infer(ops, {"start_pos": at}), sym_infer(mem, {"start_pos": at})) == (want_ops, want_mem)
+
+
 def test_native_prefill_attention_in_the_model(gguf_file, monkeypatch) -> None:
   """prefill_attention=all_heads in a model (CUDA emulator): a prompt of 12 tokens in chunks of 8 and 4 (the second at
   position 8, reading the first chunk's rows), against the absorbed form in tinygrad's kernels, within float16's

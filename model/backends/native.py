@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from tinygrad import Device, Tensor, dtypes
 from tinygrad.renderer import Estimates
-from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
+from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp, sint
 
 from model.backends import cuda_graph
 from model.backends import cuda_prefill as G
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
   from model.weights import QWeight
 
 
-def launch(k: C.Kernel, params: list[Tensor], mem: int, ops: int = 0) -> list[Tensor]:
+def launch(k: C.Kernel, params: list[Tensor], mem: sint, ops: sint = 0) -> list[Tensor]:
   """Run kernel k over params (its C parameters in order: outputs first); returns every param after the kernel."""
   target = Device[params[0].device].renderer.target
   def fxn(*ps: UOp) -> UOp:
@@ -122,15 +122,28 @@ def grouped(x: Tensor, w: QWeight, tile_expert: Tensor | None, used: Tensor | No
   return y.reshape(N, tile, out)
 
 
-def prefill_attention(qc: Tensor, cache: Tensor, start: Tensor, kvl: int, scale: float, tokens: int = 1) -> Tensor:
+def prefill_work(T: int, H: int, D: int, kvl: int, tt: int, at: int | UOp, itemsize: int) -> tuple[sint, sint]:
+  """(2 x multiply-adds, cache bytes read) of the prompt attention of T tokens at positions at..: each token's heads
+  over its at + t + 1 positions, (D + kvl) each; each block of tt tokens reads the rows up to its last token's once. A
+  symbolic `at` (the graph's position variable, its binding removed) keeps both symbolic, one kernel for every chunk:
+  tinygrad and the profile infer them per launch."""
+  at = at.unbind_all()[0] if isinstance(at, UOp) else at
+  blocks = -(-T // tt)
+  return (2 * H * (D + kvl) * (T * at + T * (T + 1) // 2),
+          (blocks * at + sum(min((b + 1) * tt, T) for b in range(blocks))) * D * itemsize)
+
+
+def prefill_attention(qc: Tensor, cache: Tensor, start: Tensor, kvl: int, scale: float, tokens: int = 1,
+                      at: int | UOp = 0) -> Tensor:
   """The prompt's absorbed attention (Backend.prefill_attention): cuda_prefill.mla_prefill."""
   (T, H, D), ctx = qc.shape, cache.shape[-2]
   if cache.dtype not in (dtypes.float16, dtypes.float32):
     raise ConfigError(f"prefill_attention=all_heads reads a float16 or float32 cache, not {cache.dtype.name}")
-  ka, km = G.mla_prefill(H, kvl, D - kvl, ctx, scale, cache.dtype == dtypes.float16, T, min(tokens, T))
-  S, reads = G.prefill_splits(ctx), T * ctx * D * cache.dtype.itemsize // 2  # each token reads half the cache at most
+  tt = min(tokens, T)
+  ka, km = G.mla_prefill(H, kvl, D - kvl, ctx, scale, cache.dtype == dtypes.float16, T, tt)
+  S, (ops, reads) = G.prefill_splits(ctx), prefill_work(T, H, D, kvl, tt, at, cache.dtype.itemsize)
   part = launch(ka, [empty(T * H * S * (kvl + 2), device=qc.device), f32(qc).contiguous(), cache, i32(start)],
-                reads + T * H * S * (kvl + 2) * 4, 2 * T * H * (ctx // 2) * (D + kvl))[0]
+                reads + T * H * D * 4 + T * H * S * (kvl + 2) * 4, ops)[0]
   o = launch(km, [empty(T * H * kvl, device=qc.device), part, i32(start)], T * H * S * (kvl + 2) * 4)[0]
   return o.reshape(T, H, kvl)
 

@@ -112,11 +112,12 @@ class Backend(abc.ABC):
     raise self._lacks("grouped")
 
   def prefill_attention(self, qc: Tensor, cache: Tensor, start: Tensor, kvl: int, scale: float,
-                        tokens: int = 1) -> Tensor:
+                        tokens: int = 1, at: int | UOp = 0) -> Tensor:
     """The prompt's causal attention in the absorbed form (model/deepseek2.py, prefill_attention=all_heads): the chunk's
     queries qc (T, H, kvl + rope), absorbed and rotated, over the compressed cache (1, positions, kvl + rope) that holds
     the chunk's own rows, token t at position start[0] + t -> (T, H, kvl) float32, before v_b. tokens: how many tokens'
-    queries read each staged piece of the cache together (StructureConfig.prefill_attn_tokens)."""
+    queries read each staged piece of the cache together (StructureConfig.prefill_attn_tokens); at: start[0] on the
+    host, a number or the graph's position variable, for the launches' work estimates (the profile's TFLOPS)."""
     raise self._lacks("prefill_attention")
 
   def _lacks(self, method: str) -> ConfigError: return ConfigError(f"backend {self.name} has no {method} stage")

@@ -3,7 +3,8 @@ at the real head counts of GLM-4.7-Flash (20) and DeepSeek-V2-Lite (16): a chunk
 --at over a float16 cache of --ctx positions, for each count of tokens a block (prefill_attn_tokens, --tokens). The
 variants run interleaved, --rounds times; each timing is one TinyJit call of
 the pair, synchronized, wall clock (a call's launch overhead is a few µs against the ms the pair takes). TFLOPS counts
-the causal work: each token's heads over the positions up to its own, (kv_lora + rope) + kv_lora multiply-adds each.
+the causal work as the launch's estimate does (native.prefill_work): each token's heads over the positions up to its
+own, (kv_lora + rope) + kv_lora multiply-adds each.
 `err`: max |out - the first variant's out| over the latter's std.
 
   DEV=CUDA PYTHONPATH=. python benchmarks/prefill_attention_lab.py [--tokens 1 2] [--json out.jsonl]
@@ -55,7 +56,7 @@ def main() -> None:
     qc = Tensor(rng.standard_normal((T, H, kvl + rope)).astype(np.float32)).realize()
     for at in args.at:
       start = Tensor([at], dtype=dtypes.int32).realize()
-      flop = 2 * H * (kvl + rope + kvl) * sum(at + t + 1 for t in range(T))
+      flop = native.prefill_work(T, H, kvl + rope, kvl, 1, at, 2)[0]
       calls, outs = {}, {}
       for v in args.tokens:
         jit = TinyJit(lambda q=qc, c=cache, s=start, n=kvl, f=scale, tt=v: native.prefill_attention(q, c, s, n, f,

@@ -108,8 +108,8 @@ def test_per_head_products_over_the_chunk(gguf_file, monkeypatch) -> None:
   assert len([k for k in kernels if k.startswith(f"native_grouped_q4_0_e{H}_")]) == 2, kernels
   (te, used), (te2, used2) = inputs
   assert te is te2 and used is used2 and te.uop.is_realized and used.uop.is_realized
-  assert te.tolist() == [t // (len(te.tolist()) // H) for t in range(len(te.tolist()))] and used.tolist() == [len(
-    te.tolist())]
+  heads = te.tolist()  # the tiles in the heads' order, len(heads) // H each
+  assert heads == [t // (len(heads) // H) for t in range(len(heads))] and used.tolist() == [len(heads)]
 
 
 def test_native_prefill_is_a_config_of_its_own() -> None:

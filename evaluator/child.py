@@ -143,7 +143,7 @@ def run(spec: TrialSpec, rec: Recorder) -> None:
     if spec.prefill:  # the prefill graph's kernels at its last captured chunk (the longest attention)
       at = max(i for i in range(0, work.prompt, gen.chunk) if gen.in_graph(i))
       # a prefill kernel runs long enough to be timed alone, in the graph's order
-      res.prefill_profile = kernel_profile(gen.prefill_last_jit, {"start_pos": at}, spec.bandwidth_gbs,
+      res.prefill_profile = kernel_profile(gen.prefill_last_jit, {"chunk_at": at // gen.chunk}, spec.bandwidth_gbs,
                                            where=places(gen.model), in_order=True)
       res.metrics |= {"prefill_chunk": gen.chunk, "prefill_profile_at": at}
 

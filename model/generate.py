@@ -93,6 +93,9 @@ class Generator:
     chunk = model.cfg.prefill_chunk if chunk is None else chunk
     self.model, self.chunk, self.beam = model, min(chunk, model.max_context), model.cfg.beam
     self.pos = UOp.variable("start_pos", 0, model.max_context - 1)
+    # the prompt's graph takes a chunk's index, its position that times the chunk: the keys a chunk attends then number
+    # a known multiple of the chunk, which tinygrad's tensor cores and upcasts need (a free position is no multiple)
+    self.chunk_at = UOp.variable("chunk_at", 0, max(0, model.max_context // self.chunk - 1))
     self.prefill_jit, self.step_jit, self.step_logits_jit = capture_first(self._prefill), capture_first(
       self._step), capture_first(self._step_logits)
     self.prefill_last_jit = capture_first(self._prefill_last)
@@ -118,11 +121,11 @@ class Generator:
     """Each block's buffers and kind (block_inputs), found on the check's first step."""
     return [block_inputs(b) for b in self.model.blocks]
 
-  def _prefill(self, tokens: Tensor, start_pos: UOp) -> Tensor:
-    return self.model.forward(tokens, start_pos, all_logits=True)[0].contiguous()
+  def _prefill(self, tokens: Tensor, chunk_at: UOp) -> Tensor:
+    return self.model.forward(tokens, chunk_at * self.chunk, all_logits=True)[0].contiguous()
 
-  def _prefill_last(self, tokens: Tensor, start_pos: UOp, last: Tensor) -> Tensor:
-    return self.model.forward(tokens, start_pos, at=last)[0, -1].contiguous()
+  def _prefill_last(self, tokens: Tensor, chunk_at: UOp, last: Tensor) -> Tensor:
+    return self.model.forward(tokens, chunk_at * self.chunk, at=last)[0, -1].contiguous()
 
   def _step_logits(self, token: Tensor, start_pos: UOp) -> Tensor:
     return self.model.forward(token, start_pos)[0, -1].contiguous()
@@ -163,9 +166,9 @@ class Generator:
       raise ValueError(f"sequence of {end} tokens exceeds the context of {self.model.max_context}")
 
   def in_graph(self, pos: int) -> bool:
-    """Whether the chunk at position pos runs in the prefill graph: padded to a whole chunk, it fits the cache (else it
-    runs at its exact size outside the graph)."""
-    return pos + self.chunk <= self.model.max_context
+    """Whether the chunk at position pos runs in the prefill graph: at a multiple of the chunk, and padded to a whole
+    chunk, it fits the cache (else it runs at its exact size outside the graph)."""
+    return pos % self.chunk == 0 and pos + self.chunk <= self.model.max_context
 
   def prefill(self, tokens: list[int], start: int = 0, last: bool = False) -> np.ndarray:
     """Feed tokens at positions start.. in chunks; returns float32 logits (len(tokens), vocab) for every position, or
@@ -181,7 +184,7 @@ class Generator:
         out.append(logits[-1] if last else logits)
         continue
       # padding past the prompt writes cache rows that later steps overwrite before they read them
-      args = self.chunk_tokens([part + [0] * (self.chunk - len(part))]), self.pos.bind(pos)
+      args = self.chunk_tokens([part + [0] * (self.chunk - len(part))]), self.chunk_at.bind(pos // self.chunk)
       if last: out.append(self.prefill_last_jit(*args, self.chunk_last(len(part) - 1)))
       else: out.append(read(self.prefill_jit(*args))[:len(part)])
     if last: return out[-1] if isinstance(out[-1], np.ndarray) else read(out[-1])

@@ -162,13 +162,17 @@ def attention(q_nope: Tensor, q_pe: Tensor, rows: Tensor, k_b: Tensor, v_b: Tens
   and v_b (H, v_head, kv_lora), causal: (B, T, H * v_head) float32. Its scores are explicit whatever the `attention`
   knob, which picks decode's form. dt: the dtype its products multiply in (sums in float32), and the decompressed keys
   and values are held in."""
-  (B, T, H, _), kvl = q_nope.shape, k_b.shape[1]
+  (B, T, H, _), kvl, S = q_nope.shape, k_b.shape[1], rows.shape[1]
   rows = rows.cast(dt)
   c, k_pe = rows[..., :kvl].unsqueeze(1), rows[..., kvl:].unsqueeze(1)  # (B, 1, S, kvl), (B, 1, S, rope)
   mm = lambda a, b: a.matmul(b, dtype=dtypes.float32)
-  # buffers of their own: the weights dequantised and the keys and values decompressed once per chunk, not per query
-  k_nope = mm(c, k_b.cast(dt).contiguous()).cast(dt).contiguous()  # (B, H, S, nope)
+  # buffers of their own: the weights dequantised and the keys and values decompressed once per chunk, not per query;
+  # each head's keys whole (nope and rope), so that a score is one product, a single reduction (tensor cores), where a
+  # sum of the nope and rope products is one kernel of two reductions (none)
+  k_nope = mm(c, k_b.cast(dt).contiguous()).cast(dt)  # (B, H, S, nope)
+  k = k_nope.cat(k_pe.expand(B, H, S, k_pe.shape[-1]), dim=-1).contiguous()  # (B, H, S, nope + rope)
   v = mm(c, v_b.cast(dt).contiguous().transpose(-1, -2)).cast(dt).contiguous()  # (B, H, S, v_head)
-  q_nope, q_pe = q_nope.transpose(1, 2).cast(dt), q_pe.transpose(1, 2).cast(dt)  # (B, H, T, ...)
-  s = (mm(q_nope, k_nope.transpose(-1, -2)) + mm(q_pe, k_pe.transpose(-1, -2))) * scale + causal_mask(T, start_pos)
-  return mm(s.softmax(-1).cast(dt), v).transpose(1, 2).reshape(B, T, H * v.shape[-1])
+  q = q_nope.cat(q_pe, dim=-1).transpose(1, 2).cast(dt)  # (B, H, T, nope + rope)
+  s = mm(q, k.transpose(-1, -2)) * scale + causal_mask(T, start_pos)
+  # the probabilities a buffer of their own: a plain product by v, not a softmax recomputed per tile of v's columns
+  return mm(s.softmax(-1).cast(dt).contiguous(), v).transpose(1, 2).reshape(B, T, H * v.shape[-1])

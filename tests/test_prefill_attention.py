@@ -19,7 +19,7 @@ from tinygrad import Tensor
 import evaluator.gate as gate
 import model.prefill as prefill
 from model.deepseek2 import Transformer
-from model.generate import Generator
+from model.generate import Generator, jit_kernels
 from model.gguf_file import GGUFFile
 from model.structure import ConfigError, StructureConfig
 from space.knobs import knobs
@@ -118,6 +118,8 @@ def test_decompressed_prefill_matches_decode_and_decode_reads_its_cache(tiny, re
   dec, P = Generator(Transformer(GGUFFile(tiny), DECOMPRESSED, max_context=32), chunk=8), len(PROMPT)
   assert (gate.rel_err(dec.prefill(PROMPT), reference.prompt_logits) < 1e-3).all()
   assert (gate.rel_err(dec.cache_rows(P), reference.cache) < 5e-3).all()
+  # the graph attends the keys of a chunk's index times the chunk (the tensor cores' condition, below)
+  assert any("(chunk_at*8+8)" in name for name, _ in jit_kernels(dec.prefill_jit))
   after = dec.step_logits(int(reference.tokens[P]), P)[None]
   assert (gate.rel_err(after, reference.logits[:1]) < 1e-3).all()
 
@@ -132,3 +134,23 @@ def test_gate_passes_decompressed_prefill_and_fails_it_a_key_off(tiny, reference
   monkeypatch.setattr(prefill, "causal_mask", lambda T, sp: Tensor.full((1, 1, T, sp + T), -np.inf).triu(sp + 2))
   c = gate.prefill_check(Generator(Transformer(f, DECOMPRESSED, max_context=32), chunk=8), reference, tol)
   assert not c["prefill_ok"] and c["prefill_max_rel_err"] > tol, c
+
+
+def test_decompressed_attention_multiplies_on_the_tensor_cores() -> None:
+  """At a chunk's position as the prefill graph gives it (model/generate.py: the chunk's index times the chunk), each
+  product over the keys (the decompressions, the scores, the probabilities by the values) is one float16 reduction
+  over a key count tinygrad knows to be a multiple of the chunk, which it renders on CUDA's tensor cores: a score as
+  two reductions (nope and rope) or a free position would leave them on the plain cores."""
+  from test_portable import kernels, render_source, renderer
+  from tinygrad import UOp, dtypes
+  from tinygrad.codegen.opt import tc
+  chunk, h, nope, rope, kvl, v = 32, 2, 32, 16, 64, 32
+  rng = np.random.default_rng(2)
+  x = lambda *s: Tensor(rng.standard_normal(s).astype(np.float32)).realize()
+  cache = x(1, 4 * chunk, kvl + rope)
+  at = UOp.variable("chunk_at", 0, 3).bind(2) * chunk
+  out = prefill.attention(x(1, chunk, h, nope), x(1, chunk, h, rope), cache[:, :at + chunk], x(h, kvl, nope),
+                          x(h, v, kvl), at, 0.3, dtypes.float16)
+  ren = renderer("CUDA")
+  ren.tensor_cores = tc.get_cuda("sm_90")
+  assert sum("__WMMA" in render_source(k, ren) for k in kernels(out)) == 4

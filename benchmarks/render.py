@@ -11,6 +11,7 @@ A table in the template is an HTML comment:
   where: kind=decode device~H100 "command~--set knobs" trial? layers!=47
   sort: layers -tok_s
   first: layers
+  top: 10
   empty: text rendered when no line matches (without it, a table that selects nothing is an error)
   | config | tok/s (min-max) | vs baseline |
   |---|---|---:|
@@ -20,10 +21,11 @@ A table in the template is an HTML comment:
 `where` keeps the lines whose fields match every term (field=value, field!=value, field~substring, field!~substring,
 field? for present);
 `sort` orders them by fields (-field: descending; otherwise file order), `first` keeps the first line per value of its
-fields. The header and alignment rows are copied, the last row is formatted for each line (Python format fields); a cell
-whose fields a line lacks (or holds null) is left empty. Besides a line's own fields: mb_per_token, X_gb and X_mb for
-each X_bytes, rank (the position in the table), vs_baseline (tok_s over that of the table's first `config` "baseline"
-line), vs_llama (tok_s over llama_cpp_tok_s) and vs_llama_prefill (prefill_tok_s over llama_cpp_prefill_tok_s).
+fields, and `top` the first N lines after that. The header and alignment rows are copied, the last row is formatted for
+each line (Python format fields); a cell whose fields a line lacks (or holds null) is left empty. Besides a line's own
+fields: mb_per_token, X_gb and X_mb for each X_bytes, rank (the position in the table), vs_baseline (tok_s over that of
+the table's first `config` "baseline" line), vs_llama (tok_s over llama_cpp_tok_s) and vs_llama_prefill (prefill_tok_s
+over llama_cpp_prefill_tok_s).
 """
 from __future__ import annotations
 
@@ -121,8 +123,8 @@ def table(spec: str, lines: list[dict[str, Any]]) -> str:
       key, _, value = r.partition(":")
       opts[key.strip()] = value.strip()
   name = f"the table with `where: {opts.get('where', '')}` and header {rows[0] if rows else '(none)'}"
-  if len(rows) != 3 or set(opts) - {"where", "sort", "first", "empty"}:
-    raise ValueError(f"bad spec of {name}: it needs where/sort/first/empty lines and three table rows (header, "
+  if len(rows) != 3 or set(opts) - {"where", "sort", "first", "top", "empty"}:
+    raise ValueError(f"bad spec of {name}: it needs where/sort/first/top/empty lines and three table rows (header, "
                      "alignment, format)")
   terms = shlex.split(opts.get("where", ""))
   sel = [x for x in lines if all(matches(x, t) for t in terms)]
@@ -136,6 +138,9 @@ def table(spec: str, lines: list[dict[str, Any]]) -> str:
     firsts: dict[tuple, dict[str, Any]] = {}
     for x in sel: firsts.setdefault(tuple(x.get(f) for f in keys), x)
     sel = list(firsts.values())
+  if top := opts.get("top"):
+    if not top.isdigit(): raise ValueError(f"bad spec of {name}: top needs a count, not {top!r}")
+    sel = sel[:int(top)]
   if not sel:
     if "empty" in opts: return opts["empty"] + "\n"
     raise ValueError(f"{name} selects no line of results.jsonl")

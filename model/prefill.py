@@ -172,7 +172,9 @@ def attention(q_nope: Tensor, q_pe: Tensor, rows: Tensor, k_b: Tensor, v_b: Tens
   k_nope = mm(c, k_b.cast(dt).contiguous()).cast(dt)  # (B, H, S, nope)
   k = k_nope.cat(k_pe.expand(B, H, S, k_pe.shape[-1]), dim=-1).contiguous()  # (B, H, S, nope + rope)
   v = mm(c, v_b.cast(dt).contiguous().transpose(-1, -2)).cast(dt).contiguous()  # (B, H, S, v_head)
-  q = q_nope.cat(q_pe, dim=-1).transpose(1, 2).cast(dt)  # (B, H, T, nope + rope)
+  # the queries a buffer too: in the model's graph the scores' kernel otherwise fuses their making (the rope) and falls
+  # off the tensor cores where the keys' count is a constant (a prompt of one chunk)
+  q = q_nope.cat(q_pe, dim=-1).transpose(1, 2).cast(dt).contiguous()  # (B, H, T, nope + rope)
   s = mm(q, k.transpose(-1, -2)) * scale + causal_mask(T, start_pos)
   # the probabilities a buffer of their own: a plain product by v, not a softmax recomputed per tile of v's columns
   return mm(s.softmax(-1).cast(dt).contiguous(), v).transpose(1, 2).reshape(B, T, H * v.shape[-1])

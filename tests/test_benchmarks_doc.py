@@ -39,6 +39,8 @@ DEEP = "| 3 | deep | 0.10x | 3000 |  |  |  |"
   ("where: kind=decode\nsort: layers -tok_s\nfirst: layers",
    ["| 1 | fast |  | 500 |  | a\\|b | 0.5 |", "| 2 | deep |  | 3000 |  |  |  |"]),
   ('where: "config~a" kind!=trial note? layers!~7', ["| 1 | fast |  | 500 |  | a\\|b | 0.5 |"]),
+  # the first N after the sort (a baseline left out: no vs_baseline)
+  ("where: kind=decode\nsort: -tok_s\ntop: 1", ["| 1 | fast |  | 500 |  | a\\|b | 0.5 |"]),
 ])
 def test_table_selects_orders_and_formats(opts, want):
   assert render.table(f"{opts}\n{ROWS}", LINES).splitlines() == ROWS.splitlines()[:2] + want
@@ -55,6 +57,7 @@ def test_a_table_that_selects_nothing_is_an_error_unless_it_says_what_to_print()
   with pytest.raises(ValueError, match="selects no line"): render.table(f"where: kind=gate\n{ROWS}", LINES)
   assert render.table(f"where: kind=gate\nempty: *none yet*\n{ROWS}", LINES) == "*none yet*\n"
   with pytest.raises(ValueError, match="bad"): render.table(f"where: kind=gate\nsrot: x\n{ROWS}", LINES)
+  with pytest.raises(ValueError, match="top needs a count"): render.table(f"where: kind=decode\ntop: x\n{ROWS}", LINES)
 
 
 def test_missing_names_the_absent_fields():

@@ -149,8 +149,9 @@ def test_decompressed_attention_multiplies_on_the_tensor_cores() -> None:
   x = lambda *s: Tensor(rng.standard_normal(s).astype(np.float32)).realize()
   cache = x(1, 4 * chunk, kvl + rope)
   at = UOp.variable("chunk_at", 0, 3).bind(2) * chunk
-  out = prefill.attention(x(1, chunk, h, nope), x(1, chunk, h, rope), cache[:, :at + chunk], x(h, kvl, nope),
-                          x(h, v, kvl), at, 0.3, dtypes.float16)
+  rotated = x(1, chunk, h, rope) * Tensor.arange(rope).cos()  # q's rope part as the model makes it, an expression
+  out = prefill.attention(x(1, chunk, h, nope), rotated, cache[:, :at + chunk], x(h, kvl, nope), x(h, v, kvl), at, 0.3,
+                          dtypes.float16)
   ren = renderer("CUDA")
   ren.tensor_cores = tc.get_cuda("sm_90")
   assert sum("__WMMA" in render_source(k, ren) for k in kernels(out)) == 4

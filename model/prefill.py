@@ -117,13 +117,13 @@ def _product(x: Tensor, w: QWeight, tile_expert: Tensor, used: Tensor, cfg: Stru
   (N, tile, _), dt = x.shape, dtype(cfg)
   if cfg.prefill_weights == "copied":
     return x.matmul(dequant(w, dt, tile_expert).transpose(-1, -2), dtype=dtypes.float32)
-  # every expert, by an index that reads the layer's routing (used >= 1, so min(used, 0) adds 0): the dequantisation
-  # runs after the routing, and its buffer is reused from layer to layer instead of every layer's living from the
-  # graph's start, as weight-only kernels would be scheduled (GLM-4.7-Flash: 2.4 GB a layer). The index expanded over
-  # the tile's rows before the gather: tinygrad then reads the weights inside the product instead of copying each
-  # tile's matrix out first
-  every = Tensor.arange(w.shape[0], dtype=dtypes.int32) + used.minimum(0)
-  wt = dequant(w, dt, every)[tile_expert.reshape(N, 1).expand(N, tile)]  # (N, tile, out, in)
+  # every expert, plus a zero read from the layer's routing (used >= 1, so min(used, 0) is 0): the dequantisation runs
+  # after the routing, and its buffer is reused from layer to layer instead of every layer's living from the graph's
+  # start, as weight-only kernels would be scheduled (GLM-4.7-Flash: 2.4 GB a layer). A value, not an index: a gather
+  # by a tensor would first copy every expert's quantised words. The index expanded over the tile's rows before the
+  # gather: tinygrad then reads the weights inside the product instead of copying each tile's matrix out first
+  every = (w.to_float().cast(dt) + used.minimum(0).cast(dt)).contiguous()
+  wt = every[tile_expert.reshape(N, 1).expand(N, tile)]  # (N, tile, out, in)
   return (x.unsqueeze(-2) * wt).sum(-1, dtype=dtypes.float32)
 
 
@@ -142,7 +142,9 @@ def moe(xn: Tensor, sel: Tensor, wts: Tensor, experts: Glu, shared: Glu | None, 
   act = (g.silu() * u).cast(x.dtype).contiguous()
   y = _product(act, experts.down, tile_expert, used, cfg).reshape(-1, D)
   out = (y[row].reshape(B, T, K, D) * wts.unsqueeze(-1)).sum(2)
-  return out if shared is None else out + glu(xn, shared, cfg)
+  # the shared expert's output a buffer of its own: its down product fused with the sum over the slots would be one
+  # kernel of two reductions, off the tensor cores
+  return out if shared is None else out + glu(xn, shared, cfg).contiguous()
 
 
 def causal_mask(T: int, start_pos: int | UOp) -> Tensor:

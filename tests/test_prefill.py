@@ -5,6 +5,7 @@ one. The prefill knobs' kernels and logits: tests/test_space.py (tests/knobcheck
 from __future__ import annotations
 
 import functools
+import pathlib
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from model.structure import StructureConfig
 QUANTS = ("q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "f16", "bf16", "f32")
 PROMPT = [(7919 * i + 17) % 1000 for i in range(12)]
 GROUPED = StructureConfig(prefill_ffn="grouped")
+CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks/configs"
 
 
 def routing(T: int, E: int, K: int) -> np.ndarray:
@@ -120,3 +122,27 @@ def test_a_trial_checks_its_prefill(tiny) -> None:
   assert r.ok and r.check["prefill_ok"], r.error
   assert 0 < r.check["prefill_max_rel_err"] <= r.check["prefill_tolerance"] == gate.FP16_TOL
   assert r.metrics["prefill_tok_s"] > 0
+
+
+def test_indexed_weights_are_read_in_place_and_multiplied_on_the_tensor_cores(gguf_file) -> None:
+  """The portable prompt config (dsl's word planes, indexed weights in float16): every expert dequantised once by a
+  kernel that reads the quantised words where they lie (a gather by a tensor would first copy them: a kernel writing
+  words), and each product over the chunk's rows (the routed experts' gate+up and down, the shared expert's) renders
+  on CUDA's tensor cores: the shared expert's output is a buffer apart from the sum over the slots, which would
+  otherwise make one kernel of two reductions."""
+  from test_portable import kernels, render_source, renderer
+  from tinygrad.codegen.opt import tc
+  cfg = StructureConfig.load(str(CONFIGS / "prefill-portable-indexed.json"))
+  m = Transformer(GGUFFile(gguf_file("tiny", "q4_0")), cfg, max_context=8, n_layers=2)
+  rng, T = np.random.default_rng(1), 32
+  moe, hp = m.blocks[1], m.hp
+  xn = Tensor(rng.standard_normal((1, T, hp.dim)).astype(np.float32)).realize()
+  sel = Tensor(routing(T, hp.n_experts, hp.n_used), dtype=dtypes.int32).realize()
+  w = Tensor(rng.random((1, T, hp.n_used)).astype(np.float32)).realize()
+  out = prefill.moe(xn, sel, w, Glu(moe.gate_exps, moe.up_exps, moe.gate_up_exps, moe.down_exps),
+                    Glu(moe.gate_sh, moe.up_sh, moe.gate_up_sh, moe.down_sh), hp.n_experts, cfg)
+  ren = renderer("CUDA")
+  ren.tensor_cores = tc.get_cuda("sm_90")
+  srcs = [render_source(k, ren) for k in kernels(out)]
+  assert not [s for s in srcs if "(unsigned int* data0" in s or "(uint* data0" in s]
+  assert sum("__WMMA" in s for s in srcs) == 4

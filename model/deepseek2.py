@@ -496,7 +496,9 @@ class Transformer:
                     if stage == "attention" and name.split(".")[-2] in catalog.ATTN_DENSE else (None, ""))
       if (knob and (fused := self.cfg.stage(stage)) and (act := getattr(self.cfg, knob)) != "float32"
           and quant not in (q8 := catalog.get(fused).q8_quants)):
-        raise ConfigError(f"{knob}={act} on {fused} needs {what} in {' or '.join(sorted(q8))}; {name} is {quant}")
+        kinds = sorted(q8)
+        raise ConfigError(f"{knob}={act} on {fused} needs {what} in {', '.join(kinds[:-1])} or {kinds[-1]}; {name} is "
+                          f"{quant}")
       w = QWeight.from_bytes(f.read(name), info.ggml_type, shape or info.shape, device)
       self.load_peak_bytes = max(self.load_peak_bytes, GlobalCounters.mem_used)
       if norm: return w.to_float().reshape(-1).contiguous().realize()

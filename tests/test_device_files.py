@@ -19,12 +19,12 @@ from model.quants import F32, Q4_0
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ROOT / "model" / "backends"
 # the generators left to move into device files (the gemv family: its products, their staging and epilogues)
-GENERATED = {"_words", "_k_quant", "_q6_k", "_q_0", "_f16", "unit_loads", "unit_dot", "unit_idot", "_unit_values",
-             "q8_code", "quantize_x", "x16_split", "quantize_x16", "unit_idot16", "block_rs", "stage_x", "stage_decl",
-             "load_xq", "load_xq16", "load_x", "prefetch_rows", "gemv", "group_setup", "expert_id", "kernel",
-             "_tile_body", "product", "rows", "dense", "absorb_rope_kv", "mla_vb", "router", "_down_defines", "glu",
-             "lane_sums", "_down_combine", "_down_routing", "_down_slots", "_down_units", "_down_handoff",
-             "_gemv_block", "quantize", "<module>"}
+GENERATED = {"_words", "_k_quant", "_k_quant32", "_q6_k32", "_q6_k", "_q_0", "_f16", "unit_loads", "unit_dot",
+             "unit_idot", "_unit_values", "q8_code", "quantize_x", "x16_split", "quantize_x16", "unit_idot16",
+             "block_rs", "stage_x", "stage_decl", "load_xq", "load_xq16", "load_x", "prefetch_rows", "gemv",
+             "group_setup", "expert_id", "kernel", "_tile_body", "product", "rows", "dense", "absorb_rope_kv", "mla_vb",
+             "router", "_down_defines", "glu", "lane_sums", "_down_combine", "_down_routing", "_down_slots",
+             "_down_units", "_down_handoff", "_gemv_block", "quantize", "<module>"}
 LAUNCH = {"device_kernel"}  # the signature's braces around a device file's body
 
 

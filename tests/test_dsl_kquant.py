@@ -73,11 +73,11 @@ def test_q8_input_against_k_quant_weights(gguf_file, quant: str) -> None:
 
 def test_a_k_quant_mix_offers_q8_activations_on_dsl() -> None:
   """A Q4_K_M mix (FFN weights Q4_K, Q5_K, Q6_K; the attention's dense ones Q5_K and Q8_0) offers ffn_act=q8 and
-  attn_act=q8 with their stages on dsl, on every device (native has no kernel for K-quants with 8-bit input; a Q4_0
-  file's change fuses native where it runs: tests/test_native.py)."""
-  for device in ("CPU", "CUDA", "METAL"):
+  attn_act=q8 with their stages on dsl where native does not run, and on native where it does, as a Q4_0 file's
+  (native's integer units of the K-quants: tests/test_native.py)."""
+  for device, b in (("CPU", "dsl"), ("CUDA", "native"), ("METAL", "dsl")):
     on = {k.name: k.enable for k in knobs(mix_info("q4_k_m"), device) if k.name in ("ffn_act", "attn_act")}
-    assert on == {"ffn_act": (("fused.moe", "dsl"),), "attn_act": (("fused.attention", "dsl"),)}, device
+    assert on == {"ffn_act": (("fused.moe", b),), "attn_act": (("fused.attention", b),)}, device
 
 
 def test_q8_activations_on_a_k_quant_mix(gguf_file) -> None:

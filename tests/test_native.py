@@ -92,20 +92,21 @@ def kind(name: str) -> str:
 
 
 def test_native_sources_compile_for_ampere_and_hopper(glm_shape, gguf_file, monkeypatch) -> None:
-  """Every native kernel a decode step of GLM-4.7-Flash's shape builds (Q4_0 and the Q4_K_M mix, all stages fused and
-  the per-op products), of the tiny-lite preset (direct q, softmax router, two shared experts), the multi-token
-  products of each type and the prompt's kernels, compiles with NVIDIA's runtime compiler as tinygrad compiles it on
-  the GPU: every distinct source for sm_90, and one of each kind (role and variant) for sm_80 and in the step
-  timeline's build (STAMP), which differ from sm_90 only in the preprocessor branches of the helpers
-  (cuda/common.cuh). Two threads compile at once (NVRTC compiles separate programs concurrently); this runs on any
-  Linux machine."""
+  """Every native kernel a decode step of GLM-4.7-Flash's shape builds (Q4_0 and the Q4_K_M mix, all stages fused, with
+  float and integer activations, and the per-op products), of the tiny-lite preset (direct q, softmax router, two shared
+  experts), the multi-token products of each type and the prompt's kernels, compiles with NVIDIA's runtime compiler as
+  tinygrad compiles it on the GPU: every distinct source for sm_90, and one of each kind (role and variant) for sm_80
+  and in the step timeline's build (STAMP), which differ from sm_90 only in the preprocessor branches of the helpers
+  (cuda/common.cuh). Two threads compile at once (NVRTC compiles separate programs concurrently); this runs on any Linux
+  machine."""
   hopper, ampere = (nvrtc(arch) for arch in ("sm_90", "sm_80"))
   kernels = [k
              for path,
              cfg in ((glm_shape("q4_0"), ALL_NATIVE), (glm_shape("q4_0"), ALL_NATIVE | {"ffn_act": "q8", "attn_act":
                                                                                             "q8"}),
                      (glm_shape("q4_0"), ALL_NATIVE | {"attn_layout": "all_heads"}),
-                     (glm_shape("q4_k_m"), ALL_NATIVE), (
+                     (glm_shape("q4_k_m"), ALL_NATIVE),
+                     (glm_shape("q4_k_m"), ALL_NATIVE | {"ffn_act": "x16", "attn_act": "q8"}), (
                  gguf_file("tiny-lite", "q4_0"), ALL_NATIVE), (
                      glm_shape("q4_k_m"), StructureConfig(
                          backends={f"{q}:{r}": "native" for q in ("Q4_K", "Q5_K", "Q6_K", "Q8_0") for r in (
@@ -184,14 +185,14 @@ def test_glu_runs_a_block_per_row_block(act: str, handoff: bool) -> None:
   assert "blockIdx.y" not in k.src and f"by = blockIdx.x < {2816 // rows} ? 6 : " in k.src
 
 
-@pytest.mark.parametrize("quant", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("quant", ["Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_q8_kernels_compute_the_dsl_twins_rounding(quant: str) -> None:
   """ffn_act=q8: the native glu and down kernels (in the emulator) equal float products of the activations rounded by
   the dsl twin's q8_round. Down reads its input as given, so it matches to float rounding; glu normalises first, and a
   value whose norm differs by an ulp may round to the neighbouring 8-bit step (one element of one row: ~1e-3 of the
-  row)."""
+  row). K-quants in units of 32, one scale (and min) group each (cuda_src.IUNITS), as the activations' units."""
   from model.backends.dsl import q8_round
-  t, dim, F, E, K, Fs = TYPES[quant], 256, 64, 8, 2, 128
+  t, dim, F, E, K, Fs = TYPES[quant], 256, *((64, 8, 2, 128) if quant in ("Q4_0", "Q8_0") else (256, 8, 2, 256))
   routed, plain, ((g, gw), (u, uw), (sg, sgw), (su, suw)), x, gamma = _glu_case(t, 3, dim, F, E, Fs)
   (d, dw), (sd, sdw) = kernel_weight(t, (E, dim, F), 5), kernel_weight(t, (dim, Fs), 6)
   sel, wts = np.array([3, 7], np.int32), np.array([0.6, 0.4], np.float32)
@@ -200,7 +201,7 @@ def test_q8_kernels_compute_the_dsl_twins_rounding(quant: str) -> None:
   act = np.zeros(K * F + Fs, np.float32)
   launch_kernel(k.src, k.name, k.grid, (k.threads, 1, 1), [act, x, gamma, sel, *g, *u, *sg, *su])
   xn = q8(x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-5) * gamma)
-  silu = lambda a: a / (1 + np.exp(-a))
+  silu = lambda a: a * 0.5 * (1 + np.tanh(a / 2))  # SiLU, without exp overflowing on large K-quant sums
   want = np.concatenate([silu(gw[e] @ xn) * (uw[e] @ xn) for e in sel] + [silu(sgw @ xn) * (suw @ xn)])
   assert rel_err(act[None], want[None]).max() < 3e-3
   k = cuda_src.down(routed, plain, K, dim, act="q8")
@@ -214,7 +215,7 @@ def test_q8_kernels_compute_the_dsl_twins_rounding(quant: str) -> None:
   assert rel_err(out[None], want[None]).max() > 1e-4, "q8 activations compute what float32 ones do"
 
 
-@pytest.mark.parametrize("quant", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("quant", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_x16_glu_holds_its_input_to_16_bits(quant: str) -> None:
   """ffn_act=x16: glu stages its normalised input as two 8-bit planes and dots both with the codes in integers. It stays
   within 2e-3 of the float products (it measures 3-4e-4 here; the float32 form 3e-6, the 8-bit one 5-8e-2, and one
@@ -223,7 +224,7 @@ def test_x16_glu_holds_its_input_to_16_bits(quant: str) -> None:
   routed, plain, ((g, gw), (u, uw), (sg, sgw), (su, suw)), x, gamma = _glu_case(t, 4, dim, F, E, Fs)
   sel = np.array([5, 1], np.int32)
   xf = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-5) * gamma
-  silu = lambda a: a / (1 + np.exp(-a))
+  silu = lambda a: a * 0.5 * (1 + np.tanh(a / 2))  # SiLU, without exp overflowing on large K-quant sums
   glu = lambda v: np.concatenate([silu(gw[e] @ v) * (uw[e] @ v) for e in sel] + [silu(sgw @ v) * (suw @ v)])
   got = {}
   for form in ("x16", "f32"):
@@ -236,14 +237,15 @@ def test_x16_glu_holds_its_input_to_16_bits(quant: str) -> None:
 
 
 @pytest.mark.parametrize("form", ["q8", "x16"])
-@pytest.mark.parametrize("quant,Fs,R", [("Q4_0", 128, 4), ("Q8_0", 64, 4), ("Q4_0", 0, 4), ("Q4_0", 128, 2)])
+@pytest.mark.parametrize("quant,Fs,R", [("Q4_0", 128, 4), ("Q8_0", 64, 4), ("Q4_0", 0, 4), ("Q4_0", 128, 2),
+                                        ("Q4_K", 256, 4), ("Q5_K", 256, 4), ("Q6_K", 256, 4)])
 def test_glu_hands_down_its_output(quant: str, Fs: int, R: int, form: str) -> None:
   """With 8- or 16-bit activations, glu writes its output as down reads it (q8: words of codes, scales and sums per 32;
   x16: words of codes, words of remainders, scales and float sums): the values it holds are the dsl twin's rounding of
   the float output (q8_round, x16_round), and down computes from them what it computes from the floats in that form;
   also with R rows a group of 2 (blocks of twice the warps: native.handoff_rows)."""
   from model.backends.dsl import act_round
-  t, rng, dim, F, E, K = TYPES[quant], np.random.default_rng(9), 256, 64, 8, 2
+  t, rng, dim, F, E, K = TYPES[quant], np.random.default_rng(9), 256, 64 if quant in ("Q4_0", "Q8_0") else 256, 8, 2
   W = lambda inp: cuda_src.W("", t, inp)
   routed, plain = (cuda_src.FFN(W(dim), W(dim), W(F), F, E, F, 0), Fs
                    and cuda_src.FFN(W(dim), W(dim), W(Fs), Fs, 0, Fs, 0) or None)
@@ -571,7 +573,7 @@ def test_the_head_folds_the_final_norm(quant: str, rows: int, form: str) -> None
   assert err < (1e-3 if form == "x16" else 1e-5), err
 
 
-@pytest.mark.parametrize("mix", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("mix", ["q4_0", "q8_0", "q4_k_m"])
 def test_q8_attention_input_in_the_cpu_emulator(gguf_file, monkeypatch, mix: str) -> None:
   """attn_act=q8: the fused attention's dense products (q_a and kv_a with the norm, q_b with q_a's norm, the output
   projection with the residual) stage their input in 8 bits in blocks of Q8_WARPS warps and dot it in integers. The
@@ -600,21 +602,20 @@ def test_q8_attention_input_in_the_cpu_emulator(gguf_file, monkeypatch, mix: str
 
 def test_q8_activations_need_a_fused_ffn_stage_and_integer_codes(gguf_file, monkeypatch) -> None:
   with pytest.raises(ConfigError, match="fused FFN stages only"): StructureConfig(ffn_act="q8")
-  with native_on_cpu(monkeypatch), pytest.raises(ConfigError, match="ffn_act=q8 on native needs the fused moe stage's "
-                                                  "weights in Q4_0 or Q8_0; blk.1.ffn_gate_exps.weight is Q4_K"):
-    Transformer(GGUFFile(gguf_file("tiny", "q4_k")), StructureConfig(fused={"moe": "native"}, ffn_act="q8"),
+  kinds = "Q4_0, Q4_K, Q5_K, Q6_K or Q8_0"
+  with native_on_cpu(monkeypatch), pytest.raises(ConfigError, match=f"ffn_act=q8 on native needs the fused moe stage's "
+                                                  f"weights in {kinds}; blk.1.ffn_gate_exps.weight is F16"):
+    Transformer(GGUFFile(gguf_file("tiny", "f16")), StructureConfig(fused={"moe": "native"}, ffn_act="q8"),
                 max_context=16)
-  # a K-quant mix: offered on dsl only, where native has no kernel (tests/test_dsl_kquant.py runs it on dsl)
+  # a K-quant mix as Q4_0: native dots its types in integers too (cuda_src.IUNITS)
   on = lambda mix, name: next((k.enable for k in knobs(mix_info(mix), "CUDA") if k.name == name), None)
-  assert on("q4_0", "ffn_act") == on("q8_0", "ffn_act") == (("fused.moe", "native"),)
-  assert on("q4_k_m", "ffn_act") == (("fused.moe", "dsl"),)
+  assert on("q4_0", "ffn_act") == on("q8_0", "ffn_act") == on("q4_k_m", "ffn_act") == (("fused.moe", "native"),)
   with pytest.raises(ConfigError, match="fused attention stage only"): StructureConfig(attn_act="q8")
-  with native_on_cpu(monkeypatch), pytest.raises(ConfigError, match="attn_act=q8 on native needs the attention's dense "
-                                                  "weights in Q4_0 or Q8_0; blk.0.attn_q_a.weight is Q4_K"):
-    Transformer(GGUFFile(gguf_file("tiny", "q4_k")), StructureConfig(fused={"attention": "native"}, attn_act="q8"),
+  refusal = f"attn_act=q8 on native needs the attention's dense weights in {kinds}; blk.0.attn_q_a.weight is F16"
+  with native_on_cpu(monkeypatch), pytest.raises(ConfigError, match=refusal):
+    Transformer(GGUFFile(gguf_file("tiny", "f16")), StructureConfig(fused={"attention": "native"}, attn_act="q8"),
                 max_context=16)
-  assert on("q4_0", "attn_act") == (("fused.attention", "native"),)
-  assert on("q4_k_m", "attn_act") == (("fused.attention", "dsl"),)
+  assert on("q4_0", "attn_act") == on("q4_k_m", "attn_act") == (("fused.attention", "native"),)
 
 
 @pytest.mark.skipif(native.available(), reason="checks the refusal where native cannot run")

@@ -78,7 +78,7 @@ def test_the_embedding_is_its_backends_in_the_cpu_emulator(gguf_file, monkeypatc
   assert_close("native dense products and embedding", got, base, 2e-2)
 
 
-@pytest.mark.parametrize("mix", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("mix", ["q4_0", "q8_0", "q4_k_m"])
 def test_q8_activations_in_the_cpu_emulator(gguf_file, monkeypatch, mix: str) -> None:
   """ffn_act=q8 on the fused FFN stages, native (emulated) and dsl, in a model: decode logits near the baseline's and
   its top token where decisive. 8-bit activations are llama.cpp's arithmetic, not a float reordering: on this 3-block
@@ -91,7 +91,7 @@ def test_q8_activations_in_the_cpu_emulator(gguf_file, monkeypatch, mix: str) ->
   assert_close("dsl, q8", jit_logits(path, cfg("dsl").to_json()), base, 2 * FP16_TOL)
 
 
-@pytest.mark.parametrize("mix", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("mix", ["q4_0", "q8_0", "q4_k_m"])
 def test_x16_activations_in_the_cpu_emulator(gguf_file, monkeypatch, mix: str) -> None:
   """ffn_act=x16 on the fused FFN stages, native (emulated) and dsl (x16_round), in a model: decode logits within the
   float tolerance of the baseline's (the gate checks x16 configs against the baseline at FP32_TOL), where q8 moves them

@@ -68,7 +68,7 @@ CATALOG: dict[str, Row] = {r.name: r for r in (
       precision="fp16"),
   Row("dsl", "model.backends.dsl", "tinygrad UOp custom kernels that read the planes", stages=frozenset(STAGES)),
   Row("native", "model.backends.native", "CUDA C generated per GGUF type, run inside tinygrad's CUDA graphs",
-      stages=frozenset(STAGES), devices=("CUDA",), twin="dsl", scratch=True, q8_quants=frozenset(("Q4_0", "Q8_0"))),
+      stages=frozenset(STAGES), devices=("CUDA",), twin="dsl", scratch=True),
 )}
 DEFAULT = "tensor"  # computes every product the config names no backend for
 FP16 = "fp16_cache"  # computes the products of weights held as fp16 matrices (an absorbed q projection)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from model.quants import BF16, F16, F32, LAYOUTS, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, QUANT_TYPES
@@ -91,12 +91,15 @@ class Unit:
   groups: tuple[tuple[str | None, str | None, tuple[tuple[int, str], ...]], ...]
   xbase: str  # C: the row offset of element 0 of unit {u}
   xoff: Callable[[int], int]  # element -> offset from xbase
-  # integer dot products with 8-bit activations (types whose codes are bytes or nibbles of one scale): (C int of 4
-  # codes, the index of the 4 activations' word) per dp4a, the scale, and the codes' offset (the value of a code c is c
-  # + ioff)
+  # integer dot products with 8-bit activations (types whose codes are bytes or nibbles of a scale per group): (C int
+  # of 4 codes, the index of the 4 activations' word) per dp4a, the scale, and the codes' offset (the value of a code c
+  # is c + ioff); igroups: where the unit's groups have scales of their own, (scale, first word, words) each; imin: the
+  # unit's min (value = scale * code + imin), for the types that have one
   idot: tuple[tuple[str, int], ...] = ()
   iscale: str = ""
   ioff: int = 0
+  igroups: tuple[tuple[str, int, int], ...] = ()
+  imin: str = ""
 
   @property
   def quantized(self) -> bool: return self.groups[0][0] is not None
@@ -174,27 +177,82 @@ UNITS: dict[int, Unit] = {Q4_0: _q_0(4), Q8_0: _q_0(8), Q4_K: _k_quant(qh=False)
                                     lambda e: e)}
 
 
+def _k_quant32(qh: bool) -> Unit:
+  """Q4_K (Q5_K) as units of 32, one group g of a block each, for the integer dot products: the codes of group g are
+  the low (g even) or high nibbles of qs bytes 32(g >> 1).. (with the fifth bits, bit g of qh byte e), so the
+  activations' units of 32 meet the weight's one to one."""
+  ql, qd = _words("q", f"{_b('qs')} + b * 128 + (g >> 1) * 32", 2)
+  hl, hd = _words("qh", f"{_b('qh')} + b * 32", 2) if qh else ((), "")
+  loads = (("unsigned short", "dh", f"{_b('d')} + b * 2"), ("unsigned short", "mh", f"{_b('dmin')} + b * 2"),
+           *(("unsigned", f"sw{i}", f"{_b('sc')} + b * 12 + {4 * i}") for i in range(3)), *ql, *hl)
+  decode = ("const float d = h2f(dh), dmin = h2f(mh); const unsigned sw[3] = {sw0, sw1, sw2};"
+            " const float sc = d * (float)(g < 4 ? BYTE(sw, g) & 63u"
+            " : (BYTE(sw, g + 4) & 15u) | ((BYTE(sw, g - 4) >> 6) << 4)),"
+            " mn = dmin * (float)(g < 4 ? BYTE(sw, g + 4) & 63u : (BYTE(sw, g + 4) >> 4) | ((BYTE(sw, g) >> 6) << 4)); "
+            + qd + " " + hd)
+  fifth = lambda m: f" | (((qh[{m}] >> g) & 0x01010101u) << 4)" if qh else ""
+  words = [f"(((q[{m}] >> (4 * (g & 1))) & 0x0F0F0F0Fu){fifth(m)})" for m in range(8)]
+  codes = tuple((e, f"MAGB({words[e >> 2]}, {e & 3})") for e in range(32))
+  return Unit(32, "const size_t b = row * $NB + (u >> 3); const int g = u & 7;", loads, decode, (("sc", "-mn", codes),),
+              "{u} * 32", lambda e: e, tuple((f"(int){w}", m) for m, w in enumerate(words)), "sc", imin="-mn")
+
+
+def _q6_k32() -> Unit:
+  """Q6_K as units of 32, quarter k of half hh of a block each, for the integer dot products: its codes are the low
+  (k < 2) or high nibbles of ql bytes 64hh + 32(k & 1).., their high 2 bits at bits 2k of qh bytes 32hh..; an int8
+  scale per 16 elements (two groups a unit), codes offset by -32."""
+  ll, ld = _words("l", f"{_b('ql')} + b * 128 + hh * 64 + (k & 1) * 32", 2)
+  hl, hd = _words("hb", f"{_b('qh')} + b * 64 + hh * 32", 2)
+  loads = (("unsigned short", "dh", f"{_b('d')} + b * 2"),
+           ("unsigned short", "sh", f"{_b('sc')} + b * 16 + hh * 8 + k * 2"), *ll, *hl)
+  decode = ("const float d = h2f(dh), s0 = d * (float)(signed char)(sh & 255u),"
+            f" s1 = d * (float)(signed char)(sh >> 8); {ld} {hd}")
+  words = [f"(((l[{m}] >> (4 * (k >> 1))) & 0x0F0F0F0Fu) | (((hb[{m}] >> (2 * k)) & 0x03030303u) << 4))"
+           for m in range(8)]
+  code = lambda e: f"MAGB({words[e >> 2]}, {e & 3})"
+  groups = (("s0", "-32.f * s0", tuple((e, code(e)) for e in range(16))),
+            ("s1", "-32.f * s1", tuple((e, code(e)) for e in range(16, 32))))
+  return Unit(32, "const size_t b = row * $NB + (u >> 3); const int hh = (u >> 2) & 1, k = u & 3;", loads, decode,
+              groups, "{u} * 32", lambda e: e, tuple((f"(int){w}", m) for m, w in enumerate(words)), ioff=-32,
+              igroups=(("s0", 0, 4), ("s1", 4, 4)))
+
+
+# the units of the types whose UNITS are wider than the activations' 32, as the integer dot products read them (W with
+# `integer`): one unit of 32 activations against one of 32 codes
+IUNITS: dict[int, Unit] = {Q4_K: _k_quant32(qh=False), Q5_K: _k_quant32(qh=True), Q6_K: _q6_k32()}
+
+
 @dataclass(frozen=True)
 class W:
-  """A weight argument of a kernel: its planes are params `<prefix><plane>`; rows of `inp` elements."""
+  """A weight argument of a kernel: its planes are params `<prefix><plane>`; rows of `inp` elements. integer: read in
+  the units of its integer dot products (IUNITS, where its type has them)."""
   prefix: str
   ggml_type: int
   inp: int
+  integer: bool = False
 
   @property
-  def unit(self) -> Unit: return UNITS[self.ggml_type]
+  def unit(self) -> Unit:
+    return IUNITS.get(self.ggml_type, UNITS[self.ggml_type]) if self.integer else UNITS[self.ggml_type]
   @property
   def units(self) -> int: return self.inp // self.unit.elems
   @property
   def nb(self) -> int: return self.inp // QUANT_TYPES[self.ggml_type].block
   @property
-  def group_lanes(self) -> int: return min(32, 1 << (self.units - 1).bit_length())
+  def group_lanes(self) -> int:
+    """The lanes of a row group, by the type's own units (the same in integer units, each lane taking more)."""
+    return min(32, 1 << (self.inp // UNITS[self.ggml_type].elems - 1).bit_length())
   @property
   def params(self) -> list[str]:
     return [f"const {ct}* __restrict__ {self.prefix}{n}" for n, ct in plane_types(self.ggml_type)]
 
   def fill(self, c: str) -> str:
     return c.replace("$NB", str(self.nb)).replace("$IN", str(self.inp)).replace("$", self.prefix)
+
+
+def integer(w: W, act: str) -> W:
+  """w as a product with activations in `act` reads it: in its integer dot products' units for q8 and x16."""
+  return replace(w, integer=act != "f32")
 
 
 def plane_types(ggml_type: int) -> tuple[tuple[str, str], ...]:
@@ -233,9 +291,18 @@ def unit_idot(w: W, row: str, u: str, xq: Callable[[int], str], dx: str, sq: str
   """C: acc += (unit u of weight row `row`) . x with x quantized to 8 bits (xq(m): the int of activations 4m..4m+3, dx
   their scale, sq the sum of their ints): the dot product in integers (codes with their offset), then the two scales."""
   un = w.unit
+  if un.igroups:  # a scale per group: each group's dot, its codes' offset by its activations' sum (a dp4a with ones)
+    parts = []
+    for g, (scale, first, n) in enumerate(un.igroups):
+      dots = " ".join(f"i{g} = __dp4a({c}, {xq(m)}, i{g}); z{g} = __dp4a({xq(m)}, 0x01010101, z{g});"
+                      for c, m in un.idot[first:first + n])
+      parts.append(f"int i{g} = 0, z{g} = 0; {dots} {acc} += ({scale} * {dx}) * (float)(i{g} + {un.ioff} * z{g});")
+    return f"{{ {_unit_values(w, row, u, tag)} {' '.join(parts)} }}"
   dots = " ".join(f"isum = __dp4a({c}, {xq(m)}, isum);" for c, m in un.idot)
   off = f" isum += {un.ioff} * {sq};" if un.ioff else ""
-  return f"{{ {_unit_values(w, row, u, tag)} int isum = 0; {dots}{off} {acc} += ({un.iscale} * {dx}) * (float)isum; }}"
+  mn = f" {acc} += ({un.imin} * {dx}) * (float){sq};" if un.imin else ""
+  return (f"{{ {_unit_values(w, row, u, tag)} int isum = 0; {dots}{off} {acc} += ({un.iscale} * {dx}) * (float)isum;"
+          f"{mn} }}")
 
 
 def _unit_values(w: W, row: str, u: str, tag: str) -> str:
@@ -296,10 +363,20 @@ def unit_idot16(w: W, row: str, u: str, i: int, acc: str, tag: str) -> str:
   """C: acc += (unit u of weight row `row`) . x with x in quantize_x16's two planes (group sum xs<i>_0 for the codes'
   offset)."""
   un = w.unit
+  if un.igroups:  # a scale per group: its codes' offset by the sums of its activations' two planes (dp4a with ones)
+    parts = []
+    for g, (scale, first, n) in enumerate(un.igroups):
+      dots = " ".join(f"ih{g} = __dp4a({c}, xh{i}[{m}], ih{g}); il{g} = __dp4a({c}, xl{i}[{m}], il{g});"
+                      f" zh{g} = __dp4a(xh{i}[{m}], 0x01010101, zh{g}); zl{g} = __dp4a(xl{i}[{m}], 0x01010101, zl{g});"
+                      for c, m in un.idot[first:first + n])
+      parts.append(f"int ih{g} = 0, il{g} = 0, zh{g} = 0, zl{g} = 0; {dots} {acc} = fmaf({scale}, fmaf(dh{i}, "
+                   f"(float)(ih{g} + {un.ioff} * zh{g}), dl{i} * (float)(il{g} + {un.ioff} * zl{g})), {acc});")
+    return f"{{ {_unit_values(w, row, u, tag)} {' '.join(parts)} }}"
   dots = " ".join(f"ih = __dp4a({c}, xh{i}[{m}], ih); il = __dp4a({c}, xl{i}[{m}], il);" for c, m in un.idot)
   off = f" + {float(un.ioff)!r}f * xs{i}_0" if un.ioff else ""
+  mn = f" {acc} = fmaf({un.imin}, xs{i}_0, {acc});" if un.imin else ""
   return (f"{{ {_unit_values(w, row, u, tag)} int ih = 0, il = 0; {dots}"
-          f" {acc} = fmaf({un.iscale}, fmaf(dh{i}, (float)ih, fmaf(dl{i}, (float)il, 0.f){off}), {acc}); }}")
+          f" {acc} = fmaf({un.iscale}, fmaf(dh{i}, (float)ih, fmaf(dl{i}, (float)il, 0.f){off}), {acc});{mn} }}")
 
 
 def sx_at(k: str) -> str:
@@ -462,6 +539,7 @@ def gemv(comps: list[tuple[W, str, str]], xp: str, rows: int, R: int, epilogue: 
   the kernel's inputs): the kernel's GRID_WAIT goes between the first chunk's weight reads and the prologue, so the
   reads are in flight while the kernels before it finish."""
   assert early or not wait, "the wait follows the early reads"
+  comps = [(integer(w, act), row, a) for w, row, a in comps]
   w0 = comps[0][0]
   assert all((w.inp, w.unit.elems) == (w0.inp, w0.unit.elems)
              for w, _, _ in comps), ("components of one gemv share the input " "layout")
@@ -1237,7 +1315,7 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
   name += (f"_in{act_in}" if act_in != "f32" else "") + (f"_route_{route.tag}" if route else "")
   kr = k if r else 0
   m = plain.hidden // Fv if p else 0  # virtual slots of the plain FFN
-  U = Fv // UNITS[ty].elems
+  U = Fv // integer(W("", ty, Fv), act).unit.elems
   P = (kr + m) * U
   threads = min(512, 128 * -(-P // 128))
   R, J = DOWN_ROWS[threads > 256 and act_in == "f32"], -(-P // threads)
@@ -1246,7 +1324,7 @@ def _down_units(routed: FFN | None, plain: FFN | None, k: int, dim: int, act: st
   params += (rparams + r.down.params if r else []) + (p.down.params if p else [])
   body = [f"const int obase = blockIdx.x * {R}, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;", choose,
           " ".join(f"float acc{i} = 0.f; const int o{i} = min(obase + {i}, {dim - 1});" for i in range(R))]
-  loads, ws, rows = [], [W(f"j{j}_", ty, Fv) for j in range(J)], []
+  loads, ws, rows = [], [integer(W(f"j{j}_", ty, Fv), act) for j in range(J)], []
   for j, w in enumerate(ws):
     sj = f"s{j}"
     sel_planes = " ".join(f"const {ct}* __restrict__ j{j}_{n} = "

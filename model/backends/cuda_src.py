@@ -108,24 +108,28 @@ class Unit:
 def _b(plane: str) -> str: return f"(const unsigned char*)${plane}"
 
 
+# a K-quant block's scales and mins (Q4_K, Q5_K): its d and dmin, its 12 bytes of 6-bit scales and mins as 3 words
+# (loads), and group g's scale and min from them as ggml's get_scale_min_k4 (C, with d, dmin, sw and g in scope)
+_K_LOADS = (("unsigned short", "dh", f"{_b('d')} + b * 2"), ("unsigned short", "mh", f"{_b('dmin')} + b * 2"),
+            *(("unsigned", f"sw{i}", f"{_b('sc')} + b * 12 + {4 * i}") for i in range(3)))
+_K_HEAD = "const float d = h2f(dh), dmin = h2f(mh); const unsigned sw[3] = {sw0, sw1, sw2};"
+_K_SCALE = "d * (float)(g < 4 ? BYTE(sw, g) & 63u : (BYTE(sw, g + 4) & 15u) | ((BYTE(sw, g - 4) >> 6) << 4))"
+_K_MIN = "dmin * (float)(g < 4 ? BYTE(sw, g + 4) & 63u : (BYTE(sw, g + 4) >> 4) | ((BYTE(sw, g) >> 6) << 4))"
+
+
 def _k_quant(qh: bool) -> Unit:
   """Q4_K, or Q5_K with its fifth bits (bit g of qh byte e for element e of group g). Unit j of a block: qs bytes 32j..
   hold group 2j (low nibbles) and 2j+1 (high); 6-bit scales and mins as ggml's get_scale_min_k4."""
   fifth = lambda h: f" | (((BYTE(qh, {{e}}) >> (2 * j + {h})) & 1u) << 4)" if qh else ""
   ql, qd = _words("q", f"{_b('qs')} + b * 128 + j * 32", 2)
   hl, hd = _words("qh", f"{_b('qh')} + b * 32", 2) if qh else ((), "")
-  loads = (("unsigned short", "dh", f"{_b('d')} + b * 2"), ("unsigned short", "mh", f"{_b('dmin')} + b * 2"),
-           *(("unsigned", f"sw{i}", f"{_b('sc')} + b * 12 + {4 * i}") for i in range(3)), *ql, *hl)
-  decode = ("const float d = h2f(dh), dmin = h2f(mh); const unsigned sw[3] = {sw0, sw1, sw2}; float sc[2], mn[2];"
-            " for (int h = 0; h < 2; h++) { const int g = 2 * j + h;"
-            " sc[h] = d * (float)(g < 4 ? BYTE(sw, g) & 63u : (BYTE(sw, g + 4) & 15u) | ((BYTE(sw, g - 4) >> 6) << 4));"
-            " mn[h] = dmin * (float)(g < 4 ? BYTE(sw, g + 4) & 63u : (BYTE(sw, g + 4) >> 4) | ((BYTE(sw, g) >> 6) << "
-            "4)); } " + qd + " " + hd)
+  decode = (f"{_K_HEAD} float sc[2], mn[2]; for (int h = 0; h < 2; h++) {{ const int g = 2 * j + h; sc[h] = {_K_SCALE};"
+            f" mn[h] = {_K_MIN}; }} {qd} {hd}")
   groups = tuple((f"sc[{h}]", f"-mn[{h}]",
                   tuple((32 * h + e, f"MAG((BYTE(q, {e}) {'& 15u' if h == 0 else '>> 4'}){fifth(h).format(e=e)})")
                                                for e in range(32))) for h in range(2))
-  return Unit(64, "const size_t b = row * $NB + (u >> 2); const int j = u & 3;", loads, decode, groups, "{u} * 64",
-              lambda e: e)
+  return Unit(64, "const size_t b = row * $NB + (u >> 2); const int j = u & 3;", (*_K_LOADS, *ql, *hl), decode, groups,
+              "{u} * 64", lambda e: e)
 
 
 def _q6_k() -> Unit:
@@ -183,18 +187,13 @@ def _k_quant32(qh: bool) -> Unit:
   activations' units of 32 meet the weight's one to one."""
   ql, qd = _words("q", f"{_b('qs')} + b * 128 + (g >> 1) * 32", 2)
   hl, hd = _words("qh", f"{_b('qh')} + b * 32", 2) if qh else ((), "")
-  loads = (("unsigned short", "dh", f"{_b('d')} + b * 2"), ("unsigned short", "mh", f"{_b('dmin')} + b * 2"),
-           *(("unsigned", f"sw{i}", f"{_b('sc')} + b * 12 + {4 * i}") for i in range(3)), *ql, *hl)
-  decode = ("const float d = h2f(dh), dmin = h2f(mh); const unsigned sw[3] = {sw0, sw1, sw2};"
-            " const float sc = d * (float)(g < 4 ? BYTE(sw, g) & 63u"
-            " : (BYTE(sw, g + 4) & 15u) | ((BYTE(sw, g - 4) >> 6) << 4)),"
-            " mn = dmin * (float)(g < 4 ? BYTE(sw, g + 4) & 63u : (BYTE(sw, g + 4) >> 4) | ((BYTE(sw, g) >> 6) << 4)); "
-            + qd + " " + hd)
+  decode = f"{_K_HEAD} const float sc = {_K_SCALE}, mn = {_K_MIN}; {qd} {hd}"
   fifth = lambda m: f" | (((qh[{m}] >> g) & 0x01010101u) << 4)" if qh else ""
   words = [f"(((q[{m}] >> (4 * (g & 1))) & 0x0F0F0F0Fu){fifth(m)})" for m in range(8)]
   codes = tuple((e, f"MAGB({words[e >> 2]}, {e & 3})") for e in range(32))
-  return Unit(32, "const size_t b = row * $NB + (u >> 3); const int g = u & 7;", loads, decode, (("sc", "-mn", codes),),
-              "{u} * 32", lambda e: e, tuple((f"(int){w}", m) for m, w in enumerate(words)), "sc", imin="-mn")
+  return Unit(32, "const size_t b = row * $NB + (u >> 3); const int g = u & 7;", (*_K_LOADS, *ql, *hl), decode,
+              (("sc", "-mn", codes),), "{u} * 32", lambda e: e, tuple((f"(int){w}", m) for m, w in enumerate(words)),
+              "sc", imin="-mn")
 
 
 def _q6_k32() -> Unit:

@@ -177,6 +177,20 @@ def attention(q_nope: Tensor, q_pe: Tensor, rows: Tensor, k_b: Tensor, v_b: Tens
   # the queries a buffer too: in the model's graph the scores' kernel otherwise fuses their making (the rope) and falls
   # off the tensor cores where the keys' count is a constant (a prompt of one chunk)
   q = q_nope.cat(q_pe, dim=-1).transpose(1, 2).cast(dt).contiguous()  # (B, H, T, nope + rope)
-  s = mm(q, k.transpose(-1, -2)) * scale + causal_mask(T, start_pos)
+  s = mm(k, q.transpose(-1, -2)) * scale + causal_mask(T, start_pos).transpose(-1, -2)  # (B, H, S, T)
   # the probabilities a buffer of their own: a plain product by v, not a softmax recomputed per tile of v's columns
-  return mm(s.softmax(-1).cast(dt).contiguous(), v).transpose(1, 2).reshape(B, T, H * v.shape[-1])
+  return mm(_softmax_keys(s, dt).transpose(-1, -2), v).transpose(1, 2).reshape(B, T, H * v.shape[-1])
+
+
+def _softmax_keys(s: Tensor, dt: DType) -> Tensor:
+  """The softmax of the scores s (B, H, S, T) over their keys, in dt, a buffer of its own. The keys in the rows, the
+  queries along them: adjacent threads read adjacent scores. Each reduction over the keys in two steps, per block of
+  up to 128 keys then over the blocks, which spreads it over the GPU where one reduction per query would give too few
+  threads (B * H * T) to load the memory."""
+  B, H, S, T = s.shape
+  block = next((b for b in (128, 64, 32, 16, 8) if (S % b == 0 if isinstance(S, int) else S.divides(b) is not None)), S)
+  sb = s.reshape(B, H, S // block, block, T)
+  m = sb.max(3, keepdim=True).contiguous().max(2, keepdim=True).contiguous()
+  e = (sb - m).exp()
+  z = e.sum(3, keepdim=True).contiguous().sum(2, keepdim=True).contiguous()
+  return (e / z).cast(dt).reshape(B, H, S, T).contiguous()

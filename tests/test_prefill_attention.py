@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from knobcheck import mix_info
 from reference import reference_logits
-from tinygrad import Tensor
+from tinygrad import Tensor, dtypes
 
 import evaluator.gate as gate
 import model.prefill as prefill
@@ -142,7 +142,7 @@ def test_decompressed_attention_multiplies_on_the_tensor_cores() -> None:
   over a key count tinygrad knows to be a multiple of the chunk, which it renders on CUDA's tensor cores: a score as
   two reductions (nope and rope) or a free position would leave them on the plain cores."""
   from test_portable import kernels, render_source, renderer
-  from tinygrad import UOp, dtypes
+  from tinygrad import UOp
   from tinygrad.codegen.opt import tc
   chunk, h, nope, rope, kvl, v = 32, 2, 32, 16, 64, 32
   rng = np.random.default_rng(2)
@@ -155,3 +155,15 @@ def test_decompressed_attention_multiplies_on_the_tensor_cores() -> None:
   ren = renderer("CUDA")
   ren.tensor_cores = tc.get_cuda("sm_90")
   assert sum("__WMMA" in render_source(k, ren) for k in kernels(out)) == 4
+
+
+@pytest.mark.parametrize("keys", [9, 48, 384])
+def test_the_softmax_over_the_keys_in_blocks(keys: int) -> None:
+  """The probabilities over the keys (the rows) of scores (B, H, S, T), as the reductions in blocks of keys give them
+  (S a multiple of 8, 128 or neither), masked keys included: numpy's softmax."""
+  rng = np.random.default_rng(keys)
+  s = rng.standard_normal((1, 2, keys, 5)).astype(np.float32) * 4
+  s[0, :, -3:, 1] = -np.inf
+  want = np.exp(s - s.max(2, keepdims=True))
+  got = prefill._softmax_keys(Tensor(s), dtypes.float32).numpy()
+  np.testing.assert_allclose(got, want / want.sum(2, keepdims=True), rtol=1e-5, atol=1e-7)

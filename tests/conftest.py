@@ -13,6 +13,11 @@ import pytest
 # which trials keep): a check of tinygrad, not of this project, that costs a sixth of the CPU time of the tests' model
 # builds; off for this process and the trial processes it starts
 os.environ.setdefault("SPEC", "0")
+# tinygrad lowers the kernels a realize needs in a pool of processes (PARALLEL, one per core): with two test workers
+# on two cores the pool only adds its start and the pickling of every program (an eighth of the wall time of
+# tests/test_space.py and tests/test_evaluator.py); lowered in the process itself here and in the processes it starts
+# (tests/test_programs.py runs the pool)
+os.environ.setdefault("PARALLEL", "0")
 import tinygrad.helpers  # noqa: E402
 from sqlalchemy import create_engine, make_url
 

@@ -117,12 +117,11 @@ def _product(x: Tensor, w: QWeight, tile_expert: Tensor, used: Tensor, cfg: Stru
   (N, tile, _), dt = x.shape, dtype(cfg)
   if cfg.prefill_weights == "copied":
     return x.matmul(dequant(w, dt, tile_expert).transpose(-1, -2), dtype=dtypes.float32)
-  # every expert, plus a zero read from the layer's routing (used >= 1, so min(used, 0) is 0): the dequantisation runs
-  # after the routing, and its buffer is reused from layer to layer instead of every layer's living from the graph's
-  # start, as weight-only kernels would be scheduled (GLM-4.7-Flash: 2.4 GB a layer). A value, not an index: a gather
-  # by a tensor would first copy every expert's quantised words. The index expanded over the tile's rows before the
-  # gather: tinygrad then reads the weights inside the product instead of copying each tile's matrix out first
-  every = (w.to_float().cast(dt) + used.minimum(0).cast(dt)).contiguous()
+  # every expert, by the weight's backend, after the layer's routing: its buffer is reused from layer to layer instead
+  # of every layer's living from the graph's start, as weight-only kernels would be scheduled (GLM-4.7-Flash: 2.4 GB a
+  # layer). The index expanded over the tile's rows before the gather: tinygrad then reads the weights inside the
+  # product instead of copying each tile's matrix out first
+  every = K.get(w.backend).dequantised(w, dt, used)
   wt = every[tile_expert.reshape(N, 1).expand(N, tile)]  # (N, tile, out, in)
   return (x.unsqueeze(-2) * wt).sum(-1, dtype=dtypes.float32)
 

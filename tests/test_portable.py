@@ -26,6 +26,7 @@ from model.backends import catalog
 from model.deepseek2 import Block
 from model.stages import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, SQRT_SOFTPLUS
 from model.structure import DSL_ROWS
+from model.weights import QWeight
 
 RENDERERS = {"CUDA": (CUDARenderer, Target("CUDA", "CUDA", "sm_90")),
              "METAL": (MetalRenderer, Target("METAL", "METAL", "Apple9")),
@@ -97,11 +98,30 @@ def test_every_portable_kernel_renders_for_cuda_metal_and_amd(quant: str, every:
       assert shared in src, f"{a.arg.name} on {kind}: no workgroup reduction"
 
 
+@pytest.mark.parametrize("quant", sorted(catalog.get("dsl").quants))
+def test_dequantised_weights_are_their_values_and_written_as_vectors(quant: str, monkeypatch) -> None:
+  """The prompt's every-expert dequantisation (dsl.dequantised, prefill_weights=indexed): on the CPU the weights'
+  values, in float32 and float16 (after a tensor whose value adds nothing); with workgroups it renders for CUDA, METAL
+  and AMD, and on CUDA a thread's scale group of a quantised type is stored in vectors of four halves."""
+  rng, t = np.random.default_rng(TYPES[quant]), TYPES[quant]
+  ref = random_weight(rng, t, (3, 8, 512))
+  port, after = dsl.to_words(QWeight(dict(ref.planes), t, ref.shape, backend="dsl")), Tensor([3], dtype=dtypes.int32)
+  want = ref.to_float().numpy()
+  np.testing.assert_allclose(dsl.dequantised(port, dtypes.float32, after).numpy(), want, rtol=1e-6, atol=0)
+  np.testing.assert_array_equal(dsl.dequantised(port, dtypes.float16, after).numpy(), want.astype(np.float16))
+  monkeypatch.setattr(dsl, "_local", lambda device: True)
+  (ast,) = kernels(dsl.dequantised(port, dtypes.float16, after))
+  for kind in RENDERERS:
+    src = render_source(ast, renderer(kind))
+    assert f"dsl_dequant_{quant.lower()}" in src
+    if kind == "CUDA" and quant not in ("F32", "F16", "BF16"): assert "*((half4*)" in src, src
+
+
 EMULATED = """
 import sys
 sys.path[:0] = ["tests", "."]
 import numpy as np
-from tinygrad import Device, Tensor
+from tinygrad import Device, Tensor, dtypes
 from products import TYPES, random_weight, rel_err
 import model.backends.dsl as dsl
 from model.backends import catalog
@@ -138,6 +158,8 @@ for quant in sys.argv[1:]:
   got = dsl._glu(xg, (gamma, 1e-5), (None, None, merged), DSL_ROWS["gate_up"].default if quant in ("Q4_0", "Q8_0")
                  else 1, sel)
   print(quant, "glu", rel_err(got, g.silu() * u))
+  after = Tensor([2], dtype=dtypes.int32)
+  print(quant, "dequant", rel_err(dsl.dequantised(port, dtypes.float32, after), ref.to_float()))
 """
 
 
@@ -148,13 +170,14 @@ def test_portable_kernels_compute_the_reference_under_the_metal_emulator(quants:
   """tinygrad's Python emulator with Metal's features (workgroups, shared memory): the experts' product, SiLU(gate) * up
   of merged gate+up weights (one kernel) with the norm folded in and down over the selected experts equal the tensor
   backend's, for the types of the seed files (Q4_0, Q8_0) and K-quants, with rows of 16 and of 44 blocks, and gate+up at
-  its default 4 rows per thread for the seed files' types."""
+  its default 4 rows per thread for the seed files' types; the weights' values (the prompt's dequantisation) equal
+  theirs."""
   env = {**os.environ, "DEV": "PYTHON::METAL"}
   out = subprocess.run([sys.executable, "-c", EMULATED, *quants], env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   errs = {tuple(line.split()[:2]): float(line.split()[2]) for line in out.stdout.splitlines()}
   wide = {(q, "down44") for q in quants if q in ("Q4_0", "Q8_0")}
-  assert set(errs) == {(q, k) for q in quants for k in ("expert", "down", "glu")} | wide
+  assert set(errs) == {(q, k) for q in quants for k in ("expert", "down", "glu", "dequant")} | wide
   assert all(e < 1e-5 for e in errs.values()), errs
 
 

@@ -125,8 +125,8 @@ def test_a_trial_checks_its_prefill(tiny) -> None:
 
 
 def test_indexed_weights_are_read_in_place_and_multiplied_on_the_tensor_cores(gguf_file) -> None:
-  """The portable prompt config (dsl's word planes, indexed weights in float16): every expert dequantised once by a
-  kernel that reads the quantised words where they lie (a gather by a tensor would first copy them: a kernel writing
+  """The portable prompt config (dsl's word planes, indexed weights in float16): every expert dequantised once by dsl's
+  kernel, which reads the quantised words where they lie (a gather by a tensor would first copy them: a kernel writing
   words), and each product over the chunk's rows (the routed experts' gate+up and down, the shared expert's) renders
   on CUDA's tensor cores: the shared expert's output is a buffer apart from the sum over the slots, which would
   otherwise make one kernel of two reductions."""
@@ -139,10 +139,16 @@ def test_indexed_weights_are_read_in_place_and_multiplied_on_the_tensor_cores(gg
   xn = Tensor(rng.standard_normal((1, T, hp.dim)).astype(np.float32)).realize()
   sel = Tensor(routing(T, hp.n_experts, hp.n_used), dtype=dtypes.int32).realize()
   w = Tensor(rng.random((1, T, hp.n_used)).astype(np.float32)).realize()
-  out = prefill.moe(xn, sel, w, Glu(moe.gate_exps, moe.up_exps, moe.gate_up_exps, moe.down_exps),
-                    Glu(moe.gate_sh, moe.up_sh, moe.gate_up_sh, moe.down_sh), hp.n_experts, cfg)
+  chunk = lambda: prefill.moe(xn, sel, w, Glu(moe.gate_exps, moe.up_exps, moe.gate_up_exps, moe.down_exps),
+                              Glu(moe.gate_sh, moe.up_sh, moe.gate_up_sh, moe.down_sh), hp.n_experts, cfg)
+  out = chunk()
   ren = renderer("CUDA")
   ren.tensor_cores = tc.get_cuda("sm_90")
-  srcs = [render_source(k, ren) for k in kernels(out)]
+  asts = kernels(out)
+  srcs = [render_source(k, ren) for k in asts]
   assert not [s for s in srcs if "(unsigned int* data0" in s or "(uint* data0" in s]
   assert sum("__WMMA" in s for s in srcs) == 4
+  # dsl's kernel dequantises them (model/backends/dsl.py dequant_kernel), and the chunk's outputs are the per-token
+  # path's within float16's rounding
+  assert sum(k.arg.name == "dsl_dequant_q4_0" for k in asts) == 2
+  assert (gate.rel_err(chunk().numpy()[0], moe.experts(xn, sel, w).numpy()[0]) <= 1e-2).all()

@@ -26,6 +26,7 @@ from math import prod
 from typing import TYPE_CHECKING
 
 from tinygrad import Device, Tensor, UOp, dtypes
+from tinygrad.dtype import DType
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops
 
 from model.backends.dsl_attention import (
@@ -328,6 +329,35 @@ def expert_kernel(out: UOp, x: UOp, sel: UOp, *planes: UOp, names: tuple[str, ..
   xk = k if x.shape[1] > 1 else UOp.const(0, dtypes.weakint)  # gate and up share one input for all K slots
   acc = _dot(lambda i: x[m, xk, i], p, ggml_type, _expert_id(sel, n_experts, m, k) * out.shape[2] + o, ids, group)
   return _sink(out[m, k, o].store(acc), (*_ranges(m, k), *rows), "expert", ggml_type)
+
+
+def dequant_kernel(out: UOp, after: UOp, *planes: UOp, names: tuple[str, ...], ggml_type: int, local: bool) -> UOp:
+  """out (R, I) = the values of w's planes (R rows of I), in out's dtype. A thread per scale group of a block (its
+  group on a workgroup's thread, its block and row over the grid) writes the group's elements (UPCAST) to consecutive
+  addresses, which tinygrad stores as vectors. after (1,) int32 is read as a zero (min(after, 0), after >= 0): the
+  kernel waits on it, so a graph runs it where `after` is made instead of with the weight-only kernels at its start."""
+  ids, p, spec = count(), dict(zip(names, planes, strict=True)), _SPECS[ggml_type]
+  grid, group = (AxisType.GLOBAL, AxisType.LOCAL) if local else (AxisType.WEAK, AxisType.LOOP)
+  # a workgroup: up to 64 threads on consecutive blocks of a row (its fastest), each block's groups, then rows to 128
+  groups = prod(spec.outer)
+  lb = _pow2(_blocks(p), 64 // groups) if local else 1
+  lr = _pow2(out.shape[0], max(1, 128 // (lb * groups))) if local else 1
+  b, b_ranges = _split(_blocks(p), ids, (grid, group), (lb,))
+  outer = tuple(UOp.range(n, next(ids), group) for n in spec.outer)
+  r, r_ranges = _split(out.shape[0], ids, (grid, group), (lr,))
+  inner = tuple(UOp.range(n, next(ids), AxisType.UPCAST) for n in spec.inner)
+  off, code = spec.code(p, r, b, *outer, *inner)
+  scale, bias = spec.scale(p, r, b, *outer)
+  v = code if scale is None else scale * code if bias is None else scale * code + bias
+  store = out[r, b * QUANT_TYPES[ggml_type].block + off].store((v + _f(_i(after[0]).minimum(0))).cast(out.dtype))
+  return _sink(store, (*b_ranges, *outer, *r_ranges, *inner), "dequant", ggml_type)
+
+
+def dequantised(w: QWeight, dt: DType, after: Tensor) -> Tensor:
+  """w's values in dt, a buffer of their own (shape w.shape), made after `after` (1,) int32 (dequant_kernel)."""
+  out = Tensor.empty(prod(w.shape[:-1]), w.shape[-1], dtype=dt, device=after.device)
+  fxn = partial(dequant_kernel, names=tuple(w.planes), ggml_type=w.ggml_type, local=_local(after.device))
+  return out.custom_kernel(after, *w.planes.values(), fxn=fxn)[0].reshape(w.shape)
 
 
 def _local(device: str) -> bool:
@@ -720,6 +750,7 @@ class DslBackend(Backend):
   linear = staticmethod(linear)
   per_head = staticmethod(per_head)
   expert = staticmethod(expert)
+  dequantised = staticmethod(dequantised)
 
   def attach(self, w: QWeight, device: str | None) -> QWeight: return to_words(super().attach(w, device))
 

@@ -15,6 +15,8 @@ from model.backends import catalog
 from model.errors import ConfigError
 
 if TYPE_CHECKING:
+  from tinygrad.dtype import DType
+
   from model.stages import AttentionStage, FfnStage, MoeStage, RouterStage
   from model.weights import QWeight
 
@@ -103,6 +105,13 @@ class Backend(abc.ABC):
   def norm_linear(self, x: Tensor, gamma: Tensor, eps: float, w: QWeight) -> Tensor:
     """linear(rms_norm(x, gamma, eps), w): the final norm folded into the output head."""
     raise self._lacks("norm_linear")
+
+  def dequantised(self, w: QWeight, dt: DType, after: Tensor) -> Tensor:
+    """w's values in dt, a buffer of their own (shape w.shape), made after `after` (1,) int32, whose value (>= 0) adds
+    min(after, 0), a zero: the prompt's every-expert weights (model/prefill.py, prefill_weights=indexed), which a graph
+    then makes in the layer that reads them and not with the weight-only kernels at its start, each layer's buffer
+    reused by the next."""
+    return (w.to_float().cast(dt) + after.minimum(0).cast(dt)).contiguous()
 
   def grouped(self, x: Tensor, w: QWeight, tile_expert: Tensor | None, used: Tensor | None) -> Tensor:
     """The prompt's product in tiles (model/prefill.py, prefill_weights=quantised): x (N, tile, in) float16, each tile's

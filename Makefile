@@ -32,6 +32,6 @@ test: lint  # a crashed worker ends the run with its test named (xdist's file sc
 # files against llama.cpp (about 15 CPU minutes, 10 GB), the GLM-width F16 and Q8_0 knob proofs (F16: a 2.7 GB file;
 # Q8_0's weights are in the Q4_K_M proof too), the tiny Q4_K_M file decoded with every type on dsl at once (each type's
 # dsl backend is proved alone), the K-quants' portable kernels rendered for every target, Q8_0 and Q6_K in the Metal
-# emulator
+# emulator, native's 8-bit attention input on the all-Q8_0 file (the Q4_K_M mix's attention reads Q8_0 too)
 test-slow: setup
 	$(BIN)/pytest -q -m slow

@@ -573,7 +573,9 @@ def test_the_head_folds_the_final_norm(quant: str, rows: int, form: str) -> None
   assert err < (1e-3 if form == "x16" else 1e-5), err
 
 
-@pytest.mark.parametrize("mix", ["q4_0", "q8_0", "q4_k_m"])
+# the tiny Q4_K_M mix's attention reads Q5_K (q_a, kv_a) and Q8_0 (q_b, the output): the all-Q8_0 file adds no type
+# to the default suite, only to make test-slow
+@pytest.mark.parametrize("mix", ["q4_0", pytest.param("q8_0", marks=pytest.mark.slow), "q4_k_m"])
 def test_q8_attention_input_in_the_cpu_emulator(gguf_file, monkeypatch, mix: str) -> None:
   """attn_act=q8: the fused attention's dense products (q_a and kv_a with the norm, q_b with q_a's norm, the output
   projection with the residual) stage their input in 8 bits in blocks of Q8_WARPS warps and dot it in integers. The

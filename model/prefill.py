@@ -41,8 +41,9 @@ def dtype(cfg: StructureConfig) -> DType: return dtypes.float16 if cfg.prefill_d
 
 
 def dequant(w: QWeight, dt: DType, idx: Tensor | None = None) -> Tensor:
-  """w's values in dt, a buffer of their own (contiguous): all of them, or the matrices of the leading indices idx."""
-  if idx is None: return w.to_float().cast(dt).contiguous()
+  """w's values in dt, a buffer of their own (contiguous): all of them, by w's backend, or the matrices of the leading
+  indices idx."""
+  if idx is None: return K.get(w.backend).dequantised(w, dt)
   if w.cache is not None: return w.cache[idx].cast(dt).contiguous()
   return to_float(w.view(w.shape, idx), w.ggml_type, (*idx.shape, *w.shape[1:])).cast(dt).contiguous()
 

@@ -100,8 +100,9 @@ def test_every_portable_kernel_renders_for_cuda_metal_and_amd(quant: str, every:
 
 @pytest.mark.parametrize("quant", sorted(catalog.get("dsl").quants))
 def test_dequantised_weights_are_their_values_and_written_as_vectors(quant: str, monkeypatch) -> None:
-  """The prompt's every-expert dequantisation (dsl.dequantised, prefill_weights=indexed): on the CPU the weights'
-  values, in float32 and float16 (after a tensor whose value adds nothing); with workgroups it renders for CUDA, METAL
+  """The prompt's dequantisation (dsl.dequantised: the every-expert weights of prefill_weights=indexed, after a tensor
+  whose value adds nothing, and the dense weights, without): on the CPU the weights' values, in float32 and float16;
+  with workgroups it renders for CUDA, METAL
   and AMD, and on CUDA a thread's scale group of a quantised type is stored in vectors of four halves."""
   rng, t = np.random.default_rng(TYPES[quant]), TYPES[quant]
   ref = random_weight(rng, t, (3, 8, 512))
@@ -109,6 +110,7 @@ def test_dequantised_weights_are_their_values_and_written_as_vectors(quant: str,
   want = ref.to_float().numpy()
   np.testing.assert_allclose(dsl.dequantised(port, dtypes.float32, after).numpy(), want, rtol=1e-6, atol=0)
   np.testing.assert_array_equal(dsl.dequantised(port, dtypes.float16, after).numpy(), want.astype(np.float16))
+  np.testing.assert_array_equal(dsl.dequantised(port, dtypes.float16).numpy(), want.astype(np.float16))  # no wait
   monkeypatch.setattr(dsl, "_local", lambda device: True)
   (ast,) = kernels(dsl.dequantised(port, dtypes.float16, after))
   for kind in RENDERERS:

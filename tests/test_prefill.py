@@ -148,7 +148,7 @@ def test_indexed_weights_are_read_in_place_and_multiplied_on_the_tensor_cores(gg
   srcs = [render_source(k, ren) for k in asts]
   assert not [s for s in srcs if "(unsigned int* data0" in s or "(uint* data0" in s]
   assert sum("__WMMA" in s for s in srcs) == 4
-  # dsl's kernel dequantises them (model/backends/dsl.py dequant_kernel), and the chunk's outputs are the per-token
-  # path's within float16's rounding
-  assert sum(k.arg.name == "dsl_dequant_q4_0" for k in asts) == 2
+  # dsl's kernel dequantises them (model/backends/dsl.py dequant_kernel), the routed experts' and the shared expert's
+  # gate+up and down, and the chunk's outputs are the per-token path's within float16's rounding
+  assert sum(k.arg.name == "dsl_dequant_q4_0" for k in asts) == 4
   assert (gate.rel_err(chunk().numpy()[0], moe.experts(xn, sel, w).numpy()[0]) <= 1e-2).all()

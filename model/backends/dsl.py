@@ -331,11 +331,13 @@ def expert_kernel(out: UOp, x: UOp, sel: UOp, *planes: UOp, names: tuple[str, ..
   return _sink(out[m, k, o].store(acc), (*_ranges(m, k), *rows), "expert", ggml_type)
 
 
-def dequant_kernel(out: UOp, after: UOp, *planes: UOp, names: tuple[str, ...], ggml_type: int, local: bool) -> UOp:
+def dequant_kernel(out: UOp, *srcs: UOp, names: tuple[str, ...], ggml_type: int, waits: bool, local: bool) -> UOp:
   """out (R, I) = the values of w's planes (R rows of I), in out's dtype. A thread per scale group of a block (its
   group on a workgroup's thread, its block and row over the grid) writes the group's elements (UPCAST) to consecutive
-  addresses, which tinygrad stores as vectors. after (1,) int32 is read as a zero (min(after, 0), after >= 0): the
-  kernel waits on it, so a graph runs it where `after` is made instead of with the weight-only kernels at its start."""
+  addresses, which tinygrad stores as vectors. waits: the first source, after (1,) int32, is read as a zero (min(after,
+  0), after >= 0), so a graph runs the kernel where `after` is made instead of with the weight-only kernels at its
+  start."""
+  after, planes = (srcs[0], srcs[1:]) if waits else (None, srcs)
   ids, p, spec = count(), dict(zip(names, planes, strict=True)), _SPECS[ggml_type]
   grid, group = (AxisType.GLOBAL, AxisType.LOCAL) if local else (AxisType.WEAK, AxisType.LOOP)
   # a workgroup: up to 64 threads on consecutive blocks of a row (its fastest), each block's groups, then rows to 128
@@ -349,15 +351,20 @@ def dequant_kernel(out: UOp, after: UOp, *planes: UOp, names: tuple[str, ...], g
   off, code = spec.code(p, r, b, *outer, *inner)
   scale, bias = spec.scale(p, r, b, *outer)
   v = code if scale is None else scale * code if bias is None else scale * code + bias
-  store = out[r, b * QUANT_TYPES[ggml_type].block + off].store((v + _f(_i(after[0]).minimum(0))).cast(out.dtype))
+  if after is not None: v = v + _f(_i(after[0]).minimum(0))
+  store = out[r, b * QUANT_TYPES[ggml_type].block + off].store(v.cast(out.dtype))
   return _sink(store, (*b_ranges, *outer, *r_ranges, *inner), "dequant", ggml_type)
 
 
-def dequantised(w: QWeight, dt: DType, after: Tensor) -> Tensor:
-  """w's values in dt, a buffer of their own (shape w.shape), made after `after` (1,) int32 (dequant_kernel)."""
-  out = Tensor.empty(prod(w.shape[:-1]), w.shape[-1], dtype=dt, device=after.device)
-  fxn = partial(dequant_kernel, names=tuple(w.planes), ggml_type=w.ggml_type, local=_local(after.device))
-  return out.custom_kernel(after, *w.planes.values(), fxn=fxn)[0].reshape(w.shape)
+def dequantised(w: QWeight, dt: DType, after: Tensor | None = None) -> Tensor:
+  """w's values in dt, a buffer of their own (shape w.shape), made after `after` (1,) int32 where given
+  (dequant_kernel)."""
+  planes = list(w.planes.values())
+  device = planes[0].device
+  out = Tensor.empty(prod(w.shape[:-1]), w.shape[-1], dtype=dt, device=device)
+  fxn = partial(dequant_kernel, names=tuple(w.planes), ggml_type=w.ggml_type, waits=after is not None,
+                local=_local(device))
+  return out.custom_kernel(*([] if after is None else [after]), *planes, fxn=fxn)[0].reshape(w.shape)
 
 
 def _local(device: str) -> bool:

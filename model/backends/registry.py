@@ -106,12 +106,13 @@ class Backend(abc.ABC):
     """linear(rms_norm(x, gamma, eps), w): the final norm folded into the output head."""
     raise self._lacks("norm_linear")
 
-  def dequantised(self, w: QWeight, dt: DType, after: Tensor) -> Tensor:
-    """w's values in dt, a buffer of their own (shape w.shape), made after `after` (1,) int32, whose value (>= 0) adds
-    min(after, 0), a zero: the prompt's every-expert weights (model/prefill.py, prefill_weights=indexed), which a graph
-    then makes in the layer that reads them and not with the weight-only kernels at its start, each layer's buffer
-    reused by the next."""
-    return (w.to_float().cast(dt) + after.minimum(0).cast(dt)).contiguous()
+  def dequantised(self, w: QWeight, dt: DType, after: Tensor | None = None) -> Tensor:
+    """w's values in dt, a buffer of their own (shape w.shape): the prompt's weights (model/prefill.py). With `after`
+    (1,) int32, whose value (>= 0) adds min(after, 0), a zero, they are made after it: the every-expert weights
+    (prefill_weights=indexed) after the layer's routing, so that a graph makes them in the layer that reads them and
+    not with the weight-only kernels at its start, each layer's buffer reused by the next."""
+    v = w.to_float().cast(dt)
+    return (v if after is None else v + after.minimum(0).cast(dt)).contiguous()
 
   def grouped(self, x: Tensor, w: QWeight, tile_expert: Tensor | None, used: Tensor | None) -> Tensor:
     """The prompt's product in tiles (model/prefill.py, prefill_weights=quantised): x (N, tile, in) float16, each tile's

@@ -102,8 +102,8 @@ def test_every_portable_kernel_renders_for_cuda_metal_and_amd(quant: str, every:
 def test_dequantised_weights_are_their_values_and_written_as_vectors(quant: str, monkeypatch) -> None:
   """The prompt's dequantisation (dsl.dequantised: the every-expert weights of prefill_weights=indexed, after a tensor
   whose value adds nothing, and the dense weights, without): on the CPU the weights' values, in float32 and float16;
-  with workgroups it renders for CUDA, METAL
-  and AMD, and on CUDA a thread's scale group of a quantised type is stored in vectors of four halves."""
+  with workgroups it renders for CUDA, METAL and AMD, and on CUDA a thread's scale group of a quantised type is stored
+  in vectors of four halves."""
   rng, t = np.random.default_rng(TYPES[quant]), TYPES[quant]
   ref = random_weight(rng, t, (3, 8, 512))
   port, after = dsl.to_words(QWeight(dict(ref.planes), t, ref.shape, backend="dsl")), Tensor([3], dtype=dtypes.int32)

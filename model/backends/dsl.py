@@ -331,13 +331,13 @@ def expert_kernel(out: UOp, x: UOp, sel: UOp, *planes: UOp, names: tuple[str, ..
   return _sink(out[m, k, o].store(acc), (*_ranges(m, k), *rows), "expert", ggml_type)
 
 
-def dequant_kernel(out: UOp, *srcs: UOp, names: tuple[str, ...], ggml_type: int, waits: bool, local: bool) -> UOp:
+def dequant_kernel(out: UOp, *srcs: UOp, names: tuple[str, ...], ggml_type: int, local: bool) -> UOp:
   """out (R, I) = the values of w's planes (R rows of I), in out's dtype. A thread per scale group of a block (its
   group on a workgroup's thread, its block and row over the grid) writes the group's elements (UPCAST) to consecutive
-  addresses, which tinygrad stores as vectors. waits: the first source, after (1,) int32, is read as a zero (min(after,
-  0), after >= 0), so a graph runs the kernel where `after` is made instead of with the weight-only kernels at its
-  start."""
-  after, planes = (srcs[0], srcs[1:]) if waits else (None, srcs)
+  addresses, which tinygrad stores as vectors. srcs: the planes, after a tensor (1,) int32 where one comes first (more
+  sources than names), which is read as a zero (min(after, 0), after >= 0), so a graph runs the kernel where `after`
+  is made instead of with the weight-only kernels at its start."""
+  after, planes = (srcs[0], srcs[1:]) if len(srcs) > len(names) else (None, srcs)
   ids, p, spec = count(), dict(zip(names, planes, strict=True)), _SPECS[ggml_type]
   grid, group = (AxisType.GLOBAL, AxisType.LOCAL) if local else (AxisType.WEAK, AxisType.LOOP)
   # a workgroup: up to 64 threads on consecutive blocks of a row (its fastest), each block's groups, then rows to 128
@@ -362,8 +362,7 @@ def dequantised(w: QWeight, dt: DType, after: Tensor | None = None) -> Tensor:
   planes = list(w.planes.values())
   device = planes[0].device
   out = Tensor.empty(prod(w.shape[:-1]), w.shape[-1], dtype=dt, device=device)
-  fxn = partial(dequant_kernel, names=tuple(w.planes), ggml_type=w.ggml_type, waits=after is not None,
-                local=_local(device))
+  fxn = partial(dequant_kernel, names=tuple(w.planes), ggml_type=w.ggml_type, local=_local(device))
   return out.custom_kernel(*([] if after is None else [after]), *planes, fxn=fxn)[0].reshape(w.shape)
 
 
